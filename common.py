@@ -1,0 +1,695 @@
+"""Shared helpers for the four Text2Grad stages: records, feedback parsing, span <-> token alignment.
+
+Every stage imports this file and nothing else from the project. It imports neither torch nor transformers at module
+level, so parsing and alignment work without them (functions that need them import lazily).
+
+Record schema (one JSON object per line; each stage adds its own fields and passes the rest along)
+------------------------------------------------------------------------------------------------
+    id           str    stable key; resumable stages skip ids already present in their output
+    prompt       str    the task input the policy sees (post, question, instruction)
+    response     str    the policy's answer being critiqued
+    critique     str    the critic's natural-language feedback c                         (01_annotate.py)
+    good_spans   [str]  quotes from `response` the critique praises  (delta = +1)       (01_annotate.py)
+    poor_spans   [str]  quotes from `response` the critique faults   (delta = -1)       (01_annotate.py)
+    status       str    "ok" | "failed"; a failed record also has `reason`              (01_annotate.py)
+    unmatched_spans [str]  quotes the critic gave that are not in `response` (dropped)  (01_annotate.py)
+    reference    str    optional gold answer (SFT target, ROUGE reference)
+    test         str    optional pytest-style unit tests (code task)
+
+Reward-model format (02_train_reward.py trains it, 03_train_policy.py and 04_evaluate.py prompt it):
+    input  = build_rm_prompt(tokenizer, prompt, response)
+    target = format_rm_target(critique, good_spans, poor_spans) + EOS       # z = [c ; A(y)], paper Sec. 3.4
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import tempfile
+import unicodedata
+from contextlib import contextmanager
+from pathlib import Path
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Records and files
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class DataError(ValueError):
+    """Bad user input. Its message is one line naming the file, line and field; scripts print it and exit 2."""
+
+
+def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
+    """All records of a JSONL file; blank lines are skipped. Raises DataError('file:line: reason')."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            for field in required:
+                if field not in rec:
+                    raise DataError(f"{path}:{lineno}: missing field '{field}'")
+                if not isinstance(rec[field], str):
+                    raise DataError(f"{path}:{lineno}: field '{field}' must be a string")
+            records.append(rec)
+    return records
+
+
+def open_resumable_jsonl(path) -> set[str]:
+    """Prepare an append-only JSONL output for resuming; returns the ids it already holds.
+
+    A torn last line (a crash mid-write) is cut off, so a rerun redoes that record instead of keeping half of it.
+    """
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return set()
+    done, good_bytes = set(), 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                if not raw.endswith(b"\n"):
+                    raise ValueError("torn line")
+                rec = json.loads(raw)
+                done.add(str(rec["id"]))
+            except (ValueError, KeyError, TypeError):
+                break  # everything from the first broken line on is redone
+            good_bytes += len(raw)
+    if good_bytes != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    return done
+
+
+def append_jsonl(f, record: dict) -> None:
+    """Append one record to an open text file and flush it, so a kill loses at most the line being written."""
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    f.flush()
+
+
+@contextmanager
+def atomic_open(path, mode: str = "w"):
+    """Write to a temp file next to `path`, then rename: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json(path, obj) -> None:
+    with atomic_open(path) as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_jsonl(path, records) -> None:
+    with atomic_open(path) as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Feedback parsing: raw critic text -> {"critique", "good_spans", "poor_spans"}
+# ----------------------------------------------------------------------------------------------------------------------
+
+_GOOD_KEYS = {"good_spans", "positive_spans"}
+_POOR_KEYS = {"poor_spans", "negative_spans", "bad_spans"}
+_CRITIQUE_KEYS = ("critique", "textual_feedback", "feedback", "code_feedback")
+
+
+def _norm_key(key) -> str:
+    return re.sub(r"[\s\-]+", "_", str(key).strip().lower())
+
+
+def _is_feedback(obj) -> bool:
+    return isinstance(obj, dict) and any(_norm_key(k) in _GOOD_KEYS | _POOR_KEYS | set(_CRITIQUE_KEYS) for k in obj)
+
+
+def _find_feedback(obj):
+    """`obj` itself if it holds span lists or a critique, else the last nested dict that does."""
+    if _is_feedback(obj):
+        return obj
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
+    found = None
+    for child in children:
+        found = _find_feedback(child) or found
+    return found
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the '}' closing the '{' at `start` (string-aware), or -1."""
+    depth, quote, escaped = 0, None, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _decode_object(text: str, start: int):
+    """(object, end) for the JSON-ish object at `start`, or (None, start + 1). Lenient about LLM habits."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, start)
+        return obj, end
+    except (ValueError, RecursionError):
+        pass
+    end = _balanced_end(text, start)
+    if end < 0:
+        return None, start + 1
+    chunk = re.sub(r",\s*([}\]])", r"\1", text[start:end])  # trailing commas
+    for loads in (json.loads, ast.literal_eval):  # literal_eval: single quotes, True/None (never executes code)
+        try:
+            return loads(chunk), end
+        except Exception:  # noqa: BLE001 - any failure just means "not this parser"
+            pass
+    return None, start + 1
+
+
+def _as_str_list(value) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, str)]
+    return []
+
+
+def parse_feedback(text: str) -> dict:
+    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}; ValueError if no JSON object.
+
+    The JSON may be fenced, follow chain-of-thought, or precede chatter. Of several objects, the last one holding a
+    span list or a critique wins. Without a critique key, the prose before the JSON is the critique.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"critic output must be a string, got {type(text).__name__}")
+    chosen, chosen_start, any_obj, pos = None, 0, None, 0
+    while (start := text.find("{", pos)) >= 0:
+        obj, end = _decode_object(text, start)
+        if obj is None:
+            pos = end
+            continue
+        if isinstance(obj, dict):
+            any_obj = any_obj or (obj, start)
+            feedback = _find_feedback(obj)
+            if feedback is not None:
+                chosen, chosen_start = feedback, start
+        pos = end
+    if chosen is None:
+        if any_obj is None:
+            raise ValueError("no JSON object found in critic output")
+        chosen, chosen_start = any_obj
+    fields = {_norm_key(k): v for k, v in chosen.items()}
+    good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
+    poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
+    critique = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
+    if critique is None:  # prose before the JSON, minus an opening code fence
+        critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
+    elif not isinstance(critique, str):
+        critique = json.dumps(critique, ensure_ascii=False)
+    return {"critique": critique.strip(), "good_spans": _as_str_list(good), "poor_spans": _as_str_list(poor)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Span <-> token alignment by character intervals (paper Sec. 3.3 and App. L)
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CHAR_MAP = {"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'",
+             "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"', "\u00ab": '"', "\u00bb": '"',
+             "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2015": "-", "\u2212": "-"}
+_WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
+_TRAIL_PUNCT = ".,;:!?"
+
+
+def _normalize(s: str) -> tuple[str, list[int]]:
+    """Case-fold, straighten quotes/dashes, collapse whitespace runs. Returns (normalized, index of source char)."""
+    out, src, prev_space = [], [], False
+    for i, ch in enumerate(s):
+        if ch.isspace():
+            if not prev_space:
+                out.append(" ")
+                src.append(i)
+            prev_space = True
+            continue
+        prev_space = False
+        for c in _CHAR_MAP.get(ch, ch).lower():  # lower() may yield 2 chars ("İ"); both map to source char i
+            out.append(c)
+            src.append(i)
+    return "".join(out), src
+
+
+def _quote_variants(span: str):
+    """The span, then the span with the critic's wrapping removed: quotes, ellipses, trailing punctuation."""
+    s, _ = _normalize(span)
+    s = s.strip()
+    yield s
+    for _ in range(3):  # peel at most a few layers, e.g.  "...the dog."  ->  the dog
+        s = s.strip(_WRAP_CHARS)
+        s = re.sub(r"^(?:\.\.\.|\u2026)\s*", "", s)
+        s = re.sub(r"\s*(?:\.\.\.|\u2026)$", "", s)
+        s = s.rstrip(_TRAIL_PUNCT).strip(_WRAP_CHARS)
+        yield s
+
+
+def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
+    """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None.
+
+    Exact match first; then tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing
+    punctuation the critic wrapped around the quote. Never matches text that differs in any other respect.
+    """
+    if not span or not span.strip():
+        return None
+    i = text.find(span, start)
+    if i >= 0:
+        return i, i + len(span)
+    norm_text, src = _normalize(text)
+    norm_start = next((k for k, j in enumerate(src) if j >= start), len(src))
+    for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
+        if not variant:
+            return None
+        k = norm_text.find(variant, norm_start)
+        if k >= 0:
+            return src[k], src[k + len(variant) - 1] + 1
+    return None
+
+
+def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
+    """Character intervals of the quoted spans, claiming occurrences in order (good first, then poor).
+
+    Each quote takes the earliest occurrence not already claimed by an identical earlier quote, so a word quoted once
+    as good and once as poor labels its first occurrence good and its second poor.
+    Returns (good_intervals, poor_intervals, unmatched_quotes); empty or whitespace-only quotes are ignored.
+    """
+    claimed: dict[str, set[tuple[int, int]]] = {}
+    located, unmatched = {"good": [], "poor": []}, []
+    for label, spans in (("good", good_spans), ("poor", poor_spans)):
+        for span in spans:
+            if not isinstance(span, str) or not span.strip():
+                continue
+            taken = claimed.setdefault(span.strip(), set())
+            pos, iv = 0, None
+            while (iv := find_span(text, span, pos)) is not None and iv in taken:
+                pos = iv[0] + 1
+            if iv is None:
+                unmatched.append(span)
+                continue
+            taken.add(iv)
+            located[label].append(iv)
+    return located["good"], located["poor"], unmatched
+
+
+def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """Decode generated ids and give each token the character interval it produced in the decoded text.
+
+    Offsets come from incremental decoding of the ids themselves (never from re-tokenizing the text, which can split
+    differently). A token that does not complete a character (part of a multi-byte UTF-8 sequence) or is special gets
+    an empty interval at the current position; the character goes to the token that completes it.
+    """
+    token_ids = [int(t) for t in token_ids]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    prefixes = tokenizer.batch_decode([token_ids[: i + 1] for i in range(len(token_ids))], skip_special_tokens=True)
+    offsets, pos = [], 0
+    for prefix in prefixes:
+        if text.startswith(prefix):
+            end = len(prefix)
+        else:  # an unfinished character (U+FFFD) or a later clean-up changed the tail: keep the agreeing part
+            end = len(os.path.commonprefix([prefix, text]))
+        end = max(end, pos)
+        offsets.append((pos, end))
+        pos = end
+    if offsets and pos < len(text):  # whatever the prefixes never agreed on belongs to the last token
+        offsets[-1] = (offsets[-1][0], len(text))
+    return text, offsets
+
+
+def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
+    """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
+
+    A token takes a span's label when the non-whitespace part of its interval lies inside the span (a whitespace-only
+    token: its whole interval). Tokens straddling a span edge get 0 (App. L); poor overrides good.
+    """
+    good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
+    delta = []
+    for s, e in offsets:
+        piece = text[s:e]
+        if piece.strip():  # trim the whitespace a token carries, e.g. the space of "Ġdog"
+            s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
+        if e <= s:
+            delta.append(0.0)
+            continue
+        inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
+        delta.append(-1.0 if inside(poor_iv) else 1.0 if inside(good_iv) else 0.0)
+    return delta, unmatched
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Reward-model format, shared by training (02) and inference (03, 04) so the two can never drift apart
+# ----------------------------------------------------------------------------------------------------------------------
+
+RM_INSTRUCTION = ("Critique the response to the prompt. First write the critique, then a JSON object with the "
+                  "response's good_spans and poor_spans, each quoted exactly from the response.")
+
+
+def rm_user_message(prompt: str, response: str) -> str:
+    """The reward model's request as one user message (what an OpenAI-compatible server receives)."""
+    return f"{RM_INSTRUCTION}\n\n### Prompt\n{prompt}\n\n### Response\n{response}"
+
+
+def build_rm_prompt(tokenizer, prompt: str, response: str) -> str:
+    """The reward model's input text: the tokenizer's chat template if it has one, else a plain documented fallback:
+    the user message followed by a blank line and "### Critique"."""
+    message = rm_user_message(prompt, response)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                             add_generation_prompt=True)
+    return f"{message}\n\n### Critique\n"
+
+
+def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]) -> str:
+    """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later)."""
+    spans = json.dumps({"good_spans": list(good_spans), "poor_spans": list(poor_spans)}, ensure_ascii=False)
+    return f"{critique.strip()}\n{spans}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models: loading (hub id, local dir, or LoRA adapter dir) and batched left-padded generation
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", adapter: str | None = None):
+    """(model, tokenizer) in eval mode. A directory holding adapter_config.json loads its base model plus the adapter.
+
+    Dropout is switched off in the config (RLHF detail: dropout makes old and new log-probs disagree). A tokenizer
+    without a pad token gets a distinct one, never EOS, so padding can't be confused with a finished response.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(name_or_path)
+    if adapter is None and (path / "adapter_config.json").is_file():
+        adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
+            "base_model_name_or_path"]
+    tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json").is_file()
+                                              else name_or_path)
+    torch_dtype = {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                   "fp16": torch.float16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key):
+            setattr(model.config, key, 0.0)
+    if tokenizer.pad_token is None:
+        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+        model.resize_token_embeddings(len(tokenizer))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if adapter:
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, adapter)
+    return model.to(device).eval(), tokenizer
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids of a prompt; no second BOS when a chat template already put one in the text."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int):
+    """(input_ids, attention_mask) as (B, T) tensors, padded on the left so every row ends where generation starts."""
+    import torch
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, batch_size: int = 32, desc: str | None = None) -> list[list[int]]:
+    """Response token ids for each prompt, cut before the first EOS. Greedy when temperature == 0."""
+    import torch
+    from tqdm.auto import tqdm
+
+    device, out = next(model.parameters()).device, []
+    sample = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {
+        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None, leave=False):
+        ids, mask = left_pad([encode_prompt(tokenizer, p) for p in prompts[i:i + batch_size]],
+                             tokenizer.pad_token_id)
+        with torch.no_grad():
+            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **sample)
+        for row in seqs[:, ids.shape[1]:].tolist():
+            cut = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
+            out.append([t for t in row[:cut] if t != tokenizer.pad_token_id])
+    return out
+
+
+def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,
+                batch_size: int = 32, desc: str | None = None) -> list[str]:
+    """The local reward model's raw critic output for each (prompt, response): batched greedy generation."""
+    inputs = [build_rm_prompt(tokenizer, p, r) for p, r in zip(prompts, responses)]
+    ids = generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The embedded demo task: summarise a short synthetic post; a rule-based critic writes critique + spans
+# ----------------------------------------------------------------------------------------------------------------------
+# A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
+#   "<owner> from <town> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
+# The critic praises correct facts, and faults wrong facts, irrelevant details and repetitions, quoting each exactly.
+
+DEMO_FACTS = {
+    "owner": "tom anna ben lily sam zoe jack emma noah ava liam ella owen ruby finn nora".split(),
+    "town": "york leeds derby bath hull wells ely ripon truro perth".split(),
+    "color": "red blue green black white brown grey yellow".split(),
+    "animal": "dog cat horse rabbit parrot turtle goat hamster duck pony".split(),
+    "pet_name": "rex bella milo coco luna otto pip ziggy bruno daisy".split(),
+    "place": "park beach garden river forest field lake barn".split(),
+    "food": "fish apples carrots seeds bread rice corn berries".split(),
+}
+DEMO_DISTRACTORS = {
+    "day": "monday tuesday wednesday thursday friday saturday sunday".split(),
+    "thing": "hat kite lamp drum bell cup".split(),
+    "adj": "old new loud broken shiny".split(),
+}
+DEMO_SUMMARY = "{owner} from {town} has a {color} {animal} called {pet_name} that likes the {place} and eats {food}."
+_FACT_PATTERNS = [r"(?P<owner>\w+) lives in (?P<town>\w+)\.", r"has an? (?P<color>\w+) (?P<animal>\w+) called "
+                  r"(?P<pet_name>\w+)\.", r"likes the (?P<place>\w+)\.", r"eats (?P<food>\w+)\."]
+_CATEGORY = {w: cat for cat, words in DEMO_FACTS.items() for w in words}
+
+
+def demo_post_facts(prompt: str) -> tuple[dict, set]:
+    """(facts by category, irrelevant words) read off a demo post. Raises ValueError if it is not one."""
+    post = prompt.split("post:", 1)[-1].split("summary:", 1)[0]
+    facts = {}
+    for pattern in _FACT_PATTERNS:
+        m = re.search(pattern, post)
+        if not m:
+            raise ValueError(f"not a demo post (no match for {pattern!r}): {prompt[:60]!r}")
+        facts.update(m.groupdict())
+    fact_words = set(facts.values())
+    irrelevant = {w for w in re.findall(r"\w+", post) if w not in fact_words and
+                  (w in _CATEGORY or any(w in v for v in DEMO_DISTRACTORS.values()))}
+    return facts, irrelevant
+
+
+def _join(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def demo_critic(prompt: str, response: str) -> dict:
+    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
+    facts, irrelevant = demo_post_facts(prompt)
+    words = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\w+", response)]
+    seq = [w for w, _, _ in words]
+    repeated = [False] * len(seq)  # the second copy of an immediately repeated 1-3 word phrase
+    for i in range(len(seq)):
+        for n in (3, 2, 1):
+            if i >= n and seq[i - n:i] == seq[i:i + n]:
+                repeated[i:i + n] = [True] * n
+    labels, notes, seen = [None] * len(words), [], set()
+    for i, w in enumerate(seq):
+        cat = _CATEGORY.get(w)
+        if w in irrelevant:
+            labels[i], note = "poor", f"It adds {w}, which is irrelevant."
+        elif cat and facts[cat] != w:
+            labels[i], note = "poor", f"It says {w} where the post says {facts[cat]}."
+        elif repeated[i] or (cat and cat in seen):
+            labels[i], note = "poor", f"It repeats {w}."
+        elif cat:
+            labels[i], note = "good", None
+            seen.add(cat)
+        else:
+            continue
+        if note and note not in notes:
+            notes.append(note)
+    # Spans: runs of same-polarity words, bridging one unlabelled word ("red dog called rex").
+    spans = {"good": [], "poor": []}
+    for i, lab in enumerate(labels):
+        if lab is None:
+            continue
+        run = spans[lab]
+        if run and run[-1][1] >= i - 2 and all(labels[j] is None for j in range(run[-1][1] + 1, i)):
+            run[-1][1] = i
+        else:
+            run.append([i, i])
+    intervals = {k: [(words[a][1], words[b][2]) for a, b in v] for k, v in spans.items()}
+    good, poor = _unambiguous_quotes(response, intervals["good"], intervals["poor"], words)
+    right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
+    missing = [cat.replace("_", " ") for cat in DEMO_FACTS if cat not in seen]
+    parts = ([f"It gets {_join(right)} right."] if right else ["It states none of the post's facts."]) + notes
+    if missing and right:
+        parts.append(f"It leaves out the {_join(missing)}.")
+    return {"critique": " ".join(parts), "good_spans": good, "poor_spans": poor}
+
+
+def _unambiguous_quotes(text, good_iv, poor_iv, words):
+    """Quote strings that locate_spans resolves to exactly the intended intervals; a quote that would land on an
+    earlier occurrence is widened by a word, right first, until it is unique (or dropped if it cannot be)."""
+    ivs = {"good": list(good_iv), "poor": list(poor_iv)}
+    starts, ends = [s for _, s, _ in words], [e for _, _, e in words]
+    for _ in range(8):
+        quotes = {k: [text[a:b] for a, b in v] for k, v in ivs.items()}
+        got_good, got_poor, _ = locate_spans(text, quotes["good"], quotes["poor"])
+        wrong = [(k, i) for k, got in (("good", got_good), ("poor", got_poor))
+                 for i, iv in enumerate(ivs[k]) if i >= len(got) or got[i] != iv]
+        if not wrong:
+            return quotes["good"], quotes["poor"]
+        k, i = wrong[0]
+        a, b = ivs[k][i]
+        later, earlier = [e for e in ends if e > b], [s for s in starts if s < a]
+        if later or earlier:
+            ivs[k][i] = (a, later[0]) if later else (earlier[-1], b)
+        else:
+            del ivs[k][i]
+    return [], []
+
+
+def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
+    """One demo example: a post (prompt), its ideal summary (reference), and a noisy summary (response) with 0-2
+    local mistakes (a wrong fact, an irrelevant detail, a repetition) at random positions."""
+    facts = {cat: rng.choice(words) for cat, words in DEMO_FACTS.items()}
+    other = rng.choice([n for n in DEMO_FACTS["owner"] if n != facts["owner"]])
+    dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
+    sentences = ["{owner} lives in {town}.", "{owner} has a {color} {animal} called {pet_name}.",
+                 "the {animal} likes the {place}.", "it eats {food}."]
+    extra = rng.sample(["it rained on {day}.", "the {thing} was {adj}.", f"{other} lost a {{thing}}."], rng.randint(1, 2))
+    for s in extra:
+        sentences.insert(rng.randint(1, len(sentences)), s)
+    prompt = "post: " + " ".join(s.format(**facts, **dis) for s in sentences) + "\nsummary:"
+    reference = DEMO_SUMMARY.format(**facts)
+    words = reference[:-1].split()
+    for _ in range(rng.choice([1, 1, 2]) if rng.random() < mistake_rate else 0):
+        kind, slots = rng.choice(["wrong", "irrelevant", "repeat"]), [i for i, w in enumerate(words) if w in _CATEGORY]
+        if kind == "wrong" and slots:
+            i = rng.choice(slots)
+            words[i] = rng.choice([w for w in DEMO_FACTS[_CATEGORY[words[i]]] if w != words[i]])
+        elif kind == "irrelevant":
+            phrase = rng.choice([f"on {dis['day']}", f"and a {dis['adj']} {dis['thing']}", f"with {other}"])
+            words.insert(rng.choice([2, 4, 7, 9, 13, len(words)]), phrase)
+        elif slots:
+            i = rng.choice(slots)
+            words.insert(i + 1, words[i])
+    return {"prompt": prompt, "reference": reference, "response": " " + " ".join(words) + "."}
+
+
+def demo_dataset(split: str, n: int) -> list[dict]:
+    """`n` deterministic demo records of a named split ("pretrain", "annotate", "sft", "train", "eval")."""
+    import random
+    rng = random.Random(f"text2grad-demo-{split}")
+    return [{"id": f"demo-{split}-{i}", **make_demo_example(rng)} for i in range(n)]
+
+
+def build_demo_base(out_dir, pretrain_steps: int = 150, n_texts: int = 3000) -> str:
+    """The demo's stand-in for a pretrained LLM: tokenizer + 1.1M-parameter Llama pretrained on demo posts, summaries
+    and critiques (never on reward-model prompts: learning that mapping is stage 2's job). The tokenizer also sees the
+    reward-model instruction, so its words are single tokens and RM prompts stay short."""
+    texts, pretrain = [], []
+    for ex in demo_dataset("pretrain", n_texts):
+        story = ex["prompt"] + ex["response"]
+        critique = format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
+        pretrain += [story, critique]
+        texts += [story, critique, rm_user_message("", "") + "\n\n### Critique\n"]
+    return build_tiny_base(out_dir, texts, pretrain_texts=pretrain, pretrain_steps=pretrain_steps)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A tiny model built offline: byte-level BPE tokenizer + small Llama (tests and the demo's base model)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_size: int = 128, num_layers: int = 4,
+                    num_heads: int = 4, intermediate_size: int = 512, chat_template: str | None = None,
+                    pretrain_texts: list[str] | None = None, pretrain_steps: int = 0, batch_size: int = 32,
+                    lr: float = 1e-3, seed: int = 0) -> str:
+    """Train a byte-level BPE tokenizer on `texts`, build a small Llama from a config, optionally pretrain it
+    (causal LM on `pretrain_texts`, default `texts`, so it plays the role of a pretrained LLM), and save both to
+    `out_dir` for from_pretrained. Every word of a small regular corpus becomes one token (~600-700 in all)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        tok.chat_template = chat_template
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         intermediate_size=intermediate_size, max_position_embeddings=1024, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(config)
+    if pretrain_steps:
+        from tqdm.auto import tqdm
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        encoded = [tok(t)["input_ids"][:255] + [tok.eos_token_id] for t in (pretrain_texts or texts)]
+        gen = torch.Generator().manual_seed(seed)
+        for _ in tqdm(range(pretrain_steps), desc="pretrain tiny base", leave=False):
+            batch = [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=gen).tolist()]
+            width = max(map(len, batch))
+            ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
+            labels = ids.masked_fill(ids == tok.pad_token_id, -100)
+            loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)

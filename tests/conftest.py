@@ -1,0 +1,123 @@
+"""Shared fixtures: a tiny offline model (byte-level BPE + small Llama) and a real OpenAI-compatible HTTP server."""
+import importlib
+import json
+import random
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import common  # noqa: E402
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+UNICODE_LINES = ["anna’s café serves crème brûlée 🍰 and 寿司!", "naïve résumé — “quoted” text…", "Ünïcödé ÆØÅ ß ça va",
+                 "def add(a, b):\n    return a + b\n", "x = {'k': [1, 2, 3]}  # dict"]
+
+
+def tiny_corpus(n: int = 300, seed: int = 0) -> list[str]:
+    """Demo posts, summaries and critiques plus unicode and code lines: enough for a tokenizer in a second."""
+    rng, texts = random.Random(seed), list(UNICODE_LINES) * 5
+    for _ in range(n):
+        ex = common.make_demo_example(rng)
+        fb = common.demo_critic(ex["prompt"], ex["response"])
+        texts += [ex["prompt"] + ex["response"], common.format_rm_target(**fb)]
+    return texts
+
+
+def build_tiny(out_dir, chat_template=None) -> str:
+    """The test model: vocab from tiny_corpus, hidden 64, 2 layers (builds in ~2 s on a laptop CPU)."""
+    return common.build_tiny_base(out_dir, tiny_corpus(), vocab_size=600, hidden_size=64, num_layers=2, num_heads=4,
+                                  intermediate_size=128, chat_template=chat_template)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """Path of a saved tiny Llama + tokenizer without a chat template (the plain-template path)."""
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory) -> str:
+    """Same as tiny_model_dir, but its tokenizer has a chat template."""
+    return build_tiny(tmp_path_factory.mktemp("tiny_chat"), chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def import_script(name: str):
+    """Import a stage script such as '03_train_policy' (importing must have no side effects)."""
+    return importlib.import_module(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A real OpenAI-compatible server on 127.0.0.1. Tests pass a `reply(request_json, n)` function that returns either
+# the assistant's text, or a (status, body_dict, headers) tuple to inject errors; n counts requests from 1.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class FakeOpenAI:
+    def __init__(self, reply):
+        self.reply, self.requests, self.lock = reply, [], threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with outer.lock:
+                    outer.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
+                    n = len(outer.requests)
+                out = outer.reply(body, n)
+                status, headers = 200, {}
+                if isinstance(out, tuple):
+                    status, payload, headers = out
+                else:
+                    payload = {"id": f"cmpl-{n}", "object": "chat.completion", "created": 0,
+                               "model": body.get("model", "fake"),
+                               "choices": [{"index": 0, "finish_reason": "stop",
+                                            "message": {"role": "assistant", "content": out}}],
+                               "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}}
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake_openai():
+    """Factory: `with fake_openai(reply) as server: ... server.base_url ...`."""
+    return FakeOpenAI
