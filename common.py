@@ -483,6 +483,62 @@ def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Sandbox for model-written code (01 program critic, 03 program critic, 04 pass@1)
+# ----------------------------------------------------------------------------------------------------------------------
+
+_SAFE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")  # an allowlist: nothing secret-looking can leak
+
+
+def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 10.0, memory_mb: int = 1024,
+                  max_output_chars: int = 10_000) -> dict:
+    """Run untrusted code: `files` are written to a fresh temp dir, `command` runs there in its own process group with
+    a wall-clock limit, address-space and CPU rlimits, and an environment holding no secrets; output is truncated.
+    Returns {"returncode", "stdout", "stderr", "timed_out", "duration_s"}; the whole group is killed on timeout."""
+    import resource
+    import signal
+    import subprocess
+    import time
+
+    def limit():  # runs in the child before exec
+        os.setsid()
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        cpu = max(1, int(timeout_s) + 1)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
+
+    with tempfile.TemporaryDirectory(prefix="t2g-sandbox-") as work:
+        for name, text in files.items():
+            Path(work, name).write_text(text, encoding="utf-8")
+        env = {k: os.environ[k] for k in _SAFE_ENV if k in os.environ}
+        env.update(HOME=work, TMPDIR=work, PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
+        start = time.monotonic()
+        proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=limit)
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            timed_out = True
+    cut = lambda b: b.decode("utf-8", "replace")[:max_output_chars]  # noqa: E731
+    return {"returncode": proc.returncode, "stdout": cut(out), "stderr": cut(err), "timed_out": timed_out,
+            "duration_s": time.monotonic() - start}
+
+
+def run_tests_sandboxed(solution: str, test: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> dict:
+    """Run pytest-style `test` (which imports from `solution`) against `solution` in the sandbox.
+    Returns run_sandboxed's dict plus "passed" (bool) and "output" (pytest's report)."""
+    import sys
+    result = run_sandboxed({"solution.py": solution, "test_solution.py": test},
+                           [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "test_solution.py"],
+                           timeout_s=timeout_s, memory_mb=memory_mb)
+    result["passed"] = result["returncode"] == 0 and not result["timed_out"]
+    result["output"] = (result["stdout"] + result["stderr"]).strip()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The embedded demo task: summarise a short synthetic post; a rule-based critic writes critique + spans
 # ----------------------------------------------------------------------------------------------------------------------
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
