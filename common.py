@@ -142,13 +142,17 @@ def _is_feedback(obj) -> bool:
 
 
 def _find_feedback(obj):
-    """`obj` itself if it holds span lists or a critique, else the last nested dict that does."""
-    if _is_feedback(obj):
-        return obj
-    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, list) else ()
-    found = None
-    for child in children:
-        found = _find_feedback(child) or found
+    """`obj` itself if it holds span lists or a critique, else the last nested dict (in text order) that does."""
+    found, stack = None, [obj]
+    while stack:  # iterative pre-order walk: LLM output can nest deeper than Python's recursion limit
+        node = stack.pop()
+        if _is_feedback(node):
+            if node is obj:
+                return obj
+            found = node
+            continue
+        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
+        stack.extend(reversed(children))
     return found
 
 
@@ -267,15 +271,14 @@ def _normalize(s: str) -> tuple[str, list[int]]:
 
 def _quote_variants(span: str):
     """The span, then the span with the critic's wrapping removed: quotes, ellipses, trailing punctuation."""
-    s, _ = _normalize(span)
-    s = s.strip()
+    s = _normalize(span)[0].strip()
     yield s
-    for _ in range(3):  # peel at most a few layers, e.g.  "...the dog."  ->  the dog
-        s = s.strip(_WRAP_CHARS)
-        s = re.sub(r"^(?:\.\.\.|\u2026)\s*", "", s)
-        s = re.sub(r"\s*(?:\.\.\.|\u2026)$", "", s)
-        s = s.rstrip(_TRAIL_PUNCT).strip(_WRAP_CHARS)
-        yield s
+    peels = (lambda x: x.strip(_WRAP_CHARS), lambda x: re.sub(r"^(?:\.\.\.|\u2026)\s*", "", x),
+             lambda x: re.sub(r"\s*(?:\.\.\.|\u2026)$", "", x), lambda x: x.rstrip(_TRAIL_PUNCT).rstrip())
+    for _ in range(3):  # peel one layer at a time, e.g.  "...the dog.",  ->  ...the dog.  ->  the dog.  ->  the dog
+        for peel in peels:
+            s = peel(s)
+            yield s
 
 
 def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:

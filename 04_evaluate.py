@@ -1,0 +1,769 @@
+"""Stage 4 (paper Sec. 4): compare policies on held-out prompts, then show *why* they differ.
+
+For every policy (the SFT start, scalar-reward PPO, Text2Grad, ...) it generates answers to the held-out prompts and
+measures them with what the paper reports:
+  - reference tasks (summarization, demo): ROUGE-1/2/L (rouge-score) and BLEU (sacrebleu); BERTScore with a local
+    --bertscore-model
+  - code: pass@1, each completion run against its unit tests in the sandbox (common.run_tests_sandboxed)
+  - every task: the reward model's critique of each output (mean delta, share of tokens in poor spans), and an optional
+    LLM judge giving pairwise win/tie/loss, the two answers shown in a per-pair random order (paper App. E)
+  - the demo task: its programmatic critic's score (delta-sum, mistake rate, facts right)
+Every metric gets its sample count and a 95% bootstrap confidence interval. Writes OUTPUT_DIR/results.json, prints a
+table, and writes OUTPUT_DIR/report.html: one self-contained page (metric table, stage 3's training curves, and sample
+responses with the critique's good/poor spans highlighted in place, as in the paper's Figure 2).
+
+Demo (zero flags; reads stages 1-3's outputs under runs/demo/; ~40 s on 2 CPU cores):
+    python 04_evaluate.py
+Your own policies (hub id, full model dir or LoRA adapter dir), e.g. SLF5K on a GPU:
+    python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
+        --reference-field ideal_human_summary --policy sft=runs/slf5k/sft --policy text2grad=runs/slf5k/policy \
+        --reward-model runs/slf5k/reward_model --max-new-tokens 64 --device cuda --dtype bf16 --output-dir runs/slf5k
+With an LLM judge (any OpenAI-compatible server; the key comes from OPENAI_API_KEY):
+    python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o
+Code, KodCode layout (question, test):
+    python 04_evaluate.py --task code --data kodcode_test.jsonl --policy sft=... --test-timeout 10
+Generations, critiques, test runs and judgements are cached as append-only JSONL under OUTPUT_DIR/eval/: a rerun (or a
+resumed run) computes only what is missing, and a cache is dropped when its policy's files or settings change.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import html
+import io
+import itertools
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+import common
+from common import DataError
+
+DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
+DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
+DEMO_RM = "runs/demo/reward_model"
+TASK_FIELDS = {  # task -> (prompt field, reference field, test field, default max new tokens)
+    "demo": ("prompt", "reference", None, 32), "summarization": ("prompt", "reference", None, 64),
+    "code": ("question", None, "test", 512), "qa": ("instruction", None, None, 256)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    # data
+    p.add_argument("--task", choices=list(TASK_FIELDS), default="demo", help="field preset and task metrics")
+    p.add_argument("--data", default="runs/demo/data/eval.jsonl",
+                   help="held-out split: a .jsonl file (fields: id, prompt, reference / test), a .json/.parquet file, "
+                        "or a hub dataset id")
+    p.add_argument("--split", default="test", help="split name when --data is a hub dataset id")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
+    p.add_argument("--prompt-field", default=None, help="field holding the prompt (default: the task preset)")
+    p.add_argument("--reference-field", default=None, help="field holding the gold answer for ROUGE/BLEU/BERTScore")
+    p.add_argument("--test-field", default=None, help="field holding pytest-style tests (code task)")
+    # policies and generation
+    p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
+                   help="a policy to evaluate: hub id, model dir or LoRA adapter dir (repeatable; default: the demo's "
+                        "sft, scalar and text2grad policies, skipping any that are missing)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, deterministic (the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    p.add_argument("--chat-template", action="store_true",
+                   help="wrap prompts in each policy tokenizer's chat template (use it if stage 3 did)")
+    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="float32", help="float32 / bf16 / fp16")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
+    p.add_argument("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/")
+    # reward model and task metrics
+    p.add_argument("--reward-model", default=DEMO_RM, help="stage 2 output dir whose critiques are scored; 'none' to skip")
+    p.add_argument("--rm-max-new-tokens", type=int, default=128, help="critique length limit")
+    p.add_argument("--rm-batch-size", type=int, default=64, help="critique generation batch size")
+    p.add_argument("--test-timeout", type=float, default=10.0, help="seconds per problem for pass@1 (code task)")
+    p.add_argument("--test-workers", type=int, default=2, help="test runs in parallel")
+    p.add_argument("--bertscore-model", default=None, help="local model dir for BERTScore (needs pip install bert-score)")
+    p.add_argument("--bertscore-layers", type=int, default=None, help="BERTScore layer (default: the last)")
+    # LLM judge
+    p.add_argument("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge (enables judging)")
+    p.add_argument("--judge-model", default="gpt-4o", help="judge model name")
+    p.add_argument("--judge-pairs", default=None, metavar="A:B,...",
+                   help="pairs to compare, reported as A's win/tie/loss against B (default: each policy vs each "
+                        "policy listed before it)")
+    p.add_argument("--judge-limit", type=int, default=None, help="judge only the first N prompts")
+    p.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight")
+    # outputs
+    p.add_argument("--curves", action="append", default=[], metavar="NAME=PATH",
+                   help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's text2grad and scalar runs)")
+    p.add_argument("--output-dir", default="runs/demo", help="results.json, report.html and eval/ caches go here")
+    p.add_argument("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    args = p.parse_args(argv)
+    prompt_f, ref_f, test_f, max_new = TASK_FIELDS[args.task]
+    args.prompt_field = args.prompt_field or prompt_f
+    args.reference_field = args.reference_field or ref_f
+    args.test_field = args.test_field or test_f
+    args.max_new_tokens = args.max_new_tokens or max_new
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Inputs: the held-out split, the policies, caching
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_split(data: str, prompt_field: str, reference_field=None, test_field=None, split="test", limit=None):
+    """[{"id", "prompt", "reference"?, "test"?}] from a JSONL file, a .json/.parquet file or a hub dataset."""
+    fields = tuple(f for f in (prompt_field, reference_field, test_field) if f)
+    if data.endswith(".jsonl"):
+        raw = common.read_jsonl(data, required=fields)  # errors name file:line and field
+    else:
+        from datasets import load_dataset
+        kind = {".json": "json", ".parquet": "parquet"}.get(Path(data).suffix)
+        ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
+        raw = [dict(r) for r in ds]
+        for i, rec in enumerate(raw):
+            bad = next((f for f in fields if not isinstance(rec.get(f), str)), None)
+            if bad:
+                raise DataError(f"{data}[{i}]: missing or non-string field '{bad}'")
+    raw = raw[:limit] if limit is not None else raw
+    if not raw:
+        raise DataError(f"{data}: no records to evaluate (empty split)")
+    records, seen = [], set()
+    for i, rec in enumerate(raw):
+        rid = str(rec.get("id", i))
+        if rid in seen:
+            raise DataError(f"{data}: duplicate id {rid!r}")
+        seen.add(rid)
+        records.append({"id": rid, "prompt": rec[prompt_field],
+                        **({"reference": rec[reference_field]} if reference_field else {}),
+                        **({"test": rec[test_field]} if test_field else {})})
+    return records
+
+
+def parse_named(specs: list[str], flag: str) -> dict[str, str]:
+    out = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not re.fullmatch(r"[\w.-]+", name) or not path:
+            raise DataError(f"{flag} {spec!r}: expected NAME=PATH with NAME made of letters, digits, '.', '-', '_'")
+        if name in out:
+            raise DataError(f"{flag}: name {name!r} given twice")
+        out[name] = path
+    return out
+
+
+def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES) -> dict[str, str]:
+    """Explicit --policy flags, or the demo defaults minus those whose directory is missing (with a warning)."""
+    if specs:
+        return parse_named(specs, "--policy")
+    found = {}
+    for name, path in defaults.items():
+        if Path(path).is_dir():
+            found[name] = path
+        else:
+            print(f"warning: skipping policy {name!r}: {path} not found (run stage 3 first)", file=sys.stderr)
+    if not found:
+        raise DataError(f"no policy to evaluate: none of {', '.join(defaults.values())} exists; "
+                        f"run 03_train_policy.py or pass --policy NAME=PATH")
+    return found
+
+
+def fingerprint(*parts) -> str:
+    """A short hash of settings and of the files behind local model dirs (name, size, mtime; an adapter's base too),
+    so a cache is dropped when a policy is retrained."""
+    h = hashlib.sha256()
+    for part in parts:
+        path = Path(part) if isinstance(part, str) else None
+        if path is not None and path.exists():
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            h.update("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files if f.is_file())
+                     .encode())
+            if (path / "adapter_config.json").is_file():
+                h.update(fingerprint(json.loads((path / "adapter_config.json").read_text())
+                                     .get("base_model_name_or_path", "")).encode())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:12]
+
+
+def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: str, fresh: bool = False) -> list[dict]:
+    """compute(items) -> rows with an "id", run only for items whose id the append-only JSONL cache at `path` lacks.
+    Rows are appended per chunk (a killed run resumes); a cache written under another fingerprint is dropped."""
+    done = common.open_resumable_jsonl(path)
+    if done and (fresh or json.loads(path.open(encoding="utf-8").readline()).get("fingerprint") != fp):
+        path.unlink()
+        done = common.open_resumable_jsonl(path)
+    todo = [it for it in items if it["id"] not in done]
+    if todo:
+        with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc=desc) as bar:
+            for i in range(0, len(todo), chunk):
+                for row in compute(todo[i:i + chunk]):
+                    common.append_jsonl(f, {**row, "fingerprint": fp})
+                bar.update(len(todo[i:i + chunk]))
+    rows = {r["id"]: r for r in common.read_jsonl(path)}
+    return [rows[it["id"]] for it in items]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Generation and reward-model critiques
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], str]:
+    """Each record's response from policy `name`: text, token ids and per-token character offsets (cached)."""
+    fp = fingerprint(path, args.data, args.prompt_field, args.max_new_tokens, args.temperature, args.top_p,
+                     args.chat_template, args.seed, args.dtype)
+    loaded = []
+
+    def compute(chunk):
+        import torch
+        if not loaded:
+            try:
+                loaded.extend(common.load_model(path, device=args.device, dtype=args.dtype))
+            except OSError as e:  # a missing local dir or an unknown hub id: one line, not a traceback
+                raise DataError(f"--policy {name}={path}: cannot load: {str(e).strip().splitlines()[0]}") from None
+            torch.manual_seed(args.seed)
+        model, tok = loaded
+        prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                           add_generation_prompt=True)
+                   if args.chat_template and tok.chat_template else r["prompt"] for r in chunk]
+        ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
+        rows = []
+        for rec, x in zip(chunk, ids):
+            text, offsets = common.decode_with_offsets(tok, x)  # delta is scored on the policy's own tokens
+            rows.append({"id": rec["id"], "response": text, "response_ids": x, "offsets": offsets})
+        return rows
+
+    return cached(cache_dir / f"{name}.generations.jsonl", fp, records, compute, 4 * args.batch_size,
+                  f"generate {name}", args.regenerate), fp
+
+
+def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> list[dict]:
+    """The reward model's raw critique of each output (batched greedy, cached). rm_state lazily holds (model, tok)."""
+    fp = fingerprint(gen_fp, args.reward_model, args.rm_max_new_tokens)
+    by_id = {g["id"]: g["response"] for g in gens}
+
+    def compute(chunk):
+        if not rm_state:
+            rm_state.extend(common.load_model(args.reward_model, device=args.device, dtype=args.dtype))
+            if hasattr(rm_state[0], "merge_and_unload"):  # LoRA merged into the weights: faster generation
+                rm_state[0] = rm_state[0].merge_and_unload()
+        raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
+                                 max_new_tokens=args.rm_max_new_tokens, batch_size=args.rm_batch_size)
+        return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
+
+    return cached(cache_dir / f"{name}.critiques.jsonl", fp, records, compute, 4 * args.rm_batch_size,
+                  f"critique {name}", args.regenerate)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Metrics: per-sample sufficient statistics, aggregated with a 95% bootstrap interval
+# ----------------------------------------------------------------------------------------------------------------------
+
+# key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
+METRICS = {
+    "rouge1": ("ROUGE-1 F1", 1), "rouge2": ("ROUGE-2 F1", 1), "rougeL": ("ROUGE-L F1", 1), "bleu": ("BLEU", 1),
+    "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1),
+    "demo/delta_sum": ("critic: delta-sum per response", 1), "demo/mistake_rate": ("critic: mistake rate", -1),
+    "demo/facts_right": ("critic: share of facts right", 1), "demo/exact_match": ("exact match with reference", 1),
+    "rm/delta_sum": ("RM: delta-sum per response", 1), "rm/delta_mean": ("RM: mean delta per token", 1),
+    "rm/poor_token_frac": ("RM: share of tokens in poor spans", -1),
+    "rm/good_token_frac": ("RM: share of tokens in good spans", 1), "rm/parse_rate": ("RM: critique parse rate", 1),
+    "rm/unmatched_span_rate": ("RM: unmatched-quote rate", -1),
+    "rm_vs_critic/poor_precision": ("RM vs critic: poor-token precision", 1),
+    "rm_vs_critic/poor_recall": ("RM vs critic: poor-token recall", 1),
+    "rm_vs_critic/good_precision": ("RM vs critic: good-token precision", 1),
+    "rm_vs_critic/good_recall": ("RM vs critic: good-token recall", 1),
+    "gen/tokens": ("response length (tokens)", 0),
+}
+
+
+def ratio_stat(sums):  # (B, 2) summed (numerator, denominator) -> (B,)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1), np.nan)
+
+
+def bleu_stat(sums):  # (B, 10) summed [4 matches, 4 totals, hyp length, ref length] -> corpus BLEU
+    from sacrebleu.metrics import BLEU
+    return np.array([BLEU.compute_bleu(s[:4].tolist(), s[4:8].tolist(), int(s[8]), int(s[9]), smooth_method="exp")
+                     .score for s in sums])
+
+
+def bootstrap(rows, stat=ratio_stat, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Statistic of the summed per-sample rows, with the 2.5/97.5 percentiles of n_boot resamples of the samples."""
+    x = np.asarray(rows, dtype=float).reshape(len(rows), -1)  # (N, K) per-sample sufficient statistics
+    value = float(stat(x.sum(0, keepdims=True))[0])
+    weights = np.random.default_rng(seed).multinomial(len(x), np.full(len(x), 1 / len(x)), size=n_boot)  # (B, N)
+    boots = stat(weights @ x)
+    boots = boots[~np.isnan(boots)]
+    ci = [float(v) for v in np.percentile(boots, [2.5, 97.5])] if len(boots) else [None, None]
+    return {"value": None if np.isnan(value) else value, "ci95": ci, "n": len(x)}
+
+
+def reference_stats(hyps: list[str], refs: list[str]) -> dict[str, list]:
+    """Per-sample ROUGE F1s (rouge-score, stemmed, as in the summarization literature) and BLEU sufficient statistics
+    (sacrebleu, 13a tokenizer): corpus BLEU = BLEU of the summed statistics."""
+    from rouge_score import rouge_scorer
+    from sacrebleu.metrics import BLEU
+    scorer, bleu, out = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True), BLEU(), {}
+    scores = [scorer.score(r, h) for h, r in zip(hyps, refs)]
+    for key in ("rouge1", "rouge2", "rougeL"):
+        out[key] = [(s[key].fmeasure, 1) for s in scores]
+    stats = [bleu.corpus_score([h], [[r]]) for h, r in zip(hyps, refs)]
+    out["bleu"] = [[*s.counts, *s.totals, s.sys_len, s.ref_len] for s in stats]
+    return out
+
+
+def bertscore_f1(hyps, refs, model_dir, layers, device) -> list[float]:
+    if not Path(model_dir).is_dir():
+        raise DataError(f"--bertscore-model {model_dir}: not a local model directory")
+    try:
+        import bert_score
+    except ImportError:
+        raise DataError("--bertscore-model needs the bert-score package: pip install bert-score") from None
+    from transformers import AutoConfig
+    layers = layers or AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    _, _, f1 = bert_score.score(hyps, refs, model_type=model_dir, num_layers=layers, device=device,
+                                use_fast_tokenizer=True)
+    return f1.tolist()
+
+
+def extract_code(text: str) -> str:
+    """The first fenced code block of a completion, else the completion itself."""
+    m = re.search(r"```[\w+-]*\n(.*?)```", text, re.S)
+    return m.group(1) if m else text
+
+
+def pass_at_1(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
+    """items: {"id", "response", "test"} -> {"id", "passed", "timed_out"}: each completion run against its tests."""
+    def one(it):
+        res = common.run_tests_sandboxed(extract_code(it["response"]), it["test"], timeout_s=timeout_s)
+        return {"id": it["id"], "passed": bool(res["passed"]), "timed_out": bool(res["timed_out"])}
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return list(pool.map(one, items))
+
+
+def feedback_stats(text, offsets, feedback) -> tuple[list[float], list[str]]:
+    return common.span_rewards(text, [tuple(o) for o in offsets], feedback["good_spans"], feedback["poor_spans"])
+
+
+def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict]]:
+    """Per-sample statistics by metric, and what the report shows per sample (text, spans, critique)."""
+    rows, shown = defaultdict(list), []
+    for rec, gen, crit in zip(records, gens, crits or [None] * len(records)):
+        text, n = gen["response"], len(gen["offsets"])
+        rows["gen/tokens"].append((n, 1))
+        fb = program = delta = d_prog = None
+        if task == "demo":  # the programmatic critic: ground truth for the demo task
+            try:
+                program = common.demo_critic(rec["prompt"], text)
+                facts, _ = common.demo_post_facts(rec["prompt"])
+            except ValueError as e:
+                raise DataError(f"record {rec['id']}: {e}") from None
+            d_prog, _ = feedback_stats(text, gen["offsets"], program)
+            words = set(re.findall(r"\w+", text))
+            rows["demo/delta_sum"].append((sum(d_prog), 1))
+            rows["demo/mistake_rate"].append((float(bool(program["poor_spans"])), 1))
+            rows["demo/facts_right"].append((sum(v in words for v in facts.values()), len(facts)))
+            rows["demo/exact_match"].append((float(text.strip() == rec.get("reference", "").strip()), 1))
+        if crit is not None:  # the reward model's critique, scored on the policy's tokens as in stage 3
+            try:
+                fb, parsed = common.parse_feedback(crit["critique_raw"]), 1.0
+            except ValueError:
+                fb, parsed = {"critique": crit["critique_raw"].strip(), "good_spans": [], "poor_spans": []}, 0.0
+            delta, unmatched = feedback_stats(text, gen["offsets"], fb)
+            quotes = sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+            rows["rm/delta_sum"].append((sum(delta), 1))
+            rows["rm/delta_mean"].append((sum(delta), n))
+            rows["rm/poor_token_frac"].append((delta.count(-1.0), n))
+            rows["rm/good_token_frac"].append((delta.count(1.0), n))
+            rows["rm/parse_rate"].append((parsed, 1))
+            rows["rm/unmatched_span_rate"].append((len(unmatched), quotes))
+            if program is not None:  # token-level agreement of the RM's spans with the critic's (paper Table 6)
+                for label, cls in (("poor", -1.0), ("good", 1.0)):
+                    tp = sum(a == cls and b == cls for a, b in zip(delta, d_prog))
+                    rows[f"rm_vs_critic/{label}_precision"].append((tp, delta.count(cls)))
+                    rows[f"rm_vs_critic/{label}_recall"].append((tp, d_prog.count(cls)))
+        # the report shows the RM's spans (what stage 3 learns from), else the demo critic's
+        source, show, d = ("reward model", fb, delta) if fb else ("demo critic", program, d_prog) if program else (
+            None, {"critique": "", "good_spans": [], "poor_spans": []}, None)
+        good, poor, unmatched = common.locate_spans(text, show["good_spans"], show["poor_spans"])
+        shown.append({"id": rec["id"], "response": text, "good": good, "poor": poor, "unmatched": unmatched,
+                      "critique": show["critique"], "source": source, "delta_sum": None if d is None else sum(d)})
+    return rows, shown
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LLM judge: pairwise, order randomised per pair and undone when scoring (paper App. E)
+# ----------------------------------------------------------------------------------------------------------------------
+
+JUDGE_PROMPT = """Compare two responses to the same prompt and decide which is better: faithful to the prompt, \
+accurate, complete and concise, with nothing invented or irrelevant. The order in which they are shown means nothing.
+
+### Prompt
+{prompt}
+
+### Response A
+{a}
+
+### Response B
+{b}
+
+Explain your reasoning in one or two sentences, then end with a line that is exactly "Winner: A", "Winner: B" or \
+"Winner: tie"."""
+
+
+def parse_verdict(text: str) -> str:
+    """'A', 'B', 'tie', or 'invalid' from the judge's reply (its last 'Winner: ...')."""
+    found = re.findall(r"winner\W*(A|B|tie)\b", text or "", re.I) or re.findall(r"^\W*(A|B|tie)\W*$", text or "", re.I)
+    return ({"a": "A", "b": "B", "tie": "tie"}[found[-1].lower()]) if found else "invalid"
+
+
+def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, str]], base_url: str, model: str,
+                seed: int, concurrency: int, cache_dir: Path, fp: str) -> dict:
+    """Win/tie/loss of A against B for each pair. Per prompt, a seeded coin decides which answer is shown first; the
+    order is recorded with each verdict and undone before scoring, so position bias cancels out."""
+    from openai import APIError, OpenAI
+    client = OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY") or "none", max_retries=6, timeout=120)
+    results = {}
+    for a, b in pairs:
+        def ask(it):
+            first, second = (b, a) if it["swapped"] else (a, b)
+            content = JUDGE_PROMPT.format(prompt=it["prompt"], a=it[first], b=it[second])
+            try:
+                reply = client.chat.completions.create(model=model, temperature=0.0,
+                                                       messages=[{"role": "user", "content": content}])
+            except APIError as e:  # after the client's own retries with backoff; verdicts so far stay cached
+                raise DataError(f"judge request failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+            raw = reply.choices[0].message.content or ""
+            verdict = parse_verdict(raw)
+            winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
+            return {"id": it["id"], "shown_first": first, "verdict": verdict, "winner": winner, "reply": raw[-2000:]}
+
+        items = [{"id": r["id"], "prompt": r["prompt"], a: outputs[a][i], b: outputs[b][i],
+                  "swapped": random.Random(f"{seed}|{a}|{b}|{r['id']}").random() < 0.5} for i, r in enumerate(records)]
+
+        def compute(chunk):
+            with ThreadPoolExecutor(max(1, concurrency)) as pool:
+                return list(pool.map(ask, chunk))
+
+        rows = cached(cache_dir / f"judge.{a}_vs_{b}.jsonl", fingerprint(fp, a, b, model, seed), items, compute,
+                      4 * concurrency, f"judge {a} vs {b}")
+        valid = [r for r in rows if r["winner"]]
+        results[f"{a}_vs_{b}"] = {
+            "a": a, "b": b, "n": len(valid), "invalid": len(rows) - len(valid),
+            **{k: bootstrap([(float(r["winner"] == w), 1) for r in valid] or [(0, 0)], seed=seed)
+               for k, w in (("win", a), ("tie", "tie"), ("loss", b))},
+            "a_shown_first": sum(r["shown_first"] == a for r in rows),
+            "order": {r["id"]: r["shown_first"] for r in rows}}
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Report: training curves (embedded PNG) and one self-contained HTML page
+# ----------------------------------------------------------------------------------------------------------------------
+
+CURVE_KEYS = {"objective/span_reward": "reward (mean delta-sum)", "objective/kl": "KL to the reference",
+              "objective/entropy": "entropy", "critic/unmatched_span_rate": "unmatched-span rate"}
+COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
+
+
+def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
+    """Rows of each stage 3 metrics.jsonl; a torn last line (a run still going) is skipped, not fatal."""
+    runs = {}
+    for name, path in specs.items():
+        if not Path(path).is_file():
+            print(f"warning: no training curves for {name!r}: {path} not found", file=sys.stderr)
+            continue
+        rows = []
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        runs[name] = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
+    return runs
+
+
+def plot_curves(runs: dict[str, list[dict]]) -> str | None:
+    """Base64 PNG with one panel per curve present (reward, KL, entropy, unmatched-span rate), or None."""
+    present = {k for rows in runs.values() for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+    keys = [k for k in CURVE_KEYS if k in present] or sorted(present - {"step"})[:4]
+    if not keys:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 2.9), dpi=130, squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if not pts:
+                continue
+            x, y = map(np.asarray, zip(*pts))
+            w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
+            smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+            ax.plot(x, y, color=color, alpha=0.2, lw=1)
+            ax.plot(x[w - 1:], smooth, color=color, lw=2, label=name)
+        ax.set_title(CURVE_KEYS.get(key, key), fontsize=10)
+        ax.set_xlabel("PPO iteration", fontsize=9)
+        ax.tick_params(labelsize=8)
+        ax.grid(alpha=0.25)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0][0].legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def highlight(text: str, good: list[tuple[int, int]], poor: list[tuple[int, int]]) -> str:
+    """HTML of `text` with <mark class="good|poor"> over the character intervals (poor overrides good, as in delta)."""
+    label = [0] * len(text)
+    for lab, intervals in ((1, good), (2, poor)):
+        for a, b in intervals:
+            label[a:b] = [lab] * (b - a)
+    out, i = [], 0
+    for lab, run in itertools.groupby(label):
+        j = i + len(list(run))
+        piece = html.escape(text[i:j])
+        out.append(f'<mark class="{"good" if lab == 1 else "poor"}">{piece}</mark>' if lab else piece)
+        i = j
+    return "".join(out)
+
+
+CSS = """
+:root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--soft:#f6f8fa;--good:#d2f4da;--good-edge:#1a7f37;
+--poor:#ffe0dd;--poor-edge:#cf222e}
+*{box-sizing:border-box}
+body{margin:0;color:var(--fg);background:#fff;font:15px/1.55 system-ui,-apple-system,"Segoe UI",Roboto,
+"Helvetica Neue",Arial,sans-serif}
+main{max-width:1100px;margin:0 auto;padding:36px 28px 72px}
+h1{font-size:26px;margin:0 0 6px;letter-spacing:-.01em}
+h2{font-size:18px;margin:40px 0 14px;padding-bottom:8px;border-bottom:1px solid var(--line)}
+.sub,.note{color:var(--muted);font-size:13.5px}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:14px}
+th,td{padding:7px 14px;border-bottom:1px solid var(--line);text-align:right;vertical-align:top}
+th{font-weight:600;background:var(--soft)}
+th:first-child,td:first-child{text-align:left}
+td .ci{display:block;color:var(--muted);font-size:11.5px}
+td.best{font-weight:700}
+tr.group td{background:#fff;color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.05em;
+padding-top:16px}
+img.curves{width:100%;border:1px solid var(--line);border-radius:8px}
+.legend{display:flex;gap:18px;align-items:center;font-size:13.5px;color:var(--muted);margin:4px 0 8px}
+mark{color:inherit;border-radius:3px;padding:1px 0}
+mark.good{background:var(--good);box-shadow:inset 0 -2px 0 var(--good-edge)}
+mark.poor{background:var(--poor);box-shadow:inset 0 -2px 0 var(--poor-edge)}
+.sample{border:1px solid var(--line);border-radius:10px;padding:18px 22px;margin:18px 0}
+.sample-head{display:flex;justify-content:space-between;color:var(--muted);font-size:12.5px;margin-bottom:8px}
+.prompt{white-space:pre-wrap;background:var(--soft);border-radius:6px;padding:10px 12px;margin:0 0 6px;
+font:13px/1.5 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}
+.row{display:grid;grid-template-columns:110px 1fr;gap:14px;padding:12px 0 4px;border-top:1px solid #eaeef2;
+margin-top:8px}
+.pname{font-weight:600;font-size:14px}
+.pname .score{display:block;font-weight:400;color:var(--muted);font-size:12px;font-variant-numeric:tabular-nums}
+.response{white-space:pre-wrap;font-size:15px}
+.code .response{font:13px/1.5 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+.critique{color:var(--muted);font-size:13px;margin-top:6px}
+.unmatched{color:var(--poor-edge)}
+"""
+
+
+def fmt(v, digits=3) -> str:
+    return "–" if v is None else f"{v:.{digits}f}" if abs(v) < 1000 else f"{v:.0f}"
+
+
+def render_report(results: dict, shown: dict[str, list[dict]], records: list[dict], curves_png: str | None,
+                  sample_ids: list[str], task: str) -> str:
+    pol = results["policies"]
+    names = list(pol)
+    esc = html.escape
+    # metric table, grouped by prefix, best policy per row in bold
+    head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
+    body, group = [], None
+    keys = [k for k in METRICS if any(k in pol[n]["metrics"] for n in names)]
+    keys += sorted({k for n in names for k in pol[n]["metrics"]} - set(keys))
+    for key in keys:
+        label, direction = METRICS.get(key, (key, 0))
+        g = key.split("/")[0] if "/" in key else "reference"
+        if g != group:
+            group = g
+            title = {"reference": "task metrics", "demo": "demo critic (ground truth)", "rm": "reward-model critique",
+                     "rm_vs_critic": "reward model vs critic", "gen": "generation"}.get(g, g)
+            body.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(title)}</td></tr>")
+        vals = [pol[n]["metrics"].get(key, {}).get("value") for n in names]
+        best = (max if direction > 0 else min)((v for v in vals if v is not None), default=None) if direction else None
+        cells = []
+        for n, v in zip(names, vals):
+            m = pol[n]["metrics"].get(key)
+            ci = f"<span class='ci'>[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span>" if m else ""
+            cells.append(f"<td class='{'best' if best is not None and v == best and len(names) > 1 else ''}'>"
+                         f"{fmt(v)}{ci}</td>")
+        arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
+        body.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{''.join(cells)}</tr>")
+    parts = [f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(body)}</table>",
+             "<p class='note'>Value with its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better; "
+             "the best policy per row is in bold.</p>"]
+    if results.get("judge"):
+        jrows = "".join(f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td><td>{fmt(j['win']['value'])}</td>"
+                        f"<td>{fmt(j['tie']['value'])}</td><td>{fmt(j['loss']['value'])}</td><td>{j['n']}</td></tr>"
+                        for j in results["judge"]["pairs"].values())
+        parts.append(f"<h2>LLM judge ({esc(results['judge']['model'])})</h2><table><tr><th>pair</th><th>win</th>"
+                     f"<th>tie</th><th>loss</th><th>n</th></tr>{jrows}</table><p class='note'>Answer order randomised "
+                     f"per prompt (seed {results['judge']['seed']}) and undone before scoring.</p>")
+    parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' "
+                                                f"src='data:image/png;base64,{curves_png}'>" if curves_png else
+                                                "<p class='note'>No stage 3 metrics.jsonl found.</p>"))
+    parts.append("<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span>"
+                 "<span><mark class='poor'>poor span</mark> δ = −1</span><span>spans quoted by the critique below "
+                 "each response; hover a response to see it too</span></div>")
+    by_id = {r["id"]: i for i, r in enumerate(records)}
+    for rid in sample_ids:
+        i, rec = by_id[rid], records[by_id[rid]]
+        rows = []
+        for n in names:
+            s = shown[n][i]
+            unmatched = "".join(f" <span class='unmatched'>unmatched quote: “{esc(u)}”</span>" for u in s["unmatched"])
+            score = f"<span class='score'>δ-sum {s['delta_sum']:+g}</span>" if s["delta_sum"] is not None else ""
+            critique = (f"<div class='critique'>{esc(s['source'] or '')}: {esc(s['critique'])}{unmatched}</div>"
+                        if s["source"] else "")
+            rows.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
+                        f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
+                        f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
+        ref = f"<div class='reference'>reference: {esc(rec['reference'])}</div>" if rec.get("reference") else ""
+        parts.append(f"<section class='sample'><div class='sample-head'><span>prompt</span><span>{esc(rid)}</span>"
+                     f"</div><pre class='prompt'>{esc(rec['prompt'])}</pre>{ref}{''.join(rows)}</section>")
+    gen = results["generation"]
+    sub = (f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from "
+           f"<code>{esc(results['data'])}</code> · {'greedy' if not gen['temperature'] else 'T = ' + str(gen['temperature'])}"
+           f" decoding, ≤ {gen['max_new_tokens']} new tokens · reward model <code>{esc(str(results['reward_model']))}"
+           f"</code> · {esc(results['created'])}")
+    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
+            f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body "
+            f"class='{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{''.join(parts)}"
+            f"</main></body></html>\n")
+
+
+def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:
+    """Up to k prompt ids, preferring prompts where the policies' answers differ most; in data order."""
+    spread = [len({outputs[n][i] for n in outputs}) for i in range(len(records))]
+    chosen = sorted(sorted(range(len(records)), key=lambda i: -spread[i])[:k])
+    return [records[i]["id"] for i in chosen]
+
+
+def print_table(results: dict) -> None:
+    pol = results["policies"]
+    keys = [k for k in METRICS if any(k in p["metrics"] for p in pol.values())]
+    keys += sorted({k for p in pol.values() for k in p["metrics"]} - set(keys))
+    cell = lambda m: f"{fmt(m['value'])} [{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]" if m else "–"  # noqa: E731
+    table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
+    table += [[k, *[cell(p["metrics"].get(k)) for p in pol.values()]] for k in keys]
+    for name, j in (results.get("judge") or {}).get("pairs", {}).items():
+        table.append([f"judge {name} win/tie/loss",
+                      f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/{fmt(j['loss']['value'])} (n={j['n']})"])
+    widths = [max(len(r[c]) for r in table if c < len(r)) for c in range(len(table[0]))]
+    for r in table:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Main: generate -> critique -> score -> judge -> results.json + report.html
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t0 = time.time()
+    if args.device is None:
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    out_dir = Path(args.output_dir)
+    cache_dir = out_dir / "eval"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    records = load_split(args.data, args.prompt_field, args.reference_field, args.test_field, args.split, args.limit)
+    policies = resolve_policies(args.policy)
+    if args.reward_model in ("", "none"):
+        args.reward_model = None
+    elif not Path(args.reward_model).exists() and args.reward_model == DEMO_RM:
+        print(f"warning: no reward model at {DEMO_RM} (run stage 2): skipping the RM critique metrics",
+              file=sys.stderr)
+        args.reward_model = None
+
+    # 1. generation (cached per policy) and reward-model critiques of every output
+    gens, fps = {}, {}
+    for name, path in policies.items():
+        gens[name], fps[name] = generate_outputs(name, path, records, args, cache_dir)
+    rm_state, crits = [], {}
+    if args.reward_model:
+        for name in policies:
+            crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, rm_state)
+    del rm_state
+
+    # 2. per-policy metrics, each with a bootstrap interval
+    results = {"task": args.task, "data": args.data, "n_prompts": len(records), "policies": {},
+               "generation": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                              "top_p": args.top_p, "chat_template": args.chat_template, "seed": args.seed},
+               "reward_model": args.reward_model, "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
+               "created": time.strftime("%Y-%m-%d %H:%M")}
+    shown = {}
+    for name, path in policies.items():
+        rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task)
+        hyps = [g["response"] for g in gens[name]]
+        if args.reference_field:
+            rows.update(reference_stats(hyps, [r["reference"] for r in records]))
+            if args.bertscore_model:
+                rows["bertscore_f1"] = [(f, 1) for f in bertscore_f1(hyps, [r["reference"] for r in records],
+                                                                    args.bertscore_model, args.bertscore_layers,
+                                                                    args.device)]
+        if args.test_field:
+            items = [{"id": r["id"], "response": h, "test": r["test"]} for r, h in zip(records, hyps)]
+            runs = cached(cache_dir / f"{name}.tests.jsonl", fingerprint(fps[name], args.test_timeout), items,
+                          lambda chunk: pass_at_1(chunk, args.test_timeout, args.test_workers), 16,
+                          f"pass@1 {name}", args.regenerate)
+            rows["pass@1"] = [(float(r["passed"]), 1) for r in runs]
+        metrics = {k: bootstrap(v, bleu_stat if k == "bleu" else ratio_stat, args.bootstrap, args.seed)
+                   for k, v in rows.items()}
+        results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}
+
+    # 3. optional LLM judge
+    if args.judge_base_url:
+        names = list(policies)
+        pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
+                 [(names[j], names[i]) for j in range(len(names)) for i in range(j)])
+        for pair in pairs:
+            if len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
+                raise DataError(f"--judge-pairs: {':'.join(pair)!r} is not A:B with two of {names}")
+        n = args.judge_limit or len(records)
+        pairs_out = judge_pairs(records[:n], {k: [g["response"] for g in v[:n]] for k, v in gens.items()}, pairs,
+                                args.judge_base_url, args.judge_model, args.seed, args.judge_concurrency, cache_dir,
+                                fingerprint(*fps.values()))
+        results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
+
+    # 4. results.json, the table, and the report
+    results["wall_s"] = round(time.time() - t0, 1)
+    common.write_json(out_dir / "results.json", results)
+    print_table(results)
+    curves = plot_curves(read_curves(parse_named(args.curves, "--curves") if args.curves else DEMO_CURVES))
+    sample_ids = pick_samples(records, {n: [g["response"] for g in gens[n]] for n in policies}, args.report_samples)
+    with common.atomic_open(out_dir / "report.html") as f:
+        f.write(render_report(results, shown, records, curves, sample_ids, args.task))
+    print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}  ({time.time() - t0:.1f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as e:
+        sys.exit(f"error: {e}")

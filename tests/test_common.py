@@ -1,0 +1,390 @@
+"""common.py: feedback parsing, span location, token alignment, records. Property tests use hypothesis."""
+import json
+import random
+import string
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import common
+from common import decode_with_offsets, find_span, locate_spans, parse_feedback, span_rewards
+
+# ---------------------------------------------------------------------------------------------------------------------
+# parse_feedback
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_parse_plain_json():
+    out = parse_feedback('{"critique": "ok", "good_spans": ["a"], "poor_spans": ["b", "c"]}')
+    assert out == {"critique": "ok", "good_spans": ["a"], "poor_spans": ["b", "c"]}
+
+
+def test_parse_fenced_after_reasoning_with_trailing_chatter():
+    text = ("Let me think. The summary misses the date {not json}.\n```json\n"
+            '{"textual_feedback": "Misses the date.", "Good spans": ["the cat"], "Poor spans": ["yesterday"]}\n'
+            "```\nHope this helps! {}")
+    out = parse_feedback(text)
+    assert out == {"critique": "Misses the date.", "good_spans": ["the cat"], "poor_spans": ["yesterday"]}
+
+
+@pytest.mark.parametrize("good_key", ["good_spans", "Good spans", "good spans", "positive_spans"])
+@pytest.mark.parametrize("poor_key", ["poor_spans", "Poor spans", "poor spans", "negative_spans", "bad_spans"])
+def test_parse_key_spellings(good_key, poor_key):
+    out = parse_feedback(json.dumps({good_key: ["g"], poor_key: ["p"], "feedback": "f"}))
+    assert out == {"critique": "f", "good_spans": ["g"], "poor_spans": ["p"]}
+
+
+@pytest.mark.parametrize("key", ["critique", "textual_feedback", "feedback", "Code Feedback", "code_feedback"])
+def test_parse_critique_keys(key):
+    assert parse_feedback(json.dumps({key: "text", "good_spans": []}))["critique"] == "text"
+
+
+def test_prose_before_json_is_the_critique_when_no_key():
+    out = parse_feedback('The answer is wrong about X.\n```json\n{"good_spans": [], "poor_spans": ["X"]}\n```')
+    assert out["critique"] == "The answer is wrong about X."
+    assert out["poor_spans"] == ["X"]
+
+
+def test_parse_drops_non_strings_and_missing_lists():
+    out = parse_feedback('{"critique": "c", "good_spans": ["a", 3, null, ["x"], "b"]}')
+    assert out == {"critique": "c", "good_spans": ["a", "b"], "poor_spans": []}
+
+
+def test_parse_last_object_with_spans_wins():
+    text = ('Example format: {"good_spans": ["EXAMPLE"], "poor_spans": []}\nMy answer: '
+            '{"critique": "real", "good_spans": ["real span"], "poor_spans": []} and {"note": "no spans here"}')
+    out = parse_feedback(text)
+    assert out["good_spans"] == ["real span"] and out["critique"] == "real"
+
+
+def test_parse_nested_wrapper_and_lenient_syntax():
+    assert parse_feedback('{"result": {"good_spans": ["a"], "poor_spans": ["b"]}}')["poor_spans"] == ["b"]
+    # Python-style quotes and a trailing comma, as LLMs write them
+    out = parse_feedback("{'critique': 'fine', 'good_spans': ['it\\'s', ], 'poor_spans': [],}")
+    assert out == {"critique": "fine", "good_spans": ["it's"], "poor_spans": []}
+
+
+def test_parse_raises_value_error_without_json():
+    with pytest.raises(ValueError):
+        parse_feedback("no json here, just { an unclosed brace")
+    with pytest.raises(ValueError):
+        parse_feedback("")
+
+
+_fragments = st.sampled_from(['{', '}', '[', ']', '"', "'", ':', ',', '```json', '```', '\n', 'good_spans', 'poor_spans',
+                              'critique', '"good_spans": ["a"]', 'null', 'true', '\\', '{"critique": "x"}', '1e999',
+                              '[' * 50, '{"a": ' * 30])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(_fragments, st.text(max_size=8)), max_size=30))
+def test_parse_fuzz_returns_valid_dict_or_value_error(parts):
+    text = "".join(parts)
+    try:
+        out = parse_feedback(text)
+    except ValueError:
+        return
+    assert set(out) == {"critique", "good_spans", "poor_spans"}
+    assert isinstance(out["critique"], str)
+    assert all(isinstance(s, str) for s in out["good_spans"] + out["poor_spans"])
+
+
+def test_parse_fuzz_deeply_nested_does_not_crash():
+    for text in ["{" * 5000, '{"a":' * 3000 + "1" + "}" * 3000, "[" * 10000 + '{"good_spans": []}']:
+        try:
+            parse_feedback(text)
+        except ValueError:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# find_span
+# ---------------------------------------------------------------------------------------------------------------------
+
+TEXT = "The quick brown fox said \u201cit\u2019s fine\u201d \u2014 then  jumped over\nthe lazy dog."
+
+
+def _at(span, text=TEXT):
+    iv = find_span(text, span)
+    return None if iv is None else text[iv[0]:iv[1]]
+
+
+@pytest.mark.parametrize("span,expected", [
+    ("quick brown", "quick brown"),                                   # exact
+    ("QUICK Brown", "quick brown"),                                   # case
+    ("then jumped over the lazy", "then  jumped over\nthe lazy"),     # whitespace runs and newlines
+    ('"it\'s fine"', "\u201cit\u2019s fine\u201d"),                   # straight vs curly quotes (kept as written)
+    ("it's fine", "it\u2019s fine"),
+    ("fine\u201d - then", "fine\u201d \u2014 then"),                  # dashes
+    ("\u201cquick brown fox\u201d", "quick brown fox"),               # quote-wrapped by the critic
+    ("'lazy dog'", "lazy dog"),
+    ("...jumped over the lazy dog...", "jumped over\nthe lazy dog"),  # ellipses
+    ("\u2026the lazy dog.", "the lazy dog."),                         # the trailing '.' is in the text: kept
+    ("brown fox,", "brown fox"),                                      # trailing punctuation added by the critic
+    ("`lazy dog`", "lazy dog"),                                       # backticks
+])
+def test_find_span_tolerances(span, expected):
+    assert _at(span) == expected
+
+
+@pytest.mark.parametrize("span", ["quick red fox", "the fox was quick", "lazy cat", "", "   ", "...", '""',
+                                  "dog. And more text that is not there", TEXT + " extra"])
+def test_find_span_absent(span):
+    assert find_span(TEXT, span) is None
+
+
+def test_find_span_first_occurrence_and_start():
+    text = "a cat, a Cat, a cat"
+    assert find_span(text, "a cat") == (0, 5)
+    assert find_span(text, "a cat", 1) == (14, 19)        # exact match tried first
+    assert find_span(text, "A CAT", 1) == (7, 12)         # then the tolerant match from `start`
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# decode_with_offsets and span_rewards on a real byte-level BPE tokenizer
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _check_offsets(tok, ids):
+    text, offsets = decode_with_offsets(tok, ids)
+    assert text == tok.decode(ids, skip_special_tokens=True)
+    assert len(offsets) == len(ids)
+    prev = 0
+    for s, e in offsets:
+        assert prev <= s <= e  # non-decreasing, non-overlapping
+        prev = e
+    assert offsets[-1][1] == len(text) if offsets else text == ""
+    assert "".join(text[s:e] for s, e in offsets) == text
+    return text, offsets
+
+
+def test_offsets_multibyte_characters(tiny_tokenizer):
+    tok = tiny_tokenizer
+    text = "anna\u2019s caf\u00e9 \U0001F370 \u5bff\u53f8 \U0001F600\U0001F9EA dog \u00c6\u00d8"
+    ids = tok(text)["input_ids"]
+    # re-tokenizing gives overlapping offsets for partial characters: exactly why we must not rely on it
+    decoded, offsets = _check_offsets(tok, ids)
+    assert decoded == text
+    pieces = [tok.convert_ids_to_tokens(i) for i in ids]
+    partial = [i for i, (s, e) in enumerate(offsets) if s == e]
+    assert partial, f"expected some tokens holding part of a character: {pieces}"
+    for i in partial:  # a token that does not complete a character produces nothing visible by itself
+        assert "\ufffd" in tok.decode(ids[i:i + 1]) or tok.decode(ids[i:i + 1]) == ""
+
+
+def test_offsets_special_tokens_and_padding(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ids = tok(" the red dog")["input_ids"]
+    full = [tok.bos_token_id] + ids + [tok.eos_token_id, tok.pad_token_id, tok.pad_token_id]
+    text, offsets = _check_offsets(tok, full)
+    assert text == " the red dog"
+    assert offsets[0] == (0, 0) and all(s == e == len(text) for s, e in offsets[-3:])
+    delta, unmatched = span_rewards(text, offsets, ["red dog"], [])
+    assert delta == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0] and unmatched == []
+
+
+def _labels(tok, text, good=(), poor=()):
+    ids = tok(text)["input_ids"]
+    decoded, offsets = decode_with_offsets(tok, ids)
+    delta, unmatched = span_rewards(decoded, offsets, list(good), list(poor))
+    return [(decoded[s:e], d) for (s, e), d in zip(offsets, delta)], unmatched
+
+
+def test_leading_space_token_gets_label(tiny_tokenizer):
+    pairs, _ = _labels(tiny_tokenizer, " tom has a red dog", good=["dog"])
+    assert (" dog", 1.0) in pairs and all(d == 0.0 for p, d in pairs if p != " dog")
+
+
+def test_span_edge_inside_token_gets_zero(tiny_tokenizer):
+    pairs, _ = _labels(tiny_tokenizer, " tom has a red dog", poor=["red do"])
+    assert dict(pairs)[" red"] == -1.0 and dict(pairs)[" dog"] == 0.0
+
+
+def test_poor_overrides_good_and_unmatched_never_label(tiny_tokenizer):
+    pairs, unmatched = _labels(tiny_tokenizer, " tom has a red dog", good=["has a red dog"], poor=["red", "purple cat"],)
+    assert dict(pairs) == {"tom": 0.0, " has": 1.0, " a": 1.0, " red": -1.0, " dog": 1.0} or \
+        [d for _, d in pairs] == [0.0, 1.0, 1.0, -1.0, 1.0]
+    assert unmatched == ["purple cat"]
+
+
+def test_empty_and_overlong_spans(tiny_tokenizer):
+    pairs, unmatched = _labels(tiny_tokenizer, " tom has a dog", good=["", "   "], poor=[" tom has a dog and more"])
+    assert all(d == 0.0 for _, d in pairs)
+    assert unmatched == [" tom has a dog and more"]
+
+
+def test_critic_style_quotes_still_label(tiny_tokenizer):
+    pairs, unmatched = _labels(tiny_tokenizer, " tom has a red dog. it likes the park.",
+                               good=["\u201cTom  has a RED dog...\u201d"], poor=["'the park'."])
+    assert unmatched == []
+    assert [d for _, d in pairs] == [1.0] * 5 + [0.0] * 3 + [-1.0] * 2 + [0.0]
+
+
+def test_repeated_word_good_then_poor(tiny_tokenizer):
+    pairs, _ = _labels(tiny_tokenizer, " the dog likes the dog", good=["the dog"], poor=["the dog"])
+    assert [d for _, d in pairs] == [1.0, 1.0, 0.0, -1.0, -1.0]
+    pairs, _ = _labels(tiny_tokenizer, " the dog likes the dog", poor=["dog"])  # one quote: the first occurrence
+    assert [d for _, d in pairs] == [0.0, -1.0, 0.0, 0.0, 0.0]
+
+
+def test_span_rewards_without_tokenizer():
+    text = "ab cd ef"
+    offsets = [(0, 2), (2, 3), (3, 5), (5, 8)]  # "ab", " ", "cd", " ef"
+    delta, _ = span_rewards(text, offsets, ["ab cd"], ["ef"])
+    assert delta == [1.0, 1.0, 1.0, -1.0]  # the whitespace token lies inside "ab cd"
+
+
+_words = st.lists(st.sampled_from(["tom", "red", "dog", "café", "寿司", "🍰", "the", "park", ",", ".", "ü", "  ", "\n",
+                                   "x", "ab", "’s", "naïve"]), min_size=1, max_size=25)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=_words, data=st.data())
+def test_property_tokens_inside_span_labelled_and_outside_not(tiny_tokenizer, words, data):
+    tok = tiny_tokenizer
+    text = " " + " ".join(words)
+    ids = tok(text)["input_ids"]
+    decoded, offsets = decode_with_offsets(tok, ids)
+    assert decoded == text
+    a = data.draw(st.integers(0, len(text) - 1))
+    b = data.draw(st.integers(a + 1, len(text)))
+    span = text[a:b]
+    if not span.strip():
+        return
+    label = data.draw(st.sampled_from(["good", "poor"]))
+    delta, unmatched = span_rewards(text, offsets, [span] if label == "good" else [], [span] if label == "poor" else [])
+    assert unmatched == []
+    sa, sb = find_span(text, span)  # the occurrence that gets labelled (the first one)
+    assert text[sa:sb] == span
+    want = 1.0 if label == "good" else -1.0
+    for (s, e), d in zip(offsets, delta):
+        if s < e and sa <= s and e <= sb:
+            assert d == want, (text, span, (s, e))        # every token fully inside the span is labelled
+        elif s == e or e <= sa or s >= sb:
+            assert d == 0.0, (text, span, (s, e))         # no token outside it is
+        else:  # straddling: labelled only if its non-whitespace core is inside
+            core = text[s:e].strip()
+            if core:
+                cs = s + text[s:e].index(core)
+                assert d == (want if sa <= cs and cs + len(core) <= sb else 0.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=string.ascii_letters + " \n.,'\"\u2019\u201c\u201d\u2014-", min_size=1, max_size=60),
+       st.data())
+def test_property_find_span_never_falsely_aligns(text, data):
+    a = data.draw(st.integers(0, len(text) - 1))
+    b = data.draw(st.integers(a + 1, len(text)))
+    span = text[a:b]
+    mangled = data.draw(st.sampled_from(["same", "upper", "spaces", "quoted"]))
+    quote = {"same": span, "upper": span.upper(), "spaces": " ".join(span.split()), "quoted": f'"{span}"'}[mangled]
+    iv = find_span(text, quote)
+    if iv is None:
+        assert not quote.strip() or mangled in ("spaces", "quoted", "upper"), (text, quote)
+        return
+    found, _ = common._normalize(text[iv[0]:iv[1]])
+    variants = set(common._quote_variants(quote))
+    assert found.strip() in variants, (text, quote, text[iv[0]:iv[1]])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_read_jsonl_errors_name_file_line_field(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"id": "1", "prompt": "a"}\n\n{"id": "2"}\n')
+    with pytest.raises(common.DataError, match=r"x\.jsonl:3: missing field 'prompt'"):
+        common.read_jsonl(p, required=("prompt",))
+    p.write_text('{"id": "1", "prompt": "a"}\n{"id": 2, "prompt": \n')
+    with pytest.raises(common.DataError, match=r"x\.jsonl:2: not valid JSON"):
+        common.read_jsonl(p)
+    with pytest.raises(common.DataError, match="no such file"):
+        common.read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_resumable_jsonl_repairs_torn_line(tmp_path):
+    p = tmp_path / "out.jsonl"
+    assert common.open_resumable_jsonl(p) == set()
+    with open(p, "a", encoding="utf-8") as f:
+        common.append_jsonl(f, {"id": "a", "x": 1})
+        common.append_jsonl(f, {"id": "b", "x": 2})
+        f.write('{"id": "c", "x"')  # killed mid-write
+    assert common.open_resumable_jsonl(p) == {"a", "b"}
+    assert p.read_text().count("\n") == 2 and p.read_text().endswith("}\n")
+    assert [r["id"] for r in common.read_jsonl(p)] == ["a", "b"]
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path):
+    p = tmp_path / "r.json"
+    common.write_json(p, {"a": 1})
+    with pytest.raises(RuntimeError):
+        with common.atomic_open(p) as f:
+            f.write("partial")
+            raise RuntimeError("crash")
+    assert json.loads(p.read_text()) == {"a": 1}
+    assert [x.name for x in tmp_path.iterdir()] == ["r.json"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward-model prompt format and the demo critic
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_rm_prompt_plain_and_chat(tiny_tokenizer, tiny_chat_model_dir):
+    from transformers import AutoTokenizer
+    plain = common.build_rm_prompt(tiny_tokenizer, "P", "R")
+    assert plain.endswith("### Response\nR\n\n### Critique\n") and plain.startswith(common.RM_INSTRUCTION)
+    chat_tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    chat = common.build_rm_prompt(chat_tok, "P", "R")
+    assert chat.startswith("<s>user: " + common.RM_INSTRUCTION) and chat.endswith("<s>assistant: ")
+    assert common.encode_prompt(chat_tok, chat).count(chat_tok.bos_token_id) == 2  # no extra BOS added
+
+
+def test_rm_target_roundtrips_through_parse_feedback():
+    target = common.format_rm_target("It gets tom right. ", ["tom"], ["the \"cat\""])
+    assert parse_feedback(target) == {"critique": "It gets tom right.", "good_spans": ["tom"],
+                                      "poor_spans": ['the "cat"']}
+
+
+def test_demo_critic_on_generated_examples():
+    rng, with_mistakes = random.Random(0), 0
+    for _ in range(300):
+        ex = common.make_demo_example(rng)
+        fb = common.demo_critic(ex["prompt"], ex["response"])
+        assert set(fb) == {"critique", "good_spans", "poor_spans"} and fb["critique"]
+        assert parse_feedback(common.format_rm_target(**fb)) == fb
+        _, _, unmatched = locate_spans(ex["response"], fb["good_spans"], fb["poor_spans"])
+        assert unmatched == []
+        with_mistakes += bool(fb["poor_spans"])
+        clean = common.demo_critic(ex["prompt"], " " + ex["reference"])
+        assert clean["poor_spans"] == [] and len(clean["good_spans"]) == 4
+    assert 0.3 < with_mistakes / 300 < 0.8
+
+
+def test_demo_critic_finds_each_mistake_kind():
+    post = ("post: tom lives in york. tom has a red dog called rex. it rained on monday. the dog likes the park. "
+            "it eats fish.\nsummary:")
+    good = " tom from york has a red dog called rex that likes the park and eats fish."
+    for response, poor_word in [(good.replace("york", "leeds"), "leeds"), (good.replace("park", "park on monday"),
+                                "monday"), (good.replace("red dog", "red red dog"), "red")]:
+        fb = common.demo_critic(post, response)
+        _, poor_iv, _ = locate_spans(response, fb["good_spans"], fb["poor_spans"])
+        assert any(poor_word in response[a:b] for a, b in poor_iv), (response, fb)
+    wrong = common.demo_critic(post, good.replace("york", "leeds"))
+    assert "leeds where the post says york" in wrong["critique"]
+    with pytest.raises(ValueError):
+        common.demo_critic("not a demo post", "x")
+
+
+def test_near_quotes_bench_has_no_false_alignments():
+    """bench/span_matching.py's 300 near-quotes: 0 false alignments, < 1% of non-paraphrases unmatched."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import span_matching
+    result = span_matching.main()
+    assert result["false_alignments"] == 0 and result["paraphrases_matched"] == 0
+    assert result["unmatched_rate_near"] < 0.01
