@@ -1,0 +1,659 @@
+"""Stage 3: NL-Gradient policy optimisation (Text2Grad paper Sec. 3.5, Alg. 4). PPO on per-token span rewards.
+
+One iteration (Alg. 4):
+  1. sample a response y ~ pi_theta(.|x) for a batch of prompts (left-padded, temperature T)      l.3
+  2. the critic writes a critique c and quotes good/poor spans of y                               l.4
+  3. spans -> character intervals -> per-token pseudo-rewards delta_t in {-1, 0, +1}              l.5  (common.py)
+  4. r_t = delta_t - beta * KL_t, the KL to the reference policy taken per token                  l.6  compute_rewards
+  5. advantages A_t by GAE over r_t; values V_t from a head on the policy's last hidden state     l.7  compute_gae
+  6. clipped surrogate + clipped value loss - entropy bonus, for a few epochs of minibatches      l.8-10 ppo_loss
+The pure tensor functions for 4-6 sit right below the arguments; copy them into your own project as they are.
+
+    # the demo, after stages 1 and 2: SFT warm start, Text2Grad PPO, then the scalar-reward baseline (~4 min on CPU)
+    python 03_train_policy.py
+    # CPU, the demo task's programmatic critic (no reward model needed), scalar-reward ablation
+    python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
+    # GPU: an 8B policy with LoRA, the stage-2 reward model served by vLLM (see README "Scaling up")
+    python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
+        --prompts data/slf5k_prompts.jsonl --critic openai --critic-base-url http://localhost:8000/v1 \
+        --critic-model rm --device cuda --dtype bf16 --gradient-checkpointing --output-dir runs/slf5k/text2grad
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import common
+
+# Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
+PRESETS = {
+    "demo": dict(model="runs/demo/base", prompts="runs/demo/data/prompts.jsonl", sft_data="runs/demo/data/sft.jsonl",
+                 sft_steps=150, sft_lr=1e-3, sft_output_dir="runs/demo/sft", reward_model="runs/demo/reward_model",
+                 output_dir="runs/demo/text2grad", scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32,
+                 max_new_tokens=32, lr=3e-4, lora_r=16, lora_alpha=32, kl_coef=0.05, ppo_epochs=2,
+                 num_minibatches=2, critic_max_new_tokens=96),
+    "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_output_dir=None,
+                    reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="", steps=1000, batch_size=64,
+                    max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05, ppo_epochs=4,
+                    num_minibatches=4, critic_max_new_tokens=512),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    a = p.add_argument
+    # --- task, data, model
+    a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
+    a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
+    a("--prompts", help="JSONL with a 'prompt' field (and 'test' for --task code)")
+    a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
+    a("--steps", type=int, help="number of PPO iterations")
+    a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
+    a("--resume", action="store_true", help="continue from <output-dir>/checkpoint.pt")
+    a("--scalar-baseline-dir", help="after the run, train the --reward-mode scalar baseline here with the same settings"
+                                    " (demo default: runs/demo/scalar; '' to skip)")
+    a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
+                                                                             "template (auto: if it has one)")
+    a("--max-prompt-tokens", type=int, default=1024, help="longer prompts keep their last tokens")
+    # --- optional SFT warm start (the paper fine-tunes on SLF5K reference summaries first)
+    a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
+    a("--sft-field", default="response", help="the SFT target field")
+    a("--sft-steps", type=int, help="SFT optimizer steps")
+    a("--sft-lr", type=float, help="SFT learning rate")
+    a("--sft-batch-size", type=int, default=32, help="SFT batch size")
+    a("--sft-output-dir", help="where the SFT model (merged, full weights) is saved; PPO starts from it")
+    # --- policy parametrisation
+    a("--lora-r", type=int, help="LoRA rank; 0 = full fine-tuning (then the reference is a frozen copy)")
+    a("--lora-alpha", type=int, help="LoRA alpha")
+    a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
+    a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
+    # --- critic
+    a("--critic", default="local", choices=["local", "program", "openai"], help="who writes critique + spans")
+    a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local")
+    a("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
+    a("--critic-model", default="gpt-4o", help="model name at that endpoint")
+    a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
+    a("--critic-max-new-tokens", type=int, help="max tokens of a critique")
+    # --- rollouts
+    a("--batch-size", type=int, help="rollouts per iteration")
+    a("--max-new-tokens", type=int, help="response length limit")
+    a("--min-new-tokens", type=int, default=0, help="forbid EOS before this many tokens (benchmarks)")
+    a("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
+    a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
+    # --- rewards (Sec. 3.5) and advantages
+    a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
+                                                                        "scalar: sum of delta on the last token")
+    a("--span-weighting", default="uniform", choices=["uniform", "linear-decay"],
+      help="App. I ablation: linear-decay scales delta inside each span from 1 at its first token to 1/n at its last")
+    a("--kl-estimator", default="k1", choices=["k1", "k3", "full"],
+      help="per-token KL: k1 = log p - log q at the sampled token, k3 = (r-1) - log r,\n"
+           "full = sum over the vocabulary (what the paper's code uses; needs both logits)")
+    a("--kl-coef", type=float, help="initial beta")
+    a("--adaptive-kl-target", type=float, default=None, help="target KL per sequence for the adaptive controller "
+                                                             "(Ziegler et al.); unset = fixed beta")
+    a("--adaptive-kl-horizon", type=float, default=10000, help="horizon of the adaptive KL controller")
+    a("--whiten-rewards", action="store_true", help="whiten rewards (scale only) before GAE")
+    a("--gamma", type=float, default=1.0, help="discount")
+    a("--lam", type=float, default=0.95, help="GAE lambda")
+    # --- PPO update
+    a("--lr", type=float, help="learning rate (LoRA weights and value head)")
+    a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
+    a("--ppo-epochs", type=int, help="passes over each batch")
+    a("--num-minibatches", type=int, help="minibatches per epoch")
+    a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
+    a("--clip-range", type=float, default=0.2, help="policy ratio clip epsilon")
+    a("--clip-range-value", type=float, default=0.2, help="value clip")
+    a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
+    a("--ent-coef", type=float, default=0.0, help="entropy bonus coefficient (the paper's beta * H)")
+    a("--max-grad-norm", type=float, default=1.0, help="gradient norm clip")
+    a("--target-kl", type=float, default=None, help="stop an iteration's epochs early when approx KL exceeds this")
+    # --- system
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
+    a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="model weights dtype")
+    a("--gradient-checkpointing", action="store_true", help="trade compute for memory")
+    a("--save-every", type=int, default=20, help="checkpoint every N iterations")
+    a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
+    args = p.parse_args(argv)
+    for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The algorithm: pure tensor functions. Shapes: B rollouts, T response tokens; mask is 1.0 on response tokens.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x, mask, dim=None):
+    return (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (used for rewards)."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return (whitened if shift_mean else whitened + mean) * mask
+
+
+def per_token_kl(logprobs, ref_logprobs, estimator="k1", logits=None, ref_logits=None):
+    """KL_t between policy and reference at each position: Schulman's k1 / k3 estimators from the sampled token's
+    log-probs (B, T), or the exact KL over the vocabulary ("full") from both models' logits (B, T, V)."""
+    if estimator == "full":
+        logp, logq = logits.log_softmax(-1), ref_logits.log_softmax(-1)
+        return (logp.exp() * (logp - logq)).sum(-1)
+    log_ratio = logprobs - ref_logprobs
+    return log_ratio if estimator == "k1" else torch.expm1(-log_ratio) + log_ratio
+
+
+def weight_spans(delta, mode="uniform"):
+    """App. I ablation. uniform: delta as is. linear-decay: inside each run of equal non-zero labels, the k-th of n
+    tokens gets delta * (n - k) / n, so the start of a span carries most of its credit."""
+    if mode == "uniform":
+        return delta
+    out = delta.clone()
+    for b in range(delta.shape[0]):
+        row, t = delta[b].tolist(), 0
+        while t < len(row):
+            end = t
+            while end + 1 < len(row) and row[t] != 0 and row[end + 1] == row[t]:
+                end += 1
+            n = end - t + 1
+            for k in range(n):
+                out[b, t + k] = row[t] * (n - k) / n
+            t = end + 1
+    return out
+
+
+def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
+    """Per-token rewards r_t (Sec. 3.5, Alg. 4 l.6). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
+    r_t = -beta*KL_t, plus sum_t delta_t at the last response token (the EOS if one was sampled, never a pad).
+    seq_bonus (B,), e.g. the missing-EOS penalty, is added at the last token in both modes."""
+    rewards = -kl_coef * kl * mask
+    last = mask.sum(1).long().clamp(min=1) - 1                                   # (B,)
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    if mode == "span":
+        rewards = rewards + delta * mask
+    else:
+        rewards[rows, last] += (delta * mask).sum(1)
+    if seq_bonus is not None:
+        rewards[rows, last] += seq_bonus
+    return rewards * mask
+
+
+def compute_gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalised advantage estimation (Alg. 4 l.7), as an explicit reversed loop.
+    A_t = sum_l (gamma*lam)^l td_{t+l},  td_t = r_t + gamma*V_{t+1} - V_t,  V = 0 after the last valid token.
+    Returns (advantages, returns = advantages + values), both 0 where mask is 0."""
+    rewards, values = rewards * mask, values * mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    T = rewards.shape[1]
+    for t in reversed(range(T)):
+        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(running)
+        td = rewards[:, t] + gamma * next_value - values[:, t]
+        running = td + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
+    """Clipped surrogate policy loss (Alg. 4 l.9) and clipped value loss (l.10), token-averaged under `mask`."""
+    log_ratio = (logprobs - old_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    vf_loss = 0.5 * masked_mean(torch.max((values - returns) ** 2, (values_clipped - returns) ** 2), mask)
+    with torch.no_grad():
+        stats = {"policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
+                 "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), mask).item(),
+                 "val/clipfrac": masked_mean(((values - returns) ** 2 < (values_clipped - returns) ** 2).float(),
+                                             mask).item()}
+    return pg_loss, vf_loss, stats
+
+
+def update_kl_coef(kl_coef, observed_kl, target, horizon, n_steps):
+    """Adaptive KL controller (Ziegler et al. 2019): nudge beta towards the target sequence KL."""
+    error = float(np.clip(observed_kl / target - 1.0, -0.2, 0.2))
+    return kl_coef * (1.0 + error * n_steps / horizon)
+
+
+def entropy_from_logits(logits):
+    """H of the categorical at each position, (B, T, V) -> (B, T)."""
+    probs = logits.softmax(-1)
+    return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Model plumbing: policy with a value head, reference log-probs without a second copy of the weights
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def forward(model, value_head, input_ids, attention_mask, n_resp, temperature):
+    """Log-probs of the last n_resp tokens, the values of the states before them, and the logits / T.
+    Only the last n_resp + 1 positions' logits are computed (logits_to_keep): the prompt's are never needed."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at the first token
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                output_hidden_states=value_head is not None, logits_to_keep=n_resp + 1)
+    logits = out.logits[:, :-1].float() / temperature                          # (B, T, V): position t predicts t+1
+    logprobs = torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)      # (B, T)
+    values = None
+    if value_head is not None:
+        hidden = out.hidden_states[-1][:, -n_resp - 1:-1]                      # (B, T, H), post final norm
+        values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1)    # (B, T)
+    return logprobs, values, logits
+
+
+def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature):
+    """(log-probs, logits) of pi_ref: the same weights with the LoRA adapter switched off (or the --ref-adapter
+    switched on); only full fine-tuning needs the frozen copy `ref_model`."""
+    if ref_model is not None:
+        return forward(ref_model, None, input_ids, attention_mask, n_resp, temperature)[::2]
+    if "ref" in getattr(model, "peft_config", {}):
+        model.set_adapter("ref")
+        try:
+            return forward(model, None, input_ids, attention_mask, n_resp, temperature)[::2]
+        finally:
+            model.set_adapter("default")
+    with model.disable_adapter():
+        return forward(model, None, input_ids, attention_mask, n_resp, temperature)[::2]
+
+
+def build_policy(args, model):
+    """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    ref_model = None
+    if args.ref_adapter:
+        model = PeftModel.from_pretrained(model, args.ref_adapter, adapter_name="ref")
+        model.load_adapter(args.ref_adapter, adapter_name="default", is_trainable=True)
+        model.set_adapter("default")
+    elif args.lora_r > 0:
+        model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                 target_modules=targets, task_type="CAUSAL_LM"))
+    else:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    hidden = model.get_input_embeddings().weight.shape[1]
+    value_head = torch.nn.Linear(hidden, 1, device=args.device)
+    torch.nn.init.zeros_(value_head.weight)  # zero-init: V = 0 at the start, so early advantages are the returns
+    torch.nn.init.zeros_(value_head.bias)
+    return model, ref_model, value_head
+
+
+def format_prompt(tokenizer, prompt, args):
+    use_chat = args.chat_template == "on" or (args.chat_template == "auto" and getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def sft_warm_start(args, model, tokenizer):
+    """Supervised fine-tuning on (prompt, --sft-field) before PPO; loss on the response and its EOS only."""
+    from tqdm.auto import tqdm
+
+    records = common.read_jsonl(args.sft_data, required=("prompt", args.sft_field))
+    if not records:
+        raise common.DataError(f"{args.sft_data}: no records")
+    examples = []
+    for r in records:
+        p = common.encode_prompt(tokenizer, format_prompt(tokenizer, r["prompt"], args))[-args.max_prompt_tokens:]
+        y = tokenizer(r[args.sft_field], add_special_tokens=False)["input_ids"][:args.max_new_tokens]
+        examples.append((p, y + [tokenizer.eos_token_id]))
+    model.train()
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.sft_lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    bar = tqdm(range(args.sft_steps), desc="SFT warm start")
+    for _ in bar:
+        batch = [examples[i] for i in torch.randint(len(examples), (args.sft_batch_size,), generator=gen).tolist()]
+        ids, attn = common.left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
+        labels = ids.masked_fill(attn == 0, -100)
+        for i, (p, y) in enumerate(batch):
+            labels[i, : ids.shape[1] - len(y)] = -100                          # no loss on the prompt
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        loss = model(input_ids=ids.to(args.device), attention_mask=attn.to(args.device),
+                     position_ids=pos.to(args.device), labels=labels.to(args.device)).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Critics: each returns, per (prompt, response), a dict from parse_feedback or None when the output was unparseable
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def make_critic(args):
+    if args.critic == "program":
+        if args.task == "demo":
+            return lambda recs, texts: [common.demo_critic(r["prompt"], t) for r, t in zip(recs, texts)]
+        if args.task == "code":
+            return lambda recs, texts: [common.code_critic(r["prompt"], t, r["test"]) for r, t in zip(recs, texts)]
+        raise common.DataError(f"--critic program: no programmatic critic for --task {args.task}")
+    if args.critic == "local":
+        if not args.reward_model or not Path(args.reward_model).exists():
+            raise common.DataError(f"--reward-model {args.reward_model}: not found (run 02_train_reward.py first, or "
+                                   "use --critic program / openai)")
+        rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
+
+        def local(recs, texts):
+            raw = common.rm_critique(rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens)
+            return [_parse(x) for x in raw]
+        return local
+    from openai import AsyncOpenAI
+
+    async def ask(client, sem, prompt, text):
+        async with sem:
+            reply = await client.chat.completions.create(
+                model=args.critic_model, temperature=0.0, max_tokens=args.critic_max_new_tokens,
+                messages=[{"role": "user", "content": common.rm_user_message(prompt, text)}])
+            return reply.choices[0].message.content or ""
+
+    async def ask_all(recs, texts):  # the whole batch in flight at once, up to --critic-concurrency
+        sem = asyncio.Semaphore(args.critic_concurrency)
+        async with AsyncOpenAI(base_url=args.critic_base_url,
+                               api_key=os.environ.get("OPENAI_API_KEY", "EMPTY")) as client:
+            return await asyncio.gather(*[ask(client, sem, r["prompt"], t) for r, t in zip(recs, texts)])
+
+    return lambda recs, texts: [_parse(x) for x in asyncio.run(ask_all(recs, texts))]
+
+
+def _parse(raw):
+    try:
+        return common.parse_feedback(raw)
+    except ValueError:
+        return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Checkpoints: one file, written to a temp name then renamed, holding everything needed to continue bit-exactly
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(path, step, model, value_head, optimizer, scheduler, kl_coef, args):
+    state = {"step": step, "kl_coef": kl_coef, "args": vars(args),
+             "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+             "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(),
+             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    with common.atomic_open(path, "wb") as f:
+        torch.save(state, f)
+
+
+def load_checkpoint(path, model, value_head, optimizer, scheduler):
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state["trainable"].items():
+            params[name].copy_(tensor)
+    value_head.load_state_dict(state["value_head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"], state["kl_coef"]
+
+
+def batch_indices(step, batch_size, n, seed):
+    """Prompt indices of an iteration: consecutive slices of a fresh permutation per pass over the data, derived
+    from (seed, step) alone so a resumed run draws exactly the same prompts."""
+    out, pos = [], step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset: offset + batch_size - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def train(args):
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    out_dir = Path(args.output_dir)
+    records = common.read_jsonl(args.prompts, required=("prompt",) + (("test",) if args.task == "code" and
+                                                                      args.critic == "program" else ()))
+    if not records:
+        raise common.DataError(f"{args.prompts}: no prompts")
+    if not args.model:
+        raise common.DataError("--model is required outside the demo")
+
+    # --- optional SFT warm start: trained once, saved as full weights, reused by later runs (and the baseline)
+    start_model = args.model
+    if args.sft_data and args.sft_steps > 0:
+        sft_dir = Path(args.sft_output_dir or out_dir / "sft")
+        if not (sft_dir / "config.json").is_file():
+            model, tokenizer = common.load_model(args.model, device=args.device, dtype=args.dtype)
+            if args.lora_r > 0:  # LoRA for the warm start too, merged into the weights afterwards
+                from peft import LoraConfig, get_peft_model
+                model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                                         target_modules=args.lora_targets, task_type="CAUSAL_LM"))
+            sft_warm_start(args, model, tokenizer)
+            model = model.merge_and_unload() if args.lora_r > 0 else model
+            tmp = sft_dir.with_name(sft_dir.name + ".tmp")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, sft_dir)
+        start_model = str(sft_dir)
+    model, tokenizer = common.load_model(start_model, device=args.device, dtype=args.dtype)
+    model, ref_model, value_head = build_policy(args, model)
+    critic = make_critic(args)
+    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda it: 1.0 - it / args.steps if args.anneal_lr else 1.0)
+    kl_coef, first_step = args.kl_coef, 1
+    ckpt = out_dir / "checkpoint.pt"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.resume and ckpt.is_file():
+        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler)
+        first_step = last + 1
+        kept = [r for r in common.read_jsonl(out_dir / "metrics.jsonl") if r["step"] <= last] \
+            if (out_dir / "metrics.jsonl").is_file() else []
+        common.write_jsonl(out_dir / "metrics.jsonl", kept)  # drop rows logged after the checkpoint
+        print(f"resumed from {ckpt} at step {last}")
+    else:
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            (out_dir / name).unlink(missing_ok=True)
+    common.write_json(out_dir / "config.json", vars(args))
+    prompt_ids = [common.encode_prompt(tokenizer, format_prompt(tokenizer, r["prompt"], args))[-args.max_prompt_tokens:]
+                  for r in records]
+    mb_size = args.batch_size // args.num_minibatches
+    micro = mb_size // args.grad_accum
+    sample = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0)  # no hidden top-k
+
+    bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
+               total=args.steps)
+    for step in bar:
+        t0 = time.time()
+        # ---- 1. rollouts (Alg. 4 l.3): left-padded batch, sampled with the behaviour policy's exact settings
+        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)
+        batch_recs = [records[i] for i in idx]
+        query, query_mask = common.left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id)
+        query, query_mask = query.to(args.device), query_mask.to(args.device)
+        model.eval()
+        with torch.no_grad():
+            seqs = model.generate(input_ids=query, attention_mask=query_mask, max_new_tokens=args.max_new_tokens,
+                                  min_new_tokens=args.min_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, **sample)
+        response = seqs[:, query.shape[1]:]                                                   # (B, T)
+        is_eos = response == tokenizer.eos_token_id
+        has_eos = is_eos.any(1)
+        first_eos = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1],
+                                                                                  dtype=torch.long))
+        positions = torch.arange(response.shape[1], device=response.device)
+        mask = (positions[None] <= first_eos[:, None]).float()   # response tokens up to and including the EOS
+        response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
+        T = response.shape[1]
+        input_ids = torch.cat([query, response], 1)
+        attention_mask = torch.cat([query_mask, mask.long()], 1)
+        t_gen = time.time()
+
+        # ---- 2-3. critique each response and turn its spans into delta_t (Alg. 4 l.4-5; common.span_rewards)
+        texts, offsets = [], []
+        for row, n in zip(response.tolist(), mask.sum(1).long().tolist()):
+            text, offs = common.decode_with_offsets(tokenizer, row[:n])
+            texts.append(text)
+            offsets.append(offs)
+        feedback = critic(batch_recs, texts)
+        delta = torch.zeros_like(mask)
+        n_spans = n_unmatched = 0
+        for i, fb in enumerate(feedback):
+            if fb is None:
+                continue
+            d, unmatched = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+            delta[i, :len(d)] = torch.tensor(d)
+            n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+            n_unmatched += len(unmatched)
+        delta = weight_spans(delta, args.span_weighting)
+        t_critic = time.time()
+
+        # ---- 4. per-token rewards r_t = delta_t - beta*KL_t (Alg. 4 l.6), old log-probs and values
+        with torch.no_grad():
+            old_logprobs, old_values, kl = [], [], []
+            for s in range(0, args.batch_size, micro):  # in micro-batches: (B, T, V) logits can be large
+                sl = slice(s, s + micro)
+                lp, v, logits = forward(model, value_head, input_ids[sl], attention_mask[sl], T, args.temperature)
+                ref_lp, ref_logits = reference_forward(model, ref_model, input_ids[sl], attention_mask[sl], T,
+                                                       args.temperature)
+                old_logprobs.append(lp)
+                old_values.append(v)
+                kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
+            old_logprobs, old_values = torch.cat(old_logprobs), torch.cat(old_values)   # (B, T)
+            kl = torch.cat(kl) * mask                                                   # (B, T)
+            seq_bonus = torch.where(has_eos, 0.0, -args.missing_eos_penalty)
+            rewards = compute_rewards(delta, kl, mask, kl_coef, args.reward_mode, seq_bonus)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, mask, shift_mean=False)
+            # ---- 5. advantages by GAE (Alg. 4 l.7), then whitened
+            advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
+            advantages = masked_whiten(advantages, mask)
+
+        # ---- 6. PPO epochs over minibatches (Alg. 4 l.8-10)
+        model.train()
+        stats, stop = [], False
+        for epoch in range(args.ppo_epochs):
+            perm = torch.randperm(args.batch_size, device=args.device)
+            for mb_start in range(0, args.batch_size, mb_size):
+                mb = perm[mb_start: mb_start + mb_size]
+                mb_tokens = mask[mb].sum().clamp(min=1)
+                for s in range(0, mb_size, micro):
+                    m = mb[s: s + micro]
+                    logprobs, values, logits = forward(model, value_head, input_ids[m], attention_mask[m], T,
+                                                       args.temperature)
+                    pg_loss, vf_loss, st = ppo_loss(logprobs, old_logprobs[m], advantages[m], values, old_values[m],
+                                                    returns[m], mask[m], args.clip_range, args.clip_range_value)
+                    entropy = masked_mean(entropy_from_logits(logits), mask[m])
+                    loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
+                    (loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
+                    stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
+                                  "losses/entropy": entropy.item()})
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            if args.target_kl is not None and np.mean([s["policy/approx_kl"] for s in stats]) > args.target_kl:
+                break  # early stop: the policy moved far enough from the behaviour policy
+        scheduler.step()
+        model.eval()
+
+        # ---- adaptive KL controller, logging, checkpoints
+        seq_kl = kl.sum(1).mean().item()
+        if args.adaptive_kl_target:
+            kl_coef = update_kl_coef(kl_coef, seq_kl, args.adaptive_kl_target, args.adaptive_kl_horizon,
+                                     args.batch_size)
+        n_tokens = mask.sum().item()
+        var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        row = {"step": step,
+               "objective/kl": seq_kl, "objective/kl_coef": kl_coef,
+               "objective/entropy": float(np.mean([s["losses/entropy"] for s in stats])),
+               "objective/span_reward": (delta * mask).sum(1).mean().item(),
+               "objective/rlhf_reward": rewards.sum(1).mean().item(),
+               **{k: float(np.mean([s[k] for s in stats])) for k in stats[0]},
+               "val/explained_variance": (1 - masked_mean((returns - old_values) ** 2, mask) / var_returns).item()
+               if var_returns > 0 else 0.0,
+               "critic/parse_fail_rate": sum(fb is None for fb in feedback) / len(feedback),
+               "critic/unmatched_span_rate": n_unmatched / max(n_spans, 1),
+               "critic/tokens_labelled_frac": ((delta != 0).float() * mask).sum().item() / n_tokens,
+               "critic/mistake_rate": ((delta < 0).float() * mask).amax(1).mean().item(),
+               "response/length": mask.sum(1).mean().item(), "response/eos_rate": has_eos.float().mean().item(),
+               "lr": scheduler.get_last_lr()[0],
+               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/step_s": time.time() - t0}
+        with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            common.append_jsonl(f, row)
+        if step % args.log_every == 0 or step == args.steps:
+            with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
+                for i in range(min(4, args.batch_size)):
+                    fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
+                    common.append_jsonl(f, {"step": step, "prompt": batch_recs[i]["prompt"], "response": texts[i],
+                                            **fb, "span_reward": (delta[i] * mask[i]).sum().item()})
+        bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{seq_kl:.2f}",
+                        mistakes=f"{row['critic/mistake_rate']:.2f}")
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, args)
+
+    # ---- the trained policy: adapter (or full weights) + tokenizer + value head, loadable by common.load_model
+    policy_dir = out_dir / "policy"
+    tmp = out_dir / "policy.tmp"
+    model.save_pretrained(tmp, selected_adapters=["default"]) if hasattr(model, "peft_config") else \
+        model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save(value_head.state_dict(), tmp / "value_head.pt")
+    if policy_dir.exists():
+        import shutil
+        shutil.rmtree(policy_dir)
+    os.replace(tmp, policy_dir)
+    return policy_dir
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    policy = train(args)
+    print(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
+    if args.scalar_baseline_dir:  # the same run with the same information as one scalar at the end (App. A)
+        base = copy.copy(args)
+        base.reward_mode, base.output_dir, base.scalar_baseline_dir = "scalar", args.scalar_baseline_dir, ""
+        policy = train(base)
+        print(f"scalar baseline saved to {policy}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except common.DataError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,266 @@
+"""03_train_policy.py: the PPO math against independent references, and short runs of the real loop."""
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import common
+from conftest import ROOT, import_script
+
+ppo = import_script("03_train_policy")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The math
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def gae_reference(rewards, values, n, gamma, lam):
+    """A_t = sum_l (gamma*lam)^l td_{t+l} by the direct double sum, on python floats, for one row of length n."""
+    v = lambda t: values[t] if t < n else 0.0  # noqa: E731
+    td = [rewards[t] + gamma * v(t + 1) - v(t) for t in range(n)]
+    adv = [sum((gamma * lam) ** l * td[t + l] for l in range(n - t)) for t in range(n)]
+    return adv, [a + values[t] for t, a in enumerate(adv)]
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 1.0), (0.99, 0.0), (1.0, 1.0)])
+def test_gae_matches_direct_sum_with_ragged_masks(gamma, lam):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 9
+    rewards, values = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    lengths = [9, 1, 5, 0, 3, 8]
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    adv, ret = ppo.compute_gae(rewards, values, mask, gamma, lam)
+    for b, n in enumerate(lengths):
+        want_adv, want_ret = gae_reference(rewards[b].tolist(), values[b].tolist(), n, gamma, lam)
+        assert adv[b, :n].tolist() == pytest.approx(want_adv, abs=1e-5)
+        assert ret[b, :n].tolist() == pytest.approx(want_ret, abs=1e-5)
+        assert adv[b, n:].abs().sum() == 0 and ret[b, n:].abs().sum() == 0
+
+
+def test_ppo_loss_hand_computed():
+    # two valid tokens and one padded one; every number below is worked out by hand
+    logprobs = torch.tensor([[0.0, -1.0, 5.0]])
+    old = torch.tensor([[-0.5, -1.0, 0.0]])                # ratios: e^0.5 = 1.6487 (clipped to 1.2), 1.0
+    adv = torch.tensor([[1.0, -2.0, 9.0]])
+    values = torch.tensor([[0.5, 1.0, 7.0]])
+    old_values = torch.tensor([[0.0, 1.0, 0.0]])           # value 0.5 clipped to 0.2
+    returns = torch.tensor([[1.0, 0.0, 3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    pg, vf, stats = ppo.ppo_loss(logprobs, old, adv, values, old_values, returns, mask, 0.2, 0.2)
+    # token 0: max(-1*1.6487, -1*1.2) = -1.2 ; token 1: max(2*1, 2*1) = 2  -> mean 0.4
+    assert pg.item() == pytest.approx(0.4, abs=1e-6)
+    # token 0: max((0.5-1)^2, (0.2-1)^2) = 0.64 ; token 1: max(1, 1) = 1 -> 0.5 * mean = 0.41
+    assert vf.item() == pytest.approx(0.41, abs=1e-6)
+    assert stats["policy/clipfrac"] == pytest.approx(0.5)
+    # approx KL (k3 of the ratio): token 0: e^0.5 - 1 - 0.5 = 0.148721 ; token 1: 0
+    assert stats["policy/approx_kl"] == pytest.approx(0.1487212707 / 2, abs=1e-6)
+
+
+def test_rewards_span_and_scalar_carry_the_same_delta():
+    delta = torch.tensor([[1.0, 0.0, -1.0, 1.0, 0.0], [0.0, -1.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    kl = torch.tensor([[0.1, 0.2, 0.0, -0.1, 0.3], [0.5, 0.0, 0.1, 9.0, 9.0]])
+    span = ppo.compute_rewards(delta, kl, mask, 0.5, "span")
+    scalar = ppo.compute_rewards(delta, kl, mask, 0.5, "scalar")
+    assert torch.allclose(span.sum(1), scalar.sum(1))
+    assert torch.allclose(span, (delta - 0.5 * kl) * mask)
+    # scalar: only the KL term per token, the sum of delta at the last valid token (not at the padding)
+    assert torch.allclose(scalar[1], torch.tensor([-0.25, 0.0, -0.05 - 1.0, 0.0, 0.0]))
+    bonus = ppo.compute_rewards(delta, kl * 0, mask, 0.5, "span", seq_bonus=torch.tensor([0.0, -1.0]))
+    assert bonus[1, 2] == -1.0 and bonus[0].tolist() == delta[0].tolist()
+
+
+def test_kl_estimators():
+    lp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
+    assert ppo.per_token_kl(lp, ref, "k1")[0].tolist() == pytest.approx([0.5, 0.0])
+    assert ppo.per_token_kl(lp, ref, "k3")[0].tolist() == pytest.approx([torch.e ** -0.5 - 1 + 0.5, 0.0])
+    logits, ref_logits = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
+    p, q = logits.softmax(-1), ref_logits.softmax(-1)
+    assert torch.allclose(ppo.per_token_kl(None, None, "full", logits, ref_logits), (p * (p / q).log()).sum(-1),
+                          atol=1e-6)
+    assert ppo.per_token_kl(None, None, "full", logits, logits).abs().max() < 1e-6
+
+
+def test_whiten_and_span_weighting_and_kl_controller():
+    x, mask = torch.tensor([[1.0, 2.0, 3.0, 100.0]]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    w = ppo.masked_whiten(x, mask)
+    assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3) and w[0, 3] == 0
+    assert ppo.masked_whiten(x, mask, shift_mean=False)[0, 1].item() == pytest.approx(2.0)
+    delta = torch.tensor([[0.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0]])
+    assert ppo.weight_spans(delta, "uniform").tolist() == delta.tolist()
+    assert ppo.weight_spans(delta, "linear-decay")[0].tolist() == pytest.approx(
+        [0.0, 1.0, 2 / 3, 1 / 3, -1.0, -0.5, 0.0, 1.0])
+    assert ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
+    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) < 0.1
+
+
+def test_batch_indices_cover_each_pass_once_and_are_reproducible():
+    first_pass = sum((ppo.batch_indices(s, 4, 10, seed=3) for s in range(5)), [])
+    assert sorted(first_pass[:10]) == list(range(10)) and sorted(first_pass[10:20]) == list(range(10))
+    assert ppo.batch_indices(7, 4, 10, 3) == ppo.batch_indices(7, 4, 10, 3) != ppo.batch_indices(7, 4, 10, 4)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model plumbing
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _args(tmp_path, tiny_model_dir, *extra):
+    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    return ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic",
+                           "program", "--output-dir", str(tmp_path / "run"), "--scalar-baseline-dir", "",
+                           "--steps", "2", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
+                           "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
+                           "--lora-alpha", "8", *extra])
+
+
+@pytest.mark.parametrize("lora_r", [4, 0])
+def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_r):
+    args = _args(tmp_path, tiny_model_dir, "--lora-r", str(lora_r))
+    model, tok = common.load_model(tiny_model_dir)
+    model, ref_model, value_head = ppo.build_policy(args, model)
+    assert (ref_model is None) == (lora_r > 0)  # LoRA: no second copy of the weights
+    ids, mask = common.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
+                                tok.pad_token_id)
+    with torch.no_grad():
+        lp, values, logits = ppo.forward(model, value_head, ids, mask, 3, 1.0)
+        ref_lp, ref_logits = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
+    assert torch.equal(lp, ref_lp) and torch.equal(logits, ref_logits)
+    assert ppo.per_token_kl(lp, ref_lp, "k1").abs().max() == 0
+    assert values.abs().max() == 0  # zero-initialised value head
+    if lora_r:  # one step of training moves the policy but not the reference
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data.add_(0.1)
+        lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
+        ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
+        assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
+        del opt
+
+
+def test_forward_logprobs_match_generate_scores(tiny_model_dir):
+    model, tok = common.load_model(tiny_model_dir)
+    ids, mask = common.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
+                                tok.pad_token_id)
+    torch.manual_seed(0)
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
+                         max_new_tokens=5, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    R = out.sequences.shape[1] - ids.shape[1]
+    want = torch.stack(out.scores, 1).log_softmax(-1).gather(2, out.sequences[:, -R:, None]).squeeze(-1)
+    full_mask = torch.cat([mask, torch.ones(2, R, dtype=torch.long)], 1)
+    lp, _, _ = ppo.forward(model, None, out.sequences, full_mask, R, 0.7)
+    assert torch.allclose(lp, want, atol=1e-4)  # the log-probs of the behaviour policy, logits divided by T
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Short runs of the real loop
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _rows(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_smoke_program_critic_span_and_scalar(tmp_path, tiny_model_dir):
+    args = _args(tmp_path, tiny_model_dir)
+    ppo.train(args)
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ["objective/kl", "objective/entropy", "objective/span_reward", "policy/approx_kl", "policy/clipfrac",
+                "losses/policy_loss", "losses/value_loss", "val/explained_variance", "critic/parse_fail_rate",
+                "critic/unmatched_span_rate", "critic/tokens_labelled_frac", "time/step_s"]:
+        assert key in rows[0], key
+    assert rows[0]["objective/kl"] == 0.0  # the LoRA policy starts exactly at the reference
+    assert rows[0]["critic/parse_fail_rate"] == 0.0
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"prompt", "response", "critique", "good_spans", "poor_spans"} <= set(samples[0])
+    policy, tok = common.load_model(str(tmp_path / "run" / "policy"))  # the saved adapter loads on its own
+    assert (tmp_path / "run" / "policy" / "value_head.pt").is_file()
+
+    scalar = _args(tmp_path, tiny_model_dir, "--reward-mode", "scalar", "--output-dir", str(tmp_path / "scalar"))
+    ppo.train(scalar)
+    assert [r["step"] for r in _rows(tmp_path / "scalar")] == [1, 2]
+
+
+def test_smoke_local_critic_counts_unparseable_output(tmp_path, tiny_model_dir):
+    # an untrained model as "reward model": its output is gibberish, which must give delta = 0, never a crash
+    args = _args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", tiny_model_dir,
+                 "--critic-max-new-tokens", "8")
+    ppo.train(args)
+    rows = _rows(tmp_path / "run")
+    assert rows[0]["critic/parse_fail_rate"] == 1.0 and rows[0]["objective/span_reward"] == 0.0
+
+
+def test_smoke_openai_critic_sends_the_batch_concurrently(tmp_path, tiny_model_dir, fake_openai):
+    active, peak, lock = [0], [0], threading.Lock()
+
+    def reply(body, n):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.2)
+        with lock:
+            active[0] -= 1
+        response = body["messages"][0]["content"].split("### Response\n", 1)[1]
+        word = (response.split() or ["x"])[0]
+        return f"Reasoning first.\n```json\n{json.dumps({'critique': 'c', 'good_spans': [], 'poor_spans': [word]})}\n```"
+
+    with fake_openai(reply) as server:
+        args = _args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
+                     "--critic-model", "rm")
+        ppo.train(args)
+        bodies = [r["body"] for r in server.requests]
+    assert len(bodies) == 8 and all(b["model"] == "rm" for b in bodies)
+    assert bodies[0]["messages"][0]["content"].startswith(common.RM_INSTRUCTION)
+    assert peak[0] >= 4  # one batch of 4 rollouts in flight at once
+    rows = _rows(tmp_path / "run")
+    assert rows[0]["critic/parse_fail_rate"] == 0.0 and rows[0]["critic/tokens_labelled_frac"] > 0
+
+
+def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
+    extra = ["--steps", "4", "--save-every", "2", "--kl-coef", "0.1", "--adaptive-kl-target", "0.5", "--anneal-lr"]
+    straight = _args(tmp_path, tiny_model_dir, *extra, "--output-dir", str(tmp_path / "straight"))
+    ppo.train(straight)
+
+    real_make_critic, calls = ppo.make_critic, [0]
+
+    def crashing_make_critic(args):
+        critic = real_make_critic(args)
+
+        def wrapped(recs, texts):
+            calls[0] += 1
+            if calls[0] == 3:
+                raise KeyboardInterrupt  # interrupted during the 3rd iteration, after the step-2 checkpoint
+            return critic(recs, texts)
+        return wrapped
+
+    monkeypatch.setattr(ppo, "make_critic", crashing_make_critic)
+    run = _args(tmp_path, tiny_model_dir, *extra, "--output-dir", str(tmp_path / "resumed"))
+    with pytest.raises(KeyboardInterrupt):
+        ppo.train(run)
+    monkeypatch.setattr(ppo, "make_critic", real_make_critic)
+    ppo.train(_args(tmp_path, tiny_model_dir, *extra, "--output-dir", str(tmp_path / "resumed"), "--resume"))
+
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert strip(_rows(tmp_path / "resumed")) == strip(_rows(tmp_path / "straight"))
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["trainable"]
+    b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["trainable"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tiny_model_dir):
+    bad = tmp_path / "prompts.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"id": 2, "promt": "typo"}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
+                           str(bad), "--critic", "program", "--output-dir", str(tmp_path / "run"),
+                           "--scalar-baseline-dir", "", "--steps", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {bad}:2: missing field 'prompt'"
+    assert not (tmp_path / "run").exists()
