@@ -486,71 +486,533 @@ def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# Reward-model quality against annotated spans (paper Tables 1 and 6): 02 scores its val split with it, 04 can reuse it
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _prf(tp: int, n_pred: int, n_gold: int):
+    """(precision, recall, F1); None where a denominator is 0 (no predicted / no gold tokens of the class)."""
+    p, r = (tp / n_pred if n_pred else None), (tp / n_gold if n_gold else None)
+    return p, r, (None if p is None or r is None else 2 * p * r / (p + r) if p + r else 0.0)
+
+
+def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
+    """How well reward-model critiques recover the annotated spans. Pure: no model or tokenizer involved.
+
+    items[i] = {"text", "offsets", "good_spans", "poor_spans"}: a response as decode_with_offsets returns it (text and
+    its tokens' character intervals) with the annotated quotes; outputs[i] is the reward model's raw text for it.
+    Gold and predicted delta both come from span_rewards on the same tokens; an output that does not parse predicts
+    delta = 0 everywhere (what the policy would get). Returns a flat dict:
+      n, parse_rate; quotes (non-empty predicted quotes of parsed outputs), unmatched_span_rate (share of them not
+      found in the response); {pos,neg}_{precision,recall,f1} over tokens for delta = +1 / -1 (None if undefined) and
+      {pos,neg}_tokens_{gold,pred,tp}; spans = {good|poor: {gold, pred, exact, partial}}, where a located predicted
+      span is exact if it equals a gold interval of its polarity, partial if it only overlaps one;
+      critique_words = mean words of the parsed critiques.
+    """
+    if len(items) != len(outputs):
+        raise ValueError(f"{len(items)} items but {len(outputs)} outputs")
+    tok = {c: {"gold": 0, "pred": 0, "tp": 0} for c in (1.0, -1.0)}
+    spans = {k: {"gold": 0, "pred": 0, "exact": 0, "partial": 0} for k in ("good", "poor")}
+    parsed, quotes, unmatched, words = 0, 0, 0, []
+    for item, out in zip(items, outputs):
+        text, offsets = item["text"], item["offsets"]
+        gold, _ = span_rewards(text, offsets, item["good_spans"], item["poor_spans"])
+        try:
+            fb = parse_feedback(out)
+        except ValueError:
+            fb = {"critique": "", "good_spans": [], "poor_spans": []}
+        else:
+            parsed += 1
+            words.append(len(fb["critique"].split()))
+            quotes += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+        pred, missing = span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
+        unmatched += len(missing)
+        for g, p in zip(gold, pred):
+            for c in tok:
+                tok[c]["gold"] += g == c
+                tok[c]["pred"] += p == c
+                tok[c]["tp"] += g == c and p == c
+        gold_iv = dict(zip(("good", "poor"), locate_spans(text, item["good_spans"], item["poor_spans"])))
+        pred_iv = dict(zip(("good", "poor"), locate_spans(text, fb["good_spans"], fb["poor_spans"])))
+        for k, s in spans.items():
+            s["gold"] += len(gold_iv[k])
+            s["pred"] += len(pred_iv[k])
+            for a, b in pred_iv[k]:
+                if (a, b) in gold_iv[k]:
+                    s["exact"] += 1
+                elif any(a < d and c < b for c, d in gold_iv[k]):
+                    s["partial"] += 1
+    n = len(items)
+    metrics = {"n": n, "parse_rate": parsed / n if n else None, "quotes": quotes,
+               "unmatched_span_rate": unmatched / quotes if quotes else None}
+    for name, c in (("pos", 1.0), ("neg", -1.0)):
+        t = tok[c]
+        metrics.update(zip((f"{name}_precision", f"{name}_recall", f"{name}_f1"), _prf(t["tp"], t["pred"], t["gold"])))
+        metrics.update({f"{name}_tokens_{k}": v for k, v in t.items()})
+    metrics["spans"] = spans
+    metrics["critique_words"] = sum(words) / len(words) if words else 0.0
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Sandbox for model-written code (01 program critic, 03 program critic, 04 pass@1)
 # ----------------------------------------------------------------------------------------------------------------------
 
+# Layers, applied in the child by a tiny launcher that then execs the command (no preexec_fn: safe from threads):
+#   always     a fresh temp dir as cwd/HOME/TMPDIR; an allowlisted environment (no keys, tokens or proxies); rlimits on
+#              address space, CPU time, file size and core dumps; its own session, whose process group is killed on
+#              timeout and again when the run ends (leftover children); output truncated.
+#   Landlock   (Linux >= 5.13, unprivileged, detected at run time) writes only inside the temp dir; reads only the
+#              Python installation, system libraries, /dev, /proc and /sys (not $HOME, the project, other runs' dirs);
+#              no TCP bind/connect (ABI >= 4); no signals or abstract sockets outside the sandbox (ABI >= 6); other
+#              processes' /proc/PID/environ are out of reach (Landlock's ptrace rule).
+#   as root    every capability is dropped. The uid stays 0 so an interpreter under /root stays readable: Landlock,
+#              not file ownership, is what confines it.
+# Without Landlock (macOS, old kernels) only the first layer applies, a RuntimeWarning says so once, and
+# result["sandbox"] lists what was applied. If Landlock is present but cannot be applied, nothing runs: RuntimeError.
+
 _SAFE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")  # an allowlist: nothing secret-looking can leak
+_SANDBOX_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
+                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # third-party pytest plugins cost ~2 s of startup
+                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_LL_READ, _LL_FILE_RW, _LL_ALL = 1 | 4 | 8, 2 | 4 | 1 << 14, (1 << 16) - 1  # exec+read file+read dir; rw+truncate
+_LAUNCHER = r"""
+import ctypes, json, os, resource, struct, sys
+status_fd, cfg, cmd = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
+os.set_inheritable(status_fd, False)  # a successful exec closes it: the parent then reads nothing
+try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype, L, U = ctypes.c_long, ctypes.c_long, ctypes.c_ulong
+    def ok(ret, what):
+        if ret < 0:
+            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+        return ret
+    if sys.platform.startswith("linux"):  # no exec can grant privileges again: setuid bits, file caps, root's caps
+        ok(libc.prctl(ctypes.c_int(38), U(1), U(0), U(0), U(0)), "PR_SET_NO_NEW_PRIVS")
+    abi = cfg["landlock_abi"]
+    if abi:  # landlock_create_ruleset = 444, landlock_add_rule = 445, landlock_restrict_self = 446 (all arches)
+        fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15  # every fs right this ABI knows
+        size = 8 if abi < 4 else 16 if abi < 6 else 24  # the struct grew: fs rights, then net rights, then scopes
+        attr = struct.pack("QQQ", fs, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)[:size]
+        ruleset = ok(libc.syscall(L(444), attr, L(len(attr)), L(0)), "landlock_create_ruleset")
+        for path, access in cfg["rules"]:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            if not os.path.isdir(path):
+                access &= 1 | 2 | 4 | 1 << 14 | 1 << 15  # the rights a single file can carry
+            ok(libc.syscall(L(445), L(ruleset), L(1), struct.pack("=Qi", access & fs, fd), L(0)), f"add_rule {path}")
+            os.close(fd)
+        ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock_restrict_self")
+    if cfg["drop_caps"]:  # uid 0 keeps no privilege: permitted = effective = {} (and no_new_privs keeps it so)
+        for cap in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
+            libc.prctl(ctypes.c_int(24), U(cap), U(0), U(0), U(0))  # PR_CAPBSET_DROP; needs CAP_SETPCAP: best effort
+        ok(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
+    for name, (soft, hard) in cfg["rlimits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        except (ValueError, OSError):
+            if sys.platform.startswith("linux"):
+                raise
+    os.execvp(cmd[0], cmd)
+except BaseException as e:
+    os.write(status_fd, f"{type(e).__name__}: {e}".encode())
+    os._exit(126)
+"""
+
+
+_LANDLOCK_ABI = None
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where there is none (not Linux, kernel < 5.13, or Landlock disabled)."""
+    global _LANDLOCK_ABI
+    if _LANDLOCK_ABI is None:
+        _LANDLOCK_ABI = 0
+        if os.uname().sysname == "Linux":
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.syscall.restype = ctypes.c_long
+            _LANDLOCK_ABI = max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))
+    return _LANDLOCK_ABI
+
+
+def _landlock_rules(work: str) -> list:
+    """[path, rights]: read the interpreter and system libraries, read+write /dev/null, everything inside `work`."""
+    import site
+    import sys
+    reads = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/dev", "/proc", "/sys",
+             "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/os-release",
+             sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)), *getattr(site, "getsitepackages", list)(),
+             site.getusersitepackages()]
+    return [[p, _LL_READ] for p in dict.fromkeys(reads) if os.path.exists(p)] + [["/dev/null", _LL_FILE_RW],
+                                                                                  [work, _LL_ALL]]
+
+
+def _kill_group(pgid: int) -> None:
+    import signal
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 10.0, memory_mb: int = 1024,
                   max_output_chars: int = 10_000) -> dict:
     """Run untrusted code: `files` are written to a fresh temp dir, `command` runs there in its own process group with
-    a wall-clock limit, address-space and CPU rlimits, and an environment holding no secrets; output is truncated.
-    Returns {"returncode", "stdout", "stderr", "timed_out", "duration_s"}; the whole group is killed on timeout."""
-    import resource
+    a wall-clock limit, address-space and CPU rlimits, an environment holding no secrets, and (where the kernel has
+    it) Landlock confinement and no capabilities; output is truncated. The whole group is killed on timeout.
+    Returns {"returncode", "stdout", "stderr", "timed_out", "duration_s", "sandbox"} ("sandbox": optional layers
+    applied). Raises RuntimeError if the sandbox itself cannot be set up (the code then never runs)."""
+    import math
     import signal
     import subprocess
+    import sys
     import time
+    import warnings
 
-    def limit():  # runs in the child before exec
-        os.setsid()
-        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-        cpu = max(1, int(timeout_s) + 1)
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))
-
-    with tempfile.TemporaryDirectory(prefix="t2g-sandbox-") as work:
+    abi = landlock_abi()
+    drop_caps = os.uname().sysname == "Linux" and os.geteuid() == 0
+    if not abi:
+        warnings.warn("Landlock is unavailable: model-written code runs with rlimits, a temp dir and a clean "
+                      "environment only (no filesystem or network confinement)", RuntimeWarning, stacklevel=2)
+    with tempfile.TemporaryDirectory(prefix="t2g-sandbox-", ignore_cleanup_errors=True) as work:
         for name, text in files.items():
-            Path(work, name).write_text(text, encoding="utf-8")
+            if Path(name).is_absolute() or ".." in Path(name).parts:
+                raise ValueError(f"sandbox file names must stay inside its directory: {name!r}")
+            path = Path(work, name)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
         env = {k: os.environ[k] for k in _SAFE_ENV if k in os.environ}
-        env.update(HOME=work, TMPDIR=work, PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
+        env.update(_SANDBOX_ENV, HOME=work, TMPDIR=work)
+        cpu = math.ceil(timeout_s) + 1
+        config = {"landlock_abi": abi, "rules": _landlock_rules(work) if abi else [], "drop_caps": drop_caps,
+                  "rlimits": {"RLIMIT_AS": [memory_mb << 20] * 2, "RLIMIT_CPU": [cpu, cpu + 1],
+                              "RLIMIT_FSIZE": [64 << 20] * 2, "RLIMIT_CORE": [0, 0]}}
+        status_r, status_w = os.pipe()
         start = time.monotonic()
-        proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=limit)
+        try:
+            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(status_w), json.dumps(config),
+                                     *command], cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
+        finally:
+            os.close(status_w)
+        timed_out = False
         try:
             out, err = proc.communicate(timeout=timeout_s)
-            timed_out = False
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
             timed_out = True
-    cut = lambda b: b.decode("utf-8", "replace")[:max_output_chars]  # noqa: E731
+            try:  # "where are you stuck?": the test runners dump their stack on SIGUSR1; anything else just dies
+                os.kill(proc.pid, signal.SIGUSR1)
+                out, err = proc.communicate(timeout=0.5)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                _kill_group(proc.pid)
+                try:
+                    out, err = proc.communicate(timeout=5)
+                except subprocess.TimeoutExpired:  # a child that left the group still holds the pipes
+                    proc.kill()
+                    out, err = b"", b"(output lost: a process that left the sandbox's group kept the pipes open)"
+        _kill_group(proc.pid)  # children the code left behind in its group
+        duration = time.monotonic() - start
+        with os.fdopen(status_r, "rb") as f:
+            setup_error = f.read().decode("utf-8", "replace")
+    if setup_error:
+        raise RuntimeError(f"sandbox could not start {command[0]!r}: {setup_error}")
+
+    def cut(b: bytes) -> str:  # paths relative to the temp dir, so reports do not depend on its random name
+        text = b.decode("utf-8", "replace")
+        for prefix in {work + os.sep, os.path.realpath(work) + os.sep}:
+            text = text.replace(prefix, "")
+        return text[:max_output_chars]
     return {"returncode": proc.returncode, "stdout": cut(out), "stderr": cut(err), "timed_out": timed_out,
-            "duration_s": time.monotonic() - start}
+            "duration_s": duration, "sandbox": [f"landlock-v{abi}"] * bool(abi) + ["no-capabilities"] * drop_caps}
+
+
+# The fast test runner: pytest's semantics for plain test files (test_* functions and Test* classes without fixtures,
+# marks or hooks) in ~0.1 s instead of pytest's ~0.6 s startup. Files that use pytest features go to real pytest.
+# It prints pytest-style lines ("FAILED test_solution.py::test_x", a native traceback, "1 failed, 2 passed in 0.01s"),
+# stops at the first failure like -x and explains failed asserts like pytest's rewriting does (assert 3 == 4).
+# Both runners dump the stack on SIGUSR1 (sent at the time limit) to a copy of stderr that pytest's capture cannot
+# swallow, so the critic can name the line a hung test is stuck on.
+_DUMP_ON_SIGUSR1 = ("import faulthandler, os, signal\n"
+                    "faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), 'w'))\n")
+_TEST_RUNNER = _DUMP_ON_SIGUSR1 + r"""
+import ast, sys, time, traceback, types
+start, path = time.perf_counter(), os.path.abspath("test_solution.py")
+OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Is: "is",
+       ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+
+def explain(*parts):  # (value,) or (left, op, right) -> "assert 3 == 4"
+    show = lambda v: (lambda t: t if len(t) <= 200 else t[:200] + "...")(repr(v))
+    return "assert " + (show(parts[0]) if len(parts) == 1 else f"{show(parts[0])} {parts[1]} {show(parts[2])}")
+
+class Explain(ast.NodeTransformer):  # assert a == b  ->  l = a; r = b; assert l == r, explain(l, "==", r)
+    def visit_Assert(self, node):
+        if node.msg is not None:
+            return node
+        var, t = (lambda n, ctx=ast.Load: ast.Name(f"_t2g_{n}", ctx())), node.test
+        call = lambda *args: ast.Call(ast.Name("_t2g_explain", ast.Load()), list(args), [])
+        if isinstance(t, ast.Compare) and len(t.ops) == 1:
+            body = [ast.Assign([var("l", ast.Store)], t.left), ast.Assign([var("r", ast.Store)], t.comparators[0]),
+                    ast.Assert(ast.Compare(var("l"), t.ops, [var("r")]),
+                               call(var("l"), ast.Constant(OPS[type(t.ops[0])]), var("r")))]
+        else:
+            body = [ast.Assign([var("v", ast.Store)], t), ast.Assert(var("v"), call(var("v")))]
+        return [ast.copy_location(s, node) for s in body]
+
+def report(tag, name, exc):
+    print(f"{tag} test_solution.py::{name}")
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":  # hide the runner's own frames
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stdout)
+
+def finish(passed, failed=0, errors=0):
+    parts = [f"{n} {word}" for n, word in ((failed, "failed"), (passed, "passed"), (errors, "error")) if n]
+    print(", ".join(parts or ["no tests ran"]) + f" in {time.perf_counter() - start:.2f}s", flush=True)
+    sys.exit(1 if failed else 2 if errors else 0 if passed else 5)
+
+mod = types.ModuleType("test_solution")
+mod.__file__, mod._t2g_explain, sys.modules["test_solution"] = path, explain, mod
+try:
+    tree = Explain().visit(ast.parse(open(path, encoding="utf-8").read(), path))
+    exec(compile(ast.fix_missing_locations(tree), path, "exec"), mod.__dict__)
+except BaseException as e:
+    report("ERROR", "collection", e)
+    finish(0, errors=1)
+tests = []
+for name, obj in list(vars(mod).items()):
+    if name.startswith("test") and isinstance(obj, types.FunctionType):
+        tests.append((name, obj))
+    elif name.startswith("Test") and isinstance(obj, type):
+        tests += [(f"{name}::{m}", lambda c=obj, m=m: getattr(c(), m)()) for m, f in vars(obj).items()
+                  if m.startswith("test") and callable(f)]
+passed = 0
+for name, fn in tests:
+    try:
+        fn()
+    except BaseException as e:  # SystemExit and KeyboardInterrupt raised by the code count as failures too
+        report("FAILED", name, e)
+        finish(passed, failed=1)
+    passed += 1
+finish(passed)
+"""
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)', re.M)
+_PYTEST_HOOKS = {"setup", "teardown", "setup_module", "teardown_module", "setup_function", "teardown_function",
+                 "setup_method", "teardown_method", "setup_class", "teardown_class", "__init__"}
+
+
+def _plain_tests(test: str) -> bool:
+    """True when `test` needs nothing from pytest but collection: no pytest/unittest import, fixtures, marks, hooks."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError:
+        return False  # let pytest report it
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        if any(n.split(".")[0] in ("pytest", "_pytest", "unittest", "hypothesis") for n in names):
+            return False
+
+    def plain(fn, n_args: int) -> bool:
+        return fn.name not in _PYTEST_HOOKS and not (fn.name.startswith("test") and (
+            isinstance(fn, ast.AsyncFunctionDef) or fn.decorator_list or len(fn.args.args) != n_args or
+            fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.args.posonlyargs))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not plain(node, 0):
+            return False
+        if isinstance(node, ast.ClassDef) and node.name.startswith("Test") and (
+                node.bases or node.keywords or node.decorator_list or not all(
+                    plain(f, 1) for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))):
+            return False
+    return True
 
 
 def run_tests_sandboxed(solution: str, test: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> dict:
-    """Run pytest-style `test` (which imports from `solution`) against `solution` in the sandbox.
-    Returns run_sandboxed's dict plus "passed" (bool) and "output" (pytest's report)."""
+    """Run pytest-style `test` (which imports from `solution`) against `solution` in the sandbox: plain test files with
+    the fast runner above, the rest with pytest (third-party plugins off). A hung test's stack is dumped at the limit.
+    Returns run_sandboxed's dict plus "passed" (every test ran and passed) and "output" (the test report)."""
     import sys
-    result = run_sandboxed({"solution.py": solution, "test_solution.py": test},
-                           [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "test_solution.py"],
-                           timeout_s=timeout_s, memory_mb=memory_mb)
-    result["passed"] = result["returncode"] == 0 and not result["timed_out"]
-    result["output"] = (result["stdout"] + result["stderr"]).strip()
+    if _plain_tests(test):
+        command = [sys.executable, "-c", _TEST_RUNNER]
+    else:
+        command = [sys.executable, "-c", _DUMP_ON_SIGUSR1 + "import pytest, sys; sys.exit(pytest.main(sys.argv[1:]))",
+                   "-x", "-q", "--tb=native", "-p", "no:cacheprovider", "test_solution.py"]
+    result = run_sandboxed({"solution.py": solution, "test_solution.py": test}, command, timeout_s=timeout_s,
+                           memory_mb=memory_mb)
+    counts = dict((k.rstrip("s"), int(n)) for n, k in re.findall(r"(\d+) (passed|failed|errors?)\b",
+                                                                  result["stdout"][-300:]))
+    result["passed"] = (result["returncode"] == 0 and not result["timed_out"] and counts.get("passed", 0) > 0
+                        and not counts.get("failed") and not counts.get("error"))
+    result["output"] = _own_frames(result["stdout"] + "\n" + result["stderr"]).strip()
     return result
 
+
+def _own_frames(report: str) -> str:
+    """A test report without the traceback frames of pytest, pluggy or the runner: only the two files' frames."""
+    out, skipping = [], None
+    for line in report.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if skipping is not None and line.strip() and indent > skipping:
+            continue  # the source and caret lines under a dropped frame
+        m = _FRAME.match(line)
+        skipping = indent if m and m.group(1) not in ("solution.py", "test_solution.py") else None
+        if skipping is None:
+            out.append(line)
+    return "\n".join(out)
+
+
+# The code task's programmatic critic (01 --annotator program, 03 --critic program): run the tests, name what failed
+# and quote the offending lines of the response.
+
+
+def extract_code(response: str) -> tuple[str, int]:
+    """(code, offset in `response`): the first fenced Python (or untagged) block, else the whole response."""
+    for m in re.finditer(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", response, re.S):
+        if m.group(1).lower() in ("", "python", "py", "python3"):
+            return m.group(2), m.start(2)
+    return response, 0
+
+
+def _test_failure(output: str) -> dict:
+    """The last failure in a test report: {"test", "error", "frames": [(file name, line, function)] oldest first}."""
+    tb, dump = output.rfind("Traceback (most recent call last):"), output.rfind("(most recent call first):")
+    frames, error = [], ""
+    if dump > tb:  # a faulthandler stack dump lists the innermost call first
+        frames = _FRAME.findall(output[dump:].split("\n\n")[0])[::-1]
+    elif tb >= 0:
+        block = output[tb:].splitlines()[1:]
+        frames = _FRAME.findall("\n".join(block))
+        tail = [ln for ln in block if ln.strip() and not ln.startswith(" ")]  # the exception line is not indented
+        if tail:
+            i = block.index(tail[0])
+            explained = [tail[0]] + [ln for ln in block[i + 1:i + 3] if ln.startswith(" +")]  # pytest's "+ where"
+            error = re.sub(r"\s+", " ", " ".join(explained))[:300]
+    m = re.search(r"(?:FAILED|ERROR) test_solution\.py::(\S+)", output)
+    test = m.group(1) if m else next((fn for f, _, fn in frames[::-1] if f.endswith("test_solution.py")), "")
+    return {"test": test.split("[")[0], "error": error,
+            "frames": [(os.path.basename(f), int(n), fn) for f, n, fn in frames]}
+
+
+def _line_ranges(node) -> list[tuple[int, int]]:
+    """The (first, last) line ranges that produce a function's result: its returns, else its last statement."""
+    returns, stack = [], list(node.body)
+    while stack:
+        n = stack.pop()
+        if isinstance(n, ast.Return):
+            returns.append((n.lineno, n.end_lineno))
+        elif not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(n))
+    return sorted(returns) or [(node.body[-1].lineno, node.body[-1].end_lineno)]
+
+
+def _quote_lines(response: str, code: str, offset: int, good: list, poor: list) -> tuple[list[str], list[str]]:
+    """Exact, unambiguous quotes of `response` for (first, last) line ranges of `code`; poor wins over good, 3 each."""
+    units, pos = {}, offset  # line number -> (text, start, end) of its stripped content in `response`
+    for i, line in enumerate(code.splitlines(keepends=True), 1):
+        body = line.rstrip("\r\n")
+        if body.strip():
+            start = pos + len(body) - len(body.lstrip())
+            units[i] = (body.strip(), start, start + len(body.strip()))
+        pos += len(line)
+
+    def intervals(ranges):
+        out = []
+        for a, b in ranges:
+            lines = [units[n] for n in range(a, b + 1) if n in units]
+            if lines and (lines[0][1], lines[-1][2]) not in out:
+                out.append((lines[0][1], lines[-1][2]))
+        return out
+    poor_iv = intervals(poor)[:3]
+    good_iv = [iv for iv in intervals(good) if not any(a < iv[1] and iv[0] < b for a, b in poor_iv)][:3]
+    return _unambiguous_quotes(response, good_iv, poor_iv, list(units.values()))
+
+
+def code_critic(prompt: str, response: str, test: str, timeout_s: float = 10.0) -> dict:
+    """The code task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`.
+
+    Runs `test` against the code in `response` in the sandbox. The critique names the failing test and its assertion,
+    exception or stuck line; poor spans quote the offending lines (the raising line, the loop that never ends, or the
+    result lines of a function whose result is wrong); when every test passes, good spans quote the tested functions'
+    result lines. `prompt` is unused: the tests are the specification.
+    """
+    code, offset = extract_code(response)
+    if not code.strip():
+        return {"critique": "The response contains no code to test.", "good_spans": [], "poor_spans": []}
+    src = code.splitlines()
+    show = lambda n: f"line {n} `{src[n - 1].strip()}`" if 0 < n <= len(src) else f"line {n}"  # noqa: E731
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as e:
+        good, poor = _quote_lines(response, code, offset, [], [(e.lineno or 1,) * 2])
+        return {"critique": f"The code does not compile: {e.msg} at {show(e.lineno or 1)}.",
+                "good_spans": good, "poor_spans": poor}
+    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.AsyncFor))]
+
+    def called(text: str) -> list[str]:  # functions of the solution that a line of test code calls
+        return [n for n in dict.fromkeys(re.findall(r"(\w+)\s*\(", text)) if n in defs]
+
+    def loop_of(line: int) -> list[tuple[int, int]]:  # the innermost loop around a line: its header
+        around = [n for n in loops if n.lineno <= line <= n.end_lineno]
+        return [(max(around, key=lambda n: n.lineno).lineno,) * 2] if around else []
+
+    result = run_tests_sandboxed(code, test, timeout_s=timeout_s)
+    fail = _test_failure(result["output"])
+    where = [n for f, n, _ in fail["frames"] if f == "solution.py"]  # solution lines on the stack, innermost last
+    test_line = next((test.splitlines()[n - 1].strip() for f, n, _ in fail["frames"][::-1]
+                      if f == "test_solution.py" and 0 < n <= len(test.splitlines())), "")
+    name = f"`{fail['test']}`" if fail["test"] and fail["test"] != "collection" else "Importing the code"
+    good, poor = [], []
+    if result["passed"]:
+        tested = called(test) or list(defs)[:3]
+        n_passed = re.findall(r"(\d+) passed", result["stdout"])[-1:]
+        critique = f"All {n_passed[0] + ' ' if n_passed else ''}unit tests pass" + (
+            f": {', '.join(f'`{t}`' for t in tested[:3])} return{'s' * (len(tested) == 1)} the expected results."
+            if tested else ".")
+        good = [r for t in tested[:3] for r in _line_ranges(defs[t])]
+    elif result["timed_out"]:
+        critique = f"The tests did not finish within {timeout_s:g} s" + (
+            f": {name} never gets past {show(where[-1])}, an endless or far too slow loop." if where else ".")
+        poor = (loop_of(where[-1]) + [(where[-1],) * 2]) if where else []
+    elif "MemoryError" in fail["error"] or "MemoryError" in result["output"][-500:]:
+        critique = f"{name} runs out of memory" + (f" at {show(where[-1])}" if where else "") + \
+            ": the code allocates without bound."
+        poor = (loop_of(where[-1]) + [(where[-1],) * 2]) if where else []
+    elif where:
+        critique = f"{name} fails: the code raises {fail['error'] or 'an error'} at {show(where[-1])}."
+        poor = [(where[-1],) * 2]
+    elif fail["error"]:
+        funcs = called(test_line)
+        critique = f"{name} fails: `{test_line}` gives {fail['error']}" if test_line else \
+            f"{name} fails with {fail['error']}"
+        if fail["error"].startswith("AssertionError") and funcs:
+            critique += f", so `{funcs[0]}` returns a wrong result"
+            poor = _line_ranges(defs[funcs[0]])
+        elif fail["error"].startswith("TypeError") and funcs:
+            critique += f": the signature of `{funcs[0]}` does not match the tests"
+            poor = [(defs[funcs[0]].lineno,) * 2]
+        critique += "."
+    else:
+        tail = result["output"].strip().splitlines()[-1:]
+        critique = f"The tests did not run to completion (exit code {result['returncode']})" + (
+            f": {tail[0][:200]}" if tail else ": the code ends the process before any test reports.")
+    good, poor = _quote_lines(response, code, offset, good, poor)
+    return {"critique": critique, "good_spans": good, "poor_spans": poor}
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The embedded demo task: summarise a short synthetic post; a rule-based critic writes critique + spans
 # ----------------------------------------------------------------------------------------------------------------------
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
-#   "<owner> from <town> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
+#   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
+# Each fact follows the same words in the post as in the summary ("called rex", "likes the park"), so a 1M-parameter
+# model learns to copy them in a few hundred steps (an induction-head skill); a paraphrasing summary takes far longer.
 # The critic praises correct facts, and faults wrong facts, irrelevant details and repetitions, quoting each exactly.
 
 DEMO_FACTS = {
     "owner": "tom anna ben lily sam zoe jack emma noah ava liam ella owen ruby finn nora".split(),
-    "town": "york leeds derby bath hull wells ely ripon truro perth".split(),
     "color": "red blue green black white brown grey yellow".split(),
     "animal": "dog cat horse rabbit parrot turtle goat hamster duck pony".split(),
     "pet_name": "rex bella milo coco luna otto pip ziggy bruno daisy".split(),
@@ -562,9 +1024,9 @@ DEMO_DISTRACTORS = {
     "thing": "hat kite lamp drum bell cup".split(),
     "adj": "old new loud broken shiny".split(),
 }
-DEMO_SUMMARY = "{owner} from {town} has a {color} {animal} called {pet_name} that likes the {place} and eats {food}."
-_FACT_PATTERNS = [r"(?P<owner>\w+) lives in (?P<town>\w+)\.", r"has an? (?P<color>\w+) (?P<animal>\w+) called "
-                  r"(?P<pet_name>\w+)\.", r"likes the (?P<place>\w+)\.", r"eats (?P<food>\w+)\."]
+DEMO_SUMMARY = "{owner} has a {color} {animal} called {pet_name} that likes the {place} and eats {food}."
+_FACT_PATTERNS = [r"(?P<owner>\w+) has an? (?P<color>\w+) (?P<animal>\w+) called (?P<pet_name>\w+)\.",
+                  r"likes the (?P<place>\w+)\.", r"eats (?P<food>\w+)\."]
 _CATEGORY = {w: cat for cat, words in DEMO_FACTS.items() for w in words}
 
 
@@ -661,12 +1123,13 @@ def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
     facts = {cat: rng.choice(words) for cat, words in DEMO_FACTS.items()}
     other = rng.choice([n for n in DEMO_FACTS["owner"] if n != facts["owner"]])
     dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
-    sentences = ["{owner} lives in {town}.", "{owner} has a {color} {animal} called {pet_name}.",
-                 "the {animal} likes the {place}.", "it eats {food}."]
-    extra = rng.sample(["it rained on {day}.", "the {thing} was {adj}.", f"{other} lost a {{thing}}."], rng.randint(1, 2))
+    sentences = ["{owner} has a {color} {animal} called {pet_name}.", "the {animal} likes the {place}.", "it eats {food}."]
+    asides = {"it rained on {day}.": "on {day}", "the {thing} was {adj}.": "and a {adj} {thing}",
+              "{other} lost a {thing}.": "with {other}"}  # an irrelevant sentence -> the phrase a summary may borrow
+    extra = rng.sample(list(asides), rng.randint(1, 2))
     for s in extra:
-        sentences.insert(rng.randint(1, len(sentences)), s)
-    prompt = "post: " + " ".join(s.format(**facts, **dis) for s in sentences) + "\nsummary:"
+        sentences.insert(rng.randint(0, len(sentences)), s)
+    prompt = "post: " + " ".join(s.format(**facts, **dis, other=other) for s in sentences) + "\nsummary:"
     reference = DEMO_SUMMARY.format(**facts)
     words = reference[:-1].split()
     for _ in range(rng.choice([1, 1, 2]) if rng.random() < mistake_rate else 0):
@@ -675,8 +1138,8 @@ def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
             i = rng.choice(slots)
             words[i] = rng.choice([w for w in DEMO_FACTS[_CATEGORY[words[i]]] if w != words[i]])
         elif kind == "irrelevant":
-            phrase = rng.choice([f"on {dis['day']}", f"and a {dis['adj']} {dis['thing']}", f"with {other}"])
-            words.insert(rng.choice([2, 4, 7, 9, 13, len(words)]), phrase)
+            phrase = asides[rng.choice(extra)].format(**dis, other=other)
+            words.insert(rng.choice([1, 5, 7, 11, len(words)]), phrase)  # after the owner, the pet, ...
         elif slots:
             i = rng.choice(slots)
             words.insert(i + 1, words[i])
@@ -748,7 +1211,9 @@ def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_si
             opt.step()
             opt.zero_grad()
     model.generation_config.pad_token_id = tok.pad_token_id
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    tok.save_pretrained(out_dir)
+    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=Path(out_dir).parent, prefix=f".{Path(out_dir).name}.")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out_dir)  # atomic: a reader never sees half a model (fails if out_dir exists and is not empty)
     return str(out_dir)

@@ -365,26 +365,17 @@ def test_demo_critic_on_generated_examples():
 
 
 def test_demo_critic_finds_each_mistake_kind():
-    post = ("post: tom lives in york. tom has a red dog called rex. it rained on monday. the dog likes the park. "
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
             "it eats fish.\nsummary:")
-    good = " tom from york has a red dog called rex that likes the park and eats fish."
-    for response, poor_word in [(good.replace("york", "leeds"), "leeds"), (good.replace("park", "park on monday"),
-                                "monday"), (good.replace("red dog", "red red dog"), "red")]:
+    good = " tom has a red dog called rex that likes the park and eats fish."
+    assert common.demo_critic(post, good)["poor_spans"] == []
+    for response, poor_word in [(good.replace("rex", "luna"), "luna"), (good.replace("park", "park on monday"),
+                                "monday"), (good.replace("red dog", "red red dog"), "red"),
+                                (good.replace("tom", "nora"), "nora"), (good.replace("fish", "fish fish"), "fish")]:
         fb = common.demo_critic(post, response)
         _, poor_iv, _ = locate_spans(response, fb["good_spans"], fb["poor_spans"])
         assert any(poor_word in response[a:b] for a, b in poor_iv), (response, fb)
-    wrong = common.demo_critic(post, good.replace("york", "leeds"))
-    assert "leeds where the post says york" in wrong["critique"]
+    wrong = common.demo_critic(post, good.replace("rex", "luna"))
+    assert "luna where the post says rex" in wrong["critique"]
     with pytest.raises(ValueError):
         common.demo_critic("not a demo post", "x")
-
-
-def test_near_quotes_bench_has_no_false_alignments():
-    """bench/span_matching.py's 300 near-quotes: 0 false alignments, < 1% of non-paraphrases unmatched."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import span_matching
-    result = span_matching.main()
-    assert result["false_alignments"] == 0 and result["paraphrases_matched"] == 0
-    assert result["unmatched_rate_near"] < 0.01
