@@ -125,6 +125,8 @@ def parse_args(argv=None):
     a("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     a("--save-every", type=int, default=20, help="checkpoint every N iterations")
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
+    a("--dump-rollouts", help="audit: save every iteration's tensors (delta, KL, rewards, advantages, ...) per rank "
+                              "to DIR/step<N>_rank<R>.pt")
     args = p.parse_args(argv)
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
@@ -393,19 +395,29 @@ def _parse(raw):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def save_checkpoint(path, step, model, value_head, optimizer, scheduler, kl_coef, args):
-    state = {"step": step, "kl_coef": kl_coef, "args": vars(args),
+def save_checkpoint(path, step, model, value_head, optimizer, scheduler, kl_coef, args, rank=0):
+    """Called on every rank (their RNG states are gathered); rank 0 writes. Parameters are identical on all ranks."""
+    import torch.distributed as dist
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    rngs = [rng]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    if rank != 0:
+        return
+    state = {"step": step, "kl_coef": kl_coef, "args": vars(args), "rng": rngs,
              "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
              "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
-             "scheduler": scheduler.state_dict(),
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+             "scheduler": scheduler.state_dict()}
     with common.atomic_open(path, "wb") as f:
         torch.save(state, f)
 
 
-def load_checkpoint(path, model, value_head, optimizer, scheduler):
+def load_checkpoint(path, model, value_head, optimizer, scheduler, rank=0):
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if len(state["rng"]) <= rank:
+        raise common.DataError(f"{path}: saved by {len(state['rng'])} process(es); resume with the same world size")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in state["trainable"].items():
@@ -413,11 +425,12 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler):
     value_head.load_state_dict(state["value_head"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    rng = state["rng"][rank]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     return state["step"], state["kl_coef"]
 
 
@@ -435,15 +448,61 @@ def batch_indices(step, batch_size, n, seed):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# torchrun (DDP) support: a single process never touches torch.distributed; these helpers are identities there.
+# Each rank samples its share of the prompts; the rollouts are gathered so rewards, GAE, whitening, the KL controller
+# and the logged metrics are computed on the global batch exactly as one process would; gradients are summed.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def dist_init(args):
+    """(rank, world size); starts the process group under torchrun (gloo on CPU, nccl on GPU)."""
+    import torch.distributed as dist
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gather_rows(x):
+    """The (B, ...) tensors of every rank stacked along B, (B, T) ones padded with zeros to the longest T."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    if x.dim() == 2:
+        width = torch.tensor([x.shape[1]], device=x.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        x = F.pad(x, (0, int(width) - x.shape[1]))
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def all_sum(x):
+    """Sum of a tensor over ranks (in place)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def barrier():
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def train(args):
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(args.seed)
+    rank, world = dist_init(args)
+    torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     random.seed(args.seed)
     np.random.seed(args.seed)
     out_dir = Path(args.output_dir)
@@ -453,26 +512,32 @@ def train(args):
         raise common.DataError(f"{args.prompts}: no prompts")
     if not args.model:
         raise common.DataError("--model is required outside the demo")
+    if args.batch_size % (world * args.num_minibatches * args.grad_accum):
+        raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
+                               f"--grad-accum = {world * args.num_minibatches * args.grad_accum}")
 
-    # --- optional SFT warm start: trained once, saved as full weights, reused by later runs (and the baseline)
+    # --- optional SFT warm start: trained once (on rank 0), saved as full weights, reused by later runs
     start_model = args.model
     if args.sft_data and args.sft_steps > 0:
         sft_dir = Path(args.sft_output_dir or out_dir / "sft")
-        if not (sft_dir / "config.json").is_file():
+        if rank == 0 and not (sft_dir / "config.json").is_file():
             model, tokenizer = common.load_model(args.model, device=args.device, dtype=args.dtype)
             if args.lora_r > 0:  # LoRA for the warm start too, merged into the weights afterwards
                 from peft import LoraConfig, get_peft_model
+                targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
                 model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                                         target_modules=args.lora_targets, task_type="CAUSAL_LM"))
+                                                         target_modules=targets, task_type="CAUSAL_LM"))
             sft_warm_start(args, model, tokenizer)
             model = model.merge_and_unload() if args.lora_r > 0 else model
             tmp = sft_dir.with_name(sft_dir.name + ".tmp")
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, sft_dir)
+        barrier()
         start_model = str(sft_dir)
     model, tokenizer = common.load_model(start_model, device=args.device, dtype=args.dtype)
     model, ref_model, value_head = build_policy(args, model)
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic = make_critic(args)
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
@@ -480,30 +545,35 @@ def train(args):
         optimizer, lambda it: 1.0 - it / args.steps if args.anneal_lr else 1.0)
     kl_coef, first_step = args.kl_coef, 1
     ckpt = out_dir / "checkpoint.pt"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
     if args.resume and ckpt.is_file():
-        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler)
+        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank)
         first_step = last + 1
-        kept = [r for r in common.read_jsonl(out_dir / "metrics.jsonl") if r["step"] <= last] \
-            if (out_dir / "metrics.jsonl").is_file() else []
-        common.write_jsonl(out_dir / "metrics.jsonl", kept)  # drop rows logged after the checkpoint
-        print(f"resumed from {ckpt} at step {last}")
-    else:
+        if rank == 0:  # drop rows logged after the checkpoint
+            kept = [r for r in common.read_jsonl(out_dir / "metrics.jsonl") if r["step"] <= last] \
+                if (out_dir / "metrics.jsonl").is_file() else []
+            common.write_jsonl(out_dir / "metrics.jsonl", kept)
+            print(f"resumed from {ckpt} at step {last}")
+    elif rank == 0:
         for name in ("metrics.jsonl", "samples.jsonl"):
             (out_dir / name).unlink(missing_ok=True)
-    common.write_json(out_dir / "config.json", vars(args))
+    if rank == 0:
+        common.write_json(out_dir / "config.json", {**vars(args), "world_size": world})
     prompt_ids = [common.encode_prompt(tokenizer, format_prompt(tokenizer, r["prompt"], args))[-args.max_prompt_tokens:]
                   for r in records]
-    mb_size = args.batch_size // args.num_minibatches
+    local_bs = args.batch_size // world                     # rollouts of this rank
+    mb_size = local_bs // args.num_minibatches
     micro = mb_size // args.grad_accum
     sample = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0)  # no hidden top-k
 
     bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
-               total=args.steps)
+               total=args.steps, disable=rank != 0)
     for step in bar:
         t0 = time.time()
         # ---- 1. rollouts (Alg. 4 l.3): left-padded batch, sampled with the behaviour policy's exact settings
-        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)
+        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)[rank * local_bs:(rank + 1) * local_bs]
         batch_recs = [records[i] for i in idx]
         query, query_mask = common.left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id)
         query, query_mask = query.to(args.device), query_mask.to(args.device)
@@ -544,10 +614,10 @@ def train(args):
         delta = weight_spans(delta, args.span_weighting)
         t_critic = time.time()
 
-        # ---- 4. per-token rewards r_t = delta_t - beta*KL_t (Alg. 4 l.6), old log-probs and values
+        # ---- 4. old log-probs, values, and the per-token KL to the reference policy
         with torch.no_grad():
             old_logprobs, old_values, kl = [], [], []
-            for s in range(0, args.batch_size, micro):  # in micro-batches: (B, T, V) logits can be large
+            for s in range(0, local_bs, micro):  # in micro-batches: (B, T, V) logits can be large
                 sl = slice(s, s + micro)
                 lp, v, logits = forward(model, value_head, input_ids[sl], attention_mask[sl], T, args.temperature)
                 ref_lp, ref_logits = reference_forward(model, ref_model, input_ids[sl], attention_mask[sl], T,
@@ -557,22 +627,27 @@ def train(args):
                 kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
             old_logprobs, old_values = torch.cat(old_logprobs), torch.cat(old_values)   # (B, T)
             kl = torch.cat(kl) * mask                                                   # (B, T)
-            seq_bonus = torch.where(has_eos, 0.0, -args.missing_eos_penalty)
-            rewards = compute_rewards(delta, kl, mask, kl_coef, args.reward_mode, seq_bonus)
-            if args.whiten_rewards:
-                rewards = masked_whiten(rewards, mask, shift_mean=False)
-            # ---- 5. advantages by GAE (Alg. 4 l.7), then whitened
-            advantages, returns = compute_gae(rewards, old_values, mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)
 
-        # ---- 6. PPO epochs over minibatches (Alg. 4 l.8-10)
+            # ---- rewards r_t = delta_t - beta*KL_t (Alg. 4 l.6) and advantages by GAE (l.7), on the global batch
+            g_delta, g_kl, g_mask, g_values = (gather_rows(x) for x in (delta, kl, mask, old_values))
+            g_has_eos = gather_rows(has_eos)
+            seq_bonus = torch.where(g_has_eos, 0.0, -args.missing_eos_penalty)
+            rewards = compute_rewards(g_delta, g_kl, g_mask, kl_coef, args.reward_mode, seq_bonus)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, g_mask, shift_mean=False)
+            g_advantages, g_returns = compute_gae(rewards, g_values, g_mask, args.gamma, args.lam)
+            g_advantages = masked_whiten(g_advantages, g_mask)
+            rows = slice(rank * local_bs, (rank + 1) * local_bs)                       # this rank's rollouts
+            advantages, returns = g_advantages[rows, :T], g_returns[rows, :T]
+
+        # ---- 5. PPO epochs over minibatches (Alg. 4 l.8-10)
         model.train()
-        stats, stop = [], False
+        stats = []
         for epoch in range(args.ppo_epochs):
-            perm = torch.randperm(args.batch_size, device=args.device)
-            for mb_start in range(0, args.batch_size, mb_size):
+            perm = torch.randperm(local_bs, device=args.device)
+            for mb_start in range(0, local_bs, mb_size):
                 mb = perm[mb_start: mb_start + mb_size]
-                mb_tokens = mask[mb].sum().clamp(min=1)
+                mb_tokens = all_sum(mask[mb].sum()).clamp(min=1)    # tokens of the minibatch over all ranks
                 for s in range(0, mb_size, micro):
                     m = mb[s: s + micro]
                     logprobs, values, logits = forward(model, value_head, input_ids[m], attention_mask[m], T,
@@ -581,63 +656,79 @@ def train(args):
                                                     returns[m], mask[m], args.clip_range, args.clip_range_value)
                     entropy = masked_mean(entropy_from_logits(logits), mask[m])
                     loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
-                    (loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
+                    (loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the (global) minibatch
                     stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
                                   "losses/entropy": entropy.item()})
+                for p in params:  # torchrun: sum the ranks' gradients (identity for one process)
+                    if p.grad is not None:
+                        all_sum(p.grad)
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            if args.target_kl is not None and np.mean([s["policy/approx_kl"] for s in stats]) > args.target_kl:
+            approx_kl = all_sum(torch.tensor(np.mean([s["policy/approx_kl"] for s in stats]))) / world
+            if args.target_kl is not None and approx_kl > args.target_kl:
                 break  # early stop: the policy moved far enough from the behaviour policy
         scheduler.step()
         model.eval()
+        if args.dump_rollouts:
+            Path(args.dump_rollouts).mkdir(parents=True, exist_ok=True)
+            torch.save({"texts": texts, "delta": delta, "kl": kl, "mask": mask, "values": old_values,
+                        "has_eos": has_eos, "advantages": advantages, "returns": returns, "kl_coef": kl_coef,
+                        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
+                       Path(args.dump_rollouts) / f"step{step}_rank{rank}.pt")
 
-        # ---- adaptive KL controller, logging, checkpoints
-        seq_kl = kl.sum(1).mean().item()
+        # ---- adaptive KL controller, logging (global batch), checkpoints
+        seq_kl = g_kl.sum(1).mean().item()
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, seq_kl, args.adaptive_kl_target, args.adaptive_kl_horizon,
                                      args.batch_size)
-        n_tokens = mask.sum().item()
-        var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        counts = all_sum(torch.tensor([sum(fb is None for fb in feedback), n_spans, n_unmatched], dtype=torch.float))
+        ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]])) / world
+        var_returns = masked_mean((g_returns - masked_mean(g_returns, g_mask)) ** 2, g_mask)
         row = {"step": step,
                "objective/kl": seq_kl, "objective/kl_coef": kl_coef,
-               "objective/entropy": float(np.mean([s["losses/entropy"] for s in stats])),
-               "objective/span_reward": (delta * mask).sum(1).mean().item(),
+               "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
+               "objective/span_reward": (g_delta * g_mask).sum(1).mean().item(),
                "objective/rlhf_reward": rewards.sum(1).mean().item(),
-               **{k: float(np.mean([s[k] for s in stats])) for k in stats[0]},
-               "val/explained_variance": (1 - masked_mean((returns - old_values) ** 2, mask) / var_returns).item()
+               **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
+               "val/explained_variance": (1 - masked_mean((g_returns - g_values) ** 2, g_mask) / var_returns).item()
                if var_returns > 0 else 0.0,
-               "critic/parse_fail_rate": sum(fb is None for fb in feedback) / len(feedback),
-               "critic/unmatched_span_rate": n_unmatched / max(n_spans, 1),
-               "critic/tokens_labelled_frac": ((delta != 0).float() * mask).sum().item() / n_tokens,
-               "critic/mistake_rate": ((delta < 0).float() * mask).amax(1).mean().item(),
-               "response/length": mask.sum(1).mean().item(), "response/eos_rate": has_eos.float().mean().item(),
+               "critic/parse_fail_rate": counts[0].item() / args.batch_size,
+               "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
+               "critic/tokens_labelled_frac": ((g_delta != 0).float() * g_mask).sum().item() / g_mask.sum().item(),
+               "critic/mistake_rate": ((g_delta < 0).float() * g_mask).amax(1).mean().item(),
+               "response/length": g_mask.sum(1).mean().item(), "response/eos_rate": g_has_eos.float().mean().item(),
                "lr": scheduler.get_last_lr()[0],
                "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/step_s": time.time() - t0}
-        with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            common.append_jsonl(f, row)
-        if step % args.log_every == 0 or step == args.steps:
-            with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-                for i in range(min(4, args.batch_size)):
-                    fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
-                    common.append_jsonl(f, {"step": step, "prompt": batch_recs[i]["prompt"], "response": texts[i],
-                                            **fb, "span_reward": (delta[i] * mask[i]).sum().item()})
-        bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{seq_kl:.2f}",
-                        mistakes=f"{row['critic/mistake_rate']:.2f}")
+        if rank == 0:
+            with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+                common.append_jsonl(f, row)
+            if step % args.log_every == 0 or step == args.steps:
+                with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
+                    for i in range(min(4, local_bs)):
+                        fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
+                        common.append_jsonl(f, {"step": step, "prompt": batch_recs[i]["prompt"], "response": texts[i],
+                                                **fb, "span_reward": (delta[i] * mask[i]).sum().item()})
+            bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{seq_kl:.2f}",
+                            mistakes=f"{row['critic/mistake_rate']:.2f}")
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, args)
+            save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, args, rank)
 
     # ---- the trained policy: adapter (or full weights) + tokenizer + value head, loadable by common.load_model
     policy_dir = out_dir / "policy"
-    tmp = out_dir / "policy.tmp"
-    model.save_pretrained(tmp, selected_adapters=["default"]) if hasattr(model, "peft_config") else \
-        model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    torch.save(value_head.state_dict(), tmp / "value_head.pt")
-    if policy_dir.exists():
-        import shutil
-        shutil.rmtree(policy_dir)
-    os.replace(tmp, policy_dir)
+    if rank == 0:
+        tmp = out_dir / "policy.tmp"
+        if hasattr(model, "peft_config"):
+            model.save_pretrained(tmp, selected_adapters=["default"])
+        else:
+            model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        torch.save(value_head.state_dict(), tmp / "value_head.pt")
+        if policy_dir.exists():
+            import shutil
+            shutil.rmtree(policy_dir)
+        os.replace(tmp, policy_dir)
+    barrier()
     return policy_dir
 
 

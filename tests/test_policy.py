@@ -264,3 +264,43 @@ def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tin
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == f"error: {bad}:2: missing field 'prompt'"
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torchrun: 2 processes with the gloo backend
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
+    import socket
+    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir,
+           "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
+           "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
+           "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
+           "--dump-rollouts", str(tmp_path / "dump")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone writes the log
+    assert (tmp_path / "run" / "policy" / "adapter_config.json").is_file()
+
+    d = [torch.load(tmp_path / "dump" / f"step{s}_rank{r}.pt", weights_only=False) for s in (1, 2) for r in (0, 1)]
+    assert d[2]["param_checksum"] == d[3]["param_checksum"]  # both ranks end with identical parameters
+    assert d[0]["texts"] != d[1]["texts"]                    # but sampled different rollouts
+    for r0, r1 in (d[:2], d[2:]):  # single process on the concatenated batch gives the same whitened advantages
+        T = max(r0["mask"].shape[1], r1["mask"].shape[1])
+        cat = lambda k: torch.cat([torch.nn.functional.pad(x[k], (0, T - x[k].shape[1])) for x in (r0, r1)])  # noqa
+        bonus = torch.where(torch.cat([r0["has_eos"], r1["has_eos"]]), 0.0, -1.0)
+        rewards = ppo.compute_rewards(cat("delta"), cat("kl"), cat("mask"), r0["kl_coef"], "span", bonus)
+        adv, ret = ppo.compute_gae(rewards, cat("values"), cat("mask"), 1.0, 0.95)
+        adv = ppo.masked_whiten(adv, cat("mask"))
+        assert torch.allclose(cat("advantages"), adv, atol=1e-5)
+        assert torch.allclose(cat("returns"), ret, atol=1e-5)
+    assert rows[0]["objective/span_reward"] == pytest.approx(
+        torch.cat([(x["delta"] * x["mask"]).sum(1) for x in d[:2]]).mean().item(), abs=1e-5)
