@@ -1,12 +1,12 @@
 """Stage 3: NL-Gradient policy optimisation (Text2Grad paper Sec. 3.5, Alg. 4). PPO on per-token span rewards.
 
-One iteration (Alg. 4):
-  1. sample a response y ~ pi_theta(.|x) for a batch of prompts (left-padded, temperature T)      l.3
-  2. the critic writes a critique c and quotes good/poor spans of y                               l.4
-  3. spans -> character intervals -> per-token pseudo-rewards delta_t in {-1, 0, +1}              l.5  (common.py)
-  4. r_t = delta_t - beta * KL_t, the KL to the reference policy taken per token                  l.6  compute_rewards
-  5. advantages A_t by GAE over r_t; values V_t from a head on the policy's last hidden state     l.7  compute_gae
-  6. clipped surrogate + clipped value loss - entropy bonus, for a few epochs of minibatches      l.8-10 ppo_loss
+One iteration of Alg. 4's loop (the step numbers below are ours; they label the blocks of train()):
+  1. sample a response y ~ pi_theta(.|x) for a batch of prompts (left-padded, temperature T)
+  2. the critic writes a critique c and quotes good/poor spans of y                               make_critic
+  3. spans -> character intervals -> per-token pseudo-rewards delta_t in {-1, 0, +1} (Sec. 3.3)   common.span_rewards
+  4. r_t = delta_t - beta * KL_t, the KL to the reference policy taken per token (Sec. 3.5)       compute_rewards
+  5. advantages A_t by GAE over r_t; values V_t from a head on the policy's last hidden state     compute_gae
+  6. clipped surrogate + clipped value loss - entropy bonus, for a few epochs of minibatches      ppo_loss
 The pure tensor functions for 4-6 sit right below the arguments; copy them into your own project as they are.
 
     # the demo, after stages 1 and 2: SFT warm start, Text2Grad PPO, then the scalar-reward baseline (~4 min on CPU)
@@ -181,7 +181,7 @@ def weight_spans(delta, mode="uniform"):
 
 
 def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
-    """Per-token rewards r_t (Sec. 3.5, Alg. 4 l.6). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
+    """Per-token rewards r_t (Sec. 3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
     r_t = -beta*KL_t, plus sum_t delta_t at the last response token (the EOS if one was sampled, never a pad).
     seq_bonus (B,), e.g. the missing-EOS penalty, is added at the last token in both modes."""
     rewards = -kl_coef * kl * mask
@@ -197,7 +197,7 @@ def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float):
-    """Generalised advantage estimation (Alg. 4 l.7), as an explicit reversed loop.
+    """Generalised advantage estimation (step 5), as an explicit reversed loop.
     A_t = sum_l (gamma*lam)^l td_{t+l},  td_t = r_t + gamma*V_{t+1} - V_t,  V = 0 after the last valid token.
     Returns (advantages, returns = advantages + values), both 0 where mask is 0."""
     rewards, values = rewards * mask, values * mask
@@ -214,7 +214,7 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
-    """Clipped surrogate policy loss (Alg. 4 l.9) and clipped value loss (l.10), token-averaged under `mask`."""
+    """Clipped surrogate policy loss and clipped value loss (step 6), token-averaged under `mask`."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
@@ -572,7 +572,7 @@ def train(args):
                total=args.steps, disable=rank != 0)
     for step in bar:
         t0 = time.time()
-        # ---- 1. rollouts (Alg. 4 l.3): left-padded batch, sampled with the behaviour policy's exact settings
+        # ---- 1. rollouts: left-padded batch, sampled with the behaviour policy's exact settings
         idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)[rank * local_bs:(rank + 1) * local_bs]
         batch_recs = [records[i] for i in idx]
         query, query_mask = common.left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id)
@@ -595,7 +595,7 @@ def train(args):
         attention_mask = torch.cat([query_mask, mask.long()], 1)
         t_gen = time.time()
 
-        # ---- 2-3. critique each response and turn its spans into delta_t (Alg. 4 l.4-5; common.span_rewards)
+        # ---- 2-3. critique each response and turn its spans into delta_t (Sec. 3.3; common.span_rewards)
         texts, offsets = [], []
         for row, n in zip(response.tolist(), mask.sum(1).long().tolist()):
             text, offs = common.decode_with_offsets(tokenizer, row[:n])
@@ -614,7 +614,7 @@ def train(args):
         delta = weight_spans(delta, args.span_weighting)
         t_critic = time.time()
 
-        # ---- 4. old log-probs, values, and the per-token KL to the reference policy
+        # ---- old log-probs, values, and the per-token KL to the reference policy
         with torch.no_grad():
             old_logprobs, old_values, kl = [], [], []
             for s in range(0, local_bs, micro):  # in micro-batches: (B, T, V) logits can be large
@@ -628,7 +628,7 @@ def train(args):
             old_logprobs, old_values = torch.cat(old_logprobs), torch.cat(old_values)   # (B, T)
             kl = torch.cat(kl) * mask                                                   # (B, T)
 
-            # ---- rewards r_t = delta_t - beta*KL_t (Alg. 4 l.6) and advantages by GAE (l.7), on the global batch
+            # ---- 4-5. rewards r_t = delta_t - beta*KL_t and advantages by GAE, on the global batch
             g_delta, g_kl, g_mask, g_values = (gather_rows(x) for x in (delta, kl, mask, old_values))
             g_has_eos = gather_rows(has_eos)
             seq_bonus = torch.where(g_has_eos, 0.0, -args.missing_eos_penalty)
@@ -640,7 +640,7 @@ def train(args):
             rows = slice(rank * local_bs, (rank + 1) * local_bs)                       # this rank's rollouts
             advantages, returns = g_advantages[rows, :T], g_returns[rows, :T]
 
-        # ---- 5. PPO epochs over minibatches (Alg. 4 l.8-10)
+        # ---- 6. PPO epochs over minibatches
         model.train()
         stats = []
         for epoch in range(args.ppo_epochs):

@@ -1,0 +1,121 @@
+"""Does span-level credit learn faster than the same information as one scalar? (paper Sec. 3.6, App. A)
+
+    python bench/span_vs_scalar.py                    # 3 seeds x 2 modes x 150 iterations, ~25 min on 2 CPU cores
+    python bench/span_vs_scalar.py --seeds 1 --steps 30 --out bench/out/smoke   # a quick look
+
+Both modes start from the same SFT checkpoint of the demo task and use its programmatic critic, the same seeds and the
+same hyperparameters; only --reward-mode differs (span: delta_t on every token; scalar: sum of delta on the last token).
+
+Measure: the mistake rate, the share of rollouts (sampled at temperature 1, the training rollouts themselves) with at
+least one poor span, smoothed over 10 iterations. The threshold is fixed before any run: 0.15. The SFT start must not
+already meet it (checked). Steps-to-threshold is the first iteration whose smoothed rate is <= 0.15; a run that never
+gets there counts its full length and reports reached = false (the ratio is then a bound).
+Prints a table, writes bench/span_vs_scalar.png (mean curve with a min-max band over seeds), and prints one JSON line.
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+THRESHOLD, WINDOW = 0.15, 10
+
+
+def run(cmd):
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run([sys.executable, "-u", *cmd], cwd=ROOT, check=True)
+
+
+def smoothed(xs, w=WINDOW):
+    return [statistics.fmean(xs[max(0, i - w + 1): i + 1]) for i in range(len(xs))]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds per mode")
+    p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
+    p.add_argument("--out", default="bench/out/span_vs_scalar", help="work dir (base model, SFT, runs)")
+    p.add_argument("--png", default="bench/span_vs_scalar.png", help="the reward curves")
+    p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for both modes")
+    args = p.parse_args()
+    out = Path(args.out)
+
+    # --- the shared start: demo base model, prompts, SFT warm start (03 with --steps 0 trains and saves it)
+    if not (out / "base" / "config.json").is_file():
+        common.build_demo_base(out / "base")
+    common.write_jsonl(out / "prompts.jsonl", common.demo_dataset("train", 1000))
+    common.write_jsonl(out / "sft.jsonl", common.demo_dataset("sft", 2000))
+    common_flags = ["--critic", "program", "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
+                    "--steps", str(args.steps), "--save-every", str(args.steps), *args.ppo_args]
+    if not (out / "sft" / "config.json").is_file():
+        run(["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"),
+             "--sft-output-dir", str(out / "sft"), *common_flags, "--steps", "0", "--output-dir",
+             str(out / "sft_only")])
+
+    # --- the runs, one at a time (two jobs sharing 2 cores would distort nothing but wall time; still, keep it clean)
+    curves = {"span": [], "scalar": []}
+    for seed in range(1, args.seeds + 1):
+        for mode in ("span", "scalar"):
+            run_dir = out / f"{mode}_seed{seed}"
+            metrics = run_dir / "metrics.jsonl"
+            done = metrics.is_file() and len(metrics.read_text().splitlines()) >= args.steps
+            if not done:
+                run(["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--reward-mode", mode,
+                     "--seed", str(seed), "--output-dir", str(run_dir), *common_flags])
+            rows = common.read_jsonl(metrics)[: args.steps]
+            curves[mode].append({"mistakes": [r["critic/mistake_rate"] for r in rows],
+                                 "reward": [r["objective/span_reward"] for r in rows],
+                                 "kl": [r["objective/kl"] for r in rows]})
+
+    # --- steps to threshold, final values
+    start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)
+    if start <= THRESHOLD:
+        sys.exit(f"the SFT start already has mistake rate {start:.2f} <= {THRESHOLD}: the benchmark would be void")
+    result = {"threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "seeds": args.seeds,
+              "start_mistake_rate": start}
+    print(f"\n{'mode':<8}{'seed':>5}{'steps to <=0.15':>17}{'final mistakes':>16}{'final reward':>14}{'final KL':>10}")
+    for mode, cs in curves.items():
+        steps, finals, rewards, reached = [], [], [], []
+        for seed, c in enumerate(cs, 1):
+            sm = smoothed(c["mistakes"])
+            hit = next((i + 1 for i, x in enumerate(sm) if i + 1 >= WINDOW and x <= THRESHOLD), None)
+            steps.append(hit or args.steps)
+            reached.append(hit is not None)
+            finals.append(statistics.fmean(c["mistakes"][-WINDOW:]))
+            rewards.append(statistics.fmean(c["reward"][-WINDOW:]))
+            print(f"{mode:<8}{seed:>5}{(hit or f'>{args.steps}'):>17}{finals[-1]:>16.3f}{rewards[-1]:>14.2f}"
+                  f"{statistics.fmean(c['kl'][-WINDOW:]):>10.2f}")
+        result[f"{mode}_steps"] = statistics.median(steps)
+        result[f"{mode}_final"] = statistics.fmean(finals)
+        result[f"{mode}_final_reward"] = statistics.fmean(rewards)
+        result[f"{mode}_reached"] = 2 * sum(reached) > len(reached)  # the median run got there
+    result["ratio"] = result["span_steps"] / result["scalar_steps"]
+
+    # --- the picture
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for mode, color in (("span", "#2e7d32"), ("scalar", "#c62828")):
+        for ax, key, smooth in ((axes[0], "mistakes", True), (axes[1], "reward", True)):
+            series = [smoothed(c[key]) if smooth else c[key] for c in curves[mode]]
+            x = range(1, len(series[0]) + 1)
+            mean = [statistics.fmean(v) for v in zip(*series)]
+            ax.plot(x, mean, color=color, label=f"{mode} ({len(series)} seeds)")
+            ax.fill_between(x, [min(v) for v in zip(*series)], [max(v) for v in zip(*series)], color=color, alpha=0.2)
+    axes[0].axhline(THRESHOLD, color="grey", ls="--", lw=1)
+    axes[0].set(title="mistake rate (smoothed over 10)", xlabel="PPO iteration")
+    axes[1].set(title="critic reward: sum of delta per response", xlabel="PPO iteration")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(ROOT / args.png, dpi=120)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""01_annotate.py: data presets, the program and OpenAI-compatible critics (against a real local HTTP server that
+injects faults), durability under kill -9, bad input, and the API key's hygiene."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+import common
+from conftest import ROOT, import_script
+
+annotate = import_script("01_annotate")
+SCRIPT = str(ROOT / "01_annotate.py")
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def response_of(body: dict) -> str:
+    """The response text inside the critic prompt the server received."""
+    user = [m for m in body["messages"] if m["role"] == "user"][0]["content"]
+    return user.split("### Response\n", 1)[1].split("\n\n###", 1)[0]
+
+
+def feedback(response: str, bad: str | None = None) -> str:
+    words = response.split()
+    return json.dumps({"critique": f"It says {words[0]} well.", "good_spans": [words[0]],
+                       "poor_spans": [bad] if bad else [words[-1]]})
+
+
+def write_jsonl(path, rows) -> str:
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The zero-flag demo path, data presets, bad input
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_demo_writes_the_data_files_and_program_critiques(tmp_path):
+    out = tmp_path / "annotations.jsonl"
+    summary = annotate.main(["--output", str(out), "--no-build-base", "--limit", "60"])
+    for name, (split, n) in annotate.DEMO_FILES.items():
+        assert common.read_jsonl(tmp_path / "data" / f"{name}.jsonl") == common.demo_dataset(split, n)
+    recs = lines(out)
+    expected = common.demo_dataset("annotate", 60)
+    assert [r["id"] for r in recs] == [r["id"] for r in expected] and summary["records"] == 60
+    for rec, ex in zip(recs, expected):
+        fb = common.demo_critic(ex["prompt"], ex["response"])
+        assert rec["status"] == "ok" and rec["critique"] == fb["critique"] and rec["unmatched_spans"] == []
+        assert rec["good_spans"] == fb["good_spans"] and rec["poor_spans"] == fb["poor_spans"]
+        assert rec["reference"] == ex["reference"]
+    assert annotate.main(["--output", str(out), "--no-build-base", "--limit", "60"])["this_run"]["annotated"] == 0
+    assert json.loads((tmp_path / "annotations.summary.json").read_text())["records"] == 60
+
+
+def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
+    slf = write_jsonl(tmp_path / "validation.jsonl", [
+        {"id": "t3_a", "subreddit": "pets", "title": "My dog", "post": "He barks.", "feedback": "Too vague.",
+         "generated_summary_for_feedback": "A dog barks.", "ideal_human_summary": "My dog barks at night."}])
+    args = annotate.parse_args(["--task", "summarization", "--dataset", str(tmp_path), "--split", "validation",
+                                "--annotator", "openai"])
+    [rec] = annotate.to_records(annotate.read_rows(args), args)
+    assert rec == {"id": "t3_a", "prompt": "SUBREDDIT: r/pets\nTITLE: My dog\nPOST: He barks.\nTL;DR:",
+                   "response": "A dog barks.", "reference": "My dog barks at night.", "human_feedback": "Too vague."}
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.Table.from_pylist([{"question_id": "q1", "question": "Add.", "solution": "def f(): pass",
+                                          "test": "def test_f(): pass", "gpt_difficulty": "easy"}]),
+                   tmp_path / "kod.parquet")
+    args = annotate.parse_args(["--task", "code", "--dataset", str(tmp_path / "kod.parquet")])
+    assert annotate.to_records(annotate.read_rows(args), args) == [
+        {"id": "q1", "prompt": "Add.", "response": "def f(): pass", "test": "def test_f(): pass"}]
+
+    uf = tmp_path / "uf.json"
+    uf.write_text(json.dumps([{"instruction": "Hi?", "completions": [{"response": "Hello."}, {"response": "Hey."}]},
+                              {"instruction": "Bye?", "completions": [{"response": "Bye."}]}]))
+    args = annotate.parse_args(["--task", "qa", "--dataset", str(uf), "--annotator", "openai", "--limit", "2"])
+    assert annotate.to_records(annotate.read_rows(args), args) == [
+        {"id": "train-0-0", "prompt": "Hi?", "response": "Hello."}, {"id": "train-0-1", "prompt": "Hi?",
+                                                                    "response": "Hey."}]
+    args = annotate.parse_args(["--task", "qa", "--dataset", str(uf), "--annotator", "openai", "--prompt-field",
+                                "instruction", "--response-field", "instruction", "--split", "dev"])
+    assert [r["response"] for r in annotate.to_records(annotate.read_rows(args), args)] == ["Hi?", "Bye?"]
+
+
+def test_bad_input_names_file_line_and_field(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "solution": "s", "test": "t"}, {"question": "q"}])
+    args = annotate.parse_args(["--task", "code", "--dataset", bad])
+    with pytest.raises(common.DataError, match=r"bad\.jsonl:2: missing field 'solution'"):
+        annotate.to_records(annotate.read_rows(args), args)
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "p", "response": "r"}] * 2)
+    args = annotate.parse_args(["--task", "demo", "--dataset", dup])
+    with pytest.raises(common.DataError, match=r"dup\.jsonl:2: duplicate id 'a'"):
+        annotate.to_records(annotate.read_rows(args), args)
+
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"id": "a", "prompt": "p", "response": "r"}\n\n{"id": "b", "prompt": \n')
+    out = tmp_path / "out" / "annotations.jsonl"
+    proc = subprocess.run([sys.executable, SCRIPT, "--dataset", str(broken), "--output", str(out)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [f"error: {broken}:3: not valid JSON (Expecting value)"]
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The OpenAI-compatible critic against a fault-injecting server
+# ---------------------------------------------------------------------------------------------------------------------
+
+SCENARIOS = ["ok", "fenced", "reasoning", "r429", "r500", "slow", "invalid_once", "invalid_twice", "unmatched", "r400",
+             "exhaust"]
+
+
+def fault_server(fake_openai, log):
+    """A reply function keyed by the scenario word that starts each response; `log` records every attempt."""
+    def reply(body, n):
+        response = response_of(body)
+        kind = response.split()[0]
+        log[kind].append((time.monotonic(), body))
+        attempt = len(log[kind])
+        if kind == "r429" and attempt == 1:
+            return 429, {"error": {"message": "slow down"}}, {"Retry-After": "0.4"}
+        if kind == "r500" and attempt <= 2 or kind == "exhaust":
+            return 503 if kind == "exhaust" else 500, {"error": {"message": "boom"}}, {}
+        if kind == "r400":
+            return 400, {"error": {"message": "context length exceeded"}}, {}
+        if kind == "slow" and attempt == 1:
+            time.sleep(4.0)  # past the client's --timeout
+        if kind == "invalid_twice" or kind == "invalid_once" and attempt == 1:
+            return "I think the response is fine, nothing to add {oops"
+        if kind == "fenced":
+            return f"```json\n{feedback(response)}\n```"
+        if kind == "reasoning":
+            return f"Reasoning: the first word is right and the last is weak.\n\n{feedback(response)}\nHope it helps!"
+        if kind == "unmatched":
+            return feedback(response, bad="a phrase that is not there")
+        return feedback(response)
+    return fake_openai(reply)
+
+
+def openai_args(url, data, out, *extra):
+    return ["--task", "qa", "--dataset", data, "--output", str(out), "--annotator", "openai", "--base-url", url,
+            "--model", "fake-critic", "--timeout", "2.0", "--backoff-base", "0.01", "--max-retries", "3",
+            "--concurrency", "4", *extra]
+
+
+def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-faults")
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"id": k, "instruction": f"Say {k}.",
+                                                "completions": [{"response": f"{k} is the answer here"}]}
+                                               for k in SCENARIOS])
+    out, log = tmp_path / "annotations.jsonl", defaultdict(list)
+    with fault_server(fake_openai, log) as server:
+        summary = annotate.main(openai_args(server.base_url, data, out))
+    recs = {r["id"].rsplit("-", 1)[0]: r for r in lines(out)}
+    assert sorted(recs) == sorted(SCENARIOS)
+    for kind in ("ok", "fenced", "reasoning", "r429", "r500", "slow", "invalid_once"):
+        rec = recs[kind]
+        assert rec["status"] == "ok", (kind, rec)
+        assert rec["critique"] == f"It says {kind} well." and rec["good_spans"] == [kind]
+        assert rec["poor_spans"] == ["here"] and rec["unmatched_spans"] == []
+    assert recs["unmatched"]["poor_spans"] == [] and recs["unmatched"]["unmatched_spans"] == [
+        "a phrase that is not there"]
+    assert recs["invalid_twice"]["status"] == "failed" and "unparseable" in recs["invalid_twice"]["reason"]
+    assert recs["invalid_twice"]["critic_output"].startswith("I think")
+    assert recs["r400"]["status"] == "failed" and "HTTP 400" in recs["r400"]["reason"] and len(log["r400"]) == 1
+    assert recs["exhaust"]["status"] == "failed" and len(log["exhaust"]) == 4  # 1 try + --max-retries 3
+    assert len(log["r500"]) == 3 and len(log["slow"]) == 2 and len(log["r429"]) == 2
+    assert log["r429"][1][0] - log["r429"][0][0] >= 0.4  # Retry-After honoured
+    repair = log["invalid_once"][1][1]["messages"]  # the repair request carries the bad reply and the instruction
+    assert repair[-2]["role"] == "assistant" and repair[-2]["content"].startswith("I think")
+    assert "could not use your reply" in repair[-1]["content"]
+    first = log["ok"][0][1]
+    assert first["model"] == "fake-critic" and "ok is the answer here" in first["messages"][-1]["content"]
+    assert "good_spans" in first["messages"][-1]["content"] and first["messages"][0]["role"] == "system"
+    assert summary["failed"] == 3 and summary["unmatched_span_rate"] == round(1 / 16, 4)  # 15 quotes found, 1 not
+    assert recs["ok"]["usage"] == {"prompt_tokens": 10, "completion_tokens": 20}
+    assert recs["invalid_once"]["usage"] == {"prompt_tokens": 20, "completion_tokens": 40}  # reply + repair
+    assert (summary["prompt_tokens"], summary["completion_tokens"]) == (110, 220)  # 11 answered requests
+
+
+def test_backoff_and_retry_after():
+    rng = random.Random(0)
+    for attempt in range(8):
+        d = min(60.0, 1.0 * 2 ** attempt)
+        assert all(d / 2 <= annotate.backoff_delay(attempt, None, 1.0, 60.0, rng) <= d for _ in range(50))
+    assert 5.0 <= annotate.backoff_delay(0, 5.0, 1.0, 2.0, rng) <= 5.5  # the server's Retry-After beats the cap
+    assert annotate.retry_after_s({"retry-after": "2"}) == 2.0
+    assert annotate.retry_after_s({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
+    assert 8 < annotate.retry_after_s({"retry-after": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
+                                                                   time.gmtime(time.time() + 10))}) <= 10
+    assert annotate.retry_after_s({}) is None and annotate.retry_after_s({"retry-after": "soon"}) is None
+
+
+def test_split_spans_moves_only_the_missing_copies():
+    good, poor, unmatched = annotate.split_spans("the dog and the cat", ["the", "dog", "fox"], ["the", "the", " "])
+    assert (good, poor, unmatched) == (["the", "dog"], ["the"], ["fox", "the"])
+    assert common.locate_spans("the dog and the cat", good, poor)[2] == []
+
+
+def test_code_prompt_carries_the_unit_test_results(tmp_path, fake_openai, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)  # a local server needs no key
+    data = write_jsonl(tmp_path / "kod.jsonl", [
+        {"question_id": "bad", "question": "Add.", "solution": "def add(a, b):\n    return a - b\n",
+         "test": "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"}])
+    seen = []
+
+    def reply(body, n):
+        seen.append(body["messages"][-1]["content"])
+        return json.dumps({"critique": "It subtracts.", "good_spans": [], "poor_spans": ["return a - b"]})
+    with fake_openai(reply) as server:
+        annotate.main(["--task", "code", "--dataset", data, "--output", str(tmp_path / "a.jsonl"), "--annotator",
+                       "openai", "--base-url", server.base_url])
+    assert "### Unit test results\npassed: no" in seen[0] and "assert -1 == 3" in seen[0]
+    [rec] = lines(tmp_path / "a.jsonl")
+    assert rec["status"] == "ok" and rec["poor_spans"] == ["return a - b"] and rec["test"].startswith("from")
+
+
+def test_human_feedback_is_shown_only_when_asked(tmp_path, fake_openai, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-hf")
+    data = write_jsonl(tmp_path / "train.jsonl", [
+        {"id": "p1", "title": "Cat", "post": "My cat sleeps all day.", "feedback": "It misses the cat's age.",
+         "generated_summary_for_feedback": "A cat sleeps.", "ideal_human_summary": "My old cat sleeps."}])
+    seen = []
+
+    def reply(body, n):
+        seen.append(body["messages"][-1]["content"])
+        return feedback(response_of(body))
+    with fake_openai(reply) as server:
+        for i, flag in enumerate([[], ["--use-human-feedback"]]):
+            annotate.main(["--task", "summarization", "--dataset", data, "--output", str(tmp_path / f"{i}.jsonl"),
+                           "--annotator", "openai", "--base-url", server.base_url, *flag])
+    assert "It misses the cat's age." not in seen[0] and "### Human feedback on this summary" not in seen[0]
+    assert "### Human feedback on this summary\nIt misses the cat's age." in seen[1]
+    assert "TITLE: Cat" in seen[0]
+
+
+def test_api_key_never_leaks(tmp_path, fake_openai, monkeypatch, capsys):
+    key = "sk-test-" + os.urandom(12).hex()
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "instruction": "Q?", "completions": [{"response": "r400"}]},
+                                              {"id": "b", "instruction": "Q?", "completions": [{"response": "fine"}]}])
+    holder = {}
+
+    def echo_auth(body, n):  # a hostile (or buggy) server that echoes the request's Authorization header
+        auth = {k.lower(): v for k, v in holder["server"].requests[n - 1]["headers"].items()}["authorization"]
+        if response_of(body) == "r400":
+            return 400, {"error": {"message": f"bad request from {auth}"}}, {}
+        return json.dumps({"critique": f"Nice. {auth}", "good_spans": [], "poor_spans": []})
+    with fake_openai(echo_auth) as server:
+        holder["server"] = server
+        annotate.main(openai_args(server.base_url, data, tmp_path / "a.jsonl"))
+        sent = {k.lower(): v for k, v in server.requests[0]["headers"].items()}
+        assert sent["authorization"] == f"Bearer {key}"  # the key is used, and it came from the environment
+        env = {**os.environ, "OPENAI_API_KEY": key}
+        fatal = fake_openai(lambda body, n: (401, {"error": {"message": f"invalid key {key}"}}, {}))
+        with fatal:
+            proc = subprocess.run([sys.executable, SCRIPT, *openai_args(fatal.base_url, data, tmp_path / "b.jsonl")],
+                                  capture_output=True, text=True, cwd=ROOT, env=env)
+    recs = {r["id"]: r for r in lines(tmp_path / "a.jsonl")}
+    assert recs["a-0"]["status"] == "failed" and "[redacted]" in recs["a-0"]["reason"]
+    assert proc.returncode == 1 and "HTTP 401" in proc.stderr and "[redacted]" in proc.stderr
+    captured = capsys.readouterr()
+    for text in [(tmp_path / "a.jsonl").read_text(), (tmp_path / "a.summary.json").read_text(), proc.stdout,
+                 proc.stderr, captured.out, captured.err]:
+        assert key not in text
+    assert recs["b-0"]["critique"] == "Nice. Bearer [redacted]"  # even a reply that echoes the key is scrubbed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Durability: kill -9 at a random moment, torn last line, --retry-failed
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_kill_9_then_rerun_yields_every_id_exactly_once(tmp_path, fake_openai, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-kill")
+    rows = [{"id": f"r{i}", "instruction": "Q?", "completions": [{"response": f"answer number {i}"}]}
+            for i in range(300)]
+    data, out = write_jsonl(tmp_path / "d.jsonl", rows), tmp_path / "a.jsonl"
+    rng = random.Random()
+
+    def reply(body, n):
+        time.sleep(rng.uniform(0.002, 0.02))
+        return feedback(response_of(body))
+    with fake_openai(reply) as server:
+        args = openai_args(server.base_url, data, out)
+        proc = subprocess.Popen([sys.executable, SCRIPT, *args], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None and (
+                not out.exists() or out.read_bytes().count(b"\n") < 20):
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.3))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        before = out.read_bytes()
+        assert 0 < before.count(b"\n") < 300, "the kill should land mid-run"
+        with open(out, "ab") as f:  # and a torn last line, as if the kill had hit mid-write
+            f.write(b'{"id": "r299-0", "prompt": "Q?", "resp')
+        annotate.main(args)
+    recs = lines(out)  # every line parses
+    assert Counter(r["id"] for r in recs) == Counter(f"r{i}-0" for i in range(300))
+    assert all(r["status"] == "ok" for r in recs)
+    assert out.read_bytes().startswith(before.rstrip(b"\n").rsplit(b"\n", 1)[0])  # done lines were kept, not redone
+
+
+def test_retry_failed_redoes_only_the_failed_records(tmp_path, fake_openai, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-retry")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": k, "instruction": "Q?", "completions": [{"response": k}]}
+                                              for k in ("good", "flaky")])
+    out, broken = tmp_path / "a.jsonl", threading.Event()
+    broken.set()
+
+    def reply(body, n):
+        response = response_of(body)
+        return "no json" if response == "flaky" and broken.is_set() else feedback(response + " x")
+    with fake_openai(reply) as server:
+        annotate.main(openai_args(server.base_url, data, out))
+        assert {r["id"]: r["status"] for r in lines(out)} == {"good-0": "ok", "flaky-0": "failed"}
+        broken.clear()
+        annotate.main(openai_args(server.base_url, data, out))  # a plain rerun keeps the failure
+        assert len(lines(out)) == 2
+        annotate.main(openai_args(server.base_url, data, out, "--retry-failed"))
+    assert {r["id"]: r["status"] for r in lines(out)} == {"good-0": "ok", "flaky-0": "ok"}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Program critic for code, and responses generated by a policy
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_program_critic_for_code(tmp_path):
+    test = "from solution import add\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    data = write_jsonl(tmp_path / "kod.jsonl", [
+        {"question_id": "pass", "question": "Add.", "solution": "def add(a, b):\n    return a + b\n", "test": test},
+        {"question_id": "fail", "question": "Add.", "solution": "def add(a, b):\n    return a * b\n", "test": test}])
+    annotate.main(["--task", "code", "--dataset", data, "--output", str(tmp_path / "a.jsonl"), "--concurrency", "2"])
+    recs = {r["id"]: r for r in lines(tmp_path / "a.jsonl")}
+    assert recs["pass"]["critique"].startswith("All 1 unit tests pass") and recs["pass"]["good_spans"] == [
+        "return a + b"]
+    assert "assert 6 == 5" in recs["fail"]["critique"] and recs["fail"]["poor_spans"] == ["return a * b"]
+
+
+def test_generate_with_a_policy(tmp_path, tiny_model_dir):
+    rows = [{k: v for k, v in r.items() if k != "response"} for r in common.demo_dataset("eval", 3)]
+    data = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    annotate.main(["--dataset", data, "--output", str(tmp_path / "a.jsonl"), "--generate-with", tiny_model_dir,
+                   "--max-new-tokens", "6", "--temperature", "1.0"])
+    recs = lines(tmp_path / "a.jsonl")
+    assert [r["id"] for r in recs] == [r["id"] for r in rows] and all(r["status"] == "ok" for r in recs)
+    assert all(isinstance(r["response"], str) and r["response"] for r in recs)

@@ -1,0 +1,239 @@
+"""The sandbox for model-written code (common.run_sandboxed / run_tests_sandboxed) and the code critic built on it."""
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+import common
+
+ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
+needs_landlock = pytest.mark.skipif(not common.landlock_abi(), reason="the kernel has no Landlock")
+TESTS = "from solution import add\n\ndef test_small():\n    assert add(1, 2) == 3\n\ndef test_big():\n" \
+        "    assert add(20, 22) == 42\n"
+
+
+def critic(code: str, test: str = TESTS, timeout_s: float = 10.0) -> dict:
+    fb = common.code_critic("Write add(a, b).", code, test, timeout_s=timeout_s)
+    good, poor, unmatched = common.locate_spans(code, fb["good_spans"], fb["poor_spans"])
+    assert unmatched == [] and len(good) == len(fb["good_spans"]) and len(poor) == len(fb["poor_spans"])
+    for quote in fb["good_spans"] + fb["poor_spans"]:  # exact quotes, never paraphrases
+        assert quote in code
+    return fb
+
+
+def python(code: str, **kw) -> dict:
+    return common.run_sandboxed({"main.py": code}, [sys.executable, "main.py"], **kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The code critic on code that passes, fails an assertion, raises, loops forever, or allocates without bound
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_critic_passing_code_praises_the_result_line():
+    fb = critic("def add(a, b):\n    total = a + b\n    return total\n")
+    assert fb["critique"].startswith("All 2 unit tests pass") and "`add`" in fb["critique"]
+    assert fb["good_spans"] == ["return total"] and fb["poor_spans"] == []
+
+
+def test_critic_names_the_failing_assertion_and_quotes_the_wrong_line():
+    code = "def add(a, b):\n    if a > 10:\n        return a - b\n    return a + b\n"
+    fb = critic(code)
+    assert "`test_big`" in fb["critique"] and "assert add(20, 22) == 42" in fb["critique"]
+    assert "assert -2 == 42" in fb["critique"]  # the runner explains the comparison, like pytest's rewriting
+    assert fb["poor_spans"] == ["return a - b", "return a + b"] and fb["good_spans"] == []
+
+
+def test_critic_names_the_raising_line():
+    fb = critic("def add(a, b):\n    values = [a, b]\n    return values[0] + values[2]\n")
+    assert "IndexError" in fb["critique"] and "line 3" in fb["critique"]
+    assert fb["poor_spans"] == ["return values[0] + values[2]"]
+
+
+def test_critic_stops_an_endless_loop_and_quotes_it():
+    code = "def add(a, b):\n    n = 0\n    while n != -1:\n        n += 2\n    return a + b\n"
+    start = time.monotonic()
+    fb = critic(code, timeout_s=2.0)
+    assert time.monotonic() - start < 10
+    assert "did not finish within 2 s" in fb["critique"] and "`test_small`" in fb["critique"]
+    assert "while n != -1:" in fb["poor_spans"]
+
+
+def test_critic_reports_unbounded_allocation():
+    # bytes(n) is calloc'd: the address-space limit is hit at once, without touching (slow) pages
+    code = "def add(a, b):\n    hoard = []\n    while True:\n        hoard.append(bytes(10 ** 8))\n"
+    fb = critic(code)
+    assert "out of memory" in fb["critique"] and "hoard.append(bytes(10 ** 8))" in fb["poor_spans"]
+
+
+def test_critic_on_syntax_errors_signatures_missing_code_and_fenced_answers():
+    fb = critic("def add(a, b)\n    return a + b\n")
+    assert "does not compile" in fb["critique"] and fb["poor_spans"] == ["def add(a, b)"]
+    fb = critic("def add(a):\n    return a\n")
+    assert "TypeError" in fb["critique"] and fb["poor_spans"] == ["def add(a):"]
+    assert critic("Sorry, I cannot help.\n")["poor_spans"] == ["Sorry, I cannot help."]  # prose does not compile
+    assert critic("")["critique"] == "The response contains no code to test."
+    answer = "Here is my solution:\n```python\ndef add(a, b):\n    return a * b\n```\nIt multiplies.\n"
+    fb = critic(answer)  # the quote comes from inside the fence, located in the whole response
+    assert fb["poor_spans"] == ["return a * b"] and answer.index("return a * b") > answer.index("```python")
+
+
+def test_critic_makes_repeated_lines_unambiguous():
+    code = "def sub(a, b):\n    return a + b\n\ndef add(a, b):\n    return a - b\n"
+    test = "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"
+    fb = critic(code, test)
+    _, poor, _ = common.locate_spans(code, [], fb["poor_spans"])
+    assert code[poor[0][0]:poor[0][1]].endswith("return a - b")
+
+
+def test_passed_needs_a_report_not_just_exit_code_zero():
+    assert not common.run_tests_sandboxed("import os\nos._exit(0)\n", TESTS)["passed"]
+    assert not common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", "x = 1\n")["passed"]  # no tests
+    assert common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", TESTS)["passed"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The fast runner keeps pytest's semantics; files that use pytest features run under real pytest
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_plain_test_files_take_the_fast_runner_and_the_rest_take_pytest():
+    assert common._plain_tests(TESTS)
+    assert common._plain_tests("class TestAdd:\n    def test_a(self):\n        assert True\n")
+    for test in ["import pytest\ndef test_a():\n    pass\n", "def test_a(tmp_path):\n    pass\n",
+                 "def setup_module():\n    pass\n", "import unittest\nclass TestA(unittest.TestCase):\n    pass\n",
+                 "class TestA:\n    def setup_method(self):\n        pass\n", "def test_a(:\n"]:
+        assert not common._plain_tests(test), test
+
+
+@pytest.mark.parametrize("solution,passed", [("def add(a, b):\n    return a + b\n", True),
+                                             ("def add(a, b):\n    return a - b\n", False)])
+def test_runner_and_pytest_agree(solution, passed):
+    classes = "from solution import add\n\nclass TestAdd:\n    def test_one(self):\n        assert add(2, 2) == 4\n"
+    fixture = "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1, 2])\n" \
+              "def test_one(a):\n    assert add(a, a) == 2 * a\n"
+    for test in (TESTS, classes, fixture):
+        result = common.run_tests_sandboxed(solution, test)
+        assert result["passed"] is passed, result["output"]
+        assert "site-packages" not in result["output"]  # only the two files' frames are kept
+    if not passed:
+        assert "assert 0 == 4" in common.run_tests_sandboxed(solution, classes)["output"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hostile code
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_no_secret_reaches_the_sandbox(monkeypatch):
+    secret = "sk-test-" + os.urandom(8).hex()
+    for name in ("OPENAI_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "MY_PASSWORD", "PYTHONPATH"):
+        monkeypatch.setenv(name, secret)
+    code = ("import os\nprint(dict(os.environ))\n"
+            "for pid in (os.getppid(), 1):\n"
+            "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+            "    except OSError as e:\n        print('denied', e)\n")
+    result = python(code)
+    assert result["returncode"] == 0 and "HOME" in result["stdout"]
+    assert secret not in result["stdout"] + result["stderr"]
+
+
+@needs_landlock
+def test_writes_outside_the_temp_dir_are_refused(tmp_path):
+    outside = [tmp_path / "escape.txt", "/tmp/t2g-escape-test.txt", os.path.join(os.getcwd(), "escape.txt")]
+    code = ("import os\nopen('inside.txt', 'w').write('ok')\nos.makedirs('sub/dir')\nprint('inside ok')\n"
+            f"for path in {[str(p) for p in outside] + ['../escape.txt']!r}:\n"
+            "    try:\n        open(path, 'w').write('escaped')\n        print('WROTE', path)\n"
+            "    except OSError as e:\n        print('refused', path, e.errno)\n")
+    result = python(code)
+    assert "inside ok" in result["stdout"] and "WROTE" not in result["stdout"], result
+    for path in outside:
+        assert not os.path.exists(path)
+
+
+@needs_landlock
+def test_reads_of_private_files_are_refused(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("hunter2")
+    code = f"try:\n    print(open({str(secret)!r}).read())\nexcept OSError as e:\n    print('refused', e.errno)\n"
+    result = python(code)
+    assert "hunter2" not in result["stdout"] and "refused" in result["stdout"]
+
+
+@pytest.mark.skipif(common.landlock_abi() < 4, reason="Landlock TCP rules need ABI >= 4")
+def test_network_and_signals_are_refused():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    code = ("import os, socket\n"
+            f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('CONNECTED')\n"
+            "except OSError as e:\n    print('refused', e)\n"
+            f"try:\n    os.kill({os.getpid()}, 0)\n    print('SIGNALLED')\n"
+            "except OSError as e:\n    print('refused', e)\n")
+    try:
+        result = python(code)
+    finally:
+        server.close()
+    assert "CONNECTED" not in result["stdout"] and "refused" in result["stdout"]
+    if common.landlock_abi() >= 6:
+        assert "SIGNALLED" not in result["stdout"]
+
+
+@pytest.mark.skipif(not ROOT_USER, reason="capabilities are only dropped when running as root")
+def test_root_keeps_no_capabilities():
+    result = python("print(open('/proc/self/status').read())")
+    caps = dict(line.split(":\t") for line in result["stdout"].splitlines() if line.startswith("Cap"))
+    assert caps["CapEff"].strip() == caps["CapPrm"].strip() == caps["CapInh"].strip() == "0" * 16
+    assert "NoNewPrivs:\t1" in result["stdout"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] not in "ZX"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_the_process_group_dies_on_timeout_and_at_the_end(loop):
+    code = ("import subprocess, sys\n"
+            "child = subprocess.Popen(['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+            "print(child.pid, flush=True)\n" + ("while True:\n    pass\n" if loop else ""))
+    result = python(code, timeout_s=2.0)
+    assert result["timed_out"] is loop
+    pid = int(result["stdout"].split()[0])
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_output_is_truncated_and_paths_are_relative():
+    result = python("import os\nprint('x' * 100000)\nprint(os.getcwd())\n", max_output_chars=500)
+    assert len(result["stdout"]) == 500
+    result = python("raise ValueError('boom')\n")
+    assert 'File "main.py", line 1' in result["stderr"] and "t2g-sandbox-" not in result["stderr"]
+
+
+def test_sandbox_that_cannot_be_set_up_runs_nothing(monkeypatch, tmp_path):
+    if not common.landlock_abi():
+        pytest.skip("the kernel has no Landlock")
+    marker = tmp_path / "ran"
+    monkeypatch.setattr(common, "_landlock_rules", lambda work: [["/", 0]])  # an empty rule: the kernel refuses it
+    with pytest.raises(RuntimeError, match="landlock|add_rule"):
+        python(f"open({str(marker)!r}, 'w').write('ran')\n")
+    assert not marker.exists()
+
+
+def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
+    monkeypatch.setattr(common, "_LANDLOCK_ABI", 0)
+    with pytest.warns(RuntimeWarning, match="Landlock is unavailable"):
+        result = python("import os\nprint(os.environ.get('OPENAI_API_KEY'), os.getcwd())\n")
+        big = python("x = bytearray(2 * 1024 ** 3)\n", memory_mb=256)
+    assert result["returncode"] == 0 and result["stdout"].startswith("None")
+    assert not any(layer.startswith("landlock") for layer in result["sandbox"])
+    assert big["returncode"] != 0 and "MemoryError" in big["stderr"]
