@@ -1052,7 +1052,10 @@ def _join(words: list[str]) -> str:
 def demo_critic(prompt: str, response: str) -> dict:
     """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
     facts, irrelevant = demo_post_facts(prompt)
-    words = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\w+", response)]
+    # Quotes keep a word's leading space (" red dog"): still exact, and a small model copies the response's own tokens
+    # ("Ġred") into the JSON instead of having to map them to the space-less tokens that '["red' would need.
+    words = [(m.group(), m.start() - (response[m.start() - 1:m.start()] == " "), m.end())
+             for m in re.finditer(r"\w+", response)]
     seq = [w for w, _, _ in words]
     repeated = [False] * len(seq)  # the second copy of an immediately repeated 1-3 word phrase
     for i in range(len(seq)):
@@ -1153,17 +1156,19 @@ def demo_dataset(split: str, n: int) -> list[dict]:
     return [{"id": f"demo-{split}-{i}", **make_demo_example(rng)} for i in range(n)]
 
 
-def build_demo_base(out_dir, pretrain_steps: int = 150, n_texts: int = 3000) -> str:
-    """The demo's stand-in for a pretrained LLM: tokenizer + 1.1M-parameter Llama pretrained on demo posts, summaries
-    and critiques (never on reward-model prompts: learning that mapping is stage 2's job). The tokenizer also sees the
-    reward-model instruction, so its words are single tokens and RM prompts stay short."""
+def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000) -> str:
+    """The demo's stand-in for a pretrained LLM: a tokenizer and a 2-layer, 0.6M-parameter Llama trained to continue
+    demo posts with their correct summary, and (post, summary) pairs with the critic's critique. That gives it the skill
+    a real LLM brings, copying facts from its context, which a model this small takes a few hundred steps to learn.
+    It never sees reward-model prompts (learning that format is stage 2's job) nor the noisy SFT targets (stage 3)."""
     texts, pretrain = [], []
     for ex in demo_dataset("pretrain", n_texts):
-        story = ex["prompt"] + ex["response"]
-        critique = format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
-        pretrain += [story, critique]
-        texts += [story, critique, rm_user_message("", "") + "\n\n### Critique\n"]
-    return build_tiny_base(out_dir, texts, pretrain_texts=pretrain, pretrain_steps=pretrain_steps)
+        critique = " " + format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
+        pretrain.append((ex["prompt"], " " + ex["reference"]))
+        texts += [ex["prompt"] + ex["response"], critique]
+    texts += [rm_user_message("", "") + "\n\n### Critique\n"] * 100  # so the RM instruction's words are single tokens
+    return build_tiny_base(out_dir, texts, num_layers=2, pretrain_texts=pretrain, pretrain_steps=pretrain_steps,
+                           lr=2e-3)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1173,11 +1178,12 @@ def build_demo_base(out_dir, pretrain_steps: int = 150, n_texts: int = 3000) -> 
 
 def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_size: int = 128, num_layers: int = 4,
                     num_heads: int = 4, intermediate_size: int = 512, chat_template: str | None = None,
-                    pretrain_texts: list[str] | None = None, pretrain_steps: int = 0, batch_size: int = 32,
+                    pretrain_texts: list | None = None, pretrain_steps: int = 0, batch_size: int = 32,
                     lr: float = 1e-3, seed: int = 0) -> str:
-    """Train a byte-level BPE tokenizer on `texts`, build a small Llama from a config, optionally pretrain it
-    (causal LM on `pretrain_texts`, default `texts`, so it plays the role of a pretrained LLM), and save both to
-    `out_dir` for from_pretrained. Every word of a small regular corpus becomes one token (~600-700 in all)."""
+    """Train a byte-level BPE tokenizer on `texts`, build a small Llama from a config, optionally pretrain it so it
+    plays the role of a pretrained LLM, and save both to `out_dir` for from_pretrained. `pretrain_texts` (default
+    `texts`) holds strings (loss on every token) or (context, continuation) pairs (loss on the continuation and EOS).
+    Every word of a small regular corpus becomes one token (~600-700 in all)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -1199,16 +1205,26 @@ def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_si
     if pretrain_steps:
         from tqdm.auto import tqdm
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        encoded = [tok(t)["input_ids"][:255] + [tok.eos_token_id] for t in (pretrain_texts or texts)]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30))  # short warm-up
+        examples = []  # (ids, index of the first token with a loss)
+        for t in pretrain_texts or texts:
+            context, cont = t if isinstance(t, tuple) else ("", t)
+            ids = tok(context, add_special_tokens=False)["input_ids"] if context else []
+            examples.append((ids + tok(cont, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], len(ids)))
         gen = torch.Generator().manual_seed(seed)
         for _ in tqdm(range(pretrain_steps), desc="pretrain tiny base", leave=False):
-            batch = [encoded[i] for i in torch.randint(len(encoded), (batch_size,), generator=gen).tolist()]
-            width = max(map(len, batch))
-            ids = torch.tensor([b + [tok.pad_token_id] * (width - len(b)) for b in batch])
-            labels = ids.masked_fill(ids == tok.pad_token_id, -100)
-            loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+            labels = ids.clone()
+            for row, (seq, first) in enumerate(batch):
+                labels[row, :first] = -100
+                labels[row, len(seq):] = -100
+            loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+            sched.step()
             opt.zero_grad()
     model.generation_config.pad_token_id = tok.pad_token_id
     Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
