@@ -1158,9 +1158,10 @@ def demo_dataset(split: str, n: int) -> list[dict]:
 
 def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000) -> str:
     """The demo's stand-in for a pretrained LLM: a tokenizer and a 2-layer, 0.6M-parameter Llama trained to continue
-    demo posts with their correct summary, and (post, summary) pairs with the critic's critique. That gives it the skill
-    a real LLM brings, copying facts from its context, which a model this small takes a few hundred steps to learn.
-    It never sees reward-model prompts (learning that format is stage 2's job) nor the noisy SFT targets (stage 3)."""
+    demo posts with their correct summary (loss on the summary only). That gives it the skill a real LLM brings,
+    copying facts from its context (an induction-head skill a model this small needs a few hundred focused steps for;
+    plain LM loss over whole posts, or a 4-layer model, takes far longer). It never sees critiques or reward-model
+    prompts (stage 2 teaches those) nor the noisy SFT targets (stage 3), only their words in the tokenizer corpus."""
     texts, pretrain = [], []
     for ex in demo_dataset("pretrain", n_texts):
         critique = " " + format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
