@@ -39,14 +39,14 @@ import common
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
     "demo": dict(model="runs/demo/base", prompts="runs/demo/data/prompts.jsonl", sft_data="runs/demo/data/sft.jsonl",
-                 sft_steps=150, sft_lr=1e-3, sft_output_dir="runs/demo/sft", reward_model="runs/demo/reward_model",
-                 output_dir="runs/demo/text2grad", scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32,
-                 max_new_tokens=32, lr=3e-4, lora_r=16, lora_alpha=32, kl_coef=0.05, ppo_epochs=2,
-                 num_minibatches=2, critic_max_new_tokens=96),
-    "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_output_dir=None,
-                    reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="", steps=1000, batch_size=64,
-                    max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05, ppo_epochs=4,
-                    num_minibatches=4, critic_max_new_tokens=512),
+                 sft_steps=100, sft_lr=1e-3, sft_lora_r=0, sft_output_dir="runs/demo/sft",
+                 reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
+                 scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32, max_new_tokens=32, lr=1e-3,
+                 lora_r=16, lora_alpha=32, kl_coef=0.05, ppo_epochs=4, num_minibatches=2, critic_max_new_tokens=96),
+    "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
+                    sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
+                    steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
+                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512),
 }
 
 
@@ -72,6 +72,7 @@ def parse_args(argv=None):
     a("--sft-steps", type=int, help="SFT optimizer steps")
     a("--sft-lr", type=float, help="SFT learning rate")
     a("--sft-batch-size", type=int, default=32, help="SFT batch size")
+    a("--sft-lora-r", type=int, help="LoRA rank for SFT, merged afterwards; 0 = full fine-tuning (default: --lora-r)")
     a("--sft-output-dir", help="where the SFT model (merged, full weights) is saved; PPO starts from it")
     # --- policy parametrisation
     a("--lora-r", type=int, help="LoRA rank; 0 = full fine-tuning (then the reference is a frozen copy)")
@@ -522,13 +523,14 @@ def train(args):
         sft_dir = Path(args.sft_output_dir or out_dir / "sft")
         if rank == 0 and not (sft_dir / "config.json").is_file():
             model, tokenizer = common.load_model(args.model, device=args.device, dtype=args.dtype)
-            if args.lora_r > 0:  # LoRA for the warm start too, merged into the weights afterwards
+            sft_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
+            if sft_r > 0:  # LoRA for the warm start, merged into the weights afterwards
                 from peft import LoraConfig, get_peft_model
                 targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-                model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                model = get_peft_model(model, LoraConfig(r=sft_r, lora_alpha=2 * sft_r, lora_dropout=0.0,
                                                          target_modules=targets, task_type="CAUSAL_LM"))
             sft_warm_start(args, model, tokenizer)
-            model = model.merge_and_unload() if args.lora_r > 0 else model
+            model = model.merge_and_unload() if sft_r > 0 else model
             tmp = sft_dir.with_name(sft_dir.name + ".tmp")
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
