@@ -1,29 +1,27 @@
 """Stage 4 (paper Sec. 4): compare policies on held-out prompts, then show *why* they differ.
 
-For every policy (the SFT start, scalar-reward PPO, Text2Grad, ...) it generates answers to the held-out prompts and
-measures them with what the paper reports:
-  - reference tasks (summarization, demo): ROUGE-1/2/L (rouge-score) and BLEU (sacrebleu); BERTScore with a local
-    --bertscore-model
+Each policy (SFT start, scalar-reward PPO, Text2Grad, ...) answers the held-out prompts; the answers are measured with
+the paper's metrics, each with its sample count and a 95% bootstrap interval:
+  - with references (summarization, demo): ROUGE-1/2/L (rouge-score), BLEU (sacrebleu), BERTScore (--bertscore-model)
   - code: pass@1, each completion run against its unit tests in the sandbox (common.run_tests_sandboxed)
-  - every task: the reward model's critique of each output (mean delta, share of tokens in poor spans), and an optional
-    LLM judge giving pairwise win/tie/loss, the two answers shown in a per-pair random order (paper App. E)
-  - the demo task: its programmatic critic's score (delta-sum, mistake rate, facts right)
-Every metric gets its sample count and a 95% bootstrap confidence interval. Writes OUTPUT_DIR/results.json, prints a
-table, and writes OUTPUT_DIR/report.html: one self-contained page (metric table, stage 3's training curves, and sample
-responses with the critique's good/poor spans highlighted in place, as in the paper's Figure 2).
+  - all tasks: the reward model's critique of each answer (mean delta, share of tokens in poor spans), and an optional
+    LLM judge's pairwise win/tie/loss with the answers' order randomised per pair (paper App. E)
+  - demo: the programmatic critic's score (delta-sum, mistake rate, facts right)
+Writes OUTPUT_DIR/results.json, prints a table, and writes OUTPUT_DIR/report.html: one self-contained page with the
+metrics, stage 3's training curves, and sample answers with the critique's spans highlighted (the paper's Figure 2).
 
-Demo (zero flags; reads stages 1-3's outputs under runs/demo/; ~40 s on 2 CPU cores):
+Demo (zero flags: reads stages 1-3's outputs under runs/demo/; ~40 s on 2 CPU cores):
     python 04_evaluate.py
-Your own policies (hub id, full model dir or LoRA adapter dir), e.g. SLF5K on a GPU:
+Your own policies (hub id, model dir or LoRA adapter dir), e.g. SLF5K on a GPU:
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
         --reference-field ideal_human_summary --policy sft=runs/slf5k/sft --policy text2grad=runs/slf5k/policy \
         --reward-model runs/slf5k/reward_model --max-new-tokens 64 --device cuda --dtype bf16 --output-dir runs/slf5k
-With an LLM judge (any OpenAI-compatible server; the key comes from OPENAI_API_KEY):
+Add an LLM judge (any OpenAI-compatible server; key from OPENAI_API_KEY):
     python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o
-Code, KodCode layout (question, test):
-    python 04_evaluate.py --task code --data kodcode_test.jsonl --policy sft=... --test-timeout 10
-Generations, critiques, test runs and judgements are cached as append-only JSONL under OUTPUT_DIR/eval/: a rerun (or a
-resumed run) computes only what is missing, and a cache is dropped when its policy's files or settings change.
+Code (KodCode fields question, test):
+    python 04_evaluate.py --task code --data kodcode_test.jsonl --policy sft=runs/code/sft --test-timeout 10
+Generations, critiques, test runs and verdicts are cached as append-only JSONL in OUTPUT_DIR/eval/: a rerun computes
+only what is missing, and a cache is dropped when its policy's files or settings change.
 """
 from __future__ import annotations
 
@@ -40,7 +38,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -58,12 +56,10 @@ TASK_FIELDS = {  # task -> (prompt field, reference field, test field, default m
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # data
     p.add_argument("--task", choices=list(TASK_FIELDS), default="demo", help="field preset and task metrics")
-    p.add_argument("--data", default="runs/demo/data/eval.jsonl",
-                   help="held-out split: a .jsonl file (fields: id, prompt, reference / test), a .json/.parquet file, "
-                        "or a hub dataset id")
+    p.add_argument("--data", default="runs/demo/data/eval.jsonl", help="held-out split: .jsonl/.json/.parquet/hub id")
     p.add_argument("--split", default="test", help="split name when --data is a hub dataset id")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     p.add_argument("--prompt-field", default=None, help="field holding the prompt (default: the task preset)")
@@ -71,46 +67,45 @@ def parse_args(argv=None):
     p.add_argument("--test-field", default=None, help="field holding pytest-style tests (code task)")
     # policies and generation
     p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
-                   help="a policy to evaluate: hub id, model dir or LoRA adapter dir (repeatable; default: the demo's "
-                        "sft, scalar and text2grad policies, skipping any that are missing)")
+                   help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, deterministic (the default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
-    p.add_argument("--chat-template", action="store_true",
-                   help="wrap prompts in each policy tokenizer's chat template (use it if stage 3 did)")
+    p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
+                   help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
     p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--dtype", default="float32", help="float32 / bf16 / fp16")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)")
     p.add_argument("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
     p.add_argument("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/")
     # reward model and task metrics
-    p.add_argument("--reward-model", default=DEMO_RM, help="stage 2 output dir whose critiques are scored; 'none' to skip")
-    p.add_argument("--rm-max-new-tokens", type=int, default=128, help="critique length limit")
+    p.add_argument("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
+    p.add_argument("--rm-max-new-tokens", type=int, default=96, help="critique length limit (as stage 3's critic)")
     p.add_argument("--rm-batch-size", type=int, default=64, help="critique generation batch size")
     p.add_argument("--test-timeout", type=float, default=10.0, help="seconds per problem for pass@1 (code task)")
     p.add_argument("--test-workers", type=int, default=2, help="test runs in parallel")
-    p.add_argument("--bertscore-model", default=None, help="local model dir for BERTScore (needs pip install bert-score)")
+    p.add_argument("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")
     p.add_argument("--bertscore-layers", type=int, default=None, help="BERTScore layer (default: the last)")
     # LLM judge
     p.add_argument("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge (enables judging)")
     p.add_argument("--judge-model", default="gpt-4o", help="judge model name")
     p.add_argument("--judge-pairs", default=None, metavar="A:B,...",
-                   help="pairs to compare, reported as A's win/tie/loss against B (default: each policy vs each "
-                        "policy listed before it)")
+                   help="A's win/tie/loss against B (default: each policy vs each policy listed before it)")
     p.add_argument("--judge-limit", type=int, default=None, help="judge only the first N prompts")
     p.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight")
     # outputs
     p.add_argument("--curves", action="append", default=[], metavar="NAME=PATH",
-                   help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's text2grad and scalar runs)")
+                   help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)")
     p.add_argument("--output-dir", default="runs/demo", help="results.json, report.html and eval/ caches go here")
     p.add_argument("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     args = p.parse_args(argv)
-    prompt_f, ref_f, test_f, max_new = TASK_FIELDS[args.task]
-    args.prompt_field = args.prompt_field or prompt_f
-    args.reference_field = args.reference_field or ref_f
-    args.test_field = args.test_field or test_f
-    args.max_new_tokens = args.max_new_tokens or max_new
+    preset = TASK_FIELDS[args.task]
+    args.prompt_field, args.reference_field, args.test_field, args.max_new_tokens = (
+        mine or default for mine, default in zip(
+            (args.prompt_field, args.reference_field, args.test_field, args.max_new_tokens), preset))
     return args
 
 
@@ -198,9 +193,12 @@ def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: st
     """compute(items) -> rows with an "id", run only for items whose id the append-only JSONL cache at `path` lacks.
     Rows are appended per chunk (a killed run resumes); a cache written under another fingerprint is dropped."""
     done = common.open_resumable_jsonl(path)
-    if done and (fresh or json.loads(path.open(encoding="utf-8").readline()).get("fingerprint") != fp):
-        path.unlink()
-        done = common.open_resumable_jsonl(path)
+    if done:
+        with open(path, encoding="utf-8") as f:
+            stale = fresh or json.loads(f.readline()).get("fingerprint") != fp
+        if stale:
+            path.unlink()
+            done = set()
     todo = [it for it in items if it["id"] not in done]
     if todo:
         with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc=desc) as bar:
@@ -217,6 +215,22 @@ def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: st
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def load(path: str, args, flag: str):
+    """common.load_model, with a missing dir or unknown hub id reported in one line instead of a traceback."""
+    local = Path(path)
+    if not local.exists() and (local.is_absolute() or path.startswith(".") or len(local.parts) > 2
+                               or Path(local.parts[0]).is_dir()):  # a local path, not a hub id: don't ask the hub
+        raise DataError(f"{flag}{path}: no such directory")
+    try:
+        return list(common.load_model(path, device=args.device, dtype=args.dtype))
+    except OSError as e:
+        raise DataError(f"{flag}{path}: cannot load: {first_line(e)}") from None
+
+
 def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], str]:
     """Each record's response from policy `name`: text, token ids and per-token character offsets (cached)."""
     fp = fingerprint(path, args.data, args.prompt_field, args.max_new_tokens, args.temperature, args.top_p,
@@ -226,15 +240,13 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
     def compute(chunk):
         import torch
         if not loaded:
-            try:
-                loaded.extend(common.load_model(path, device=args.device, dtype=args.dtype))
-            except OSError as e:  # a missing local dir or an unknown hub id: one line, not a traceback
-                raise DataError(f"--policy {name}={path}: cannot load: {str(e).strip().splitlines()[0]}") from None
+            loaded.extend(load(path, args, f"--policy {name}="))
             torch.manual_seed(args.seed)
         model, tok = loaded
         prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                            add_generation_prompt=True)
-                   if args.chat_template and tok.chat_template else r["prompt"] for r in chunk]
+                   if args.chat_template == "on" or (args.chat_template == "auto" and tok.chat_template)
+                   else r["prompt"] for r in chunk]
         ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
         rows = []
         for rec, x in zip(chunk, ids):
@@ -253,7 +265,7 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
 
     def compute(chunk):
         if not rm_state:
-            rm_state.extend(common.load_model(args.reward_model, device=args.device, dtype=args.dtype))
+            rm_state.extend(load(args.reward_model, args, "--reward-model "))
             if hasattr(rm_state[0], "merge_and_unload"):  # LoRA merged into the weights: faster generation
                 rm_state[0] = rm_state[0].merge_and_unload()
         raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
@@ -268,22 +280,24 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
 # Metrics: per-sample sufficient statistics, aggregated with a 95% bootstrap interval
 # ----------------------------------------------------------------------------------------------------------------------
 
-# key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
-METRICS = {
+METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
     "rouge1": ("ROUGE-1 F1", 1), "rouge2": ("ROUGE-2 F1", 1), "rougeL": ("ROUGE-L F1", 1), "bleu": ("BLEU", 1),
-    "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1),
-    "demo/delta_sum": ("critic: delta-sum per response", 1), "demo/mistake_rate": ("critic: mistake rate", -1),
-    "demo/facts_right": ("critic: share of facts right", 1), "demo/exact_match": ("exact match with reference", 1),
-    "rm/delta_sum": ("RM: delta-sum per response", 1), "rm/delta_mean": ("RM: mean delta per token", 1),
-    "rm/poor_token_frac": ("RM: share of tokens in poor spans", -1),
-    "rm/good_token_frac": ("RM: share of tokens in good spans", 1), "rm/parse_rate": ("RM: critique parse rate", 1),
-    "rm/unmatched_span_rate": ("RM: unmatched-quote rate", -1),
-    "rm_vs_critic/poor_precision": ("RM vs critic: poor-token precision", 1),
-    "rm_vs_critic/poor_recall": ("RM vs critic: poor-token recall", 1),
-    "rm_vs_critic/good_precision": ("RM vs critic: good-token precision", 1),
-    "rm_vs_critic/good_recall": ("RM vs critic: good-token recall", 1),
-    "gen/tokens": ("response length (tokens)", 0),
-}
+    "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1), "demo/delta_sum": ("delta-sum per response", 1),
+    "demo/mistake_rate": ("mistake rate (≥ 1 poor span)", -1), "demo/facts_right": ("share of facts right", 1),
+    "demo/exact_match": ("exact match with reference", 1), "rm/delta_sum": ("delta-sum per response", 1),
+    "rm/delta_mean": ("mean delta per token", 1), "rm/poor_token_frac": ("share of tokens in poor spans", -1),
+    "rm/good_token_frac": ("share of tokens in good spans", 1), "rm/parse_rate": ("critique parse rate", 1),
+    "rm/unmatched_span_rate": ("unmatched-quote rate", -1), "rm_vs_critic/poor_precision": ("poor-token precision", 1),
+    "rm_vs_critic/poor_recall": ("poor-token recall", 1), "rm_vs_critic/good_precision": ("good-token precision", 1),
+    "rm_vs_critic/good_recall": ("good-token recall", 1), "gen/tokens": ("response length (tokens)", 0)}
+GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "rm_vs_critic": "reward model vs critic",
+          "gen": "generation"}
+
+
+def metric_keys(policies: dict) -> list[str]:
+    """Metric names present in any policy: METRICS order first, then any others."""
+    present = {k for p in policies.values() for k in p["metrics"]}
+    return [k for k in METRICS if k in present] + sorted(present - set(METRICS))
 
 
 def ratio_stat(sums):  # (B, 2) summed (numerator, denominator) -> (B,)
@@ -342,17 +356,20 @@ def extract_code(text: str) -> str:
     return m.group(1) if m else text
 
 
+def run_one_test(item: dict, timeout_s: float) -> dict:
+    """{"id", "response", "test"} -> {"id", "passed", "timed_out", "output"}: the completion run against its tests."""
+    res = common.run_tests_sandboxed(extract_code(item["response"]), item["test"], timeout_s=timeout_s)
+    return {"id": item["id"], "passed": bool(res["passed"]), "timed_out": bool(res["timed_out"]),
+            "output": res["output"][-1000:]}
+
+
 def pass_at_1(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
-    """items: {"id", "response", "test"} -> {"id", "passed", "timed_out"}: each completion run against its tests."""
-    def one(it):
-        res = common.run_tests_sandboxed(extract_code(it["response"]), it["test"], timeout_s=timeout_s)
-        return {"id": it["id"], "passed": bool(res["passed"]), "timed_out": bool(res["timed_out"])}
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        return list(pool.map(one, items))
-
-
-def feedback_stats(text, offsets, feedback) -> tuple[list[float], list[str]]:
-    return common.span_rewards(text, [tuple(o) for o in offsets], feedback["good_spans"], feedback["poor_spans"])
+    """Each completion against its tests, `workers` at a time. Processes, not threads: the sandbox's ast.parse is not
+    thread-safe on CPython 3.11 ("AST constructor recursion depth mismatch")."""
+    import functools
+    import multiprocessing
+    with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(functools.partial(run_one_test, timeout_s=timeout_s), items))
 
 
 def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict]]:
@@ -368,7 +385,7 @@ def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict
                 facts, _ = common.demo_post_facts(rec["prompt"])
             except ValueError as e:
                 raise DataError(f"record {rec['id']}: {e}") from None
-            d_prog, _ = feedback_stats(text, gen["offsets"], program)
+            d_prog, _ = common.span_rewards(text, gen["offsets"], program["good_spans"], program["poor_spans"])
             words = set(re.findall(r"\w+", text))
             rows["demo/delta_sum"].append((sum(d_prog), 1))
             rows["demo/mistake_rate"].append((float(bool(program["poor_spans"])), 1))
@@ -379,7 +396,7 @@ def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict
                 fb, parsed = common.parse_feedback(crit["critique_raw"]), 1.0
             except ValueError:
                 fb, parsed = {"critique": crit["critique_raw"].strip(), "good_spans": [], "poor_spans": []}, 0.0
-            delta, unmatched = feedback_stats(text, gen["offsets"], fb)
+            delta, unmatched = common.span_rewards(text, gen["offsets"], fb["good_spans"], fb["poor_spans"])
             quotes = sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
             rows["rm/delta_sum"].append((sum(delta), 1))
             rows["rm/delta_mean"].append((sum(delta), n))
@@ -405,20 +422,12 @@ def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict
 # LLM judge: pairwise, order randomised per pair and undone when scoring (paper App. E)
 # ----------------------------------------------------------------------------------------------------------------------
 
-JUDGE_PROMPT = """Compare two responses to the same prompt and decide which is better: faithful to the prompt, \
-accurate, complete and concise, with nothing invented or irrelevant. The order in which they are shown means nothing.
+JUDGE_PROMPT = """Which response to the prompt is better: faithful, accurate, complete and concise, with nothing \
+invented or irrelevant? The order they are shown in means nothing.
 
-### Prompt
-{prompt}
+### Prompt\n{prompt}\n\n### Response A\n{a}\n\n### Response B\n{b}
 
-### Response A
-{a}
-
-### Response B
-{b}
-
-Explain your reasoning in one or two sentences, then end with a line that is exactly "Winner: A", "Winner: B" or \
-"Winner: tie"."""
+Explain briefly, then end with a line that is exactly "Winner: A", "Winner: B" or "Winner: tie"."""
 
 
 def parse_verdict(text: str) -> str:
@@ -428,7 +437,7 @@ def parse_verdict(text: str) -> str:
 
 
 def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, str]], base_url: str, model: str,
-                seed: int, concurrency: int, cache_dir: Path, fp: str) -> dict:
+                seed: int, concurrency: int, cache_dir: Path, fps: dict[str, str]) -> dict:
     """Win/tie/loss of A against B for each pair. Per prompt, a seeded coin decides which answer is shown first; the
     order is recorded with each verdict and undone before scoring, so position bias cancels out."""
     from openai import APIError, OpenAI
@@ -437,25 +446,25 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
     for a, b in pairs:
         def ask(it):
             first, second = (b, a) if it["swapped"] else (a, b)
-            content = JUDGE_PROMPT.format(prompt=it["prompt"], a=it[first], b=it[second])
+            content = JUDGE_PROMPT.format(prompt=it["prompt"], a=it["answers"][first], b=it["answers"][second])
             try:
                 reply = client.chat.completions.create(model=model, temperature=0.0,
                                                        messages=[{"role": "user", "content": content}])
             except APIError as e:  # after the client's own retries with backoff; verdicts so far stay cached
-                raise DataError(f"judge request failed: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+                raise DataError(f"judge request failed: {type(e).__name__}: {first_line(e)}") from None
             raw = reply.choices[0].message.content or ""
             verdict = parse_verdict(raw)
             winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
             return {"id": it["id"], "shown_first": first, "verdict": verdict, "winner": winner, "reply": raw[-2000:]}
 
-        items = [{"id": r["id"], "prompt": r["prompt"], a: outputs[a][i], b: outputs[b][i],
+        items = [{"id": r["id"], "prompt": r["prompt"], "answers": {a: outputs[a][i], b: outputs[b][i]},
                   "swapped": random.Random(f"{seed}|{a}|{b}|{r['id']}").random() < 0.5} for i, r in enumerate(records)]
 
         def compute(chunk):
             with ThreadPoolExecutor(max(1, concurrency)) as pool:
                 return list(pool.map(ask, chunk))
 
-        rows = cached(cache_dir / f"judge.{a}_vs_{b}.jsonl", fingerprint(fp, a, b, model, seed), items, compute,
+        rows = cached(cache_dir / f"judge.{a}_vs_{b}.jsonl", fingerprint(fps[a], fps[b], model, seed), items, compute,
                       4 * concurrency, f"judge {a} vs {b}")
         valid = [r for r in rows if r["winner"]]
         results[f"{a}_vs_{b}"] = {
@@ -488,7 +497,7 @@ def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
-                continue
+                continue  # a torn last line of a run still writing
         runs[name] = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
     return runs
 
@@ -502,8 +511,11 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 2.9), dpi=130, squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    cols, rows = min(2, len(keys)), (len(keys) + 1) // 2
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.1 * rows), dpi=110, squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.remove()
+    for ax, key in zip(axes.flat, keys):
         for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if not pts:
@@ -513,12 +525,12 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
             smooth = np.convolve(y, np.ones(w) / w, mode="valid")
             ax.plot(x, y, color=color, alpha=0.2, lw=1)
             ax.plot(x[w - 1:], smooth, color=color, lw=2, label=name)
-        ax.set_title(CURVE_KEYS.get(key, key), fontsize=10)
-        ax.set_xlabel("PPO iteration", fontsize=9)
-        ax.tick_params(labelsize=8)
+        ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
+        ax.set_xlabel("PPO iteration", fontsize=10)
+        ax.tick_params(labelsize=9)
         ax.grid(alpha=0.25)
         ax.spines[["top", "right"]].set_visible(False)
-    axes[0][0].legend(fontsize=8, frameon=False)
+    axes[0][0].legend(fontsize=9, frameon=False)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -542,117 +554,96 @@ def highlight(text: str, good: list[tuple[int, int]], poor: list[tuple[int, int]
 
 
 CSS = """
-:root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--soft:#f6f8fa;--good:#d2f4da;--good-edge:#1a7f37;
---poor:#ffe0dd;--poor-edge:#cf222e}
-*{box-sizing:border-box}
-body{margin:0;color:var(--fg);background:#fff;font:15px/1.55 system-ui,-apple-system,"Segoe UI",Roboto,
-"Helvetica Neue",Arial,sans-serif}
-main{max-width:1100px;margin:0 auto;padding:36px 28px 72px}
-h1{font-size:26px;margin:0 0 6px;letter-spacing:-.01em}
+:root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--soft:#f6f8fa;--good:#d2f4da;--good-b:#1a7f37;--poor:#ffe0dd;
+--poor-b:#cf222e;--mono:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}*{box-sizing:border-box}
+body{margin:0;color:var(--fg);font:15px/1.55 system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",sans-serif}
+main{max-width:1100px;margin:0 auto;padding:36px 28px 72px}h1{font-size:26px;margin:0 0 6px;letter-spacing:-.01em}
 h2{font-size:18px;margin:40px 0 14px;padding-bottom:8px;border-bottom:1px solid var(--line)}
-.sub,.note{color:var(--muted);font-size:13.5px}
-table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:14px}
+.sub,.note{color:var(--muted);font-size:13.5px}.ci{display:block;color:var(--muted);font-size:11.5px;font-weight:400}
+table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:14px}td.best{font-weight:700}
 th,td{padding:7px 14px;border-bottom:1px solid var(--line);text-align:right;vertical-align:top}
-th{font-weight:600;background:var(--soft)}
-th:first-child,td:first-child{text-align:left}
-td .ci{display:block;color:var(--muted);font-size:11.5px}
-td.best{font-weight:700}
-tr.group td{background:#fff;color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.05em;
-padding-top:16px}
-img.curves{width:100%;border:1px solid var(--line);border-radius:8px}
-.legend{display:flex;gap:18px;align-items:center;font-size:13.5px;color:var(--muted);margin:4px 0 8px}
-mark{color:inherit;border-radius:3px;padding:1px 0}
-mark.good{background:var(--good);box-shadow:inset 0 -2px 0 var(--good-edge)}
-mark.poor{background:var(--poor);box-shadow:inset 0 -2px 0 var(--poor-edge)}
+th{font-weight:600;background:var(--soft)}th:first-child,td:first-child{text-align:left}
+tr.group td{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.05em;padding-top:16px}
+img.curves{max-width:100%;border:1px solid var(--line);border-radius:8px}
+.legend{display:flex;gap:18px;font-size:13.5px;color:var(--muted);margin:4px 0 8px}
+mark{color:inherit;border-radius:3px;padding:1px 0}.unmatched{color:var(--poor-b)}
+mark.good{background:var(--good);box-shadow:inset 0 -2px var(--good-b)}
+mark.poor{background:var(--poor);box-shadow:inset 0 -2px var(--poor-b)}
 .sample{border:1px solid var(--line);border-radius:10px;padding:18px 22px;margin:18px 0}
 .sample-head{display:flex;justify-content:space-between;color:var(--muted);font-size:12.5px;margin-bottom:8px}
 .prompt{white-space:pre-wrap;background:var(--soft);border-radius:6px;padding:10px 12px;margin:0 0 6px;
-font:13px/1.5 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
-.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}
+font:13px/1.5 var(--mono)}
+.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.pname{font-weight:600;font-size:14px}
 .row{display:grid;grid-template-columns:110px 1fr;gap:14px;padding:12px 0 4px;border-top:1px solid #eaeef2;
 margin-top:8px}
-.pname{font-weight:600;font-size:14px}
 .pname .score{display:block;font-weight:400;color:var(--muted);font-size:12px;font-variant-numeric:tabular-nums}
-.response{white-space:pre-wrap;font-size:15px}
-.code .response{font:13px/1.5 ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}
+.response{white-space:pre-wrap}.code .response{font:13px/1.5 var(--mono)}
 .critique{color:var(--muted);font-size:13px;margin-top:6px}
-.unmatched{color:var(--poor-edge)}
 """
 
 
-def fmt(v, digits=3) -> str:
-    return "–" if v is None else f"{v:.{digits}f}" if abs(v) < 1000 else f"{v:.0f}"
+def fmt(v) -> str:
+    return "–" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"  # BLEU and lengths: one decimal
 
 
 def render_report(results: dict, shown: dict[str, list[dict]], records: list[dict], curves_png: str | None,
                   sample_ids: list[str], task: str) -> str:
-    pol = results["policies"]
-    names = list(pol)
-    esc = html.escape
-    # metric table, grouped by prefix, best policy per row in bold
-    head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
-    body, group = [], None
-    keys = [k for k in METRICS if any(k in pol[n]["metrics"] for n in names)]
-    keys += sorted({k for n in names for k in pol[n]["metrics"]} - set(keys))
-    for key in keys:
+    esc, pol, gen = html.escape, results["policies"], results["generation"]
+    names, rows, group = list(pol), [], None
+    for key in metric_keys(pol):  # the metric table: grouped by prefix, the best policy per row in bold
         label, direction = METRICS.get(key, (key, 0))
-        g = key.split("/")[0] if "/" in key else "reference"
-        if g != group:
+        if (g := key.split("/")[0] if "/" in key else "task metrics") != group:
             group = g
-            title = {"reference": "task metrics", "demo": "demo critic (ground truth)", "rm": "reward-model critique",
-                     "rm_vs_critic": "reward model vs critic", "gen": "generation"}.get(g, g)
-            body.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(title)}</td></tr>")
-        vals = [pol[n]["metrics"].get(key, {}).get("value") for n in names]
-        best = (max if direction > 0 else min)((v for v in vals if v is not None), default=None) if direction else None
-        cells = []
-        for n, v in zip(names, vals):
-            m = pol[n]["metrics"].get(key)
-            ci = f"<span class='ci'>[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span>" if m else ""
-            cells.append(f"<td class='{'best' if best is not None and v == best and len(names) > 1 else ''}'>"
-                         f"{fmt(v)}{ci}</td>")
+            rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(GROUPS.get(g, g))}</td></tr>")
+        ms = [pol[n]["metrics"].get(key) for n in names]
+        vals = {fmt(m["value"]) for m in ms if m and m["value"] is not None}  # compared as shown: ties get no bold
+        best = fmt((max if direction > 0 else min)(map(float, vals))) if direction and len(vals) > 1 else None
+        cells = "".join(f"<td class='{'best' if fmt(m['value']) == best else ''}'>{fmt(m['value'])}<span class='ci'>"
+                        f"[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span></td>" if m else "<td>–</td>" for m in ms)
         arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
-        body.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{''.join(cells)}</tr>")
-    parts = [f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(body)}</table>",
-             "<p class='note'>Value with its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better; "
-             "the best policy per row is in bold.</p>"]
+        rows.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{cells}</tr>")
+    head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
+    parts = [f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Each "
+             "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better; best in "
+             "bold.</p>"]
     if results.get("judge"):
-        jrows = "".join(f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td><td>{fmt(j['win']['value'])}</td>"
-                        f"<td>{fmt(j['tie']['value'])}</td><td>{fmt(j['loss']['value'])}</td><td>{j['n']}</td></tr>"
-                        for j in results["judge"]["pairs"].values())
-        parts.append(f"<h2>LLM judge ({esc(results['judge']['model'])})</h2><table><tr><th>pair</th><th>win</th>"
-                     f"<th>tie</th><th>loss</th><th>n</th></tr>{jrows}</table><p class='note'>Answer order randomised "
+        jrows = "".join(f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td>" + "".join(
+            f"<td>{fmt(j[k]['value'])}</td>" for k in ("win", "tie", "loss")) + f"<td>{j['n']}</td></tr>"
+            for j in results["judge"]["pairs"].values())
+        parts.append(f"<h2>LLM judge: {esc(results['judge']['model'])}</h2><table><tr><th>pair</th><th>win</th><th>tie"
+                     f"</th><th>loss</th><th>n</th></tr>{jrows}</table><p class='note'>The answers' order was random "
                      f"per prompt (seed {results['judge']['seed']}) and undone before scoring.</p>")
-    parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' "
-                                                f"src='data:image/png;base64,{curves_png}'>" if curves_png else
-                                                "<p class='note'>No stage 3 metrics.jsonl found.</p>"))
-    parts.append("<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span>"
-                 "<span><mark class='poor'>poor span</mark> δ = −1</span><span>spans quoted by the critique below "
-                 "each response; hover a response to see it too</span></div>")
-    by_id = {r["id"]: i for i, r in enumerate(records)}
+    parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' src='data:image/png;base64,"
+                                                f"{curves_png}'>" if curves_png else "<p class='note'>No stage 3 "
+                                                "metrics.jsonl found.</p>"))
+    parts.append("<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span><span>"
+                 "<mark class='poor'>poor span</mark> δ = −1</span><span>quoted by the critique shown below each "
+                 "response (also on hover)</span></div>")
+    index = {r["id"]: i for i, r in enumerate(records)}
     for rid in sample_ids:
-        i, rec = by_id[rid], records[by_id[rid]]
-        rows = []
+        rec, answers = records[index[rid]], []
         for n in names:
-            s = shown[n][i]
-            unmatched = "".join(f" <span class='unmatched'>unmatched quote: “{esc(u)}”</span>" for u in s["unmatched"])
-            score = f"<span class='score'>δ-sum {s['delta_sum']:+g}</span>" if s["delta_sum"] is not None else ""
-            critique = (f"<div class='critique'>{esc(s['source'] or '')}: {esc(s['critique'])}{unmatched}</div>"
+            s = shown[n][index[rid]]
+            score = "" if s["delta_sum"] is None else f"<span class='score'>δ-sum {s['delta_sum']:+g}</span>"
+            missed = (f"<br><span class='unmatched'>not found in the response: "
+                      f"{', '.join('“' + esc(u) + '”' for u in s['unmatched'])}</span>" if s["unmatched"] else "")
+            critique = (f"<div class='critique'>{esc(s['source'])}: {esc(s['critique'])}{missed}</div>"
                         if s["source"] else "")
-            rows.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
-                        f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
-                        f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
+            answers.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
+                           f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
+                           f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
         ref = f"<div class='reference'>reference: {esc(rec['reference'])}</div>" if rec.get("reference") else ""
         parts.append(f"<section class='sample'><div class='sample-head'><span>prompt</span><span>{esc(rid)}</span>"
-                     f"</div><pre class='prompt'>{esc(rec['prompt'])}</pre>{ref}{''.join(rows)}</section>")
-    gen = results["generation"]
-    sub = (f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from "
-           f"<code>{esc(results['data'])}</code> · {'greedy' if not gen['temperature'] else 'T = ' + str(gen['temperature'])}"
-           f" decoding, ≤ {gen['max_new_tokens']} new tokens · reward model <code>{esc(str(results['reward_model']))}"
-           f"</code> · {esc(results['created'])}")
+                     f"</div><pre class='prompt'>{esc(rec['prompt'])}</pre>{ref}{''.join(answers)}</section>")
+    decoding = "greedy" if not gen["temperature"] else f"T = {gen['temperature']}"
+    sub = (f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from <code>"
+           f"{esc(results['data'])}</code> · {decoding} decoding, ≤ {gen['max_new_tokens']} new tokens · reward "
+           f"model "
+           f"<code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}")
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
-            f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body "
-            f"class='{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{''.join(parts)}"
-            f"</main></body></html>\n")
+            f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body class='"
+            f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{''.join(parts)}</main>"
+            f"</body></html>\n")
 
 
 def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:
@@ -664,11 +655,9 @@ def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:
 
 def print_table(results: dict) -> None:
     pol = results["policies"]
-    keys = [k for k in METRICS if any(k in p["metrics"] for p in pol.values())]
-    keys += sorted({k for p in pol.values() for k in p["metrics"]} - set(keys))
     cell = lambda m: f"{fmt(m['value'])} [{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]" if m else "–"  # noqa: E731
     table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
-    table += [[k, *[cell(p["metrics"].get(k)) for p in pol.values()]] for k in keys]
+    table += [[k, *[cell(p["metrics"].get(k)) for p in pol.values()]] for k in metric_keys(pol)]
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
         table.append([f"judge {name} win/tie/loss",
                       f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/{fmt(j['loss']['value'])} (n={j['n']})"])
@@ -685,14 +674,22 @@ def print_table(results: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t0 = time.time()
-    if args.device is None:
-        import torch
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.threads or args.task == "demo":  # measured: 2 threads made demo generation 11x slower on shared cores
+        torch.set_num_threads(args.threads or 1)
     out_dir = Path(args.output_dir)
     cache_dir = out_dir / "eval"
     cache_dir.mkdir(parents=True, exist_ok=True)
     records = load_split(args.data, args.prompt_field, args.reference_field, args.test_field, args.split, args.limit)
     policies = resolve_policies(args.policy)
+    names = list(policies)
+    pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
+             [(names[j], names[i]) for j in range(len(names)) for i in range(j)])  # later policy vs earlier one
+    for pair in pairs:
+        if len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
+            raise DataError(f"--judge-pairs: {':'.join(pair)!r} is not A:B with two of {names}")
+    curve_specs = parse_named(args.curves, "--curves") if args.curves else DEMO_CURVES if args.task == "demo" else {}
     if args.reward_model in ("", "none"):
         args.reward_model = None
     elif not Path(args.reward_model).exists() and args.reward_model == DEMO_RM:
@@ -738,24 +735,18 @@ def main(argv=None) -> dict:
 
     # 3. optional LLM judge
     if args.judge_base_url:
-        names = list(policies)
-        pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
-                 [(names[j], names[i]) for j in range(len(names)) for i in range(j)])
-        for pair in pairs:
-            if len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
-                raise DataError(f"--judge-pairs: {':'.join(pair)!r} is not A:B with two of {names}")
         n = args.judge_limit or len(records)
         pairs_out = judge_pairs(records[:n], {k: [g["response"] for g in v[:n]] for k, v in gens.items()}, pairs,
                                 args.judge_base_url, args.judge_model, args.seed, args.judge_concurrency, cache_dir,
-                                fingerprint(*fps.values()))
+                                fps)
         results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
 
     # 4. results.json, the table, and the report
     results["wall_s"] = round(time.time() - t0, 1)
     common.write_json(out_dir / "results.json", results)
     print_table(results)
-    curves = plot_curves(read_curves(parse_named(args.curves, "--curves") if args.curves else DEMO_CURVES))
-    sample_ids = pick_samples(records, {n: [g["response"] for g in gens[n]] for n in policies}, args.report_samples)
+    curves = plot_curves(read_curves(curve_specs))
+    sample_ids = pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:
         f.write(render_report(results, shown, records, curves, sample_ids, args.task))
     print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}  ({time.time() - t0:.1f} s)")

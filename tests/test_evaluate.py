@@ -1,0 +1,356 @@
+"""04_evaluate.py: metrics against the reference libraries, pass@1 in the sandbox, the judge's order randomisation,
+the report's highlighted spans, clear data errors, and a full run on tiny models that a rerun serves from the cache."""
+import itertools
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import import_script
+
+import common
+
+ev = import_script("04_evaluate")
+
+HYPS = ["the cat sat on the mat", "a quick brown dog jumps over the lazy fox", "hello world", ""]
+REFS = ["the cat is sitting on the mat", "the quick brown fox jumps over the lazy dog", "hello there world", "empty"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_rouge_and_bleu_agree_with_reference_libraries():
+    from rouge_score import rouge_scorer
+    import sacrebleu
+
+    rows = ev.reference_stats(HYPS, REFS)
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    for key in ("rouge1", "rouge2", "rougeL"):
+        want = [scorer.score(r, h)[key].fmeasure for h, r in zip(HYPS, REFS)]
+        got = ev.bootstrap(rows[key], n_boot=200)
+        assert [f for f, _ in rows[key]] == pytest.approx(want)
+        assert got["value"] == pytest.approx(np.mean(want)) and got["n"] == len(HYPS)
+    bleu = ev.bootstrap(rows["bleu"], ev.bleu_stat, n_boot=200)
+    assert bleu["value"] == pytest.approx(sacrebleu.corpus_bleu(HYPS, [REFS]).score)
+    assert bleu["ci95"][0] <= bleu["value"] <= bleu["ci95"][1]
+    assert 0 < bleu["value"] < 100
+
+
+def test_bootstrap_interval():
+    const = ev.bootstrap([(2.0, 1)] * 50, n_boot=100)
+    assert const == {"value": 2.0, "ci95": [2.0, 2.0], "n": 50}
+    ratio = ev.bootstrap([(1, 4), (3, 4), (0, 0)], n_boot=300, seed=1)
+    assert ratio["value"] == pytest.approx(0.5)  # a pooled ratio: 4 / 8, the empty sample adds nothing
+    assert ratio == ev.bootstrap([(1, 4), (3, 4), (0, 0)], n_boot=300, seed=1)  # seeded
+    coin = ev.bootstrap([(float(i % 2), 1) for i in range(400)], n_boot=500)
+    assert coin["ci95"][0] < 0.5 < coin["ci95"][1] and coin["ci95"][1] - coin["ci95"][0] < 0.15
+    assert ev.bootstrap([(0, 0)], n_boot=10)["value"] is None  # undefined, not 0 (e.g. precision with no predictions)
+
+
+def test_bertscore_with_a_local_model(tmp_path):
+    bert_score = pytest.importorskip("bert_score")  # optional dependency; skipped where it is not installed
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+    wp = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wp.normalizer, wp.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
+    wp.train_from_iterator(HYPS + REFS, trainers.WordPieceTrainer(
+        vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
+    wp.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                      special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    BertTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+                      mask_token="[MASK]", model_max_length=128).save_pretrained(tmp_path)
+    BertModel(BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64)).save_pretrained(tmp_path)
+    got = ev.bertscore_f1(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], str(tmp_path), None, "cpu")
+    _, _, want = bert_score.score(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], model_type=str(tmp_path), num_layers=2,
+                                  use_fast_tokenizer=True)
+    assert got == pytest.approx(want.tolist()) and got[3] == pytest.approx(1.0)
+    with pytest.raises(common.DataError, match="local model directory"):
+        ev.bertscore_f1(HYPS, REFS, str(tmp_path / "nope"), None, "cpu")
+
+
+def test_pass_at_1_correct_wrong_and_infinite_loop():
+    test = "from solution import add\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert add(-1, 1) == 0\n"
+    fenced = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
+    items = [{"id": "correct", "test": test, "response": fenced},
+             {"id": "wrong", "test": test, "response": "def add(a, b):\n    return a - b\n"},
+             {"id": "loop", "test": test, "response": "def add(a, b):\n    while True:\n        pass\n"}]
+    res = {r["id"]: r for r in ev.pass_at_1(items, timeout_s=8, workers=3)}  # pytest alone takes ~1-3 s here
+    assert [res[k]["passed"] for k in ("correct", "wrong", "loop")] == [True, False, False], res
+    assert [res[k]["timed_out"] for k in ("correct", "wrong", "loop")] == [False, False, True]
+    assert ev.bootstrap([(float(r["passed"]), 1) for r in res.values()], n_boot=50)["value"] == pytest.approx(1 / 3)
+
+
+def test_feedback_stats_on_policy_tokens(tiny_tokenizer):
+    text = " tom from york has a red dog called rex."
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    _, offsets = common.decode_with_offsets(tiny_tokenizer, ids)
+    raw = 'It says red.\n```json\n{"good_spans": ["tom from york"], "poor_spans": ["red", "purple"]}\n```'
+    gen = {"id": "x", "response": text, "offsets": offsets}
+    rows, shown = ev.score_policy([{"id": "x", "prompt": "p"}], [gen], [{"id": "x", "critique_raw": raw}], "qa")
+    delta, _ = common.span_rewards(text, offsets, ["tom from york"], ["red"])  # the contract's delta (test_common)
+    n_good, n_poor = delta.count(1.0), delta.count(-1.0)
+    assert n_good >= 3 and [text[a:b] for (a, b), d in zip(offsets, delta) if d < 0] == [" red"]
+    assert rows["rm/delta_sum"] == [(n_good - n_poor, 1)] and rows["rm/good_token_frac"] == [(n_good, len(offsets))]
+    assert rows["rm/poor_token_frac"] == [(n_poor, len(offsets))] and rows["rm/unmatched_span_rate"] == [(1, 3)]
+    assert rows["rm/parse_rate"] == [(1.0, 1)]
+    assert shown[0]["poor"] == [(text.index("red"), text.index("red") + 3)] and shown[0]["unmatched"] == ["purple"]
+    rows, _ = ev.score_policy([{"id": "x", "prompt": "p"}], [gen], [{"id": "x", "critique_raw": "no json"}], "qa")
+    assert rows["rm/parse_rate"] == [(0.0, 1)] and rows["rm/delta_sum"] == [(0, 1)]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# LLM judge against a real HTTP server
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _shown(request):
+    content = request["messages"][-1]["content"]
+    return re.search(r"### Response A\n(.*?)\n\n### Response B\n(.*?)\n\nExplain", content, re.S).groups()
+
+
+FPS = {"t2g": "fp1", "sft": "fp2"}
+
+
+def test_judge_randomises_order_records_it_and_undoes_it(fake_openai, tmp_path):
+    records = [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(24)]
+    outputs = {"t2g": [f"GOOD answer {i}" for i in range(24)], "sft": [f"bad answer {i}" for i in range(24)]}
+    seen = []
+
+    def smart(body, n):  # always prefers the GOOD answer, wherever it is shown
+        a, b = _shown(body)
+        seen.append((a, b))
+        return "A is accurate.\nWinner: A" if a.startswith("GOOD") else "B is better.\n**Winner:** B"
+
+    with fake_openai(smart) as server:
+        res = ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-x", 7, 4, tmp_path, FPS)
+    pair = res["t2g_vs_sft"]
+    assert pair["win"]["value"] == 1.0 and pair["loss"]["value"] == 0.0 and pair["n"] == 24
+    order = pair["order"]
+    assert set(order.values()) == {"t2g", "sft"}  # both orders were used ...
+    for a, _ in seen:  # ... and the recorded order is the one the judge saw
+        assert order[f"p{int(a.split()[-1])}"] == ("t2g" if a.startswith("GOOD") else "sft")
+    cache = [json.loads(line) for line in (tmp_path / "judge.t2g_vs_sft.jsonl").read_text().splitlines()]
+    assert {r["id"]: r["shown_first"] for r in cache} == order
+
+    with fake_openai(lambda body, n: "Winner: A") as server:  # pure position bias: the undo must expose it
+        res = ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-y", 7, 4,
+                             tmp_path / "y", FPS)
+    pair, first = res["t2g_vs_sft"], sum(v == "t2g" for v in order.values())
+    assert pair["order"] == order  # same seed, same coin per prompt
+    assert pair["win"]["value"] == pytest.approx(first / 24) and pair["loss"]["value"] == pytest.approx(1 - first / 24)
+    assert pair["a_shown_first"] == first and 0 < first < 24
+    res = ev.judge_pairs(records, outputs, [("t2g", "sft")], "http://127.0.0.1:9/v1", "judge-y", 7, 4,
+                         tmp_path / "y", FPS)  # all cached: no request is made (port 9 would refuse)
+    assert res["t2g_vs_sft"]["order"] == order
+
+
+def test_judge_failure_is_one_clear_line_without_the_key(fake_openai, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-secret-123")
+    records, outputs = [{"id": "p0", "prompt": "q"}], {"t2g": ["x"], "sft": ["y"]}
+    denied = lambda body, n: (401, {"error": {"message": "invalid api key", "type": "auth"}}, {})  # noqa: E731
+    with fake_openai(denied) as server, pytest.raises(common.DataError, match="judge request failed") as err:
+        ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
+    assert "sk-secret-123" not in str(err.value) and "\n" not in str(err.value)
+    headers = {k.lower(): v for k, v in server.requests[0]["headers"].items()}
+    assert headers["authorization"] == "Bearer sk-secret-123"  # the key was used, not shown
+
+
+def test_parse_verdict():
+    assert ev.parse_verdict("Winner: A") == "A" and ev.parse_verdict("blah\n**Winner**: tie") == "tie"
+    assert ev.parse_verdict("Winner: A ... on reflection, Winner: B") == "B" and ev.parse_verdict("B") == "B"
+    assert ev.parse_verdict("I cannot decide") == "invalid" and ev.parse_verdict("Answer: Bob") == "invalid"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class ReportParser(HTMLParser):
+    """Text of each response element and the character intervals of its <mark> children, by class."""
+
+    def __init__(self):
+        super().__init__()
+        self.responses, self.cur, self.mark, self.depth, self.srcs = {}, None, None, 0, []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.srcs += [v for k, v in attrs if k in ("src", "href")]
+        if tag == "div" and "response" in (a.get("class") or "").split():
+            self.cur = (a["data-policy"], a["data-id"])
+            self.responses[self.cur] = {"text": "", "good": [], "poor": []}
+            self.depth = 1
+        elif self.cur and tag == "div":
+            self.depth += 1
+        elif self.cur and tag == "mark":
+            self.mark = (a["class"], len(self.responses[self.cur]["text"]))
+
+    def handle_endtag(self, tag):
+        if self.cur and tag == "mark":
+            cls, start = self.mark
+            self.responses[self.cur][cls].append((start, len(self.responses[self.cur]["text"])))
+            self.mark = None
+        elif self.cur and tag == "div":
+            self.depth -= 1
+            self.cur = None if self.depth == 0 else self.cur
+
+    def handle_data(self, data):
+        if self.cur:
+            self.responses[self.cur]["text"] += data
+
+
+def test_report_highlights_spans_at_their_character_positions():
+    text = ' <b>tom</b> & "ann" from york has a red red dog; tom likes <script>x</script> the park.'
+    good_q, poor_q = ["tom", "york has a red", "the park"], ["red", "<script>x</script>", "a red red"]
+    good, poor, unmatched = common.locate_spans(text, good_q, poor_q)
+    assert not unmatched
+    records = [{"id": "r&1", "prompt": "post: <x> & y\nsummary:", "reference": "ref <i>"}]
+    shown = {"sft": [{"id": "r&1", "response": text, "good": good, "poor": poor, "unmatched": ["zz"],
+                      "critique": 'says "red" twice <oops>', "source": "reward model", "delta_sum": -3.0}]}
+    results = {"task": "demo", "data": "x.jsonl", "n_prompts": 1, "created": "now", "reward_model": "rm",
+               "generation": {"temperature": 0.0, "max_new_tokens": 32},
+               "policies": {"sft": {"n": 1, "metrics": {"rouge1": {"value": 0.5, "ci95": [0.4, 0.6], "n": 1}}}}}
+    page = ev.render_report(results, shown, records, "AAAA", ["r&1"], "demo")
+    parser = ReportParser()
+    parser.feed(page)
+    got = parser.responses[("sft", "r&1")]
+    assert got["text"] == text  # escaping round-trips: no tag in the response became markup
+    label = [None] * len(text)  # expected: per-character labels (poor over good), merged into runs
+    for lab, ivs in (("good", good), ("poor", poor)):
+        for a, b in ivs:
+            label[a:b] = [lab] * (b - a)
+    runs, pos = {"good": [], "poor": []}, 0
+    for lab, run in itertools.groupby(label):
+        n = len(list(run))
+        if lab:
+            runs[lab].append((pos, pos + n))
+        pos += n
+    assert got["good"] == runs["good"] and got["poor"] == runs["poor"]
+    assert text[got["poor"][0][0]:got["poor"][0][1]] == "a red red"  # "red" (2nd occurrence) merged into "a red red"
+    assert any(text[a:b] == "<script>x</script>" for a, b in got["poor"])
+    assert "<script>" not in page and "<oops>" not in page  # escaped everywhere, including the critique
+    assert parser.srcs == ["data:image/png;base64,AAAA"]  # self-contained: nothing to fetch
+    assert "@import" not in page and "url(" not in page
+
+
+def test_curves_plot_what_is_present(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"step": i, "objective/kl": i / 10, "objective/entropy": 1.0}) + "\n"
+                         for i in range(30)) + '{"step": 30, "objective/k')  # a run still writing: torn last line
+    b.write_text("".join(json.dumps({"step": i, "loss": 1 / (i + 1)}) + "\n" for i in range(5)))
+    runs = ev.read_curves({"a": str(a), "missing": str(tmp_path / "nope.jsonl")})
+    assert list(runs) == ["a"] and len(runs["a"]) == 30
+    png = ev.plot_curves(runs)
+    assert __import__("base64").b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert ev.plot_curves(ev.read_curves({"b": str(b)})) is not None  # no known key: plots what is there
+    assert ev.plot_curves({}) is None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input, and a full run on tiny models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_missing_reference_and_empty_split_are_clear_errors(tmp_path):
+    data = tmp_path / "eval.jsonl"
+    common.write_jsonl(data, [{"id": "a", "prompt": "p", "reference": "r"}, {"id": "b", "prompt": "x"}])
+    with pytest.raises(common.DataError, match=r"eval\.jsonl:2: missing field 'reference'"):
+        ev.load_split(str(data), "prompt", "reference")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(common.DataError, match=r"empty\.jsonl: no records to evaluate \(empty split\)"):
+        ev.load_split(str(empty), "prompt", "reference")
+    with pytest.raises(common.DataError, match="no records"):
+        ev.load_split(str(data), "prompt", None, limit=0)
+    with pytest.raises(common.DataError, match="NAME=PATH"):
+        ev.parse_named(["justapath"], "--policy")
+
+
+def test_missing_default_policies_are_skipped_with_a_warning(tmp_path, capsys):
+    got = ev.resolve_policies([], {"sft": str(tmp_path), "scalar": str(tmp_path / "missing")})
+    assert got == {"sft": str(tmp_path)} and "skipping policy 'scalar'" in capsys.readouterr().err
+    with pytest.raises(common.DataError, match="no policy to evaluate"):
+        ev.resolve_policies([], {"scalar": str(tmp_path / "missing")})
+    args = ev.parse_args(["--device", "cpu"])  # an explicit local path that is missing: one line, no hub lookup
+    with pytest.raises(common.DataError, match=r"--policy x=.*/missing: no such directory"):
+        ev.load(str(tmp_path / "missing"), args, "--policy x=")
+
+
+def test_cache_resumes_after_a_kill_and_drops_stale_rows(tmp_path):
+    path, items, calls = tmp_path / "c.jsonl", [{"id": str(i)} for i in range(5)], []
+
+    def compute(chunk):
+        calls.extend(it["id"] for it in chunk)
+        return [{"id": it["id"], "v": 2 * int(it["id"])} for it in chunk]
+
+    ev.cached(path, "fp1", items[:3], compute, 2, "t")
+    with open(path, "a") as f:
+        f.write('{"id": "3", "v"')  # killed mid-write
+    rows = ev.cached(path, "fp1", items, compute, 2, "t")
+    assert calls == ["0", "1", "2", "3", "4"] and [r["v"] for r in rows] == [0, 2, 4, 6, 8]
+    assert len(common.read_jsonl(path)) == 5  # the torn line is gone, nothing duplicated
+    ev.cached(path, "fp2", items, compute, 2, "t")  # another policy or setting: everything is recomputed
+    assert calls[5:] == ["0", "1", "2", "3", "4"] and len(common.read_jsonl(path)) == 5
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_model_dir, tmp_path_factory):
+    """A LoRA adapter over the tiny model, with nonzero B so it changes the outputs."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(out)
+    return str(out)
+
+
+def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir, adapter_dir, tmp_path, monkeypatch):
+    data = tmp_path / "eval.jsonl"
+    common.write_jsonl(data, common.demo_dataset("eval", 6))
+    curves = tmp_path / "metrics.jsonl"
+    curves.write_text("".join(json.dumps({"step": i, "objective/span_reward": i * 0.1, "objective/kl": 0.01 * i})
+                              + "\n" for i in range(20)))
+    argv = ["--data", str(data), "--policy", f"base={tiny_model_dir}", "--policy", f"lora={adapter_dir}",
+            "--reward-model", tiny_model_dir, "--rm-max-new-tokens", "12", "--max-new-tokens", "8",
+            "--curves", f"t2g={curves}", "--output-dir", str(tmp_path / "out"), "--bootstrap", "100",
+            "--device", "cpu"]
+    results = ev.main(argv)
+    saved = json.loads((tmp_path / "out/results.json").read_text())
+    assert saved["policies"].keys() == {"base", "lora"} and saved["n_prompts"] == 6
+    for pol in saved["policies"].values():
+        assert pol["n"] == 6
+        for key in ("rouge1", "rouge2", "rougeL", "bleu", "demo/delta_sum", "demo/mistake_rate", "demo/facts_right",
+                    "rm/delta_mean", "rm/poor_token_frac", "rm/parse_rate", "gen/tokens"):
+            assert pol["metrics"][key]["n"] == 6 and len(pol["metrics"][key]["ci95"]) == 2
+    gens = {n: common.read_jsonl(tmp_path / f"out/eval/{n}.generations.jsonl") for n in ("base", "lora")}
+    assert [g["id"] for g in gens["base"]] == [f"demo-eval-{i}" for i in range(6)]
+    assert [g["response"] for g in gens["base"]] != [g["response"] for g in gens["lora"]]  # the adapter was applied
+    for g in gens["base"]:  # offsets are the policy's own tokens, and the text is their decoding
+        assert len(g["offsets"]) == len(g["response_ids"]) <= 8 and g["offsets"][-1][1] == len(g["response"])
+    page = (tmp_path / "out/report.html").read_text()
+    parser = ReportParser()
+    parser.feed(page)
+    assert {p for p, _ in parser.responses} == {"base", "lora"} and len(parser.responses) == 12
+    assert "data:image/png;base64," in page
+
+    def boom(*a, **k):
+        raise AssertionError("a rerun must not generate")
+    monkeypatch.setattr(common, "generate", boom)
+    monkeypatch.setattr(common, "load_model", boom)
+    again = ev.main(argv)  # everything served from the eval/ caches
+    strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "created")}  # noqa: E731
+    assert strip(again) == strip(results)
+    Path(adapter_dir, "adapter_model.safetensors").touch()  # the policy changed: its cache must be dropped
+    with pytest.raises(AssertionError, match="must not generate"):
+        ev.main(argv)
