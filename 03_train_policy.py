@@ -41,8 +41,8 @@ PRESETS = {
     "demo": dict(model="runs/demo/base", prompts="runs/demo/data/prompts.jsonl", sft_data="runs/demo/data/sft.jsonl",
                  sft_steps=100, sft_lr=1e-3, sft_lora_r=0, sft_output_dir="runs/demo/sft",
                  reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
-                 scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32, max_new_tokens=32, lr=1e-3,
-                 lora_r=16, lora_alpha=32, kl_coef=0.05, ppo_epochs=4, num_minibatches=2, critic_max_new_tokens=96),
+                 scalar_baseline_dir="runs/demo/scalar", steps=40, batch_size=32, max_new_tokens=32, lr=1e-3,
+                 lora_r=16, lora_alpha=32, kl_coef=0.1, ppo_epochs=4, num_minibatches=2, critic_max_new_tokens=96),
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
@@ -84,6 +84,10 @@ def parse_args(argv=None):
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local")
     a("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
+    a("--critic-api", default="chat", choices=["chat", "completions"],
+      help="chat: send the request as one user message (the server applies the model's chat template);\n"
+           "completions: send the exact text of common.build_rm_prompt (built with --reward-model's tokenizer if\n"
+           "given, else the plain template): for a served base model without a chat template")
     a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique")
     # --- rollouts
@@ -367,9 +371,18 @@ def make_critic(args):
             return [_parse(x) for x in raw]
         return local
     from openai import AsyncOpenAI
+    rm_tok = None  # completions API: the served reward model must see exactly its training prompt
+    if args.critic_api == "completions" and args.reward_model:
+        from transformers import AutoTokenizer
+        rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
 
     async def ask(client, sem, prompt, text):
         async with sem:
+            if args.critic_api == "completions":
+                reply = await client.completions.create(
+                    model=args.critic_model, temperature=0.0, max_tokens=args.critic_max_new_tokens,
+                    prompt=common.build_rm_prompt(rm_tok, prompt, text))
+                return reply.choices[0].text or ""
             reply = await client.chat.completions.create(
                 model=args.critic_model, temperature=0.0, max_tokens=args.critic_max_new_tokens,
                 messages=[{"role": "user", "content": common.rm_user_message(prompt, text)}])

@@ -69,7 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
                    help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, deterministic (the default)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default), demo: 1.0, how stage 3 samples; greedy decoding of a trained tiny "
+                        "model hides the mistakes that sampling shows")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
@@ -102,6 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     args = p.parse_args(argv)
+    if args.temperature is None:
+        args.temperature = 1.0 if args.task == "demo" else 0.0
     preset = TASK_FIELDS[args.task]
     args.prompt_field, args.reference_field, args.test_field, args.max_new_tokens = (
         mine or default for mine, default in zip(
@@ -266,7 +270,9 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
     def compute(chunk):
         if not rm_state:
             rm_state.extend(load(args.reward_model, args, "--reward-model "))
-            if hasattr(rm_state[0], "merge_and_unload"):  # LoRA merged into the weights: faster generation
+            # LoRA merged into the weights: faster generation. Not with tied embeddings, where a LoRA on lm_head and
+            # one on embed_tokens would both be merged into the one shared matrix.
+            if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
         raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
                                  max_new_tokens=args.rm_max_new_tokens, batch_size=args.rm_batch_size)
@@ -350,15 +356,9 @@ def bertscore_f1(hyps, refs, model_dir, layers, device) -> list[float]:
     return f1.tolist()
 
 
-def extract_code(text: str) -> str:
-    """The first fenced code block of a completion, else the completion itself."""
-    m = re.search(r"```[\w+-]*\n(.*?)```", text, re.S)
-    return m.group(1) if m else text
-
-
 def run_one_test(item: dict, timeout_s: float) -> dict:
     """{"id", "response", "test"} -> {"id", "passed", "timed_out", "output"}: the completion run against its tests."""
-    res = common.run_tests_sandboxed(extract_code(item["response"]), item["test"], timeout_s=timeout_s)
+    res = common.run_tests_sandboxed(common.extract_code(item["response"])[0], item["test"], timeout_s=timeout_s)
     return {"id": item["id"], "passed": bool(res["passed"]), "timed_out": bool(res["timed_out"]),
             "output": res["output"][-1000:]}
 

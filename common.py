@@ -97,6 +97,10 @@ def append_jsonl(f, record: dict) -> None:
     f.flush()
 
 
+_UMASK = os.umask(0o022)  # read the process umask once, at import (setting it is not thread-safe)
+os.umask(_UMASK)
+
+
 @contextmanager
 def atomic_open(path, mode: str = "w"):
     """Write to a temp file next to `path`, then rename: readers never see a half-written file."""
@@ -106,6 +110,7 @@ def atomic_open(path, mode: str = "w"):
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the result the usual permissions
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -387,7 +392,7 @@ def rm_user_message(prompt: str, response: str) -> str:
 
 def build_rm_prompt(tokenizer, prompt: str, response: str) -> str:
     """The reward model's input text: the tokenizer's chat template if it has one, else a plain documented fallback:
-    the user message followed by a blank line and "### Critique"."""
+    the user message followed by a blank line and "### Critique". tokenizer=None gives the fallback."""
     message = rm_user_message(prompt, response)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,

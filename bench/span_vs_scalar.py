@@ -50,8 +50,9 @@ def main():
         common.build_demo_base(out / "base")
     common.write_jsonl(out / "prompts.jsonl", common.demo_dataset("train", 1000))
     common.write_jsonl(out / "sft.jsonl", common.demo_dataset("sft", 2000))
+    # kl-coef 0.05 with the exact program critic (the zero-flag demo uses 0.1: its learned critic can be gamed)
     common_flags = ["--critic", "program", "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
-                    "--steps", str(args.steps), "--save-every", str(args.steps), *args.ppo_args]
+                    "--kl-coef", "0.05", "--steps", str(args.steps), "--save-every", str(args.steps), *args.ppo_args]
     if not (out / "sft" / "config.json").is_file():
         run(["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"),
              "--sft-output-dir", str(out / "sft"), *common_flags, "--steps", "0", "--output-dir",

@@ -85,11 +85,16 @@ class FakeOpenAI:
                 status, headers = 200, {}
                 if isinstance(out, tuple):
                     status, payload, headers = out
-                else:
+                elif self.path.endswith("/chat/completions"):
                     payload = {"id": f"cmpl-{n}", "object": "chat.completion", "created": 0,
                                "model": body.get("model", "fake"),
                                "choices": [{"index": 0, "finish_reason": "stop",
                                             "message": {"role": "assistant", "content": out}}],
+                               "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}}
+                else:  # /v1/completions: a raw prompt in, text out
+                    payload = {"id": f"cmpl-{n}", "object": "text_completion", "created": 0,
+                               "model": body.get("model", "fake"),
+                               "choices": [{"index": 0, "finish_reason": "stop", "text": out, "logprobs": None}],
                                "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}}
                 data = json.dumps(payload).encode()
                 try:

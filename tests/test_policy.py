@@ -224,6 +224,23 @@ def test_smoke_openai_critic_sends_the_batch_concurrently(tmp_path, tiny_model_d
     assert rows[0]["critic/parse_fail_rate"] == 0.0 and rows[0]["critic/tokens_labelled_frac"] > 0
 
 
+def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_chat_model_dir, fake_openai):
+    """--critic-api completions: a served base model gets exactly the text stage 2 trained on (build_rm_prompt)."""
+    from transformers import AutoTokenizer
+    with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
+        ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
+                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model", tiny_chat_model_dir,
+                        "--steps", "1"))
+        requests = list(server.requests)
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
+    samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(requests) == 4 and all(r["path"] == "/v1/completions" for r in requests)
+    sent = {r["body"]["prompt"] for r in requests}
+    for s in samples:
+        assert common.build_rm_prompt(tok, s["prompt"], s["response"]) in sent
+    assert all(p.endswith("assistant: ") for p in sent)  # the chat template's generation prompt, applied by us
+
+
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
     extra = ["--steps", "4", "--save-every", "2", "--kl-coef", "0.1", "--adaptive-kl-target", "0.5", "--anneal-lr"]
     straight = _args(tmp_path, tiny_model_dir, *extra, "--output-dir", str(tmp_path / "straight"))

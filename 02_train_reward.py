@@ -1,0 +1,379 @@
+"""Stage 2: the generative span reward model (Text2Grad paper Sec. 3.4, Alg. 3).
+
+A causal LM learns to write, for a (prompt, response) pair, the critique c and then the span JSON A(y): one
+autoregressive output z = [c ; A(y)], trained by teacher forcing with the loss on z only (labels are -100 on the
+prompt and on padding). The prompt comes from common.build_rm_prompt, the one builder that 03_train_policy.py and
+04_evaluate.py also use, so training and inference prompts cannot drift apart. The model is LoRA (peft) on any causal
+LM; training runs on transformers.Trainer (gradient accumulation, bf16, activation checkpointing, checkpoints and
+--resume, DDP under torchrun). Afterwards the saved reward model is reloaded exactly as stage 3 loads it and scored on
+the validation split: JSON parse rate, unmatched-span rate, token-level precision/recall/F1 of its delta in {+1, -1}
+against the annotated spans (paper Tables 1 and 6), span exact/partial matches, critique length -> eval.json.
+
+CPU demo (zero flags; reads runs/demo/annotations.jsonl and runs/demo/base from 01_annotate.py, ~2 min on 2 cores):
+    python 02_train_reward.py
+    python 02_train_reward.py --resume                  # continue an interrupted run from its last checkpoint
+    torchrun --nproc_per_node 2 02_train_reward.py      # the same run as 2 DDP processes (gloo on CPU)
+
+GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 is on by default on CUDA):
+    python 02_train_reward.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \\
+        --data runs/summarization/annotations.jsonl --output-dir runs/summarization/reward_model \\
+        --batch-size 4 --grad-accum 8 --gradient-checkpointing
+    torchrun --nproc_per_node 8 02_train_reward.py --task code --model Qwen/Qwen2.5-7B-Instruct --batch-size 2
+
+The output directory holds the LoRA adapter (adapter_config.json + weights), the tokenizer, reward_model.json (base
+model, format, training summary), eval.json, eval_samples.jsonl and checkpoints/; common.load_model(DIR) and
+`03_train_policy.py --reward-model DIR` need nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import common
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Arguments. Every training default comes from the --task preset below; any flag overrides its preset value.
+# ----------------------------------------------------------------------------------------------------------------------
+
+PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v projections, lr 1e-5, 3 epochs
+    model="meta-llama/Llama-3.1-8B-Instruct", lora_r=16, lora_alpha=32, lora_targets="q_proj,v_proj",
+    modules_to_save="", loraplus_ratio=0.0, lr=1e-5, lr_schedule="cosine", epochs=3.0, max_steps=-1, batch_size=4,
+    grad_accum=8, max_len=2048, warmup=0.03, val_frac=0.05, eval_limit=500, max_new_tokens=512, logging_steps=10,
+    eval_steps=200, save_steps=200)
+# The 1.1M-parameter demo model, sized to ~2 minutes on 2 CPU cores (measured; README "Stage 2"). The paper's q/v
+# LoRA at lr 1e-5 leaves it where it started, and plain all-linear LoRA plateaus before it learns to copy words from
+# the response. What got it over that plateau within budget: LoRA on lm_head too and trainable RMSNorm gains (the tied
+# embeddings are frozen, so they set the logit scale), LoRA+ (B learns 16x faster than A), and many small steps.
+DEMO = dict(
+    model="runs/demo/base", lora_r=32, lora_alpha=64,
+    lora_targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens", modules_to_save="norm",
+    loraplus_ratio=16.0, lr=5e-4, lr_schedule="linear", epochs=3.0, max_steps=1100, batch_size=4, grad_accum=1,
+    max_len=256, warmup=0.05, val_frac=0.05, eval_limit=100, max_new_tokens=128, logging_steps=50, eval_steps=250,
+    save_steps=250)
+PRESETS = {"demo": DEMO, "summarization": PAPER, "code": PAPER, "qa": PAPER}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    table = "\n".join(f"  --{k.replace('_', '-'):16s} {str(PAPER[k]):33s} {v}" for k, v in DEMO.items())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+                                epilog=f"presets (--task picks a column; a flag given explicitly wins):\n"
+                                       f"  {'':18s} {'summarization, code, qa (paper)':33s} demo\n{table}")
+    p.add_argument("--task", default="demo", choices=sorted(PRESETS), help="preset of defaults (table below)")
+    p.add_argument("--data", help="annotations JSONL from 01_annotate.py (default runs/<task>/annotations.jsonl)")
+    p.add_argument("--model", help="base causal LM: hub id or local path (preset)")
+    p.add_argument("--output-dir", help="adapter, tokenizer, eval.json, checkpoints (default runs/<task>/reward_model)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split, LoRA init and data order")
+    p.add_argument("--val-frac", type=float, help="share of records held out for eval loss and span metrics (preset)")
+    p.add_argument("--eval-limit", type=int, help="at most this many val records are critiqued for span metrics")
+    p.add_argument("--max-len", type=int, help="max tokens of prompt + target; longer prompts lose their start")
+    # LoRA (peft)
+    p.add_argument("--lora-r", type=int, help="LoRA rank (paper: 16)")
+    p.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 32)")
+    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
+    p.add_argument("--lora-targets", help="comma-separated module names, or 'all-linear' (paper: q_proj,v_proj)")
+    p.add_argument("--modules-to-save", help="comma-separated modules trained in full and saved with "
+                   "the adapter (peft modules_to_save), e.g. 'norm' for every RMSNorm")
+    # optimisation
+    p.add_argument("--lr", type=float, help="peak learning rate (paper: 1e-5)")
+    p.add_argument("--loraplus-ratio", type=float, help="LoRA+ (Hayou et al. 2024): the B matrices learn this many "
+                   "times faster than A; 0 = plain LoRA (paper)")
+    p.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"],
+                   help="decay after the linear warmup")
+    p.add_argument("--epochs", type=float, help="passes over the train split (paper: 3)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps; overrides --epochs when > 0 (-1: use --epochs)")
+    p.add_argument("--batch-size", type=int, help="examples per device per micro-batch")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    p.add_argument("--warmup", type=float, help="linear warmup, as a fraction of all steps")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
+    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 (default: on with CUDA)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to train")
+    # bookkeeping
+    p.add_argument("--logging-steps", type=int, help="log train loss every N steps")
+    p.add_argument("--eval-steps", type=int, help="eval loss on the val split every N steps")
+    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
+    # reward-model generation for the span metrics (the same call stage 3 makes: common.rm_critique)
+    p.add_argument("--max-new-tokens", type=int, help="max critique tokens at evaluation")
+    p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.task].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.data = args.data or f"runs/{args.task}/annotations.jsonl"
+    args.output_dir = args.output_dir or f"runs/{args.task}/reward_model"
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.bf16 is None:
+        args.bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Data: annotations -> deterministic train/val split -> (input_ids, labels) with the loss on the target z only
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_annotations(path) -> tuple[list[dict], int]:
+    """(usable records, number of status == "failed" records). DataError 'file:line: ...' on a malformed record."""
+    records = common.read_jsonl(path, required=("prompt", "response"))
+    with open(path, encoding="utf-8") as f:  # the line number of each record (read_jsonl skips blank lines)
+        lines = [n for n, line in enumerate(f, 1) if line.strip()]
+    usable, failed = [], 0
+    for lineno, rec in zip(lines, records):
+        if rec.get("status", "ok") == "failed":
+            failed += 1
+            continue
+        if not isinstance(rec.get("critique"), str):
+            raise common.DataError(f"{path}:{lineno}: field 'critique' must be a string")
+        for field in ("good_spans", "poor_spans"):
+            if not isinstance(rec.get(field), list) or not all(isinstance(s, str) for s in rec[field]):
+                raise common.DataError(f"{path}:{lineno}: field '{field}' must be a list of strings")
+        usable.append(rec)
+    if not usable:
+        raise common.DataError(f"{path}: no usable records ({len(records)} read, {failed} with status 'failed')")
+    return usable, failed
+
+
+def split_records(records: list[dict], val_frac: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val): a seeded shuffle, then the first round(val_frac * n) records (at least 1) are held out."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_val = min(max(1, round(val_frac * len(records))), len(records) - 1) if val_frac > 0 and len(records) > 1 else 0
+    return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
+
+
+def encode_example(tokenizer, rec: dict, max_len: int) -> tuple[dict | None, str]:
+    """({"input_ids", "labels"}, status) for one record; status is "ok", "truncated" or "too_long" (then None).
+
+    input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4).
+    Prompt and target are tokenized separately, exactly as the model sees them at inference (it generates z after the
+    prompt's last token). An over-long example loses the start of the task prompt: never the instruction, the
+    response or the target, which the spans are quoted from. If even an empty task prompt does not fit, it is dropped.
+    """
+    target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]),
+                       add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    build = lambda prompt: common.encode_prompt(  # noqa: E731
+        tokenizer, common.build_rm_prompt(tokenizer, prompt, rec["response"]))
+    prompt_ids, status = build(rec["prompt"]), "ok"
+    excess = len(prompt_ids) + len(target) - max_len
+    if excess > 0:
+        task_ids, cut, status = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"], 0, "truncated"
+        while excess > 0 and cut < len(task_ids):  # a re-tokenized tail can differ by a token or two: re-check
+            cut = min(cut + excess, len(task_ids))
+            prompt_ids = build(tokenizer.decode(task_ids[cut:]).lstrip("\ufffd"))
+            excess = len(prompt_ids) + len(target) - max_len
+        if excess > 0:
+            return None, "too_long"
+    return {"input_ids": prompt_ids + target, "labels": [-100] * len(prompt_ids) + target}, status
+
+
+def encode_all(tokenizer, records: list[dict], max_len: int) -> tuple[list[dict], dict]:
+    """Encoded examples and {"ok", "truncated", "too_long"} counts."""
+    examples, counts = [], {"ok": 0, "truncated": 0, "too_long": 0}
+    for rec in records:
+        ex, status = encode_example(tokenizer, rec, max_len)
+        counts[status] += 1
+        if ex is not None:
+            examples.append(ex)
+    return examples, counts
+
+
+def collate(features: list[dict], pad_id: int) -> dict:
+    """Right-pad a batch: input_ids (B, T) with pad_id, labels (B, T) with -100, attention_mask (B, T)."""
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.full((len(features), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(features), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(features), width), dtype=torch.long)
+    for i, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Evaluation: greedy critiques of the val split (common.rm_critique, as in stage 3) scored against the annotations
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32):
+    """(metrics, raw outputs) of the reward model on `records` (common.rm_span_metrics, paper Tables 1 and 6).
+
+    Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
+    gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
+    """
+    outputs = common.rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split")
+    items = []
+    for rec in records:
+        text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
+            "input_ids"])
+        items.append({"text": text, "offsets": offsets, **{k: rec[k] for k in ("good_spans", "poor_spans")}})
+    metrics = common.rm_span_metrics(items, outputs)
+    metrics["gold_critique_words"] = sum(len(r["critique"].split()) for r in records) / max(1, len(records))
+    return metrics, outputs
+
+
+def print_table(m: dict) -> None:
+    fmt = lambda x: "  n/a" if x is None else f"{x:5.3f}"  # noqa: E731
+    print(f"reward model on {m['n']} val examples: JSON parse rate {fmt(m['parse_rate'])}, unmatched-span rate "
+          f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words "
+          f"(annotations {m['gold_critique_words']:.1f})")
+    print("  class        precision  recall     F1   spans gold/pred/exact/partial")
+    for name, key, label in (("+1 (good)", "pos", "good"), ("-1 (poor)", "neg", "poor")):
+        s = m["spans"][label]
+        print(f"  {name:11s}    {fmt(m[key + '_precision'])}   {fmt(m[key + '_recall'])}  {fmt(m[key + '_f1'])}"
+              f"   {s['gold']}/{s['pred']}/{s['exact']}/{s['partial']}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Saving: adapter + tokenizer + reward_model.json, written so that a crash never leaves a half-written reward model
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def save_reward_model(model, args, out: Path, summary: dict) -> None:
+    """Adapter weights and config, the base tokenizer, then reward_model.json last (its presence marks a complete save).
+
+    The tokenizer is saved as the base model ships it: common.load_model adds the same pad token (and resizes the
+    embeddings the same way) when it loads the reward model, so the adapter never needs to carry embedding rows.
+    """
+    from transformers import AutoTokenizer
+    (out / "reward_model.json").unlink(missing_ok=True)
+    tmp = out / ".saving"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, save_embedding_layers=False)
+    AutoTokenizer.from_pretrained(args.model).save_pretrained(tmp)
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    common.write_json(out / "reward_model.json", summary)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Main: data -> LoRA model -> Trainer (train, eval loss, checkpoints) -> save -> reload as stage 3 does -> span metrics
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> dict:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Trainer, TrainingArguments, set_seed
+    from transformers.trainer_utils import get_last_checkpoint
+
+    t0 = time.time()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    log = print if rank0 else (lambda *a, **k: None)
+    out, data = Path(args.output_dir), Path(args.data)
+    if not data.is_file() and args.task == "demo" and args.data == "runs/demo/annotations.jsonl":
+        raise common.DataError(f"{data}: no such file (run `python 01_annotate.py` first)")
+    records, n_failed = load_annotations(data)
+    train_recs, val_recs = split_records(records, args.val_frac, args.seed)
+    log(f"{data}: {len(records)} usable records ({n_failed} failed, skipped) -> {len(train_recs)} train, "
+        f"{len(val_recs)} val")
+
+    # ---- model: base causal LM + LoRA adapter (Alg. 3: only the adapter is trained) ----
+    set_seed(args.seed)
+    model, tokenizer = common.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
+    model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
+    targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+    model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                             target_modules=targets, task_type="CAUSAL_LM",
+                                             modules_to_save=[m for m in args.modules_to_save.split(",") if m] or None))
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"model {args.model}: LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
+        f"{n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
+
+    train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len)
+    val_set, _ = encode_all(tokenizer, val_recs, args.max_len)
+    if not train_set:
+        raise common.DataError(f"{data}: no training example fits in --max-len {args.max_len}")
+    log(f"max_len {args.max_len}: {train_counts['truncated']} train examples cut at the prompt's start, "
+        f"{train_counts['too_long']} dropped (response + target alone too long)")
+
+    # ---- training (teacher forcing; the loss is the mean NLL of the target tokens, labels -100 elsewhere) ----
+    ckpt_dir = out / "checkpoints"
+    resume_from = get_last_checkpoint(str(ckpt_dir)) if args.resume and ckpt_dir.is_dir() else None
+    if args.resume and resume_from is None:
+        log(f"--resume: no checkpoint in {ckpt_dir}, starting from scratch")
+    if not args.resume and ckpt_dir.is_dir() and rank0:
+        shutil.rmtree(ckpt_dir)  # a fresh run: old checkpoints would otherwise be mixed with the new ones
+    targs = TrainingArguments(
+        output_dir=str(ckpt_dir), seed=args.seed, per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr, warmup_steps=args.warmup,
+        lr_scheduler_type={"constant": "constant_with_warmup"}.get(args.lr_schedule, args.lr_schedule),
+        weight_decay=args.weight_decay,
+        num_train_epochs=args.epochs, max_steps=args.max_steps, bf16=args.bf16, use_cpu=args.device == "cpu",
+        activation_checkpointing=args.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
+        logging_steps=args.logging_steps, eval_strategy="steps" if val_set else "no", eval_steps=args.eval_steps,
+        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, report_to="none",
+        remove_unused_columns=False, dataloader_num_workers=0, ddp_find_unused_parameters=False)
+    optimizer = None  # None: Trainer's AdamW
+    if args.loraplus_ratio:
+        from peft.optimizers import create_loraplus_optimizer
+        optimizer = create_loraplus_optimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
+                                              loraplus_lr_ratio=args.loraplus_ratio)
+    trainer = Trainer(model=model, args=targs, optimizers=(optimizer, None), train_dataset=train_set,
+                      eval_dataset=val_set or None,
+                      data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id))
+    result = trainer.train(resume_from_checkpoint=resume_from)
+    final_eval = trainer.evaluate() if val_set else {}
+    train_s = time.time() - t0
+    if not trainer.is_world_process_zero():
+        return {}
+
+    # ---- save first, evaluate second: a crash in evaluation must not cost the training run ----
+    summary = {
+        "base_model": args.model, "adapter": "peft LoRA", "task": args.task, "data": str(data),
+        "prompt_format": "common.build_rm_prompt(tokenizer, prompt, response)",
+        "target_format": "common.format_rm_target(critique, good_spans, poor_spans) + EOS",
+        "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
+                 "targets": args.lora_targets, "modules_to_save": args.modules_to_save,
+                 "loraplus_ratio": args.loraplus_ratio},
+        "train": {"records": len(train_recs), "examples": len(train_set), "val_records": len(val_recs),
+                  "failed_skipped": n_failed, "truncated": train_counts["truncated"],
+                  "too_long_dropped": train_counts["too_long"], "max_len": args.max_len, "lr": args.lr,
+                  "lr_schedule": args.lr_schedule,
+                  "epochs": args.epochs, "steps": trainer.state.global_step, "resumed_from": resume_from,
+                  "batch_size": args.batch_size * args.grad_accum * targs.world_size, "seed": args.seed,
+                  "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
+                  "train_s": round(train_s, 1)},
+    }
+    save_reward_model(model, args, out, summary)
+    log(f"saved reward model to {out} (eval loss {final_eval.get('eval_loss', float('nan')):.4f})")
+    del trainer, model
+
+    # ---- span metrics of the saved reward model, loaded exactly as stage 3 loads it ----
+    eval_recs = val_recs[: args.eval_limit]
+    metrics = {"n": 0}
+    if eval_recs:
+        rm, rm_tok = common.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
+        t1 = time.time()
+        metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size)
+        metrics["critique_s"] = round(time.time() - t1, 1)
+        common.write_jsonl(out / "eval_samples.jsonl", [
+            {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o,
+             "gold_good_spans": r["good_spans"], "gold_poor_spans": r["poor_spans"]}
+            for r, o in zip(eval_recs, outputs)])
+        print_table(metrics)
+    metrics.update(eval_loss=final_eval.get("eval_loss"), train_loss=result.training_loss,
+                   steps=summary["train"]["steps"], train_s=round(train_s, 1), wall_s=round(time.time() - t0, 1))
+    common.write_json(out / "eval.json", metrics)
+    log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
+    return metrics
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except common.DataError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,256 @@
+"""02_train_reward.py: serialisation (labels, shared prompt builder, truncation), span metrics, training, resume,
+bad input."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, import_script
+
+import common
+
+rm = import_script("02_train_reward")
+
+
+def annotations(n: int, split: str = "annotate") -> list[dict]:
+    """What 01_annotate.py writes for the demo: demo records critiqued by the demo critic."""
+    return [{**ex, **common.demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
+            for ex in common.demo_dataset(split, n)]
+
+
+def tokenizer_of(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Serialisation
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["plain-template", "chat-template"])
+def test_labels_mask_exactly_the_prompt(chat, tiny_model_dir, tiny_chat_model_dir):
+    tok = tokenizer_of(tiny_chat_model_dir if chat else tiny_model_dir)
+    rec = annotations(1)[0]
+    ex, status = rm.encode_example(tok, rec, max_len=1024)
+    prompt_ids = common.encode_prompt(tok, common.build_rm_prompt(tok, rec["prompt"], rec["response"]))
+    n = len(prompt_ids)
+    assert status == "ok"
+    assert ex["input_ids"][:n] == prompt_ids
+    assert ex["labels"][:n] == [-100] * n
+    assert ex["labels"][n:] == ex["input_ids"][n:]  # every target token is learned, EOS included
+    assert ex["labels"][-1] == tok.eos_token_id
+    target = common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"])
+    assert tok.decode(ex["labels"][n:-1]) == target
+    if chat:
+        assert tok.decode(prompt_ids).endswith("assistant: ")  # the template's generation prompt, not the fallback
+    else:
+        assert tok.decode(prompt_ids).endswith("### Critique\n")
+
+    short = {"input_ids": [5, 6], "labels": [-100, 6]}
+    batch = rm.collate([ex, short], pad_id=tok.pad_token_id)
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, len(ex["input_ids"]))
+    assert batch["labels"][1].tolist() == [-100, 6] + [-100] * (len(ex["input_ids"]) - 2)  # padding is masked
+    assert batch["attention_mask"][1].tolist() == [1, 1] + [0] * (len(ex["input_ids"]) - 2)
+    assert (batch["input_ids"][1, 2:] == tok.pad_token_id).all()
+
+
+def test_prompt_builder_is_the_shared_one(tiny_model_dir, monkeypatch):
+    """Training serialises through common.build_rm_prompt, the function stage 3 calls (via common.rm_critique)."""
+    tok = tokenizer_of(tiny_model_dir)
+    rec = annotations(1)[0]
+    shared, calls = common.build_rm_prompt, []
+
+    def spy(tokenizer, prompt, response):
+        calls.append((prompt, response))
+        return "MARK " + shared(tokenizer, prompt, response)
+
+    monkeypatch.setattr(common, "build_rm_prompt", spy)
+    ex, _ = rm.encode_example(tok, rec, max_len=1024)
+    assert calls == [(rec["prompt"], rec["response"])]
+    assert tok.decode(ex["input_ids"]).startswith("MARK " + common.RM_INSTRUCTION)
+
+
+def test_long_prompt_is_cut_from_its_start_and_counted(tiny_model_dir):
+    tok = tokenizer_of(tiny_model_dir)
+    rec = annotations(1)[0]
+    words = [f"w{i}" for i in range(300)]
+    long_rec = {**rec, "prompt": "post: " + " ".join(words) + "\nsummary:"}
+    full, _ = rm.encode_example(tok, long_rec, max_len=10_000)
+    max_len = len(full["input_ids"]) - 200
+    ex, status = rm.encode_example(tok, long_rec, max_len=max_len)
+    assert status == "truncated" and len(ex["input_ids"]) <= max_len
+    text = tok.decode(ex["input_ids"])
+    assert text.startswith(common.RM_INSTRUCTION)  # the instruction stays
+    assert "w299\nsummary:" in text and " w0 " not in text and "post:" not in text  # the prompt lost its start
+    n_target = sum(label != -100 for label in ex["labels"])
+    assert ex["labels"][-n_target:] == full["labels"][-n_target:]  # the target is intact
+    assert f"### Response\n{rec['response']}\n\n" in text  # and so is the response
+
+    tight = len(rm.encode_example(tok, {**rec, "prompt": ""}, 10_000)[0]["input_ids"])
+    assert rm.encode_example(tok, long_rec, max_len=tight)[1] == "truncated"
+    assert rm.encode_example(tok, long_rec, max_len=tight - 1) == (None, "too_long")
+    examples, counts = rm.encode_all(tok, [rec, long_rec, long_rec], max_len=max_len)
+    assert counts == {"ok": 1, "truncated": 2, "too_long": 0} and len(examples) == 3
+
+
+def test_split_is_deterministic_and_disjoint():
+    recs = [{"id": str(i)} for i in range(50)]
+    train, val = rm.split_records(recs, 0.2, seed=3)
+    assert len(val) == 10 and len(train) == 40
+    assert {r["id"] for r in train} | {r["id"] for r in val} == {str(i) for i in range(50)}
+    assert rm.split_records(recs, 0.2, seed=3) == (train, val)
+    assert rm.split_records(recs, 0.2, seed=4)[1] != val
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Span metrics against hand-computed numbers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def word_tokens(text: str):
+    """(text, offsets) with one token per word, carrying its leading space like a byte-level BPE token."""
+    import re
+    starts = [m.start() for m in re.finditer(r"\s*\S+", text)]
+    return text, list(zip(starts, starts[1:] + [len(text)]))
+
+
+def test_metrics_match_hand_computed_precision_and_recall():
+    t1, o1 = word_tokens("tom from york has a red dog called rex")  # 9 tokens
+    t2, o2 = word_tokens("ann has a cat and a cat")  # 7 tokens
+    items = [{"text": t1, "offsets": o1, "good_spans": ["tom from york", "red dog"], "poor_spans": ["rex"]},
+             {"text": t2, "offsets": o2, "good_spans": ["ann"], "poor_spans": ["a cat"]}]
+    outputs = ['It gets tom right but not the dog.\n{"good_spans": ["tom", "york has"], "poor_spans": '
+               '["dog called rex", "cow"]}',
+               "no JSON here at all"]
+    m = common.rm_span_metrics(items, outputs)
+    # item 1 gold: +1 on tom from york red dog (5 tokens), -1 on rex (1)
+    #        pred: +1 on tom york has (3; tp 2), -1 on dog called rex (3; tp 1); "cow" unmatched
+    # item 2 gold: +1 on ann (1), -1 on the first "a cat" (2); pred: nothing (unparseable)
+    assert m["n"] == 2 and m["parse_rate"] == 0.5
+    assert m["quotes"] == 4 and m["unmatched_span_rate"] == 0.25
+    assert (m["pos_tokens_gold"], m["pos_tokens_pred"], m["pos_tokens_tp"]) == (6, 3, 2)
+    assert (m["neg_tokens_gold"], m["neg_tokens_pred"], m["neg_tokens_tp"]) == (3, 3, 1)
+    assert m["pos_precision"] == pytest.approx(2 / 3) and m["pos_recall"] == pytest.approx(2 / 6)
+    assert m["neg_precision"] == pytest.approx(1 / 3) and m["neg_recall"] == pytest.approx(1 / 3)
+    assert m["pos_f1"] == pytest.approx(2 * (2 / 3) * (1 / 3) / (2 / 3 + 1 / 3))
+    # spans: "tom" overlaps gold "tom from york" (partial), "york has" overlaps it too (partial),
+    # "dog called rex" overlaps "red dog" (other polarity: no) and "rex" (partial)
+    assert m["spans"] == {"good": {"gold": 3, "pred": 2, "exact": 0, "partial": 2},
+                          "poor": {"gold": 2, "pred": 1, "exact": 0, "partial": 1}}
+    assert m["critique_words"] == 8
+
+    perfect = common.rm_span_metrics(items[:1], [common.format_rm_target("ok", items[0]["good_spans"],
+                                                                          items[0]["poor_spans"])])
+    assert perfect["pos_precision"] == perfect["pos_recall"] == perfect["neg_f1"] == 1.0
+    assert perfect["spans"]["good"]["exact"] == 2 and perfect["unmatched_span_rate"] == 0.0
+    empty = common.rm_span_metrics(items[:1], ['{"good_spans": [], "poor_spans": []}'])
+    assert empty["pos_precision"] is None and empty["pos_recall"] == 0.0 and empty["unmatched_span_rate"] is None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Bad input: one clear line naming file and line, non-zero exit, nothing written
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_bad_annotations_give_clear_errors(tmp_path):
+    recs = annotations(3)
+    path = tmp_path / "ann.jsonl"
+    path.write_text(json.dumps(recs[0]) + "\n\n" + json.dumps({**recs[1], "poor_spans": "x"}) + "\n")
+    with pytest.raises(common.DataError, match=rf"^{path}:3: field 'poor_spans' must be a list of strings$"):
+        rm.load_annotations(path)
+    path.write_text(json.dumps(recs[0]) + "\n" + '{"id": "x", "prompt": \n')
+    with pytest.raises(common.DataError, match=rf"^{path}:2: not valid JSON"):
+        rm.load_annotations(path)
+    path.write_text("".join(json.dumps({**r, "status": "failed", "reason": "timeout"}) + "\n" for r in recs))
+    with pytest.raises(common.DataError, match="no usable records .*3 with status 'failed'"):
+        rm.load_annotations(path)
+    path.write_text(json.dumps({**recs[0], "status": "failed"}) + "\n" + json.dumps(recs[1]) + "\n")
+    assert rm.load_annotations(path) == ([recs[1]], 1)
+
+
+def test_cli_broken_line_exits_with_one_line(tmp_path, tiny_model_dir):
+    path = tmp_path / "ann.jsonl"
+    path.write_text(json.dumps(annotations(1)[0]) + "\nnot json\n")
+    out = tmp_path / "rm"
+    proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--data", str(path), "--model",
+                           tiny_model_dir, "--output-dir", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {path}:2: not valid JSON (Expecting value)"
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training: learns the format, saves a loadable reward model, resumes
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def run_args(tmp_path, model_dir, data, out, *extra):
+    return rm.parse_args(["--model", model_dir, "--data", str(data), "--output-dir", str(out), "--seed", "0",
+                          "--batch-size", "8", "--logging-steps", "10", "--eval-steps", "1000",
+                          "--save-steps", "1000", *extra])
+
+
+def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
+    """A hundred LoRA steps (the demo preset's LoRA: every projection and lm_head, trainable norms, LoRA+) on a small
+    synthetic set: the untrained tiny model never closes a JSON object, the trained one mostly does."""
+    data = tmp_path / "ann.jsonl"
+    recs = [{**r, "critique": "It is checked.", "good_spans": r["good_spans"][:1], "poor_spans": r["poor_spans"][:1]}
+            for r in annotations(200)]
+    recs[7] = {"id": recs[7]["id"], "prompt": recs[7]["prompt"], "response": recs[7]["response"],
+               "status": "failed", "reason": "critic returned no JSON"}
+    common.write_jsonl(data, recs)
+    args = run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--max-steps", "120", "--val-frac", "0.1",
+                    "--eval-limit", "16", "--max-new-tokens", "40")
+    _, val = rm.split_records(rm.load_annotations(data)[0], args.val_frac, args.seed)
+    model, tok = common.load_model(tiny_model_dir)  # step 0: LoRA starts as the identity (B = 0)
+    before, _ = rm.evaluate_rm(model, tok, val[:16], max_new_tokens=40)
+    after = rm.main(args)
+    assert after["parse_rate"] > before["parse_rate"] and after["parse_rate"] >= 0.5
+    assert after["eval_loss"] < 2.0 and after["steps"] == 120
+
+    out = tmp_path / "rm"
+    info = json.loads((out / "reward_model.json").read_text())
+    assert info["base_model"] == tiny_model_dir and info["train"]["failed_skipped"] == 1
+    assert info["train"]["records"] == 179 and info["train"]["val_records"] == 20
+    assert json.loads((out / "eval.json").read_text())["parse_rate"] == after["parse_rate"]
+    assert len(common.read_jsonl(out / "eval_samples.jsonl")) == 16
+    model, tok = common.load_model(str(out))  # what `03_train_policy.py --reward-model DIR` does
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    assert len(common.rm_critique(model, tok, [val[0]["prompt"]], [val[0]["response"]], max_new_tokens=8)) == 1
+
+
+def adapter_weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def test_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir):
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(48))
+    a, b = tmp_path / "a", tmp_path / "b"
+    common_flags = ("--max-steps", "6", "--save-steps", "3", "--eval-limit", "0", "--lora-dropout", "0.1")
+    rm.main(run_args(tmp_path, tiny_model_dir, data, a, *common_flags))  # uninterrupted: checkpoints 3 and 6
+    rm.main(run_args(tmp_path, tiny_model_dir, data, b, *common_flags))
+    shutil.rmtree(b / "checkpoints" / "checkpoint-6")  # as if killed between step 3 and step 6
+    (b / "reward_model.json").unlink()
+    result = rm.main(run_args(tmp_path, tiny_model_dir, data, b, *common_flags, "--resume"))
+    info = json.loads((b / "reward_model.json").read_text())
+    assert info["train"]["resumed_from"].endswith("checkpoint-3") and result["steps"] == 6
+    wa, wb = adapter_weights(a), adapter_weights(b)
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    for k in wa:  # same data order, same dropout masks, same optimizer state: the same adapter
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(wa[k], adapter_weights(b / "checkpoints" / "checkpoint-3")[k]) for k in wa)
+
+    # The resumed run really starts from the checkpoint's weights: shift them and the result moves too.
+    from safetensors.torch import save_file
+    c = tmp_path / "c"
+    shutil.copytree(b / "checkpoints" / "checkpoint-3", c / "checkpoints" / "checkpoint-3")
+    save_file({k: v + 0.5 for k, v in adapter_weights(c / "checkpoints" / "checkpoint-3").items()},
+              str(c / "checkpoints" / "checkpoint-3" / "adapter_model.safetensors"))
+    rm.main(run_args(tmp_path, tiny_model_dir, data, c, *common_flags, "--resume"))
+    wc = adapter_weights(c)
+    assert all((wc[k] - wa[k]).abs().max() > 0.1 for k in wa if "lora_B" in k)
