@@ -42,11 +42,12 @@ PRESETS = {
                  sft_steps=100, sft_lr=1e-3, sft_lora_r=0, sft_output_dir="runs/demo/sft",
                  reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
                  scalar_baseline_dir="runs/demo/scalar", steps=40, batch_size=32, max_new_tokens=32, lr=1e-3,
-                 lora_r=16, lora_alpha=32, kl_coef=0.1, ppo_epochs=4, num_minibatches=2, critic_max_new_tokens=96),
+                 lora_r=16, lora_alpha=32, kl_coef=0.1, ppo_epochs=4, num_minibatches=2, critic_max_new_tokens=96,
+                 warmup_steps=0),
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
-                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512),
+                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0),
 }
 
 
@@ -115,6 +116,8 @@ def parse_args(argv=None):
     # --- PPO update
     a("--lr", type=float, help="learning rate (LoRA weights and value head)")
     a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
+    a("--warmup-steps", type=int, help="linear learning-rate warmup over the first N iterations (Adam's "
+                                                   "first steps are full-size whatever the gradient's noise)")
     a("--ppo-epochs", type=int, help="passes over each batch")
     a("--num-minibatches", type=int, help="minibatches per epoch")
     a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
@@ -557,7 +560,8 @@ def train(args):
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda it: 1.0 - it / args.steps if args.anneal_lr else 1.0)
+        optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)) * (1.0 - it / args.steps if args.anneal_lr
+                                                                               else 1.0))
     kl_coef, first_step = args.kl_coef, 1
     ckpt = out_dir / "checkpoint.pt"
     if rank == 0:

@@ -254,3 +254,29 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir):
     rm.main(run_args(tmp_path, tiny_model_dir, data, c, *common_flags, "--resume"))
     wc = adapter_weights(c)
     assert all((wc[k] - wa[k]).abs().max() > 0.1 for k in wa if "lora_B" in k)
+
+
+def test_torchrun_two_processes(tmp_path, tiny_model_dir):
+    """Stage 2 under torchrun (2 CPU processes, gloo): Trainer's DDP trains one adapter with a global batch of 2 x 4,
+    and rank 0 alone saves and evaluates it."""
+    import os
+    import socket
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(64))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rm"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
+           str(data), "--output-dir", str(out), "--batch-size", "4", "--max-steps", "4", "--eval-limit", "4",
+           "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("saved reward model to") == 1  # rank 0 only
+    info = json.loads((out / "reward_model.json").read_text())
+    assert info["train"]["steps"] == 4 and info["train"]["batch_size"] == 8  # 2 processes x 4 examples
+    assert json.loads((out / "eval.json").read_text())["n"] == 3  # round(0.05 x 64) val records
+    model, tok = common.load_model(str(out))
+    assert type(model).__name__ == "PeftModelForCausalLM"

@@ -1,0 +1,100 @@
+"""The embedded demo end to end: the four stage scripts run as a user runs them (subprocesses, default paths under
+runs/demo/ in a fresh folder). It runs at the zero-flag size: shorter runs leave PPO inside its first-updates dip, where
+neither mode has improved on the SFT start yet, so the comparison below would test noise."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+import common
+
+STAGES = [  # the zero-flag chain at its full size (about 4 minutes on 2 cores), shrunk only where nothing is learned
+    ("01_annotate.py",),
+    ("02_train_reward.py", "--eval-limit", "50"),
+    ("03_train_policy.py",),
+    ("04_evaluate.py", "--bootstrap", "200", "--report-samples", "4"),
+]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """Run the chain once in a fresh folder; returns (folder, stdout of each stage)."""
+    work = tmp_path_factory.mktemp("demo")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    logs = {}
+    for script, *flags in STAGES:
+        proc = subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=work, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
+        logs[script] = proc.stdout
+    return work / "runs" / "demo", logs
+
+
+def test_stage1_annotations_are_well_formed(demo):
+    run, _ = demo
+    recs = common.read_jsonl(run / "annotations.jsonl")
+    assert len(recs) == 2000 and len({r["id"] for r in recs}) == 2000
+    assert (run / "base" / "config.json").is_file()
+    for name in ("sft", "prompts", "eval"):
+        assert common.read_jsonl(run / "data" / f"{name}.jsonl", required=("prompt",))
+    for r in recs:
+        assert r["status"] == "ok" and r["critique"] and r["unmatched_spans"] == []
+        for s in r["good_spans"] + r["poor_spans"]:
+            assert common.find_span(r["response"], s) is not None  # every kept quote is in the response
+    assert sum(bool(r["poor_spans"]) for r in recs) > 100  # the demo data carries mistakes to learn from
+
+
+def test_stage2_reward_model_saved_and_evaluated(demo):
+    run, _ = demo
+    rm = run / "reward_model"
+    info = json.loads((rm / "reward_model.json").read_text())
+    assert info["base_model"] == "runs/demo/base" and info["train"]["steps"] == 1100
+    assert (rm / "adapter_config.json").is_file()
+    ev = json.loads((rm / "eval.json").read_text())
+    assert ev["n"] == 50 and 0.0 <= ev["parse_rate"] <= 1.0
+    for k in ("pos_precision", "pos_recall", "neg_recall", "unmatched_span_rate", "critique_words", "eval_loss"):
+        assert k in ev
+    assert ev["parse_rate"] >= 0.9 and ev["pos_f1"] >= 0.8  # the format and the good spans are learned
+
+
+def test_stage3_text2grad_and_scalar_runs(demo):
+    run, _ = demo
+    assert (run / "sft" / "config.json").is_file()
+    for name in ("text2grad", "scalar"):
+        rows = common.read_jsonl(run / name / "metrics.jsonl")
+        assert [r["step"] for r in rows] == list(range(1, 41))
+        for key in ("losses/policy_loss", "losses/value_loss", "policy/approx_kl", "policy/clipfrac",
+                    "val/explained_variance", "objective/kl", "objective/span_reward", "critic/parse_fail_rate"):
+            assert all(isinstance(r[key], float) for r in rows), key
+        assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # the first rollouts come from the reference
+        assert (run / name / "policy" / "adapter_config.json").is_file()
+        assert json.loads((run / name / "config.json").read_text())["reward_mode"] == ("span" if name == "text2grad"
+                                                                                        else "scalar")
+
+
+def test_critic_reward_after_ppo_not_below_the_sft_start(demo):
+    """The critic PPO trained against (the stage-2 reward model) scores 200 held-out prompts, answered at temperature
+    1 by the SFT start and by the Text2Grad policy (stage 4's rm/delta_sum: sum of delta per response)."""
+    run, _ = demo
+    metrics = {name: pol["metrics"] for name, pol in json.loads((run / "results.json").read_text())["policies"].items()}
+    assert metrics["text2grad"]["rm/delta_sum"]["value"] >= metrics["sft"]["rm/delta_sum"]["value"], metrics
+
+
+def test_stage4_results_and_report(demo):
+    run, logs = demo
+    results = json.loads((run / "results.json").read_text())
+    assert set(results["policies"]) == {"sft", "scalar", "text2grad"}
+    for pol in results["policies"].values():
+        m = pol["metrics"]
+        assert m["demo/mistake_rate"]["n"] == 200 and 0 <= m["demo/mistake_rate"]["value"] <= 1
+        lo, hi = m["rouge1"]["ci95"]
+        assert lo <= m["rouge1"]["value"] <= hi
+        assert "rm/parse_rate" in m
+    page = (run / "report.html").read_text()
+    assert re.search(r'<mark class="good">[^<]+</mark>', page)  # spans highlighted in the sample answers
+    assert 'data:image/png;base64,' in page  # the training curves
+    assert "report.html" in logs["04_evaluate.py"]
