@@ -753,13 +753,14 @@ def train(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)  # torchrun: rank 0 speaks
     policy = train(args)
-    print(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
+    log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
     if args.scalar_baseline_dir:  # the same run with the same information as one scalar at the end (App. A)
         base = copy.copy(args)
         base.reward_mode, base.output_dir, base.scalar_baseline_dir = "scalar", args.scalar_baseline_dir, ""
         policy = train(base)
-        print(f"scalar baseline saved to {policy}")
+        log(f"scalar baseline saved to {policy}")
 
 
 if __name__ == "__main__":
