@@ -9,7 +9,7 @@ One iteration of Alg. 4's loop (the step numbers below are ours; they label the 
   6. clipped surrogate + clipped value loss - entropy bonus, for a few epochs of minibatches      ppo_loss
 The pure tensor functions for 4-6 sit right below the arguments; copy them into your own project as they are.
 
-    # the demo, after stages 1 and 2: SFT warm start, Text2Grad PPO, then the scalar-reward baseline (~4 min on CPU)
+    # the demo, after stages 1 and 2: SFT warm start, Text2Grad PPO, then the scalar-reward baseline (~2 min on CPU)
     python 03_train_policy.py
     # CPU, the demo task's programmatic critic (no reward model needed), scalar-reward ablation
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
