@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
-import json
 import os
 import random
 import sys

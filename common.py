@@ -27,7 +27,6 @@ import json
 import os
 import re
 import tempfile
-import unicodedata
 from contextlib import contextmanager
 from pathlib import Path
 

@@ -64,7 +64,7 @@ def test_demo_writes_the_data_files_and_program_critiques(tmp_path):
 
 
 def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
-    slf = write_jsonl(tmp_path / "validation.jsonl", [
+    write_jsonl(tmp_path / "validation.jsonl", [
         {"id": "t3_a", "subreddit": "pets", "title": "My dog", "post": "He barks.", "feedback": "Too vague.",
          "generated_summary_for_feedback": "A dog barks.", "ideal_human_summary": "My dog barks at night."}])
     args = annotate.parse_args(["--task", "summarization", "--dataset", str(tmp_path), "--split", "validation",
