@@ -96,7 +96,7 @@ def parse_args(argv=None):
                                        "folder of --output)")
     a("--build-base", action=argparse.BooleanOptionalAction, default=True,
       help="--task demo without --dataset: build <demo-dir>/base (the tiny pretrained model) if it is missing")
-    a("--seed", type=int, default=0, help="seed for backoff jitter and sampling")
+    a("--seed", type=int, default=0, help="seed for backoff jitter, sampling and the demo base model")
     args = p.parse_args(argv)
     if args.dataset is None and args.task != "demo":
         p.error(f"--task {args.task} needs --dataset")
@@ -219,7 +219,7 @@ def prepare_demo(args) -> None:
     if args.build_base and not ((base / "config.json").is_file() and (base / "tokenizer.json").is_file()):
         print(f"building the demo base model in {base} (tokenizer + 0.6M-parameter Llama, ~25 s on CPU)")
         shutil.rmtree(base, ignore_errors=True)  # what an interrupted build left (the tokenizer is saved last)
-        common.build_demo_base(base)
+        common.build_demo_base(base, seed=args.seed)
 
 
 def generate_responses(records: list[dict], args) -> None:

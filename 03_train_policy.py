@@ -631,6 +631,13 @@ def train(args):
             n_unmatched += len(unmatched)
         delta = weight_spans(delta, args.span_weighting)
         t_critic = time.time()
+        # the demo's exact critic on the same rollouts: a reward-hacking monitor (logged, never trained on)
+        exact = torch.zeros(2)
+        if args.task == "demo":
+            for rec, text, offs in zip(batch_recs, texts, offsets):
+                fb = common.demo_critic(rec["prompt"], text)
+                d = common.span_rewards(text, offs, fb["good_spans"], fb["poor_spans"])[0]
+                exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
 
         # ---- old log-probs, values, and the per-token KL to the reference policy
         with torch.no_grad():
@@ -701,6 +708,7 @@ def train(args):
             kl_coef = update_kl_coef(kl_coef, seq_kl, args.adaptive_kl_target, args.adaptive_kl_horizon,
                                      args.batch_size)
         counts = all_sum(torch.tensor([sum(fb is None for fb in feedback), n_spans, n_unmatched], dtype=torch.float))
+        exact = all_sum(exact) / args.batch_size
         ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]])) / world
         var_returns = masked_mean((g_returns - masked_mean(g_returns, g_mask)) ** 2, g_mask)
         row = {"step": step,
@@ -715,6 +723,8 @@ def train(args):
                "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
                "critic/tokens_labelled_frac": ((g_delta != 0).float() * g_mask).sum().item() / g_mask.sum().item(),
                "critic/mistake_rate": ((g_delta < 0).float() * g_mask).amax(1).mean().item(),
+               **({"exact/span_reward": exact[0].item(), "exact/mistake_rate": exact[1].item()} if args.task == "demo"
+                  else {}),
                "response/length": g_mask.sum(1).mean().item(), "response/eos_rate": g_has_eos.float().mean().item(),
                "lr": scheduler.get_last_lr()[0],
                "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/step_s": time.time() - t0}

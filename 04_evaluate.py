@@ -295,8 +295,11 @@ METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 l
     "rm/good_token_frac": ("share of tokens in good spans", 1), "rm/parse_rate": ("critique parse rate", 1),
     "rm/unmatched_span_rate": ("unmatched-quote rate", -1), "rm_vs_critic/poor_precision": ("poor-token precision", 1),
     "rm_vs_critic/poor_recall": ("poor-token recall", 1), "rm_vs_critic/good_precision": ("good-token precision", 1),
-    "rm_vs_critic/good_recall": ("good-token recall", 1), "gen/tokens": ("response length (tokens)", 0)}
-GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "rm_vs_critic": "reward model vs critic",
+    "rm_vs_critic/good_recall": ("good-token recall", 1),
+    "rm_vs_critic/mistakes_flagged": ("real mistakes the RM flags", 1),
+    "rm_vs_critic/mistakes_missed": ("real mistakes the RM misses", -1),
+    "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1), "gen/tokens": ("response length (tokens)", 0)}
+GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)",
           "gen": "generation"}
 
 
@@ -409,6 +412,16 @@ def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict
                     tp = sum(a == cls and b == cls for a, b in zip(delta, d_prog))
                     rows[f"rm_vs_critic/{label}_precision"].append((tp, delta.count(cls)))
                     rows[f"rm_vs_critic/{label}_recall"].append((tp, d_prog.count(cls)))
+                # mistake-level confusion: the exact critic's poor spans the RM flags or misses; RM poor spans that
+                # overlap no real mistake are invented (what a policy could be punished for, or learn to exploit)
+                true_poor = common.locate_spans(text, [], program["poor_spans"])[1]
+                rm_poor = common.locate_spans(text, [], fb["poor_spans"])[1]
+                hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
+                flagged = sum(hits(iv, rm_poor) for iv in true_poor)
+                rows["rm_vs_critic/mistakes_flagged"].append((flagged, len(true_poor)))
+                rows["rm_vs_critic/mistakes_missed"].append((len(true_poor) - flagged, len(true_poor)))
+                rows["rm_vs_critic/poor_invented"].append((sum(not hits(iv, true_poor) for iv in rm_poor),
+                                                           len(rm_poor)))
         # the report shows the RM's spans (what stage 3 learns from), else the demo critic's
         source, show, d = ("reward model", fb, delta) if fb else ("demo critic", program, d_prog) if program else (
             None, {"critique": "", "good_spans": [], "poor_spans": []}, None)
@@ -480,8 +493,10 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
 # Report: training curves (embedded PNG) and one self-contained HTML page
 # ----------------------------------------------------------------------------------------------------------------------
 
-CURVE_KEYS = {"objective/span_reward": "reward (mean delta-sum)", "objective/kl": "KL to the reference",
-              "objective/entropy": "entropy", "critic/unmatched_span_rate": "unmatched-span rate"}
+CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (dashed)",
+              "critic/mistake_rate": "mistake rate: critic (solid), exact critic (dashed)",
+              "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
+EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
 
 
@@ -517,14 +532,18 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
         ax.remove()
     for ax, key in zip(axes.flat, keys):
         for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if not pts:
-                continue
-            x, y = map(np.asarray, zip(*pts))
-            w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
-            smooth = np.convolve(y, np.ones(w) / w, mode="valid")
-            ax.plot(x, y, color=color, alpha=0.2, lw=1)
-            ax.plot(x[w - 1:], smooth, color=color, lw=2, label=name)
+            # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
+            # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
+            for k, style, label in ((key, "-", name), (EXACT_CURVES.get(key), "--", None)):
+                pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+                if not pts:
+                    continue
+                x, y = map(np.asarray, zip(*pts))
+                w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
+                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+                if style == "-":
+                    ax.plot(x, y, color=color, alpha=0.2, lw=1)
+                ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
         ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
         ax.set_xlabel("PPO iteration", fontsize=10)
         ax.tick_params(labelsize=9)

@@ -1161,7 +1161,7 @@ def demo_dataset(split: str, n: int) -> list[dict]:
     return [{"id": f"demo-{split}-{i}", **make_demo_example(rng)} for i in range(n)]
 
 
-def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000) -> str:
+def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, seed: int = 0) -> str:
     """The demo's stand-in for a pretrained LLM: a tokenizer and a 2-layer, 0.6M-parameter Llama trained to continue
     demo posts with their correct summary (loss on the summary only). That gives it the skill a real LLM brings,
     copying facts from its context (an induction-head skill a model this small needs a few hundred focused steps for;
@@ -1174,7 +1174,7 @@ def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000) -> 
         texts += [ex["prompt"] + ex["response"], critique]
     texts += [rm_user_message("", "") + "\n\n### Critique\n"] * 100  # so the RM instruction's words are single tokens
     return build_tiny_base(out_dir, texts, num_layers=2, pretrain_texts=pretrain, pretrain_steps=pretrain_steps,
-                           lr=2e-3)
+                           lr=2e-3, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import browser
 import pytest
 from conftest import ROOT
 
@@ -98,3 +99,21 @@ def test_stage4_results_and_report(demo):
     assert re.search(r'<mark class="good">[^<]+</mark>', page)  # spans highlighted in the sample answers
     assert 'data:image/png;base64,' in page  # the training curves
     assert "report.html" in logs["04_evaluate.py"]
+
+
+@pytest.mark.skipif(browser.CHROMIUM is None, reason="needs Debian's chromium (apt install chromium)")
+def test_report_renders_offline_in_headless_chromium(demo):
+    """report.html in a real browser: no console errors, no network fetches (no CDN), the span highlights and the
+    training curves render. A screenshot is left next to the report for a person to look at."""
+    run, _ = demo
+    values, errors, fetched = browser.inspect_page((run / "report.html").as_uri(), {
+        "good": "document.querySelectorAll('mark.good').length",
+        "poor": "document.querySelectorAll('mark.poor').length",
+        "curves": "[...document.querySelectorAll('img.curves')].map(i => i.complete && i.naturalWidth > 0)",
+        "monitor": "document.body.innerText.includes('real mistakes the RM flags')",
+    }, screenshot=str(run / "report.png"))
+    assert errors == [] and fetched == []
+    assert values["good"] > 0 and values["poor"] > 0
+    assert values["curves"] == [True]
+    assert values["monitor"]
+    assert (run / "report.png").stat().st_size > 10_000

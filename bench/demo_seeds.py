@@ -1,0 +1,102 @@
+"""Does the zero-flag demo's gain hold on every run? The four-stage chain, 3 seeds x {1, 2} threads.
+
+    python bench/demo_seeds.py                        # 6 chains, ~5 min each on 2 CPU cores, one at a time
+    python bench/demo_seeds.py --seeds 1 --threads 1  # one chain
+
+Each run is the zero-flag chain (`python 01_annotate.py && ... && python 04_evaluate.py`) in its own folder, with
+`--seed S` given to every stage and OMP_NUM_THREADS=T. Nothing is selected by the exact critic: it only judges the
+final policies (stage 4's demo/mistake_rate on 200 held-out posts, sampled at T = 1). The claims checked:
+  - every run: Text2Grad's mistake rate <= 0.8 x the SFT start's;
+  - the median run: Text2Grad's mistake rate < the scalar baseline's.
+Prints a table (median and range over runs) with the package versions, and one JSON line last.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ["01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py"]
+POLICIES = ["sft", "scalar", "text2grad"]
+KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "delta-sum (exact critic)",
+        "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (reward model)"}
+
+
+def run_chain(work: Path, seed: int, threads: int) -> dict:
+    """Run the four stages in `work` (skipped if its results.json exists); returns results.json plus timings."""
+    results = work / "runs" / "demo" / "results.json"
+    timing = work / "timing.json"
+    if not results.is_file():
+        work.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+        times = {}
+        for script in STAGES:
+            t0 = time.time()
+            print(f"+ [{work.name}] python {script} --seed {seed}", flush=True)
+            with open(work / f"{script}.log", "w") as log:
+                subprocess.run([sys.executable, "-u", str(ROOT / script), "--seed", str(seed)], cwd=work, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, check=True)
+            times[script] = round(time.time() - t0, 1)
+        timing.write_text(json.dumps(times))
+    out = json.loads(results.read_text())
+    out["timing"] = json.loads(timing.read_text()) if timing.is_file() else {}
+    out["rm_eval"] = json.loads((work / "runs" / "demo" / "reward_model" / "eval.json").read_text())
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="OMP_NUM_THREADS values")
+    p.add_argument("--out", default="bench/out/demo_seeds", help="one folder per run")
+    args = p.parse_args()
+
+    runs = {}
+    for seed in range(1, args.seeds + 1):
+        for threads in args.threads:
+            runs[(seed, threads)] = run_chain(ROOT / args.out / f"seed{seed}_threads{threads}", seed, threads)
+
+    value = lambda r, pol, key: r["policies"][pol]["metrics"][key]["value"]  # noqa: E731
+    print(f"\n{'seed':>4} {'thr':>3} " + " ".join(f"{p + ' mistakes':>18}" for p in POLICIES) +
+          f" {'t2g/sft':>8} {'RM neg P/R':>11} {'chain s':>8}")
+    rows = []
+    for (seed, threads), r in runs.items():
+        m = {pol: value(r, pol, "demo/mistake_rate") for pol in POLICIES}
+        ev = r["rm_eval"]
+        wall = sum(r["timing"].values()) if r["timing"] else float("nan")
+        rows.append({"seed": seed, "threads": threads, **m, "ratio": m["text2grad"] / m["sft"],
+                     "rm_neg_precision": ev["neg_precision"], "rm_neg_recall": ev["neg_recall"],
+                     "rm_pos_precision": ev["pos_precision"], "rm_pos_recall": ev["pos_recall"],
+                     "rm_parse_rate": ev["parse_rate"], "chain_s": wall})
+        print(f"{seed:>4} {threads:>3} " + " ".join(f"{m[p]:>18.3f}" for p in POLICIES) +
+              f" {rows[-1]['ratio']:>8.2f} {ev['neg_precision'] or 0:>5.2f}/{ev['neg_recall'] or 0:<5.2f} {wall:>8.0f}")
+    print(f"\n{'metric (median [min, max] over runs)':<40}" + "".join(f"{p:>24}" for p in POLICIES))
+    summary = {}
+    for key, label in KEYS.items():
+        cells = []
+        for pol in POLICIES:
+            vals = [value(r, pol, key) for r in runs.values()]
+            summary[f"{pol}/{key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]")
+        print(f"{label:<40}" + "".join(f"{c:>24}" for c in cells))
+    packages = {p: version(p) for p in ("torch", "transformers", "peft", "tokenizers", "numpy")}
+    print("packages: " + ", ".join(f"{k} {v}" for k, v in packages.items()))
+    med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+    result = {"runs": len(rows), "every_run_t2g_le_0.8_sft": all(r["ratio"] <= 0.8 for r in rows),
+              "worst_t2g_over_sft": max(r["ratio"] for r in rows),
+              "median_t2g_below_scalar": med("text2grad") < med("scalar"),
+              "median_mistakes": {p: med(p) for p in POLICIES},
+              "rm_neg_precision_min": min(r["rm_neg_precision"] or 0 for r in rows),
+              "rm_neg_recall_min": min(r["rm_neg_recall"] or 0 for r in rows),
+              "chain_s_max": max(r["chain_s"] for r in rows), "packages": packages, "per_run": rows,
+              "summary": summary}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
