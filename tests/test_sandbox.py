@@ -43,7 +43,7 @@ def test_critic_names_the_failing_assertion_and_quotes_the_wrong_line():
     fb = critic(code)
     assert "`test_big`" in fb["critique"] and "assert add(20, 22) == 42" in fb["critique"]
     assert "assert -2 == 42" in fb["critique"]  # the runner explains the comparison, like pytest's rewriting
-    assert fb["poor_spans"] == ["return a - b", "return a + b"] and fb["good_spans"] == []
+    assert fb["poor_spans"] == ["return a - b"] and fb["good_spans"] == []  # only test_big runs it: Ochiai 1.0
 
 
 def test_critic_names_the_raising_line():
