@@ -354,3 +354,48 @@ def test_a_correct_solution_that_prints_a_lot_still_passes():
     long = python("print('head')\nprint('x' * 50000)\nprint('tail')\n", max_output_chars=1000)
     assert long["stdout"].startswith("head") and long["stdout"].rstrip().endswith("tail")
     assert len(long["stdout"]) <= 1100 and "bytes cut" in long["stdout"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The critic on benchmark-style tests: calls through an alias (HumanEval's candidate), the prompt as prefix
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_critic_blames_the_buggy_line_when_the_tests_call_an_alias():
+    test = ("from solution import count_positive as candidate\n\n"
+            "def test_cases():\n    assert candidate([1, -2, 3]) == 2\n    assert candidate([-1]) == 0\n"
+            "    assert candidate([]) == 0\n    assert candidate([0, 6]) == 1\n")
+    code = ("def count_positive(xs):\n    n = 0\n    for x in xs:\n        if x > 0:\n            n += 1\n"
+            "        elif x == 0:\n            n = n + 1\n    return n\n")
+    fb = critic(code, test)
+    assert fb["poor_spans"] == ["n = n + 1"]  # the old critic gave none: `candidate` is no name of the code
+    assert "`count_positive([0, 6])` returns 2, expected 1" in fb["critique"]
+
+
+def test_critic_on_a_humaneval_problem_names_input_expected_and_actual():
+    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
+    test = common.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
+                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                                        "    assert candidate(0, 0) == 0\n    assert candidate(5, 1) == 6\n"}, "t")["test"]
+    completion = "    if a > 3:\n        return a * b\n    return a + b\n"
+    fb = common.code_critic(prompt, completion, test)
+    assert fb["poor_spans"] == ["return a * b"] and not fb["passed"]
+    assert "`add(5, 1)` returns 5, expected 6" in fb["critique"] and "1 of 3 test cases fail" in fb["critique"]
+    assert "line 2 `return a * b`" in fb["critique"]  # lines count from the completion, not the prompt
+    good = common.code_critic(prompt, "    return a + b\n", test)
+    assert good["passed"] and good["good_spans"] == ["return a + b"] and good["poor_spans"] == []
+    chat = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\n"  # a chat model's whole function, fenced
+    assert common.code_critic(prompt, chat, test)["passed"]
+
+
+def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
+    missing = "import no_such_module_t2g\nfrom solution import add\n\ndef test_a():\n    assert add(1, 2) == 3\n"
+    result = common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", missing)
+    assert result["status"] == "error" and "no_such_module_t2g" in result["problem_error"] and not result["passed"]
+    broken = {"script": "def check(candidate)\n    pass\n"}
+    assert common.run_tests_sandboxed("x = 1\n", broken)["status"] == "error"
+    fb = common.code_critic("", "def add(a, b):\n    return a + b\n", missing)
+    assert fb["status"] == "error" and fb["poor_spans"] == [] and fb["good_spans"] == [] and "cannot run" in \
+        fb["critique"]
+    # the solution's own missing import is the solution's failure, as in the official harnesses
+    assert common.run_tests_sandboxed("import no_such_module_t2g\n", TESTS)["status"] == "failed"
