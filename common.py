@@ -1414,7 +1414,8 @@ def read_code_problems(data: str, split: str = "test", limit: int | None = None,
             kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
             ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
         except Exception as e:  # noqa: BLE001 - offline, no such repo or split: one line, not a traceback
-            raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {first_line(e)})") from None
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {why})") from None
         rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(ds)]
     rows = rows[:limit] if limit is not None else rows
     if not rows:
@@ -1428,10 +1429,6 @@ def read_code_problems(data: str, split: str = "test", limit: int | None = None,
         seen.add(prob["id"])
         problems.append(prob)
     return problems
-
-
-def first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _fenced(response: str):
