@@ -1381,6 +1381,7 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
         if not isinstance(rec[name], kind) or (kind is list and not all(isinstance(x, str) for x in rec[name])):
             raise DataError(f"{where}: field '{name}' must be {'a list of strings' if kind is list else 'a string'}")
         return rec[name]
+    ref = get(_REFERENCE[layout], required=need_reference) or None
     if layout == "humaneval":
         prompt, entry = get("prompt"), get("entry_point")
         test = {"prefix": prompt, "script": f"{get('test')}\n\ncheck({entry})\n", "entry_point": entry,
@@ -1396,7 +1397,6 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
     else:
         name = prompt_field or ("question" if "question" in rec or "prompt" not in rec else "prompt")
         prompt, test = get(name), get(test_field or "test")
-    ref = get(_REFERENCE[layout], required=need_reference) or None
     out = {"prompt": prompt, "test": test, "reference": ref}
     rid = rec.get("task_id", rec.get("question_id", rec.get("id")))
     return {"id": str(rid), **out} if rid is not None else out

@@ -189,6 +189,20 @@ def test_smoke_program_critic_span_and_scalar(tmp_path, tiny_model_dir):
     assert [r["step"] for r in _rows(tmp_path / "scalar")] == [1, 2]
 
 
+def test_smoke_code_task_on_a_humaneval_file(tmp_path, tiny_model_dir):
+    import gzip
+    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "entry_point": f"f{i}",
+             "canonical_solution": "    return x\n", "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
+            for i in range(4)]
+    with gzip.open(tmp_path / "he.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    args = _args(tmp_path, tiny_model_dir, "--task", "code", "--prompts", str(tmp_path / "he.jsonl.gz"), "--steps", "1")
+    ppo.train(args)
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith("def f") and s["critique"] for s in samples)
+
+
 def test_smoke_local_critic_counts_unparseable_output(tmp_path, tiny_model_dir):
     # an untrained model as "reward model": its output is gibberish, which must give delta = 0, never a crash
     args = _args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", tiny_model_dir,
