@@ -147,8 +147,9 @@ def summarize(rows: list[dict]) -> dict:
             "localised": share([r["localised"] for r in planted]),
             "clean_no_poor": share([not r["canonical_poor"] for r in rows]),
             "poor_spans_mean": round(sum(len(r["poor"]) for r in planted) / max(1, len(planted)), 2),
-            "by_kind": {k: share([r["localised"] for r in planted if r["kind"] == k])
-                        for k in ("comparison", "off_by_one", "return")}}
+            "localised_by_kind": {k: f"{sum(r['localised'] for r in planted if r['kind'] == k)}/"
+                                     f"{sum(r['kind'] == k for r in planted)}" for k in ("comparison", "off_by_one",
+                                                                                            "return")}}
 
 
 def run(limit=None, workers: int = 2, timeout_s: float = 10.0) -> list[dict]:
