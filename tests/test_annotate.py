@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
-from conftest import ROOT, import_script
+from conftest import ROOT, import_script, write_jsonl_gz
 
 annotate = import_script("01_annotate")
 SCRIPT = str(ROOT / "01_annotate.py")
@@ -363,16 +363,14 @@ def test_generate_with_a_policy(tmp_path, tiny_model_dir):
 
 
 def test_program_critic_on_humaneval_and_mbpp_layouts(tmp_path):
-    import gzip
     he = [{"task_id": "HumanEval/0", "prompt": "def double(x):\n    \"\"\"Twice x.\"\"\"\n", "entry_point": "double",
            "canonical_solution": "    return 2 * x\n", "test": "def check(candidate):\n    assert candidate(3) == 6\n"},
           {"task_id": "HumanEval/1", "prompt": "def one():\n", "entry_point": "one", "canonical_solution": "    return 2\n",
            "test": "def check(candidate):\n    assert candidate() == 1\n"},
           {"task_id": "HumanEval/2", "prompt": "def two():\n", "entry_point": "two", "canonical_solution": "    return 2\n",
            "test": "import no_such_module_t2g\ndef check(candidate):\n    assert candidate() == 2\n"}]
-    with gzip.open(tmp_path / "he.jsonl.gz", "wt") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in he))
-    annotate.main(["--task", "code", "--dataset", str(tmp_path / "he.jsonl.gz"), "--output", str(tmp_path / "a.jsonl")])
+    annotate.main(["--task", "code", "--dataset", write_jsonl_gz(tmp_path / "he.jsonl.gz", he), "--output",
+                   str(tmp_path / "a.jsonl")])
     recs = {r["id"]: r for r in lines(tmp_path / "a.jsonl")}
     assert recs["HumanEval/0"]["status"] == "ok" and recs["HumanEval/0"]["good_spans"] == ["return 2 * x"]
     assert recs["HumanEval/0"]["response"] == he[0]["canonical_solution"] and recs["HumanEval/0"]["prompt"] == \

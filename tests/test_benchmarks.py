@@ -1,9 +1,9 @@
 """Code benchmarks in their own layouts (HumanEval, MBPP, EvalPlus, KodCode): reading them, post-processing
 completions as the field does, running their tests in the sandbox, and pass@k as Chen et al. (2021) estimate it."""
-import gzip
 import json
 
 import pytest
+from conftest import write_jsonl_gz
 
 import common
 
@@ -18,13 +18,8 @@ MBPP_SANITIZED = {"task_id": 12, "prompt": "Write a function that adds one.", "c
                   "test_imports": [], "test_list": ["assert inc(1) == 2", "assert inc(-1) == 0"]}
 
 
-def write(path, rows, gz=False):
-    text = "".join(json.dumps(r) + "\n" for r in rows)
-    if gz:
-        with gzip.open(path, "wt", encoding="utf-8") as f:
-            f.write(text)
-    else:
-        path.write_text(text)
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
@@ -33,7 +28,7 @@ def passes(problem, completion):
 
 
 def test_humaneval_layout_from_jsonl_gz(tmp_path):
-    [p] = common.read_code_problems(write(tmp_path / "he.jsonl.gz", [HUMANEVAL], gz=True))
+    [p] = common.read_code_problems(write_jsonl_gz(tmp_path / "he.jsonl.gz", [HUMANEVAL]))
     assert p["id"] == "HumanEval/0" and p["prompt"] == HUMANEVAL["prompt"] and p["reference"] == "    return 2 * x\n"
     assert passes(p, p["reference"]) and not passes(p, "    return x\n")
     assert passes(p, "```python\ndef double(x):\n    return x + x\n```")  # a chat model's fenced whole function

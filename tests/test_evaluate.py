@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import import_script
+from conftest import import_script, write_jsonl_gz
 
 import common
 
@@ -368,13 +368,10 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
 
 
 def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
-    import gzip
     problems = [{"task_id": f"T/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n", "entry_point": f"f{i}",
                  "canonical_solution": "    return x\n", "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
                 for i in range(2)]
-    data = tmp_path / "he.jsonl.gz"
-    with gzip.open(data, "wt") as f:
-        f.write("".join(json.dumps(p) + "\n" for p in problems))
+    data = write_jsonl_gz(tmp_path / "he.jsonl.gz", problems)
     argv = ["--task", "code", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
             "--num-samples", "3", "--temperature", "1.0", "--max-new-tokens", "4", "--bootstrap", "50",
             "--output-dir", str(tmp_path / "out"), "--device", "cpu", "--test-workers", "2"]
