@@ -27,6 +27,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -737,6 +738,7 @@ except BaseException as e:
 _LANDLOCK_ABI = None
 _NAMESPACES = None
 _PIDS_CGROUP = None
+_PROBING = threading.Lock()  # the probes below run once per process, also when the first runs start from threads
 
 
 def landlock_abi() -> int:
@@ -756,55 +758,64 @@ def sandbox_namespaces() -> int:
     """Clone flags for a PID + network namespace (plus a user namespace when not root) if this machine allows them,
     else 0. Probed once, in a throwaway process."""
     global _NAMESPACES
-    if _NAMESPACES is None:
-        _NAMESPACES = 0
-        if os.uname().sysname == "Linux":
-            import subprocess
-            import sys
+    with _PROBING:
+        if _NAMESPACES is None:
             flags = _CLONE_NEWPID | _CLONE_NEWNET | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
             probe = (f"import ctypes, os, sys\nif ctypes.CDLL(None).unshare({flags}) != 0: sys.exit(1)\n"
                      f"if {flags} & {_CLONE_NEWUSER}:\n    open('/proc/self/setgroups', 'w').write('deny')\n"
                      f"    open('/proc/self/uid_map', 'w').write(f'{{os.geteuid()}} {{os.geteuid()}} 1')\n"
                      "sys.exit(0 if os.fork() == 0 else os.waitstatus_to_exitcode(os.wait()[1]))\n")
-            try:
-                ok = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, timeout=30)
-                _NAMESPACES = flags if ok.returncode == 0 else 0
-            except (OSError, subprocess.SubprocessError):
-                pass
+            _NAMESPACES = flags if os.uname().sysname == "Linux" and _probe_ok(probe) else 0
     return _NAMESPACES
 
 
+def _probe_ok(code: str) -> bool:
+    """Does `code` exit 0 in a fresh interpreter?"""
+    import subprocess
+    import sys
+    try:
+        return subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def _pids_cgroup_parent() -> str | None:
-    """A cgroup directory (v2 or v1 pids controller) in which this process may create child cgroups with pids.max,
-    or None. Probed once by creating and removing one."""
+    """A cgroup directory (v2, or v1's pids controller) under which this process may create a child cgroup, set its
+    pids.max and move a process into it; or None. Probed once, with a throwaway cgroup and process."""
     global _PIDS_CGROUP
-    if _PIDS_CGROUP is None:
-        _PIDS_CGROUP = ""
-        try:
-            mounts = [line.split(" - ")[1].split() + line.split()[4:5] for line in open("/proc/self/mountinfo")]
-            own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
-        except OSError:
-            mounts, own = [], []
-        candidates = []
-        for fstype, _, options, mount in mounts:
-            for _, controllers, path in own:
-                if (fstype == "cgroup2" and controllers == "") or (
-                        fstype == "cgroup" and "pids" in controllers.split(",") and "pids" in options.split(",")):
-                    candidates.append(os.path.join(mount, path.lstrip("/")))
-        for parent in candidates:
-            probe = os.path.join(parent, f"t2g-probe-{os.getpid()}")
-            try:
-                os.mkdir(probe)
-                try:
-                    with open(os.path.join(probe, "pids.max"), "w") as f:
-                        f.write("8")
-                    _PIDS_CGROUP = parent
-                    break
-                finally:
-                    os.rmdir(probe)
-            except OSError:
-                continue
+    with _PROBING:
+        if _PIDS_CGROUP is None:
+            _PIDS_CGROUP = next((p for p in _cgroup_candidates() if _cgroup_works(p)), "")
     return _PIDS_CGROUP or None
+
+
+def _cgroup_candidates() -> list[str]:
+    try:
+        mounts = [line.split(" - ")[1].split() + line.split()[4:5] for line in open("/proc/self/mountinfo")]
+        own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
+    except (OSError, IndexError):
+        return []
+    return [os.path.join(mount, path.lstrip("/")) for fstype, _, options, mount in mounts for _, controllers, path in own
+            if (fstype == "cgroup2" and controllers == "") or
+            (fstype == "cgroup" and "pids" in controllers.split(",") and "pids" in options.split(","))]
+
+
+def _cgroup_works(parent: str) -> bool:
+    probe = os.path.join(parent, f"t2g-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    try:
+        Path(probe, "pids.max").write_text("8")
+        return _probe_ok(f"open({os.path.join(probe, 'cgroup.procs')!r}, 'w').write(str(__import__('os').getpid()))")
+    except OSError:
+        return False
+    finally:
+        try:
+            os.rmdir(probe)
+        except OSError:
+            pass
 
 
 def _seccomp_target() -> list | None:
@@ -1281,6 +1292,14 @@ def _plain_tests(test: str) -> bool:
     return True
 
 
+def _reopen(f, flags: int) -> int:
+    """A second descriptor on an open file, with other access rights (through /proc on Linux; else a duplicate)."""
+    try:
+        return os.open(f"/proc/self/fd/{f.fileno()}", flags | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(f.fileno())
+
+
 def run_tests_sandboxed(solution: str, test, timeout_s: float = 10.0, memory_mb: int = 1024,
                         trace: bool = False, max_cases: int = 500) -> dict:
     """Run `test` against `solution` in the sandbox. `test` is a pytest-style file that imports from `solution`
@@ -1296,14 +1315,19 @@ def run_tests_sandboxed(solution: str, test, timeout_s: float = 10.0, memory_mb:
         style, test_src = ("pytest" if _plain_tests(test) else "pytest-real"), test
     nonce = secrets.token_hex(16)
     with tempfile.TemporaryFile() as settings, tempfile.TemporaryFile() as verdict:  # unnamed files: no path to open
-        settings.write(json.dumps({"nonce": nonce, "result_fd": verdict.fileno(), "style": style, "trace": trace,
-                                   "test": test_src, "max_cases": max_cases,
-                                   "entry_point": test.get("entry_point") if isinstance(test, dict) else None}
-                                  ).encode())
-        settings.seek(0)
-        result = run_sandboxed({"solution.py": solution, "test_solution.py": test_src},
-                               [sys.executable, "-c", _TEST_RUNNER, str(settings.fileno())], timeout_s=timeout_s,
-                               memory_mb=memory_mb, pass_fds=(settings.fileno(), verdict.fileno()))
+        theirs = [_reopen(settings, os.O_RDONLY), _reopen(verdict, os.O_WRONLY | os.O_APPEND)]  # the runner's ends:
+        try:  # it can neither rewrite its settings nor read the nonce back from what it reported
+            settings.write(json.dumps({"nonce": nonce, "result_fd": theirs[1], "style": style, "trace": trace,
+                                       "test": test_src, "max_cases": max_cases,
+                                       "entry_point": test.get("entry_point") if isinstance(test, dict) else None}
+                                      ).encode())
+            settings.flush()
+            result = run_sandboxed({"solution.py": solution, "test_solution.py": test_src},
+                                   [sys.executable, "-c", _TEST_RUNNER, str(theirs[0])], timeout_s=timeout_s,
+                                   memory_mb=memory_mb, pass_fds=tuple(theirs))
+        finally:
+            for fd in theirs:
+                os.close(fd)
         verdict.seek(0)
         events = []
         for line in verdict.read().decode("utf-8", "replace").splitlines():

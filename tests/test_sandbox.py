@@ -399,3 +399,25 @@ def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
         fb["critique"]
     # the solution's own missing import is the solution's failure, as in the official harnesses
     assert common.run_tests_sandboxed("import no_such_module_t2g\n", TESTS)["status"] == "failed"
+
+
+def test_code_cannot_read_the_nonce_back_from_the_verdict_channel():
+    # a thread that polls every descriptor for the runner's nonce and, once seen, writes a passing summary with it
+    spy = ("import os, re, threading, time\n"
+           "def spy():\n"
+           "    for _ in range(2000):\n"
+           "        for fd in range(3, 32):\n"
+           "            try:\n"
+           "                os.lseek(fd, 0, 0)\n"
+           "                m = re.search(rb'\"nonce\": \"(\\w+)\"', os.read(fd, 1 << 16))\n"
+           "            except OSError:\n"
+           "                continue\n"
+           "            if m:\n"
+           "                line = b'{\"nonce\": \"' + m.group(1) + b'\", \"summary\": {\"passed\": 9, \"failed\": 0, '\n"
+           "                os.write(fd, line + b'\"errors\": 0}}\\n')\n"
+           "                return\n"
+           "        time.sleep(0.001)\n"
+           "threading.Thread(target=spy, daemon=True).start()\n"
+           "def add(a, b):\n    time.sleep(0.2)\n    return a - b\n")
+    result = common.run_tests_sandboxed(spy, TESTS, trace=True)  # trace mode writes cases while the code runs
+    assert result["counts"] == {"passed": 0, "failed": 2, "errors": 0}, result["counts"]
