@@ -1505,12 +1505,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def run_completion(response: str, test, timeout_s: float = 10.0, trace: bool = False) -> dict:
-    """A model's raw completion against a problem's tests (post-processed and joined to the benchmark's prefix):
-    run_tests_sandboxed's dict plus "program" (what ran) and "code_start", "code_offset" to map its lines back."""
-    code, offset = extract_code(response, test)
-    program, start = build_program(test, code)
-    return {**run_tests_sandboxed(program, test, timeout_s=timeout_s, trace=trace), "program": program,
-            "code_start": start, "code_offset": offset}
+    """A model's raw completion against a problem's tests, post-processed (extract_code) and joined to the benchmark's
+    prefix (build_program): what 04 scores and the critic judges. run_tests_sandboxed's dict plus "program"."""
+    program = build_program(test, extract_code(response, test)[0])[0]
+    return {**run_tests_sandboxed(program, test, timeout_s=timeout_s, trace=trace), "program": program}
 
 
 def _test_failure(output: str) -> dict:
@@ -1644,7 +1642,7 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
         around = [n for n in loops if n.lineno <= line <= n.end_lineno]
         return [(max(around, key=lambda n: n.lineno).lineno,) * 2] if around else []
 
-    result = run_tests_sandboxed(program, test, timeout_s=timeout_s)
+    result = run_completion(response, test, timeout_s)
     if result["status"] == "error":
         return {**verdict(f"The tests cannot run: {result['problem_error']}."), "status": "error",
                 "error": result["problem_error"]}
@@ -1667,7 +1665,7 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
         critique = f"{name} runs out of memory" + (f" at {show(where[-1])}" if where else "") + \
             ": the code allocates without bound."
         return verdict(critique, poor=(loop_of(where[-1]) + [(where[-1],) * 2]) if where else [])
-    cases = run_tests_sandboxed(program, test, timeout_s=timeout_s, trace=True).get("cases", [])
+    cases = run_completion(response, test, timeout_s, trace=True).get("cases", [])
     failing = [c for c in cases if not c["ok"]]
     if failing:  # the traced run: every assert a case, the fault localised over their coverage
         first, tests = failing[0], test_src.splitlines()

