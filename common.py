@@ -1673,7 +1673,8 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
         count = f" {len(failing)} of {len(cases)} test cases fail." if len(cases) > 1 else ""
         poor = _suspicious_lines(cases, tree, units)
         if not poor and first.get("error", "").startswith("TypeError") and first.get("call") is None:
-            funcs = called(test_src.splitlines()[first["line"] - 1]) if first["line"] else []
+            entry = [test["entry_point"]] if isinstance(test, dict) and test.get("entry_point") in defs else []
+            funcs = entry + called(tests[first["line"] - 1] if 0 < first["line"] <= len(tests) else "")
             poor = [defs[funcs[0]].lineno] if funcs else []  # the call never entered the function: its signature
         blame = f" The most suspicious line is {show(poor[0])}." if poor else ""
         return verdict(f"`{first['test']}` fails{at}: {_case_story(first, show)}.{count}{blame}",
@@ -1683,8 +1684,8 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
                        poor=[(where[-1],) * 2])
     tail = result["output"].strip().splitlines()[-1:]
     critique = (f"{name} fails with {fail['error']}." if fail["error"] else
-                f"The tests did not run to completion (exit code {result['returncode']})" +
-                (f": {tail[0][:200]}" if tail else ": the code ends the process before any test reports."))
+                f"The tests did not run to completion: the process ended (exit code {result['returncode']}) before "
+                "the test runner reported" + (f"; its last output: {tail[0][:200]}" if tail else "."))
     return verdict(critique)
 
 
