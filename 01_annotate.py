@@ -122,7 +122,7 @@ def read_rows(args) -> list[tuple[str, dict]]:
         path = next((f for f in found if f.is_file()), None)
         if path is None:
             raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
-    if path.suffix in (".jsonl", ".json", ".parquet"):
+    if path.name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet")):
         return read_local(path)
     try:
         if args.task == "summarization":  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
@@ -141,11 +141,8 @@ def read_rows(args) -> list[tuple[str, dict]]:
 def read_local(path: Path) -> list[tuple[str, dict]]:
     if not path.is_file():
         raise common.DataError(f"{path}: no such file")
-    if path.suffix == ".jsonl":
-        rows = common.read_jsonl(path)  # raises DataError('file:line: reason')
-        with open(path, encoding="utf-8") as f:
-            lines = [n for n, line in enumerate(f, 1) if line.strip()]
-        return [(f"{path}:{n}", r) for n, r in zip(lines, rows)]
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return [(f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]  # raises DataError('file:line: reason')
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
@@ -171,20 +168,27 @@ def field(row: dict, name: str, where: str) -> str:
 def to_records(rows, args) -> list[dict]:
     """Apply the task's field preset (overridable with --prompt-field/--response-field/--id-field)."""
     need_response = args.generate_with is None
-    id_field = args.id_field or {"code": "question_id"}.get(args.task, "id")  # absent: the row's index
+    layout = common.code_layout(rows[0][1]) if args.task == "code" and rows else None  # kodcode, humaneval, mbpp
+    id_field = args.id_field or {"code": "question_id" if layout == "kodcode" else "task_id"}.get(args.task, "id")
     records, seen = [], {}
     for i, (where, row) in enumerate(rows):
         rid = str(row[id_field]) if id_field in row else f"{args.split}-{i}"
-        if args.prompt_field:
+        problem = layout and common.code_problem(row, where, layout, need_reference=need_response and not
+                                                 args.response_field, prompt_field=args.prompt_field)
+        if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
+            prompt = problem["prompt"]
+        elif args.prompt_field:
             prompt = field(row, args.prompt_field, where)
         elif args.task == "summarization":  # the TL;DR prompt of "Learning to summarize from human feedback"
             prompt = (f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where)}\n"
                       f"POST: {field(row, 'post', where)}\nTL;DR:")
         else:
             prompt = field(row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where)
-        if args.response_field or args.task != "qa" or not need_response:
-            name = args.response_field or {"summarization": "generated_summary_for_feedback", "code": "solution"}.get(
-                args.task, "response")
+        if problem and not args.response_field:
+            out = [(rid, problem["reference"] if need_response else "")]
+        elif args.response_field or args.task != "qa" or not need_response:
+            name = args.response_field or {"summarization": "generated_summary_for_feedback"}.get(args.task,
+                                                                                                   "response")
             out = [(rid, field(row, name, where) if need_response else "")]
         else:  # UltraFeedback: one record per completion
             completions = row.get("completions")
@@ -192,9 +196,7 @@ def to_records(rows, args) -> list[dict]:
                 raise common.DataError(f"{where}: field 'completions' must be a non-empty list")
             out = [(f"{rid}-{k}", field(c if isinstance(c, dict) else {}, "response", f"{where} completions[{k}]"))
                    for k, c in enumerate(completions)]
-        extra = {}
-        if args.task == "code":
-            extra["test"] = field(row, "test", where)
+        extra = {"test": problem["test"]} if problem else {}
         if args.task == "summarization":
             extra = {k: row[src] for k, src in (("reference", "ideal_human_summary"), ("human_feedback", "feedback"))
                      if isinstance(row.get(src), str)}
@@ -416,8 +418,9 @@ async def annotate_openai(todo: list[dict], args, sink) -> None:
     async def one(rec: dict) -> dict:
         tests = None
         if args.task == "code" and rec.get("test"):
-            code = common.extract_code(rec["response"])[0]
-            tests = await asyncio.to_thread(common.run_tests_sandboxed, code, rec["test"], args.code_timeout)
+            tests = await asyncio.to_thread(common.run_completion, rec["response"], rec["test"], args.code_timeout)
+            if tests["status"] == "error":  # a broken problem: nothing to critique
+                return finish(rec, reason=f"the tests cannot run: {tests['problem_error']}")
         messages, usage, raw = build_messages(args.task, rec, tests, args.use_human_feedback), Counter(), None
         try:
             for _ in range(2):  # the reply, then at most one repair request
@@ -455,7 +458,9 @@ def annotate_program(todo: list[dict], args, sink) -> None:
     with ThreadPoolExecutor(max(1, min(args.concurrency, os.cpu_count() or 1))) as pool:
         futures = {pool.submit(critic, rec): rec for rec in todo}
         for fut in as_completed(futures):
-            sink(finish(futures[fut], fut.result()))
+            fb = fut.result()  # a problem whose tests cannot run is no annotation
+            sink(finish(futures[fut], reason=f"the tests cannot run: {fb['error']}") if fb.get("error") else
+                 finish(futures[fut], fb))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

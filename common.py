@@ -27,6 +27,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,13 +40,13 @@ class DataError(ValueError):
     """Bad user input. Its message is one line naming the file, line and field; scripts print it and exit 2."""
 
 
-def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
-    """All records of a JSONL file; blank lines are skipped. Raises DataError('file:line: reason')."""
+def iter_jsonl(path):
+    """(line number, record) for each non-blank line of a JSONL file (.jsonl.gz too). Raises DataError('file:line: ...')."""
+    import gzip
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    records = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -55,12 +56,19 @@ def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            for field in required:
-                if field not in rec:
-                    raise DataError(f"{path}:{lineno}: missing field '{field}'")
-                if not isinstance(rec[field], str):
-                    raise DataError(f"{path}:{lineno}: field '{field}' must be a string")
-            records.append(rec)
+            yield lineno, rec
+
+
+def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
+    """All records of a JSONL file (.jsonl.gz too); blank lines are skipped. Raises DataError('file:line: reason')."""
+    records = []
+    for lineno, rec in iter_jsonl(path):
+        for field in required:
+            if field not in rec:
+                raise DataError(f"{path}:{lineno}: missing field '{field}'")
+            if not isinstance(rec[field], str):
+                raise DataError(f"{path}:{lineno}: field '{field}' must be a string")
+        records.append(rec)
     return records
 
 
@@ -559,40 +567,133 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Sandbox for model-written code (01 program critic, 03 program critic, 04 pass@1)
+# Sandbox for model-written code (01 program critic, 03 program critic, 04 pass@k)
 # ----------------------------------------------------------------------------------------------------------------------
 
-# Layers, applied in the child by a tiny launcher that then execs the command (no preexec_fn: safe from threads):
-#   always     a fresh temp dir as cwd/HOME/TMPDIR; an allowlisted environment (no keys, tokens or proxies); rlimits on
-#              address space, CPU time, file size and core dumps; its own session, whose process group is killed on
-#              timeout and again when the run ends (leftover children); output truncated.
-#   Landlock   (Linux >= 5.13, unprivileged, detected at run time) writes only inside the temp dir; reads only the
-#              Python installation, system libraries, /dev, /proc and /sys (not $HOME, the project, other runs' dirs);
-#              no TCP bind/connect (ABI >= 4); no signals or abstract sockets outside the sandbox (ABI >= 6); other
-#              processes' /proc/PID/environ are out of reach (Landlock's ptrace rule).
-#   as root    every capability is dropped. The uid stays 0 so an interpreter under /root stays readable: Landlock,
-#              not file ownership, is what confines it.
-# Without Landlock (macOS, old kernels) only the first layer applies, a RuntimeWarning says so once, and
-# result["sandbox"] lists what was applied. If Landlock is present but cannot be applied, nothing runs: RuntimeError.
+# A tiny launcher (trusted code, no preexec_fn: safe from threads) sets the sandbox up and forks; the child applies the
+# per-process layers and execs the command, the launcher stays behind as its supervisor. Layers:
+#   always       a fresh temp dir as cwd/HOME/TMPDIR; an allowlisted environment (no keys, tokens or proxies); rlimits
+#                on address space, CPU time, file size and core dumps; output kept head and tail; at the time limit and
+#                when the command ends, every process it started is killed (see the last three layers).
+#   landlock     (Linux >= 5.13, detected at run time) writes only inside the temp dir; reads only the Python
+#                installation, system libraries, /dev, /proc and /sys; no TCP bind/connect (ABI >= 4); no signals or
+#                abstract sockets outside the sandbox (ABI >= 6); other processes' /proc/PID/environ out of reach.
+#   no-capabilities   as root, every capability is dropped (uid 0 stays so an interpreter under /root stays readable).
+#   pid-namespace     the command is PID 1 of its own namespace: when it ends or is killed, the kernel kills every
+#                process left in it, setsid() and double forks included. Fallback "subreaper": the supervisor adopts
+#                orphans and kills all its descendants.
+#   no-network   a network namespace with no interface up: no TCP, UDP, ICMP or abstract socket reaches the host.
+#                Fallback "seccomp-no-network": socket() for anything but AF_UNIX, and io_uring, fail with EACCES.
+#   pids-cgroup  a cgroup with pids.max (v2 or v1, where writable): a fork bomb stops at SANDBOX_MAX_PROCESSES.
+#                Fallback "nproc-rlimit" (not for root, whom the kernel exempts from RLIMIT_NPROC).
+# A layer the machine lacks is skipped with a RuntimeWarning (once) and result["sandbox"] lists the layers applied. A
+# layer that was detected but fails to apply runs nothing: RuntimeError.
 
+SANDBOX_MAX_PROCESSES = 64  # pids.max / RLIMIT_NPROC of one run: tests may start a few processes, not a fork bomb
 _SAFE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")  # an allowlist: nothing secret-looking can leak
 _SANDBOX_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # third-party pytest plugins cost ~2 s of startup
                 "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _LL_READ, _LL_FILE_RW, _LL_ALL = 1 | 4 | 8, 2 | 4 | 1 << 14, (1 << 16) - 1  # exec+read file+read dir; rw+truncate
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _LAUNCHER = r"""
-import ctypes, json, os, resource, struct, sys
+import ctypes, json, os, resource, signal, struct, sys
 status_fd, cfg, cmd = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
 os.set_inheritable(status_fd, False)  # a successful exec closes it: the parent then reads nothing
-try:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype, L, U = ctypes.c_long, ctypes.c_long, ctypes.c_ulong
-    def ok(ret, what):
-        if ret < 0:
-            raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
-        return ret
-    if sys.platform.startswith("linux"):  # no exec can grant privileges again: setuid bits, file caps, root's caps
-        ok(libc.prctl(ctypes.c_int(38), U(1), U(0), U(0), U(0)), "PR_SET_NO_NEW_PRIVS")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype, L, U = ctypes.c_long, ctypes.c_long, ctypes.c_ulong
+
+def ok(ret, what):
+    if ret < 0:
+        raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
+    return ret
+
+def fail(e):
+    os.write(status_fd, f"{type(e).__name__}: {e}".encode())
+    os._exit(126)
+
+def descendants(root):  # pids whose parent chain leads to `root`, from /proc
+    parent = {}
+    for d in os.listdir("/proc"):
+        try:
+            parent[int(d)] = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (ValueError, OSError, IndexError):
+            pass
+    found, todo = set(), [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in found]
+        found.update(kids)
+        todo += kids
+    return found
+
+def kill_all(child):  # the child, everything that descends from the supervisor, and the cgroup's members
+    for _ in range(100):  # repeat: a process may fork while we scan
+        victims = {child} | descendants(os.getpid())
+        if cfg["cgroup"]:
+            try:
+                victims |= {int(p) for p in open(os.path.join(cfg["cgroup"], "cgroup.procs")).read().split()}
+            except OSError:
+                pass
+        victims.discard(os.getpid())
+        alive = False
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                alive = True
+            except OSError:
+                pass
+        while True:  # reap what we can (we are their parent or subreaper)
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        if not alive:
+            return
+
+try:  # --- supervisor: cgroup, namespaces, then fork
+    if cfg["cgroup"]:
+        with open(os.path.join(cfg["cgroup"], "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    uid, gid = os.geteuid(), os.getegid()
+    if cfg["clone"]:
+        ok(libc.unshare(ctypes.c_int(cfg["clone"])), "unshare")
+        if cfg["clone"] & 0x10000000:  # a user namespace: map our own ids, so files look the same
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+    if not cfg["clone"] & 0x20000000:
+        ok(libc.prctl(ctypes.c_int(36), U(1), U(0), U(0), U(0)), "PR_SET_CHILD_SUBREAPER")
+    supervisor = os.getpid()
+    child = os.fork()
+except BaseException as e:
+    fail(e)
+
+if child:  # --- the supervisor: forwards SIGUSR1 (stack dump), kills everything on SIGTERM and when the child ends
+    for fd in cfg["pass_fds"]:
+        os.close(fd)
+    os.close(status_fd)
+    signal.signal(signal.SIGUSR1, lambda *_: os.kill(child, signal.SIGUSR1))
+    signal.signal(signal.SIGTERM, lambda *_: (kill_all(child), os._exit(137)))
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(126)
+        if pid == child:
+            break
+    kill_all(child)
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status))
+
+try:  # --- the child: per-process layers, then exec
+    ok(libc.prctl(ctypes.c_int(1), U(signal.SIGKILL), U(0), U(0), U(0)), "PR_SET_PDEATHSIG")  # dies with its supervisor
+    if os.getppid() != supervisor and not cfg["clone"] & 0x20000000:
+        os._exit(137)
+    ok(libc.prctl(ctypes.c_int(38), U(1), U(0), U(0), U(0)), "PR_SET_NO_NEW_PRIVS")  # no exec regains privileges
     abi = cfg["landlock_abi"]
     if abi:  # landlock_create_ruleset = 444, landlock_add_rule = 445, landlock_restrict_self = 446 (all arches)
         fs = (1 << 13) - 1 | (abi >= 2) << 13 | (abi >= 3) << 14 | (abi >= 5) << 15  # every fs right this ABI knows
@@ -609,7 +710,16 @@ try:
             ok(libc.syscall(L(445), L(ruleset), L(1), struct.pack("=Qi", access & fs, fd), L(0)), f"add_rule {path}")
             os.close(fd)
         ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock_restrict_self")
-    if cfg["drop_caps"]:  # uid 0 keeps no privilege: permitted = effective = {} (and no_new_privs keeps it so)
+    if cfg["seccomp"]:  # [arch, socket nr]: socket(domain != AF_UNIX) and io_uring_setup -> EACCES; x32 / foreign ABI too
+        arch, nr_socket = cfg["seccomp"]
+        deny, allow = 0x00050000 | 13, 0x7FFF0000
+        prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, deny), (0x20, 0, 0, 0), (0x35, 0, 1, 0x40000000),
+                (0x06, 0, 0, deny), (0x15, 0, 1, 425), (0x06, 0, 0, deny), (0x15, 0, 3, nr_socket),
+                (0x20, 0, 0, 16), (0x15, 1, 0, 1), (0x06, 0, 0, deny), (0x06, 0, 0, allow)]
+        filt = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in prog))
+        fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(filt))
+        ok(libc.prctl(ctypes.c_int(22), U(2), ctypes.c_char_p(fprog), U(0), U(0)), "seccomp")
+    if cfg["drop_caps"]:  # no privilege left: permitted = effective = {} (and no_new_privs keeps it so)
         for cap in range(int(open("/proc/sys/kernel/cap_last_cap").read()) + 1):
             libc.prctl(ctypes.c_int(24), U(cap), U(0), U(0), U(0))  # PR_CAPBSET_DROP; needs CAP_SETPCAP: best effort
         ok(libc.capset(struct.pack("Ii", 0x20080522, 0), bytes(24)), "capset")
@@ -621,12 +731,14 @@ try:
                 raise
     os.execvp(cmd[0], cmd)
 except BaseException as e:
-    os.write(status_fd, f"{type(e).__name__}: {e}".encode())
-    os._exit(126)
+    fail(e)
 """
 
 
 _LANDLOCK_ABI = None
+_NAMESPACES = None
+_PIDS_CGROUP = None
+_PROBING = threading.Lock()  # the probes below run once per process, also when the first runs start from threads
 
 
 def landlock_abi() -> int:
@@ -642,6 +754,75 @@ def landlock_abi() -> int:
     return _LANDLOCK_ABI
 
 
+def sandbox_namespaces() -> int:
+    """Clone flags for a PID + network namespace (plus a user namespace when not root) if this machine allows them,
+    else 0. Probed once, in a throwaway process."""
+    global _NAMESPACES
+    with _PROBING:
+        if _NAMESPACES is None:
+            flags = _CLONE_NEWPID | _CLONE_NEWNET | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
+            probe = (f"import ctypes, os, sys\nif ctypes.CDLL(None).unshare({flags}) != 0: sys.exit(1)\n"
+                     f"if {flags} & {_CLONE_NEWUSER}:\n    open('/proc/self/setgroups', 'w').write('deny')\n"
+                     f"    open('/proc/self/uid_map', 'w').write(f'{{os.geteuid()}} {{os.geteuid()}} 1')\n"
+                     "sys.exit(0 if os.fork() == 0 else os.waitstatus_to_exitcode(os.wait()[1]))\n")
+            _NAMESPACES = flags if os.uname().sysname == "Linux" and _probe_ok(probe) else 0
+    return _NAMESPACES
+
+
+def _probe_ok(code: str) -> bool:
+    """Does `code` exit 0 in a fresh interpreter?"""
+    import subprocess
+    import sys
+    try:
+        return subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def _pids_cgroup_parent() -> str | None:
+    """A cgroup directory (v2, or v1's pids controller) under which this process may create a child cgroup, set its
+    pids.max and move a process into it; or None. Probed once, with a throwaway cgroup and process."""
+    global _PIDS_CGROUP
+    with _PROBING:
+        if _PIDS_CGROUP is None:
+            _PIDS_CGROUP = next((p for p in _cgroup_candidates() if _cgroup_works(p)), "")
+    return _PIDS_CGROUP or None
+
+
+def _cgroup_candidates() -> list[str]:
+    try:
+        mounts = [line.split(" - ")[1].split() + line.split()[4:5] for line in open("/proc/self/mountinfo")]
+        own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
+    except (OSError, IndexError):
+        return []
+    return [os.path.join(mount, path.lstrip("/")) for fstype, _, options, mount in mounts for _, controllers, path in own
+            if (fstype == "cgroup2" and controllers == "") or
+            (fstype == "cgroup" and "pids" in controllers.split(",") and "pids" in options.split(","))]
+
+
+def _cgroup_works(parent: str) -> bool:
+    probe = os.path.join(parent, f"t2g-probe-{os.getpid()}-{os.urandom(4).hex()}")
+    try:
+        os.mkdir(probe)
+    except OSError:
+        return False
+    try:
+        Path(probe, "pids.max").write_text("8")
+        return _probe_ok(f"open({os.path.join(probe, 'cgroup.procs')!r}, 'w').write(str(__import__('os').getpid()))")
+    except OSError:
+        return False
+    finally:
+        try:
+            os.rmdir(probe)
+        except OSError:
+            pass
+
+
+def _seccomp_target() -> list | None:
+    """[audit arch, socket syscall number] for the seccomp network filter, where this architecture is known."""
+    return {"x86_64": [0xC000003E, 41], "aarch64": [0xC00000B7, 198]}.get(os.uname().machine)
+
+
 def _landlock_rules(work: str) -> list:
     """[path, rights]: read the interpreter and system libraries, read+write /dev/null, everything inside `work`."""
     import site
@@ -655,34 +836,117 @@ def _landlock_rules(work: str) -> list:
                                                                                   [work, _LL_ALL]]
 
 
-def _kill_group(pgid: int) -> None:
-    import signal
+def _own_processes() -> int:
+    """How many processes this uid runs (RLIMIT_NPROC counts them all, not just the sandbox's)."""
+    uid, n = os.geteuid(), 0
+    for d in os.listdir("/proc"):
+        try:
+            n += d.isdigit() and os.stat(f"/proc/{d}").st_uid == uid
+        except OSError:
+            pass
+    return n
+
+
+def _sandbox_plan(work: str, timeout_s: float, memory_mb: int) -> tuple[dict, list[str], list[str]]:
+    """(launcher config, layers applied, layers missing) for one run on this machine."""
+    linux, root = os.uname().sysname == "Linux", os.geteuid() == 0
+    abi, clone = landlock_abi(), sandbox_namespaces() if linux else 0
+    cgroup_parent = _pids_cgroup_parent() if linux else None
+    seccomp = None if clone or not linux else _seccomp_target()
+    cpu = int(timeout_s) + 2
+    rlimits = {"RLIMIT_AS": [memory_mb << 20] * 2, "RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_FSIZE": [64 << 20] * 2,
+               "RLIMIT_CORE": [0, 0]}
+    nproc = linux and not cgroup_parent and not root
+    if nproc:
+        rlimits["RLIMIT_NPROC"] = [_own_processes() + SANDBOX_MAX_PROCESSES] * 2
+    config = {"landlock_abi": abi, "rules": _landlock_rules(work) if abi else [], "clone": clone, "cgroup": None,
+              "seccomp": seccomp, "drop_caps": linux and (root or bool(clone & _CLONE_NEWUSER)), "rlimits": rlimits,
+              "pass_fds": []}
+    layers = {f"landlock-v{abi}": abi, "no-capabilities": config["drop_caps"], "pid-namespace": clone,
+              "subreaper": linux and not clone, "no-network": clone, "seccomp-no-network": seccomp,
+              "pids-cgroup": cgroup_parent, "nproc-rlimit": nproc}
+    missing = [name for name, ok in (("landlock", abi), ("pid-namespace", clone), ("no-network", clone or seccomp),
+                                     ("process-limit", cgroup_parent or nproc)) if not ok]
+    return config, [name for name, ok in layers.items() if ok], missing
+
+
+_WARNED = set()
+
+
+def _kill(pid: int, sig) -> None:
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
 
+class _Streams:
+    """stdout and stderr of a process, read as they come: the first and last `limit` / 2 bytes of each are kept (a
+    verdict or a traceback sits at the end), the middle is counted and dropped, so endless output costs no memory."""
+
+    def __init__(self, proc, limit: int):
+        import selectors
+        self.half, self.fds = limit // 2, [proc.stdout.fileno(), proc.stderr.fileno()]
+        self.head, self.tail, self.cut = {fd: b"" for fd in self.fds}, {fd: b"" for fd in self.fds}, dict.fromkeys(
+            self.fds, 0)
+        self.files = {proc.stdout.fileno(): proc.stdout, proc.stderr.fileno(): proc.stderr}
+        self.sel, self.open = selectors.DefaultSelector(), set(self.fds)
+        for fd in self.fds:
+            self.sel.register(fd, selectors.EVENT_READ)
+
+    def drain(self, deadline: float) -> bool:
+        """Read until both streams are closed (True) or `deadline` (time.monotonic) passes (False)."""
+        import time
+        while self.open and (left := deadline - time.monotonic()) > 0:
+            for key, _ in self.sel.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    self.close(key.fd)
+                    continue
+                room = self.half - len(self.head[key.fd])
+                self.head[key.fd] += chunk[:max(room, 0)]
+                tail = self.tail[key.fd] + chunk[max(room, 0):]
+                self.cut[key.fd] += max(0, len(tail) - self.half)
+                self.tail[key.fd] = tail[-self.half:] if self.half else b""
+        return not self.open
+
+    def close(self, *fds) -> None:
+        for fd in fds or list(self.open):
+            self.sel.unregister(fd)
+            self.open.discard(fd)
+            self.files[fd].close()
+
+    def text(self, fd: int, strip: list[str]) -> str:
+        """What was kept, decoded, with a note where the middle was cut, and `strip` prefixes (temp paths) removed."""
+        note = f"\n[... {self.cut[fd]} bytes cut ...]\n" if self.cut[fd] else ""
+        text = (self.head[fd] + note.encode() + self.tail[fd]).decode("utf-8", "replace")
+        for prefix in strip:
+            text = text.replace(prefix, "")
+        return text
+
+
 def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 10.0, memory_mb: int = 1024,
-                  max_output_chars: int = 10_000) -> dict:
-    """Run untrusted code: `files` are written to a fresh temp dir, `command` runs there in its own process group with
-    a wall-clock limit, address-space and CPU rlimits, an environment holding no secrets, and (where the kernel has
-    it) Landlock confinement and no capabilities; output is truncated. The whole group is killed on timeout.
-    Returns {"returncode", "stdout", "stderr", "timed_out", "duration_s", "sandbox"} ("sandbox": optional layers
-    applied). Raises RuntimeError if the sandbox itself cannot be set up (the code then never runs)."""
-    import math
+                  max_output_chars: int = 10_000, pass_fds: tuple[int, ...] = ()) -> dict:
+    """Run untrusted code: `files` are written to a fresh temp dir and `command` runs there under the layers listed
+    above, with a wall-clock limit after which every process it started is killed. `pass_fds` are inherited by the
+    command (the test runner's private channel). Returns {"returncode", "stdout", "stderr", "timed_out",
+    "duration_s", "sandbox"}: stdout/stderr keep their head and tail, "sandbox" lists the layers applied. Raises
+    RuntimeError if the sandbox itself cannot be set up (the code then never runs)."""
+    import shutil
     import signal
     import subprocess
     import sys
     import time
     import warnings
 
-    abi = landlock_abi()
-    drop_caps = os.uname().sysname == "Linux" and os.geteuid() == 0
-    if not abi:
-        warnings.warn("Landlock is unavailable: model-written code runs with rlimits, a temp dir and a clean "
-                      "environment only (no filesystem or network confinement)", RuntimeWarning, stacklevel=2)
     with tempfile.TemporaryDirectory(prefix="t2g-sandbox-", ignore_cleanup_errors=True) as work:
+        config, layers, missing = _sandbox_plan(work, timeout_s, memory_mb)
+        if missing and tuple(missing) not in _WARNED:
+            _WARNED.add(tuple(missing))
+            warnings.warn(f"sandbox layers unavailable on this machine: {', '.join(missing)}"
+                          + (" (Landlock is unavailable: no filesystem confinement)" if "landlock" in missing else "")
+                          + f"; model-written code runs with: {', '.join(layers) or 'rlimits only'}", RuntimeWarning,
+                          stacklevel=2)
         for name, text in files.items():
             if Path(name).is_absolute() or ".." in Path(name).parts:
                 raise ValueError(f"sandbox file names must stay inside its directory: {name!r}")
@@ -691,117 +955,311 @@ def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 
             path.write_text(text, encoding="utf-8")
         env = {k: os.environ[k] for k in _SAFE_ENV if k in os.environ}
         env.update(_SANDBOX_ENV, HOME=work, TMPDIR=work)
-        cpu = math.ceil(timeout_s) + 1
-        config = {"landlock_abi": abi, "rules": _landlock_rules(work) if abi else [], "drop_caps": drop_caps,
-                  "rlimits": {"RLIMIT_AS": [memory_mb << 20] * 2, "RLIMIT_CPU": [cpu, cpu + 1],
-                              "RLIMIT_FSIZE": [64 << 20] * 2, "RLIMIT_CORE": [0, 0]}}
+        cgroup = None
+        if "pids-cgroup" in layers:
+            cgroup = os.path.join(_pids_cgroup_parent(), f"t2g-{os.getpid()}-{os.urandom(4).hex()}")
+            os.mkdir(cgroup)
+            Path(cgroup, "pids.max").write_text(str(SANDBOX_MAX_PROCESSES))
+        config.update(cgroup=cgroup, pass_fds=list(pass_fds))
         status_r, status_w = os.pipe()
         start = time.monotonic()
         try:
             proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(status_w), json.dumps(config),
                                      *command], cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w,))
+                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w, *pass_fds))
         finally:
             os.close(status_w)
-        timed_out = False
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:  # "where are you stuck?": the test runners dump their stack on SIGUSR1; anything else just dies
-                os.kill(proc.pid, signal.SIGUSR1)
-                out, err = proc.communicate(timeout=0.5)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                _kill_group(proc.pid)
-                try:
-                    out, err = proc.communicate(timeout=5)
-                except subprocess.TimeoutExpired:  # a child that left the group still holds the pipes
-                    proc.kill()
-                    out, err = b"", b"(output lost: a process that left the sandbox's group kept the pipes open)"
-        _kill_group(proc.pid)  # children the code left behind in its group
+        streams = _Streams(proc, max_output_chars)
+        timed_out = not streams.drain(start + timeout_s)
+        if timed_out:  # ask for a stack dump (the supervisor forwards SIGUSR1), then kill everything the code started
+            for sig, grace in ((signal.SIGUSR1, 0.5), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+                _kill(proc.pid, sig)
+                if streams.drain(time.monotonic() + grace):
+                    break
+        streams.close()  # a process that escaped every layer may still hold the pipes: stop listening
+        proc.wait()
         duration = time.monotonic() - start
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # belt and braces: anything left in the session's process group
+        except (ProcessLookupError, PermissionError):
+            pass
+        if cgroup:
+            for _ in range(50):
+                try:
+                    os.rmdir(cgroup)
+                    break
+                except OSError:  # members still exiting
+                    for pid in Path(cgroup, "cgroup.procs").read_text().split():
+                        _kill(int(pid), signal.SIGKILL)
+                    time.sleep(0.02)
         with os.fdopen(status_r, "rb") as f:
             setup_error = f.read().decode("utf-8", "replace")
+        shutil.rmtree(work, ignore_errors=True)
     if setup_error:
         raise RuntimeError(f"sandbox could not start {command[0]!r}: {setup_error}")
 
-    def cut(b: bytes) -> str:  # paths relative to the temp dir, so reports do not depend on its random name
-        text = b.decode("utf-8", "replace")
-        for prefix in {work + os.sep, os.path.realpath(work) + os.sep}:
-            text = text.replace(prefix, "")
-        return text[:max_output_chars]
-    return {"returncode": proc.returncode, "stdout": cut(out), "stderr": cut(err), "timed_out": timed_out,
-            "duration_s": duration, "sandbox": [f"landlock-v{abi}"] * bool(abi) + ["no-capabilities"] * drop_caps}
+    out, err = (streams.text(fd, [work + os.sep, os.path.realpath(work) + os.sep]) for fd in streams.fds)
+    return {"returncode": proc.returncode, "stdout": out, "stderr": err, "timed_out": timed_out,
+            "duration_s": duration, "sandbox": layers}
 
 
-# The fast test runner: pytest's semantics for plain test files (test_* functions and Test* classes without fixtures,
-# marks or hooks) in ~0.1 s instead of pytest's ~0.6 s startup. Files that use pytest features go to real pytest.
-# It prints pytest-style lines ("FAILED test_solution.py::test_x", a native traceback, "1 failed, 2 passed in 0.01s"),
-# stops at the first failure like -x and explains failed asserts like pytest's rewriting does (assert 3 == 4).
-# Both runners dump the stack on SIGUSR1 (sent at the time limit) to a copy of stderr that pytest's capture cannot
-# swallow, so the critic can name the line a hung test is stuck on.
-_DUMP_ON_SIGUSR1 = ("import faulthandler, os, signal\n"
-                    "faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), 'w'))\n")
-_TEST_RUNNER = _DUMP_ON_SIGUSR1 + r"""
-import ast, sys, time, traceback, types
-start, path = time.perf_counter(), os.path.abspath("test_solution.py")
-OPS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Is: "is",
-       ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+# The test runner. Three styles, one verdict channel:
+#   "pytest"       plain pytest files (test_* functions and Test* classes without fixtures, marks or hooks) run by a
+#                  fast in-process runner with pytest's semantics: ~0.1 s instead of pytest's ~0.6 s startup.
+#   "pytest-real"  files that use pytest features run under pytest itself, with a plugin that reports the outcomes.
+#   "script"       benchmark tests (HumanEval's check(), MBPP's asserts) run in the solution's own namespace, exactly
+#                  as the official harnesses exec `program + tests` in one namespace.
+# The verdict never comes from the output or the exit status, which the code controls. The runner reads a per-run
+# nonce and the test source from a private file descriptor before any solution code runs (then closes it), and writes
+# the counts, tagged with the nonce, to a second descriptor: an unnamed file the code cannot open by path. A code that
+# prints "N passed" or ends the process early yields no verdict: failed. The runner's state lives in closures, not in
+# module globals. (What no in-process harness can rule out: code written against this runner's internals, walking the
+# interpreter's frames to reach them. HumanEval's and EvalPlus's harnesses share that limit.)
+# trace=True (the critic's second run, on failing code only) adds what fault localisation needs: every assert is its
+# own test case and execution goes on after a failed one; per case, the solution lines it executed, the first call
+# from the tests into the solution with its arguments and return value, and the expected and actual values.
+# Both runners dump the stack on SIGUSR1 (sent at the time limit) to a copy of stderr, so the critic can name the line
+# a hung test is stuck on.
+_TEST_RUNNER = r"""
+import faulthandler, os, signal
+faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), "w"))
+import ast, importlib.util, json, sys, time, traceback, types
 
-def explain(*parts):  # (value,) or (left, op, right) -> "assert 3 == 4"
-    show = lambda v: (lambda t: t if len(t) <= 200 else t[:200] + "...")(repr(v))
-    return "assert " + (show(parts[0]) if len(parts) == 1 else f"{show(parts[0])} {parts[1]} {show(parts[2])}")
 
-class Explain(ast.NodeTransformer):  # assert a == b  ->  l = a; r = b; assert l == r, explain(l, "==", r)
-    def visit_Assert(self, node):
-        if node.msg is not None:
-            return node
-        var, t = (lambda n, ctx=ast.Load: ast.Name(f"_t2g_{n}", ctx())), node.test
-        call = lambda *args: ast.Call(ast.Name("_t2g_explain", ast.Load()), list(args), [])
-        if isinstance(t, ast.Compare) and len(t.ops) == 1:
-            body = [ast.Assign([var("l", ast.Store)], t.left), ast.Assign([var("r", ast.Store)], t.comparators[0]),
-                    ast.Assert(ast.Compare(var("l"), t.ops, [var("r")]),
-                               call(var("l"), ast.Constant(OPS[type(t.ops[0])]), var("r")))]
-        else:
-            body = [ast.Assign([var("v", ast.Store)], t), ast.Assert(var("v"), call(var("v")))]
-        return [ast.copy_location(s, node) for s in body]
+def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys.settrace):
+    start = clock()
+    with os.fdopen(int(sys.argv[1]), "rb") as f:  # the private settings: read, then closed
+        cfg = json.loads(f.read())
+    nonce, out_fd, style, trace, test_src = cfg["nonce"], cfg["result_fd"], cfg["style"], cfg["trace"], cfg["test"]
+    sol_path, test_path = os.path.abspath("solution.py"), os.path.abspath("test_solution.py")
+    counts = {"passed": 0, "failed": 0, "errors": 0}
 
-def report(tag, name, exc):
-    print(f"{tag} test_solution.py::{name}")
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":  # hide the runner's own frames
-        tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb, file=sys.stdout)
+    def emit(kind, payload):  # payload -> JSON: only localisation hints and messages go this way, never the verdict
+        write(out_fd, ('{"nonce": "' + nonce + '", "' + kind + '": ' + dumps(payload, default=repr) + "}\n").encode())
 
-def finish(passed, failed=0, errors=0):
-    parts = [f"{n} {word}" for n, word in ((failed, "failed"), (passed, "passed"), (errors, "error")) if n]
-    print(", ".join(parts or ["no tests ran"]) + f" in {time.perf_counter() - start:.2f}s", flush=True)
-    sys.exit(1 if failed else 2 if errors else 0 if passed else 5)
+    def finish():  # the verdict: three ints formatted by hand (nothing the code could patch), then exit
+        p, f, e = counts["passed"], counts["failed"], counts["errors"]
+        write(out_fd, ('{"nonce": "' + nonce + f'", "summary": {{"passed": {p}, "failed": {f}, "errors": {e}}}}}\n')
+              .encode())
+        print(", ".join([f"{n} {w}" for n, w in ((f, "failed"), (p, "passed"), (e, "error")) if n] or ["no tests ran"])
+              + f" in {clock() - start:.2f}s", flush=True)
+        os._exit(1 if f else 2 if e else 0 if p else 5)
 
-mod = types.ModuleType("test_solution")
-mod.__file__, mod._t2g_explain, sys.modules["test_solution"] = path, explain, mod
-try:
-    tree = Explain().visit(ast.parse(open(path, encoding="utf-8").read(), path))
-    exec(compile(ast.fix_missing_locations(tree), path, "exec"), mod.__dict__)
-except BaseException as e:
-    report("ERROR", "collection", e)
-    finish(0, errors=1)
-tests = []
-for name, obj in list(vars(mod).items()):
-    if name.startswith("test") and isinstance(obj, types.FunctionType):
-        tests.append((name, obj))
-    elif name.startswith("Test") and isinstance(obj, type):
-        tests += [(f"{name}::{m}", lambda c=obj, m=m: getattr(c(), m)()) for m, f in vars(obj).items()
-                  if m.startswith("test") and callable(f)]
-passed = 0
-for name, fn in tests:
+    # 1. the tests themselves must compile and find their imports, or the problem (not the solution) is broken
     try:
-        fn()
-    except BaseException as e:  # SystemExit and KeyboardInterrupt raised by the code count as failures too
-        report("FAILED", name, e)
-        finish(passed, failed=1)
-    passed += 1
-finish(passed)
+        tree = ast.parse(test_src, test_path)
+    except SyntaxError as e:
+        emit("problem_error", f"the tests do not compile: {e.msg} (line {e.lineno})")
+        os._exit(3)
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        for name in names:
+            top = name.split(".")[0]
+            if top not in ("solution", "test_solution") and importlib.util.find_spec(top) is None:
+                emit("problem_error", f"the tests import {top!r}, which is not installed")
+                os._exit(3)
+
+    # 2. trace mode: line coverage of the solution and the tests' calls into it, per test case
+    state = {"lines": set(), "call": None, "returned": None, "cases": 0}
+    entry = cfg.get("entry_point")
+
+    def show(v, n=120):
+        try:
+            t = repr(v)
+        except Exception:
+            t = "<unprintable>"
+        return t if len(t) <= n else t[:n] + "..."
+
+    def on_call(frame, event, arg):
+        if frame.f_code.co_filename != sol_path:
+            return None
+        back, first = frame.f_back, None
+        if state["call"] is None and back is not None and back.f_code.co_filename == test_path and (
+                entry is None or frame.f_code.co_name == entry):
+            code = frame.f_code
+            n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 4) + bool(code.co_flags & 8)
+            args = ", ".join(show(frame.f_locals.get(a), 80) for a in code.co_varnames[:n])
+            state["call"], first = f"{code.co_name}({args})", frame
+
+        def on_line(frame, event, arg):
+            if event == "line":
+                state["lines"].add(frame.f_lineno)
+            elif event == "return" and frame is first:
+                state["returned"] = show(arg, 200)
+            return on_line
+        return on_line
+
+    def solution_lines(tb):  # the solution's lines on a traceback, innermost last
+        return [f.lineno for f in traceback.extract_tb(tb) if f.filename == sol_path]
+
+    def case(line, ok, exc=None, parts=None, test=None):  # one test case ends: report it with its coverage
+        if ok:
+            counts["passed"] += 1
+        else:
+            counts["failed"] += 1
+        rec = {"test": test or state["test"], "line": line, "ok": bool(ok), "covered": sorted(state["lines"]),
+               "call": state["call"], "returned": state["returned"]}
+        if exc is not None:
+            rec.update(error=f"{type(exc).__name__}: {exc}"[:300], where=solution_lines(exc.__traceback__))
+        elif not ok and parts is not None:
+            rec.update(actual=show(parts[0], 200), op=parts[1], expected=show(parts[2], 200)) if len(parts) == 3 \
+                else rec.update(value=show(parts[0], 200))
+        emit("case", rec)
+        state.update(lines=set(), call=None, returned=None, cases=state["cases"] + 1)
+        if state["cases"] >= cfg["max_cases"]:
+            raise Stop
+
+    class Stop(BaseException):
+        pass
+
+    # 3. asserts: explained like pytest's rewriting (assert 3 == 4); in trace mode, each one a test case that does
+    #    not stop the test (asserts inside a try block keep their meaning)
+    ops = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Is: "is",
+           ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+
+    def explain(*parts):
+        return "assert " + (show(parts[0], 200) if len(parts) == 1 else
+                            f"{show(parts[0], 200)} {parts[1]} {show(parts[2], 200)}")
+
+    class Rewrite(ast.NodeTransformer):
+        def visit_Try(self, node):
+            return node  # an assert inside try/except may be expected to fail: leave the whole block alone
+
+        visit_TryStar = visit_Try
+
+        def visit_Assert(self, node):
+            if node.msg is not None and not trace:
+                return node
+            var, t = (lambda n, ctx=ast.Load: ast.Name(f"_t2g_{n}", ctx())), node.test
+            call = lambda f, *args: ast.Call(ast.Name(f, ast.Load()), list(args), [])
+            if isinstance(t, ast.Compare) and len(t.ops) == 1:
+                parts = [var("l"), ast.Constant(ops[type(t.ops[0])]), var("r")]
+                body = [ast.Assign([var("l", ast.Store)], t.left), ast.Assign([var("r", ast.Store)], t.comparators[0])]
+                cond = ast.Compare(var("l"), t.ops, [var("r")])
+            else:
+                parts, body, cond = [var("v")], [ast.Assign([var("v", ast.Store)], t)], var("v")
+            if not trace:
+                body.append(ast.Assert(cond, call("_t2g_explain", *parts)))
+            else:  # try: <evaluate>; ok = not not cond / except Exception as e: case(e) / else: case(ok)
+                ok = ast.UnaryOp(ast.Not(), ast.UnaryOp(ast.Not(), cond))
+                body.append(ast.Assign([var("ok", ast.Store)], ok))
+                line = ast.Constant(node.lineno)
+                failed = ast.Expr(call("_t2g_case", line, ast.Constant(False), var("e")))
+                passed = ast.Expr(call("_t2g_case", line, var("ok"), ast.Constant(None), ast.Tuple(parts, ast.Load())))
+                body = [ast.Try(body, [ast.ExceptHandler(ast.Name("Exception", ast.Load()), "_t2g_e", [failed])],
+                                [passed], [])]
+            return [ast.copy_location(s, node) for s in body]
+
+    def report(tag, name, exc):
+        print(f"{tag} test_solution.py::{name}")
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":  # hide the runner's own frames
+            tb = tb.tb_next
+        traceback.print_exception(type(exc), exc, tb, file=sys.stdout)
+
+    def fail_test(name, exc):  # a test (or the collection) raised outside any assert
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == test_path]
+        if trace and not isinstance(exc, Stop):
+            state["test"] = name
+            case(frames[-1].lineno if frames else 0, False, exc)
+        else:
+            counts["failed"] += 1
+        report("FAILED" if name != "collection" else "ERROR", name, exc)
+
+    def run(name, fn):  # one test function: True if the run goes on
+        state.update(test=name, lines=set(), call=None, returned=None)
+        try:
+            fn()
+        except Stop:
+            return False
+        except BaseException as e:  # SystemExit and KeyboardInterrupt raised by the code count as failures too
+            try:
+                fail_test(name, e)
+            except Stop:
+                return False
+            return trace
+        if not trace:
+            counts["passed"] += 1
+        return True
+
+    helpers = {"_t2g_explain": explain, "_t2g_case": case}
+    code = compile(ast.fix_missing_locations(Rewrite().visit(tree)), test_path, "exec")
+    if trace:
+        settrace(on_call)
+
+    if style == "pytest-real":
+        import pytest
+
+        class Plugin:
+            def pytest_runtest_logreport(self, report):  # in trace mode, the cases count instead
+                if not trace and report.when == "call" and report.passed:
+                    counts["passed"] += 1
+                elif not trace and report.failed:
+                    counts["failed"] += 1
+
+            def pytest_collectreport(self, report):
+                if report.failed:
+                    counts["failed"] += 1
+
+            if trace:
+                @pytest.hookimpl(hookwrapper=True)
+                def pytest_runtest_call(self, item):
+                    state.update(test=item.name, lines=set(), call=None, returned=None)
+                    outcome = yield
+                    exc = outcome.excinfo[1] if outcome.excinfo else None
+                    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == test_path] \
+                        if exc else []
+                    case(frames[-1].lineno if frames else 0, exc is None, exc)
+
+        args = ["-q", "--tb=native", "-p", "no:cacheprovider"] + ([] if trace else ["-x"]) + ["test_solution.py"]
+        try:
+            pytest.main(args, plugins=[Plugin()])
+        except Stop:
+            pass
+        settrace(None)
+        finish()
+
+    if style == "script":  # the solution is module "solution"; the tests then run in its namespace
+        mod = types.ModuleType("solution")
+        mod.__file__ = sol_path
+        sys.modules["solution"] = mod
+        state["test"] = "check"
+        try:
+            exec(compile(open(sol_path, encoding="utf-8").read(), sol_path, "exec"), mod.__dict__)
+        except BaseException as e:
+            fail_test("collection", e)
+            settrace(None)
+            finish()
+        mod.__dict__.update(helpers)
+        run("check", lambda: exec(code, mod.__dict__))
+        settrace(None)
+        finish()
+
+    mod = types.ModuleType("test_solution")  # style "pytest": collect test_* functions and Test* classes
+    mod.__file__, sys.modules["test_solution"] = test_path, mod
+    mod.__dict__.update(helpers)
+    try:
+        exec(code, mod.__dict__)
+    except BaseException as e:
+        fail_test("collection", e)
+        settrace(None)
+        finish()
+    tests = []
+    for name, obj in list(vars(mod).items()):
+        if name.startswith("test") and isinstance(obj, types.FunctionType):
+            tests.append((name, obj))
+        elif name.startswith("Test") and isinstance(obj, type):
+            tests += [(f"{name}::{m}", lambda c=obj, m=m: getattr(c(), m)()) for m, f in vars(obj).items()
+                      if m.startswith("test") and callable(f)]
+    for name, fn in tests:
+        if not run(name, fn):
+            break
+    settrace(None)
+    finish()
+
+
+main()
 """
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)', re.M)
 _PYTEST_HOOKS = {"setup", "teardown", "setup_module", "teardown_module", "setup_function", "teardown_function",
@@ -834,23 +1292,60 @@ def _plain_tests(test: str) -> bool:
     return True
 
 
-def run_tests_sandboxed(solution: str, test: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> dict:
-    """Run pytest-style `test` (which imports from `solution`) against `solution` in the sandbox: plain test files with
-    the fast runner above, the rest with pytest (third-party plugins off). A hung test's stack is dumped at the limit.
-    Returns run_sandboxed's dict plus "passed" (every test ran and passed) and "output" (the test report)."""
+def _reopen(f, flags: int) -> int:
+    """A second descriptor on an open file, with other access rights (through /proc on Linux; else a duplicate)."""
+    try:
+        return os.open(f"/proc/self/fd/{f.fileno()}", flags | os.O_CLOEXEC)
+    except OSError:
+        return os.dup(f.fileno())
+
+
+def run_tests_sandboxed(solution: str, test, timeout_s: float = 10.0, memory_mb: int = 1024,
+                        trace: bool = False, max_cases: int = 500) -> dict:
+    """Run `test` against `solution` in the sandbox. `test` is a pytest-style file that imports from `solution`
+    (KodCode), or a benchmark test {"script": code run in the solution's namespace, "entry_point"?} (HumanEval, MBPP).
+    Returns run_sandboxed's dict plus "status" ("passed" | "failed" | "timeout" | "error": the tests themselves cannot
+    run), "passed", "counts" {"passed", "failed", "errors"} (None without a verdict), "problem_error", "output" (the test
+    report) and, with trace=True, "cases" (per test case: ok, covered solution lines, call, values; see above)."""
+    import secrets
     import sys
-    if _plain_tests(test):
-        command = [sys.executable, "-c", _TEST_RUNNER]
+    if isinstance(test, dict):
+        style, test_src = "script", test["script"]
     else:
-        command = [sys.executable, "-c", _DUMP_ON_SIGUSR1 + "import pytest, sys; sys.exit(pytest.main(sys.argv[1:]))",
-                   "-x", "-q", "--tb=native", "-p", "no:cacheprovider", "test_solution.py"]
-    result = run_sandboxed({"solution.py": solution, "test_solution.py": test}, command, timeout_s=timeout_s,
-                           memory_mb=memory_mb)
-    counts = dict((k.rstrip("s"), int(n)) for n, k in re.findall(r"(\d+) (passed|failed|errors?)\b",
-                                                                  result["stdout"][-300:]))
-    result["passed"] = (result["returncode"] == 0 and not result["timed_out"] and counts.get("passed", 0) > 0
-                        and not counts.get("failed") and not counts.get("error"))
-    result["output"] = _own_frames(result["stdout"] + "\n" + result["stderr"]).strip()
+        style, test_src = ("pytest" if _plain_tests(test) else "pytest-real"), test
+    nonce = secrets.token_hex(16)
+    with tempfile.TemporaryFile() as settings, tempfile.TemporaryFile() as verdict:  # unnamed files: no path to open
+        theirs = [_reopen(settings, os.O_RDONLY), _reopen(verdict, os.O_WRONLY | os.O_APPEND)]  # the runner's ends:
+        try:  # it can neither rewrite its settings nor read the nonce back from what it reported
+            settings.write(json.dumps({"nonce": nonce, "result_fd": theirs[1], "style": style, "trace": trace,
+                                       "test": test_src, "max_cases": max_cases,
+                                       "entry_point": test.get("entry_point") if isinstance(test, dict) else None}
+                                      ).encode())
+            settings.flush()
+            result = run_sandboxed({"solution.py": solution, "test_solution.py": test_src},
+                                   [sys.executable, "-c", _TEST_RUNNER, str(theirs[0])], timeout_s=timeout_s,
+                                   memory_mb=memory_mb, pass_fds=tuple(theirs))
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        verdict.seek(0)
+        events = []
+        for line in verdict.read().decode("utf-8", "replace").splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and event.get("nonce") == nonce:  # anything else was written by the code
+                events.append(event)
+    summary = next((e["summary"] for e in events if "summary" in e), None)
+    problem = next((e["problem_error"] for e in events if "problem_error" in e), None)
+    result["passed"] = bool(summary and summary["passed"] > 0 and not summary["failed"] and not summary["errors"])
+    result["status"] = ("error" if problem else "passed" if result["passed"] else
+                        "timeout" if result["timed_out"] else "failed")
+    result.update(counts=summary, problem_error=problem, output=_own_frames(result["stdout"] + "\n" +
+                                                                            result["stderr"]).strip())
+    if trace:
+        result["cases"] = [e["case"] for e in events if "case" in e]
     return result
 
 
@@ -868,16 +1363,152 @@ def _own_frames(report: str) -> str:
     return "\n".join(out)
 
 
-# The code task's programmatic critic (01 --annotator program, 03 --critic program): run the tests, name what failed
-# and quote the offending lines of the response.
+# ----------------------------------------------------------------------------------------------------------------------
+# Code task: benchmark layouts, completion post-processing and pass@k (01 annotates, 03 trains on, 04 evaluates them)
+# ----------------------------------------------------------------------------------------------------------------------
+# Every layout becomes {"id", "prompt", "test", "reference"}, where `test` is what run_tests_sandboxed runs:
+#   KodCode    question, solution, test: test = the pytest file, which imports from `solution` (the contract's layout).
+#              03's prompt files may say `prompt` instead of `question`.
+#   HumanEval  task_id, prompt, canonical_solution, test, entry_point: the completion continues the prompt, and the
+#              test's check(candidate) is called with the entry point, all in one namespace as the official harness
+#              does: test = {"prefix": prompt, "script": test + "check(<entry_point>)", "entry_point", "stop"}.
+#   MBPP       text or prompt, code, test_list, test_setup_code, test_imports: the completion is the whole program;
+#              test = {"prefix": "", "script": imports + setup + the asserts, "stop"}. A `text` (original MBPP) becomes
+#              the usual prompt: a docstring holding the description and the first test.
+#   EvalPlus   HumanEval+ / MBPP+ as published on the hub (evalplus/humanevalplus, evalplus/mbppplus): the same
+#              layouts, their extra tests inside `test`, which then runs instead of MBPP's test_list. The raw release
+#              files' base_input / plus_input / atol / contract fields are not read: their expected outputs come from
+#              running the canonical solution, which the hub files' test code already embeds.
+# The layout is told by its fields (entry_point: HumanEval; test_list: MBPP; else KodCode); every record must then
+# have that layout's fields, or DataError names the file, line and field.
+
+HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")  # the Codex paper's stop sequences
+MBPP_STOP = ("\nassert ", '\n"""', "\nprint(", "\nif __name__", "\n```")  # what follows a program in MBPP prompts
+_REFERENCE = {"kodcode": "solution", "humaneval": "canonical_solution", "mbpp": "code"}
 
 
-def extract_code(response: str) -> tuple[str, int]:
-    """(code, offset in `response`): the first fenced Python (or untagged) block, else the whole response."""
+def code_layout(rec: dict) -> str:
+    return "humaneval" if "entry_point" in rec else "mbpp" if "test_list" in rec else "kodcode"
+
+
+def code_problem(rec: dict, where: str, layout: str | None = None, need_reference: bool = False,
+                 prompt_field: str | None = None, test_field: str | None = None) -> dict:
+    """One benchmark record -> {"id"?, "prompt", "test", "reference"} (see above); DataError('where: ...') if a field
+    is missing or has the wrong type. need_reference: the reference solution must be there (01 critiques it)."""
+    layout = layout or code_layout(rec)
+
+    def get(name, kind=str, required=True):
+        if name not in rec or rec[name] is None:
+            if required:
+                raise DataError(f"{where}: missing field '{name}' ({layout} layout)")
+            return kind()
+        if not isinstance(rec[name], kind) or (kind is list and not all(isinstance(x, str) for x in rec[name])):
+            raise DataError(f"{where}: field '{name}' must be {'a list of strings' if kind is list else 'a string'}")
+        return rec[name]
+    ref = get(_REFERENCE[layout], required=need_reference) or None
+    if layout == "humaneval":
+        prompt, entry = get("prompt"), get("entry_point")
+        test = {"prefix": prompt, "script": f"{get('test')}\n\ncheck({entry})\n", "entry_point": entry,
+                "stop": list(HUMANEVAL_STOP)}
+    elif layout == "mbpp":
+        tests = get("test_list", list)
+        prompt = rec["prompt"] if isinstance(rec.get("prompt"), str) else \
+            f'"""\n{get("text")}\n{tests[0] if tests else ""}\n"""\n'
+        plus = get("test", required=False)  # MBPP+: the extra tests, as one script
+        script = "\n".join(get("test_imports", list, False) + [get("test_setup_code", required=False)] +
+                           ([plus] if plus.strip() else tests))
+        test = {"prefix": "", "script": script.strip() + "\n", "stop": list(MBPP_STOP)}
+    else:
+        name = prompt_field or ("question" if "question" in rec or "prompt" not in rec else "prompt")
+        prompt, test = get(name), get(test_field or "test")
+    out = {"prompt": prompt, "test": test, "reference": ref}
+    rid = rec.get("task_id", rec.get("question_id", rec.get("id")))
+    return {"id": str(rid), **out} if rid is not None else out
+
+
+def read_code_problems(data: str, split: str = "test", limit: int | None = None, **fields) -> list[dict]:
+    """Code problems from a .jsonl / .jsonl.gz / .json / .parquet file or a hub dataset id, in any layout above.
+    Records without an id get their index."""
+    path = Path(data)
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        rows = [(f"{path}:{n}", r) for n, r in iter_jsonl(path)]
+    else:
+        try:
+            from datasets import load_dataset
+            kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
+            ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
+        except Exception as e:  # noqa: BLE001 - offline, no such repo or split: one line, not a traceback
+            why = (str(e).strip().splitlines() or [""])[0]
+            raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {why})") from None
+        rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(ds)]
+    rows = rows[:limit] if limit is not None else rows
+    if not rows:
+        raise DataError(f"{data}: no records (empty split)")
+    layout, seen, problems = code_layout(rows[0][1]), set(), []
+    for i, (where, row) in enumerate(rows):
+        prob = code_problem(row, where, layout, **fields)
+        prob["id"] = prob.get("id", str(i))
+        if prob["id"] in seen:
+            raise DataError(f"{where}: duplicate id {prob['id']!r}")
+        seen.add(prob["id"])
+        problems.append(prob)
+    return problems
+
+
+def _fenced(response: str):
+    """(code, offset) of the first fenced Python (or untagged) block of `response`, or None."""
     for m in re.finditer(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", response, re.S):
         if m.group(1).lower() in ("", "python", "py", "python3"):
             return m.group(2), m.start(2)
-    return response, 0
+    return None
+
+
+def extract_code(response: str, test=None) -> tuple[str, int]:
+    """(code, offset in `response`) of a completion, post-processed the way the benchmarks' users expect: a chat
+    model's first fenced Python block; else, for a benchmark test with stop sequences (a base model continuing the
+    prompt), the text before the first stop sequence; else the whole response."""
+    fenced = _fenced(response)
+    if fenced:
+        return fenced
+    stops = test.get("stop", ()) if isinstance(test, dict) else ()
+    cut = min([i for i in (response.find(s) for s in stops) if i >= 0], default=len(response))
+    return response[:cut], 0
+
+
+def build_program(test, code: str) -> tuple[str, int]:
+    """(program, where `code` starts in it): the benchmark's prefix (HumanEval's prompt) followed by the code."""
+    prefix = test.get("prefix", "") if isinstance(test, dict) else ""
+    if prefix and not prefix.endswith("\n") and not code.startswith((" ", "\t", "\n")):
+        prefix += "\n"  # a complete function after the prompt; a continuation goes straight on, as the harness does
+    return prefix + code, len(prefix)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimator of Chen et al. (2021): 1 - C(n - c, k) / C(n, k), from n samples with c correct."""
+    if n - c < k:
+        return 1.0
+    prob_all_fail = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_fail *= 1.0 - k / i
+    return 1.0 - prob_all_fail
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The code task's programmatic critic (01 --annotator program, 03 --critic program): run the tests, name what failed
+# with its input, expected and actual value, and quote the lines that are most likely wrong
+# ----------------------------------------------------------------------------------------------------------------------
+# Where the bug is: a second, traced run makes every assert its own test case and records the solution lines each one
+# executes. Spectrum-based fault localisation ranks a line by Ochiai's suspiciousness, failed(line) /
+# sqrt(failed_total * executed(line)): a line run by every failing case and few passing ones is most suspicious.
+# Ties (straight-line code runs every line in every case) are broken by what the failure shows: the line that raised,
+# then lines that decide (a comparison, a condition) or produce the result (a return).
+
+
+def run_completion(response: str, test, timeout_s: float = 10.0, trace: bool = False) -> dict:
+    """A model's raw completion against a problem's tests, post-processed (extract_code) and joined to the benchmark's
+    prefix (build_program): what 04 scores and the critic judges. run_tests_sandboxed's dict plus "program"."""
+    program = build_program(test, extract_code(response, test)[0])[0]
+    return {**run_tests_sandboxed(program, test, timeout_s=timeout_s, trace=trace), "program": program}
 
 
 def _test_failure(output: str) -> dict:
@@ -912,16 +1543,21 @@ def _line_ranges(node) -> list[tuple[int, int]]:
     return sorted(returns) or [(node.body[-1].lineno, node.body[-1].end_lineno)]
 
 
-def _quote_lines(response: str, code: str, offset: int, good: list, poor: list) -> tuple[list[str], list[str]]:
-    """Exact, unambiguous quotes of `response` for (first, last) line ranges of `code`; poor wins over good, 3 each."""
-    units, pos = {}, offset  # line number -> (text, start, end) of its stripped content in `response`
-    for i, line in enumerate(code.splitlines(keepends=True), 1):
-        body = line.rstrip("\r\n")
+def _response_lines(program: str, start: int, offset: int) -> dict[int, tuple[str, int, int]]:
+    """Program line -> (stripped text, start, end) in the response, for the lines the response wrote (not the prefix)."""
+    units, pos = {}, 0
+    for i, line in enumerate(program.splitlines(keepends=True), 1):
+        a, b = max(pos, start), pos + len(line.rstrip("\r\n"))
+        body = program[a:b] if b > a else ""
         if body.strip():
-            start = pos + len(body) - len(body.lstrip())
-            units[i] = (body.strip(), start, start + len(body.strip()))
+            lead = len(body) - len(body.lstrip())
+            units[i] = (body.strip(), offset + a - start + lead, offset + a - start + lead + len(body.strip()))
         pos += len(line)
+    return units
 
+
+def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[list[str], list[str]]:
+    """Exact, unambiguous quotes of `response` for (first, last) program line ranges; poor wins over good, 3 each."""
     def intervals(ranges):
         out = []
         for a, b in ranges:
@@ -931,28 +1567,71 @@ def _quote_lines(response: str, code: str, offset: int, good: list, poor: list) 
         return out
     poor_iv = intervals(poor)[:3]
     good_iv = [iv for iv in intervals(good) if not any(a < iv[1] and iv[0] < b for a, b in poor_iv)][:3]
-    return _unambiguous_quotes(response, good_iv, poor_iv, list(units.values()))
+    return _unambiguous_quotes(response, good_iv, poor_iv, sorted(units.values(), key=lambda u: u[1]))
 
 
-def code_critic(prompt: str, response: str, test: str, timeout_s: float = 10.0) -> dict:
-    """The code task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`.
+def _suspicious_lines(cases: list[dict], tree, quotable, limit: int = 2) -> list[int]:
+    """Up to `limit` quotable lines that are most suspicious by Ochiai over the test cases' line coverage, raising a
+    failing case's exception counting as extra evidence; ties go to deciding or result-producing lines, then the first.
+    Only the top group is returned: a line ranked below it would more likely be a correct line blamed."""
+    import math
+    failing = [c for c in cases if not c["ok"]]
+    ef, ep = {}, {}
+    for c in cases:
+        for line in c["covered"]:
+            (ep if c["ok"] else ef)[line] = (ep if c["ok"] else ef).get(line, 0) + 1
+    raised = {c["where"][-1] for c in failing if c.get("where")}
+    rank = {n: (round(ef[n] / math.sqrt(len(failing) * (ef[n] + ep.get(n, 0))), 9), n in raised)
+            for n in ef if n in quotable}
+    deciding = {node.lineno for node in ast.walk(tree)
+                if isinstance(node, (ast.If, ast.While, ast.Return, ast.Compare, ast.IfExp, ast.Assert))}
+    top = max(rank.values(), default=None)
+    return sorted((n for n in rank if rank[n] == top), key=lambda n: (n not in deciding, n))[:limit]
 
-    Runs `test` against the code in `response` in the sandbox. The critique names the failing test and its assertion,
-    exception or stuck line; poor spans quote the offending lines (the raising line, the loop that never ends, or the
-    result lines of a function whose result is wrong); when every test passes, good spans quote the tested functions'
-    result lines. `prompt` is unused: the tests are the specification.
+
+def _case_story(case: dict, show) -> str:
+    """What went wrong in one failing test case: the input, what came back and what was expected (or what raised)."""
+    call = f"`{case['call']}`" if case.get("call") else "the code"
+    if case.get("error"):
+        return f"{call} raises {case['error']}" + (f" at {show(case['where'][-1])}" if case.get("where") else "")
+    if "expected" in case:
+        story = f"it gives assert {case['actual']} {case['op']} {case['expected']}"
+        if case.get("call") and case["op"] == "==" and case.get("returned") == case["actual"]:
+            return story + f": {call} returns {case['returned']}, expected {case['expected']}"
+        return story + (f" ({call} returns {case['returned']})" if case.get("returned") else "")
+    return f"{call} returns {case['returned']}" if case.get("returned") else "the assert does not hold"
+
+
+def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> dict:
+    """The code task's programmatic critic: {"critique", "good_spans", "poor_spans", "passed", "status"}, quotes exact
+    in `response`; "error" too when the tests themselves cannot run (then no spans: nothing to blame the code for).
+
+    Runs `test` (a KodCode pytest file or a benchmark test, see code_problem) against the completion in the sandbox.
+    When tests fail, a traced run localises the fault (above): the critique names the failing assert, its input, the
+    expected and the actual value (or the exception) and how many test cases fail; poor spans quote the most suspicious
+    lines, or the line a hung test is stuck on, or the line that does not compile. When every test passes, good spans
+    quote the tested functions' result lines. `prompt` is unused: the tests are the specification.
     """
-    code, offset = extract_code(response)
+    code, offset = extract_code(response, test)
     if not code.strip():
-        return {"critique": "The response contains no code to test.", "good_spans": [], "poor_spans": []}
-    src = code.splitlines()
-    show = lambda n: f"line {n} `{src[n - 1].strip()}`" if 0 < n <= len(src) else f"line {n}"  # noqa: E731
+        return {"critique": "The response contains no code to test.", "good_spans": [], "poor_spans": [],
+                "passed": False, "status": "failed"}
+    program, start = build_program(test, code)
+    units = _response_lines(program, start, offset)
+    src, test_src = program.splitlines(), test["script"] if isinstance(test, dict) else test
+    line0 = program[:start].count("\n") + 1  # of the response's code; lines before it are the benchmark's prompt
+
+    def show(n: int) -> str:
+        text = f" `{src[n - 1].strip()}`" if 0 < n <= len(src) else ""
+        return f"line {n - line0 + 1}{text}" if n >= line0 else f"the prompt's{text}"
+
+    verdict = lambda critique, good=(), poor=(), status="failed": {  # noqa: E731
+        "critique": critique, **dict(zip(("good_spans", "poor_spans"), _quote_lines(response, units, good, poor))),
+        "passed": status == "passed", "status": status}
     try:
-        tree = ast.parse(code)
+        tree = ast.parse(program)
     except SyntaxError as e:
-        good, poor = _quote_lines(response, code, offset, [], [(e.lineno or 1,) * 2])
-        return {"critique": f"The code does not compile: {e.msg} at {show(e.lineno or 1)}.",
-                "good_spans": good, "poor_spans": poor}
+        return verdict(f"The code does not compile: {e.msg} at {show(e.lineno or 1)}.", poor=[(e.lineno or 1,) * 2])
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.AsyncFor))]
 
@@ -963,48 +1642,52 @@ def code_critic(prompt: str, response: str, test: str, timeout_s: float = 10.0) 
         around = [n for n in loops if n.lineno <= line <= n.end_lineno]
         return [(max(around, key=lambda n: n.lineno).lineno,) * 2] if around else []
 
-    result = run_tests_sandboxed(code, test, timeout_s=timeout_s)
-    fail = _test_failure(result["output"])
-    where = [n for f, n, _ in fail["frames"] if f == "solution.py"]  # solution lines on the stack, innermost last
-    test_line = next((test.splitlines()[n - 1].strip() for f, n, _ in fail["frames"][::-1]
-                      if f == "test_solution.py" and 0 < n <= len(test.splitlines())), "")
-    name = f"`{fail['test']}`" if fail["test"] and fail["test"] != "collection" else "Importing the code"
-    good, poor = [], []
+    result = run_completion(response, test, timeout_s)
+    if result["status"] == "error":
+        return {**verdict(f"The tests cannot run: {result['problem_error']}."), "status": "error",
+                "error": result["problem_error"]}
     if result["passed"]:
-        tested = called(test) or list(defs)[:3]
-        n_passed = re.findall(r"(\d+) passed", result["stdout"])[-1:]
-        critique = f"All {n_passed[0] + ' ' if n_passed else ''}unit tests pass" + (
+        tested = ([test["entry_point"]] if isinstance(test, dict) and test.get("entry_point") in defs else
+                  called(test_src)) or list(defs)[:3]
+        n = result["counts"]["passed"] if not isinstance(test, dict) else None
+        critique = f"All {f'{n} ' if n else ''}unit tests pass" + (
             f": {', '.join(f'`{t}`' for t in tested[:3])} return{'s' * (len(tested) == 1)} the expected results."
             if tested else ".")
-        good = [r for t in tested[:3] for r in _line_ranges(defs[t])]
-    elif result["timed_out"]:
+        return verdict(critique, good=[r for t in tested[:3] for r in _line_ranges(defs[t])], status="passed")
+    fail = _test_failure(result["output"])
+    where = [n for f, n, _ in fail["frames"] if f == "solution.py"]  # solution lines on the stack, innermost last
+    name = f"`{fail['test']}`" if fail["test"] and fail["test"] != "collection" else "Importing the code"
+    if result["timed_out"]:
         critique = f"The tests did not finish within {timeout_s:g} s" + (
             f": {name} never gets past {show(where[-1])}, an endless or far too slow loop." if where else ".")
-        poor = (loop_of(where[-1]) + [(where[-1],) * 2]) if where else []
-    elif "MemoryError" in fail["error"] or "MemoryError" in result["output"][-500:]:
+        return verdict(critique, poor=(loop_of(where[-1]) + [(where[-1],) * 2]) if where else [], status="timeout")
+    if "MemoryError" in fail["error"] or "MemoryError" in result["output"][-500:]:
         critique = f"{name} runs out of memory" + (f" at {show(where[-1])}" if where else "") + \
             ": the code allocates without bound."
-        poor = (loop_of(where[-1]) + [(where[-1],) * 2]) if where else []
-    elif where:
-        critique = f"{name} fails: the code raises {fail['error'] or 'an error'} at {show(where[-1])}."
-        poor = [(where[-1],) * 2]
-    elif fail["error"]:
-        funcs = called(test_line)
-        critique = f"{name} fails: `{test_line}` gives {fail['error']}" if test_line else \
-            f"{name} fails with {fail['error']}"
-        if fail["error"].startswith("AssertionError") and funcs:
-            critique += f", so `{funcs[0]}` returns a wrong result"
-            poor = _line_ranges(defs[funcs[0]])
-        elif fail["error"].startswith("TypeError") and funcs:
-            critique += f": the signature of `{funcs[0]}` does not match the tests"
-            poor = [(defs[funcs[0]].lineno,) * 2]
-        critique += "."
-    else:
-        tail = result["output"].strip().splitlines()[-1:]
-        critique = f"The tests did not run to completion (exit code {result['returncode']})" + (
-            f": {tail[0][:200]}" if tail else ": the code ends the process before any test reports.")
-    good, poor = _quote_lines(response, code, offset, good, poor)
-    return {"critique": critique, "good_spans": good, "poor_spans": poor}
+        return verdict(critique, poor=(loop_of(where[-1]) + [(where[-1],) * 2]) if where else [])
+    cases = run_completion(response, test, timeout_s, trace=True).get("cases", [])
+    failing = [c for c in cases if not c["ok"]]
+    if failing:  # the traced run: every assert a case, the fault localised over their coverage
+        first, tests = failing[0], test_src.splitlines()
+        at = f" at `{tests[first['line'] - 1].strip()}`" if 0 < first["line"] <= len(tests) else ""
+        count = f" {len(failing)} of {len(cases)} test cases fail." if len(cases) > 1 else ""
+        poor = _suspicious_lines(cases, tree, units)
+        if not poor and first.get("error", "").startswith("TypeError") and first.get("call") is None:
+            entry = [test["entry_point"]] if isinstance(test, dict) and test.get("entry_point") in defs else []
+            funcs = entry + called(tests[first["line"] - 1] if 0 < first["line"] <= len(tests) else "")
+            poor = [defs[funcs[0]].lineno] if funcs else []  # the call never entered the function: its signature
+        blame = f" The most suspicious line is {show(poor[0])}." if poor else ""
+        return verdict(f"`{first['test']}` fails{at}: {_case_story(first, show)}.{count}{blame}",
+                       poor=[(n, n) for n in poor])
+    if where:  # no traced case (e.g. the import itself fails): fall back on the report's traceback
+        return verdict(f"{name} fails: the code raises {fail['error'] or 'an error'} at {show(where[-1])}.",
+                       poor=[(where[-1],) * 2])
+    tail = result["output"].strip().splitlines()[-1:]
+    critique = (f"{name} fails with {fail['error']}." if fail["error"] else
+                f"The tests did not run to completion: the process ended (exit code {result['returncode']}) before "
+                "the test runner reported" + (f"; its last output: {tail[0][:200]}" if tail else "."))
+    return verdict(critique)
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # The embedded demo task: summarise a short synthetic post; a rule-based critic writes critique + spans

@@ -54,6 +54,14 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def write_jsonl_gz(path, rows: list[dict]) -> str:
+    """A .jsonl.gz file, as benchmarks ship them (HumanEval.jsonl.gz)."""
+    import gzip
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
 def import_script(name: str):
     """Import a stage script such as '03_train_policy' (importing must have no side effects)."""
     return importlib.import_module(name)

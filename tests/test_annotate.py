@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
-from conftest import ROOT, import_script
+from conftest import ROOT, import_script, write_jsonl_gz
 
 annotate = import_script("01_annotate")
 SCRIPT = str(ROOT / "01_annotate.py")
@@ -360,3 +360,27 @@ def test_generate_with_a_policy(tmp_path, tiny_model_dir):
     recs = lines(tmp_path / "a.jsonl")
     assert [r["id"] for r in recs] == [r["id"] for r in rows] and all(r["status"] == "ok" for r in recs)
     assert all(isinstance(r["response"], str) and r["response"] for r in recs)
+
+
+def test_program_critic_on_humaneval_and_mbpp_layouts(tmp_path):
+    he = [{"task_id": "HumanEval/0", "prompt": "def double(x):\n    \"\"\"Twice x.\"\"\"\n", "entry_point": "double",
+           "canonical_solution": "    return 2 * x\n", "test": "def check(candidate):\n    assert candidate(3) == 6\n"},
+          {"task_id": "HumanEval/1", "prompt": "def one():\n", "entry_point": "one", "canonical_solution": "    return 2\n",
+           "test": "def check(candidate):\n    assert candidate() == 1\n"},
+          {"task_id": "HumanEval/2", "prompt": "def two():\n", "entry_point": "two", "canonical_solution": "    return 2\n",
+           "test": "import no_such_module_t2g\ndef check(candidate):\n    assert candidate() == 2\n"}]
+    annotate.main(["--task", "code", "--dataset", write_jsonl_gz(tmp_path / "he.jsonl.gz", he), "--output",
+                   str(tmp_path / "a.jsonl")])
+    recs = {r["id"]: r for r in lines(tmp_path / "a.jsonl")}
+    assert recs["HumanEval/0"]["status"] == "ok" and recs["HumanEval/0"]["good_spans"] == ["return 2 * x"]
+    assert recs["HumanEval/0"]["response"] == he[0]["canonical_solution"] and recs["HumanEval/0"]["prompt"] == \
+        he[0]["prompt"]
+    assert recs["HumanEval/1"]["poor_spans"] == ["return 2"] and "`one()` returns 2, expected 1" in \
+        recs["HumanEval/1"]["critique"]
+    assert recs["HumanEval/2"]["status"] == "failed" and "no_such_module_t2g" in recs["HumanEval/2"]["reason"]
+
+    mbpp = write_jsonl(tmp_path / "mbpp.jsonl", [
+        {"task_id": 2, "text": "Add one.", "code": "def inc(x):\n    return x + 2\n", "test_setup_code": "",
+         "test_list": ["assert inc(1) == 2", "assert inc(0) == 1"]}, {"task_id": 3, "text": "Add one."}])
+    with pytest.raises(common.DataError, match=r"mbpp\.jsonl:2: missing field 'code'"):
+        annotate.main(["--task", "code", "--dataset", mbpp, "--output", str(tmp_path / "b.jsonl")])

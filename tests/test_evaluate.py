@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import import_script
+from conftest import import_script, write_jsonl_gz
 
 import common
 
@@ -73,16 +73,27 @@ def test_bertscore_with_a_local_model(tmp_path):
         ev.bertscore_f1(HYPS, REFS, str(tmp_path / "nope"), None, "cpu")
 
 
-def test_pass_at_1_correct_wrong_and_infinite_loop():
+def test_code_runs_correct_wrong_and_infinite_loop():
     test = "from solution import add\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert add(-1, 1) == 0\n"
     fenced = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
     items = [{"id": "correct", "test": test, "response": fenced},
              {"id": "wrong", "test": test, "response": "def add(a, b):\n    return a - b\n"},
              {"id": "loop", "test": test, "response": "def add(a, b):\n    while True:\n        pass\n"}]
-    res = {r["id"]: r for r in ev.pass_at_1(items, timeout_s=8, workers=3)}  # pytest alone takes ~1-3 s here
+    res = {r["id"]: r for r in ev.run_tests(items, timeout_s=8, workers=3)}  # pytest alone takes ~1-3 s here
     assert [res[k]["passed"] for k in ("correct", "wrong", "loop")] == [True, False, False], res
-    assert [res[k]["timed_out"] for k in ("correct", "wrong", "loop")] == [False, False, True]
-    assert ev.bootstrap([(float(r["passed"]), 1) for r in res.values()], n_boot=50)["value"] == pytest.approx(1 / 3)
+    assert [res[k]["status"] for k in ("correct", "wrong", "loop")] == ["passed", "failed", "timeout"]
+    assert res["correct"]["raw"] == fenced and res["correct"]["program"] == "def add(a, b):\n    return a + b\n"
+
+
+def test_pass_at_k_per_problem_over_its_samples_without_broken_problems():
+    records = [{"id": f"{p}#{j}", "problem": p} for p in ("a", "b", "c") for j in range(10)]
+    runs = [{"passed": p == "a" or (p == "b" and j < 3), "status": "error" if p == "c" else "x"}
+            for p in ("a", "b", "c") for j in range(10)]
+    rows, broken = ev.pass_at_k(runs, records)
+    assert broken == ["c"] and set(rows) == {"pass@1", "pass@10"}
+    assert rows["pass@1"] == [(1.0, 1), (pytest.approx(0.3), 1)] and rows["pass@10"] == [(1.0, 1), (1.0, 1)]
+    assert ev.bootstrap(rows["pass@1"], n_boot=50)["value"] == pytest.approx(0.65)  # the mean over problems
+    assert set(ev.pass_at_k(runs[:2] + runs[10:12], records[:2] + records[10:12])[0]) == {"pass@1"}  # n = 2 < 10
 
 
 def test_feedback_stats_on_policy_tokens(tiny_tokenizer):
@@ -354,3 +365,23 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
     Path(adapter_dir, "adapter_model.safetensors").touch()  # the policy changed: its cache must be dropped
     with pytest.raises(AssertionError, match="must not generate"):
         ev.main(argv)
+
+
+def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
+    problems = [{"task_id": f"T/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n", "entry_point": f"f{i}",
+                 "canonical_solution": "    return x\n", "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
+                for i in range(2)]
+    data = write_jsonl_gz(tmp_path / "he.jsonl.gz", problems)
+    argv = ["--task", "code", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
+            "--num-samples", "3", "--temperature", "1.0", "--max-new-tokens", "4", "--bootstrap", "50",
+            "--output-dir", str(tmp_path / "out"), "--device", "cpu", "--test-workers", "2"]
+    results = ev.main(argv)
+    assert results["n_prompts"] == 2 and results["generation"]["num_samples"] == 3
+    metrics = results["policies"]["base"]["metrics"]
+    assert metrics["pass@1"]["n"] == 2 and "pass@10" not in metrics  # per problem; n = 3 < 10
+    runs = common.read_jsonl(tmp_path / "out/eval/base.tests.jsonl")
+    assert [r["id"] for r in runs] == [f"T/{i}#{j}" for i in range(2) for j in range(3)]
+    for r in runs:  # the raw completion next to the program that ran: the prompt, then the cut completion
+        assert r["program"].startswith(problems[int(r["id"][2])]["prompt"]) and isinstance(r["raw"], str)
+    with pytest.raises(SystemExit):
+        ev.parse_args(["--task", "code", "--num-samples", "2"])  # greedy samples would all be the same

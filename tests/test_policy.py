@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, import_script
+from conftest import ROOT, import_script, write_jsonl_gz
 
 ppo = import_script("03_train_policy")
 
@@ -187,6 +187,18 @@ def test_smoke_program_critic_span_and_scalar(tmp_path, tiny_model_dir):
     scalar = _args(tmp_path, tiny_model_dir, "--reward-mode", "scalar", "--output-dir", str(tmp_path / "scalar"))
     ppo.train(scalar)
     assert [r["step"] for r in _rows(tmp_path / "scalar")] == [1, 2]
+
+
+def test_smoke_code_task_on_a_humaneval_file(tmp_path, tiny_model_dir):
+    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "entry_point": f"f{i}",
+             "canonical_solution": "    return x\n", "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
+            for i in range(4)]
+    args = _args(tmp_path, tiny_model_dir, "--task", "code", "--prompts", write_jsonl_gz(tmp_path / "he.jsonl.gz", rows),
+                 "--steps", "1")
+    ppo.train(args)
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["prompt"].startswith("def f") and s["critique"] for s in samples)
 
 
 def test_smoke_local_critic_counts_unparseable_output(tmp_path, tiny_model_dir):

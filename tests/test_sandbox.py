@@ -43,7 +43,7 @@ def test_critic_names_the_failing_assertion_and_quotes_the_wrong_line():
     fb = critic(code)
     assert "`test_big`" in fb["critique"] and "assert add(20, 22) == 42" in fb["critique"]
     assert "assert -2 == 42" in fb["critique"]  # the runner explains the comparison, like pytest's rewriting
-    assert fb["poor_spans"] == ["return a - b", "return a + b"] and fb["good_spans"] == []
+    assert fb["poor_spans"] == ["return a - b"] and fb["good_spans"] == []  # only test_big runs it: Ochiai 1.0
 
 
 def test_critic_names_the_raising_line():
@@ -198,23 +198,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("loop", [False, True])
-def test_the_process_group_dies_on_timeout_and_at_the_end(loop):
-    code = ("import subprocess, sys\n"
-            "child = subprocess.Popen(['sleep', '60'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
-            "print(child.pid, flush=True)\n" + ("while True:\n    pass\n" if loop else ""))
-    result = python(code, timeout_s=2.0)
-    assert result["timed_out"] is loop
-    pid = int(result["stdout"].split()[0])
-    deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not _alive(pid)
-
-
 def test_output_is_truncated_and_paths_are_relative():
     result = python("import os\nprint('x' * 100000)\nprint(os.getcwd())\n", max_output_chars=500)
-    assert len(result["stdout"]) == 500
+    assert len(result["stdout"]) < 600 and "t2g-sandbox-" in result["stdout"][-100:]  # head and tail kept
     result = python("raise ValueError('boom')\n")
     assert 'File "main.py", line 1' in result["stderr"] and "t2g-sandbox-" not in result["stderr"]
 
@@ -237,3 +223,201 @@ def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
     assert result["returncode"] == 0 and result["stdout"].startswith("None")
     assert not any(layer.startswith("landlock") for layer in result["sandbox"])
     assert big["returncode"] != 0 and "MemoryError" in big["stderr"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gaps closed by issue 14: escaping processes, fork bombs, non-TCP network, forged verdicts, long output
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _procs_with(marker: str) -> list[int]:
+    """Live host pids whose command line holds `marker` (works whatever PID namespace they run in)."""
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read() and _alive(int(d)):
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def _wait_gone(marker: str, seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := _procs_with(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+@pytest.fixture(params=["namespaces", "fallback"])
+def layers(request, monkeypatch):
+    """Each hostile test runs twice: with this machine's namespaces, and with the fallbacks used where there are none
+    (a subreaper that kills all descendants, a seccomp filter on sockets)."""
+    if request.param == "namespaces" and not common.sandbox_namespaces():
+        pytest.skip("this machine allows no PID/network namespaces")
+    if request.param == "fallback":
+        monkeypatch.setattr(common, "_NAMESPACES", 0)
+    return request.param
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc scan")
+@pytest.mark.parametrize("loop", [False, True])
+def test_setsid_and_double_fork_survivors_are_killed(loop, layers):
+    marker = "t2g-escapee-" + os.urandom(6).hex()
+    code = ("import os, subprocess, sys, time\n"
+            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"  # in the group
+            "if os.fork() == 0:\n"  # double fork + setsid: the grandchild leaves the session and process group
+            "    os.setsid()\n"
+            "    if os.fork() == 0:\n"
+            f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+            "    os._exit(0)\n"
+            "time.sleep(0.5)\n"
+            "print('forked', flush=True)\n" + ("while True:\n    pass\n" if loop else ""))
+    try:
+        result = python(code, timeout_s=4.0)
+        assert _wait_gone(marker) == []
+        assert "forked" in result["stdout"] and result["timed_out"] is loop
+        assert ("pid-namespace" if layers == "namespaces" else "subreaper") in result["sandbox"]
+    finally:
+        for pid in _procs_with(marker):  # never leave a stray process behind, even when the test fails
+            os.kill(pid, 9)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process limits")
+def test_fork_bomb_is_bounded():
+    # A bounded bomb: it stops by itself at 300 processes, so on an unprotected sandbox the test fails, not the machine.
+    marker = "t2g-bomb-" + os.urandom(6).hex()
+    code = ("import os, sys, time\n"
+            "n = 0\n"
+            "for _ in range(300):\n"
+            "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+            f"    if pid == 0:\n        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+            "    n += 1\n"
+            "print('forked', n, flush=True)\n")
+    try:
+        result = python(code, timeout_s=60.0)
+        forked = int(result["stdout"].split()[1])
+        assert forked <= common.SANDBOX_MAX_PROCESSES, result
+        assert any(layer.startswith("pids") or layer == "nproc-rlimit" for layer in result["sandbox"])
+        assert _wait_gone(marker) == []
+    finally:
+        for pid in _procs_with(marker):
+            os.kill(pid, 9)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="namespaces and seccomp are Linux's")
+def test_udp_and_other_non_tcp_sockets_cannot_reach_out(layers):
+    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    server.bind(("127.0.0.1", 0))
+    server.settimeout(1.5)
+    port = server.getsockname()[1]
+    code = ("import socket\n"
+            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"try:\n    s.sendto(b'leak', ('127.0.0.1', {port}))\n    print('SENT')\n"
+            "except OSError as e:\n    print('refused', e)\n")
+    try:
+        result = python(code)
+        try:
+            got = server.recv(100)
+        except socket.timeout:
+            got = b""
+    finally:
+        server.close()
+    assert got == b"" and "SENT" not in result["stdout"], result
+    assert ("no-network" if layers == "namespaces" else "seccomp-no-network") in result["sandbox"]
+
+
+FORGED = ("import os, sys\n"
+          "print('1 passed in 0.01s')\n"
+          "print('===== 3 passed in 0.05s =====')\n"
+          "for fd in range(3, 64):\n"  # try every descriptor the runner might report through
+          "    try:\n        os.write(fd, b'1 passed in 0.01s\\n{\"passed\": true, \"failed\": 0, \"errors\": 0}\\n')\n"
+          "    except OSError:\n        pass\n"
+          "sys.stdout.flush()\n"
+          "os._exit(0)\n")
+
+
+@pytest.mark.parametrize("test", [TESTS, "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1])\n"
+                                         "def test_one(a):\n    assert add(a, a) == 2 * a\n"])
+def test_code_cannot_forge_a_pass(test):
+    result = common.run_tests_sandboxed(FORGED, test)
+    assert not result["passed"], result
+    fb = common.code_critic("Write add(a, b).", FORGED, test)
+    assert fb["good_spans"] == [] and not fb["critique"].startswith("All")
+
+
+def test_a_correct_solution_that_prints_a_lot_still_passes():
+    result = common.run_tests_sandboxed("print('x' * 20000)\ndef add(a, b):\n    return a + b\n", TESTS)
+    assert result["passed"], result["output"][-500:]
+    long = python("print('head')\nprint('x' * 50000)\nprint('tail')\n", max_output_chars=1000)
+    assert long["stdout"].startswith("head") and long["stdout"].rstrip().endswith("tail")
+    assert len(long["stdout"]) <= 1100 and "bytes cut" in long["stdout"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The critic on benchmark-style tests: calls through an alias (HumanEval's candidate), the prompt as prefix
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_critic_blames_the_buggy_line_when_the_tests_call_an_alias():
+    test = ("from solution import count_positive as candidate\n\n"
+            "def test_cases():\n    assert candidate([1, -2, 3]) == 2\n    assert candidate([-1]) == 0\n"
+            "    assert candidate([]) == 0\n    assert candidate([0, 6]) == 1\n")
+    code = ("def count_positive(xs):\n    n = 0\n    for x in xs:\n        if x > 0:\n            n += 1\n"
+            "        elif x == 0:\n            n = n + 1\n    return n\n")
+    fb = critic(code, test)
+    assert fb["poor_spans"] == ["n = n + 1"]  # the old critic gave none: `candidate` is no name of the code
+    assert "`count_positive([0, 6])` returns 2, expected 1" in fb["critique"]
+
+
+def test_critic_on_a_humaneval_problem_names_input_expected_and_actual():
+    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
+    test = common.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
+                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+                                        "    assert candidate(0, 0) == 0\n    assert candidate(5, 1) == 6\n"}, "t")["test"]
+    completion = "    if a > 3:\n        return a * b\n    return a + b\n"
+    fb = common.code_critic(prompt, completion, test)
+    assert fb["poor_spans"] == ["return a * b"] and not fb["passed"]
+    assert "`add(5, 1)` returns 5, expected 6" in fb["critique"] and "1 of 3 test cases fail" in fb["critique"]
+    assert "line 2 `return a * b`" in fb["critique"]  # lines count from the completion, not the prompt
+    good = common.code_critic(prompt, "    return a + b\n", test)
+    assert good["passed"] and good["good_spans"] == ["return a + b"] and good["poor_spans"] == []
+    chat = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\n"  # a chat model's whole function, fenced
+    assert common.code_critic(prompt, chat, test)["passed"]
+
+
+def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
+    missing = "import no_such_module_t2g\nfrom solution import add\n\ndef test_a():\n    assert add(1, 2) == 3\n"
+    result = common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", missing)
+    assert result["status"] == "error" and "no_such_module_t2g" in result["problem_error"] and not result["passed"]
+    broken = {"script": "def check(candidate)\n    pass\n"}
+    assert common.run_tests_sandboxed("x = 1\n", broken)["status"] == "error"
+    fb = common.code_critic("", "def add(a, b):\n    return a + b\n", missing)
+    assert fb["status"] == "error" and fb["poor_spans"] == [] and fb["good_spans"] == [] and "cannot run" in \
+        fb["critique"]
+    # the solution's own missing import is the solution's failure, as in the official harnesses
+    assert common.run_tests_sandboxed("import no_such_module_t2g\n", TESTS)["status"] == "failed"
+
+
+def test_code_cannot_read_the_nonce_back_from_the_verdict_channel():
+    # a thread that polls every descriptor for the runner's nonce and, once seen, writes a passing summary with it
+    spy = ("import os, re, threading, time\n"
+           "def spy():\n"
+           "    for _ in range(2000):\n"
+           "        for fd in range(3, 32):\n"
+           "            try:\n"
+           "                os.lseek(fd, 0, 0)\n"
+           "                m = re.search(rb'\"nonce\": \"(\\w+)\"', os.read(fd, 1 << 16))\n"
+           "            except OSError:\n"
+           "                continue\n"
+           "            if m:\n"
+           "                line = b'{\"nonce\": \"' + m.group(1) + b'\", \"summary\": {\"passed\": 9, \"failed\": 0, '\n"
+           "                os.write(fd, line + b'\"errors\": 0}}\\n')\n"
+           "                return\n"
+           "        time.sleep(0.001)\n"
+           "threading.Thread(target=spy, daemon=True).start()\n"
+           "def add(a, b):\n    time.sleep(0.2)\n    return a - b\n")
+    result = common.run_tests_sandboxed(spy, TESTS, trace=True)  # trace mode writes cases while the code runs
+    assert result["counts"] == {"passed": 0, "failed": 2, "errors": 0}, result["counts"]
