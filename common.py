@@ -388,8 +388,8 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
 # Reward-model format, shared by training (02) and inference (03, 04) so the two can never drift apart
 # ----------------------------------------------------------------------------------------------------------------------
 
-RM_INSTRUCTION = ("Critique the response to the prompt. First write the critique, then a JSON object with the "
-                  "response's good_spans and poor_spans, each quoted exactly from the response.")
+RM_INSTRUCTION = ("Critique the response, then give its good_spans and poor_spans as JSON, each quoted exactly from "
+                  "the response.")
 
 
 def rm_user_message(prompt: str, response: str) -> str:
@@ -1837,11 +1837,12 @@ def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
     return {"prompt": prompt, "reference": reference, "response": " " + " ".join(words) + "."}
 
 
-def demo_dataset(split: str, n: int) -> list[dict]:
-    """`n` deterministic demo records of a named split ("pretrain", "annotate", "sft", "train", "eval")."""
+def demo_dataset(split: str, n: int, mistake_rate: float = 0.55) -> list[dict]:
+    """`n` deterministic demo records of a named split ("pretrain", "annotate", "sft", "train", "eval"); a share
+    `mistake_rate` of their responses has 1-2 mistakes."""
     import random
     rng = random.Random(f"text2grad-demo-{split}")
-    return [{"id": f"demo-{split}-{i}", **make_demo_example(rng)} for i in range(n)]
+    return [{"id": f"demo-{split}-{i}", **make_demo_example(rng, mistake_rate)} for i in range(n)]
 
 
 def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, seed: int = 0) -> str:

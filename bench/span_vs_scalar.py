@@ -1,13 +1,17 @@
 """Does span-level credit learn faster than the same information as one scalar? (paper Sec. 3.6, App. A)
 
     python bench/span_vs_scalar.py                    # 3 seeds x 2 modes x 150 iterations, ~25 min on 2 CPU cores
+    python bench/span_vs_scalar.py --critic local     # the paper's setting: the stage-2 reward model is the critic
     python bench/span_vs_scalar.py --seeds 1 --steps 30 --out bench/out/smoke   # a quick look
 
-Both modes start from the same SFT checkpoint of the demo task and use its programmatic critic, the same seeds and the
-same hyperparameters; only --reward-mode differs (span: delta_t on every token; scalar: sum of delta on the last token).
+Both modes start from the same SFT checkpoint of the demo task, the same critic, the same seeds and the same
+hyperparameters; only --reward-mode differs (span: delta_t on every token; scalar: sum of delta on the last token).
+The critic: --critic program, the demo's exact programmatic critic; --critic local, the reward model that
+01_annotate.py + 02_train_reward.py train at their zero-flag settings (built once in --out), the setting the paper uses.
 
-Measure: the mistake rate, the share of rollouts (sampled at temperature 1, the training rollouts themselves) with at
-least one poor span, smoothed over 10 iterations. The threshold is fixed before any run: 0.15. The SFT start must not
+Measure, in both settings judged by the exact critic on the training rollouts themselves (sampled at temperature 1;
+with the learned critic that is 03's exact/mistake_rate, logged and never trained on): the mistake rate, the share of
+rollouts with at least one poor span, smoothed over 10 iterations. The threshold is fixed before any run: 0.15. The SFT start must not
 already meet it (checked). Steps-to-threshold is the first iteration whose smoothed rate is <= 0.15; a run that never
 gets there counts its full length and reports reached = false (the ratio is then a bound).
 Prints a table, writes bench/span_vs_scalar.png (mean curve with a min-max band over seeds), and prints one JSON line.
@@ -39,20 +43,32 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds per mode")
     p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
-    p.add_argument("--out", default="bench/out/span_vs_scalar", help="work dir (base model, SFT, runs)")
-    p.add_argument("--png", default="bench/span_vs_scalar.png", help="the reward curves")
+    p.add_argument("--critic", default="program", choices=["program", "local"],
+                   help="program: the demo's exact critic; local: the stage-2 reward model (trained once in --out)")
+    p.add_argument("--out", help="work dir (base model, SFT, reward model, runs); default bench/out/span_vs_scalar"
+                                 "[_local]")
+    p.add_argument("--png", help="the curves (default bench/span_vs_scalar[_local].png)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for both modes")
     args = p.parse_args()
-    out = Path(args.out)
+    suffix = "" if args.critic == "program" else "_local"
+    out = Path(args.out or f"bench/out/span_vs_scalar{suffix}")
+    args.png = args.png or f"bench/span_vs_scalar{suffix}.png"
 
     # --- the shared start: demo base model, prompts, SFT warm start (03 with --steps 0 trains and saves it)
     if not (out / "base" / "config.json").is_file():
         common.build_demo_base(out / "base")
     common.write_jsonl(out / "prompts.jsonl", common.demo_dataset("train", 1000))
     common.write_jsonl(out / "sft.jsonl", common.demo_dataset("sft", 2000))
-    # kl-coef 0.05 with the exact program critic (the zero-flag demo uses 0.1: its learned critic can be gamed)
-    common_flags = ["--critic", "program", "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
-                    "--kl-coef", "0.05", "--steps", str(args.steps), "--save-every", str(args.steps), *args.ppo_args]
+    critic = ["--critic", "program", "--kl-coef", "0.05"]  # the exact critic cannot be gamed: a looser KL leash
+    if args.critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model
+        rm_dir = out / "reward_model"
+        if not (rm_dir / "reward_model.json").is_file():
+            run(["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)])
+            run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
+                 "--output-dir", str(rm_dir)])
+        critic = ["--critic", "local", "--reward-model", str(rm_dir)]  # and the demo's own KL setting
+    common_flags = [*critic, "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
+                    "--steps", str(args.steps), "--save-every", str(args.steps), *args.ppo_args]
     if not (out / "sft" / "config.json").is_file():
         run(["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"),
              "--sft-output-dir", str(out / "sft"), *common_flags, "--steps", "0", "--output-dir",
@@ -69,15 +85,15 @@ def main():
                 run(["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--reward-mode", mode,
                      "--seed", str(seed), "--output-dir", str(run_dir), *common_flags])
             rows = common.read_jsonl(metrics)[: args.steps]
-            curves[mode].append({"mistakes": [r["critic/mistake_rate"] for r in rows],
-                                 "reward": [r["objective/span_reward"] for r in rows],
+            curves[mode].append({"mistakes": [r["exact/mistake_rate"] for r in rows],
+                                 "reward": [r["exact/span_reward"] for r in rows],
                                  "kl": [r["objective/kl"] for r in rows]})
 
     # --- steps to threshold, final values
     start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)
     if start <= THRESHOLD:
         sys.exit(f"the SFT start already has mistake rate {start:.2f} <= {THRESHOLD}: the benchmark would be void")
-    result = {"threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "seeds": args.seeds,
+    result = {"critic": args.critic, "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "seeds": args.seeds,
               "start_mistake_rate": start}
     print(f"\n{'mode':<8}{'seed':>5}{'steps to <=0.15':>17}{'final mistakes':>16}{'final reward':>14}{'final KL':>10}")
     for mode, cs in curves.items():
@@ -110,8 +126,9 @@ def main():
             ax.plot(x, mean, color=color, label=f"{mode} ({len(series)} seeds)")
             ax.fill_between(x, [min(v) for v in zip(*series)], [max(v) for v in zip(*series)], color=color, alpha=0.2)
     axes[0].axhline(THRESHOLD, color="grey", ls="--", lw=1)
-    axes[0].set(title="mistake rate (smoothed over 10)", xlabel="PPO iteration")
-    axes[1].set(title="critic reward: sum of delta per response", xlabel="PPO iteration")
+    critic = "exact critic" if args.critic == "program" else "exact critic; the reward model trained PPO"
+    axes[0].set(title=f"mistake rate, smoothed over 10 ({critic})", xlabel="PPO iteration")
+    axes[1].set(title="sum of delta per response (exact critic)", xlabel="PPO iteration")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(ROOT / args.png, dpi=120)

@@ -9,7 +9,7 @@ import sys
 
 import browser
 import pytest
-from conftest import ROOT
+from conftest import ROOT, import_script
 
 import common
 
@@ -38,7 +38,7 @@ def demo(tmp_path_factory):
 def test_stage1_annotations_are_well_formed(demo):
     run, _ = demo
     recs = common.read_jsonl(run / "annotations.jsonl")
-    assert len(recs) == 2000 and len({r["id"] for r in recs}) == 2000
+    assert len(recs) == 16000 and len({r["id"] for r in recs}) == 16000
     assert (run / "base" / "config.json").is_file()
     for name in ("sft", "prompts", "eval"):
         assert common.read_jsonl(run / "data" / f"{name}.jsonl", required=("prompt",))
@@ -46,15 +46,16 @@ def test_stage1_annotations_are_well_formed(demo):
         assert r["status"] == "ok" and r["critique"] and r["unmatched_spans"] == []
         for s in r["good_spans"] + r["poor_spans"]:
             assert common.find_span(r["response"], s) is not None  # every kept quote is in the response
-    assert sum(bool(r["poor_spans"]) for r in recs) > 100  # the demo data carries mistakes to learn from
+    assert sum(bool(r["poor_spans"]) for r in recs) > 0.8 * len(recs)  # 90% of the summaries carry mistakes
 
 
 def test_stage2_reward_model_saved_and_evaluated(demo):
     run, _ = demo
     rm = run / "reward_model"
     info = json.loads((rm / "reward_model.json").read_text())
-    assert info["base_model"] == "runs/demo/base" and info["train"]["steps"] == 1100
-    assert (rm / "adapter_config.json").is_file()
+    assert info["base_model"] == "runs/demo/base" and info["train"]["steps"] == import_script("02_train_reward").DEMO[
+        "max_steps"]
+    assert (rm / "model.safetensors").is_file()  # the demo's reward model is fully fine-tuned
     ev = json.loads((rm / "eval.json").read_text())
     assert ev["n"] == 50 and 0.0 <= ev["parse_rate"] <= 1.0
     for k in ("pos_precision", "pos_recall", "neg_recall", "unmatched_span_rate", "critique_words", "eval_loss"):

@@ -187,10 +187,17 @@ def test_cli_broken_line_exits_with_one_line(tmp_path, tiny_model_dir):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+# The LoRA recipe these tests train with (the demo's before it moved to full fine-tuning): every projection plus
+# lm_head and embed_tokens, trainable norms, LoRA+.
+LORA = ("--lora-r", "32", "--lora-alpha", "64", "--lora-targets",
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens", "--modules-to-save", "norm",
+        "--loraplus-ratio", "16", "--lr", "5e-4", "--epochs", "3")
+
+
 def run_args(tmp_path, model_dir, data, out, *extra):
     return rm.parse_args(["--model", model_dir, "--data", str(data), "--output-dir", str(out), "--seed", "0",
                           "--batch-size", "8", "--logging-steps", "10", "--eval-steps", "1000",
-                          "--save-steps", "1000", *extra])
+                          "--save-steps", "1000", *LORA, *extra])
 
 
 def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
@@ -220,6 +227,26 @@ def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
     model, tok = common.load_model(str(out))  # what `03_train_policy.py --reward-model DIR` does
     assert type(model).__name__ == "PeftModelForCausalLM"
     assert len(common.rm_critique(model, tok, [val[0]["prompt"]], [val[0]["response"]], max_new_tokens=8)) == 1
+
+
+def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
+    """--lora-r 0 (the demo's setting): every weight trains, and the output is a plain model directory that stage 3
+    loads like any model."""
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(64))
+    out = tmp_path / "rm"
+    result = rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--lora-r", "0", "--lr", "1e-3", "--max-steps",
+                              "4", "--eval-limit", "2", "--max-new-tokens", "8"))
+    assert result["steps"] == 4 and not (out / "adapter_config.json").exists()
+    info = json.loads((out / "reward_model.json").read_text())
+    assert info["adapter"] is None and info["lora"]["r"] == 0
+    model, tok = common.load_model(str(out))
+    base, _ = common.load_model(tiny_model_dir)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    trained, before = dict(model.named_parameters()), dict(base.named_parameters())
+    assert trained.keys() == before.keys()
+    assert all(not torch.equal(trained[k], before[k]) for k in trained)  # every weight moved
+    assert len(common.rm_critique(model, tok, ["post: x"], [" y"], max_new_tokens=4)) == 1
 
 
 def adapter_weights(path):
@@ -270,7 +297,7 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
            str(data), "--output-dir", str(out), "--batch-size", "4", "--max-steps", "4", "--eval-limit", "4",
-           "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--device", "cpu"]
+           "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--device", "cpu", *LORA]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
