@@ -744,13 +744,15 @@ _PROBING = threading.Lock()  # the probes below run once per process, also when 
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 where there is none (not Linux, kernel < 5.13, or Landlock disabled)."""
     global _LANDLOCK_ABI
-    if _LANDLOCK_ABI is None:
-        _LANDLOCK_ABI = 0
-        if os.uname().sysname == "Linux":
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.syscall.restype = ctypes.c_long
-            _LANDLOCK_ABI = max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))
+    with _PROBING:  # set once, complete: a thread that saw a half-done probe would run without Landlock
+        if _LANDLOCK_ABI is None:
+            abi = 0
+            if os.uname().sysname == "Linux":
+                import ctypes
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.syscall.restype = ctypes.c_long
+                abi = max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))
+            _LANDLOCK_ABI = abi
     return _LANDLOCK_ABI
 
 

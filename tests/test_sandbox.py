@@ -2,6 +2,7 @@
 import os
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -213,6 +214,32 @@ def test_sandbox_that_cannot_be_set_up_runs_nothing(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="landlock|add_rule"):
         python(f"open({str(marker)!r}, 'w').write('ran')\n")
     assert not marker.exists()
+
+
+def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
+    # 01 runs the critic from a thread pool, so the first sandbox runs probe the machine from several threads at once.
+    # A thread must never see a half-done probe (the old probe stored 0 first: that run went without Landlock).
+    if not common.landlock_abi():
+        pytest.skip("the kernel has no Landlock")
+    import ctypes
+    want, real_cdll = common.landlock_abi(), ctypes.CDLL
+
+    def slow_cdll(*args, **kw):  # widens the probe's window, so the race shows every time rather than now and then
+        time.sleep(0.05)
+        return real_cdll(*args, **kw)
+    monkeypatch.setattr(ctypes, "CDLL", slow_cdll)
+    monkeypatch.setattr(common, "_LANDLOCK_ABI", None)
+    barrier, got = threading.Barrier(4), []
+
+    def probe():
+        barrier.wait()
+        got.append(common.landlock_abi())
+    threads = [threading.Thread(target=probe) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 4
 
 
 def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
