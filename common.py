@@ -1376,8 +1376,9 @@ def _own_frames(report: str) -> str:
 #              test's check(candidate) is called with the entry point, all in one namespace as the official harness
 #              does: test = {"prefix": prompt, "script": test + "check(<entry_point>)", "entry_point", "stop"}.
 #   MBPP       text or prompt, code, test_list, test_setup_code, test_imports: the completion is the whole program;
-#              test = {"prefix": "", "script": imports + setup + the asserts, "stop"}. A `text` (original MBPP) becomes
-#              the usual prompt: a docstring holding the description and the first test.
+#              test = {"prefix": "", "script": imports + setup + the asserts, "stop"}. A bare description (original
+#              MBPP's `text`, sanitized MBPP's `prompt`) becomes the usual prompt, as MBPP+ ships it: a docstring
+#              holding the description and the first test, which names the function to write.
 #   EvalPlus   HumanEval+ / MBPP+ as published on the hub (evalplus/humanevalplus, evalplus/mbppplus): the same
 #              layouts, their extra tests inside `test`, which then runs instead of MBPP's test_list. The raw release
 #              files' base_input / plus_input / atol / contract fields are not read: their expected outputs come from
@@ -1415,8 +1416,9 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
                 "stop": list(HUMANEVAL_STOP)}
     elif layout == "mbpp":
         tests = get("test_list", list)
-        prompt = rec["prompt"] if isinstance(rec.get("prompt"), str) else \
-            f'"""\n{get("text")}\n{tests[0] if tests else ""}\n"""\n'
+        prompt = rec["prompt"] if isinstance(rec.get("prompt"), str) else get("text")
+        if "assert" not in prompt:  # a bare description (MBPP's text, sanitized MBPP's prompt) names no function
+            prompt = f'"""\n{prompt}\n{tests[0] if tests else ""}\n"""\n'
         plus = get("test", required=False)  # MBPP+: the extra tests, as one script
         script = "\n".join(get("test_imports", list, False) + [get("test_setup_code", required=False)] +
                            ([plus] if plus.strip() else tests))

@@ -46,7 +46,12 @@ def test_mbpp_layouts_original_sanitized_and_plus(tmp_path):
     # test_setup_code runs in the program's namespace, as in the official harness: the solution may use its imports
     assert passes(orig, "def circle_area(r):\n    return math.pi * r ** 2\n")
     [san] = common.read_code_problems(write(tmp_path / "san.jsonl", [MBPP_SANITIZED]))
-    assert san["prompt"] == "Write a function that adds one." and passes(san, san["reference"])
+    # sanitized MBPP's bare description never names the function the tests call: it gets the first test too, in the
+    # docstring that MBPP+ (EvalPlus) ships ready-made, and that prompt is kept as it is
+    assert san["prompt"] == '"""\nWrite a function that adds one.\nassert inc(1) == 2\n"""\n'
+    assert passes(san, san["reference"])
+    [ready] = common.read_code_problems(write(tmp_path / "ready.jsonl", [dict(MBPP_SANITIZED, prompt=san["prompt"])]))
+    assert ready["prompt"] == san["prompt"]
     assert passes(san, "def inc(x):\n    return x + 1\nassert inc(5) == 7\n")  # cut at "\nassert ": not the program
     plus = dict(MBPP_SANITIZED, test="for x, y in [(1, 2), (10**20, 10**20 + 1)]:\n    assert inc(x) == y\n")
     [p] = common.read_code_problems(write(tmp_path / "plus.jsonl", [plus]))
