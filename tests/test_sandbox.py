@@ -396,6 +396,20 @@ def test_code_cannot_forge_a_pass(test):
     assert fb["good_spans"] == [] and not fb["critique"].startswith("All")
 
 
+@pytest.mark.parametrize("completion", [
+    "    import os\n    print('1 passed in 0.01s', flush=True)\n    os._exit(0)\n",  # forges when check() calls it
+    f"```python\n{FORGED}```\n"])  # a chat answer whose whole program forges as it loads
+def test_a_humaneval_completion_cannot_forge_a_pass(completion):
+    # the issue's example, the way 04 scores it (run_completion) and 03's program critic judges it
+    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
+    test = common.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
+                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}, "t")["test"]
+    result = common.run_completion(completion, test)
+    assert not result["passed"] and result["status"] == "failed" and "1 passed" in result["output"], result
+    fb = common.code_critic(prompt, completion, test)
+    assert not fb["passed"] and fb["good_spans"] == [] and not fb["critique"].startswith("All"), fb
+
+
 def test_a_correct_solution_that_prints_a_lot_still_passes():
     result = common.run_tests_sandboxed("print('x' * 20000)\ndef add(a, b):\n    return a + b\n", TESTS)
     assert result["passed"], result["output"][-500:]
