@@ -79,7 +79,7 @@ def test_code_runs_correct_wrong_and_infinite_loop():
     items = [{"id": "correct", "test": test, "response": fenced},
              {"id": "wrong", "test": test, "response": "def add(a, b):\n    return a - b\n"},
              {"id": "loop", "test": test, "response": "def add(a, b):\n    while True:\n        pass\n"}]
-    # the loop is stopped at 2 s; the others end by themselves, so their limit may be as generous as a loaded machine needs
+    # the loop is stopped at 2 s; the others end by themselves, so their limit is as generous as a loaded machine needs
     runs = ev.run_tests(items[:2], timeout_s=120, workers=2) + ev.run_tests(items[2:], timeout_s=2, workers=1)
     res = {r["id"]: r for r in runs}
     assert [res[k]["passed"] for k in ("correct", "wrong", "loop")] == [True, False, False], res
