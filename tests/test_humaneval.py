@@ -40,6 +40,7 @@ def test_humaneval_verdicts_agree_with_the_official_harness_and_the_critic_local
     assert summary["agreement"] == 1.0  # per completion, our verdict is the official harness's
     assert summary["clean_no_poor"] == 1.0  # no correct solution gets a poor span
     assert summary["localised"] >= 0.6, summary  # README: the measured share
+    assert summary["critique_io"] == 1.0, summary  # the failing call with its input, what came back and what was expected
 
 
 def test_the_humaneval_layout_reads_from_the_package_file():
