@@ -82,6 +82,26 @@ def test_bad_benchmark_files_name_file_line_and_field(tmp_path, rows, message):
         common.read_code_problems(write(tmp_path / "he.jsonl", rows))
 
 
+def test_hub_ids_load_through_datasets(monkeypatch):
+    import datasets
+    calls = []
+
+    def load_dataset(name, split=None, **kw):  # the hub, as `datasets` would answer offline or for a known id
+        calls.append((name, split))
+        if name != "openai_humaneval":
+            raise ConnectionError("Couldn't reach the Hub\nmore lines of traceback")
+        return [HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"task_id": "HumanEval/1"}]
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(common.DataError, match=r"^openai_humaneval\[test\] record 1: missing field 'entry_point'"):
+        common.read_code_problems("openai_humaneval", "test")
+    [p] = common.read_code_problems("openai_humaneval", "test", limit=1)
+    assert p["id"] == "HumanEval/0" and p["test"]["entry_point"] == "double"
+    assert calls[-1] == ("openai_humaneval", "test")
+    offline = r"^mbpp\[test\]: cannot load it \(ConnectionError: Couldn't reach the Hub\)$"  # one line
+    with pytest.raises(common.DataError, match=offline):
+        common.read_code_problems("mbpp", "test")
+
+
 def test_post_processing_of_completions():
     stop = {"script": "", "stop": list(common.HUMANEVAL_STOP)}
     raw = "    return x\n# a comment at column 0\n\nprint(f(2))\n"
