@@ -582,8 +582,10 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
 #   pid-namespace     the command is PID 1 of its own namespace: when it ends or is killed, the kernel kills every
 #                process left in it, setsid() and double forks included. Fallback "subreaper": the supervisor adopts
 #                orphans and kills all its descendants.
-#   no-network   a network namespace with no interface up: no TCP, UDP, ICMP or abstract socket reaches the host.
-#                Fallback "seccomp-no-network": socket() for anything but AF_UNIX, and io_uring, fail with EACCES.
+#   seccomp-no-sockets   socket() of every family, and io_uring, fail with EACCES: no TCP, UDP, ICMP or unix socket
+#                reaches the host, not even one at a path (/var/run/docker.sock), which no network namespace hides.
+#                socketpair() stays (asyncio, multiprocessing.Pipe). For x86-64 and arm64.
+#   no-network   also a network namespace with no interface up, where namespaces are allowed.
 #   pids-cgroup  a cgroup with pids.max (v2 or v1, where writable): a fork bomb stops at SANDBOX_MAX_PROCESSES.
 #                Fallback "nproc-rlimit" (not for root, whom the kernel exempts from RLIMIT_NPROC).
 # A layer the machine lacks is skipped with a RuntimeWarning (once) and result["sandbox"] lists the layers applied. A
@@ -710,12 +712,11 @@ try:  # --- the child: per-process layers, then exec
             ok(libc.syscall(L(445), L(ruleset), L(1), struct.pack("=Qi", access & fs, fd), L(0)), f"add_rule {path}")
             os.close(fd)
         ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock_restrict_self")
-    if cfg["seccomp"]:  # [arch, socket nr]: socket(domain != AF_UNIX) and io_uring_setup -> EACCES; x32 / foreign ABI too
+    if cfg["seccomp"]:  # [arch, socket nr]: socket() and io_uring_setup -> EACCES; so are x32 and foreign-ABI calls
         arch, nr_socket = cfg["seccomp"]
         deny, allow = 0x00050000 | 13, 0x7FFF0000
-        prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, deny), (0x20, 0, 0, 0), (0x35, 0, 1, 0x40000000),
-                (0x06, 0, 0, deny), (0x15, 0, 1, 425), (0x06, 0, 0, deny), (0x15, 0, 3, nr_socket),
-                (0x20, 0, 0, 16), (0x15, 1, 0, 1), (0x06, 0, 0, deny), (0x06, 0, 0, allow)]
+        prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, deny), (0x20, 0, 0, 0), (0x35, 3, 0, 0x40000000),
+                (0x15, 2, 0, 425), (0x15, 1, 0, nr_socket), (0x06, 0, 0, allow), (0x06, 0, 0, deny)]
         filt = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in prog))
         fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(filt))
         ok(libc.prctl(ctypes.c_int(22), U(2), ctypes.c_char_p(fprog), U(0), U(0)), "seccomp")
@@ -744,13 +745,15 @@ _PROBING = threading.Lock()  # the probes below run once per process, also when 
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version, 0 where there is none (not Linux, kernel < 5.13, or Landlock disabled)."""
     global _LANDLOCK_ABI
-    if _LANDLOCK_ABI is None:
-        _LANDLOCK_ABI = 0
-        if os.uname().sysname == "Linux":
-            import ctypes
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.syscall.restype = ctypes.c_long
-            _LANDLOCK_ABI = max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))
+    with _PROBING:  # set once, complete: a thread that saw a half-done probe would run without Landlock
+        if _LANDLOCK_ABI is None:
+            abi = 0
+            if os.uname().sysname == "Linux":
+                import ctypes
+                libc = ctypes.CDLL(None, use_errno=True)
+                libc.syscall.restype = ctypes.c_long
+                abi = max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))
+            _LANDLOCK_ABI = abi
     return _LANDLOCK_ABI
 
 
@@ -852,7 +855,7 @@ def _sandbox_plan(work: str, timeout_s: float, memory_mb: int) -> tuple[dict, li
     linux, root = os.uname().sysname == "Linux", os.geteuid() == 0
     abi, clone = landlock_abi(), sandbox_namespaces() if linux else 0
     cgroup_parent = _pids_cgroup_parent() if linux else None
-    seccomp = None if clone or not linux else _seccomp_target()
+    seccomp = _seccomp_target() if linux else None
     cpu = int(timeout_s) + 2
     rlimits = {"RLIMIT_AS": [memory_mb << 20] * 2, "RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_FSIZE": [64 << 20] * 2,
                "RLIMIT_CORE": [0, 0]}
@@ -863,9 +866,9 @@ def _sandbox_plan(work: str, timeout_s: float, memory_mb: int) -> tuple[dict, li
               "seccomp": seccomp, "drop_caps": linux and (root or bool(clone & _CLONE_NEWUSER)), "rlimits": rlimits,
               "pass_fds": []}
     layers = {f"landlock-v{abi}": abi, "no-capabilities": config["drop_caps"], "pid-namespace": clone,
-              "subreaper": linux and not clone, "no-network": clone, "seccomp-no-network": seccomp,
+              "subreaper": linux and not clone, "no-network": clone, "seccomp-no-sockets": seccomp,
               "pids-cgroup": cgroup_parent, "nproc-rlimit": nproc}
-    missing = [name for name, ok in (("landlock", abi), ("pid-namespace", clone), ("no-network", clone or seccomp),
+    missing = [name for name, ok in (("landlock", abi), ("pid-namespace", clone), ("no-sockets", seccomp),
                                      ("process-limit", cgroup_parent or nproc)) if not ok]
     return config, [name for name, ok in layers.items() if ok], missing
 
@@ -1373,8 +1376,9 @@ def _own_frames(report: str) -> str:
 #              test's check(candidate) is called with the entry point, all in one namespace as the official harness
 #              does: test = {"prefix": prompt, "script": test + "check(<entry_point>)", "entry_point", "stop"}.
 #   MBPP       text or prompt, code, test_list, test_setup_code, test_imports: the completion is the whole program;
-#              test = {"prefix": "", "script": imports + setup + the asserts, "stop"}. A `text` (original MBPP) becomes
-#              the usual prompt: a docstring holding the description and the first test.
+#              test = {"prefix": "", "script": imports + setup + the asserts, "stop"}. A bare description (original
+#              MBPP's `text`, sanitized MBPP's `prompt`) becomes the usual prompt, as MBPP+ ships it: a docstring
+#              holding the description and the first test, which names the function to write.
 #   EvalPlus   HumanEval+ / MBPP+ as published on the hub (evalplus/humanevalplus, evalplus/mbppplus): the same
 #              layouts, their extra tests inside `test`, which then runs instead of MBPP's test_list. The raw release
 #              files' base_input / plus_input / atol / contract fields are not read: their expected outputs come from
@@ -1412,8 +1416,9 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
                 "stop": list(HUMANEVAL_STOP)}
     elif layout == "mbpp":
         tests = get("test_list", list)
-        prompt = rec["prompt"] if isinstance(rec.get("prompt"), str) else \
-            f'"""\n{get("text")}\n{tests[0] if tests else ""}\n"""\n'
+        prompt = rec["prompt"] if isinstance(rec.get("prompt"), str) else get("text")
+        if "assert" not in prompt:  # a bare description (MBPP's text, sanitized MBPP's prompt) names no function
+            prompt = f'"""\n{prompt}\n{tests[0] if tests else ""}\n"""\n'
         plus = get("test", required=False)  # MBPP+: the extra tests, as one script
         script = "\n".join(get("test_imports", list, False) + [get("test_setup_code", required=False)] +
                            ([plus] if plus.strip() else tests))

@@ -13,6 +13,8 @@ official harness fails. Reported:
   planted_fail        share of planted bugs that fail in our sandbox
   localised           share of planted bugs where a poor span of common.code_critic overlaps the buggy line
   clean_no_poor       share of canonical solutions the critic gives no poor span
+  critique_io         share of planted bugs whose critique names the failing call with its arguments and what it
+                      returned (with the expected value, when the assert compares) or raised
   poor_spans_mean     poor spans per planted bug (each quotes one line)
 """
 import argparse
@@ -146,6 +148,7 @@ def summarize(rows: list[dict]) -> dict:
             "planted_fail": share([not r["planted_ours"] for r in planted]),
             "localised": share([r["localised"] for r in planted]),
             "clean_no_poor": share([not r["canonical_poor"] for r in rows]),
+            "critique_io": share([bool(re.search(r"`\w+\(.*\)` (returns|raises) ", r["critique"])) for r in planted]),
             "poor_spans_mean": round(sum(len(r["poor"]) for r in planted) / max(1, len(planted)), 2),
             "localised_by_kind": {k: f"{sum(r['localised'] for r in planted if r['kind'] == k)}/"
                                      f"{sum(r['kind'] == k for r in planted)}" for k in ("comparison", "off_by_one",

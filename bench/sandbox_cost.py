@@ -6,8 +6,8 @@ Both run the same test runner (common._TEST_RUNNER, the fast in-process runner) 
 KodCode-style test file, from a fresh temp dir, with the same private settings/verdict files:
   plain_s     subprocess.run of the runner: no launcher, no layers
   sandbox_s   common.run_tests_sandboxed: launcher + supervisor fork, Landlock, capabilities dropped, PID and network
-              namespaces, a pids cgroup (as many of these as this machine allows; "layers" lists them)
-  fallback_s  the same with the namespaces off (subreaper + seccomp fallbacks), for machines without them
+              namespaces, a seccomp socket filter, a pids cgroup (as many as this machine allows; "layers" lists them)
+  fallback_s  the same with the namespaces off (the subreaper fallback), for machines without them
 Times are medians of --runs runs, interleaved so that load drifts hit both alike; ratio = sandbox_s / plain_s.
 """
 import argparse

@@ -46,7 +46,12 @@ def test_mbpp_layouts_original_sanitized_and_plus(tmp_path):
     # test_setup_code runs in the program's namespace, as in the official harness: the solution may use its imports
     assert passes(orig, "def circle_area(r):\n    return math.pi * r ** 2\n")
     [san] = common.read_code_problems(write(tmp_path / "san.jsonl", [MBPP_SANITIZED]))
-    assert san["prompt"] == "Write a function that adds one." and passes(san, san["reference"])
+    # sanitized MBPP's bare description never names the function the tests call: it gets the first test too, in the
+    # docstring that MBPP+ (EvalPlus) ships ready-made, and that prompt is kept as it is
+    assert san["prompt"] == '"""\nWrite a function that adds one.\nassert inc(1) == 2\n"""\n'
+    assert passes(san, san["reference"])
+    [ready] = common.read_code_problems(write(tmp_path / "ready.jsonl", [dict(MBPP_SANITIZED, prompt=san["prompt"])]))
+    assert ready["prompt"] == san["prompt"]
     assert passes(san, "def inc(x):\n    return x + 1\nassert inc(5) == 7\n")  # cut at "\nassert ": not the program
     plus = dict(MBPP_SANITIZED, test="for x, y in [(1, 2), (10**20, 10**20 + 1)]:\n    assert inc(x) == y\n")
     [p] = common.read_code_problems(write(tmp_path / "plus.jsonl", [plus]))
@@ -75,6 +80,26 @@ def test_kodcode_layout_and_plain_prompt_files(tmp_path):
 def test_bad_benchmark_files_name_file_line_and_field(tmp_path, rows, message):
     with pytest.raises(common.DataError, match=message):
         common.read_code_problems(write(tmp_path / "he.jsonl", rows))
+
+
+def test_hub_ids_load_through_datasets(monkeypatch):
+    import datasets
+    calls = []
+
+    def load_dataset(name, split=None, **kw):  # the hub, as `datasets` would answer offline or for a known id
+        calls.append((name, split))
+        if name != "openai_humaneval":
+            raise ConnectionError("Couldn't reach the Hub\nmore lines of traceback")
+        return [HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"task_id": "HumanEval/1"}]
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(common.DataError, match=r"^openai_humaneval\[test\] record 1: missing field 'entry_point'"):
+        common.read_code_problems("openai_humaneval", "test")
+    [p] = common.read_code_problems("openai_humaneval", "test", limit=1)
+    assert p["id"] == "HumanEval/0" and p["test"]["entry_point"] == "double"
+    assert calls[-1] == ("openai_humaneval", "test")
+    offline = r"^mbpp\[test\]: cannot load it \(ConnectionError: Couldn't reach the Hub\)$"  # one line
+    with pytest.raises(common.DataError, match=offline):
+        common.read_code_problems("mbpp", "test")
 
 
 def test_post_processing_of_completions():

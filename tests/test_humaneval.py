@@ -40,6 +40,7 @@ def test_humaneval_verdicts_agree_with_the_official_harness_and_the_critic_local
     assert summary["agreement"] == 1.0  # per completion, our verdict is the official harness's
     assert summary["clean_no_poor"] == 1.0  # no correct solution gets a poor span
     assert summary["localised"] >= 0.6, summary  # README: the measured share
+    assert summary["critique_io"] == 1.0, summary  # the failing call with its input, what came back and what was expected
 
 
 def test_the_humaneval_layout_reads_from_the_package_file():
@@ -48,3 +49,14 @@ def test_the_humaneval_layout_reads_from_the_package_file():
     assert len(problems) == 164 and problems[0]["id"] == "HumanEval/0"
     assert problems[0]["test"]["script"].rstrip().endswith("check(has_close_elements)")
     assert problems[0]["test"]["prefix"].startswith("from typing import List")
+
+
+def test_the_issues_examples_on_humaneval_0():
+    # defect 2: a correct solution that prints a lot passes; defect 3: printing "1 passed" and leaving early does not
+    problem = bench.humaneval_problems()[0]
+    test = common.code_problem(problem, problem["task_id"])["test"]
+    loud = "    print('x' * 20000)\n" + problem["canonical_solution"]
+    forged = "    print('1 passed in 0.01s')\n    import os\n    os._exit(0)\n"
+    assert common.run_completion(loud, test)["passed"] and common.code_critic(problem["prompt"], loud, test)["passed"]
+    fb = common.code_critic(problem["prompt"], forged, test)
+    assert not common.run_completion(forged, test)["passed"] and not fb["passed"] and fb["good_spans"] == []

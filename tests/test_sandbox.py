@@ -2,6 +2,7 @@
 import os
 import socket
 import sys
+import threading
 import time
 
 import pytest
@@ -12,9 +13,19 @@ ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_landlock = pytest.mark.skipif(not common.landlock_abi(), reason="the kernel has no Landlock")
 TESTS = "from solution import add\n\ndef test_small():\n    assert add(1, 2) == 3\n\ndef test_big():\n" \
         "    assert add(20, 22) == 42\n"
+# Time limits. Code that ends by itself gets PATIENT seconds: far more than any load needs, and it costs nothing. Code
+# that never ends gets hang_limit(): it must first get to its endless part, so the limit grows with the machine's load.
+PATIENT = 120.0
 
 
-def critic(code: str, test: str = TESTS, timeout_s: float = 10.0) -> dict:
+def hang_limit(base: float) -> float:
+    """`base` seconds plus ten times what a sandboxed test run takes right now (~0.15 s on an idle core, ~1.4 s with
+    4% of one), so that a loaded machine leaves the code as much headroom as an idle one."""
+    took = run_tests("def add(a, b):\n    return a + b\n", TESTS)["duration_s"]
+    return round(base + 10 * took, 1)
+
+
+def critic(code: str, test: str = TESTS, timeout_s: float = PATIENT) -> dict:
     fb = common.code_critic("Write add(a, b).", code, test, timeout_s=timeout_s)
     good, poor, unmatched = common.locate_spans(code, fb["good_spans"], fb["poor_spans"])
     assert unmatched == [] and len(good) == len(fb["good_spans"]) and len(poor) == len(fb["poor_spans"])
@@ -23,8 +34,12 @@ def critic(code: str, test: str = TESTS, timeout_s: float = 10.0) -> dict:
     return fb
 
 
+def run_tests(solution: str, test, **kw) -> dict:
+    return common.run_tests_sandboxed(solution, test, **{"timeout_s": PATIENT, **kw})
+
+
 def python(code: str, **kw) -> dict:
-    return common.run_sandboxed({"main.py": code}, [sys.executable, "main.py"], **kw)
+    return common.run_sandboxed({"main.py": code}, [sys.executable, "main.py"], **{"timeout_s": PATIENT, **kw})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -54,11 +69,10 @@ def test_critic_names_the_raising_line():
 
 def test_critic_stops_an_endless_loop_and_quotes_it():
     code = "def add(a, b):\n    n = 0\n    while n != -1:\n        n += 2\n    return a + b\n"
-    start = time.monotonic()
-    fb = critic(code, timeout_s=2.0)
-    assert time.monotonic() - start < 10
-    assert "did not finish within 2 s" in fb["critique"] and "`test_small`" in fb["critique"]
-    assert "while n != -1:" in fb["poor_spans"]
+    limit = hang_limit(1.0)
+    fb = critic(code, timeout_s=limit)  # returns at all: the loop was stopped
+    assert fb["status"] == "timeout" and f"did not finish within {limit:g} s" in fb["critique"]
+    assert "`test_small`" in fb["critique"] and "while n != -1:" in fb["poor_spans"]  # from the stack at the limit
 
 
 def test_critic_reports_unbounded_allocation():
@@ -89,9 +103,9 @@ def test_critic_makes_repeated_lines_unambiguous():
 
 
 def test_passed_needs_a_report_not_just_exit_code_zero():
-    assert not common.run_tests_sandboxed("import os\nos._exit(0)\n", TESTS)["passed"]
-    assert not common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", "x = 1\n")["passed"]  # no tests
-    assert common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", TESTS)["passed"]
+    assert not run_tests("import os\nos._exit(0)\n", TESTS)["passed"]
+    assert not run_tests("def add(a, b):\n    return a + b\n", "x = 1\n")["passed"]  # no tests
+    assert run_tests("def add(a, b):\n    return a + b\n", TESTS)["passed"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -115,11 +129,11 @@ def test_runner_and_pytest_agree(solution, passed):
     fixture = "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1, 2])\n" \
               "def test_one(a):\n    assert add(a, a) == 2 * a\n"
     for test in (TESTS, classes, fixture):
-        result = common.run_tests_sandboxed(solution, test)
+        result = run_tests(solution, test)
         assert result["passed"] is passed, result["output"]
         assert "site-packages" not in result["output"]  # only the two files' frames are kept
     if not passed:
-        assert "assert 0 == 4" in common.run_tests_sandboxed(solution, classes)["output"]
+        assert "assert 0 == 4" in run_tests(solution, classes)["output"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -215,6 +229,32 @@ def test_sandbox_that_cannot_be_set_up_runs_nothing(monkeypatch, tmp_path):
     assert not marker.exists()
 
 
+def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
+    # 01 runs the critic from a thread pool, so the first sandbox runs probe the machine from several threads at once.
+    # A thread must never see a half-done probe (the old probe stored 0 first: that run went without Landlock).
+    if not common.landlock_abi():
+        pytest.skip("the kernel has no Landlock")
+    import ctypes
+    want, real_cdll = common.landlock_abi(), ctypes.CDLL
+
+    def slow_cdll(*args, **kw):  # widens the probe's window, so the race shows every time rather than now and then
+        time.sleep(0.05)
+        return real_cdll(*args, **kw)
+    monkeypatch.setattr(ctypes, "CDLL", slow_cdll)
+    monkeypatch.setattr(common, "_LANDLOCK_ABI", None)
+    barrier, got = threading.Barrier(4), []
+
+    def probe():
+        barrier.wait()
+        got.append(common.landlock_abi())
+    threads = [threading.Thread(target=probe) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [want] * 4
+
+
 def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
     monkeypatch.setattr(common, "_LANDLOCK_ABI", 0)
     with pytest.warns(RuntimeWarning, match="Landlock is unavailable"):
@@ -244,7 +284,7 @@ def _procs_with(marker: str) -> list[int]:
     return found
 
 
-def _wait_gone(marker: str, seconds: float = 10.0) -> list[int]:
+def _wait_gone(marker: str, seconds: float = 60.0) -> list[int]:
     deadline = time.monotonic() + seconds
     while (left := _procs_with(marker)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -276,7 +316,7 @@ def test_setsid_and_double_fork_survivors_are_killed(loop, layers):
             "time.sleep(0.5)\n"
             "print('forked', flush=True)\n" + ("while True:\n    pass\n" if loop else ""))
     try:
-        result = python(code, timeout_s=4.0)
+        result = python(code, timeout_s=hang_limit(2.0) if loop else PATIENT)
         assert _wait_gone(marker) == []
         assert "forked" in result["stdout"] and result["timed_out"] is loop
         assert ("pid-namespace" if layers == "namespaces" else "subreaper") in result["sandbox"]
@@ -308,25 +348,46 @@ def test_fork_bomb_is_bounded():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="namespaces and seccomp are Linux's")
-def test_udp_and_other_non_tcp_sockets_cannot_reach_out(layers):
-    server = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    server.bind(("127.0.0.1", 0))
-    server.settimeout(1.5)
-    port = server.getsockname()[1]
-    code = ("import socket\n"
-            "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
-            f"try:\n    s.sendto(b'leak', ('127.0.0.1', {port}))\n    print('SENT')\n"
-            "except OSError as e:\n    print('refused', e)\n")
+def test_udp_and_other_non_tcp_sockets_cannot_reach_out(layers, tmp_path):
+    # host-side listeners: UDP, a unix socket at a path (as /var/run/docker.sock is: no network namespace hides it)
+    # and an abstract unix socket
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    unix, abstract = socket.socket(socket.AF_UNIX), socket.socket(socket.AF_UNIX)
+    unix.bind(str(tmp_path / "host.sock"))
+    abstract.bind("\0t2g-" + os.urandom(6).hex())
+    for s in (udp, unix, abstract):
+        s.setblocking(False)
+    for s in (unix, abstract):
+        s.listen()
+    code = ("import asyncio, socket\n"
+            "def attempt(name, family, kind, addr):\n"
+            "    try:\n"
+            "        s = socket.socket(family, kind)\n"
+            "        s.sendto(b'leak', addr) if kind == socket.SOCK_DGRAM else s.connect(addr)\n"
+            "        print('REACHED', name)\n"
+            "    except OSError as e:\n"
+            "        print('refused', name, e)\n"
+            f"attempt('udp', socket.AF_INET, socket.SOCK_DGRAM, {udp.getsockname()!r})\n"
+            f"attempt('unix', socket.AF_UNIX, socket.SOCK_STREAM, {unix.getsockname()!r})\n"
+            f"attempt('abstract', socket.AF_UNIX, socket.SOCK_STREAM, {abstract.getsockname()!r})\n"
+            "a, b = socket.socketpair()\n"  # local pairs stay: asyncio's self-pipe, multiprocessing.Pipe
+            "a.sendall(b'ok')\n"
+            "print('pair', b.recv(2), asyncio.run(asyncio.sleep(0, 'loop')))\n")
     try:
         result = python(code)
-        try:
-            got = server.recv(100)
-        except socket.timeout:
-            got = b""
+        arrived = []  # whatever got through is queued by now: the sandboxed code has ended
+        for name, take in (("udp", lambda: udp.recv(100)), ("unix", unix.accept), ("abstract", abstract.accept)):
+            try:
+                arrived.append((name, take()))
+            except BlockingIOError:
+                pass
     finally:
-        server.close()
-    assert got == b"" and "SENT" not in result["stdout"], result
-    assert ("no-network" if layers == "namespaces" else "seccomp-no-network") in result["sandbox"]
+        for s in (udp, unix, abstract):
+            s.close()
+    assert arrived == [] and "REACHED" not in result["stdout"], result
+    assert result["stdout"].count("refused") == 3 and "pair b'ok' loop" in result["stdout"], result
+    assert "seccomp-no-sockets" in result["sandbox"] and ("no-network" in result["sandbox"]) is (layers == "namespaces")
 
 
 FORGED = ("import os, sys\n"
@@ -342,14 +403,28 @@ FORGED = ("import os, sys\n"
 @pytest.mark.parametrize("test", [TESTS, "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1])\n"
                                          "def test_one(a):\n    assert add(a, a) == 2 * a\n"])
 def test_code_cannot_forge_a_pass(test):
-    result = common.run_tests_sandboxed(FORGED, test)
+    result = run_tests(FORGED, test)
     assert not result["passed"], result
-    fb = common.code_critic("Write add(a, b).", FORGED, test)
+    fb = critic(FORGED, test)
     assert fb["good_spans"] == [] and not fb["critique"].startswith("All")
 
 
+@pytest.mark.parametrize("completion", [
+    "    import os\n    print('1 passed in 0.01s', flush=True)\n    os._exit(0)\n",  # forges when check() calls it
+    f"```python\n{FORGED}```\n"])  # a chat answer whose whole program forges as it loads
+def test_a_humaneval_completion_cannot_forge_a_pass(completion):
+    # the issue's example, the way 04 scores it (run_completion) and 03's program critic judges it
+    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
+    test = common.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
+                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}, "t")["test"]
+    result = common.run_completion(completion, test, timeout_s=PATIENT)
+    assert not result["passed"] and result["status"] == "failed" and "1 passed" in result["output"], result
+    fb = critic(completion, test)
+    assert not fb["passed"] and fb["good_spans"] == [] and not fb["critique"].startswith("All"), fb
+
+
 def test_a_correct_solution_that_prints_a_lot_still_passes():
-    result = common.run_tests_sandboxed("print('x' * 20000)\ndef add(a, b):\n    return a + b\n", TESTS)
+    result = run_tests("print('x' * 20000)\ndef add(a, b):\n    return a + b\n", TESTS)
     assert result["passed"], result["output"][-500:]
     long = python("print('head')\nprint('x' * 50000)\nprint('tail')\n", max_output_chars=1000)
     assert long["stdout"].startswith("head") and long["stdout"].rstrip().endswith("tail")
@@ -378,27 +453,27 @@ def test_critic_on_a_humaneval_problem_names_input_expected_and_actual():
                                 "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
                                         "    assert candidate(0, 0) == 0\n    assert candidate(5, 1) == 6\n"}, "t")["test"]
     completion = "    if a > 3:\n        return a * b\n    return a + b\n"
-    fb = common.code_critic(prompt, completion, test)
+    fb = critic(completion, test)
     assert fb["poor_spans"] == ["return a * b"] and not fb["passed"]
     assert "`add(5, 1)` returns 5, expected 6" in fb["critique"] and "1 of 3 test cases fail" in fb["critique"]
     assert "line 2 `return a * b`" in fb["critique"]  # lines count from the completion, not the prompt
-    good = common.code_critic(prompt, "    return a + b\n", test)
+    good = critic("    return a + b\n", test)
     assert good["passed"] and good["good_spans"] == ["return a + b"] and good["poor_spans"] == []
     chat = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\n"  # a chat model's whole function, fenced
-    assert common.code_critic(prompt, chat, test)["passed"]
+    assert critic(chat, test)["passed"]
 
 
 def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
     missing = "import no_such_module_t2g\nfrom solution import add\n\ndef test_a():\n    assert add(1, 2) == 3\n"
-    result = common.run_tests_sandboxed("def add(a, b):\n    return a + b\n", missing)
+    result = run_tests("def add(a, b):\n    return a + b\n", missing)
     assert result["status"] == "error" and "no_such_module_t2g" in result["problem_error"] and not result["passed"]
     broken = {"script": "def check(candidate)\n    pass\n"}
-    assert common.run_tests_sandboxed("x = 1\n", broken)["status"] == "error"
-    fb = common.code_critic("", "def add(a, b):\n    return a + b\n", missing)
+    assert run_tests("x = 1\n", broken)["status"] == "error"
+    fb = critic("def add(a, b):\n    return a + b\n", missing)
     assert fb["status"] == "error" and fb["poor_spans"] == [] and fb["good_spans"] == [] and "cannot run" in \
         fb["critique"]
     # the solution's own missing import is the solution's failure, as in the official harnesses
-    assert common.run_tests_sandboxed("import no_such_module_t2g\n", TESTS)["status"] == "failed"
+    assert run_tests("import no_such_module_t2g\n", TESTS)["status"] == "failed"
 
 
 def test_code_cannot_read_the_nonce_back_from_the_verdict_channel():
@@ -419,5 +494,5 @@ def test_code_cannot_read_the_nonce_back_from_the_verdict_channel():
            "        time.sleep(0.001)\n"
            "threading.Thread(target=spy, daemon=True).start()\n"
            "def add(a, b):\n    time.sleep(0.2)\n    return a - b\n")
-    result = common.run_tests_sandboxed(spy, TESTS, trace=True)  # trace mode writes cases while the code runs
+    result = run_tests(spy, TESTS, trace=True)  # trace mode reports as it goes
     assert result["counts"] == {"passed": 0, "failed": 2, "errors": 0}, result["counts"]
