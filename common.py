@@ -345,18 +345,60 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
 
     Offsets come from incremental decoding of the ids themselves (never from re-tokenizing the text, which can split
     differently). A token that does not complete a character (part of a multi-byte UTF-8 sequence) or is special gets
-    an empty interval at the current position; the character goes to the token that completes it.
+    an empty interval at the current position; the character goes to the token that completes it. Token i ends where
+    the decode of ids[:i + 1] stops agreeing with the text (never before token i - 1 ends).
+
+    Linear time: instead of decoding every prefix, each token's window of at most 2 * _WINDOW ids is decoded, all in
+    one batch, and the prefix's decode is tracked as "the previous one, its tail replaced by the new window's". When
+    that bookkeeping does not end on the text exactly (a tokenizer whose decoding is not local), the prefixes are
+    decoded one by one as before.
     """
     token_ids = [int(t) for t in token_ids]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    n, w = len(token_ids), _WINDOW
+    # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
+    # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
+    # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
+    windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
+    windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
+    decoded = _batch_decode(tokenizer, windows)
+    offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode equals the text; length: its size
+    for i in range(n):
+        a, b = decoded[i], decoded[i - 1] if i % w else decoded[n + i // w]
+        keep = len(b) if a.startswith(b) else len(os.path.commonprefix([a, b]))
+        kept, added = length - len(b) + keep, a[keep:]  # the prefix's decode: its first `kept` chars, then `added`
+        if kept < 0:
+            return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
+        if agree >= kept:
+            agree = kept + (len(added) if text.startswith(added, kept) else
+                            len(os.path.commonprefix([added, text[kept:kept + len(added)]])))
+        length = kept + len(added)
+        pos = max(agree, pos)
+        offsets.append(pos)
+    if length != len(text) or agree != len(text):
+        return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
+    return text, list(zip([0] + offsets[:-1], offsets))
+
+
+_WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
+
+
+def _batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
+    """tokenizer.batch_decode(seqs, skip_special_tokens=True); through the Rust tokenizer's batch when that is the same
+    thing (a fast tokenizer that does no clean-up), which is ~3x faster than transformers' per-sequence loop."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch(seqs, skip_special_tokens=True)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=True)
+
+
+def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
+    """The definition itself, in quadratic time: token i ends where the decode of ids[:i + 1] stops agreeing with the
+    text. Only for tokenizers whose decoding the windows above cannot follow."""
     prefixes = tokenizer.batch_decode([token_ids[: i + 1] for i in range(len(token_ids))], skip_special_tokens=True)
     offsets, pos = [], 0
     for prefix in prefixes:
-        if text.startswith(prefix):
-            end = len(prefix)
-        else:  # an unfinished character (U+FFFD) or a later clean-up changed the tail: keep the agreeing part
-            end = len(os.path.commonprefix([prefix, text]))
-        end = max(end, pos)
+        end = max(len(os.path.commonprefix([prefix, text])), pos)
         offsets.append((pos, end))
         pos = end
     if offsets and pos < len(text):  # whatever the prefixes never agreed on belongs to the last token

@@ -68,6 +68,12 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tiny_model_dir)

@@ -184,6 +184,75 @@ def test_offsets_special_tokens_and_padding(tiny_tokenizer):
     assert delta == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0] and unmatched == []
 
 
+def offsets_by_prefix(tok, ids):
+    """The definition decode_with_offsets must keep: token i ends where the decode of ids[:i + 1] stops agreeing with
+    the text, never before token i - 1 ends; what no prefix agrees on goes to the last token. Quadratic time."""
+    import os
+    text, offsets, pos = tok.decode(ids, skip_special_tokens=True), [], 0
+    for i in range(len(ids)):
+        pos = max(len(os.path.commonprefix([tok.decode(ids[:i + 1], skip_special_tokens=True), text])), pos)
+        offsets.append((offsets[-1][1] if offsets else 0, pos))
+    if offsets and pos < len(text):
+        offsets[-1] = (offsets[-1][0], len(text))
+    return text, offsets
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory):
+    """A Llama-2-style tokenizer: SentencePiece-like BPE over '▁' with byte fallback (a rare character becomes
+    one token per UTF-8 byte) and a decoder that strips the first token's leading space."""
+    from conftest import tiny_corpus
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bpe.train_from_iterator(tiny_corpus(), trainers.BpeTrainer(
+        vocab_size=500, limit_alphabet=40, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+_multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司", " 寿", "🍰", "😀🧪", " naïve", "’s", "—",
+                                       "“q”", " Ünï", "ß", "\n", "  ", ".", " the", "x = {'k': [1]}"]), max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=_multibyte, cut=st.integers(0, 3), specials=st.booleans())
+def test_offsets_identical_to_decoding_every_prefix(tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer,
+                                                    pieces, cut, specials):
+    """Linear-time decode_with_offsets gives exactly the intervals of the definition, on three real tokenizer kinds
+    (byte-level BPE, byte-fallback SentencePiece-style, SmolLM2's), with ids cut anywhere (half a character at either
+    end) and special tokens in between."""
+    for tok in (tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer):
+        ids = tok("".join(pieces), add_special_tokens=False)["input_ids"][cut:]
+        if specials and ids:
+            ids = [tok.eos_token_id] + ids[: len(ids) // 2] + [tok.bos_token_id] + ids[len(ids) // 2:] + [tok.eos_token_id]
+        assert decode_with_offsets(tok, ids) == offsets_by_prefix(tok, ids), (tok.name_or_path, ids)
+
+
+def test_offsets_work_is_linear(smollm2_tokenizer):
+    """The ids handed to the tokenizer grow linearly with the length (decoding every prefix hands it n^2 / 2)."""
+    class Counting:  # the real tokenizer, counting what it decodes
+        def __init__(self, tok):
+            self.tok, self.decoded = tok, 0
+
+        def decode(self, ids, **kw):
+            self.decoded += len(ids)
+            return self.tok.decode(ids, **kw)
+
+        def batch_decode(self, seqs, **kw):
+            self.decoded += sum(map(len, seqs))
+            return self.tok.batch_decode(seqs, **kw)
+
+    text = " ".join(["the café 寿司 🍰 naïve résumé — “quoted”"] * 60)
+    ids = smollm2_tokenizer(text)["input_ids"]
+    assert len(ids) > 500
+    tok = Counting(smollm2_tokenizer)
+    assert decode_with_offsets(tok, ids) == decode_with_offsets(smollm2_tokenizer, ids)
+    assert tok.decoded <= 20 * len(ids)
+
+
 def _labels(tok, text, good=(), poor=()):
     ids = tok(text)["input_ids"]
     decoded, offsets = decode_with_offsets(tok, ids)
