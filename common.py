@@ -293,15 +293,37 @@ def _quote_variants(span: str):
             yield s
 
 
+def _is_word(ch: str) -> bool:
+    """A character that a word boundary cannot fall next to; scripts written without spaces between words (CJK, Thai,
+    Lao) have no word boundaries to respect, so a quote may start or end anywhere in them."""
+    return (ch.isalnum() or ch == "_") and not ("\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff"
+                                                 or "\u0e00" <= ch <= "\u0eff")
+
+
+def _bounded(text: str, i: int, j: int) -> bool:
+    """text[i:j] starts and ends at word boundaries where its own first and last characters are word characters."""
+    return not (i > 0 and _is_word(text[i]) and _is_word(text[i - 1])) and \
+        not (j < len(text) and _is_word(text[j - 1]) and _is_word(text[j]))
+
+
+def _find_bounded(text: str, span: str, start: int) -> int:
+    i = text.find(span, start)
+    while i >= 0 and not _bounded(text, i, i + len(span)):
+        i = text.find(span, i + 1)
+    return i
+
+
 def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None.
 
     Exact match first; then tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing
-    punctuation the critic wrapped around the quote. Never matches text that differs in any other respect.
+    punctuation the critic wrapped around the quote. Never matches text that differs in any other respect, and never
+    inside a longer word: a quote that starts (ends) with a word character only matches where the text has no word
+    character just before (after) it ("he" is not in "the", "2." is not in "12.").
     """
     if not span or not span.strip():
         return None
-    i = text.find(span, start)
+    i = _find_bounded(text, span, start)
     if i >= 0:
         return i, i + len(span)
     norm_text, src = _normalize(text)
@@ -309,7 +331,7 @@ def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
         if not variant:
             return None
-        k = norm_text.find(variant, norm_start)
+        k = _find_bounded(norm_text, variant, norm_start)
         if k >= 0:
             return src[k], src[k + len(variant) - 1] + 1
     return None
@@ -319,23 +341,27 @@ def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
     """Character intervals of the quoted spans, claiming occurrences in order (good first, then poor).
 
     Each quote takes the earliest occurrence not already claimed by an identical earlier quote, so a word quoted once
-    as good and once as poor labels its first occurrence good and its second poor.
-    Returns (good_intervals, poor_intervals, unmatched_quotes); empty or whitespace-only quotes are ignored.
+    as good and once as poor labels its first occurrence good and its second poor. A poor quote that finds every
+    occurrence claimed takes one a good quote claimed (the earliest): a quote given as both good and poor with a single
+    occurrence labels it poor, since poor wins. Returns (good_intervals, poor_intervals, unmatched_quotes); empty or
+    whitespace-only quotes are ignored.
     """
-    claimed: dict[str, set[tuple[int, int]]] = {}
+    claimed: dict[str, dict[tuple[int, int], str]] = {}  # quote -> {interval: label of the quote that claimed it}
     located, unmatched = {"good": [], "poor": []}, []
     for label, spans in (("good", good_spans), ("poor", poor_spans)):
         for span in spans:
             if not isinstance(span, str) or not span.strip():
                 continue
-            taken = claimed.setdefault(span.strip(), set())
+            taken = claimed.setdefault(span.strip(), {})
             pos, iv = 0, None
             while (iv := find_span(text, span, pos)) is not None and iv in taken:
                 pos = iv[0] + 1
+            if iv is None and label == "poor":
+                iv = min((x for x, by in taken.items() if by == "good"), default=None)
             if iv is None:
                 unmatched.append(span)
                 continue
-            taken.add(iv)
+            taken[iv] = label
             located[label].append(iv)
     return located["good"], located["poor"], unmatched
 
@@ -410,7 +436,8 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
     """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
 
     A token takes a span's label when the non-whitespace part of its interval lies inside the span (a whitespace-only
-    token: its whole interval). Tokens straddling a span edge get 0 (App. L); poor overrides good.
+    token: its whole interval). Tokens straddling a span edge get 0 (App. L); poor overrides good, and a token that
+    overlaps a poor span is never +1.
     """
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = []
@@ -422,7 +449,8 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
             delta.append(0.0)
             continue
         inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
-        delta.append(-1.0 if inside(poor_iv) else 1.0 if inside(good_iv) else 0.0)
+        touches_poor = any(a < e and s < b for a, b in poor_iv)
+        delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
     return delta, unmatched
 
 
