@@ -79,6 +79,26 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def model_variant(src, dst, config: dict | None = None, generation: dict | None = None, weights: bool = True) -> str:
+    """A copy of the model directory `src` at `dst` (weights symlinked), with keys of config.json and
+    generation_config.json replaced, as a user's hub download might carry them; weights=False leaves them out."""
+    import shutil
+    dst = Path(dst)
+    dst.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        if f.suffix == ".safetensors":
+            if weights:
+                (dst / f.name).symlink_to(f.resolve())
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    for name, updates in (("config.json", config), ("generation_config.json", generation)):
+        if updates:
+            path = dst / name
+            data = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**data, **updates}, indent=2))
+    return str(dst)
+
+
 def write_jsonl_gz(path, rows: list[dict]) -> str:
     """A .jsonl.gz file, as benchmarks ship them (HumanEval.jsonl.gz)."""
     import gzip
