@@ -306,6 +306,7 @@ def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tin
 def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     import socket
     common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    common.write_jsonl(tmp_path / "sft.jsonl", common.demo_dataset("sft", 16))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -313,8 +314,10 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
            "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir,
            "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
            "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
-           "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-           "--dump-rollouts", str(tmp_path / "dump")]
+           "--ppo-epochs", "1", "--max-new-tokens", "8", "--device", "cpu", "--lora-r", "4",
+           "--dump-rollouts", str(tmp_path / "dump"), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
+           "reference", "--sft-steps", "2", "--sft-batch-size", "4", "--sft-output-dir", str(tmp_path / "sft")]
+    # rank 0 trains the SFT warm start alone while rank 1 waits for it (a gloo group with a long timeout)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
