@@ -513,10 +513,11 @@ def batch_indices(step, batch_size, n, seed):
 
 
 def dist_init(args):
-    """(rank, world size); starts the process group under torchrun: gloo on CPU; on GPU nccl for CUDA tensors and gloo
-    for CPU ones (a stray CPU tensor in a collective then still works instead of failing under nccl)."""
+    """(rank, world size); starts the process group under torchrun (even for one process, so that
+    `torchrun --nproc_per_node 1` runs the collectives): gloo on CPU; on GPU nccl for CUDA tensors and gloo for CPU
+    ones (a stray CPU tensor in a collective then still works instead of failing under nccl)."""
     import torch.distributed as dist
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         if args.device.startswith("cuda"):
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(args.device)
