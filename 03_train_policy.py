@@ -67,9 +67,9 @@ def parse_args(argv=None):
                                     " (demo default: runs/demo/scalar; '' to skip)")
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
                                                                              "template (auto: if it has one)")
-    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (the chat template around\n"
-                                                            "it is kept whole); the reward model's input is cut the same\n"
-                                                            "way (common.rm_prompt), as stage 2 cut it in training")
+    a("--max-prompt-tokens", type=int, default=1024,
+      help="a longer prompt keeps its last tokens (the chat template around it is kept whole);\n"
+           "the reward model's input is cut the same way (common.rm_prompt), as stage 2 cut it in training")
     # --- optional SFT warm start (the paper fine-tunes on SLF5K reference summaries first)
     a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
     a("--sft-field", default="response", help="the SFT target field")
@@ -90,8 +90,8 @@ def parse_args(argv=None):
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"],
       help="chat: send the request as one user message (the server applies the model's chat template);\n"
-           "completions: send the exact text of common.build_rm_prompt (built with --reward-model's tokenizer if\n"
-           "given, else the plain template): for a served base model without a chat template")
+           "completions: send the exact text of common.rm_prompt (built with --reward-model's tokenizer if given,\n"
+           "else the plain template), less a leading BOS the server adds itself")
     a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique")
     # --- rollouts
@@ -324,7 +324,8 @@ def build_policy(args, model):
 
 
 def prompt_ids(tokenizer, prompt, args):
-    """The policy's prompt ids: chat template per --chat-template, the prompt cut from its start to --max-prompt-tokens."""
+    """The policy's prompt ids: the chat template per --chat-template, the prompt cut from its start to fit
+    --max-prompt-tokens."""
     return common.fit_prompt(tokenizer, lambda p: common.apply_template(tokenizer, p, args.chat_template), prompt,
                              args.max_prompt_tokens)[0]
 
@@ -773,7 +774,8 @@ def train(args):
         counts = all_sum(torch.tensor([sum(fb is None for fb in feedback), n_spans, n_unmatched], dtype=torch.float,
                                       device=args.device))
         exact = all_sum(exact.to(args.device)) / args.batch_size
-        ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]], device=args.device)) / world
+        ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]],
+                                         device=args.device)) / world
         var_returns = masked_mean((g_returns - masked_mean(g_returns, g_mask)) ** 2, g_mask)
         row = {"step": step,
                "objective/kl": seq_kl, "objective/kl_coef": kl_coef,

@@ -388,7 +388,7 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
     windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
     windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
     decoded = _batch_decode(tokenizer, windows)
-    offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode equals the text; length: its size
+    offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode is the text; length: its size
     for i in range(n):
         a, b = decoded[i], decoded[i - 1] if i % w else decoded[n + i // w]
         keep = len(b) if a.startswith(b) else len(os.path.commonprefix([a, b]))
