@@ -46,6 +46,7 @@ def export(out_dir) -> str:
     del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.")
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model directory
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     if not (out / "model.safetensors").is_file():
