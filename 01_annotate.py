@@ -233,9 +233,7 @@ def generate_responses(records: list[dict], args) -> None:
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = common.load_model(args.generate_with, device=device, dtype=args.dtype)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                       add_generation_prompt=True)
-               if args.chat_template and getattr(tok, "chat_template", None) else r["prompt"] for r in records]
+    prompts = [common.apply_template(tok, r["prompt"], "auto" if args.chat_template else "off") for r in records]
     torch.manual_seed(args.seed)
     ids = common.generate(model, tok, prompts, args.max_new_tokens, temperature=args.temperature,
                           batch_size=args.gen_batch_size, desc="generate")
@@ -548,4 +546,5 @@ if __name__ == "__main__":
     try:
         main()
     except (common.DataError, FatalAPIError) as e:
-        sys.exit(f"error: {redact(str(e))}")
+        print(f"error: {redact(str(e))}", file=sys.stderr)
+        sys.exit(2 if isinstance(e, common.DataError) else 1)  # 2: bad input; 1: the API refused every request

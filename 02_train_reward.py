@@ -163,18 +163,9 @@ def encode_example(tokenizer, rec: dict, max_len: int) -> tuple[dict | None, str
     """
     target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]),
                        add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    build = lambda prompt: common.encode_prompt(  # noqa: E731
-        tokenizer, common.build_rm_prompt(tokenizer, prompt, rec["response"]))
-    prompt_ids, status = build(rec["prompt"]), "ok"
-    excess = len(prompt_ids) + len(target) - max_len
-    if excess > 0:
-        task_ids, cut, status = tokenizer(rec["prompt"], add_special_tokens=False)["input_ids"], 0, "truncated"
-        while excess > 0 and cut < len(task_ids):  # a re-tokenized tail can differ by a token or two: re-check
-            cut = min(cut + excess, len(task_ids))
-            prompt_ids = build(tokenizer.decode(task_ids[cut:]).lstrip("\ufffd"))
-            excess = len(prompt_ids) + len(target) - max_len
-        if excess > 0:
-            return None, "too_long"
+    prompt_ids, _, status = common.rm_prompt(tokenizer, rec["prompt"], rec["response"], max_len - len(target))
+    if status == "too_long":
+        return None, status
     return {"input_ids": prompt_ids + target, "labels": [-100] * len(prompt_ids) + target}, status
 
 
@@ -206,14 +197,17 @@ def collate(features: list[dict], pad_id: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32):
+def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32,
+                max_prompt_tokens: int | None = None):
     """(metrics, raw outputs) of the reward model on `records` (common.rm_span_metrics, paper Tables 1 and 6).
+    Its input is cut as in training (common.rm_prompt) to leave max_new_tokens of max_len for the critique.
 
     Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
     gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
     """
     outputs = common.rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split")
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split",
+                                 max_prompt_tokens=max_prompt_tokens)
     items = []
     for rec in records:
         text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
@@ -379,7 +373,8 @@ def main(args: argparse.Namespace) -> dict:
     if eval_recs:
         rm, rm_tok = common.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
         t1 = time.time()
-        metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size)
+        metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size,
+                                       max(args.max_len - args.max_new_tokens, 1))
         metrics["critique_s"] = round(time.time() - t1, 1)
         common.write_jsonl(out / "eval_samples.jsonl", [
             {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o,
@@ -396,5 +391,6 @@ def main(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     try:
         main(parse_args())
-    except common.DataError as e:
-        sys.exit(f"error: {e}")
+    except common.DataError as e:  # bad input: one line, exit code 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -48,6 +48,7 @@ PRESETS = {
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
                     ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0),
 }
+DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_args(argv=None):
@@ -66,7 +67,9 @@ def parse_args(argv=None):
                                     " (demo default: runs/demo/scalar; '' to skip)")
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
                                                                              "template (auto: if it has one)")
-    a("--max-prompt-tokens", type=int, default=1024, help="longer prompts keep their last tokens")
+    a("--max-prompt-tokens", type=int, default=1024,
+      help="a longer prompt keeps its last tokens (the chat template around it is kept whole);\n"
+           "the reward model's input is cut the same way (common.rm_prompt), as stage 2 cut it in training")
     # --- optional SFT warm start (the paper fine-tunes on SLF5K reference summaries first)
     a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
     a("--sft-field", default="response", help="the SFT target field")
@@ -87,16 +90,19 @@ def parse_args(argv=None):
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"],
       help="chat: send the request as one user message (the server applies the model's chat template);\n"
-           "completions: send the exact text of common.build_rm_prompt (built with --reward-model's tokenizer if\n"
-           "given, else the plain template): for a served base model without a chat template")
+           "completions: send the exact text of common.rm_prompt (built with --reward-model's tokenizer if given,\n"
+           "else the plain template), less a leading BOS the server adds itself")
     a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique")
     # --- rollouts
     a("--batch-size", type=int, help="rollouts per iteration")
     a("--max-new-tokens", type=int, help="response length limit")
-    a("--min-new-tokens", type=int, default=0, help="forbid EOS before this many tokens (benchmarks)")
+    a("--min-new-tokens", type=int, default=0, help="forbid EOS before this many tokens (benchmarks); the log-probs\n"
+                                                     "are scored with EOS forbidden there too, as it was sampled")
     a("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
-    a("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off)")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off). Below 1 the run is OFF-POLICY: rollouts\n"
+                                               "come from the truncated distribution, PPO scores the full one (the\n"
+                                               "run log says so)")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
     # --- rewards (Sec. 3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
@@ -126,10 +132,13 @@ def parse_args(argv=None):
     a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
     a("--ent-coef", type=float, default=0.0, help="entropy bonus coefficient (the paper's beta * H)")
     a("--max-grad-norm", type=float, default=1.0, help="gradient norm clip")
-    a("--target-kl", type=float, default=None, help="stop an iteration's epochs early when approx KL exceeds this")
+    a("--target-kl", type=float, default=None, help="stop an iteration's epochs early when an epoch's mean approx KL "
+                                                    "exceeds this")
     # --- system
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
-    a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="model weights dtype")
+    a("--dtype", default="float32", choices=["float32", "bf16", "fp16"],
+      help="compute dtype. LoRA: the frozen base is stored in it (the adapter and value head stay float32);\n"
+           "full fine-tuning: float32 master weights, bf16/fp16 autocast (fp16 with loss scaling)")
     a("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     a("--save-every", type=int, default=20, help="checkpoint every N iterations")
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
@@ -255,34 +264,38 @@ def entropy_from_logits(logits):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def forward(model, value_head, input_ids, attention_mask, n_resp, temperature):
+def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, forbid=None):
     """Log-probs of the last n_resp tokens, the values of the states before them, and the logits / T.
-    Only the last n_resp + 1 positions' logits are computed (logits_to_keep): the prompt's are never needed."""
+    Only the last n_resp + 1 positions' logits are computed (logits_to_keep): the prompt's are never needed.
+    forbid = (ids, n): generate() could not sample these ids at the first n response positions (--min-new-tokens),
+    so they get the lowest logit there too: the log-probs are those of the distribution that was sampled."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at the first token
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
                 output_hidden_states=value_head is not None, logits_to_keep=n_resp + 1)
     logits = out.logits[:, :-1].float() / temperature                          # (B, T, V): position t predicts t+1
+    if forbid and forbid[1] > 0:  # finite, not -inf: 0 * logit stays 0 in the entropy and the full KL
+        logits[:, :forbid[1], forbid[0]] = torch.finfo(logits.dtype).min
     logprobs = torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)      # (B, T)
     values = None
     if value_head is not None:
         hidden = out.hidden_states[-1][:, -n_resp - 1:-1]                      # (B, T, H), post final norm
-        values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1)    # (B, T)
+        values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1).float()  # (B, T)
     return logprobs, values, logits
 
 
-def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature):
+def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature, forbid=None):
     """(log-probs, logits) of pi_ref: the same weights with the LoRA adapter switched off (or the --ref-adapter
     switched on); only full fine-tuning needs the frozen copy `ref_model`."""
     if ref_model is not None:
-        return forward(ref_model, None, input_ids, attention_mask, n_resp, temperature)[::2]
+        return forward(ref_model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
     if "ref" in getattr(model, "peft_config", {}):
         model.set_adapter("ref")
         try:
-            return forward(model, None, input_ids, attention_mask, n_resp, temperature)[::2]
+            return forward(model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
         finally:
             model.set_adapter("default")
     with model.disable_adapter():
-        return forward(model, None, input_ids, attention_mask, n_resp, temperature)[::2]
+        return forward(model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
 
 
 def build_policy(args, model):
@@ -298,8 +311,8 @@ def build_policy(args, model):
     elif args.lora_r > 0:
         model = get_peft_model(model, LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                  target_modules=targets, task_type="CAUSAL_LM"))
-    else:
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    else:  # full fine-tuning: the frozen reference needs no float32 master weights
+        ref_model = copy.deepcopy(model).to(DTYPES[args.dtype]).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -310,12 +323,25 @@ def build_policy(args, model):
     return model, ref_model, value_head
 
 
-def format_prompt(tokenizer, prompt, args):
-    use_chat = args.chat_template == "on" or (args.chat_template == "auto" and getattr(tokenizer, "chat_template", None))
-    if use_chat:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    return prompt
+def prompt_ids(tokenizer, prompt, args):
+    """The policy's prompt ids: the chat template per --chat-template, the prompt cut from its start to fit
+    --max-prompt-tokens."""
+    return common.fit_prompt(tokenizer, lambda p: common.apply_template(tokenizer, p, args.chat_template), prompt,
+                             args.max_prompt_tokens)[0]
+
+
+def autocast(args):
+    """bf16/fp16 compute over float32 master weights for full fine-tuning (a bf16 weight does not move by a 1e-6
+    step); for LoRA the frozen base is stored in --dtype and autocast only matches the adapter's float32 to it."""
+    import contextlib
+    if args.dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(args.device).type, dtype=DTYPES[args.dtype])
+
+
+def grad_scaler(args):
+    """Loss scaling for fp16 (its gradients underflow without it); a no-op otherwise."""
+    return torch.amp.GradScaler(torch.device(args.device).type, enabled=args.dtype == "fp16")
 
 
 def sft_warm_start(args, model, tokenizer):
@@ -327,11 +353,11 @@ def sft_warm_start(args, model, tokenizer):
         raise common.DataError(f"{args.sft_data}: no records")
     examples = []
     for r in records:
-        p = common.encode_prompt(tokenizer, format_prompt(tokenizer, r["prompt"], args))[-args.max_prompt_tokens:]
         y = tokenizer(r[args.sft_field], add_special_tokens=False)["input_ids"][:args.max_new_tokens]
-        examples.append((p, y + [tokenizer.eos_token_id]))
+        examples.append((prompt_ids(tokenizer, r["prompt"], args), y + [tokenizer.eos_token_id]))
     model.train()
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.sft_lr)
+    scaler = grad_scaler(args)
     gen = torch.Generator().manual_seed(args.seed)
     bar = tqdm(range(args.sft_steps), desc="SFT warm start")
     for _ in bar:
@@ -341,11 +367,14 @@ def sft_warm_start(args, model, tokenizer):
         for i, (p, y) in enumerate(batch):
             labels[i, : ids.shape[1] - len(y)] = -100                          # no loss on the prompt
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        loss = model(input_ids=ids.to(args.device), attention_mask=attn.to(args.device),
-                     position_ids=pos.to(args.device), labels=labels.to(args.device)).loss
-        loss.backward()
+        with autocast(args):
+            loss = model(input_ids=ids.to(args.device), attention_mask=attn.to(args.device),
+                         position_ids=pos.to(args.device), labels=labels.to(args.device)).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     model.eval()
@@ -370,7 +399,8 @@ def make_critic(args):
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
 
         def local(recs, texts):
-            raw = common.rm_critique(rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens)
+            raw = common.rm_critique(rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
+                                     max_prompt_tokens=args.max_prompt_tokens)
             return [_parse(x) for x in raw]
         return local
     from openai import AsyncOpenAI
@@ -384,7 +414,7 @@ def make_critic(args):
             if args.critic_api == "completions":
                 reply = await client.completions.create(
                     model=args.critic_model, temperature=0.0, max_tokens=args.critic_max_new_tokens,
-                    prompt=common.build_rm_prompt(rm_tok, prompt, text))
+                    prompt=completions_prompt(rm_tok, prompt, text, args.max_prompt_tokens))
                 return reply.choices[0].text or ""
             reply = await client.chat.completions.create(
                 model=args.critic_model, temperature=0.0, max_tokens=args.critic_max_new_tokens,
@@ -398,6 +428,17 @@ def make_critic(args):
             return await asyncio.gather(*[ask(client, sem, r["prompt"], t) for r, t in zip(recs, texts)])
 
     return lambda recs, texts: [_parse(x) for x in asyncio.run(ask_all(recs, texts))]
+
+
+def completions_prompt(tokenizer, prompt, response, max_prompt_tokens):
+    """The text a served reward model gets on /v1/completions: common.rm_prompt's, as in training. The server tokenizes
+    it adding its BOS as usual, so a BOS the chat template wrote is left out of the text: one BOS, not two."""
+    if tokenizer is None:
+        return common.build_rm_prompt(None, prompt, response)
+    text = common.build_rm_prompt(tokenizer, common.rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1],
+                                  response)
+    bos, adds_bos = tokenizer.bos_token, tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
 
 
 def _parse(raw):
@@ -431,10 +472,11 @@ def save_checkpoint(path, step, model, value_head, optimizer, scheduler, kl_coef
         torch.save(state, f)
 
 
-def load_checkpoint(path, model, value_head, optimizer, scheduler, rank=0):
+def load_checkpoint(path, model, value_head, optimizer, scheduler, rank=0, world=1):
     state = torch.load(path, map_location="cpu", weights_only=False)
-    if len(state["rng"]) <= rank:
-        raise common.DataError(f"{path}: saved by {len(state['rng'])} process(es); resume with the same world size")
+    if len(state["rng"]) != world:  # each rank's sampler state is in it: another world size cannot continue exactly
+        raise common.DataError(f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with "
+                               f"the same world size (torchrun --nproc_per_node {len(state['rng'])})")
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in state["trainable"].items():
@@ -472,13 +514,15 @@ def batch_indices(step, batch_size, n, seed):
 
 
 def dist_init(args):
-    """(rank, world size); starts the process group under torchrun (gloo on CPU, nccl on GPU)."""
+    """(rank, world size); starts the process group under torchrun (even for one process, so that
+    `torchrun --nproc_per_node 1` runs the collectives): gloo on CPU; on GPU nccl for CUDA tensors and gloo for CPU
+    ones (a stray CPU tensor in a collective then still works instead of failing under nccl)."""
     import torch.distributed as dist
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
         if args.device.startswith("cuda"):
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(args.device)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "gloo")
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
@@ -504,10 +548,16 @@ def all_sum(x):
     return x
 
 
-def barrier():
+def barrier(timeout_h=None):
+    """Wait for every rank. timeout_h: a long wait (rank 0 training the SFT warm start alone), on a gloo group of its
+    own, since nccl's collectives give up after 10 minutes."""
+    import datetime
     import torch.distributed as dist
     if dist.is_initialized():
-        dist.barrier()
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=timeout_h)) if timeout_h else None
+        dist.barrier(group=group)
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -537,9 +587,10 @@ def train(args):
     start_model = args.model
     if args.sft_data and args.sft_steps > 0:
         sft_dir = Path(args.sft_output_dir or out_dir / "sft")
+        sft_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
         if rank == 0 and not (sft_dir / "config.json").is_file():
-            model, tokenizer = common.load_model(args.model, device=args.device, dtype=args.dtype)
-            sft_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
+            model, tokenizer = common.load_model(args.model, device=args.device,
+                                                 dtype=args.dtype if sft_r > 0 else "float32")  # full FT: fp32 master
             if sft_r > 0:  # LoRA for the warm start, merged into the weights afterwards
                 from peft import LoraConfig, get_peft_model
                 targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
@@ -551,9 +602,11 @@ def train(args):
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, sft_dir)
-        barrier()
+        barrier(timeout_h=24)  # the other ranks wait for rank 0's SFT, however long it takes
         start_model = str(sft_dir)
-    model, tokenizer = common.load_model(start_model, device=args.device, dtype=args.dtype)
+    model, tokenizer = common.load_model(start_model, device=args.device,
+                                         dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
+    queries = [prompt_ids(tokenizer, r["prompt"], args) for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic = make_critic(args)
@@ -568,24 +621,30 @@ def train(args):
         out_dir.mkdir(parents=True, exist_ok=True)
     barrier()
     if args.resume and ckpt.is_file():
-        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank)
+        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank, world)
         first_step = last + 1
         if rank == 0:  # drop rows logged after the checkpoint
-            kept = [r for r in common.read_jsonl(out_dir / "metrics.jsonl") if r["step"] <= last] \
-                if (out_dir / "metrics.jsonl").is_file() else []
-            common.write_jsonl(out_dir / "metrics.jsonl", kept)
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                kept = [r for r in common.read_jsonl(out_dir / name) if r["step"] <= last] \
+                    if (out_dir / name).is_file() else []
+                common.write_jsonl(out_dir / name, kept)
             print(f"resumed from {ckpt} at step {last}")
     elif rank == 0:
         for name in ("metrics.jsonl", "samples.jsonl"):
             (out_dir / name).unlink(missing_ok=True)
     if rank == 0:
         common.write_json(out_dir / "config.json", {**vars(args), "world_size": world})
-    prompt_ids = [common.encode_prompt(tokenizer, format_prompt(tokenizer, r["prompt"], args))[-args.max_prompt_tokens:]
-                  for r in records]
     local_bs = args.batch_size // world                     # rollouts of this rank
     mb_size = local_bs // args.num_minibatches
     micro = mb_size // args.grad_accum
-    sample = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0)  # no hidden top-k
+    # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
+    gen_config = common.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
+    stop = torch.tensor(common.stop_ids(model), device=args.device)
+    forbid = (stop.tolist(), args.min_new_tokens)
+    scaler = grad_scaler(args)
+    if args.top_p < 1 and rank == 0:
+        print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
+              "scores log-probs of the full distribution)", file=sys.stderr)
 
     bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
                total=args.steps, disable=rank != 0)
@@ -594,15 +653,13 @@ def train(args):
         # ---- 1. rollouts: left-padded batch, sampled with the behaviour policy's exact settings
         idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)[rank * local_bs:(rank + 1) * local_bs]
         batch_recs = [records[i] for i in idx]
-        query, query_mask = common.left_pad([prompt_ids[i] for i in idx], tokenizer.pad_token_id)
+        query, query_mask = common.left_pad([queries[i] for i in idx], tokenizer.pad_token_id)
         query, query_mask = query.to(args.device), query_mask.to(args.device)
         model.eval()
-        with torch.no_grad():
-            seqs = model.generate(input_ids=query, attention_mask=query_mask, max_new_tokens=args.max_new_tokens,
-                                  min_new_tokens=args.min_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, **sample)
+        with torch.no_grad(), autocast(args):
+            seqs = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
         response = seqs[:, query.shape[1]:]                                                   # (B, T)
-        is_eos = response == tokenizer.eos_token_id
+        is_eos = torch.isin(response, stop)                      # any stop id ends a response (Llama-3.1 has three)
         has_eos = is_eos.any(1)
         first_eos = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1],
                                                                                   dtype=torch.long))
@@ -641,13 +698,14 @@ def train(args):
                 exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
 
         # ---- old log-probs, values, and the per-token KL to the reference policy
-        with torch.no_grad():
+        with torch.no_grad(), autocast(args):
             old_logprobs, old_values, kl = [], [], []
             for s in range(0, local_bs, micro):  # in micro-batches: (B, T, V) logits can be large
                 sl = slice(s, s + micro)
-                lp, v, logits = forward(model, value_head, input_ids[sl], attention_mask[sl], T, args.temperature)
+                lp, v, logits = forward(model, value_head, input_ids[sl], attention_mask[sl], T, args.temperature,
+                                        forbid)
                 ref_lp, ref_logits = reference_forward(model, ref_model, input_ids[sl], attention_mask[sl], T,
-                                                       args.temperature)
+                                                       args.temperature, forbid)
                 old_logprobs.append(lp)
                 old_values.append(v)
                 kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
@@ -671,36 +729,41 @@ def train(args):
         stats = []
         for epoch in range(args.ppo_epochs):
             perm = torch.randperm(local_bs, device=args.device)
+            epoch_start = len(stats)
             for mb_start in range(0, local_bs, mb_size):
                 mb = perm[mb_start: mb_start + mb_size]
                 mb_tokens = all_sum(mask[mb].sum()).clamp(min=1)    # tokens of the minibatch over all ranks
                 for s in range(0, mb_size, micro):
                     m = mb[s: s + micro]
-                    logprobs, values, logits = forward(model, value_head, input_ids[m], attention_mask[m], T,
-                                                       args.temperature)
+                    with autocast(args):
+                        logprobs, values, logits = forward(model, value_head, input_ids[m], attention_mask[m], T,
+                                                           args.temperature, forbid)
                     pg_loss, vf_loss, st = ppo_loss(logprobs, old_logprobs[m], advantages[m], values, old_values[m],
                                                     returns[m], mask[m], args.clip_range, args.clip_range_value)
                     entropy = masked_mean(entropy_from_logits(logits), mask[m])
                     loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
-                    (loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the (global) minibatch
+                    scaler.scale(loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
                     stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
                                   "losses/entropy": entropy.item()})
                 for p in params:  # torchrun: sum the ranks' gradients (identity for one process)
                     if p.grad is not None:
                         all_sum(p.grad)
+                scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-                optimizer.step()
+                scaler.step(optimizer)
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
-            approx_kl = all_sum(torch.tensor(np.mean([s["policy/approx_kl"] for s in stats]))) / world
-            if args.target_kl is not None and approx_kl > args.target_kl:
-                break  # early stop: the policy moved far enough from the behaviour policy
+            epoch_kl = np.mean([st["policy/approx_kl"] for st in stats[epoch_start:]])
+            epoch_kl = all_sum(torch.tensor(epoch_kl, device=args.device)) / world
+            if args.target_kl is not None and epoch_kl > args.target_kl:
+                break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
         scheduler.step()
         model.eval()
         if args.dump_rollouts:
             Path(args.dump_rollouts).mkdir(parents=True, exist_ok=True)
-            torch.save({"texts": texts, "delta": delta, "kl": kl, "mask": mask, "values": old_values,
-                        "has_eos": has_eos, "advantages": advantages, "returns": returns, "kl_coef": kl_coef,
-                        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
+            torch.save({"texts": texts, "query": query, "response": response, "delta": delta, "kl": kl, "mask": mask,
+                        "values": old_values, "has_eos": has_eos, "advantages": advantages, "returns": returns,
+                        "kl_coef": kl_coef, "param_checksum": sum(p.detach().double().sum().item() for p in params)},
                        Path(args.dump_rollouts) / f"step{step}_rank{rank}.pt")
 
         # ---- adaptive KL controller, logging (global batch), checkpoints
@@ -708,9 +771,11 @@ def train(args):
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, seq_kl, args.adaptive_kl_target, args.adaptive_kl_horizon,
                                      args.batch_size)
-        counts = all_sum(torch.tensor([sum(fb is None for fb in feedback), n_spans, n_unmatched], dtype=torch.float))
-        exact = all_sum(exact) / args.batch_size
-        ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]])) / world
+        counts = all_sum(torch.tensor([sum(fb is None for fb in feedback), n_spans, n_unmatched], dtype=torch.float,
+                                      device=args.device))
+        exact = all_sum(exact.to(args.device)) / args.batch_size
+        ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]],
+                                         device=args.device)) / world
         var_returns = masked_mean((g_returns - masked_mean(g_returns, g_mask)) ** 2, g_mask)
         row = {"step": step,
                "objective/kl": seq_kl, "objective/kl_coef": kl_coef,
@@ -727,8 +792,9 @@ def train(args):
                **({"exact/span_reward": exact[0].item(), "exact/mistake_rate": exact[1].item()} if args.task == "demo"
                   else {}),
                "response/length": g_mask.sum(1).mean().item(), "response/eos_rate": g_has_eos.float().mean().item(),
-               "lr": scheduler.get_last_lr()[0],
-               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/step_s": time.time() - t0}
+               "policy/epochs": epoch + 1, "lr": scheduler.get_last_lr()[0],
+               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen,
+               "time/update_s": time.time() - t_critic, "time/step_s": time.time() - t0}
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
                 common.append_jsonl(f, row)
@@ -776,5 +842,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except common.DataError as e:
-        sys.exit(f"error: {e}")
+    except common.DataError as e:  # bad input: one line, exit code 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

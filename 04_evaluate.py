@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
                    help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="a longer prompt keeps its last tokens, as in stage 3; the reward model's input is cut the "
+                        "same way (common.rm_prompt)")
     p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--dtype", default="float32", help="float32 / bf16 / fp16")
@@ -208,12 +211,13 @@ def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: st
             path.unlink()
             done = set()
     todo = [it for it in items if it["id"] not in done]
-    if todo:
-        with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc=desc) as bar:
-            for i in range(0, len(todo), chunk):
-                for row in compute(todo[i:i + chunk]):
+    with tqdm(total=len(todo), desc=desc, disable=not todo) as bar:
+        for i in range(0, len(todo), chunk):
+            rows = compute(todo[i:i + chunk])  # first, so bad input (a model that cannot load) leaves no file behind
+            with open(path, "a", encoding="utf-8") as f:
+                for row in rows:
                     common.append_jsonl(f, {**row, "fingerprint": fp})
-                bar.update(len(todo[i:i + chunk]))
+            bar.update(len(todo[i:i + chunk]))
     rows = {r["id"]: r for r in common.read_jsonl(path)}
     return [rows[it["id"]] for it in items]
 
@@ -235,14 +239,14 @@ def load(path: str, args, flag: str):
         raise DataError(f"{flag}{path}: no such directory")
     try:
         return list(common.load_model(path, device=args.device, dtype=args.dtype))
-    except OSError as e:
-        raise DataError(f"{flag}{path}: cannot load: {first_line(e)}") from None
+    except DataError as e:  # "PATH: cannot load the model: ..." -> "--policy NAME=PATH: cannot load the model: ..."
+        raise DataError(f"{flag}{e}") from None
 
 
 def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], str]:
     """Each record's response from policy `name`: text, token ids and per-token character offsets (cached)."""
     fp = fingerprint(path, args.data, args.prompt_field, args.max_new_tokens, args.temperature, args.top_p,
-                     args.chat_template, args.seed, args.dtype)
+                     args.chat_template, args.seed, args.dtype, args.max_prompt_tokens, "generate-v2")
     loaded = []
 
     def compute(chunk):
@@ -251,10 +255,8 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
             loaded.extend(load(path, args, f"--policy {name}="))
             torch.manual_seed(args.seed)
         model, tok = loaded
-        prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True)
-                   if args.chat_template == "on" or (args.chat_template == "auto" and tok.chat_template)
-                   else r["prompt"] for r in chunk]
+        prompts = [common.fit_prompt(tok, lambda p: common.apply_template(tok, p, args.chat_template), r["prompt"],
+                                     args.max_prompt_tokens)[0] for r in chunk]
         ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
         rows = []
         for rec, x in zip(chunk, ids):
@@ -268,7 +270,7 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
 
 def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> list[dict]:
     """The reward model's raw critique of each output (batched greedy, cached). rm_state lazily holds (model, tok)."""
-    fp = fingerprint(gen_fp, args.reward_model, args.rm_max_new_tokens)
+    fp = fingerprint(gen_fp, args.reward_model, args.rm_max_new_tokens, args.max_prompt_tokens)
     by_id = {g["id"]: g["response"] for g in gens}
 
     def compute(chunk):
@@ -279,7 +281,8 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
         raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
-                                 max_new_tokens=args.rm_max_new_tokens, batch_size=args.rm_batch_size)
+                                 max_new_tokens=args.rm_max_new_tokens, batch_size=args.rm_batch_size,
+                                 max_prompt_tokens=args.max_prompt_tokens)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
     return cached(cache_dir / f"{name}.critiques.jsonl", fp, records, compute, 4 * args.rm_batch_size,
@@ -805,5 +808,6 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    except DataError as e:  # bad input: one line, exit code 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -293,15 +293,37 @@ def _quote_variants(span: str):
             yield s
 
 
+def _is_word(ch: str) -> bool:
+    """A character that a word boundary cannot fall next to; scripts written without spaces between words (CJK, Thai,
+    Lao) have no word boundaries to respect, so a quote may start or end anywhere in them."""
+    return (ch.isalnum() or ch == "_") and not ("\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff"
+                                                 or "\u0e00" <= ch <= "\u0eff")
+
+
+def _bounded(text: str, i: int, j: int) -> bool:
+    """text[i:j] starts and ends at word boundaries where its own first and last characters are word characters."""
+    return not (i > 0 and _is_word(text[i]) and _is_word(text[i - 1])) and \
+        not (j < len(text) and _is_word(text[j - 1]) and _is_word(text[j]))
+
+
+def _find_bounded(text: str, span: str, start: int) -> int:
+    i = text.find(span, start)
+    while i >= 0 and not _bounded(text, i, i + len(span)):
+        i = text.find(span, i + 1)
+    return i
+
+
 def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None.
 
     Exact match first; then tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing
-    punctuation the critic wrapped around the quote. Never matches text that differs in any other respect.
+    punctuation the critic wrapped around the quote. Never matches text that differs in any other respect, and never
+    inside a longer word: a quote that starts (ends) with a word character only matches where the text has no word
+    character just before (after) it ("he" is not in "the", "2." is not in "12.").
     """
     if not span or not span.strip():
         return None
-    i = text.find(span, start)
+    i = _find_bounded(text, span, start)
     if i >= 0:
         return i, i + len(span)
     norm_text, src = _normalize(text)
@@ -309,7 +331,7 @@ def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
         if not variant:
             return None
-        k = norm_text.find(variant, norm_start)
+        k = _find_bounded(norm_text, variant, norm_start)
         if k >= 0:
             return src[k], src[k + len(variant) - 1] + 1
     return None
@@ -319,23 +341,27 @@ def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
     """Character intervals of the quoted spans, claiming occurrences in order (good first, then poor).
 
     Each quote takes the earliest occurrence not already claimed by an identical earlier quote, so a word quoted once
-    as good and once as poor labels its first occurrence good and its second poor.
-    Returns (good_intervals, poor_intervals, unmatched_quotes); empty or whitespace-only quotes are ignored.
+    as good and once as poor labels its first occurrence good and its second poor. A poor quote that finds every
+    occurrence claimed takes one a good quote claimed (the earliest): a quote given as both good and poor with a single
+    occurrence labels it poor, since poor wins. Returns (good_intervals, poor_intervals, unmatched_quotes); empty or
+    whitespace-only quotes are ignored.
     """
-    claimed: dict[str, set[tuple[int, int]]] = {}
+    claimed: dict[str, dict[tuple[int, int], str]] = {}  # quote -> {interval: label of the quote that claimed it}
     located, unmatched = {"good": [], "poor": []}, []
     for label, spans in (("good", good_spans), ("poor", poor_spans)):
         for span in spans:
             if not isinstance(span, str) or not span.strip():
                 continue
-            taken = claimed.setdefault(span.strip(), set())
+            taken = claimed.setdefault(span.strip(), {})
             pos, iv = 0, None
             while (iv := find_span(text, span, pos)) is not None and iv in taken:
                 pos = iv[0] + 1
+            if iv is None and label == "poor":
+                iv = min((x for x, by in taken.items() if by == "good"), default=None)
             if iv is None:
                 unmatched.append(span)
                 continue
-            taken.add(iv)
+            taken[iv] = label
             located[label].append(iv)
     return located["good"], located["poor"], unmatched
 
@@ -345,18 +371,60 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
 
     Offsets come from incremental decoding of the ids themselves (never from re-tokenizing the text, which can split
     differently). A token that does not complete a character (part of a multi-byte UTF-8 sequence) or is special gets
-    an empty interval at the current position; the character goes to the token that completes it.
+    an empty interval at the current position; the character goes to the token that completes it. Token i ends where
+    the decode of ids[:i + 1] stops agreeing with the text (never before token i - 1 ends).
+
+    Linear time: instead of decoding every prefix, each token's window of at most 2 * _WINDOW ids is decoded, all in
+    one batch, and the prefix's decode is tracked as "the previous one, its tail replaced by the new window's". When
+    that bookkeeping does not end on the text exactly (a tokenizer whose decoding is not local), the prefixes are
+    decoded one by one as before.
     """
     token_ids = [int(t) for t in token_ids]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    n, w = len(token_ids), _WINDOW
+    # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
+    # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
+    # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
+    windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
+    windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
+    decoded = _batch_decode(tokenizer, windows)
+    offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode is the text; length: its size
+    for i in range(n):
+        a, b = decoded[i], decoded[i - 1] if i % w else decoded[n + i // w]
+        keep = len(b) if a.startswith(b) else len(os.path.commonprefix([a, b]))
+        kept, added = length - len(b) + keep, a[keep:]  # the prefix's decode: its first `kept` chars, then `added`
+        if kept < 0:
+            return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
+        if agree >= kept:
+            agree = kept + (len(added) if text.startswith(added, kept) else
+                            len(os.path.commonprefix([added, text[kept:kept + len(added)]])))
+        length = kept + len(added)
+        pos = max(agree, pos)
+        offsets.append(pos)
+    if length != len(text) or agree != len(text):
+        return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
+    return text, list(zip([0] + offsets[:-1], offsets))
+
+
+_WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
+
+
+def _batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
+    """tokenizer.batch_decode(seqs, skip_special_tokens=True); through the Rust tokenizer's batch when that is the same
+    thing (a fast tokenizer that does no clean-up), which is ~3x faster than transformers' per-sequence loop."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode_batch(seqs, skip_special_tokens=True)
+    return tokenizer.batch_decode(seqs, skip_special_tokens=True)
+
+
+def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
+    """The definition itself, in quadratic time: token i ends where the decode of ids[:i + 1] stops agreeing with the
+    text. Only for tokenizers whose decoding the windows above cannot follow."""
     prefixes = tokenizer.batch_decode([token_ids[: i + 1] for i in range(len(token_ids))], skip_special_tokens=True)
     offsets, pos = [], 0
     for prefix in prefixes:
-        if text.startswith(prefix):
-            end = len(prefix)
-        else:  # an unfinished character (U+FFFD) or a later clean-up changed the tail: keep the agreeing part
-            end = len(os.path.commonprefix([prefix, text]))
-        end = max(end, pos)
+        end = max(len(os.path.commonprefix([prefix, text])), pos)
         offsets.append((pos, end))
         pos = end
     if offsets and pos < len(text):  # whatever the prefixes never agreed on belongs to the last token
@@ -368,7 +436,8 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
     """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
 
     A token takes a span's label when the non-whitespace part of its interval lies inside the span (a whitespace-only
-    token: its whole interval). Tokens straddling a span edge get 0 (App. L); poor overrides good.
+    token: its whole interval). Tokens straddling a span edge get 0 (App. L); poor overrides good, and a token that
+    overlaps a poor span is never +1.
     """
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = []
@@ -380,7 +449,8 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
             delta.append(0.0)
             continue
         inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
-        delta.append(-1.0 if inside(poor_iv) else 1.0 if inside(good_iv) else 0.0)
+        touches_poor = any(a < e and s < b for a, b in poor_iv)
+        delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
     return delta, unmatched
 
 
@@ -407,6 +477,12 @@ def build_rm_prompt(tokenizer, prompt: str, response: str) -> str:
     return f"{message}\n\n### Critique\n"
 
 
+def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = None):
+    """The reward model's input, the same in 02 (training), 03 and 04 (critiquing): (ids, task prompt kept, status) of
+    build_rm_prompt, the task prompt cut from its start when the whole would not fit in max_tokens (fit_prompt)."""
+    return fit_prompt(tokenizer, lambda p: build_rm_prompt(tokenizer, p, response), prompt, max_tokens)
+
+
 def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]) -> str:
     """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later)."""
     spans = json.dumps({"good_spans": list(good_spans), "poor_spans": list(poor_spans)}, ensure_ascii=False)
@@ -414,39 +490,114 @@ def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Models: loading (hub id, local dir, or LoRA adapter dir) and batched left-padded generation
+# Models: loading (hub id, local dir, or LoRA adapter dir), prompts, and batched left-padded generation
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", adapter: str | None = None):
     """(model, tokenizer) in eval mode. A directory holding adapter_config.json loads its base model plus the adapter.
 
-    Dropout is switched off in the config (RLHF detail: dropout makes old and new log-probs disagree). A tokenizer
-    without a pad token gets a distinct one, never EOS, so padding can't be confused with a finished response.
+    - Dropout is off in every module (disable_dropout; RLHF detail: dropout makes old and new log-probs disagree).
+    - The hub's generation_config.json is dropped, all but its stop ids: every generate() here passes its complete
+      settings (generation_config), so no repetition_penalty, no_repeat_ngram_size, min_p, ... of the hub changes what
+      is sampled. Its EOS ids (a list for Llama-3.1: <|eot_id|>, <|end_of_text|>, ...) join the tokenizer's.
+    - A tokenizer without a pad token gets a distinct one, never EOS, so padding can't be confused with a finished
+      response.
+    A directory or hub id that cannot be loaded (no weights, no such model) is a DataError naming it.
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = Path(name_or_path)
     if adapter is None and (path / "adapter_config.json").is_file():
         adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
             "base_model_name_or_path"]
-    tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json").is_file()
-                                              else name_or_path)
     torch_dtype = {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                    "fp16": torch.float16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
-    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
-        if hasattr(model.config, key):
-            setattr(model.config, key, 0.0)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json")
+                                                  .is_file() else name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+    except (OSError, ValueError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{name_or_path}: cannot load the model: {why}") from None
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
         model.resize_token_embeddings(len(tokenizer))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    hub_eos = model.generation_config.eos_token_id
+    stop += [i for i in ([hub_eos] if isinstance(hub_eos, int) else hub_eos or []) if i not in stop]
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop,
+                                               pad_token_id=tokenizer.pad_token_id)
     if adapter:
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, adapter)
+    disable_dropout(model)
     return model.to(device).eval(), tokenizer
+
+
+def disable_dropout(model) -> None:
+    """Dropout off for real, after the model is built: p = 0 in every dropout module, and 0.0 in every float attribute
+    named like a dropout rate, which attention modules copy from the config when they are built (Llama, Qwen and
+    Mistral's `attention_dropout`, OPT's `dropout`): editing the config afterwards reaches neither."""
+    import torch
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if isinstance(value, float) and ("dropout" in name or "pdrop" in name):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(config, key):  # and in the config, so a copy made from it (deepcopy, save and reload) agrees
+            setattr(config, key, 0.0)
+
+
+def stop_ids(model) -> list[int]:
+    """Every id that ends a response: the EOS ids load_model collected (tokenizer's first)."""
+    ids = model.generation_config.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids or [])
+
+
+def generation_config(model, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                      min_new_tokens: int = 0):
+    """The complete settings of a generate() call, built here rather than inherited: sampling at `temperature` with
+    top_k = 0 (transformers' default top-k of 50 would be a hidden truncation) and `top_p`, or greedy when temperature
+    is 0; the new-token limits; every stop id; the pad id. Everything else keeps transformers' neutral defaults,
+    because load_model leaves nothing else in model.generation_config for generate() to merge in."""
+    from transformers import GenerationConfig
+    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=top_p) if temperature > 0 else \
+        dict(do_sample=False)
+    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, eos_token_id=stop_ids(model),
+                            pad_token_id=model.generation_config.pad_token_id,
+                            bos_token_id=model.generation_config.bos_token_id, **sample)
+
+
+def apply_template(tokenizer, prompt: str, chat_template: str = "auto") -> str:
+    """The prompt as the policy sees it: wrapped in the tokenizer's chat template as one user turn ("on"; "auto": if
+    it has one), or as is ("off"). "on" with a tokenizer that has no template is a DataError."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat_template == "on" and not has:
+        raise DataError(f"--chat-template on: the tokenizer of {tokenizer.name_or_path} has no chat template")
+    if chat_template == "off" or not has:
+        return prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def fit_prompt(tokenizer, build, prompt: str, max_tokens: int | None):
+    """(ids, task prompt kept, status) of the text build(prompt), with the task prompt cut from its start until the
+    ids fit in max_tokens: what build() puts around it (a chat template, an instruction, the response a reward model
+    critiques) is never cut. status is "ok", "truncated", or "too_long" when even an empty task prompt does not fit."""
+    ids, kept = encode_prompt(tokenizer, build(prompt)), prompt
+    if max_tokens is None or len(ids) <= max_tokens:
+        return ids, kept, "ok"
+    task, cut = tokenizer(prompt, add_special_tokens=False)["input_ids"], 0
+    while len(ids) > max_tokens and cut < len(task):  # a re-tokenized tail can differ by a token or two: re-check
+        cut = min(cut + len(ids) - max_tokens, len(task))
+        kept = tokenizer.decode(task[cut:]).lstrip("\ufffd")
+        ids = encode_prompt(tokenizer, build(kept))
+    return ids, kept, "truncated" if len(ids) <= max_tokens else "too_long"
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -467,32 +618,31 @@ def left_pad(seqs: list[list[int]], pad_id: int):
     return ids, mask
 
 
-def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, temperature: float = 0.0,
+def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, batch_size: int = 32, desc: str | None = None) -> list[list[int]]:
-    """Response token ids for each prompt, cut before the first EOS. Greedy when temperature == 0."""
+    """Response token ids for each prompt (a text, or its token ids), cut before the first stop id. Greedy when
+    temperature == 0. The settings are generation_config's, complete: nothing comes from the hub."""
     import torch
     from tqdm.auto import tqdm
 
-    device, out = next(model.parameters()).device, []
-    sample = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0} if temperature > 0 else {
-        "do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    device, out, stop = next(model.parameters()).device, [], set(stop_ids(model))
+    config = generation_config(model, max_new_tokens, temperature, top_p)
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None, leave=False):
-        ids, mask = left_pad([encode_prompt(tokenizer, p) for p in prompts[i:i + batch_size]],
-                             tokenizer.pad_token_id)
+        ids, mask = left_pad([p if isinstance(p, list) else encode_prompt(tokenizer, p)
+                              for p in prompts[i:i + batch_size]], tokenizer.pad_token_id)
         with torch.no_grad():
-            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                  max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, **sample)
+            seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
         for row in seqs[:, ids.shape[1]:].tolist():
-            cut = row.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in row else len(row)
-            out.append([t for t in row[:cut] if t != tokenizer.pad_token_id])
+            cut = next((k for k, t in enumerate(row) if t in stop), len(row))
+            out.append(row[:cut])
     return out
 
 
 def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,
-                batch_size: int = 32, desc: str | None = None) -> list[str]:
-    """The local reward model's raw critic output for each (prompt, response): batched greedy generation."""
-    inputs = [build_rm_prompt(tokenizer, p, r) for p, r in zip(prompts, responses)]
+                batch_size: int = 32, desc: str | None = None, max_prompt_tokens: int | None = None) -> list[str]:
+    """The local reward model's raw critic output for each (prompt, response): batched greedy generation on rm_prompt
+    (the task prompt cut from its start to fit max_prompt_tokens, as in training)."""
+    inputs = [rm_prompt(tokenizer, p, r, max_prompt_tokens)[0] for p, r in zip(prompts, responses)]
     ids = generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 

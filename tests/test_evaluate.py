@@ -3,12 +3,14 @@ the report's highlighted spans, clear data errors, and a full run on tiny models
 import itertools
 import json
 import re
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import import_script, write_jsonl_gz
+from conftest import ROOT, import_script, write_jsonl_gz
 
 import common
 
@@ -390,3 +392,49 @@ def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
         assert r["program"].startswith(problems[int(r["id"][2])]["prompt"]) and isinstance(r["raw"], str)
     with pytest.raises(SystemExit):
         ev.parse_args(["--task", "code", "--num-samples", "2"])  # greedy samples would all be the same
+
+
+def test_max_prompt_tokens_cuts_prompts_as_stage_3_and_rm_inputs_as_stage_2(tiny_model_dir, tmp_path, monkeypatch):
+    """--max-prompt-tokens: the policy's prompt keeps its last tokens as in stage 3, and the reward model gets exactly
+    the input stage 2 trained on, the task prompt cut from its start (common.rm_prompt)."""
+    from transformers import AutoTokenizer
+    rm = import_script("02_train_reward")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ex = common.demo_dataset("eval", 1)[0]
+    long = {**ex, "prompt": ex["prompt"].replace("post: ", "post: " + "it rained on monday. " * 80)}
+    common.write_jsonl(tmp_path / "eval.jsonl", [long])
+    inputs, real = [], common.generate
+
+    def spy(model, tokenizer, prompts, *a, **k):  # the real generate, recording what it was given
+        inputs.append(prompts)
+        return real(model, tokenizer, prompts, *a, **k)
+    monkeypatch.setattr(common, "generate", spy)
+    ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model",
+             tiny_model_dir, "--rm-max-new-tokens", "4", "--max-new-tokens", "6", "--max-prompt-tokens", "250",
+             "--output-dir", str(tmp_path / "out"), "--bootstrap", "10", "--device", "cpu"])
+    (policy_in,), (rm_in,) = inputs
+    assert len(policy_in) <= 250 and tok.decode(policy_in).endswith(long["prompt"].split("monday.")[-1])
+    response = common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")[0]["response"]
+    target = len(tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
+    trained, status = rm.encode_example(tok, {"prompt": long["prompt"], "response": response, "critique": "c",
+                                              "good_spans": [], "poor_spans": []}, max_len=250 + target)
+    assert status == "truncated" and rm_in == trained["input_ids"][:-target]
+
+
+@pytest.mark.parametrize("flag", ["--chat-template on", "--reward-model DIR"])
+def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir, tmp_path, flag):
+    """--chat-template on without a template, or a model directory without weights: one line, exit 2, no file."""
+    from conftest import model_variant
+    common.write_jsonl(tmp_path / "eval.jsonl", common.demo_dataset("eval", 2))
+    nowts = model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
+    extra = ["--chat-template", "on", "--reward-model", "none"] if "chat" in flag else ["--reward-model", nowts]
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
+                           "--policy", f"base={tiny_model_dir}", "--max-new-tokens", "4", "--output-dir",
+                           str(tmp_path / "out"), *extra], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --chat-template on: the tokenizer of {tiny_model_dir} has no chat template" if "chat" in flag else
+        f"error: --reward-model {nowts}: cannot load the model: " + proc.stderr.strip().split(": cannot load the "
+                                                                                               "model: ")[-1])
+    written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert written == ([] if "chat" in flag else [tmp_path / "out/eval/base.generations.jsonl"])  # complete, cached

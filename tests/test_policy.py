@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, import_script, write_jsonl_gz
+from conftest import ROOT, import_script, model_variant, write_jsonl_gz
 
 ppo = import_script("03_train_policy")
 
@@ -254,7 +254,8 @@ def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
-    extra = ["--steps", "4", "--save-every", "2", "--kl-coef", "0.1", "--adaptive-kl-target", "0.5", "--anneal-lr"]
+    extra = ["--steps", "4", "--save-every", "2", "--kl-coef", "0.1", "--adaptive-kl-target", "0.5", "--anneal-lr",
+             "--log-every", "1"]
     straight = _args(tmp_path, tiny_model_dir, *extra, "--output-dir", str(tmp_path / "straight"))
     ppo.train(straight)
 
@@ -265,8 +266,8 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
 
         def wrapped(recs, texts):
             calls[0] += 1
-            if calls[0] == 3:
-                raise KeyboardInterrupt  # interrupted during the 3rd iteration, after the step-2 checkpoint
+            if calls[0] == 4:
+                raise KeyboardInterrupt  # interrupted in the 4th iteration: step 3 is logged but not checkpointed
             return critic(recs, texts)
         return wrapped
 
@@ -279,6 +280,8 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
 
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     assert strip(_rows(tmp_path / "resumed")) == strip(_rows(tmp_path / "straight"))
+    samples = [common.read_jsonl(tmp_path / d / "samples.jsonl") for d in ("resumed", "straight")]
+    assert samples[0] == samples[1] and [r["step"] for r in samples[0]] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["trainable"]
     b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["trainable"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -303,6 +306,7 @@ def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tin
 def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     import socket
     common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    common.write_jsonl(tmp_path / "sft.jsonl", common.demo_dataset("sft", 16))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -310,8 +314,10 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
            "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir,
            "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
            "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
-           "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-           "--dump-rollouts", str(tmp_path / "dump")]
+           "--ppo-epochs", "1", "--max-new-tokens", "8", "--device", "cpu", "--lora-r", "4",
+           "--dump-rollouts", str(tmp_path / "dump"), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
+           "reference", "--sft-steps", "2", "--sft-batch-size", "4", "--sft-output-dir", str(tmp_path / "sft")]
+    # rank 0 trains the SFT warm start alone while rank 1 waits for it (a gloo group with a long timeout)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -333,3 +339,197 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
         assert torch.allclose(cat("returns"), ret, atol=1e-5)
     assert rows[0]["objective/span_reward"] == pytest.approx(
         torch.cat([(x["delta"] * x["mask"]).sum(1) for x in d[:2]]).mean().item(), abs=1e-5)
+    # one process cannot continue what two sampled: refused in one line, the run left as it was
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    with pytest.raises(common.DataError, match=r"checkpoint\.pt: saved by 2 process\(es\), resumed with 1; resume with "
+                                                r"the same world size \(torchrun --nproc_per_node 2\)"):
+        ppo.train(ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:] + ["--resume", "--steps", "3"]))
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Real-model correctness on tiny models: the sampled policy is the scored policy
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _dump(tmp_path, model_dir, name, *extra):
+    """Step 1's rollouts of a 1-step run (--dump-rollouts) and its metrics row."""
+    ppo.train(_args(tmp_path, model_dir, "--steps", "1", "--output-dir", str(tmp_path / name),
+                    "--dump-rollouts", str(tmp_path / name / "dump"), *extra))
+    return torch.load(tmp_path / name / "dump" / "step1_rank0.pt", weights_only=False), _rows(tmp_path / name)[0]
+
+
+HUB_EXTRAS = {"repetition_penalty": 1.8, "no_repeat_ngram_size": 2, "min_p": 0.3, "typical_p": 0.5, "top_k": 3,
+              "temperature": 0.2, "suppress_tokens": list(range(100, 400)), "bad_words_ids": [[5], [6]]}
+
+
+def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_model_dir):
+    """generation_config.json's sampling extras reach neither the rollouts nor any other generate() (01, 02, 04 and
+    the local critic all go through common.generate)."""
+    leaky = model_variant(tiny_model_dir, tmp_path / "leaky", generation=HUB_EXTRAS)
+    plain, _ = _dump(tmp_path, tiny_model_dir, "plain", "--max-new-tokens", "12")
+    extras, _ = _dump(tmp_path, leaky, "extras", "--max-new-tokens", "12")
+    assert torch.equal(plain["response"], extras["response"]) and plain["texts"] == extras["texts"]
+    prompts = [r["prompt"] for r in common.demo_dataset("eval", 4)]
+    for temperature in (0.0, 1.0):
+        outs = []
+        for d in (tiny_model_dir, leaky):
+            model, tok = common.load_model(d)
+            torch.manual_seed(0)
+            outs.append(common.generate(model, tok, prompts, 12, temperature=temperature))
+        assert outs[0] == outs[1]
+
+
+def test_every_eos_id_stops_generation_and_cuts_the_mask(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """generation_config.eos_token_id as a list (Llama-3.1 has three): generation stops at any of them and the
+    response mask ends at the first one."""
+    stops = [tiny_tokenizer.eos_token_id] + list(range(200, 400))
+    multi = model_variant(tiny_model_dir, tmp_path / "multi", generation={"eos_token_id": stops})
+    d, row = _dump(tmp_path, multi, "run", "--max-new-tokens", "16")
+    lengths = d["mask"].sum(1).long().tolist()
+    ended_elsewhere = 0
+    for ids, n, has_eos in zip(d["response"].tolist(), lengths, d["has_eos"].tolist()):
+        first = next((k for k, t in enumerate(ids) if t in stops), None)
+        assert has_eos == (first is not None) and n == (first + 1 if has_eos else len(ids))
+        ended_elsewhere += has_eos and ids[first] != tiny_tokenizer.eos_token_id
+    assert ended_elsewhere > 0 and row["response/eos_rate"] > 0
+    model, tok = common.load_model(multi)
+    out = common.generate(model, tok, [r["prompt"] for r in common.demo_dataset("eval", 8)], 16, temperature=1.0)
+    assert all(not set(x) & set(stops) for x in out) and min(map(len, out)) < 16
+
+
+def dropout_models(tmp_path, tiny_model_dir):
+    """A Llama (attention_dropout copied into every attention module at build time) and a GPT-2 (dropout modules
+    everywhere), both with dropout 0.1."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    llama = model_variant(tiny_model_dir, tmp_path / "llama", config={"attention_dropout": 0.1})
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=64, n_layer=2, n_head=4,
+                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    tok.save_pretrained(tmp_path / "gpt2")
+    return {"llama": llama, "gpt2": str(tmp_path / "gpt2")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_dropout_is_off_in_the_update(tmp_path, tiny_model_dir, arch, lora_r):
+    """The first minibatch of the first epoch is scored by exactly the policy that sampled it: ratio 1 in the
+    update's (train) mode, so approx KL and clip fraction are exactly 0."""
+    model_dir = dropout_models(tmp_path, tiny_model_dir)[arch]
+    _, row = _dump(tmp_path, model_dir, "run", "--ppo-epochs", "1", "--num-minibatches", "1", "--lora-r", lora_r,
+                   "--lr", "1e-2")
+    assert row["policy/approx_kl"] == 0.0 and row["policy/clipfrac"] == 0.0
+    model, tok = common.load_model(model_dir)
+    ids, mask = common.left_pad([tok("post: tom has a red dog")["input_ids"], tok("it eats")["input_ids"]],
+                                tok.pad_token_id)
+    with torch.no_grad():
+        eval_lp = ppo.forward(model, None, ids, mask, 3, 1.0)[0]
+    model.train()
+    assert torch.equal(ppo.forward(model, None, ids, mask, 3, 1.0)[0].detach(), eval_lp)
+
+
+def test_full_finetuning_in_bf16_keeps_float32_master_weights(tmp_path, tiny_model_dir):
+    """One step at lr 1e-6 moves the weights: in bf16 storage nearly all of them would round back (spacing ~1e-4)."""
+    def weights(lr):
+        ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "1", "--lora-r", "0", "--dtype", "bf16", "--lr", lr,
+                        "--output-dir", str(tmp_path / lr)))
+        return torch.load(tmp_path / lr / "checkpoint.pt", weights_only=False)["trainable"]
+    moved, still = weights("1e-6"), weights("0")
+    changed = sum((moved[k] != still[k]).sum().item() for k in moved)
+    assert changed > 0.5 * sum(v.numel() for v in moved.values())
+    assert all(v.dtype == torch.float32 for v in moved.values())
+
+
+def test_target_kl_stops_on_the_current_epochs_kl(tmp_path, tiny_model_dir):
+    """--target-kl compares the last epoch's mean approx KL, not the mean over every epoch so far."""
+    run = lambda name, *a: _dump(tmp_path, tiny_model_dir, name, "--num-minibatches", "1", "--lr", "3e-2", *a)[1]  # noqa
+    k1 = run("one", "--ppo-epochs", "1")["policy/approx_kl"]
+    two = run("two", "--ppo-epochs", "2")
+    k2 = 2 * two["policy/approx_kl"] - k1
+    assert k2 > k1 >= 0
+    target = ((k1 + k2) / 2 + k2) / 2  # above the running mean after epoch 2, below epoch 2's own KL
+    stopped = run("stopped", "--ppo-epochs", "3", "--target-kl", str(target))
+    assert stopped["policy/epochs"] == 2 and stopped["policy/approx_kl"] == pytest.approx(two["policy/approx_kl"])
+
+
+def test_min_new_tokens_is_scored_as_it_was_sampled(tiny_model_dir):
+    """With --min-new-tokens, generate() forbids EOS at the first positions; forward() scores that same distribution."""
+    model, tok = common.load_model(tiny_model_dir)
+    ids, mask = common.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
+                                tok.pad_token_id)
+    torch.manual_seed(0)
+    config = common.generation_config(model, 6, temperature=0.7, min_new_tokens=4)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_scores=True,
+                         return_dict_in_generate=True)
+    R = out.sequences.shape[1] - ids.shape[1]
+    want = torch.stack(out.scores, 1).log_softmax(-1).gather(2, out.sequences[:, -R:, None]).squeeze(-1)
+    full_mask = torch.cat([mask, torch.ones(2, R, dtype=torch.long)], 1)
+    lp, _, logits = ppo.forward(model, None, out.sequences, full_mask, R, 0.7, (common.stop_ids(model), 4))
+    assert torch.allclose(lp, want, atol=1e-4)
+    assert torch.isfinite(ppo.entropy_from_logits(logits)).all()
+
+
+def test_top_p_below_one_is_called_off_policy(tmp_path, tiny_model_dir, capsys):
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--help"])
+    assert "Below 1 the run is OFF-POLICY" in capsys.readouterr().out
+    ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "1", "--top-p", "0.9"))
+    assert "--top-p 0.9 < 1: this run is off-policy" in capsys.readouterr().err
+
+
+def _bos_adding_copy(src, dst):
+    """A copy of a chat model whose tokenizer adds its BOS itself, as Llama's do (a server will too)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+    d = model_variant(src, dst)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>",
+                                                                                                tok.bos_token_id)])
+    tok.save_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok("x")["input_ids"][0] == tok.bos_token_id
+    return d, tok
+
+
+def test_completions_critic_gets_the_training_input_cut_alike_with_one_bos(tmp_path, tiny_chat_model_dir,
+                                                                         fake_openai):
+    """--critic-api completions: the server, tokenizing what it gets and adding its BOS, sees exactly the ids stage 2
+    trained on: the task prompt cut from its start to --max-prompt-tokens as 02 cuts it, and one BOS, not two."""
+    rm = import_script("02_train_reward")
+    rm_dir, tok = _bos_adding_copy(tiny_chat_model_dir, tmp_path / "rm")
+    long = [{"prompt": "post: " + " ".join(["ben has a grey horse called coco."] * 30) + "\nsummary:"}] * 4
+    common.write_jsonl(tmp_path / "long.jsonl", long)
+    with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
+        ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
+                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model", rm_dir,
+                        "--steps", "1", "--prompts", str(tmp_path / "long.jsonl"), "--max-prompt-tokens", "200",
+                        "--task", "qa"))  # qa: no demo monitor on these prompts
+        sent = [r["body"]["prompt"] for r in server.requests]
+    samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(sent) == 4 and len(samples) == 4
+    for s in samples:
+        server_ids = tok(next(p for p in sent if p.endswith(s["response"] + "\n<s>assistant: ")))["input_ids"]
+        assert server_ids[:2] != [tok.bos_token_id] * 2 and len(server_ids) <= 200
+        rec = {**s, "critique": "c", "good_spans": [], "poor_spans": []}
+        target = len(tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
+        trained, status = rm.encode_example(tok, rec, max_len=200 + target)
+        assert status == "truncated" and server_ids == trained["input_ids"][:-target]
+
+
+@pytest.mark.parametrize("case", ["chat-template-on", "no-weights"])
+def test_bad_model_input_one_line_exit_2_nothing_written(tmp_path, tiny_model_dir, case):
+    extra = ["--chat-template", "on"] if case == "chat-template-on" else []
+    model = tiny_model_dir if extra else model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
+    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 4))
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", model, "--prompts",
+                           str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
+                           "--scalar-baseline-dir", "", "--steps", "1", "--sft-steps", "0", *extra], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: --chat-template on: the tokenizer of {model} has no chat template" if extra else \
+        last.startswith(f"error: {model}: cannot load the model: ")
+    assert not (tmp_path / "run").exists()

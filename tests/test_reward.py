@@ -171,14 +171,19 @@ def test_bad_annotations_give_clear_errors(tmp_path):
     assert rm.load_annotations(path) == ([recs[1]], 1)
 
 
-def test_cli_broken_line_exits_with_one_line(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("case", ["broken-line", "no-weights"])
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, tiny_model_dir, case):
+    from conftest import model_variant
     path = tmp_path / "ann.jsonl"
-    path.write_text(json.dumps(annotations(1)[0]) + "\nnot json\n")
+    path.write_text(json.dumps(annotations(1)[0]) + ("\nnot json\n" if case == "broken-line" else "\n"))
+    model = tiny_model_dir if case == "broken-line" else model_variant(tiny_model_dir, tmp_path / "nowts", weights=False)
     out = tmp_path / "rm"
     proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--data", str(path), "--model",
-                           tiny_model_dir, "--output-dir", str(out)], capture_output=True, text=True, cwd=tmp_path)
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == f"error: {path}:2: not valid JSON (Expecting value)"
+                           model, "--output-dir", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"error: {path}:2: not valid JSON (Expecting value)" if case == "broken-line" else \
+        last.startswith(f"error: {model}: cannot load the model: ")
     assert not out.exists()
 
 
