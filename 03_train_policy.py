@@ -665,6 +665,7 @@ def train(args):
             g_advantages = masked_whiten(g_advantages, g_mask)
             rows = slice(rank * local_bs, (rank + 1) * local_bs)                       # this rank's rollouts
             advantages, returns = g_advantages[rows, :T], g_returns[rows, :T]
+        t_forward = time.time()
 
         # ---- 6. PPO epochs over minibatches
         model.train()
@@ -696,6 +697,7 @@ def train(args):
                 break  # early stop: the policy moved far enough from the behaviour policy
         scheduler.step()
         model.eval()
+        t_update = time.time()
         if args.dump_rollouts:
             Path(args.dump_rollouts).mkdir(parents=True, exist_ok=True)
             torch.save({"texts": texts, "delta": delta, "kl": kl, "mask": mask, "values": old_values,
@@ -728,7 +730,8 @@ def train(args):
                   else {}),
                "response/length": g_mask.sum(1).mean().item(), "response/eos_rate": g_has_eos.float().mean().item(),
                "lr": scheduler.get_last_lr()[0],
-               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/step_s": time.time() - t0}
+               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/forward_s": t_forward - t_critic,
+               "time/update_s": t_update - t_forward, "time/step_s": time.time() - t0}
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
                 common.append_jsonl(f, row)
