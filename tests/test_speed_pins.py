@@ -50,3 +50,91 @@ def test_ppo_run_matches_the_recorded_one(tmp_path, tiny_model_dir, lora_r):
         for key in w:  # a float-rounding difference (another CPU's kernels) is ~1e-7; a behaviour change is not
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (g["step"], key)
     assert got["param_checksums"] == pytest.approx(want["param_checksums"], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Greedy critiques: the reward model's outputs are those of plain model.generate (greedy, up to EOS)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_critic_dir(tmp_path_factory):
+    """A tiny model taught (briefly, imperfectly: a few seconds) to answer a summary with a critique line and a span
+    JSON of 1-3 quotes, then EOS, or, when the summary is followed by "!", a remark after the JSON: its outputs end
+    at different steps, with the JSON then EOS, the JSON then more text, or no JSON. Every path of greedy_generate."""
+    import random
+
+    from conftest import tiny_corpus
+    rng, pairs = random.Random(0), []
+    for _ in range(300):
+        ex = common.make_demo_example(rng)
+        words = ex["response"].split()
+        quotes = [" " + w.strip(".") for w in rng.sample(words, rng.randint(1, 3))]
+        more = rng.random() < 0.3  # asked for with a "!" after the response; the answer then starts with "hm"
+        target = f"{'hm' if more else 'ok'} {words[0]}.\n" + json.dumps({"good_spans": quotes[1:],
+                                                                            "poor_spans": quotes[:1]})
+        pairs.append((ex["response"] + ("!\n" if more else "\n"), target + (" it rained." if more else "")))
+    return common.build_tiny_base(tmp_path_factory.mktemp("critic") / "m", tiny_corpus(), vocab_size=600,
+                                  hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                                  pretrain_texts=pairs, pretrain_steps=200, lr=5e-3)
+
+
+def _reference_greedy(model, tok, prompts, max_new_tokens):
+    """The code before issue 17: model.generate, greedy, whole left-padded batch, cut at the first EOS."""
+    ids, mask = common.left_pad([common.encode_prompt(tok, p) for p in prompts], tok.pad_token_id)
+    with torch.no_grad():
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id)
+    out = []
+    for row in seqs[:, ids.shape[1]:].tolist():
+        cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+        out.append([t for t in row[:cut] if t != tok.pad_token_id])
+    return out
+
+
+def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
+    model, tok = common.load_model(tiny_critic_dir)
+    prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(common.demo_dataset("eval", 36))]
+    prompts += ["zz", "post: it rained on monday.", "{"]  # off the task: no JSON, or JSON the model never closes
+    want = _reference_greedy(model, tok, prompts, 40)
+    assert len({len(w) for w in want}) > 3  # rows end at different steps: finished rows leave the batch
+    assert common.greedy_generate(model, tok, prompts, 40, batch_size=32) == want
+    assert common.greedy_generate(model, tok, prompts, 40, batch_size=7) == want  # ragged last chunk
+
+    # stop=feedback_complete: a row also ends where its span JSON closes; the text is the same whenever the JSON was
+    # the end of the output (EOS next), else it is the output up to the JSON's end
+    got = common.greedy_generate(model, tok, prompts, 40, stop=common.feedback_complete)
+    texts = [tok.decode(x, skip_special_tokens=True) for x in want]
+    got_texts = [tok.decode(x, skip_special_tokens=True) for x in got]
+    kinds = set()
+    for g, w in zip(got_texts, texts):
+        if common.feedback_complete(w):
+            kinds.add("json then EOS")
+            assert g == w
+        elif g != w:
+            kinds.add("json then more")
+            assert w.startswith(g) and common.feedback_complete(g)
+            assert common.parse_feedback(g)["poor_spans"] == common.parse_feedback(w)["poor_spans"]
+        else:
+            kinds.add("no json")
+    assert kinds >= {"json then EOS", "json then more"}, kinds
+
+
+def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir):
+    model, tok = common.load_model(tiny_model_dir)
+    recs = common.demo_dataset("eval", 6)
+    want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
+                                                           for r in recs], 12), skip_special_tokens=True)
+    assert common.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
+
+
+def test_feedback_complete():
+    done = 'It gets ben right.\n{"good_spans": [" ben"], "poor_spans": []}'
+    assert common.feedback_complete(done) and common.feedback_complete(done + "\n ")
+    assert not common.feedback_complete(done[:-1])                                   # not closed yet
+    assert not common.feedback_complete('It gets {"x": 1} right')                     # prose continues
+    assert not common.feedback_complete('Code: {"good_spans": []}')                  # one list only: not the format
+    assert not common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["b')  # a brace inside a string
+    assert common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["{b"]}')
+    assert not common.feedback_complete("")
