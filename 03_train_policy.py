@@ -121,6 +121,8 @@ def parse_args(argv=None):
     a("--ppo-epochs", type=int, help="passes over each batch")
     a("--num-minibatches", type=int, help="minibatches per epoch")
     a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
+    a("--forward-batch-size", type=int, help="rows per no-grad forward for the old / reference log-probs and values\n"
+                                             "(default: the whole batch while its logits fit in 256 MB)")
     a("--clip-range", type=float, default=0.2, help="policy ratio clip epsilon")
     a("--clip-range-value", type=float, default=0.2, help="value clip")
     a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
@@ -268,6 +270,14 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature):
         hidden = out.hidden_states[-1][:, -n_resp - 1:-1]                      # (B, T, H), post final norm
         values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1)    # (B, T)
     return logprobs, values, logits
+
+
+def forward_rows(batch, micro, n_resp, vocab, n_logits=1, budget=2 ** 26):
+    """Rows per no-grad forward of the rollout phase: the whole batch in one call when its logits (n_logits tensors of
+    rows x (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the
+    training micro-batch. Fewer calls, the same numbers: a row's log-probs do not depend on its batch-mates (bit for bit
+    on CPU; GPU kernels picked by shape may round differently)."""
+    return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
 
 
 def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature):
@@ -643,8 +653,10 @@ def train(args):
         # ---- old log-probs, values, and the per-token KL to the reference policy
         with torch.no_grad():
             old_logprobs, old_values, kl = [], [], []
-            for s in range(0, local_bs, micro):  # in micro-batches: (B, T, V) logits can be large
-                sl = slice(s, s + micro)
+            rows_per_call = args.forward_batch_size or forward_rows(local_bs, micro, T, model.config.vocab_size,
+                                                                    2 if args.kl_estimator == "full" else 1)
+            for s in range(0, local_bs, rows_per_call):  # as few calls as memory allows: (B, T, V) logits can be large
+                sl = slice(s, s + rows_per_call)
                 lp, v, logits = forward(model, value_head, input_ids[sl], attention_mask[sl], T, args.temperature)
                 ref_lp, ref_logits = reference_forward(model, ref_model, input_ids[sl], attention_mask[sl], T,
                                                        args.temperature)
@@ -681,7 +693,8 @@ def train(args):
                                                        args.temperature)
                     pg_loss, vf_loss, st = ppo_loss(logprobs, old_logprobs[m], advantages[m], values, old_values[m],
                                                     returns[m], mask[m], args.clip_range, args.clip_range_value)
-                    entropy = masked_mean(entropy_from_logits(logits), mask[m])
+                    with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
+                        entropy = masked_mean(entropy_from_logits(logits), mask[m])
                     loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
                     (loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the (global) minibatch
                     stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
