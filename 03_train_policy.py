@@ -633,10 +633,11 @@ def train(args):
         feedback = critic(batch_recs, texts)
         delta = torch.zeros_like(mask)
         n_spans = n_unmatched = 0
+        deltas = [None] * len(feedback)
         for i, fb in enumerate(feedback):
             if fb is None:
                 continue
-            d, unmatched = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+            d, unmatched = deltas[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
             delta[i, :len(d)] = torch.tensor(d)
             n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
             n_unmatched += len(unmatched)
@@ -645,9 +646,12 @@ def train(args):
         # the demo's exact critic on the same rollouts: a reward-hacking monitor (logged, never trained on)
         exact = torch.zeros(2)
         if args.task == "demo":
-            for rec, text, offs in zip(batch_recs, texts, offsets):
-                fb = common.demo_critic(rec["prompt"], text)
-                d = common.span_rewards(text, offs, fb["good_spans"], fb["poor_spans"])[0]
+            for rec, text, offs, done in zip(batch_recs, texts, offsets, deltas):
+                if args.critic == "program":  # the critic above was this very one: reuse its delta
+                    d = done[0]
+                else:
+                    fb = common.demo_critic(rec["prompt"], text)
+                    d = common.span_rewards(text, offs, fb["good_spans"], fb["poor_spans"])[0]
                 exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
 
         # ---- old log-probs, values, and the per-token KL to the reference policy
