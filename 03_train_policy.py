@@ -597,6 +597,7 @@ def train(args):
     micro = mb_size // args.grad_accum
     sample = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0)  # no hidden top-k
 
+    costs = []  # (rollout, critic) seconds per iteration, for the summary line at the end
     bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
                total=args.steps, disable=rank != 0)
     for step in bar:
@@ -749,6 +750,7 @@ def train(args):
                "lr": scheduler.get_last_lr()[0],
                "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/forward_s": t_forward - t_critic,
                "time/update_s": t_update - t_forward, "time/step_s": time.time() - t0}
+        costs.append((row["time/generate_s"], row["time/critic_s"]))
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
                 common.append_jsonl(f, row)
@@ -762,6 +764,11 @@ def train(args):
                             mistakes=f"{row['critic/mistake_rate']:.2f}")
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, args, rank)
+
+    if rank == 0 and costs:  # what the critic costs next to the rollout it judges (issue 17: goal <= 1.0)
+        gen_s, critic_s = (float(np.median(c)) for c in zip(*costs))
+        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
+              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
 
     # ---- the trained policy: adapter (or full weights) + tokenizer + value head, loadable by common.load_model
     policy_dir = out_dir / "policy"
