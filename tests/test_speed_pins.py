@@ -5,7 +5,8 @@
 - the reward model's greedy critiques are the ones plain `model.generate` gives, token for token.
 No timings here: those live in bench/ (vs_trl.py, annotate_throughput.py, the demo's time/* metrics).
 
-To re-record the PPO pins after a deliberate change of behaviour: T2G_RECORD_PINS=1 python -m pytest tests/test_speed_pins.py
+To re-record the PPO pins after a deliberate change of behaviour:
+    T2G_RECORD_PINS=1 python -m pytest tests/test_speed_pins.py
 """
 import json
 import os
