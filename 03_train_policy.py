@@ -276,7 +276,7 @@ def forward_rows(batch, micro, n_resp, vocab, n_logits=1, budget=2 ** 26):
     """Rows per no-grad forward of the rollout phase: the whole batch in one call when its logits (n_logits tensors of
     rows x (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the
     training micro-batch. Fewer calls, the same numbers: a row's log-probs do not depend on its batch-mates (bit for bit
-    on CPU; GPU kernels picked by shape may round differently)."""
+    in the pinned runs; a kernel picked by shape, e.g. for an odd batch or on a GPU, may round differently, ~1e-7)."""
     return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
 
 

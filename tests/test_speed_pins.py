@@ -139,3 +139,22 @@ def test_feedback_complete():
     assert not common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["b')  # a brace inside a string
     assert common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["{b"]}')
     assert not common.feedback_complete("")
+
+
+def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_dir):
+    """The no-grad forwards of the rollout phase take the whole batch in one call instead of micro-batches: the same
+    numbers (bit for bit here with micro-batches of 4; a batch of odd size can take a GEMM path that rounds otherwise)."""
+    model, tok = common.load_model(tiny_model_dir)
+    ids, mask = common.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in common.demo_dataset("eval", 8)],
+                                tok.pad_token_id)
+    value_head = torch.nn.Linear(model.config.hidden_size, 1)
+    with torch.no_grad():
+        whole = ppo.forward(model, value_head, ids, mask, 10, 0.7)
+        parts = [ppo.forward(model, value_head, ids[s:s + 4], mask[s:s + 4], 10, 0.7) for s in range(0, 8, 4)]
+        odd = [ppo.forward(model, value_head, ids[s:s + 3], mask[s:s + 3], 10, 0.7) for s in range(0, 8, 3)]
+    for a, b, c in zip(whole, zip(*parts), zip(*odd)):
+        assert torch.equal(a, torch.cat(b))
+        assert torch.allclose(a, torch.cat(c), rtol=1e-5, atol=1e-6)
+    assert ppo.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
+    assert ppo.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
+    assert ppo.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
