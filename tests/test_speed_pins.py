@@ -122,8 +122,9 @@ def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
     assert kinds >= {"json then EOS", "json then more"}, kinds
 
 
-def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir):
-    model, tok = common.load_model(tiny_model_dir)
+@pytest.mark.parametrize("chat", [False, True])
+def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_dir, chat):
+    model, tok = common.load_model(tiny_chat_model_dir if chat else tiny_model_dir)
     recs = common.demo_dataset("eval", 6)
     want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
                                                            for r in recs], 12), skip_special_tokens=True)
@@ -143,7 +144,7 @@ def test_feedback_complete():
 
 def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_dir):
     """The no-grad forwards of the rollout phase take the whole batch in one call instead of micro-batches: the same
-    numbers (bit for bit here with micro-batches of 4; a batch of odd size can take a GEMM path that rounds otherwise)."""
+    numbers (bit for bit here with micro-batches of 4; an odd batch size can take a GEMM path that rounds otherwise)."""
     model, tok = common.load_model(tiny_model_dir)
     ids, mask = common.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in common.demo_dataset("eval", 8)],
                                 tok.pad_token_id)
