@@ -14,11 +14,14 @@ fp32, batch 16, 16-token prompts, 32 new tokens forced (min = max = 32, temperat
 program critic, 1 PPO epoch of 4 minibatches, gradient clipping at 1.0, `--threads` torch threads.
   - ours: one iteration of 03_train_policy.train (rollout, critic, old log-probs / values / reference log-probs,
     rewards, GAE, PPO update, logging) = its `time/step_s`; span rewards (Text2Grad).
-  - TRL: `PPOTrainer.generate` (the whole batch in one call) + the same critic, its Σδ as the scalar score (TRL has
-    no per-token reward) + `PPOTrainer.step`.
+  - TRL: `PPOTrainer.generate` + the same critic, its Σδ as the scalar score (TRL has no per-token reward) +
+    `PPOTrainer.step`. Its generate is timed twice per iteration: as TRL's examples call it (its default batch_size=4,
+    so 4 sequential generate calls: trl_default_generate_s, ratio_vs_trl_default_generate) and handed the whole batch
+    in one call (trl_s, ratio: the stricter comparison); the rollouts of the second feed the step.
 The two alternate iteration by iteration: TRL runs in a worker process that does one iteration each time 03 has
 finished one (03 is paused in between, at its checkpoint hook), so both see the same machine load. The first
-`--warmup` iterations of each side are dropped; the figures are medians. Prints one JSON object last.
+`--warmup` iterations of each side are dropped; the figures are medians, with each side's phases (generate_s,
+critic_s, forward_s = old/reference log-probs and values, update_s = the PPO epochs). Prints one JSON object last.
 """
 import argparse
 import importlib
