@@ -127,6 +127,8 @@ def parse_args(argv=None):
     a("--ppo-epochs", type=int, help="passes over each batch")
     a("--num-minibatches", type=int, help="minibatches per epoch")
     a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
+    a("--forward-batch-size", type=int, help="rows per no-grad forward for the old / reference log-probs and values\n"
+                                             "(default: the whole batch while its logits fit in 256 MB)")
     a("--clip-range", type=float, default=0.2, help="policy ratio clip epsilon")
     a("--clip-range-value", type=float, default=0.2, help="value clip")
     a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
@@ -281,6 +283,14 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
         hidden = out.hidden_states[-1][:, -n_resp - 1:-1]                      # (B, T, H), post final norm
         values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1).float()  # (B, T)
     return logprobs, values, logits
+
+
+def forward_rows(batch, micro, n_resp, vocab, n_logits=1, budget=2 ** 26):
+    """Rows per no-grad forward of the rollout phase: the whole batch in one call when its logits (n_logits tensors of
+    rows x (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the
+    training micro-batch. Fewer calls, the same numbers: a row's log-probs do not depend on its batch-mates (bit for bit
+    in the pinned runs; a kernel picked by shape, e.g. for an odd batch or on a GPU, may round differently, ~1e-7)."""
+    return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
 
 
 def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature, forbid=None):
@@ -646,6 +656,7 @@ def train(args):
         print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
               "scores log-probs of the full distribution)", file=sys.stderr)
 
+    costs = []  # (rollout, critic) seconds per iteration, for the summary line at the end
     bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
                total=args.steps, disable=rank != 0)
     for step in bar:
@@ -680,10 +691,11 @@ def train(args):
         feedback = critic(batch_recs, texts)
         delta = torch.zeros_like(mask)
         n_spans = n_unmatched = 0
+        deltas = [None] * len(feedback)
         for i, fb in enumerate(feedback):
             if fb is None:
                 continue
-            d, unmatched = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+            d, unmatched = deltas[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
             delta[i, :len(d)] = torch.tensor(d)
             n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
             n_unmatched += len(unmatched)
@@ -692,16 +704,21 @@ def train(args):
         # the demo's exact critic on the same rollouts: a reward-hacking monitor (logged, never trained on)
         exact = torch.zeros(2)
         if args.task == "demo":
-            for rec, text, offs in zip(batch_recs, texts, offsets):
-                fb = common.demo_critic(rec["prompt"], text)
-                d = common.span_rewards(text, offs, fb["good_spans"], fb["poor_spans"])[0]
+            for rec, text, offs, done in zip(batch_recs, texts, offsets, deltas):
+                if args.critic == "program":  # the critic above was this very one: reuse its delta
+                    d = done[0]
+                else:
+                    fb = common.demo_critic(rec["prompt"], text)
+                    d = common.span_rewards(text, offs, fb["good_spans"], fb["poor_spans"])[0]
                 exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
 
         # ---- old log-probs, values, and the per-token KL to the reference policy
         with torch.no_grad(), autocast(args):
             old_logprobs, old_values, kl = [], [], []
-            for s in range(0, local_bs, micro):  # in micro-batches: (B, T, V) logits can be large
-                sl = slice(s, s + micro)
+            rows_per_call = args.forward_batch_size or forward_rows(local_bs, micro, T, model.config.vocab_size,
+                                                                    2 if args.kl_estimator == "full" else 1)
+            for s in range(0, local_bs, rows_per_call):  # as few calls as memory allows: (B, T, V) logits can be large
+                sl = slice(s, s + rows_per_call)
                 lp, v, logits = forward(model, value_head, input_ids[sl], attention_mask[sl], T, args.temperature,
                                         forbid)
                 ref_lp, ref_logits = reference_forward(model, ref_model, input_ids[sl], attention_mask[sl], T,
@@ -723,6 +740,7 @@ def train(args):
             g_advantages = masked_whiten(g_advantages, g_mask)
             rows = slice(rank * local_bs, (rank + 1) * local_bs)                       # this rank's rollouts
             advantages, returns = g_advantages[rows, :T], g_returns[rows, :T]
+        t_forward = time.time()
 
         # ---- 6. PPO epochs over minibatches
         model.train()
@@ -740,7 +758,8 @@ def train(args):
                                                            args.temperature, forbid)
                     pg_loss, vf_loss, st = ppo_loss(logprobs, old_logprobs[m], advantages[m], values, old_values[m],
                                                     returns[m], mask[m], args.clip_range, args.clip_range_value)
-                    entropy = masked_mean(entropy_from_logits(logits), mask[m])
+                    with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
+                        entropy = masked_mean(entropy_from_logits(logits), mask[m])
                     loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
                     scaler.scale(loss * mask[m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
                     stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
@@ -759,6 +778,7 @@ def train(args):
                 break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
         scheduler.step()
         model.eval()
+        t_update = time.time()
         if args.dump_rollouts:
             Path(args.dump_rollouts).mkdir(parents=True, exist_ok=True)
             torch.save({"texts": texts, "query": query, "response": response, "delta": delta, "kl": kl, "mask": mask,
@@ -793,8 +813,9 @@ def train(args):
                   else {}),
                "response/length": g_mask.sum(1).mean().item(), "response/eos_rate": g_has_eos.float().mean().item(),
                "policy/epochs": epoch + 1, "lr": scheduler.get_last_lr()[0],
-               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen,
-               "time/update_s": time.time() - t_critic, "time/step_s": time.time() - t0}
+               "time/generate_s": t_gen - t0, "time/critic_s": t_critic - t_gen, "time/forward_s": t_forward - t_critic,
+               "time/update_s": t_update - t_forward, "time/step_s": time.time() - t0}
+        costs.append((row["time/generate_s"], row["time/critic_s"]))
         if rank == 0:
             with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
                 common.append_jsonl(f, row)
@@ -808,6 +829,11 @@ def train(args):
                             mistakes=f"{row['critic/mistake_rate']:.2f}")
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, args, rank)
+
+    if rank == 0 and costs:  # what the critic costs next to the rollout it judges (issue 17: goal <= 1.0)
+        gen_s, critic_s = (float(np.median(c)) for c in zip(*costs))
+        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
+              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
 
     # ---- the trained policy: adapter (or full weights) + tokenizer + value head, loadable by common.load_model
     policy_dir = out_dir / "policy"

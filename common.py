@@ -23,6 +23,7 @@ Reward-model format (02_train_reward.py trains it, 03_train_policy.py and 04_eva
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import re
@@ -641,10 +642,85 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
 def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,
                 batch_size: int = 32, desc: str | None = None, max_prompt_tokens: int | None = None) -> list[str]:
     """The local reward model's raw critic output for each (prompt, response): batched greedy generation on rm_prompt
-    (the task prompt cut from its start to fit max_prompt_tokens, as in training)."""
+    (the task prompt cut from its start to fit max_prompt_tokens, as in training), in which a row stops as soon as
+    its span JSON is complete (greedy_generate). The text is what plain greedy decoding up to a stop id gives whenever
+    the model ends its output with that JSON, as it is trained to (format_rm_target)."""
     inputs = [rm_prompt(tokenizer, p, r, max_prompt_tokens)[0] for p, r in zip(prompts, responses)]
-    ids = generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc)
+    ids = greedy_generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc,
+                          stop=feedback_complete)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def feedback_complete(text: str) -> bool:
+    """True when `text` ends (but for whitespace) with a JSON object holding both span lists: the last part of the
+    reward model's output z = [c ; A(y)] (format_rm_target), after which only its EOS can follow."""
+    end = len(text.rstrip())
+    if not text[:end].endswith("}"):
+        return False
+    start = text.rfind("{", 0, end)
+    while start >= 0:  # the '{' that the final '}' closes (string-aware), then: is it the span JSON?
+        if _balanced_end(text, start) == end:
+            obj, _ = _decode_object(text, start)
+            keys = {_norm_key(k) for k in obj} if isinstance(obj, dict) else set()
+            return bool(keys & _GOOD_KEYS and keys & _POOR_KEYS)
+        start = text.rfind("{", 0, start)
+    return False
+
+
+@functools.lru_cache(maxsize=8)
+def _ids_with(tokenizer, char: str) -> frozenset:
+    """Ids of the vocabulary entries whose text contains `char` (byte-level BPE keeps ASCII as is)."""
+    return frozenset(i for piece, i in tokenizer.get_vocab().items() if char in piece)
+
+
+def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32,
+                    desc: str | None = None, stop=None) -> list[list[int]]:
+    """Greedy response ids for each prompt, cut before EOS: batched, left-padded, with a KV cache.
+
+    The same tokens as `generate(..., temperature=0)` (model.generate greedy, nothing from the model's
+    generation_config), with two savings: a row leaves the batch, and its KV cache, as soon as it ends, so the rows
+    still running no longer pay for it; and with `stop(text) -> bool` a row also ends when its decoded text satisfies
+    it (checked only after a token holding '}', the one stop condition in use: feedback_complete).
+    """
+    import torch
+    from tqdm.auto import tqdm
+    from transformers import DynamicCache
+
+    device, out = next(model.parameters()).device, []
+    eos, pad = set(stop_ids(model)), tokenizer.pad_token_id
+    closers = _ids_with(tokenizer, "}") if stop is not None else frozenset()
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None, leave=False):
+        ids, mask = left_pad([p if isinstance(p, list) else encode_prompt(tokenizer, p)
+                              for p in prompts[i:i + batch_size]], pad)
+        ids, mask = ids.to(device), mask.to(device)
+        position = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        rows = list(range(len(ids)))  # chunk rows still running, in batch order
+        new = [[] for _ in rows]
+        for _ in range(max_new_tokens):
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
+                               use_cache=True, logits_to_keep=1).logits[:, -1]
+            next_ids = logits.float().argmax(-1)
+            running = []
+            for j, (row, token) in enumerate(zip(rows, next_ids.tolist())):
+                if token in eos:
+                    continue
+                new[row].append(token)
+                if token in closers and stop(tokenizer.decode(new[row], skip_special_tokens=True)):
+                    continue
+                running.append(j)
+            if not running:
+                break
+            if len(running) < len(rows):  # finished rows leave the batch and the cache
+                keep = torch.tensor(running, device=device)
+                cache.batch_select_indices(keep)
+                rows, next_ids, mask, position = [rows[j] for j in running], next_ids[keep], mask[keep], position[keep]
+            ids = next_ids[:, None]
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], 1)
+            position = position[:, -1:] + 1
+        out += [[t for t in row if t != pad] for row in new]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""Behaviour pins for the speed work (issue 17): what an optimisation must leave exactly as it was.
+
+- a fixed-seed PPO run (full fine-tuning and LoRA) logs the same losses, KL, rewards and parameters as the code before
+  the optimisations did (tests/speed_pins.json, recorded from that code);
+- the reward model's greedy critiques are the ones plain `model.generate` gives, token for token.
+No timings here: those live in bench/ (vs_trl.py, annotate_throughput.py, the demo's time/* metrics).
+
+To re-record the PPO pins after a deliberate change of behaviour:
+    T2G_RECORD_PINS=1 python -m pytest tests/test_speed_pins.py
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import common
+from conftest import import_script
+
+ppo = import_script("03_train_policy")
+PINS = Path(__file__).with_name("speed_pins.json")
+
+
+def _ppo_run(tmp_path, model_dir, lora_r):
+    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    run = tmp_path / f"run{lora_r}"
+    args = ppo.parse_args([
+        "--model", model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir",
+        str(run), "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
+        "--ppo-epochs", "2", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", str(lora_r),
+        "--lora-alpha", "8", "--lr", "1e-3", "--kl-coef", "0.1", "--seed", "3", "--temperature", "1.0",
+        "--dump-rollouts", str(run / "dump")])
+    ppo.train(args)
+    rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in common.read_jsonl(run / "metrics.jsonl")]
+    checksums = [torch.load(run / "dump" / f"step{s}_rank0.pt", weights_only=False)["param_checksum"] for s in (1, 2)]
+    return {"metrics": rows, "param_checksums": checksums}
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_ppo_run_matches_the_recorded_one(tmp_path, tiny_model_dir, lora_r):
+    got = _ppo_run(tmp_path, tiny_model_dir, lora_r)
+    pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
+    if os.environ.get("T2G_RECORD_PINS"):
+        pins[f"ppo_lora{lora_r}"] = got
+        PINS.write_text(json.dumps(pins, indent=1) + "\n")
+        pytest.skip("recorded")
+    want = pins[f"ppo_lora{lora_r}"]
+    assert all(set(w) <= set(g) for g, w in zip(got["metrics"], want["metrics"]))  # new metrics may be added
+    for g, w in zip(got["metrics"], want["metrics"]):
+        for key in w:  # a float-rounding difference (another CPU's kernels) is ~1e-7; a behaviour change is not
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-6), (g["step"], key)
+    assert got["param_checksums"] == pytest.approx(want["param_checksums"], rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Greedy critiques: the reward model's outputs are those of plain model.generate (greedy, up to EOS)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_critic_dir(tmp_path_factory):
+    """A tiny model taught (briefly, imperfectly: a few seconds) to answer a summary with a critique line and a span
+    JSON of 1-3 quotes, then EOS, or, when the summary is followed by "!", a remark after the JSON: its outputs end
+    at different steps, with the JSON then EOS, the JSON then more text, or no JSON. Every path of greedy_generate."""
+    import random
+
+    from conftest import tiny_corpus
+    rng, pairs = random.Random(0), []
+    for _ in range(300):
+        ex = common.make_demo_example(rng)
+        words = ex["response"].split()
+        quotes = [" " + w.strip(".") for w in rng.sample(words, rng.randint(1, 3))]
+        more = rng.random() < 0.3  # asked for with a "!" after the response; the answer then starts with "hm"
+        target = f"{'hm' if more else 'ok'} {words[0]}.\n" + json.dumps({"good_spans": quotes[1:],
+                                                                            "poor_spans": quotes[:1]})
+        pairs.append((ex["response"] + ("!\n" if more else "\n"), target + (" it rained." if more else "")))
+    return common.build_tiny_base(tmp_path_factory.mktemp("critic") / "m", tiny_corpus(), vocab_size=600,
+                                  hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                                  pretrain_texts=pairs, pretrain_steps=200, lr=5e-3)
+
+
+def _reference_greedy(model, tok, prompts, max_new_tokens):
+    """The code before issue 17: model.generate, greedy, whole left-padded batch, cut at the first EOS."""
+    ids, mask = common.left_pad([common.encode_prompt(tok, p) for p in prompts], tok.pad_token_id)
+    with torch.no_grad():
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id)
+    out = []
+    for row in seqs[:, ids.shape[1]:].tolist():
+        cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
+        out.append([t for t in row[:cut] if t != tok.pad_token_id])
+    return out
+
+
+def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
+    model, tok = common.load_model(tiny_critic_dir)
+    prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(common.demo_dataset("eval", 36))]
+    prompts += ["zz", "post: it rained on monday.", "{"]  # off the task: no JSON, or JSON the model never closes
+    want = _reference_greedy(model, tok, prompts, 40)
+    assert len({len(w) for w in want}) > 3  # rows end at different steps: finished rows leave the batch
+    assert common.greedy_generate(model, tok, prompts, 40, batch_size=32) == want
+    assert common.greedy_generate(model, tok, prompts, 40, batch_size=7) == want  # ragged last chunk
+
+    # stop=feedback_complete: a row also ends where its span JSON closes; the text is the same whenever the JSON was
+    # the end of the output (EOS next), else it is the output up to the JSON's end
+    got = common.greedy_generate(model, tok, prompts, 40, stop=common.feedback_complete)
+    texts = [tok.decode(x, skip_special_tokens=True) for x in want]
+    got_texts = [tok.decode(x, skip_special_tokens=True) for x in got]
+    kinds = set()
+    for g, w in zip(got_texts, texts):
+        if common.feedback_complete(w):
+            kinds.add("json then EOS")
+            assert g == w
+        elif g != w:
+            kinds.add("json then more")
+            assert w.startswith(g) and common.feedback_complete(g)
+            assert common.parse_feedback(g)["poor_spans"] == common.parse_feedback(w)["poor_spans"]
+        else:
+            kinds.add("no json")
+    assert kinds >= {"json then EOS", "json then more"}, kinds
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_dir, chat):
+    model, tok = common.load_model(tiny_chat_model_dir if chat else tiny_model_dir)
+    recs = common.demo_dataset("eval", 6)
+    want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
+                                                           for r in recs], 12), skip_special_tokens=True)
+    assert common.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
+
+
+def test_feedback_complete():
+    done = 'It gets ben right.\n{"good_spans": [" ben"], "poor_spans": []}'
+    assert common.feedback_complete(done) and common.feedback_complete(done + "\n ")
+    assert not common.feedback_complete(done[:-1])                                   # not closed yet
+    assert not common.feedback_complete('It gets {"x": 1} right')                     # prose continues
+    assert not common.feedback_complete('Code: {"good_spans": []}')                  # one list only: not the format
+    assert not common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["b')  # a brace inside a string
+    assert common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["{b"]}')
+    assert not common.feedback_complete("")
+
+
+def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_dir):
+    """The no-grad forwards of the rollout phase take the whole batch in one call instead of micro-batches: the same
+    numbers (bit for bit here with micro-batches of 4; an odd batch size can take a GEMM path that rounds otherwise)."""
+    model, tok = common.load_model(tiny_model_dir)
+    ids, mask = common.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in common.demo_dataset("eval", 8)],
+                                tok.pad_token_id)
+    value_head = torch.nn.Linear(model.config.hidden_size, 1)
+    with torch.no_grad():
+        whole = ppo.forward(model, value_head, ids, mask, 10, 0.7)
+        parts = [ppo.forward(model, value_head, ids[s:s + 4], mask[s:s + 4], 10, 0.7) for s in range(0, 8, 4)]
+        odd = [ppo.forward(model, value_head, ids[s:s + 3], mask[s:s + 3], 10, 0.7) for s in range(0, 8, 3)]
+    for a, b, c in zip(whole, zip(*parts), zip(*odd)):
+        assert torch.equal(a, torch.cat(b))
+        assert torch.allclose(a, torch.cat(c), rtol=1e-5, atol=1e-6)
+    assert ppo.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
+    assert ppo.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
+    assert ppo.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
