@@ -112,7 +112,7 @@ def parse_args(argv=None):
 DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval", 200)}  # name: (demo split, size)
 # The reward model's data: 16000 summaries, 90% of them flawed. On 2000 (55% flawed) the demo's reward model memorised
 # its examples and found 1 mistake in 5; the rule "is this word in the post?" needs many fresh examples with mistakes.
-DEMO_ANNOTATE = ("annotate", 16000, 0.9)  # (demo split, size, share with mistakes)
+DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mistakes)
 
 
 def read_rows(args) -> list[tuple[str, dict]]:

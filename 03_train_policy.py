@@ -41,7 +41,7 @@ PRESETS = {
                  sft_steps=100, sft_lr=1e-3, sft_lora_r=0, sft_output_dir="runs/demo/sft",
                  reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
                  scalar_baseline_dir="runs/demo/scalar", steps=40, batch_size=32, max_new_tokens=32, lr=1e-3,
-                 lora_r=16, lora_alpha=32, kl_coef=0.1, ppo_epochs=4, num_minibatches=2, critic_max_new_tokens=96,
+                 lora_r=16, lora_alpha=32, kl_coef=0.1, ppo_epochs=2, num_minibatches=2, critic_max_new_tokens=96,
                  warmup_steps=0),
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
