@@ -1,6 +1,6 @@
 """Does span-level credit learn faster than the same information as one scalar? (paper Sec. 3.6, App. A)
 
-    python bench/span_vs_scalar.py                    # 3 seeds x 2 modes x 150 iterations, ~25 min on 2 CPU cores
+    python bench/span_vs_scalar.py                    # 3 seeds x 2 modes x 150 iterations, ~7 min on 2 CPU cores
     python bench/span_vs_scalar.py --critic local     # the paper's setting: the stage-2 reward model is the critic
     python bench/span_vs_scalar.py --seeds 1 --steps 30 --out bench/out/smoke   # a quick look
 
@@ -126,10 +126,11 @@ def main():
             ax.plot(x, mean, color=color, label=f"{mode} ({len(series)} seeds)")
             ax.fill_between(x, [min(v) for v in zip(*series)], [max(v) for v in zip(*series)], color=color, alpha=0.2)
     axes[0].axhline(THRESHOLD, color="grey", ls="--", lw=1)
-    critic = "exact critic" if args.critic == "program" else "exact critic; the reward model trained PPO"
-    axes[0].set(title=f"mistake rate, smoothed over 10 ({critic})", xlabel="PPO iteration")
-    axes[1].set(title="sum of delta per response (exact critic)", xlabel="PPO iteration")
+    axes[0].set(title="mistake rate, smoothed over 10 (exact critic)", xlabel="PPO iteration")
+    axes[1].set(title="sum of delta per response, smoothed (exact critic)", xlabel="PPO iteration")
     axes[0].legend()
+    fig.suptitle("PPO's critic: " + ("the demo's exact program critic" if args.critic == "program" else
+                                     "the stage-2 reward model (the exact critic only judges)"), fontsize=11)
     fig.tight_layout()
     fig.savefig(ROOT / args.png, dpi=120)
     print(json.dumps(result))
