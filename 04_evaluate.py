@@ -255,8 +255,7 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
             loaded.extend(load(path, args, f"--policy {name}="))
             torch.manual_seed(args.seed)
         model, tok = loaded
-        prompts = [common.fit_prompt(tok, lambda p: common.apply_template(tok, p, args.chat_template), r["prompt"],
-                                     args.max_prompt_tokens)[0] for r in chunk]
+        prompts = [common.policy_prompt(tok, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in chunk]
         ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
         rows = []
         for rec, x in zip(chunk, ids):

@@ -513,12 +513,10 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
     if adapter is None and (path / "adapter_config.json").is_file():
         adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
             "base_model_name_or_path"]
-    torch_dtype = {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                   "fp16": torch.float16, "float16": torch.float16}[dtype]
     try:
         tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json")
                                                   .is_file() else name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype))
     except (OSError, ValueError) as e:
         why = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(f"{name_or_path}: cannot load the model: {why}") from None
@@ -2148,9 +2146,240 @@ def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_si
             sched.step()
             opt.zero_grad()
     model.generation_config.pad_token_id = tok.pad_token_id
-    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=Path(out_dir).parent, prefix=f".{Path(out_dir).name}.")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out_dir)  # atomic: a reader never sees half a model (fails if out_dir exists and is not empty)
-    return str(out_dir)
+    return str(save_pretrained(out_dir, model, tok))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# TEMP: moved from 03
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None) -> str:
+    """The text a served reward model gets on /v1/completions: rm_prompt's, as in training (tokenizer=None: the plain
+    template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
+    if tokenizer is None:
+        return build_rm_prompt(None, prompt, response)
+    text = build_rm_prompt(tokenizer, rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1], response)
+    bos, adds_bos = tokenizer.bos_token, tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
+
+
+def rm_critique_served(prompts: list[str], responses: list[str], base_url: str | None, model: str,
+                       max_new_tokens: int, concurrency: int = 32, api: str = "chat", tokenizer=None,
+                       max_prompt_tokens: int | None = None) -> list[str]:
+    """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
+    batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
+    applies the chat template); "completions" sends rm_completions_prompt, the exact training text."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def ask(client, sem, prompt, response):
+        async with sem:
+            if api == "completions":
+                reply = await client.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
+                                                        prompt=rm_completions_prompt(tokenizer, prompt, response,
+                                                                                     max_prompt_tokens))
+                return reply.choices[0].text or ""
+            reply = await client.chat.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
+                                                         messages=[{"role": "user",
+                                                                    "content": rm_user_message(prompt, response)}])
+            return reply.choices[0].message.content or ""
+
+    async def ask_all():
+        sem = asyncio.Semaphore(concurrency)
+        async with AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY")) as client:
+            return await asyncio.gather(*[ask(client, sem, p, r) for p, r in zip(prompts, responses)])
+    return asyncio.run(ask_all())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torchrun and checkpoints (03): collectives that are identities in a single process; every RNG's state
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def dist_init(args) -> tuple[int, int]:
+    """(rank, world size). Under torchrun (even with one process, so its collectives run) it starts the process group:
+    gloo on CPU; on GPU nccl for CUDA tensors and gloo for CPU ones, and args.device becomes this rank's GPU."""
+    import torch
+    import torch.distributed as dist
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gather_rows(x):
+    """The (B, ...) tensors of every rank stacked along B, (B, T) ones padded with zeros to the longest T."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    if x.dim() == 2:
+        width = torch.tensor([x.shape[1]], device=x.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        x = torch.nn.functional.pad(x, (0, int(width) - x.shape[1]))
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def all_sum(x):
+    """Sum of a tensor over ranks (in place)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def barrier(timeout_h: float | None = None) -> None:
+    """Wait for every rank. timeout_h: a long wait (rank 0 training the SFT warm start alone), on a gloo group of its
+    own, since nccl's collectives give up after 10 minutes."""
+    import datetime
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=timeout_h)) if timeout_h else None
+        dist.barrier(group=group)
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, kl_coef: float, args, rank: int = 0):
+    """Stage 3's checkpoint: the trainable parameters, value head, optimizer, scheduler, beta, the arguments and every
+    rank's RNG states, all a run needs to continue bit-exactly. Called on every rank (their RNG states are gathered);
+    rank 0 writes it, atomically. The parameters are the same on every rank."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    rngs = [{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}]
+    if dist.is_initialized():
+        rngs, rng = [None] * dist.get_world_size(), rngs[0]
+        dist.all_gather_object(rngs, rng)
+    if rank == 0:
+        state = {"step": step, "kl_coef": kl_coef, "args": vars(args), "rng": rngs,
+                 "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+                 "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict()}
+        with atomic_open(path, "wb") as f:
+            torch.save(state, f)
+
+
+def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0, world: int = 1) -> tuple[int, float]:
+    """Restore what save_checkpoint saved, this rank's RNG states included: (step, beta). Another world size cannot
+    continue exactly (each rank's sampler state is saved): DataError."""
+    import random
+
+    import numpy as np
+    import torch
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if len(state["rng"]) != world:
+        raise DataError(f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with the same "
+                        f"world size (torchrun --nproc_per_node {len(state['rng'])})")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state["trainable"].items():
+            params[name].copy_(tensor)
+    value_head.load_state_dict(state["value_head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"][rank]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"], state["kl_coef"]
+
+
+def torch_dtype(name: str):
+    """torch.float32 / bfloat16 / float16 from "float32", "bf16" (or "bfloat16"), "fp16" (or "float16")."""
+    import torch
+    return {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+            "float16": torch.float16}[name]
+
+
+def policy_prompt(tokenizer, prompt: str, chat_template: str = "auto", max_tokens: int | None = None) -> list[int]:
+    """The policy's input ids, the same in 03 (rollouts, SFT) and 04: the prompt in the chat template (apply_template),
+    cut from its start to fit max_tokens (fit_prompt)."""
+    return fit_prompt(tokenizer, lambda p: apply_template(tokenizer, p, chat_template), prompt, max_tokens)[0]
+
+
+def add_lora(model, r: int, alpha: int, targets: str = "all-linear", dropout: float = 0.0, modules_to_save: str = ""):
+    """The model with a trainable LoRA adapter (peft): `targets` is "all-linear" or comma-separated module names,
+    `modules_to_save` comma-separated modules trained in full and saved with the adapter."""
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+        target_modules=targets if targets == "all-linear" else targets.split(","),
+        modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
+
+
+def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwargs) -> Path:
+    """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: state dict}, torch.save) into a temp dir that
+    is then renamed to out_dir (replacing it): a reader never sees half a model."""
+    import shutil
+
+    import torch
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    model.save_pretrained(tmp, **kwargs)
+    tokenizer.save_pretrained(tmp)
+    for name, state in (files or {}).items():
+        torch.save(state, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def autocast(device: str, dtype: str):
+    """bf16/fp16 compute over float32 master weights for full fine-tuning (a bf16 weight does not move by a 1e-6
+    step); for LoRA the frozen base is stored in `dtype` and autocast only matches the adapter's float32 to it."""
+    import contextlib
+
+    import torch
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
+
+
+def grad_scaler(device: str, dtype: str):
+    """Loss scaling for fp16 (its gradients underflow without it); a no-op otherwise."""
+    import torch
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "fp16")
+
+
+def supervised_finetune(model, tokenizer, examples: list, steps: int, batch_size: int, lr: float,
+                        max_grad_norm: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "float32"):
+    """Fine-tune on (prompt ids, target ids) pairs, the loss on the target only: `steps` AdamW steps on batches drawn
+    with replacement, left-padded as in generation (03's SFT warm start)."""
+    import torch
+    from tqdm.auto import tqdm
+
+    model.train()
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr)
+    scaler, gen = grad_scaler(device, dtype), torch.Generator().manual_seed(seed)
+    for _ in (bar := tqdm(range(steps), desc="SFT warm start")):
+        batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+        ids, attn = left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
+        labels = ids.masked_fill(attn == 0, -100)
+        for i, (p, y) in enumerate(batch):
+            labels[i, : ids.shape[1] - len(y)] = -100                          # no loss on the prompt
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        with autocast(device, dtype):
+            loss = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                         labels=labels.to(device)).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model.eval()
