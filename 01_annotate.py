@@ -7,7 +7,7 @@ The output is append-only JSONL, one line per record flushed as it completes: ki
 same command, and every id ends up there exactly once.
 
     # the offline demo (no flags, ~1 min on 2 CPU cores): builds runs/demo/base, writes runs/demo/data/*.jsonl and
-    # annotates 16000 demo summaries (90% flawed) with the demo's rule-based critic into runs/demo/annotations.jsonl
+    # annotates 16000 demo summaries with the demo's rule-based critic into runs/demo/annotations.jsonl
     python 01_annotate.py
 
     # KodCode with the programmatic critic: runs each solution's unit tests in the sandbox (no LLM, no key)
@@ -110,8 +110,8 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------------------------------
 
 DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval", 200)}  # name: (demo split, size)
-# The reward model's data: 16000 summaries, 90% of them flawed. On 2000 (55% flawed) the demo's reward model memorised
-# its examples and found 1 mistake in 5; the rule "is this word in the post?" needs many fresh examples with mistakes.
+# The reward model's data: 16000 summaries. On 2000 the demo's reward model memorised its examples and found 1 mistake
+# in 5: the rule "is this word in the post?" needs many fresh examples (README "What the demo's reward model needed").
 DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mistakes)
 
 

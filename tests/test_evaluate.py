@@ -403,12 +403,15 @@ def test_max_prompt_tokens_cuts_prompts_as_stage_3_and_rm_inputs_as_stage_2(tiny
     ex = common.demo_dataset("eval", 1)[0]
     long = {**ex, "prompt": ex["prompt"].replace("post: ", "post: " + "it rained on monday. " * 80)}
     common.write_jsonl(tmp_path / "eval.jsonl", [long])
-    inputs, real = [], common.generate
+    inputs = []
 
-    def spy(model, tokenizer, prompts, *a, **k):  # the real generate, recording what it was given
-        inputs.append(prompts)
-        return real(model, tokenizer, prompts, *a, **k)
-    monkeypatch.setattr(common, "generate", spy)
+    def spy(real):  # the real generate (policy) or greedy_generate (reward model), recording what it was given
+        def record(model, tokenizer, prompts, *a, **k):
+            inputs.append(prompts)
+            return real(model, tokenizer, prompts, *a, **k)
+        return record
+    monkeypatch.setattr(common, "generate", spy(common.generate))
+    monkeypatch.setattr(common, "greedy_generate", spy(common.greedy_generate))
     ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model",
              tiny_model_dir, "--rm-max-new-tokens", "4", "--max-new-tokens", "6", "--max-prompt-tokens", "250",
              "--output-dir", str(tmp_path / "out"), "--bootstrap", "10", "--device", "cpu"])

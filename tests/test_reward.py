@@ -302,7 +302,8 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
            str(data), "--output-dir", str(out), "--batch-size", "4", "--max-steps", "4", "--eval-limit", "4",
-           "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--device", "cpu", *LORA]
+           "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--val-frac", "0.05", "--device", "cpu",
+           *LORA]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,157 @@
+"""What limits the demo reward model's poor-span recall? One lever at a time (issue: capacity, data, objective, init,
+training length), each a full fine-tune of a demo base on demo annotations, scored on 200 held-out posts.
+
+    python bench/rm_levers.py --name base                                  # the reference point
+    python bench/rm_levers.py --name deep --layers 4 --pretrain 500        # capacity: depth (also --hidden, --heads)
+    python bench/rm_levers.py --name data --n 16000 --mistake 0.9          # data: fresh examples, flawed share
+    python bench/rm_levers.py --name walk --fmt verdict                    # objective: a critique format
+    python bench/rm_levers.py --name lora --lora 32 --lr 5e-4              # LoRA instead of full fine-tuning
+    python bench/rm_levers.py --name long --steps 4000 --evals 1000,2000,3000,4000   # training length
+
+Each run prints one JSON line per evaluation step and, last, all of them as one JSON list. A run of 2000 steps of
+batch 16 takes ~5 min on 2 CPU cores (~1.5 min on a GPU: --device cuda); runs are independent, so a sweep can run them
+side by side. The held-out posts have the demo's natural flawed share (55%), whatever the training data's.
+Formats (--fmt; the span JSON that follows is always the same):
+  default  the demo critic's critique: "It gets X, Y and Z right. It says W where the post says V."
+  verdict  a verdict per quoted word in response order: "X right. W wrong, the post says V."
+  ref      the post's ideal summary first, then the default critique
+  cmp      each quoted word next to the post's word of its kind: "W (post: V) wrong."
+"""
+import argparse
+import fcntl
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+from importlib import import_module  # noqa: E402
+
+rm02 = import_module("02_train_reward")
+
+
+def labels_of(prompt: str, response: str) -> list[tuple[str, str, str | None]]:
+    """(word, label, the post's word of its kind) for each word the demo critic labels, in response order."""
+    facts, irrelevant = common.demo_post_facts(prompt)
+    words = re.findall(r"\w+", response)
+    repeated = [False] * len(words)
+    for i in range(len(words)):
+        for n in (3, 2, 1):
+            if i >= n and words[i - n:i] == words[i:i + n]:
+                repeated[i:i + n] = [True] * n
+    out, seen = [], set()
+    for i, w in enumerate(words):
+        cat = common._CATEGORY.get(w)
+        if w in irrelevant:
+            out.append((w, "irrelevant", facts.get(cat)))
+        elif cat and facts[cat] != w:
+            out.append((w, "wrong", facts[cat]))
+        elif repeated[i] or (cat and cat in seen):
+            out.append((w, "repeated", facts.get(cat)))
+        elif cat:
+            out.append((w, "right", w))
+            seen.add(cat)
+    return out
+
+
+def critique(fmt: str, prompt: str, response: str, default: str) -> str:
+    if fmt == "default":
+        return default
+    labs = labels_of(prompt, response)
+    if fmt == "verdict":
+        return " ".join(f"{w} {lab}" + (f", the post says {post}" if lab == "wrong" else "") + "."
+                        for w, lab, post in labs) or default
+    if fmt == "ref":
+        return f"The post says: {common.DEMO_SUMMARY.format(**common.demo_post_facts(prompt)[0])} {default}"
+    if fmt == "cmp":
+        return " ".join(f"{w} (post: {post or 'none'}) {lab}." for w, lab, post in labs) or default
+    raise ValueError(fmt)
+
+
+def records(split: str, n: int, mistake_rate: float, fmt: str) -> list[dict]:
+    out = []
+    for ex in common.demo_dataset(split, n, mistake_rate):
+        fb = common.demo_critic(ex["prompt"], ex["response"])
+        out.append({**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])})
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    a = p.add_argument
+    a("--name", required=True, help="label of this run in the output")
+    a("--out", default="bench/out/rm_levers", help="where the demo bases are built (shared by runs of one shape)")
+    a("--layers", type=int, default=2, help="capacity: base model depth (the demo's: 2)")
+    a("--hidden", type=int, default=128, help="capacity: base model width (the demo's: 128)")
+    a("--heads", type=int, default=4, help="capacity: attention heads (the demo's: 4)")
+    a("--pretrain", type=int, default=250, help="init: base model pretraining steps (the demo's: 250)")
+    a("--scratch", action="store_true", help="init: train the reward model from random weights")
+    a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp"], help="objective: critique format")
+    a("--n", type=int, default=2000, help="data: annotated examples")
+    a("--mistake", type=float, default=0.55, help="data: share of flawed summaries in the training data")
+    a("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
+    a("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup 50 steps, linear decay)")
+    a("--bs", type=int, default=16, help="batch size")
+    a("--steps", type=int, default=2000, help="training length: optimizer steps")
+    a("--evals", default="500,1000,1500,2000", help="steps at which the held-out posts are critiqued")
+    a("--seed", type=int, default=0, help="seed of the data order")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    args = p.parse_args()
+
+    base = ROOT / args.out / f"base_L{args.layers}_H{args.hidden}_h{args.heads}_P{args.pretrain}"
+    base.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(f"{base}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # runs side by side build each shape's base once
+    if not (base / "config.json").is_file():  # the demo base's recipe at this shape (common.build_demo_base)
+        texts, pairs = [], []
+        for ex in common.demo_dataset("pretrain", 3000):
+            pairs.append((ex["prompt"], " " + ex["reference"]))
+            fb = common.demo_critic(ex["prompt"], ex["response"])
+            texts += [ex["prompt"] + ex["response"], " " + common.format_rm_target(**fb)]
+            texts += [critique(f, ex["prompt"], ex["response"], fb["critique"]) for f in ("verdict", "ref", "cmp")]
+        texts += [common.rm_user_message("", "") + "\n\n### Critique\n"] * 100
+        common.build_tiny_base(base, texts, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                               intermediate_size=4 * args.hidden, pretrain_texts=pairs,
+                               pretrain_steps=args.pretrain, lr=2e-3, seed=0)
+    fcntl.flock(lock, fcntl.LOCK_UN)
+    train = records("annotate", args.n, args.mistake, args.fmt)
+    held_out = records("rmval", 200, 0.55, args.fmt)
+    model, tok = common.load_model(str(base))
+    if args.scratch:
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_config(model.config)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
+    model.to(args.device)
+    examples, _ = rm02.encode_all(tok, train, 320)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * max(0.0, 1 - i / args.steps))
+    rng, evals, t0, results = random.Random(args.seed), {int(x) for x in args.evals.split(",")}, time.time(), []
+    for step in range(1, args.steps + 1):
+        model.train()
+        batch = rm02.collate([examples[rng.randrange(len(examples))] for _ in range(args.bs)], tok.pad_token_id)
+        loss = model(**{k: v.to(args.device) for k, v in batch.items()}).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step in evals:
+            model.eval()
+            m, _ = rm02.evaluate_rm(model, tok, held_out, 160, 64)
+            results.append({"name": args.name, "step": step, "examples": step * args.bs, "s": round(time.time() - t0),
+                            **{k: m[k] for k in ("parse_rate", "pos_precision", "pos_recall", "neg_precision",
+                                                 "neg_recall")}})
+            print(json.dumps(results[-1]), flush=True)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
