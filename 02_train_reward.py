@@ -127,11 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_annotations(path) -> tuple[list[dict], int]:
     """(usable records, number of status == "failed" records). DataError 'file:line: ...' on a malformed record."""
-    records = common.read_jsonl(path, required=("prompt", "response"))
-    with open(path, encoding="utf-8") as f:  # the line number of each record (read_jsonl skips blank lines)
-        lines = [n for n, line in enumerate(f, 1) if line.strip()]
+    records = list(common.iter_jsonl(path, required=("prompt", "response")))
     usable, failed = [], 0
-    for lineno, rec in zip(lines, records):
+    for lineno, rec in records:
         if rec.get("status", "ok") == "failed":
             failed += 1
             continue

@@ -1,13 +1,13 @@
 """Stage 3: NL-Gradient policy optimisation (Text2Grad paper §3.5, Alg. 4): PPO on per-token span rewards.
 
-train() is a loop of named steps (the numbers are ours):
+train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
   1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, sampled at temperature T
-  2. critique         the critic writes a critique c and quotes good / poor spans of each y (make_critic)
+  2. critic           the critic writes a critique c and quotes good / poor spans of each y (make_critic)
   3. span_deltas      spans -> character intervals -> per-token delta_t in {-1, 0, +1} (§3.3, common.span_rewards)
-  4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference from score_rollouts (§3.5)
+  4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy from score_rollouts
   5. compute_gae      advantages A_t by GAE over r_t, then whitened
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches (ppo_loss)
-  7. metrics_row      the iteration's metrics on the global batch, then samples and checkpoints
+  7. log_iteration    the iteration's metrics on the global batch, samples, checkpoints
 The pure tensor functions of steps 4-6 sit right below the arguments; copy them into your own project as they are.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import os
 import random
 import sys
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 import common
+from common import batch_indices, forward_rows  # 03's, in common with the rest of the run plumbing
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
@@ -46,14 +46,14 @@ PRESETS = {
                     ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0),
 }
 
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     a = p.add_argument
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
     a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
-    a("--prompts", help="JSONL with a 'prompt' field; --task code --critic program: KodCode-style prompt + test, or a "
-                        "HumanEval / MBPP / EvalPlus file (.jsonl or .jsonl.gz)")
+    a("--prompts", help="JSONL with a 'prompt' field (--task code --critic program: any layout of common.code_problem)")
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
@@ -63,7 +63,7 @@ def parse_args(argv=None):
                                                                              "template (auto: if it has one)")
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (its chat template "
       "is kept whole);\nthe reward model's input is cut the same way (common.rm_prompt), as in stage 2")
-    # --- optional SFT warm start (the paper fine-tunes on SLF5K reference summaries first)
+    # --- optional SFT warm start (the paper's SLF5K policy starts from SFT on reference summaries)
     a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
     a("--sft-field", default="response", help="the SFT target field")
     a("--sft-steps", type=int, help="SFT optimizer steps")
@@ -89,22 +89,18 @@ def parse_args(argv=None):
     # --- rollouts
     a("--batch-size", type=int, help="rollouts per iteration")
     a("--max-new-tokens", type=int, help="response length limit")
-    a("--min-new-tokens", type=int, default=0, help="forbid EOS before this many tokens (benchmarks); the log-probs "
-                                                     "are\nscored with EOS forbidden there too, as it was sampled")
+    a("--min-new-tokens", type=int, default=0, help="no EOS before this many tokens (benchmarks; log-probs likewise)")
     a("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
-    a("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off). Below 1 the run is OFF-POLICY: rollouts"
-                                               "\ncome from the truncated distribution, PPO scores the full one")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling, 1.0 = off (below 1 the run is OFF-POLICY)")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
     # --- rewards (§3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
                                                                         "scalar: sum of delta on the last token")
-    a("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="App. I ablation: linear-decay "
-      "scales delta inside a span from 1 at its first token to 1/n at its last")
+    a("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="App. I ablation (weight_spans)")
     a("--kl-estimator", default="k1", choices=["k1", "k3", "full"], help="per-token KL: k1 = log p - log q at the "
       "sampled token, k3 = (r-1) - log r,\nfull = sum over the vocabulary (what the paper's code uses)")
     a("--kl-coef", type=float, help="initial beta")
-    a("--adaptive-kl-target", type=float, help="target KL per sequence (adaptive controller, Ziegler et al.); unset = "
-                                               "fixed beta")
+    a("--adaptive-kl-target", type=float, help="adaptive beta's target sequence KL (Ziegler et al.)")
     a("--adaptive-kl-horizon", type=float, default=10000, help="horizon of the adaptive KL controller")
     a("--whiten-rewards", action="store_true", help="whiten rewards (scale only) before GAE")
     a("--gamma", type=float, default=1.0, help="discount")
@@ -112,12 +108,11 @@ def parse_args(argv=None):
     # --- PPO update
     a("--lr", type=float, help="learning rate (LoRA weights and value head)")
     a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
-    a("--warmup-steps", type=int, help="linear learning-rate warmup over the first N iterations (Adam's first steps "
-                                       "are full-size whatever the gradient's noise)")
+    a("--warmup-steps", type=int, help="linear learning-rate warmup over the first N iterations")
     a("--ppo-epochs", type=int, help="passes over each batch")
     a("--num-minibatches", type=int, help="minibatches per epoch")
     a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
-    a("--forward-batch-size", type=int, help="rows per no-grad forward (default: the batch while its logits fit 256 MB)")
+    a("--forward-batch-size", type=int, help="rows per no-grad forward (default: what 256 MB of logits allow)")
     a("--clip-range", type=float, default=0.2, help="policy ratio clip epsilon")
     a("--clip-range-value", type=float, default=0.2, help="value clip")
     a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
@@ -131,7 +126,7 @@ def parse_args(argv=None):
     a("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     a("--save-every", type=int, default=20, help="checkpoint every N iterations")
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
-    a("--dump-rollouts", help="audit: save each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt")
+    a("--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt")
     args = p.parse_args(argv)
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
@@ -172,17 +167,21 @@ def weight_spans(delta, mode="uniform"):
     if mode == "uniform":
         return delta
     out = delta.clone()
-    for b, row in enumerate(delta.tolist()):
-        t = 0
-        for label, run in itertools.groupby(row):
-            n = len(list(run))
-            out[b, t:t + n] = torch.tensor([label * (n - k) / n for k in range(n)])
-            t += n
+    for b in range(delta.shape[0]):
+        row, t = delta[b].tolist(), 0
+        while t < len(row):
+            end = t
+            while end + 1 < len(row) and row[t] != 0 and row[end + 1] == row[t]:
+                end += 1
+            n = end - t + 1
+            for k in range(n):
+                out[b, t + k] = row[t] * (n - k) / n
+            t = end + 1
     return out
 
 
 def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
-    """Per-token rewards r_t (§3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
+    """Per-token rewards r_t (Sec. 3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
     r_t = -beta*KL_t, plus sum_t delta_t at the last response token (the EOS if one was sampled, never a pad).
     seq_bonus (B,), e.g. the missing-EOS penalty, is added at the last token in both modes."""
     rewards = -kl_coef * kl * mask
@@ -249,9 +248,9 @@ def entropy_from_logits(logits):
 
 
 def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
-    """Step 1 (§3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact settings.
-    mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids). Each
-    response is also decoded, with the character interval of every token (common.decode_with_offsets, §3.3)."""
+    """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
+    settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
+    Each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
     query, query_mask = (x.to(args.device) for x in common.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
     with torch.no_grad(), common.autocast(args.device, args.dtype):
@@ -285,23 +284,9 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
     return weight_spans(delta, weighting), rows, n_spans, n_unmatched
 
 
-def exact_monitor(args, recs, texts, offsets, rows):
-    """The demo's exact critic on the same rollouts, a reward-hacking monitor (logged, never trained on): its summed
-    delta and the number of responses with a mistake."""
-    exact = torch.zeros(2)
-    for rec, text, offs, done in zip(recs, texts, offsets, rows) if args.task == "demo" else ():
-        if args.critic == "program":  # the critic of step 2 was this very one: reuse its delta
-            d = done[0]
-        else:
-            fb = common.demo_critic(rec["prompt"], text)
-            d = common.span_rewards(text, offs, fb["good_spans"], fb["poor_spans"])[0]
-        exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
-    return exact
-
-
 def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
-    """Step 4, without grad: the behaviour policy's log-probs and values, and KL_t to the reference, each (B, T), in
-    as few forward calls as memory allows ((B, T, V) logits can be large)."""
+    """Step 4, no grad: the behaviour policy's log-probs and values, and KL_t to the reference, each (B, T), in as few
+    forward calls as memory allows ((B, T, V) logits can be large)."""
     (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
     rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
                                                    2 if args.kl_estimator == "full" else 1)
@@ -317,9 +302,9 @@ def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
 
 
 def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world):
-    """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum micro-batches;
-    loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token mean over the minibatch on
-    every rank. Returns the stats of each micro-batch and the number of epochs run (--target-kl may stop early)."""
+    """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum
+    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token mean over
+    the minibatch on every rank. Returns each micro-batch's stats and the epochs run (--target-kl may stop early)."""
     (B, T), stats = b["mask"].shape, []
     mb_size = B // args.num_minibatches
     micro = mb_size // args.grad_accum
@@ -359,45 +344,46 @@ def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, wo
     return stats, epoch + 1
 
 
-def metrics_row(step, g, stats, epochs, counts, exact, kl_coef, lr, t, args, world) -> dict:
-    """One line of metrics.jsonl, computed on the global batch `g` (every rank's rollouts)."""
-    counts = common.all_sum(torch.tensor(counts, dtype=torch.float, device=args.device))  # parse fails, quotes, unmatched
+def log_iteration(step, out_dir, recs, b, g, feedback, counts, exact, stats, epochs, kl_coef, lr, t, args, rank,
+                  world) -> dict:
+    """Step 7: one line of metrics.jsonl, computed on the global batch g (every rank's rollouts), and every --log-every
+    iterations four sample rollouts with their critique (rank 0 writes). Returns the metrics row."""
+    counts = common.all_sum(torch.tensor(counts, dtype=torch.float, device=args.device))  # parse fails, quotes, misses
     exact = common.all_sum(exact.to(args.device)) / args.batch_size
-    ppo_stats = common.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]], device=args.device)) / world
+    ppo_stats = common.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]],
+                                            device=args.device)) / world
     mask, returns = g["mask"], g["returns"]
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    return {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": kl_coef,
-            "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
-            "objective/span_reward": (g["delta"] * mask).sum(1).mean().item(),
-            "objective/rlhf_reward": g["rewards"].sum(1).mean().item(),
-            **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
-            "val/explained_variance": (1 - masked_mean((returns - g["values"]) ** 2, mask) / var_returns).item()
-            if var_returns > 0 else 0.0,
-            "critic/parse_fail_rate": counts[0].item() / args.batch_size,
-            "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
-            "critic/tokens_labelled_frac": ((g["delta"] != 0).float() * mask).sum().item() / mask.sum().item(),
-            "critic/mistake_rate": ((g["delta"] < 0).float() * mask).amax(1).mean().item(),
-            **({"exact/span_reward": exact[0].item(), "exact/mistake_rate": exact[1].item()} if args.task == "demo"
-               else {}),
-            "response/length": mask.sum(1).mean().item(), "response/eos_rate": g["has_eos"].float().mean().item(),
-            "policy/epochs": epochs, "lr": lr, "time/generate_s": t[1] - t[0], "time/critic_s": t[2] - t[1],
-            "time/forward_s": t[3] - t[2], "time/update_s": t[4] - t[3], "time/step_s": time.time() - t[0]}
-
-
-def write_logs(out_dir, row, step, recs, texts, feedback, delta, mask, args) -> None:
-    """Rank 0: the metrics row, and every --log-every iterations four sample rollouts with their critique."""
-    with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        common.append_jsonl(f, row)
-    if step % args.log_every == 0 or step == args.steps:
+    row = {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": kl_coef,
+           "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
+           "objective/span_reward": (g["delta"] * mask).sum(1).mean().item(),
+           "objective/rlhf_reward": g["rewards"].sum(1).mean().item(),
+           **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
+           "val/explained_variance": (1 - masked_mean((returns - g["values"]) ** 2, mask) / var_returns).item()
+           if var_returns > 0 else 0.0,
+           "critic/parse_fail_rate": counts[0].item() / args.batch_size,
+           "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
+           "critic/tokens_labelled_frac": ((g["delta"] != 0).float() * mask).sum().item() / mask.sum().item(),
+           "critic/mistake_rate": ((g["delta"] < 0).float() * mask).amax(1).mean().item(),
+           **({"exact/span_reward": exact[0].item(), "exact/mistake_rate": exact[1].item()} if args.task == "demo"
+              else {}),
+           "response/length": mask.sum(1).mean().item(), "response/eos_rate": g["has_eos"].float().mean().item(),
+           "policy/epochs": epochs, "lr": lr, "time/generate_s": t[1] - t[0], "time/critic_s": t[2] - t[1],
+           "time/forward_s": t[3] - t[2], "time/update_s": t[4] - t[3], "time/step_s": time.time() - t[0]}
+    if rank == 0:
+        with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            common.append_jsonl(f, row)
+    if rank == 0 and (step % args.log_every == 0 or step == args.steps):
         with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
             for i in range(min(4, len(recs))):
                 fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
-                common.append_jsonl(f, {"step": step, "prompt": recs[i]["prompt"], "response": texts[i], **fb,
-                                        "span_reward": (delta[i] * mask[i]).sum().item()})
+                common.append_jsonl(f, {"step": step, "prompt": recs[i]["prompt"], "response": b["texts"][i], **fb,
+                                        "span_reward": (b["delta"][i] * b["mask"][i]).sum().item()})
+    return row
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Training: setup, then the loop of named steps
+# Training: setup, then Alg. 4's loop of named steps
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -409,11 +395,12 @@ def train(args):
     torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     random.seed(args.seed)
     np.random.seed(args.seed)
-    records = read_prompts(args, world)
-    start = sft_warm_start(args, rank) if args.sft_data and args.sft_steps > 0 else args.model
+    records = common.read_prompts(args, world)
+    start = common.sft_warm_start(args, rank) if args.sft_data and args.sft_steps > 0 else args.model
     model, tokenizer = common.load_model(start, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
-    queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in records]  # before any output: may raise DataError
+    queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
+               for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic = make_critic(args)
@@ -422,7 +409,7 @@ def train(args):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
                                                   * (1.0 - it / args.steps if args.anneal_lr else 1.0))
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    first_step, kl_coef = start_or_resume(args, ckpt, model, value_head, optimizer, scheduler, rank, world)
+    first_step, kl_coef = common.start_or_resume(args, ckpt, model, value_head, optimizer, scheduler, rank, world)
     local_bs = args.batch_size // world                                   # rollouts of this rank
     micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
@@ -437,51 +424,47 @@ def train(args):
                total=args.steps, disable=rank != 0)
     for step in bar:
         t = [time.time()]
-        # ---- 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch's prompts
         idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)[rank * local_bs:(rank + 1) * local_bs]
         recs = [records[i] for i in idx]
+        # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
         b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
         t.append(time.time())
-        # ---- 2. critique: the critic writes c and quotes good / poor spans of each response (make_critic)
-        texts, offsets = b["texts"], b["offsets"]
-        feedback = critic(recs, texts)
-        # ---- 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3)
-        delta, deltas, n_spans, n_unmatched = span_deltas(texts, offsets, feedback, b["mask"], args.span_weighting)
+        # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
+        feedback = critic(recs, b["texts"])
+        # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
+        b["delta"], deltas, n_spans, n_unmatched = span_deltas(b["texts"], b["offsets"], feedback, b["mask"],
+                                                               args.span_weighting)
         t.append(time.time())
-        exact = exact_monitor(args, recs, texts, offsets, deltas)
-        # ---- 4. rewards r_t = delta_t - beta * KL_t (§3.5), on the global batch (torchrun: every rank's rollouts)
+        exact = common.demo_monitor(recs, b["texts"], b["offsets"], deltas if args.critic == "program" else None) \
+            if args.task == "demo" else torch.zeros(2)  # the exact critic's verdict: logged, never trained on
+        # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, value_head, b, forbid, micro, args)
-        g = {"delta": delta, **{k: b[k] for k in ("kl", "mask", "values", "has_eos")}}
-        g = {k: common.gather_rows(v) for k, v in g.items()}
+        g = {k: common.gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
         seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                       # (B,)
         g["rewards"] = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, args.reward_mode, seq_bonus)
         if args.whiten_rewards:
             g["rewards"] = masked_whiten(g["rewards"], g["mask"], shift_mean=False)
-        # ---- 5. advantages A_t by GAE over r_t, whitened
+        # 5. advantages A_t by GAE over r_t, whitened (§3.5)
         g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam)
         g["advantages"] = masked_whiten(g["advantages"], g["mask"])
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
         b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
         t.append(time.time())
-        # ---- 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches
+        # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
         stats, epochs = ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world)
         scheduler.step()
         t.append(time.time())
-        if args.dump_rollouts:  # audit: every tensor of this iteration
-            Path(args.dump_rollouts).mkdir(parents=True, exist_ok=True)
-            torch.save({"texts": texts, "delta": delta, "kl_coef": kl_coef, **{k: b[k] for k in (
-                "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
-                "param_checksum": sum(p.detach().double().sum().item() for p in params)},
-                Path(args.dump_rollouts) / f"step{step}_rank{rank}.pt")
-        # ---- 7. log: adapt beta (optional), metrics of the global batch, samples, checkpoint
+        if args.dump_rollouts:
+            common.dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
+        # 7. log: adapt beta (optional), the global batch's metrics, samples, checkpoint
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, g["kl"].sum(1).mean().item(), args.adaptive_kl_target,
                                      args.adaptive_kl_horizon, args.batch_size)
-        row = metrics_row(step, g, stats, epochs, [sum(fb is None for fb in feedback), n_spans, n_unmatched], exact,
-                          kl_coef, scheduler.get_last_lr()[0], t, args, world)
+        row = log_iteration(step, out_dir, recs, b, g, feedback, [sum(fb is None for fb in feedback), n_spans,
+                            n_unmatched], exact, stats, epochs, kl_coef, scheduler.get_last_lr()[0], t, args, rank,
+                            world)
         costs.append((row["time/generate_s"], row["time/critic_s"]))
         if rank == 0:
-            write_logs(out_dir, row, step, recs, texts, feedback, delta, b["mask"], args)
             bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
                             mistakes=f"{row['critic/mistake_rate']:.2f}")
         if step % args.save_every == 0 or step == args.steps:
@@ -508,6 +491,7 @@ def main(argv=None):
         policy = train(base)
         log(f"scalar baseline saved to {policy}")
 
+
 # ----------------------------------------------------------------------------------------------------------------------
 # The policy: log-probs and values in one forward, the reference policy without a second copy of the weights
 # ----------------------------------------------------------------------------------------------------------------------
@@ -532,19 +516,12 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
     return logprobs, values, logits
 
 
-def forward_rows(batch, micro, n_resp, vocab, n_logits=1, budget=2 ** 26):
-    """Rows per no-grad forward of step 4: the whole batch in one call when its logits (n_logits tensors of rows x
-    (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the training
-    micro-batch. A row's log-probs do not depend on its batch-mates (a kernel picked by shape may round by ~1e-7)."""
-    return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
-
-
 def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature, forbid=None):
     """(log-probs, logits) of pi_ref: the same weights with the LoRA adapter switched off (or the --ref-adapter
     switched on); only full fine-tuning needs the frozen copy `ref_model`."""
     if ref_model is not None:
         return forward(ref_model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
-    if "ref" in model.peft_config:
+    if "ref" in getattr(model, "peft_config", {}):
         model.set_adapter("ref")
         try:
             return forward(model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
@@ -576,50 +553,7 @@ def build_policy(args, model):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Setup: prompts, the SFT warm start, critics, checkpoints
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def read_prompts(args, world):
-    """The prompt records, checked before anything is written. --task code --critic program: any benchmark layout
-    (common.read_code_problems), whose tests the critic runs."""
-    records = common.read_code_problems(args.prompts) if args.task == "code" and args.critic == "program" else \
-        common.read_jsonl(args.prompts, required=("prompt",))
-    if not records:
-        raise common.DataError(f"{args.prompts}: no prompts")
-    if not args.model:
-        raise common.DataError("--model is required outside the demo")
-    if args.batch_size % (world * args.num_minibatches * args.grad_accum):
-        raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
-                               f"--grad-accum = {world * args.num_minibatches * args.grad_accum}")
-    return records
-
-
-def sft_warm_start(args, rank) -> str:
-    """Supervised fine-tuning on (prompt, --sft-field) before PPO, the loss on the response and its EOS only. Trained
-    once, on rank 0 (the others wait), and saved as full weights that later runs reuse. Returns its directory."""
-    sft_dir = Path(args.sft_output_dir or Path(args.output_dir) / "sft")
-    lora_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
-    if rank == 0 and not (sft_dir / "config.json").is_file():
-        model, tokenizer = common.load_model(args.model, device=args.device,
-                                             dtype=args.dtype if lora_r > 0 else "float32")  # full FT: fp32 master
-        if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
-            model = common.add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
-        records = common.read_jsonl(args.sft_data, required=("prompt", args.sft_field))
-        if not records:
-            raise common.DataError(f"{args.sft_data}: no records")
-        examples = [(common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens),
-                     tokenizer(r[args.sft_field], add_special_tokens=False)["input_ids"][:args.max_new_tokens]
-                     + [tokenizer.eos_token_id]) for r in records]
-        model = common.supervised_finetune(model, tokenizer, examples, args.sft_steps, args.sft_batch_size,
-                                           args.sft_lr, args.max_grad_norm, args.seed, args.device, args.dtype)
-        common.save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer)
-    common.barrier(timeout_h=24)  # the other ranks wait for rank 0's SFT, however long it takes
-    return str(sft_dir)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Critics: each returns, per (prompt, response), a dict from parse_feedback or None when the output was unparseable
+# The critic of step 2: per (prompt, response), parse_feedback's dict, or None when its output did not parse
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -652,44 +586,6 @@ def _parse(raw):
         return common.parse_feedback(raw)
     except ValueError:
         return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Runs: prompt order, checkpoints (everything needed to continue bit-exactly), the saved policy
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def batch_indices(step, batch_size, n, seed):
-    """Prompt indices of an iteration: consecutive slices of a fresh permutation per pass over the data, derived
-    from (seed, step) alone so a resumed run draws exactly the same prompts."""
-    out, pos = [], step * batch_size
-    while len(out) < batch_size:
-        epoch, offset = divmod(pos, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-        take = perm[offset: offset + batch_size - len(out)]
-        out += take
-        pos += len(take)
-    return out
-
-
-def start_or_resume(args, ckpt, model, value_head, optimizer, scheduler, rank, world):
-    """(first step, beta): --resume restores the checkpoint (common.load_checkpoint) and cuts the logs back to its step;
-    a fresh run starts empty logs. Rank 0 writes config.json."""
-    out_dir, last, kl_coef = ckpt.parent, 0, args.kl_coef
-    if rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    common.barrier()
-    if args.resume and ckpt.is_file():
-        last, kl_coef = common.load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank, world)
-    if rank == 0:
-        for name in ("metrics.jsonl", "samples.jsonl"):  # a resumed run drops the rows logged after its checkpoint
-            path = out_dir / name
-            common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last]
-                               if last and path.is_file() else [])
-        if last:
-            print(f"resumed from {ckpt} at step {last}")
-        common.write_json(out_dir / "config.json", {**vars(args), "world_size": world})
-    return last + 1, kl_coef
 
 
 if __name__ == "__main__":

@@ -134,7 +134,6 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     assert ppo.per_token_kl(lp, ref_lp, "k1").abs().max() == 0
     assert values.abs().max() == 0  # zero-initialised value head
     if lora_r:  # one step of training moves the policy but not the reference
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         for p in model.parameters():
             if p.requires_grad:
                 p.data.add_(0.1)
