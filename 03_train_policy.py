@@ -250,7 +250,7 @@ def entropy_from_logits(logits):
 def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
     """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
     settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
-    Each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
+    Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
     query, query_mask = (x.to(args.device) for x in common.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
     with torch.no_grad(), common.autocast(args.device, args.dtype):
@@ -262,11 +262,11 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
                                                                               dtype=torch.long))
     mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
     response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
+    b = {"query": query, "response": response, "mask": mask, "has_eos": has_eos, "t_sampled": time.time(),
+         "input_ids": torch.cat([query, response], 1), "attention_mask": torch.cat([query_mask, mask.long()], 1)}
     texts, offsets = zip(*[common.decode_with_offsets(tokenizer, row[:n]) for row, n in
                            zip(response.tolist(), mask.sum(1).long().tolist())])
-    return {"query": query, "response": response, "mask": mask, "has_eos": has_eos, "texts": list(texts),
-            "offsets": list(offsets), "input_ids": torch.cat([query, response], 1),
-            "attention_mask": torch.cat([query_mask, mask.long()], 1)}
+    return {**b, "texts": list(texts), "offsets": list(offsets)}
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
@@ -428,7 +428,7 @@ def train(args):
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
         b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
-        t.append(time.time())
+        t.append(b["t_sampled"])  # time/generate_s: sampling alone; decoding counts as the critic's
         # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
         feedback = critic(recs, b["texts"])
         # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)

@@ -181,9 +181,11 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
         model, tok = loaded
         prompts = [common.policy_prompt(tok, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in chunk]
         ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
-        decoded = [common.decode_with_offsets(tok, x) for x in ids]  # delta is scored on the policy's own tokens
-        return [{"id": rec["id"], "response": text, "response_ids": x, "offsets": offsets}
-                for rec, x, (text, offsets) in zip(chunk, ids, decoded)]
+        rows = []
+        for rec, x in zip(chunk, ids):
+            text, offsets = common.decode_with_offsets(tok, x)  # delta is scored on the policy's own tokens
+            rows.append({"id": rec["id"], "response": text, "response_ids": x, "offsets": offsets})
+        return rows
 
     return cached(cache_dir / f"{name}.generations.jsonl", fp, records, compute, 4 * args.batch_size,
                   f"generate {name}", args.regenerate), fp
@@ -317,12 +319,13 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
             winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
             return {"id": it["id"], "shown_first": first, "verdict": verdict, "winner": winner, "reply": raw[-2000:]}
 
+        items = [{"id": r["id"], "prompt": r["prompt"], "answers": {a: outputs[a][i], b: outputs[b][i]},
+                  "swapped": random.Random(f"{seed}|{a}|{b}|{r['id']}").random() < 0.5} for i, r in enumerate(records)]
+
         def compute(chunk):
             with ThreadPoolExecutor(max(1, concurrency)) as pool:
                 return list(pool.map(ask, chunk))
 
-        items = [{"id": r["id"], "prompt": r["prompt"], "answers": {a: outputs[a][i], b: outputs[b][i]},
-                  "swapped": random.Random(f"{seed}|{a}|{b}|{r['id']}").random() < 0.5} for i, r in enumerate(records)]
         rows = cached(cache_dir / f"judge.{a}_vs_{b}.jsonl", fingerprint(fps[a], fps[b], model, seed), items, compute,
                       4 * concurrency, f"judge {a} vs {b}")
         valid = [r for r in rows if r["winner"]]

@@ -7,10 +7,10 @@ Contents: the core first (copy it as is), then the task-specific material, one s
         2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
         3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3)
         4. Datasets, resumable I/O   read_rows, open_resumable_jsonl, append_jsonl, fingerprint, cached
-        5. Reward-model format       rm_prompt, build_rm_prompt, format_rm_target (z = [c ; A(y)], Sec. 3.4),
-                                     rm_critique_served, rm_span_metrics
+        5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
+                                     Sec. 3.4), rm_critique_served
         6. Models                    load_model, generation_config, policy_prompt, generate, rm_critique
-        7. Training plumbing (03)    autocast, add_lora, save_pretrained, sft_warm_start, torchrun, checkpoints
+        7. Training plumbing         autocast, add_lora, save_pretrained, 03's SFT warm start, torchrun, checkpoints
         8. Evaluation                rm_scores, rm_span_metrics, bootstrap, reference_stats, plot_curves
         9. Sandbox and code task     run_sandboxed, run_tests_sandboxed, read_code_problems, pass_at_k, code_critic
        10. The demo world            demo_critic, demo_delta, demo_dataset, build_demo_base, build_tiny_base
@@ -835,6 +835,7 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwar
     tokenizer.save_pretrained(tmp)
     for name, state in (files or {}).items():
         torch.save(state, tmp / name)
+    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 dirs; give the result the usual permissions
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir
@@ -1249,7 +1250,8 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
         ax.spines[["top", "right"]].set_visible(False)
     axes[0][0].legend(fontsize=9, frameon=False)
     fig.tight_layout()
-    fig.savefig(buf := io.BytesIO(), format="png")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
