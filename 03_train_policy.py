@@ -91,7 +91,8 @@ def parse_args(argv=None):
     a("--max-new-tokens", type=int, help="response length limit")
     a("--min-new-tokens", type=int, default=0, help="no EOS before this many tokens (benchmarks; log-probs likewise)")
     a("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
-    a("--top-p", type=float, default=1.0, help="nucleus sampling, 1.0 = off (below 1 the run is OFF-POLICY)")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off). Below 1 the run is OFF-POLICY: rollouts"
+                                               "\ncome from the truncated distribution, PPO scores the full one")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
     # --- rewards (§3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "

@@ -140,7 +140,6 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
         lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
         ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
         assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
-        del opt
 
 
 def test_forward_logprobs_match_generate_scores(tiny_model_dir):
