@@ -13,7 +13,7 @@ from conftest import ROOT, import_script
 
 import common
 
-STAGES = [  # the zero-flag chain at its full size (about 4 minutes on 2 cores), shrunk only where nothing is learned
+STAGES = [  # the zero-flag chain at its full size (about 4.5 minutes on 2 cores), shrunk only where nothing is learned
     ("01_annotate.py",),
     ("02_train_reward.py", "--eval-limit", "50"),
     ("03_train_policy.py",),
@@ -78,12 +78,18 @@ def test_stage3_text2grad_and_scalar_runs(demo):
                                                                                         else "scalar")
 
 
-def test_critic_reward_after_ppo_not_below_the_sft_start(demo):
-    """The critic PPO trained against (the stage-2 reward model) scores 200 held-out prompts, answered at temperature
-    1 by the SFT start and by the Text2Grad policy (stage 4's rm/delta_sum: sum of delta per response)."""
+def test_text2grad_makes_fewer_mistakes_than_the_sft_start(demo):
+    """Judged by the exact critic on 200 held-out posts answered at temperature 1 (stage 4's demo/mistake_rate).
+
+    The margin, from `python bench/demo_seeds.py` (3 seeds x {1, 2} threads, README "The embedded demo"): Text2Grad's
+    mistake rate was 0.51-0.70 x the SFT start's, the closest run 0.295 vs 0.420, a gap of 0.125 (about 2.6 standard
+    errors of a difference of two rates at n = 200). So this asserts only the direction, Text2Grad < SFT, which every
+    measured run passed by that margin; the stronger claims (<= 0.8 x SFT on every run, below the scalar baseline in
+    the median) are the benchmark's, not a test's."""
     run, _ = demo
     metrics = {name: pol["metrics"] for name, pol in json.loads((run / "results.json").read_text())["policies"].items()}
-    assert metrics["text2grad"]["rm/delta_sum"]["value"] >= metrics["sft"]["rm/delta_sum"]["value"], metrics
+    mistakes = {name: m["demo/mistake_rate"]["value"] for name, m in metrics.items()}
+    assert mistakes["text2grad"] < mistakes["sft"], mistakes
 
 
 def test_stage4_results_and_report(demo):
