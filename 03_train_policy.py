@@ -43,8 +43,7 @@ PRESETS = {
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
-                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0),
-}
+                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0)}
 
 
 def parse_args(argv=None):
@@ -132,6 +131,10 @@ def parse_args(argv=None):
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
+                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
+        if not ok:
+            raise common.DataError(f"{flag} {value:g}: must be {rule}")
     return args
 
 

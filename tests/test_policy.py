@@ -531,3 +531,15 @@ def test_bad_model_input_one_line_exit_2_nothing_written(tmp_path, tiny_model_di
     assert last == f"error: --chat-template on: the tokenizer of {model} has no chat template" if extra else \
         last.startswith(f"error: {model}: cannot load the model: ")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--temperature", "-1"), ("--top-p", "0"),
+                                        ("--top-p", "1.5")])
+def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
+    """T <= 0 would divide the logits by zero (or flip them); top-p outside (0, 1] samples nothing or is no nucleus:
+    refused before anything is loaded or written."""
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), flag, value, "--output-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flag} {value}: must be ")
+    assert not (tmp_path / "run").exists()
