@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 import common
-from common import batch_indices, forward_rows  # 03's, in common with the rest of the run plumbing
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
@@ -292,8 +291,8 @@ def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
     """Step 4, no grad: the behaviour policy's log-probs and values, and KL_t to the reference, each (B, T), in as few
     forward calls as memory allows ((B, T, V) logits can be large)."""
     (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
-    rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
-                                                   2 if args.kl_estimator == "full" else 1)
+    rows = args.forward_batch_size or common.forward_rows(B, micro, T, model.config.vocab_size,
+                                                          2 if args.kl_estimator == "full" else 1)
     with torch.no_grad(), common.autocast(args.device, args.dtype):
         for s in range(0, B, rows):
             ids, attn = b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows]
@@ -428,7 +427,8 @@ def train(args):
                total=args.steps, disable=rank != 0)
     for step in bar:
         t = [time.time()]
-        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)[rank * local_bs:(rank + 1) * local_bs]
+        idx = common.batch_indices(step - 1, args.batch_size, len(records), args.seed)
+        idx = idx[rank * local_bs:(rank + 1) * local_bs]                                           # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
         b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)

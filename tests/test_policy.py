@@ -100,9 +100,9 @@ def test_whiten_and_span_weighting_and_kl_controller():
 
 
 def test_batch_indices_cover_each_pass_once_and_are_reproducible():
-    first_pass = sum((ppo.batch_indices(s, 4, 10, seed=3) for s in range(5)), [])
+    first_pass = sum((common.batch_indices(s, 4, 10, seed=3) for s in range(5)), [])
     assert sorted(first_pass[:10]) == list(range(10)) and sorted(first_pass[10:20]) == list(range(10))
-    assert ppo.batch_indices(7, 4, 10, 3) == ppo.batch_indices(7, 4, 10, 3) != ppo.batch_indices(7, 4, 10, 4)
+    assert common.batch_indices(7, 4, 10, 3) == common.batch_indices(7, 4, 10, 3) != common.batch_indices(7, 4, 10, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
