@@ -6,7 +6,7 @@ and 0-3 poor spans of the response exactly. Every quote is located in the respon
 The output is append-only JSONL, one line per record flushed as it completes: kill the run at any moment, rerun the
 same command, and every id ends up there exactly once.
 
-    # the offline demo (no flags, ~1 min on 2 CPU cores): builds runs/demo/base, writes runs/demo/data/*.jsonl and
+    # the offline demo (no flags, ~20 s on 2 CPU cores): builds runs/demo/base, writes runs/demo/data/*.jsonl and
     # annotates 16000 demo summaries with the demo's rule-based critic into runs/demo/annotations.jsonl
     python 01_annotate.py
 
