@@ -228,6 +228,9 @@ METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 l
     "rm_vs_critic/good_precision": ("good-token precision", 1), "rm_vs_critic/good_recall": ("good-token recall", 1),
     "rm_vs_critic/mistakes_flagged": ("real mistakes the RM flags", 1),
     "rm_vs_critic/mistakes_missed": ("real mistakes the RM misses", -1),
+    "rm_vs_critic/flagged_wrong": ("wrong facts the RM flags (only the post shows them)", 1),
+    "rm_vs_critic/flagged_irrelevant": ("irrelevant asides the RM flags", 1),
+    "rm_vs_critic/flagged_repeated": ("repeats the RM flags", 1),
     "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1), "gen/tokens": ("response length (tokens)", 0)}
 GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "gen": "generation",
           "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)"}
@@ -268,7 +271,7 @@ def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict
             fb, delta, rm_rows = common.rm_scores(text, offsets, crit["critique_raw"])
             sample.update(rm_rows)
             if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
-                sample.update(common.demo_rm_agreement(text, program, d_prog, fb, delta))
+                sample.update(common.demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
         for key, row in sample.items():
             rows[key].append(row)
         # the report shows the RM's spans (what stage 3 learns from), else the demo critic's

@@ -2446,8 +2446,10 @@ def _join(words: list[str]) -> str:
     return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
-def demo_critic(prompt: str, response: str) -> dict:
-    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
+def demo_labels(prompt: str, response: str) -> list[tuple[str, int, int, str | None]]:
+    """The demo critic's verdict on each word of `response`: (word, start, end, kind), kind "good" (a fact of the
+    post, first time), "wrong" (another value of a fact's kind), "irrelevant" (from the post's asides), "repeated" (a
+    fact again, or the second copy of an immediately repeated 1-3 word phrase) or None (a connective)."""
     facts, irrelevant = demo_post_facts(prompt)
     # Quotes keep a word's leading space (" red dog"): still exact, and a small model copies the response's own tokens
     # ("Ġred") into the JSON instead of having to map them to the space-less tokens that '["red' would need.
@@ -2459,20 +2461,34 @@ def demo_critic(prompt: str, response: str) -> dict:
         for n in (3, 2, 1):
             if i >= n and seq[i - n:i] == seq[i:i + n]:
                 repeated[i:i + n] = [True] * n
-    labels, notes, seen = [None] * len(words), [], set()
+    kinds, seen = [], set()
     for i, w in enumerate(seq):
         cat = _CATEGORY.get(w)
         if w in irrelevant:
-            labels[i], note = "poor", f"It adds {w}, which is irrelevant."
+            kinds.append("irrelevant")
         elif cat and facts[cat] != w:
-            labels[i], note = "poor", f"It says {w} where the post says {facts[cat]}."
+            kinds.append("wrong")
         elif repeated[i] or (cat and cat in seen):
-            labels[i], note = "poor", f"It repeats {w}."
+            kinds.append("repeated")
         elif cat:
-            labels[i], note = "good", None
+            kinds.append("good")
             seen.add(cat)
         else:
-            continue
+            kinds.append(None)
+    return [(w, a, b, kind) for (w, a, b), kind in zip(words, kinds)]
+
+
+def demo_critic(prompt: str, response: str) -> dict:
+    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
+    facts, _ = demo_post_facts(prompt)
+    labelled = demo_labels(prompt, response)
+    words = [(w, a, b) for w, a, b, _ in labelled]
+    labels = [None if kind is None else "good" if kind == "good" else "poor" for *_, kind in labelled]
+    seen = {_CATEGORY[w] for w, *_, kind in labelled if kind == "good"}
+    notes = []
+    for w, _, _, kind in labelled:
+        note = {"irrelevant": f"It adds {w}, which is irrelevant.", "repeated": f"It repeats {w}.",
+                "wrong": f"It says {w} where the post says {facts.get(_CATEGORY.get(w))}."}.get(kind)
         if note and note not in notes:
             notes.append(note)
     # Spans: runs of adjacent same-polarity words ("red dog"). Bridging over an unlabelled word ("called") would pay
@@ -2525,22 +2541,29 @@ def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], 
             "demo/exact_match": (float(response.strip() == reference.strip()), 1)}
 
 
-def demo_rm_agreement(response: str, critic: dict, critic_delta: list, rm: dict, rm_delta: list) -> dict:
+def demo_rm_agreement(prompt: str, response: str, critic: dict, critic_delta: list, rm: dict, rm_delta: list) -> dict:
     """How a reward model's spans agree with the demo critic's on one response, as 04's per-sample (numerator,
     denominator) rows: token precision / recall of delta = -1 / +1 (paper Table 6); the critic's poor spans (the real
-    mistakes) the RM flags or misses; RM poor spans overlapping no real mistake (invented: what a policy could be
-    punished for, or learn to exploit)."""
+    mistakes) the RM flags or misses, in all and by kind (demo_labels: a wrong fact needs the post to be read, an
+    irrelevant aside or a repeat shows in the response alone); RM poor spans overlapping no real mistake (invented:
+    what a policy could be punished for, or learn to exploit)."""
     rows = {}
     for label, cls in (("poor", -1.0), ("good", 1.0)):
         tp = sum(a == cls and b == cls for a, b in zip(rm_delta, critic_delta))
         rows[f"rm_vs_critic/{label}_precision"] = (tp, rm_delta.count(cls))
         rows[f"rm_vs_critic/{label}_recall"] = (tp, critic_delta.count(cls))
-    true_poor = locate_spans(response, [], critic["poor_spans"])[1]
-    rm_poor = locate_spans(response, [], rm["poor_spans"])[1]
+    # located as stage 3 locates them, good quotes first: a repeat's poor quote (" fish") is the second " fish"
+    true_poor = locate_spans(response, critic["good_spans"], critic["poor_spans"])[1]
+    rm_poor = locate_spans(response, rm["good_spans"], rm["poor_spans"])[1]
     hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
-    flagged = sum(hits(iv, rm_poor) for iv in true_poor)
-    rows["rm_vs_critic/mistakes_flagged"] = (flagged, len(true_poor))
-    rows["rm_vs_critic/mistakes_missed"] = (len(true_poor) - flagged, len(true_poor))
+    flagged = [hits(iv, rm_poor) for iv in true_poor]
+    rows["rm_vs_critic/mistakes_flagged"] = (sum(flagged), len(true_poor))
+    rows["rm_vs_critic/mistakes_missed"] = (len(true_poor) - sum(flagged), len(true_poor))
+    labelled = demo_labels(prompt, response)
+    for kind in ("wrong", "irrelevant", "repeated"):
+        words = [(a, b) for _, a, b, k in labelled if k == kind]
+        of_kind = [f for iv, f in zip(true_poor, flagged) if hits(iv, words)]
+        rows[f"rm_vs_critic/flagged_{kind}"] = (sum(of_kind), len(of_kind))
     rows["rm_vs_critic/poor_invented"] = (sum(not hits(iv, true_poor) for iv in rm_poor), len(rm_poor))
     return rows
 

@@ -21,7 +21,6 @@ import argparse
 import fcntl
 import json
 import random
-import re
 import sys
 import time
 from pathlib import Path
@@ -38,26 +37,27 @@ rm02 = import_module("02_train_reward")
 
 def labels_of(prompt: str, response: str) -> list[tuple[str, str, str | None]]:
     """(word, label, the post's word of its kind) for each word the demo critic labels, in response order."""
-    facts, irrelevant = common.demo_post_facts(prompt)
-    words = re.findall(r"\w+", response)
-    repeated = [False] * len(words)
-    for i in range(len(words)):
-        for n in (3, 2, 1):
-            if i >= n and words[i - n:i] == words[i:i + n]:
-                repeated[i:i + n] = [True] * n
-    out, seen = [], set()
-    for i, w in enumerate(words):
-        cat = common._CATEGORY.get(w)
-        if w in irrelevant:
-            out.append((w, "irrelevant", facts.get(cat)))
-        elif cat and facts[cat] != w:
-            out.append((w, "wrong", facts[cat]))
-        elif repeated[i] or (cat and cat in seen):
-            out.append((w, "repeated", facts.get(cat)))
-        elif cat:
-            out.append((w, "right", w))
-            seen.add(cat)
-    return out
+    facts, _ = common.demo_post_facts(prompt)
+    return [(w, "right" if kind == "good" else kind, facts.get(common._CATEGORY.get(w)))
+            for w, _, _, kind in common.demo_labels(prompt, response) if kind]
+
+
+def flagged_by_kind(held_out: list[dict], outputs: list[str]) -> dict:
+    """Share of the held-out posts' real mistakes (the critic's poor spans) that the reward model's poor spans
+    overlap, by kind (common.demo_labels): wrong facts need the post; irrelevant asides and repeats show alone."""
+    got = {k: [0, 0] for k in ("wrong", "irrelevant", "repeated")}
+    for rec, out in zip(held_out, outputs):
+        try:
+            pred = common.parse_feedback(out)["poor_spans"]
+        except ValueError:
+            pred = []
+        rm_poor = common.locate_spans(rec["response"], [], pred)[1]
+        labelled = common.demo_labels(rec["prompt"], rec["response"])
+        for iv in common.locate_spans(rec["response"], [], rec["poor_spans"])[1]:
+            for kind in {k for _, a, b, k in labelled if k in got and a < iv[1] and iv[0] < b}:
+                got[kind][0] += any(a < iv[1] and iv[0] < b for a, b in rm_poor)
+                got[kind][1] += 1
+    return {f"flagged_{k}": round(n / d, 3) if d else None for k, (n, d) in got.items()}
 
 
 def critique(fmt: str, prompt: str, response: str, default: str) -> str:
@@ -145,10 +145,10 @@ def main():
         opt.zero_grad()
         if step in evals:
             model.eval()
-            m, _ = rm02.evaluate_rm(model, tok, held_out, 160, 64)
+            m, outputs = rm02.evaluate_rm(model, tok, held_out, 160, 64)
             results.append({"name": args.name, "step": step, "examples": step * args.bs, "s": round(time.time() - t0),
                             **{k: m[k] for k in ("parse_rate", "pos_precision", "pos_recall", "neg_precision",
-                                                 "neg_recall")}})
+                                                 "neg_recall")}, **flagged_by_kind(held_out, outputs)})
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps(results))
 

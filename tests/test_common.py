@@ -1,6 +1,7 @@
 """common.py: feedback parsing, span location, token alignment, records. Property tests use hypothesis."""
 import json
 import random
+import re
 import string
 
 import pytest
@@ -470,6 +471,34 @@ def test_rm_target_roundtrips_through_parse_feedback():
     target = common.format_rm_target("It gets tom right. ", ["tom"], ["the \"cat\""])
     assert parse_feedback(target) == {"critique": "It gets tom right.", "good_spans": ["tom"],
                                       "poor_spans": ['the "cat"']}
+
+
+def test_demo_labels_name_each_mistake_kind():
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
+    assert [(w, k) for w, _, _, k in common.demo_labels(post, response) if k] == [
+        ("tom", "good"), ("red", "good"), ("dog", "good"), ("luna", "wrong"), ("park", "good"), ("monday", "irrelevant"),
+        ("fish", "good"), ("fish", "repeated")]
+    for w, a, b, _ in common.demo_labels(post, response):
+        assert response[a:b].strip() == w  # intervals keep the word's leading space, as the quotes do
+
+
+def test_demo_rm_agreement_counts_flagged_mistakes_by_kind():
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
+    critic = common.demo_critic(post, response)
+    rm = {"critique": "", "good_spans": [" fish"], "poor_spans": [" on monday", " fish"]}  # the aside and the repeat
+    offsets = [(m.start(), m.end()) for m in re.finditer(r"\S+", response)]  # one "token" per word
+    d_critic = common.span_rewards(response, offsets, critic["good_spans"], critic["poor_spans"])[0]
+    d_rm = common.span_rewards(response, offsets, rm["good_spans"], rm["poor_spans"])[0]
+    rows = common.demo_rm_agreement(post, response, critic, d_critic, rm, d_rm)
+    assert rows["rm_vs_critic/mistakes_flagged"] == (2, 3)
+    assert rows["rm_vs_critic/flagged_wrong"] == (0, 1)       # " luna" where the post says rex: missed
+    assert rows["rm_vs_critic/flagged_irrelevant"] == (1, 1)
+    assert rows["rm_vs_critic/flagged_repeated"] == (1, 1)    # the second " fish", located after the good first one
+    assert rows["rm_vs_critic/poor_invented"] == (0, 2)
 
 
 def test_demo_critic_on_generated_examples():
