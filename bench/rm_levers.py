@@ -4,6 +4,7 @@ training length), each a full fine-tune of a demo base on demo annotations, scor
     python bench/rm_levers.py --name base                                  # the reference point
     python bench/rm_levers.py --name deep --layers 4 --pretrain 500        # capacity: depth (also --hidden, --heads)
     python bench/rm_levers.py --name data --n 16000 --mistake 0.9          # data: fresh examples, flawed share
+    python bench/rm_levers.py --name kind --n 16000 --kind wrong           # data: every flawed summary has a wrong fact
     python bench/rm_levers.py --name walk --fmt verdict                    # objective: a critique format
     python bench/rm_levers.py --name lora --lora 32 --lr 5e-4              # LoRA instead of full fine-tuning
     python bench/rm_levers.py --name long --steps 4000 --evals 1000,2000,3000,4000   # training length
@@ -16,11 +17,13 @@ Formats (--fmt; the span JSON that follows is always the same):
   verdict  a verdict per quoted word in response order: "X right. W wrong, the post says V."
   ref      the post's ideal summary first, then the default critique
   cmp      each quoted word next to the post's word of its kind: "W (post: V) wrong."
+  slots    fact by fact, the post's value first, then the response's: "place: park / garden wrong."
 """
 import argparse
 import fcntl
 import json
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -71,15 +74,28 @@ def critique(fmt: str, prompt: str, response: str, default: str) -> str:
         return f"The post says: {common.DEMO_SUMMARY.format(**common.demo_post_facts(prompt)[0])} {default}"
     if fmt == "cmp":
         return " ".join(f"{w} (post: {post or 'none'}) {lab}." for w, lab, post in labs) or default
+    if fmt == "slots":
+        facts, words = common.demo_post_facts(prompt)[0], re.findall(r"\w+", response)
+        parts = []
+        for cat, post in ((c, facts[c]) for c in common.DEMO_FACTS):
+            said = next((w for w in words if common._CATEGORY.get(w) == cat), None)
+            parts.append(f"{cat.replace('_', ' ')}: {post} / {said or 'none'} "
+                         f"{'ok' if said == post else 'wrong' if said else 'missing'}.")
+        return " ".join(parts + list(dict.fromkeys(f"{w} {lab}." for w, lab, _ in labs
+                                                   if lab in ("irrelevant", "repeated"))))
     raise ValueError(fmt)
 
 
-def records(split: str, n: int, mistake_rate: float, fmt: str) -> list[dict]:
+def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None = None) -> list[dict]:
+    """n annotated demo examples; kind: keep only the flawed ones with a mistake of that kind (from a 4x larger draw)."""
     out = []
-    for ex in common.demo_dataset(split, n, mistake_rate):
+    for ex in common.demo_dataset(split, 4 * n if kind else n, mistake_rate):
+        kinds = {k for *_, k in common.demo_labels(ex["prompt"], ex["response"])} - {None, "good"}
+        if kind and kinds and kind not in kinds:
+            continue
         fb = common.demo_critic(ex["prompt"], ex["response"])
         out.append({**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])})
-    return out
+    return out[:n]
 
 
 def main():
@@ -92,9 +108,10 @@ def main():
     a("--heads", type=int, default=4, help="capacity: attention heads (the demo's: 4)")
     a("--pretrain", type=int, default=250, help="init: base model pretraining steps (the demo's: 250)")
     a("--scratch", action="store_true", help="init: train the reward model from random weights")
-    a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp"], help="objective: critique format")
+    a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp", "slots"], help="objective: critique format")
     a("--n", type=int, default=2000, help="data: annotated examples")
     a("--mistake", type=float, default=0.55, help="data: share of flawed summaries in the training data")
+    a("--kind", choices=["wrong", "irrelevant", "repeated"], help="data: keep only flawed summaries with this kind")
     a("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     a("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup 50 steps, linear decay)")
     a("--bs", type=int, default=16, help="batch size")
@@ -120,7 +137,7 @@ def main():
                                intermediate_size=4 * args.hidden, pretrain_texts=pairs,
                                pretrain_steps=args.pretrain, lr=2e-3, seed=0)
     fcntl.flock(lock, fcntl.LOCK_UN)
-    train = records("annotate", args.n, args.mistake, args.fmt)
+    train = records("annotate", args.n, args.mistake, args.fmt, args.kind)
     held_out = records("rmval", 200, 0.55, args.fmt)
     model, tok = common.load_model(str(base))
     if args.scratch:
