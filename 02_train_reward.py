@@ -51,9 +51,9 @@ PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v
 # The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. What limited its poor-span recall (README "What the
 # demo's reward model needed", bench/rm_levers.py): LoRA first (r32: recall 0.16 where full fine-tuning got 0.53),
 # then data and training length, not depth or width. On 2000 annotations it memorised (train loss 0.01); 16000 fresh
-# examples (01_annotate.py) and full fine-tuning at a high lr teach it the rule (is each quoted word in the post?). Examples are drawn with replacement: in two paired runs on the
-# same 8000 examples that reached a lower held-out loss than shuffled epochs (0.09 vs 0.17 after 700 steps, 0.23 vs
-# 0.30 after 300).
+# examples (01_annotate.py) and full fine-tuning at a high lr teach it the rule (is each quoted word in the post?),
+# wrong facts last. Examples are drawn with replacement: in two paired runs on the same 8000 examples that reached a
+# lower held-out loss than shuffled epochs (0.09 vs 0.17 after 700 steps, 0.23 vs 0.30 after 300).
 DEMO = dict(
     model="runs/demo/base", lora_r=0, lora_alpha=0, lora_targets="all-linear", modules_to_save="", loraplus_ratio=0.0,
     lr=3e-3, lr_schedule="linear", epochs=1.0, max_steps=600, batch_size=32, grad_accum=1, max_len=256, warmup=0.05,

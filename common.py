@@ -2543,22 +2543,26 @@ def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], 
 
 def demo_rm_agreement(prompt: str, response: str, critic: dict, critic_delta: list, rm: dict, rm_delta: list) -> dict:
     """How a reward model's spans agree with the demo critic's on one response, as 04's per-sample (numerator,
-    denominator) rows: token precision / recall of delta = -1 / +1 (paper Table 6); the critic's poor spans (the real
-    mistakes) the RM flags or misses, in all and by kind (demo_labels: a wrong fact needs the post to be read, an
-    irrelevant aside or a repeat shows in the response alone); RM poor spans overlapping no real mistake (invented:
-    what a policy could be punished for, or learn to exploit)."""
+    denominator) rows: token precision / recall of delta = -1 / +1 (paper Table 6), then demo_flagged's span rows."""
     rows = {}
     for label, cls in (("poor", -1.0), ("good", 1.0)):
         tp = sum(a == cls and b == cls for a, b in zip(rm_delta, critic_delta))
         rows[f"rm_vs_critic/{label}_precision"] = (tp, rm_delta.count(cls))
         rows[f"rm_vs_critic/{label}_recall"] = (tp, critic_delta.count(cls))
-    # located as stage 3 locates them, good quotes first: a repeat's poor quote (" fish") is the second " fish"
+    return {**rows, **demo_flagged(prompt, response, critic, rm)}
+
+
+def demo_flagged(prompt: str, response: str, critic: dict, rm: dict) -> dict:
+    """(numerator, denominator) rows: the critic's poor spans (the real mistakes) the RM's poor spans flag or miss, in
+    all and by kind (demo_labels: a wrong fact needs the post to be read, an irrelevant aside or a repeat shows in the
+    response alone); RM poor spans overlapping no real mistake (invented: what a policy could be punished for, or learn
+    to exploit). Quotes are located as stage 3 locates them, good first: a repeat's " fish" is the second " fish"."""
     true_poor = locate_spans(response, critic["good_spans"], critic["poor_spans"])[1]
     rm_poor = locate_spans(response, rm["good_spans"], rm["poor_spans"])[1]
     hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
     flagged = [hits(iv, rm_poor) for iv in true_poor]
-    rows["rm_vs_critic/mistakes_flagged"] = (sum(flagged), len(true_poor))
-    rows["rm_vs_critic/mistakes_missed"] = (len(true_poor) - sum(flagged), len(true_poor))
+    rows = {"rm_vs_critic/mistakes_flagged": (sum(flagged), len(true_poor)),
+            "rm_vs_critic/mistakes_missed": (len(true_poor) - sum(flagged), len(true_poor))}
     labelled = demo_labels(prompt, response)
     for kind in ("wrong", "irrelevant", "repeated"):
         words = [(a, b) for _, a, b, k in labelled if k == kind]

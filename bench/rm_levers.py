@@ -46,20 +46,17 @@ def labels_of(prompt: str, response: str) -> list[tuple[str, str, str | None]]:
 
 
 def flagged_by_kind(held_out: list[dict], outputs: list[str]) -> dict:
-    """Share of the held-out posts' real mistakes (the critic's poor spans) that the reward model's poor spans
-    overlap, by kind (common.demo_labels): wrong facts need the post; irrelevant asides and repeats show alone."""
+    """Share of the held-out posts' real mistakes that the reward model's poor spans flag, by kind
+    (common.demo_flagged, as 04's monitor counts them): wrong facts need the post; asides and repeats show alone."""
     got = {k: [0, 0] for k in ("wrong", "irrelevant", "repeated")}
     for rec, out in zip(held_out, outputs):
         try:
-            pred = common.parse_feedback(out)["poor_spans"]
+            rm = common.parse_feedback(out)
         except ValueError:
-            pred = []
-        rm_poor = common.locate_spans(rec["response"], [], pred)[1]
-        labelled = common.demo_labels(rec["prompt"], rec["response"])
-        for iv in common.locate_spans(rec["response"], [], rec["poor_spans"])[1]:
-            for kind in {k for _, a, b, k in labelled if k in got and a < iv[1] and iv[0] < b}:
-                got[kind][0] += any(a < iv[1] and iv[0] < b for a, b in rm_poor)
-                got[kind][1] += 1
+            rm = {"good_spans": [], "poor_spans": []}
+        rows = common.demo_flagged(rec["prompt"], rec["response"], rec, rm)
+        for k in got:
+            got[k] = [x + y for x, y in zip(got[k], rows[f"rm_vs_critic/flagged_{k}"])]
     return {f"flagged_{k}": round(n / d, 3) if d else None for k, (n, d) in got.items()}
 
 
@@ -87,11 +84,12 @@ def critique(fmt: str, prompt: str, response: str, default: str) -> str:
 
 
 def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None = None) -> list[dict]:
-    """n annotated demo examples; kind: keep only the flawed ones with a mistake of that kind (from a 4x larger draw)."""
+    """n annotated demo examples; kind: keep the clean ones and the flawed ones with a mistake of that kind (drawn
+    from 4n)."""
     out = []
     for ex in common.demo_dataset(split, 4 * n if kind else n, mistake_rate):
-        kinds = {k for *_, k in common.demo_labels(ex["prompt"], ex["response"])} - {None, "good"}
-        if kind and kinds and kind not in kinds:
+        if kind and kind not in (found := {k for *_, k in common.demo_labels(ex["prompt"], ex["response"])}) and \
+                found - {None, "good"}:
             continue
         fb = common.demo_critic(ex["prompt"], ex["response"])
         out.append({**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])})
@@ -108,7 +106,8 @@ def main():
     a("--heads", type=int, default=4, help="capacity: attention heads (the demo's: 4)")
     a("--pretrain", type=int, default=250, help="init: base model pretraining steps (the demo's: 250)")
     a("--scratch", action="store_true", help="init: train the reward model from random weights")
-    a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp", "slots"], help="objective: critique format")
+    a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp", "slots"],
+      help="objective: critique format")
     a("--n", type=int, default=2000, help="data: annotated examples")
     a("--mistake", type=float, default=0.55, help="data: share of flawed summaries in the training data")
     a("--kind", choices=["wrong", "irrelevant", "repeated"], help="data: keep only flawed summaries with this kind")
