@@ -117,7 +117,7 @@ DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mista
 
 
 def read_rows(args) -> list[tuple[str, dict]]:
-    """[(where, row)]: `where` names the file and line (or record) for error messages."""
+    """[(where, row)]: `where` names the file and line (or record) for error messages (common.read_rows)."""
     if args.dataset is None:
         split, n, mistakes = DEMO_ANNOTATE
         return [(f"demo record {i}", r) for i, r in enumerate(common.demo_dataset(split, args.limit or n, mistakes))]
@@ -127,39 +127,16 @@ def read_rows(args) -> list[tuple[str, dict]]:
         path = next((f for f in found if f.is_file()), None)
         if path is None:
             raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
-    if path.name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet")):
-        return read_local(path)
-    try:
-        if args.task == "summarization":  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
+        return common.read_rows(str(path))
+    if args.task == "summarization" and not path.name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet")):
+        try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
             from huggingface_hub import hf_hub_download
-            return read_local(Path(hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")))
-        import datasets
-        split = args.split if args.limit is None else f"{args.split}[:{args.limit}]"
-        return [(f"{args.dataset}[{args.split}] record {i}", dict(r))
-                for i, r in enumerate(datasets.load_dataset(args.dataset, split=split))]
-    except common.DataError:
-        raise
-    except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
-        raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: {e})") from None
-
-
-def read_local(path: Path) -> list[tuple[str, dict]]:
-    if not path.is_file():
-        raise common.DataError(f"{path}: no such file")
-    if path.name.endswith((".jsonl", ".jsonl.gz")):
-        return [(f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]  # raises DataError('file:line: reason')
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise common.DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
-        data = [{"id": k, **v} for k, v in data.items()]  # {id: record}, as the paper's own files are laid out
-    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise common.DataError(f"{path}: expected a list of JSON objects or an object of objects keyed by id")
-    return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
+            local = hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")
+        except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
+            raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: "
+                                   f"{common.first_line(e)})") from None
+        return common.read_rows(local)
+    return common.read_rows(args.dataset, args.split if args.limit is None else f"{args.split}[:{args.limit}]")
 
 
 def field(row: dict, name: str, where: str) -> str:

@@ -376,23 +376,46 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
 
 
 def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
-    """[(where, record)] from a .jsonl / .jsonl.gz file (iter_jsonl; `where` is file:line) or, through `datasets`, a
-    .json / .parquet file or a hub dataset id; each `required` field a string. A failure is a one-line DataError."""
+    """[(where, record)] from a local .jsonl / .jsonl.gz / .json / .parquet file or, through `datasets`, a hub
+    dataset id; each `required` field a string. `where` names the file and line (or record) for error messages; a
+    failure is a one-line DataError. A .json may hold a list of records, the paper's {id: record}, or JSON Lines."""
     path = Path(data)
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         return [(f"{path}:{n}", r) for n, r in iter_jsonl(path, required)]
-    try:
-        from datasets import load_dataset
-        kind = {".json": "json", ".parquet": "parquet"}.get(path.suffix)
-        ds = load_dataset(kind, data_files=data, split="train") if kind else load_dataset(data, split=split)
-    except Exception as e:  # noqa: BLE001 - offline, no such repo or split: one line, not a traceback
-        why = (str(e).strip().splitlines() or [""])[0]
-        raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {why})") from None
-    rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(ds)]
+    if path.suffix in (".json", ".parquet"):
+        if not path.is_file():
+            raise DataError(f"{path}: no such file")
+        rows = _read_json_or_parquet(path)
+    else:
+        try:
+            from datasets import load_dataset
+            rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(load_dataset(data, split=split))]
+        except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated: one line, not a traceback
+            raise DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {first_line(e)})") from None
     for where, row in rows:
-        if bad := next((f for f in required if not isinstance(row.get(f), str)), None):
-            raise DataError(f"{where}: missing or non-string field '{bad}'")
+        for f in required:
+            if f not in row:
+                raise DataError(f"{where}: missing field '{f}'")
+            if not isinstance(row[f], str):
+                raise DataError(f"{where}: field '{f}' must be a string")
     return rows
+
+
+def _read_json_or_parquet(path: Path) -> list[tuple[str, dict]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON Lines under a .json name
+            return [(f"{path}:{n}", r) for n, r in iter_jsonl(path)]
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+        data = [{"id": k, **v} for k, v in data.items()]  # {id: record}, as the paper's own files are laid out
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise DataError(f"{path}: expected a list of JSON objects or an object of objects keyed by id")
+    return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
 
 
 def open_resumable_jsonl(path) -> set[str]:

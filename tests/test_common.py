@@ -429,6 +429,25 @@ def test_read_jsonl_line_numbers_count_newlines_only(tmp_path):
         common.read_jsonl(p)
 
 
+def test_read_rows_reads_local_json_and_parquet_like_stage_1(tmp_path):
+    # 03 and 04 read their data through common.read_rows, stage 1 too: a local .json names its file and line when it
+    # is broken, and the paper's own layout ({id: record}) is a list of records, wherever it is read.
+    p = tmp_path / "problems.json"
+    p.write_text('[\n  {"prompt": "a"},\n  {"prompt": }\n]\n')
+    with pytest.raises(common.DataError, match=r"problems\.json:3: not valid JSON"):
+        common.read_rows(str(p))
+    p.write_text(json.dumps({"t1": {"prompt": "a"}, "t2": {"prompt": "b"}}))
+    assert [r for _, r in common.read_rows(str(p), required=("prompt",))] == [{"id": "t1", "prompt": "a"},
+                                                                              {"id": "t2", "prompt": "b"}]
+    p.write_text(json.dumps([{"prompt": "a"}, {"prompt": 3}]))
+    with pytest.raises(common.DataError, match=r"problems\.json: record 1: field 'prompt' must be a string"):
+        common.read_rows(str(p), required=("prompt",))
+    p.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')  # JSON Lines under a .json name, as some hub files are
+    assert [r["prompt"] for _, r in common.read_rows(str(p))] == ["a", "b"]
+    with pytest.raises(common.DataError, match=r"missing\.parquet: no such file"):
+        common.read_rows(str(tmp_path / "missing.parquet"))
+
+
 def test_resumable_jsonl_repairs_torn_line(tmp_path):
     p = tmp_path / "out.jsonl"
     assert common.open_resumable_jsonl(p) == set()
