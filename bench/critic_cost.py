@@ -7,8 +7,10 @@ For each of --batches batches of 32 demo prompts, interleaved: the rollout exact
 a fresh LoRA adapter, temperature 1, up to 32 new tokens), then the reward model's critiques of those rollouts twice:
 with common.rm_critique (a finished row leaves the batch, a row ends where its span JSON closes) and with plain
 model.generate, greedy, up to EOS (the code before issue 17). The two must give the same text for every rollout
-(checked; the demo's results depend on nothing else). Prints one JSON object last: medians in seconds, ratio =
-critic_s / rollout_s (goal <= 1.0), ratio_plain_generate the same with plain model.generate.
+(checked; the demo's results depend on nothing else). A reward model that writes its span JSON first
+(bench/rm_levers.py --json-first --save DIR) stops there, while plain generate goes on to write the critique after it.
+Prints one JSON object last: medians in seconds, ratio = critic_s / rollout_s (goal <= 1.0), ratio_plain_generate the
+same with plain model.generate.
 """
 import argparse
 import importlib

@@ -6,6 +6,8 @@ training length), each a full fine-tune of a demo base on demo annotations, scor
     python bench/rm_levers.py --name data --n 16000 --mistake 0.9          # data: fresh examples, flawed share
     python bench/rm_levers.py --name kind --n 16000 --kind wrong           # data: every flawed summary has a wrong fact
     python bench/rm_levers.py --name walk --fmt verdict                    # objective: a critique format
+    python bench/rm_levers.py --name heavy --json-weight 3                 # objective: loss weight on the span JSON
+    python bench/rm_levers.py --name order --json-first                    # objective: the span JSON first
     python bench/rm_levers.py --name lora --lora 32 --lr 5e-4              # LoRA instead of full fine-tuning
     python bench/rm_levers.py --name long --steps 4000 --evals 1000,2000,3000,4000   # training length
 
@@ -108,6 +110,10 @@ def main():
     a("--scratch", action="store_true", help="init: train the reward model from random weights")
     a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp", "slots"],
       help="objective: critique format")
+    a("--json-first", action="store_true", help="objective: the span JSON before the critique (generation stops at "
+      "the JSON's end,\nso the critique after it is never written)")
+    a("--json-weight", type=float, default=1.0, help="objective: loss weight of the span JSON's tokens (the "
+      "critique's: 1)")
     a("--n", type=int, default=2000, help="data: annotated examples")
     a("--mistake", type=float, default=0.55, help="data: share of flawed summaries in the training data")
     a("--kind", choices=["wrong", "irrelevant", "repeated"], help="data: keep only flawed summaries with this kind")
@@ -117,6 +123,8 @@ def main():
     a("--steps", type=int, default=2000, help="training length: optimizer steps")
     a("--evals", default="500,1000,1500,2000", help="steps at which the held-out posts are critiqued")
     a("--seed", type=int, default=0, help="seed of the data order")
+    a("--save", help="save the trained reward model here (loadable by common.load_model, e.g. for "
+      "bench/critic_cost.py)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     args = p.parse_args()
 
@@ -146,14 +154,33 @@ def main():
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
     model.to(args.device)
+    if args.json_first:  # encode_example and rm_critique read this module attribute at call time
+        common.format_rm_target = lambda critique, good, poor: (
+            json.dumps({"good_spans": list(good), "poor_spans": list(poor)}, ensure_ascii=False) + "\n" + critique)
     examples, _ = rm02.encode_all(tok, train, 320)
+    for ex in examples:  # per-token loss weight: json_weight from the span JSON's first token on, else 1
+        n_prompt = ex["labels"].count(-100)
+        text, offsets = common.decode_with_offsets(tok, ex["input_ids"][n_prompt:])
+        start = text.index('{"good_spans"')
+        stop = text.index("}", start) + 1
+        ex["weights"] = [0.0] * n_prompt + [args.json_weight if start <= a < stop else 1.0 for a, _ in offsets]
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * max(0.0, 1 - i / args.steps))
     rng, evals, t0, results = random.Random(args.seed), {int(x) for x in args.evals.split(",")}, time.time(), []
     for step in range(1, args.steps + 1):
         model.train()
-        batch = rm02.collate([examples[rng.randrange(len(examples))] for _ in range(args.bs)], tok.pad_token_id)
-        loss = model(**{k: v.to(args.device) for k, v in batch.items()}).loss
+        feats = [examples[rng.randrange(len(examples))] for _ in range(args.bs)]
+        batch = {k: v.to(args.device) for k, v in rm02.collate(feats, tok.pad_token_id).items()}
+        if args.json_weight == 1.0:
+            loss = model(**batch).loss
+        else:  # the weighted mean of the next-token losses
+            w = torch.zeros(batch["labels"].shape, device=args.device)
+            for i, f in enumerate(feats):
+                w[i, :len(f["weights"])] = torch.tensor(f["weights"])
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:],
+                                                    ignore_index=-100, reduction="none")
+            loss = (nll * w[:, 1:]).sum() / w[:, 1:].sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -167,6 +194,8 @@ def main():
                                                  "neg_recall")}, **flagged_by_kind(held_out, outputs)})
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps(results))
+    if args.save:
+        common.save_pretrained(args.save, model, tok)
 
 
 if __name__ == "__main__":
