@@ -5,6 +5,7 @@ training length), each a full fine-tune of a demo base on demo annotations, scor
     python bench/rm_levers.py --name deep --layers 4 --pretrain 500        # capacity: depth (also --hidden, --heads)
     python bench/rm_levers.py --name data --n 16000 --mistake 0.9          # data: fresh examples, flawed share
     python bench/rm_levers.py --name kind --n 16000 --kind wrong           # data: every flawed summary has a wrong fact
+    python bench/rm_levers.py --name own --policy runs/demo/sft            # data: a share of the policy's own answers
     python bench/rm_levers.py --name walk --fmt verdict                    # objective: a critique format
     python bench/rm_levers.py --name heavy --json-weight 3                 # objective: loss weight on the span JSON
     python bench/rm_levers.py --name order --json-first                    # objective: the span JSON first
@@ -98,6 +99,20 @@ def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None 
     return out[:n]
 
 
+def policy_records(policy: str, split: str, n: int, fmt: str) -> list[dict]:
+    """The policy's own answers to n demo posts, sampled at temperature 1 as in PPO, with the exact critic's spans."""
+    model, tok = common.load_model(policy)
+    torch.manual_seed(0)
+    posts = common.demo_dataset(split, n)
+    ids = common.generate(model, tok, [p["prompt"] for p in posts], 32, temperature=1.0, batch_size=64)
+    out = []
+    for ex, row in zip(posts, ids):
+        ex = {**ex, "response": tok.decode(row, skip_special_tokens=True)}
+        fb = common.demo_critic(ex["prompt"], ex["response"])
+        out.append({**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])})
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     a = p.add_argument
@@ -117,6 +132,9 @@ def main():
     a("--n", type=int, default=2000, help="data: annotated examples")
     a("--mistake", type=float, default=0.55, help="data: share of flawed summaries in the training data")
     a("--kind", choices=["wrong", "irrelevant", "repeated"], help="data: keep only flawed summaries with this kind")
+    a("--policy", help="data: a policy dir (e.g. runs/demo/sft) whose own samples (temperature 1), critiqued by the "
+      "exact\ncritic, replace --policy-share of the training data; its samples on the held-out posts are scored too")
+    a("--policy-share", type=float, default=0.25, help="data: the share of --policy's samples in the training data")
     a("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     a("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup 50 steps, linear decay)")
     a("--bs", type=int, default=16, help="batch size")
@@ -146,6 +164,11 @@ def main():
     fcntl.flock(lock, fcntl.LOCK_UN)
     train = records("annotate", args.n, args.mistake, args.fmt, args.kind)
     held_out = records("rmval", 200, 0.55, args.fmt)
+    on_policy = []
+    if args.policy:  # the policy's answers: in training (a share) and as a second held-out set
+        k = round(args.policy_share * args.n)
+        train = train[:args.n - k] + (policy_records(args.policy, "annotate", k, args.fmt) if k else [])
+        on_policy = policy_records(args.policy, "rmval", 200, args.fmt)
     model, tok = common.load_model(str(base))
     if args.scratch:
         from transformers import AutoModelForCausalLM
@@ -188,10 +211,14 @@ def main():
         opt.zero_grad()
         if step in evals:
             model.eval()
-            m, outputs = rm02.evaluate_rm(model, tok, held_out, 160, 64)
-            results.append({"name": args.name, "step": step, "examples": step * args.bs, "s": round(time.time() - t0),
-                            **{k: m[k] for k in ("parse_rate", "pos_precision", "pos_recall", "neg_precision",
-                                                 "neg_recall")}, **flagged_by_kind(held_out, outputs)})
+            row = {"name": args.name, "step": step, "examples": step * args.bs, "s": round(time.time() - t0)}
+            for prefix, recs in (("", held_out), ("policy_", on_policy)):
+                if recs:
+                    m, outputs = rm02.evaluate_rm(model, tok, recs, 160, 64)
+                    scores = {**{k: m[k] for k in ("parse_rate", "pos_precision", "pos_recall", "neg_precision",
+                                                   "neg_recall")}, **flagged_by_kind(recs, outputs)}
+                    row.update({prefix + k: v for k, v in scores.items()})
+            results.append(row)
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps(results))
     if args.save:
