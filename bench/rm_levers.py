@@ -181,12 +181,12 @@ def main():
         common.format_rm_target = lambda critique, good, poor: (
             json.dumps({"good_spans": list(good), "poor_spans": list(poor)}, ensure_ascii=False) + "\n" + critique)
     examples, _ = rm02.encode_all(tok, train, 320)
-    for ex in examples:  # per-token loss weight: json_weight from the span JSON's first token on, else 1
+    for ex in examples if args.json_weight != 1.0 else []:  # loss weights: the span JSON's tokens json_weight, else 1
         n_prompt = ex["labels"].count(-100)
         text, offsets = common.decode_with_offsets(tok, ex["input_ids"][n_prompt:])
         start = text.index('{"good_spans"')
         stop = text.index("}", start) + 1
-        ex["weights"] = [0.0] * n_prompt + [args.json_weight if start <= a < stop else 1.0 for a, _ in offsets]
+        ex["weights"] = [0.0] * n_prompt + [args.json_weight if start <= lo < stop else 1.0 for lo, _ in offsets]
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1, (i + 1) / 50) * max(0.0, 1 - i / args.steps))
     rng, evals, t0, results = random.Random(args.seed), {int(x) for x in args.evals.split(",")}, time.time(), []
