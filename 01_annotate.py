@@ -128,7 +128,7 @@ def read_rows(args) -> list[tuple[str, dict]]:
         if path is None:
             raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
         return common.read_rows(str(path))
-    if args.task == "summarization" and not path.name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet")):
+    if args.task == "summarization" and not path.name.endswith(common.DATA_FILE_SUFFIXES):
         try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
             from huggingface_hub import hf_hub_download
             local = hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")

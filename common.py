@@ -375,6 +375,9 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+DATA_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # read_rows reads these locally; else: a hub id
+
+
 def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
     """[(where, record)] from a local .jsonl / .jsonl.gz / .json / .parquet file or, through `datasets`, a hub
     dataset id; each `required` field a string. `where` names the file and line (or record) for error messages; a
@@ -382,7 +385,7 @@ def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) ->
     path = Path(data)
     if path.name.endswith((".jsonl", ".jsonl.gz")):
         return [(f"{path}:{n}", r) for n, r in iter_jsonl(path, required)]
-    if path.suffix in (".json", ".parquet"):
+    if path.name.endswith(DATA_FILE_SUFFIXES):
         if not path.is_file():
             raise DataError(f"{path}: no such file")
         rows = _read_json_or_parquet(path)

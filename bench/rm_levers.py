@@ -94,23 +94,23 @@ def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None 
         if kind and kind not in (found := {k for *_, k in common.demo_labels(ex["prompt"], ex["response"])}) and \
                 found - {None, "good"}:
             continue
-        fb = common.demo_critic(ex["prompt"], ex["response"])
-        out.append({**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])})
+        out.append(annotated(ex, fmt))
     return out[:n]
 
 
-def policy_records(policy: str, split: str, n: int, fmt: str) -> list[dict]:
+def annotated(ex: dict, fmt: str) -> dict:
+    """A demo example with the exact critic's spans and its critique in format `fmt`."""
+    fb = common.demo_critic(ex["prompt"], ex["response"])
+    return {**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])}
+
+
+def policy_records(model, tok, split: str, n: int, fmt: str) -> list[dict]:
     """The policy's own answers to n demo posts, sampled at temperature 1 as in PPO, with the exact critic's spans."""
-    model, tok = common.load_model(policy)
     torch.manual_seed(0)
     posts = common.demo_dataset(split, n)
     ids = common.generate(model, tok, [p["prompt"] for p in posts], 32, temperature=1.0, batch_size=64)
-    out = []
-    for ex, row in zip(posts, ids):
-        ex = {**ex, "response": tok.decode(row, skip_special_tokens=True)}
-        fb = common.demo_critic(ex["prompt"], ex["response"])
-        out.append({**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])})
-    return out
+    return [annotated({**ex, "response": tok.decode(row, skip_special_tokens=True)}, fmt)
+            for ex, row in zip(posts, ids)]
 
 
 def main():
@@ -166,9 +166,10 @@ def main():
     held_out = records("rmval", 200, 0.55, args.fmt)
     on_policy = []
     if args.policy:  # the policy's answers: in training (a share) and as a second held-out set
+        policy, policy_tok = common.load_model(args.policy)
         k = round(args.policy_share * args.n)
-        train = train[:args.n - k] + (policy_records(args.policy, "annotate", k, args.fmt) if k else [])
-        on_policy = policy_records(args.policy, "rmval", 200, args.fmt)
+        train = train[:args.n - k] + (policy_records(policy, policy_tok, "annotate", k, args.fmt) if k else [])
+        on_policy = policy_records(policy, policy_tok, "rmval", 200, args.fmt)
     model, tok = common.load_model(str(base))
     if args.scratch:
         from transformers import AutoModelForCausalLM
