@@ -179,8 +179,12 @@ def encode_all(tokenizer, records: list[dict], max_len: int) -> tuple[list[dict]
     return examples, counts
 
 
-def collate(features: list[dict], pad_id: int) -> dict:
-    """Right-pad a batch: input_ids (B, T) with pad_id, labels (B, T) with -100, attention_mask (B, T)."""
+def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> dict:
+    """Right-pad a batch: input_ids (B, T) with pad_id, labels (B, T) with -100, attention_mask (B, T).
+
+    targets_only: the LM head runs only from the position before the batch's first target token to the end
+    (`logits_to_keep`, labels cut to match): the prompt's logits have no loss, and on a real vocabulary they are most
+    of the (B, T, V) float32 tensor (128k x 2048 x 4 B = 1 GB per row for Llama-3.1). The loss is the same."""
     width = max(len(f["input_ids"]) for f in features)
     ids = torch.full((len(features), width), pad_id, dtype=torch.long)
     labels = torch.full((len(features), width), -100, dtype=torch.long)
@@ -188,7 +192,11 @@ def collate(features: list[dict], pad_id: int) -> dict:
     for i, f in enumerate(features):
         n = len(f["input_ids"])
         ids[i, :n], labels[i, :n], mask[i, :n] = torch.tensor(f["input_ids"]), torch.tensor(f["labels"]), 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    if not targets_only:
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+    first = min((next((i for i, t in enumerate(f["labels"]) if t != -100), width) for f in features))
+    keep = width - max(first - 1, 0)  # logits at position t predict token t + 1: keep the one before the first target
+    return {"input_ids": ids, "labels": labels[:, -keep:], "attention_mask": mask, "logits_to_keep": keep}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -334,7 +342,8 @@ def main(args: argparse.Namespace) -> dict:
 
     trainer = SamplingTrainer(model=model, args=targs, optimizers=(optimizer, None), train_dataset=train_set,
                               eval_dataset=val_set or None,
-                              data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id))
+                              data_collator=functools.partial(collate, pad_id=tokenizer.pad_token_id,
+                                                              targets_only=True))
     result = trainer.train(resume_from_checkpoint=resume_from)
     final_eval = trainer.evaluate() if val_set else {}
     train_s = time.time() - t0

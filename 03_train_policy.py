@@ -394,6 +394,8 @@ def train(args):
     """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
     from tqdm.auto import tqdm
 
+    if args.critic == "local" or (args.critic_api == "completions" and args.reward_model):
+        common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
     rank, world = common.dist_init(args)
     torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     random.seed(args.seed)
@@ -569,9 +571,6 @@ def make_critic(args):
             return lambda recs, texts: [common.code_critic(r["prompt"], t, r["test"]) for r, t in zip(recs, texts)]
         raise common.DataError(f"--critic program: no programmatic critic for --task {args.task}")
     if args.critic == "local":
-        if not args.reward_model or not Path(args.reward_model).exists():
-            raise common.DataError(f"--reward-model {args.reward_model}: not found (run 02_train_reward.py first, or "
-                                   "use --critic program / openai)")
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
         return lambda recs, texts: [_parse(x) for x in common.rm_critique(
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,

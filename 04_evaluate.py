@@ -76,6 +76,9 @@ def parse_args(argv=None):
     a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
     a("--rm-max-new-tokens", type=int, default=96, help="critique length limit (as stage 3's critic)")
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
+    a("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
+      help="demo: another reward model whose spans the monitor also scores against the exact critic, next to\n"
+           "--reward-model's (repeatable), e.g. toy=runs/demo/reward_model; it trains nothing")
     a("--test-timeout", type=float, default=10.0, help="seconds per completion's tests (code task)")
     a("--test-workers", type=int, default=2, help="test runs in parallel")
     a("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")
@@ -157,9 +160,7 @@ def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES)
 
 def load(path: str, args, flag: str):
     """common.load_model, with a missing dir or unknown hub id reported in one line instead of a traceback."""
-    local = Path(path)
-    if not local.exists() and (local.is_absolute() or path.startswith(".") or len(local.parts) > 2
-                               or Path(local.parts[0]).is_dir()):  # a local path, not a hub id: don't ask the hub
+    if common.looks_local(path) and not Path(path).exists():  # a local path, not a hub id: don't ask the hub
         raise DataError(f"{flag}{path}: no such directory")
     try:
         return list(common.load_model(path, device=args.device, dtype=args.dtype))
@@ -191,14 +192,15 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
                   f"generate {name}", args.regenerate), fp
 
 
-def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> list[dict]:
-    """The reward model's raw critique of each output (batched greedy, cached). rm_state lazily holds (model, tok)."""
-    fp = fingerprint(gen_fp, args.reward_model, args.rm_max_new_tokens, args.max_prompt_tokens)
+def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_state, tag="") -> list[dict]:
+    """The raw critique of each output by the reward model at rm_path (batched greedy, cached in
+    <name>.critiques<tag>.jsonl). rm_state lazily holds its (model, tok)."""
+    fp = fingerprint(gen_fp, rm_path, args.rm_max_new_tokens, args.max_prompt_tokens)
     by_id = {g["id"]: g["response"] for g in gens}
 
     def compute(chunk):
         if not rm_state:
-            rm_state.extend(load(args.reward_model, args, "--reward-model "))
+            rm_state.extend(load(rm_path, args, "--reward-model "))
             # LoRA merged into the weights: faster generation. Not with tied embeddings, where a LoRA on lm_head and
             # one on embed_tokens would both be merged into the one shared matrix.
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
@@ -208,8 +210,8 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_state) -> 
                                  max_prompt_tokens=args.max_prompt_tokens)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
-    return cached(cache_dir / f"{name}.critiques.jsonl", fp, records, compute, 4 * args.rm_batch_size,
-                  f"critique {name}", args.regenerate)
+    return cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute, 4 * args.rm_batch_size,
+                  f"critique {name}{tag}", args.regenerate)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -234,12 +236,28 @@ METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 l
     "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1), "gen/tokens": ("response length (tokens)", 0)}
 GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "gen": "generation",
           "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)"}
+# --monitor-reward-model NAME=DIR adds the monitor's rows for that reward model as rm_vs_critic[NAME]/...
+
+
+def base_key(key: str) -> str:
+    """The METRICS key a metric is an instance of: rm_vs_critic[toy]/poor_recall -> rm_vs_critic/poor_recall."""
+    return re.sub(r"\[[^\]]*\]", "", key)
+
+
+def group_label(group: str) -> str:
+    name = re.search(r"\[([^\]]*)\]", group)
+    return GROUPS.get(group) or (f"reward model '{name[1]}' vs the exact critic (monitor only)" if name else group)
 
 
 def metric_keys(policies: dict) -> list[str]:
-    """Metric names present in any policy: METRICS order first, then any others."""
-    present = {k for p in policies.values() for k in p["metrics"]}
-    return [k for k in METRICS if k in present] + sorted(present - set(METRICS))
+    """Metric names present in any policy, in METRICS order (a monitor reward model's rows after the main one's), then
+    any others."""
+    present, order, first = {k for p in policies.values() for k in p["metrics"]}, {}, {}
+    for i, k in enumerate(METRICS):
+        order[k], first[k.split("/")[0]] = i, first.get(k.split("/")[0], i)
+    known = sorted((k for k in present if base_key(k) in order),  # by group (its first row), then within the group
+                   key=lambda k: (first[base_key(k).split("/")[0]], k.split("/")[0], order[base_key(k)]))
+    return known + sorted(present - set(known))
 
 
 def pass_at_k(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[str, list], list[str]]:
@@ -255,10 +273,11 @@ def pass_at_k(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[s
             for k in ks if k <= n}, broken
 
 
-def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict]]:
-    """Per-sample statistics by metric, and what the report shows per sample (text, spans, critique)."""
-    rows, shown = defaultdict(list), []
-    for rec, gen, crit in zip(records, gens, crits or [None] * len(records)):
+def score_policy(records, gens, crits, task, monitors=None) -> tuple[dict[str, list], list[dict]]:
+    """Per-sample statistics by metric, and what the report shows per sample (text, spans, critique). monitors:
+    {NAME: critiques} of --monitor-reward-model, scored only by the demo's monitor (rm_vs_critic[NAME]/...)."""
+    rows, shown, monitors = defaultdict(list), [], monitors or {}
+    for i, (rec, gen, crit) in enumerate(zip(records, gens, crits or [None] * len(records))):
         text, offsets = gen["response"], gen["offsets"]
         sample, fb, program, delta, d_prog = {"gen/tokens": (len(offsets), 1)}, None, None, None, None
         if task == "demo":  # the programmatic critic: ground truth for the demo task
@@ -272,6 +291,10 @@ def score_policy(records, gens, crits, task) -> tuple[dict[str, list], list[dict
             sample.update(rm_rows)
             if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
                 sample.update(common.demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
+        for name, mon in monitors.items() if program is not None else ():  # other reward models, the same monitor
+            m_fb, m_delta, _ = common.rm_scores(text, offsets, mon[i]["critique_raw"])
+            sample.update({k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v for k, v in
+                           common.demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()})
         for key, row in sample.items():
             rows[key].append(row)
         # the report shows the RM's spans (what stage 3 learns from), else the demo critic's
@@ -398,10 +421,10 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
     esc, pol, gen = html.escape, results["policies"], results["generation"]
     names, rows, group = list(pol), [], None
     for key in metric_keys(pol):  # the metric table: grouped by prefix, the best policy per row in bold
-        label, direction = METRICS.get(key, (key, 0))
+        label, direction = METRICS.get(base_key(key), (key, 0))
         if (g := key.split("/")[0] if "/" in key else "task metrics") != group:
             group = g
-            rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(GROUPS.get(g, g))}</td></tr>")
+            rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(group_label(g))}</td></tr>")
         ms = [pol[n]["metrics"].get(key) for n in names]
         vals = {fmt(m["value"]) for m in ms if m and m["value"] is not None}  # compared as shown: ties get no bold
         best = fmt((max if direction > 0 else min)(map(float, vals))) if direction and len(vals) > 1 else None
@@ -504,14 +527,25 @@ def main(argv=None) -> dict:
     elif not Path(args.reward_model).exists() and args.reward_model == DEMO_RM:
         print(f"warning: no reward model at {DEMO_RM} (run stage 2): skipping the RM critique metrics", file=sys.stderr)
         args.reward_model = None
+    monitors = parse_named(args.monitor_reward_model, "--monitor-reward-model")
+    for rm_path, flag in [(args.reward_model, "--reward-model ")] * bool(args.reward_model) + [
+            (p, f"--monitor-reward-model {n}=") for n, p in monitors.items()]:
+        common.check_reward_model(rm_path, flag)  # before any generation
 
     # 1. generation (cached per policy) and the reward model's critique of every output (one model for all)
     gens, fps, crits, rm_state = {}, {}, {}, []
     for name, path in policies.items():
         gens[name], fps[name] = generate_outputs(name, path, records, args, cache_dir)
     for name in policies if args.reward_model else ():
-        crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, rm_state)
+        crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, args.reward_model,
+                                       rm_state)
     del rm_state
+    monitor_crits = {name: {} for name in policies}
+    for tag, rm_path in monitors.items() if args.task == "demo" else ():
+        state = []
+        for name in policies:
+            monitor_crits[name][tag] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir,
+                                                        rm_path, state, f".{tag}")
 
     # 2. per-policy metrics, each with a bootstrap interval
     results = {"task": args.task, "data": args.data, "n_prompts": len({r.get("problem", r["id"]) for r in records}),
@@ -519,11 +553,11 @@ def main(argv=None) -> dict:
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                    "chat_template": args.chat_template, "seed": args.seed,
                    **({"num_samples": args.num_samples} if args.task == "code" else {})},
-               "reward_model": args.reward_model, "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
+               "reward_model": args.reward_model, "monitor_reward_models": monitors, "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
                "created": time.strftime("%Y-%m-%d %H:%M")}
     shown = {}
     for name, path in policies.items():
-        rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task)
+        rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task, monitor_crits[name])
         hyps, refs = [g["response"] for g in gens[name]], [r.get("reference") for r in records]
         if args.reference_field:
             rows.update(reference_stats(hyps, refs))

@@ -617,6 +617,36 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
     return model.to(device).eval(), tokenizer
 
 
+def looks_local(path: str) -> bool:
+    """True when `path` names a local directory rather than a hub id ("org/name"): absolute, starting with '.', more
+    than two parts, or under a directory that exists here. A missing local path is reported without asking the hub."""
+    p = Path(path)
+    return (p.exists() or p.is_absolute() or path.startswith(".") or len(p.parts) > 2
+            or (bool(p.parts) and Path(p.parts[0]).is_dir()))
+
+
+def check_reward_model(path: str, flag: str = "--reward-model ") -> None:
+    """Fail fast, before any training: DataError (one line) unless load_model could load the reward model at `path`.
+    Checks, without loading weights: the directory exists; an adapter's base model is there when it is a local path
+    (a hub id is left to load_model); the tokenizer loads. `flag` prefixes the message, as the user typed it."""
+    from transformers import AutoTokenizer
+    rm = Path(path or "")
+    if not path or not rm.is_dir():
+        raise DataError(f"{flag}{path or '(not given)'}: no such directory (run 02_train_reward.py first)")
+    tokenizer_dir = path
+    if (rm / "adapter_config.json").is_file():  # a LoRA adapter: load_model loads the base it names, then the adapter
+        base = json.loads((rm / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        if not base or (looks_local(base) and not Path(base).is_dir()):
+            raise DataError(f"{flag}{path}: its base model {base!r} (reward_model.json, adapter_config.json) is not "
+                            f"there; put it back at that path, or train the reward model again")
+        if not (rm / "tokenizer_config.json").is_file():
+            tokenizer_dir = base
+    try:
+        AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 -- whatever the tokenizer files hold, the user needs one line
+        raise DataError(f"{flag}{path}: cannot load its tokenizer: {first_line(e)}") from None
+
+
 def disable_dropout(model) -> None:
     """Dropout off for real, after the model is built: p = 0 in every dropout module, and 0.0 in every float attribute
     named like a dropout rate, which attention modules copy from the config when they are built (Llama, Qwen and

@@ -21,32 +21,59 @@ from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py"]
+STAGES = [(script, []) for script in ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py")]
 POLICIES = ["sft", "scalar", "text2grad"]
 KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "delta-sum (exact critic)",
         "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (reward model)"}
 
 
-def run_chain(work: Path, seed: int, threads: int) -> dict:
-    """Run the four stages in `work` (skipped if its results.json exists); returns results.json plus timings."""
+def run_chain(work: Path, seed: int, threads: int, stages=STAGES, rm_dir: str = "runs/demo/reward_model") -> dict:
+    """Run `stages` [(script, extra flags)] in `work`, each with --seed S and OMP_NUM_THREADS=T, unless results.json
+    is there already; a stage that timing.json records as finished (an interrupted run) is not run again. Returns
+    results.json plus the seconds per stage and the reward model's eval.json (rm_dir, relative to `work`)."""
     results = work / "runs" / "demo" / "results.json"
     timing = work / "timing.json"
     if not results.is_file():
         work.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-        times = {}
-        for script in STAGES:
+        times = json.loads(timing.read_text()) if timing.is_file() else {}  # stages done by an interrupted run
+        for i, (script, extra) in enumerate(stages):
+            key = f"{i + 1}. {script}"
+            if key in times:
+                continue
             t0 = time.time()
-            print(f"+ [{work.name}] python {script} --seed {seed}", flush=True)
-            with open(work / f"{script}.log", "w") as log:
-                subprocess.run([sys.executable, "-u", str(ROOT / script), "--seed", str(seed)], cwd=work, env=env,
-                               stdout=log, stderr=subprocess.STDOUT, check=True)
-            times[script] = round(time.time() - t0, 1)
-        timing.write_text(json.dumps(times))
+            print(f"+ [{work.name}] python {script} --seed {seed} {' '.join(extra)}", flush=True)
+            with open(work / f"{i + 1}_{script}.log", "w") as log:
+                subprocess.run([sys.executable, "-u", str(ROOT / script), "--seed", str(seed), *extra], cwd=work,
+                               env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+            times[key] = round(time.time() - t0, 1)
+            timing.write_text(json.dumps(times))
     out = json.loads(results.read_text())
     out["timing"] = json.loads(timing.read_text()) if timing.is_file() else {}
-    out["rm_eval"] = json.loads((work / "runs" / "demo" / "reward_model" / "eval.json").read_text())
+    out["rm_eval"] = json.loads((work / rm_dir / "eval.json").read_text())
     return out
+
+
+def value(r: dict, pol: str, key: str):
+    return r["policies"][pol]["metrics"][key]["value"]
+
+
+def summary_table(runs: list[dict], keys: dict[str, str], policies=POLICIES) -> dict:
+    """Print "median [min, max]" over runs of each metric (rows) for each policy (columns); return them as a dict."""
+    print(f"\n{'metric (median [min, max] over runs)':<48}" + "".join(f"{p:>24}" for p in policies))
+    summary = {}
+    for key, label in keys.items():
+        cells = []
+        for pol in policies:
+            vals = [value(r, pol, key) for r in runs]
+            summary[f"{pol}/{key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
+            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]")
+        print(f"{label:<48}" + "".join(f"{c:>24}" for c in cells))
+    return summary
+
+
+def packages() -> dict:
+    return {p: version(p) for p in ("torch", "transformers", "peft", "tokenizers", "numpy")}
 
 
 def main():
@@ -61,7 +88,6 @@ def main():
         for threads in args.threads:
             runs[(seed, threads)] = run_chain(ROOT / args.out / f"seed{seed}_threads{threads}", seed, threads)
 
-    value = lambda r, pol, key: r["policies"][pol]["metrics"][key]["value"]  # noqa: E731
     print(f"\n{'seed':>4} {'thr':>3} " + " ".join(f"{p + ' mistakes':>18}" for p in POLICIES) +
           f" {'t2g/sft':>8} {'RM neg P/R':>11} {'chain s':>8}")
     rows = []
@@ -75,17 +101,9 @@ def main():
                      "rm_parse_rate": ev["parse_rate"], "chain_s": wall})
         print(f"{seed:>4} {threads:>3} " + " ".join(f"{m[p]:>18.3f}" for p in POLICIES) +
               f" {rows[-1]['ratio']:>8.2f} {ev['neg_precision'] or 0:>5.2f}/{ev['neg_recall'] or 0:<5.2f} {wall:>8.0f}")
-    print(f"\n{'metric (median [min, max] over runs)':<40}" + "".join(f"{p:>24}" for p in POLICIES))
-    summary = {}
-    for key, label in KEYS.items():
-        cells = []
-        for pol in POLICIES:
-            vals = [value(r, pol, key) for r in runs.values()]
-            summary[f"{pol}/{key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]")
-        print(f"{label:<40}" + "".join(f"{c:>24}" for c in cells))
-    packages = {p: version(p) for p in ("torch", "transformers", "peft", "tokenizers", "numpy")}
-    print("packages: " + ", ".join(f"{k} {v}" for k, v in packages.items()))
+    summary = summary_table(list(runs.values()), KEYS)
+    pkgs = packages()
+    print("packages: " + ", ".join(f"{k} {v}" for k, v in pkgs.items()))
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     result = {"runs": len(rows), "every_run_t2g_le_0.8_sft": all(r["ratio"] <= 0.8 for r in rows),
               "worst_t2g_over_sft": max(r["ratio"] for r in rows),
@@ -93,7 +111,7 @@ def main():
               "median_mistakes": {p: med(p) for p in POLICIES},
               "rm_neg_precision_min": min(r["rm_neg_precision"] or 0 for r in rows),
               "rm_neg_recall_min": min(r["rm_neg_recall"] or 0 for r in rows),
-              "chain_s_max": max(r["chain_s"] for r in rows), "packages": packages, "per_run": rows,
+              "chain_s_max": max(r["chain_s"] for r in rows), "packages": pkgs, "per_run": rows,
               "summary": summary}
     print(json.dumps(result))
 

@@ -39,12 +39,20 @@ def smoothed(xs, w=WINDOW):
     return [statistics.fmean(xs[max(0, i - w + 1): i + 1]) for i in range(len(xs))]
 
 
+def steps_to_threshold(mistakes: list[float]) -> int | None:
+    """The first iteration (from 1) whose mistake rate, smoothed over WINDOW iterations, is <= THRESHOLD; None if
+    none is."""
+    return next((i + 1 for i, x in enumerate(smoothed(mistakes)) if i + 1 >= WINDOW and x <= THRESHOLD), None)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds per mode")
     p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
     p.add_argument("--critic", default="program", choices=["program", "local"],
                    help="program: the demo's exact critic; local: the stage-2 reward model (trained once in --out)")
+    p.add_argument("--reward-model", help="--critic local: this stage-2 reward model (e.g. bench/real_critic.py's "
+                   "SmolLM2 one) instead of training the zero-flag one in --out")
     p.add_argument("--out", help="work dir (base model, SFT, reward model, runs); default bench/out/span_vs_scalar"
                                  "[_local]")
     p.add_argument("--png", help="the curves (default bench/span_vs_scalar[_local].png)")
@@ -60,9 +68,11 @@ def main():
     common.write_jsonl(out / "prompts.jsonl", common.demo_dataset("train", 1000))
     common.write_jsonl(out / "sft.jsonl", common.demo_dataset("sft", 2000))
     critic = ["--critic", "program", "--kl-coef", "0.05"]  # the exact critic cannot be gamed: a looser KL leash
-    if args.critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model
-        rm_dir = out / "reward_model"
-        if not (rm_dir / "reward_model.json").is_file():
+    if args.critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model (or --reward-model)
+        rm_dir = Path(args.reward_model).resolve() if args.reward_model else out / "reward_model"
+        if args.reward_model:
+            common.check_reward_model(str(rm_dir))
+        elif not (rm_dir / "reward_model.json").is_file():
             run(["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)])
             run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
                  "--output-dir", str(rm_dir)])
@@ -99,8 +109,7 @@ def main():
     for mode, cs in curves.items():
         steps, finals, rewards, reached = [], [], [], []
         for seed, c in enumerate(cs, 1):
-            sm = smoothed(c["mistakes"])
-            hit = next((i + 1 for i, x in enumerate(sm) if i + 1 >= WINDOW and x <= THRESHOLD), None)
+            hit = steps_to_threshold(c["mistakes"])
             steps.append(hit or args.steps)
             reached.append(hit is not None)
             finals.append(statistics.fmean(c["mistakes"][-WINDOW:]))

@@ -339,7 +339,8 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
     argv = ["--data", str(data), "--policy", f"base={tiny_model_dir}", "--policy", f"lora={adapter_dir}",
             "--reward-model", tiny_model_dir, "--rm-max-new-tokens", "12", "--max-new-tokens", "8",
             "--curves", f"t2g={curves}", "--output-dir", str(tmp_path / "out"), "--bootstrap", "100",
-            "--device", "cpu"]
+            "--device", "cpu", "--monitor-reward-model", f"same={tiny_model_dir}",
+            "--monitor-reward-model", f"other={adapter_dir}"]
     results = ev.main(argv)
     saved = json.loads((tmp_path / "out/results.json").read_text())
     assert saved["policies"].keys() == {"base", "lora"} and saved["n_prompts"] == 6
@@ -348,6 +349,13 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
         for key in ("rouge1", "rouge2", "rougeL", "bleu", "demo/delta_sum", "demo/mistake_rate", "demo/facts_right",
                     "rm/delta_mean", "rm/poor_token_frac", "rm/parse_rate", "gen/tokens"):
             assert pol["metrics"][key]["n"] == 6 and len(pol["metrics"][key]["ci95"]) == 2
+        # a monitor reward model gets the monitor's rows under its name: the same model, the same numbers
+        main = {k: v for k, v in pol["metrics"].items() if k.startswith("rm_vs_critic/")}
+        assert main and {k.replace("rm_vs_critic/", "rm_vs_critic[same]/"): v for k, v in main.items()} == {
+            k: v for k, v in pol["metrics"].items() if k.startswith("rm_vs_critic[same]/")}
+        assert {k.split("/")[1] for k in pol["metrics"] if k.startswith("rm_vs_critic[other]/")} == {
+            k.split("/")[1] for k in main}
+    assert (tmp_path / "out/eval/base.critiques.other.jsonl").is_file()
     gens = {n: common.read_jsonl(tmp_path / f"out/eval/{n}.generations.jsonl") for n in ("base", "lora")}
     assert [g["id"] for g in gens["base"]] == [f"demo-eval-{i}" for i in range(6)]
     assert [g["response"] for g in gens["base"]] != [g["response"] for g in gens["lora"]]  # the adapter was applied
@@ -358,6 +366,7 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
     parser.feed(page)
     assert {p for p, _ in parser.responses} == {"base", "lora"} and len(parser.responses) == 12
     assert "data:image/png;base64," in page
+    assert "reward model &#x27;other&#x27; vs the exact critic" in page
 
     def boom(*a, **k):
         raise AssertionError("a rerun must not generate")
@@ -424,12 +433,23 @@ def test_max_prompt_tokens_cuts_prompts_as_stage_3_and_rm_inputs_as_stage_2(tiny
     assert status == "truncated" and rm_in == trained["input_ids"][:-target]
 
 
-@pytest.mark.parametrize("flag", ["--chat-template on", "--reward-model DIR"])
+@pytest.mark.parametrize("flag", ["--chat-template on", "--reward-model DIR", "--monitor-reward-model"])
 def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir, tmp_path, flag):
-    """--chat-template on without a template, or a model directory without weights: one line, exit 2, no file."""
+    """--chat-template on without a template, or a model directory without weights: one line, exit 2, no file. A
+    monitor reward model that is not there: the same, before anything is generated."""
     from conftest import model_variant
     common.write_jsonl(tmp_path / "eval.jsonl", common.demo_dataset("eval", 2))
     nowts = model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
+    if flag == "--monitor-reward-model":
+        proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
+                               "--policy", f"base={tiny_model_dir}", "--reward-model", tiny_model_dir,
+                               "--monitor-reward-model", f"toy={tmp_path / 'gone'}", "--output-dir",
+                               str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (f"error: --monitor-reward-model toy={tmp_path / 'gone'}: no "
+                                                         "such directory (run 02_train_reward.py first)")
+        assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+        return
     extra = ["--chat-template", "on", "--reward-model", "none"] if "chat" in flag else ["--reward-model", nowts]
     proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
                            "--policy", f"base={tiny_model_dir}", "--max-new-tokens", "4", "--output-dir",

@@ -533,6 +533,38 @@ def test_bad_model_input_one_line_exit_2_nothing_written(tmp_path, tiny_model_di
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("case", ["tokenizer", "base"])
+def test_broken_reward_model_one_line_exit_2_before_any_training(tmp_path, tiny_model_dir, case):
+    """--critic local with a reward model that cannot load: a tokenizer that does not load, or an adapter whose base
+    model (named in reward_model.json / adapter_config.json) is gone. One line, exit 2, before the SFT warm start."""
+    if case == "tokenizer":
+        rm_dir = model_variant(tiny_model_dir, tmp_path / "rm")
+        (tmp_path / "rm" / "tokenizer.json").write_text("{not json")
+    else:
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+        base = model_variant(tiny_model_dir, tmp_path / "base")
+        rm_dir = str(tmp_path / "rm")
+        get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])) \
+            .save_pretrained(rm_dir)
+        common.write_json(tmp_path / "rm" / "reward_model.json", {"base_model": base})
+        for f in (tmp_path / "base").iterdir():
+            f.unlink()
+        (tmp_path / "base").rmdir()
+    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 4))
+    common.write_jsonl(tmp_path / "sft.jsonl", common.demo_dataset("sft", 4))
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
+                           str(tmp_path / "prompts.jsonl"), "--critic", "local", "--reward-model", rm_dir,
+                           "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-steps", "1", "--sft-output-dir",
+                           str(tmp_path / "sft"), "--output-dir", str(tmp_path / "run"), "--scalar-baseline-dir", "",
+                           "--steps", "1"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --reward-model {rm_dir}: " + ("cannot load its tokenizer: " if case == "tokenizer"
+                                                                  else f"its base model {base!r}")), last
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--temperature", "-1"), ("--top-p", "0"),
                                         ("--top-p", "1.5")])
 def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, model_variant
+from conftest import ROOT, import_script, model_variant
 
 import common
 
@@ -141,3 +141,47 @@ def test_span_labels_on_real_responses_decode_back_to_the_quote(run, tok):
                 assert tok.decode([g["response_ids"][i] for i in inside]).strip() == text[a:b].strip()
                 checked += 1
     assert checked >= 3
+
+
+def test_a_smollm2_critic_labels_the_tiny_policys_own_tokens(smollm2_dir, tiny_tokenizer, tmp_path):
+    """The critic and the policy need not share a tokenizer (issue 24): a SmolLM2 reward model (a LoRA trained here on
+    one demo annotation, 02's encoding) critiques a response through 03's critic, and delta lands on the tiny
+    policy's own tokens, by character interval. The expected labels come from the quotes by plain str.find."""
+    rm02, ppo = import_script("02_train_reward"), import_script("03_train_policy")
+    rec = common.demo_dataset("annotate", 1)[0]  # "... called luna with owen that likes the river ... with owen."
+    rec.update(common.demo_critic(rec["prompt"], rec["response"]))
+    model, tok = common.load_model(smollm2_dir)
+    model = common.add_lora(model, 8, 16, "all-linear")
+    batch = rm02.collate([rm02.encode_example(tok, rec, 512)[0]], tok.pad_token_id)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    torch.manual_seed(0)
+    model.train()
+    for _ in range(12):  # it writes this annotation back after ~10 steps (measured)
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    args = ppo.parse_args(["--critic", "local", "--reward-model", str(tmp_path / "rm"), "--critic-max-new-tokens",
+                           "100", "--device", "cpu"])
+    fb = ppo.make_critic(args)([rec], [rec["response"]])[0]  # SmolLM2's own greedy output, parsed
+    assert fb is not None and fb["good_spans"] and fb["poor_spans"], fb
+
+    ids = tiny_tokenizer(rec["response"], add_special_tokens=False)["input_ids"]  # the policy's tokens
+    text, offsets = common.decode_with_offsets(tiny_tokenizer, ids)
+    smol_ends = {e for _, e in common.decode_with_offsets(tok, tok(text, add_special_tokens=False)["input_ids"])[1]}
+    assert smol_ends != {e for _, e in offsets}  # the two tokenizers cut this response differently
+    delta, _, _, _ = ppo.span_deltas([text], [offsets], [fb], torch.ones(1, len(ids)))
+    want, claimed = [0.0] * len(ids), set()
+    for label, quotes in ((1.0, fb["good_spans"]), (-1.0, fb["poor_spans"])):
+        for q in quotes:  # each quote takes the earliest occurrence an identical earlier quote has not claimed
+            a = text.find(q)
+            while (q, a) in claimed:
+                a = text.find(q, a + 1)
+            claimed.add((q, a))
+            for i, (s, e) in enumerate(offsets):
+                core = text[s:e].strip()
+                start = s + text[s:e].index(core) if core else None
+                if core and a <= start and start + len(core) <= a + len(q):
+                    want[i] = label if want[i] != -1.0 else -1.0
+    assert delta[0].tolist() == want and -1.0 in want and 1.0 in want

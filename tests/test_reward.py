@@ -313,3 +313,25 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     assert json.loads((out / "eval.json").read_text())["n"] == 3  # round(0.05 x 64) val records
     model, tok = common.load_model(str(out))
     assert type(model).__name__ == "PeftModelForCausalLM"
+
+
+def test_targets_only_batches_give_the_same_loss_and_gradients(tiny_model_dir):
+    """02 trains on targets-only batches (the LM head runs from the first target on): the same loss and gradients as
+    the full logits, on a right-padded batch whose prompts and targets have different lengths."""
+    from transformers import AutoModelForCausalLM
+    tok = tokenizer_of(tiny_model_dir)
+    recs = annotations(3)
+    recs[1] = {**recs[1], "prompt": recs[1]["prompt"] + " the end is near, the end is here."}
+    feats = [rm.encode_example(tok, r, max_len=1024)[0] for r in recs]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    full, cut = rm.collate(feats, tok.pad_token_id), rm.collate(feats, tok.pad_token_id, targets_only=True)
+    assert cut["logits_to_keep"] < full["input_ids"].shape[1] and cut["labels"].shape[1] == cut["logits_to_keep"]
+    assert (cut["labels"] != -100).sum() == (full["labels"] != -100).sum()
+    grads = []
+    for batch in (full, cut):
+        model.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        grads.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
+    assert torch.allclose(grads[0][1], grads[1][1], atol=1e-7)

