@@ -111,20 +111,24 @@ def _norm_key(key) -> str:
     return re.sub(r"[\s\-]+", "_", str(key).strip().lower())
 
 
-def _find_feedback(obj):
-    """`obj` itself if it holds span lists or a critique, else the last nested dict (in text order) that does."""
-    is_feedback = lambda o: isinstance(o, dict) and any(  # noqa: E731
-        _norm_key(k) in _GOOD_KEYS | _POOR_KEYS | set(_CRITIQUE_KEYS) for k in o)
-    found, stack = None, [obj]
+def _find_feedback(obj) -> tuple[dict | None, object]:
+    """(the last dict in text order, `obj` or nested, that holds a span list; its critique), or (None, None). The
+    critique is that dict's own critique key, else the nearest enclosing dict's string critique (e.g.
+    {"critique": ..., "spans": {"good_spans": ...}}), else None."""
+    found, stack = (None, None), [(obj, None)]
     while stack:  # iterative pre-order walk: LLM output can nest deeper than Python's recursion limit
-        node = stack.pop()
-        if is_feedback(node):
-            if node is obj:
-                return obj
-            found = node
-            continue
-        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
-        stack.extend(reversed(children))
+        node, critique = stack.pop()
+        if isinstance(node, dict):
+            fields = {_norm_key(k): v for k, v in node.items()}
+            own = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
+            if fields.keys() & (_GOOD_KEYS | _POOR_KEYS):
+                found = (node, own if own is not None else critique)
+                continue
+            critique = own if isinstance(own, str) else critique
+            children = list(node.values())
+        else:
+            children = node if isinstance(node, list) else []
+        stack.extend((child, critique) for child in reversed(children))
     return found
 
 
@@ -152,12 +156,12 @@ def _balanced_end(text: str, start: int) -> int:
 def _decode_object(text: str, start: int):
     """(object, end) for the JSON-ish object at `start`, or (None, start + 1). Lenient about LLM habits."""
     try:
-        return json.JSONDecoder().raw_decode(text, start)
+        return json.JSONDecoder(strict=False).raw_decode(text, start)  # strict=False: raw newlines inside strings
     except (ValueError, RecursionError):
         pass
     end = _balanced_end(text, start)
     chunk = re.sub(r",\s*([}\]])", r"\1", text[start:end]) if end > 0 else ""  # trailing commas
-    for loads in (json.loads, ast.literal_eval) if chunk else ():  # literal_eval: 'quotes', True/None; never runs code
+    for loads in (functools.partial(json.loads, strict=False), ast.literal_eval) if chunk else ():  # literal_eval: 'quotes', True/None; never runs code
         try:
             return loads(chunk), end
         except Exception:  # noqa: BLE001 - any failure just means "not this parser"
@@ -166,28 +170,29 @@ def _decode_object(text: str, start: int):
 
 
 def parse_feedback(text: str) -> dict:
-    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}; ValueError if no JSON object.
-    The JSON may be fenced, follow chain-of-thought, or precede chatter. Of several objects, the last one holding a
-    span list or a critique wins. Without a critique key, the prose before the JSON is the critique."""
+    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}. The JSON may be fenced, follow
+    chain-of-thought, or precede chatter. Of several objects, the last one holding a span list (good_spans or
+    poor_spans, at any depth) wins; with only one of the two lists, the other is []. Its critique is the critique key
+    next to the lists, else one around them, else the prose before the JSON. ValueError when no object holds a span
+    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans"."""
     if not isinstance(text, str):
         raise ValueError(f"critic output must be a string, got {type(text).__name__}")
-    chosen, chosen_start, any_obj, pos = None, 0, None, 0
+    chosen, critique, chosen_start, any_obj, pos = None, None, 0, False, 0
     while (start := text.find("{", pos)) >= 0:
         obj, pos = _decode_object(text, start)
         if isinstance(obj, dict):
-            any_obj = any_obj or (obj, start)
-            if (feedback := _find_feedback(obj)) is not None:
-                chosen, chosen_start = feedback, start
+            any_obj = True
+            feedback, found_critique = _find_feedback(obj)
+            if feedback is not None:
+                chosen, critique, chosen_start = feedback, found_critique, start
     if chosen is None:
-        if any_obj is None:
-            raise ValueError("no JSON object found in critic output")
-        chosen, chosen_start = any_obj
+        raise ValueError("no JSON object with good_spans or poor_spans in critic output" if any_obj else
+                         "no JSON object (with good_spans or poor_spans) found in critic output")
     fields = {_norm_key(k): v for k, v in chosen.items()}
     as_list = lambda v: [v] if isinstance(v, str) else [s for s in v if isinstance(s, str)] if isinstance(  # noqa: E731
         v, (list, tuple)) else []
     good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
     poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
-    critique = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
     if critique is None:  # prose before the JSON, minus an opening code fence
         critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
     elif not isinstance(critique, str):

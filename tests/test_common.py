@@ -73,6 +73,41 @@ def test_parse_raises_value_error_without_json():
         parse_feedback("")
 
 
+@pytest.mark.parametrize("text", [
+    # truncated before the span JSON closes; the only complete object is an unrelated one in the critique
+    'The summary says {"x": 1} twice.\n{"good_spans": ["tom"], "poor_spans": ["lu',
+    '{"critique": "It gets tom right."}',                         # a critique, but no span list at all
+    'Looks fine to me.\n{"score": 7}',                            # some JSON, no span list
+])
+def test_parse_without_a_span_list_is_a_failure(text):
+    """An output counts as parsed only when it holds a span list: anything else raises, so stage 3 gives it delta = 0
+    as an unparsed output and rm/parse_rate counts it as a failure, never as "parsed, no spans"."""
+    with pytest.raises(ValueError, match="good_spans"):
+        parse_feedback(text)
+    assert common.rm_scores("tom", [(0, 3)], text)[2]["rm/parse_rate"] == (0.0, 1)
+
+
+def test_parse_finds_spans_nested_under_a_critique():
+    out = parse_feedback('{"critique": "It gets tom right.", "spans": {"good_spans": ["tom"], "poor_spans": ["x"]}}')
+    assert out == {"critique": "It gets tom right.", "good_spans": ["tom"], "poor_spans": ["x"]}
+    out = parse_feedback('Reasoning.\n{"feedback": {"good_spans": ["tom"], "poor_spans": []}}')
+    assert out == {"critique": "Reasoning.", "good_spans": ["tom"], "poor_spans": []}
+    out = parse_feedback('{"feedback": {"critique": "inner", "Poor spans": ["y"]}}')
+    assert out == {"critique": "inner", "good_spans": [], "poor_spans": ["y"]}  # one list present: the other is []
+
+
+def test_parse_a_later_critique_only_object_does_not_replace_the_spans():
+    text = 'Verdict:\n{"critique": "c", "good_spans": ["tom"], "poor_spans": ["rex"]}\nSummary: {"critique": "done"}'
+    assert parse_feedback(text) == {"critique": "c", "good_spans": ["tom"], "poor_spans": ["rex"]}
+
+
+def test_parse_tolerates_a_literal_newline_inside_a_string():
+    text = '{"critique": "First line.\nSecond line.", "good_spans": ["a\tb"], "poor_spans": []}'
+    assert "\n" in text  # a raw newline and tab inside JSON strings, as LLMs write them (invalid in strict JSON)
+    assert parse_feedback(text) == {"critique": "First line.\nSecond line.", "good_spans": ["a\tb"],
+                                    "poor_spans": []}
+
+
 _fragments = st.sampled_from(['{', '}', '[', ']', '"', "'", ':', ',', '```json', '```', '\n', 'good_spans', 'poor_spans',
                               'critique', '"good_spans": ["a"]', 'null', 'true', '\\', '{"critique": "x"}', '1e999',
                               '[' * 50, '{"a": ' * 30])
