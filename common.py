@@ -303,17 +303,26 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
     """The decoded text and each token's character interval in it, from incremental decoding of the ids (never by
     re-tokenizing the text). Token i ends where the decode of ids[:i + 1] stops agreeing with the text (never before
     token i - 1 ends): a special token, or one that does not complete a character, gets an empty interval.
-    Linear time: each token's window of at most 2 * _WINDOW ids is decoded, all in one batch, and the prefix's decode
-    is tracked as "the previous one, its tail replaced by the new window's". Should that not end on the text exactly
-    (a tokenizer whose decoding is not local), the prefixes are decoded one by one."""
+    Linear time: each token's window of at most 2 * _WINDOW ids (more inside a run of byte-fallback tokens) is
+    decoded, all in one batch, and the prefix's decode is tracked as "the previous one, its tail replaced by the new
+    window's". Should that not end on the text exactly (a tokenizer whose decoding is not local), the prefixes are
+    decoded one by one."""
     token_ids = [int(t) for t in token_ids]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     n, w = len(token_ids), _WINDOW
+    # A byte-fallback decoder (Llama-2, Mistral, Gemma: <0xE5><0x8C><0x97> is 北) decodes a run of byte tokens as a
+    # whole, and the whole run becomes U+FFFD when any of it is not UTF-8: a window must never start inside a run.
+    pieces = getattr(tokenizer, "convert_ids_to_tokens", lambda ids: [None] * len(ids))(token_ids)
+    in_run = [i > 0 and all(isinstance(p, str) and _BYTE_PIECE.fullmatch(p) for p in pieces[i - 1:i + 1])
+              for i in range(n)]
+    edge = list(range(n + 1))  # edge[j]: where a window meant to start at token j starts (its byte run's first token)
+    for j in range(1, n):
+        edge[j] = edge[j - 1] if in_run[j] else j
     # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
     # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
     # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
-    windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
-    windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
+    windows = [token_ids[edge[max(0, (i // w - 1) * w)]: i + 1] for i in range(n)]
+    windows += [token_ids[edge[max(0, b - w)]: b] for b in range(0, n, w)]
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust batch when it decodes the same, ~3x faster
     fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
     decoded = (backend.decode_batch if fast else tokenizer.batch_decode)(windows, skip_special_tokens=True)
@@ -336,6 +345,7 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
 
 
 _WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token, as SentencePiece's vocabularies write them
 
 
 def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
@@ -354,7 +364,11 @@ def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
 def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
     """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
     A token takes a span's label when the non-whitespace part of its interval lies inside the span. Tokens straddling
-    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1."""
+    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1.
+    A token holding only part of a multi-byte character (an empty interval right before a non-ASCII character, see
+    decode_with_offsets) takes the label of the token that completes that character: all 9 tokens of SmolLM2's
+    "北京不是上海" are labelled, not just the 6 that complete one. A token that completes one character and starts the
+    next ("ĠðŁ" of " 🍰": the space, then half the emoji) is scored by the one it completes."""
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = []
     for s, e in offsets:
@@ -367,6 +381,13 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
         inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
         touches_poor = any(a < e and s < b for a, b in poor_iv)
         delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
+    completing = (0.0, None)  # (label, start) of the next token with a non-empty interval
+    for i in reversed(range(len(offsets))):
+        s, e = offsets[i]
+        if s < e:
+            completing = (delta[i], s)
+        elif completing[1] == s and s < len(text) and ord(text[s]) > 127:  # part of the multi-byte character at s
+            delta[i] = completing[0]
     return delta, unmatched
 
 

