@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 import threading
+import unicodedata
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -210,20 +211,32 @@ _CHAR_MAP = {"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032
 _WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
 
 
-def _normalize(s: str) -> tuple[str, list[int]]:
-    """Case-fold, straighten quotes/dashes, collapse whitespace runs. Returns (normalized, index of source char)."""
-    out, src, prev_space = [], [], False
-    for i, ch in enumerate(s):
-        if ch.isspace():
-            if not prev_space:
-                out.append(" ")
-                src.append(i)
-            prev_space = True
-            continue
-        prev_space = False
-        for c in _CHAR_MAP.get(ch, ch).lower():  # lower() may yield 2 chars ("İ"); both map to source char i
-            out.append(c)
-            src.append(i)
+@functools.lru_cache(maxsize=64)  # locate_spans looks up every quote, and repeats, in the same response
+def _normalize(s: str) -> tuple[str, list[tuple[int, int]]]:
+    """Unicode NFC (é whether one code point or e + accent), case-fold, straighten quotes/dashes, collapse whitespace
+    runs. Returns (normalized, the source interval [start, end) of the character (with its accents) or whitespace run
+    that each normalized character comes from)."""
+    out, src, i, n = [], [], 0, len(s)
+    while i < n:
+        j = i + 1
+        if s[i].isspace():
+            while j < n and s[j].isspace():
+                j += 1
+            out.append(" ")
+            src.append((i, j))
+        else:  # a character and the marks that belong to it: composed or not, it is one unit of the source
+            while j < n and s[j] >= "\u0300" and (unicodedata.category(s[j])[0] == "M" or "\u1160" <= s[j] <= "\u11ff"):
+                j += 1  # a combining mark, or a Hangul vowel / final jamo
+            if j == i + 1 and s[i] < "\u0080":  # ASCII: the common case, nothing to compose or straighten
+                out.append(s[i].lower())
+                src.append((i, j))
+                i = j
+                continue
+            unit = "".join(_CHAR_MAP.get(ch, ch) for ch in unicodedata.normalize("NFC", s[i:j]))
+            for c in unicodedata.normalize("NFC", unit.lower()):  # lower() may yield 2 chars ("İ"): both map to it
+                out.append(c)
+                src.append((i, j))
+        i = j
     return "".join(out), src
 
 
@@ -240,37 +253,44 @@ def _quote_variants(span: str):
 
 
 def _is_word(ch: str) -> bool:
-    """A character no word boundary can fall next to. Scripts written without spaces (CJK, Thai, Lao) have none."""
-    return (ch.isalnum() or ch == "_") and not ("\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff"
-                                                 or "\u0e00" <= ch <= "\u0eff")
+    """A character no word boundary can fall next to (a combining accent is part of its letter). Scripts written
+    without spaces (CJK, Thai, Lao) have none."""
+    return (ch.isalnum() or ch == "_" or ch >= "\u0300" and unicodedata.category(ch)[0] == "M") and not (
+        "\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff" or "\u0e00" <= ch <= "\u0eff")
 
 
 def _find_bounded(text: str, span: str, start: int) -> int:
-    """text.find(span, start), skipping matches that begin or end inside a word ("he" is not in "the")."""
+    """text.find(span, start), skipping matches that begin or end inside a word ("he" is not in "the"), or before an
+    accent that belongs to the letter in front of it ("cafe" is not in NFD "cafe\u0301")."""
     i, n = text.find(span, start), len(span)
-    while i >= 0 and ((i > 0 and _is_word(text[i]) and _is_word(text[i - 1])) or
-                      (i + n < len(text) and _is_word(text[i + n - 1]) and _is_word(text[i + n]))):
+    mark = lambda k: k < len(text) and unicodedata.category(text[k])[0] == "M"  # noqa: E731
+    while i >= 0 and ((i > 0 and (_is_word(text[i]) and _is_word(text[i - 1]) or mark(i))) or
+                      (i + n < len(text) and (_is_word(text[i + n - 1]) and _is_word(text[i + n]) or mark(i + n)))):
         i = text.find(span, i + 1)
     return i
 
 
 def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None. Exact match first; then
-    tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing punctuation the critic
-    wrapped around the quote; never of anything else, and never inside a longer word ("2." is not in "12.")."""
+    tolerant of whitespace runs, case, curly quotes/dashes, Unicode normalization (NFC vs NFD), and quotes, ellipses
+    or trailing punctuation the critic wrapped around the quote; never of anything else, never inside a longer word
+    ("2." is not in "12."), and never half a character (an e without its combining accent)."""
     if not span or not span.strip():
         return None
     i = _find_bounded(text, span, start)
     if i >= 0:
         return i, i + len(span)
     norm_text, src = _normalize(text)
-    norm_start = next((k for k, j in enumerate(src) if j >= start), len(src))
+    norm_start = next((k for k, (j, _) in enumerate(src) if j >= start), len(src))
     for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
         if not variant:
             return None
         k = _find_bounded(norm_text, variant, norm_start)
+        while k >= 0 and (k > 0 and src[k - 1] == src[k] or k + len(variant) < len(src) and
+                          src[k + len(variant)] == src[k + len(variant) - 1]):  # half of a source character: no
+            k = _find_bounded(norm_text, variant, k + 1)
         if k >= 0:
-            return src[k], src[k + len(variant) - 1] + 1
+            return src[k][0], src[k + len(variant) - 1][1]
     return None
 
 
