@@ -60,7 +60,7 @@ def parse_args(argv=None):
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
                                                                              "template (auto: if it has one)")
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (its chat template "
-      "is kept whole);\nthe reward model's input is cut the same way (common.rm_prompt), as in stage 2")
+      "is kept whole);\nthe reward model's input is cut to what stage 2 trained it with (its reward_model.json)")
     # --- optional SFT warm start (the paper's SLF5K policy starts from SFT on reference summaries)
     a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
     a("--sft-field", default="response", help="the SFT target field")
@@ -81,9 +81,11 @@ def parse_args(argv=None):
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"], help="chat: one user message (the server "
       "applies the chat template);\ncompletions: the exact text of common.rm_prompt (--reward-model's tokenizer if "
-      "given,\nelse the plain template), less a leading BOS the server adds itself")
+      "given,\nelse the plain template), less a leading BOS the server adds itself. Either API: with\n"
+      "--reward-model, the task prompt is cut as stage 2 cut it (reward_model.json)")
     a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
-    a("--critic-max-new-tokens", type=int, help="max tokens of a critique")
+    a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: what stage 2 evaluated "
+      "--reward-model with,\nelse the preset: 96 for the demo, 512)")
     # --- rollouts
     a("--batch-size", type=int, help="rollouts per iteration")
     a("--max-new-tokens", type=int, help="response length limit")
@@ -127,9 +129,17 @@ def parse_args(argv=None):
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
     a("--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt")
     args = p.parse_args(argv)
+    critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.critic != "local" and not rm_given:  # the demo's reward model is not the one a server runs
+        args.reward_model = None
+    # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
+    # unless given, critiques as long as those stage 2 evaluated (a shorter limit cuts them before their span JSON)
+    settings = common.rm_settings(args.reward_model if args.critic != "program" else None)
+    args.critic_max_prompt_tokens = settings["max_prompt_tokens"]
+    args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
         if not ok:
@@ -575,14 +585,17 @@ def make_critic(args):
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
         return lambda recs, texts: [_parse(x) for x in common.rm_critique(
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens)]
-    rm_tok = None  # completions API: the served reward model must see exactly its training prompt
-    if args.critic_api == "completions" and args.reward_model:
+            max_prompt_tokens=args.critic_max_prompt_tokens)]
+    rm_tok = None  # with --reward-model, the served reward model gets its training input, cut alike (either API)
+    if args.reward_model:
         from transformers import AutoTokenizer
+        if not Path(args.reward_model).is_dir():
+            raise common.DataError(f"--reward-model {args.reward_model}: no such directory (the served reward model's "
+                                   "stage-2 output, for its tokenizer and reward_model.json)")
         rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
     return lambda recs, texts: [_parse(x) for x in common.rm_critique_served(
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
-        args.critic_concurrency, args.critic_api, rm_tok, args.max_prompt_tokens)]
+        args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens)]
 
 
 def _parse(raw):

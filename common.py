@@ -576,6 +576,34 @@ def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]
     return f"{critique.strip()}\n{spans}"
 
 
+RM_PROMPT_FORMAT = "common.build_rm_prompt(tokenizer, prompt, response)"
+RM_TARGET_FORMAT = "common.format_rm_target(critique, good_spans, poor_spans) + EOS"
+
+
+def rm_settings(reward_model_dir) -> dict:
+    """How stage 2 trained and evaluated the reward model in `reward_model_dir`: what 03 and 04 must repeat to use it.
+      max_prompt_tokens  the most tokens of its input, rm_prompt (the task prompt is cut from its start to fit), the
+                         same in training (02) and in use (03, 04, a served model too); None: no cut. Stage 2 sets it
+                         to --max-len minus --max-new-tokens, so that an input and its critique fit in --max-len.
+      max_new_tokens     the critique budget stage 2 evaluated it with: 03's and 04's default; None: the caller's.
+      prompt_format, target_format   its input and output (build_rm_prompt; format_rm_target, then EOS).
+    Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
+    max_new_tokens 128 (demo) or 512 and the input cut to max_len minus that: those are returned. No file (a plain
+    model directory; None for a served model): no cut, and max_new_tokens None."""
+    path = Path(reward_model_dir) / "reward_model.json" if reward_model_dir else None
+    try:
+        info = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    out = {"max_prompt_tokens": None, "max_new_tokens": None, "prompt_format": RM_PROMPT_FORMAT,
+           "target_format": RM_TARGET_FORMAT}
+    if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
+        out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
+        out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)
+    out.update({k: info[k] for k in out if k in info})
+    return out
+
+
 def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None) -> str:
     """The text a served reward model gets on /v1/completions: rm_prompt's, as in training (tokenizer=None: the plain
     template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
@@ -591,7 +619,8 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
                        max_prompt_tokens: int | None = None) -> list[str]:
     """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
     batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
-    applies the chat template); "completions" sends rm_completions_prompt, the exact training text."""
+    applies the chat template); "completions" sends rm_completions_prompt, the exact training text. Given the reward
+    model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings)."""
     import asyncio
 
     from openai import AsyncOpenAI
@@ -603,6 +632,8 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
                                                         prompt=rm_completions_prompt(tokenizer, prompt, response,
                                                                                      max_prompt_tokens))
                 return reply.choices[0].text or ""
+            if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
+                prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1]
             reply = await client.chat.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
                                                          messages=[{"role": "user",
                                                                     "content": rm_user_message(prompt, response)}])

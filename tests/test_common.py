@@ -626,6 +626,22 @@ def test_rm_prompt_plain_and_chat(tiny_tokenizer, tiny_chat_model_dir):
     assert common.encode_prompt(chat_tok, chat).count(chat_tok.bos_token_id) == 2  # no extra BOS added
 
 
+def test_rm_settings_defaults(tmp_path):
+    """What 03 and 04 read about a reward model (common.rm_settings): the stored budgets; an older reward_model.json's
+    (stage 2 evaluated with max_new_tokens 128 on the demo, else 512, and the rest of max_len for the input); none
+    without a file."""
+    formats = {"prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT}
+    assert common.rm_settings(None) == common.rm_settings(tmp_path) == {"max_prompt_tokens": None,
+                                                                        "max_new_tokens": None, **formats}
+    common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})
+    assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 1536, "max_new_tokens": 512, **formats}
+    common.write_json(tmp_path / "reward_model.json", {"task": "demo", "train": {"max_len": 256}})
+    assert common.rm_settings(str(tmp_path))["max_prompt_tokens"] == 128
+    common.write_json(tmp_path / "reward_model.json", {"task": "qa", "max_prompt_tokens": 900, "max_new_tokens": 100,
+                                                       "train": {"max_len": 1000}})
+    assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 900, "max_new_tokens": 100, **formats}
+
+
 def test_rm_target_roundtrips_through_parse_feedback():
     target = common.format_rm_target("It gets tom right. ", ["tom"], ["the \"cat\""])
     assert parse_feedback(target) == {"critique": "It gets tom right.", "good_spans": ["tom"],

@@ -478,42 +478,42 @@ def test_top_p_below_one_is_called_off_policy(tmp_path, tiny_model_dir, capsys):
     assert "--top-p 0.9 < 1: this run is off-policy" in capsys.readouterr().err
 
 
-def _bos_adding_copy(src, dst):
-    """A copy of a chat model whose tokenizer adds its BOS itself, as Llama's do (a server will too)."""
-    from tokenizers.processors import TemplateProcessing
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny_chat_model_dir, tiny_reward_model,
+                                                                  fake_openai, api):
+    """With stage 2's and stage 3's defaults, a served reward model gets exactly the input ids it was trained on (02's
+    encode_example): the task prompt cut from its start to reward_model.json's max_prompt_tokens (02's --max-len minus
+    --max-new-tokens), not to stage 3's own --max-prompt-tokens (1024). completions: the text itself, less the BOS the
+    server adds (one BOS, not two); chat: the user message with the cut task prompt, the server applying the template.
+    Each critique may be as long as the critiques stage 2 evaluated (reward_model.json's max_new_tokens)."""
     from transformers import AutoTokenizer
-    d = model_variant(src, dst)
-    tok = AutoTokenizer.from_pretrained(d)
-    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>",
-                                                                                                tok.bos_token_id)])
-    tok.save_pretrained(d)
-    tok = AutoTokenizer.from_pretrained(d)
-    assert tok("x")["input_ids"][0] == tok.bos_token_id
-    return d, tok
-
-
-def test_completions_critic_gets_the_training_input_cut_alike_with_one_bos(tmp_path, tiny_chat_model_dir,
-                                                                         fake_openai):
-    """--critic-api completions: the server, tokenizing what it gets and adding its BOS, sees exactly the ids stage 2
-    trained on: the task prompt cut from its start to --max-prompt-tokens as 02 cuts it, and one BOS, not two."""
     rm = import_script("02_train_reward")
-    rm_dir, tok = _bos_adding_copy(tiny_chat_model_dir, tmp_path / "rm")
+    rm_dir, rm_args = tiny_reward_model
+    tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
+    assert settings["max_prompt_tokens"] == rm_args.max_len - rm_args.max_new_tokens < 1024
     long = [{"prompt": "post: " + " ".join(["ben has a grey horse called coco."] * 30) + "\nsummary:"}] * 4
     common.write_jsonl(tmp_path / "long.jsonl", long)
     with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
         ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model", rm_dir,
-                        "--steps", "1", "--prompts", str(tmp_path / "long.jsonl"), "--max-prompt-tokens", "200",
-                        "--task", "qa"))  # qa: no demo monitor on these prompts
-        sent = [r["body"]["prompt"] for r in server.requests]
+                        "--critic-model", "rm", "--critic-api", api, "--reward-model", rm_dir, "--steps", "1",
+                        "--prompts", str(tmp_path / "long.jsonl"), "--task", "qa"))  # qa: no demo monitor
+        bodies = [r["body"] for r in server.requests]
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
-    assert len(sent) == 4 and len(samples) == 4
+    assert len(bodies) == 4 and len(samples) == 4
+    assert {b["max_tokens"] for b in bodies} == {settings["max_new_tokens"]}
     for s in samples:
-        server_ids = tok(next(p for p in sent if p.endswith(s["response"] + "\n<s>assistant: ")))["input_ids"]
-        assert server_ids[:2] != [tok.bos_token_id] * 2 and len(server_ids) <= 200
+        if api == "completions":
+            sent = next(b["prompt"] for b in bodies if b["prompt"].endswith(s["response"] + "\n<s>assistant: "))
+            server_ids = tok(sent)["input_ids"]  # the server tokenizes what it gets and adds its BOS
+        else:
+            sent = next(b["messages"][0]["content"] for b in bodies if b["messages"][0]["content"].endswith(
+                "### Response\n" + s["response"]))
+            server_ids = common.encode_prompt(tok, tok.apply_chat_template(
+                [{"role": "user", "content": sent}], tokenize=False, add_generation_prompt=True))
+        assert server_ids[:2] != [tok.bos_token_id] * 2
         rec = {**s, "critique": "c", "good_spans": [], "poor_spans": []}
         target = len(tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
-        trained, status = rm.encode_example(tok, rec, max_len=200 + target)
+        trained, status = rm.encode_example(tok, rec, rm_args.max_len, settings["max_prompt_tokens"])
         assert status == "truncated" and server_ids == trained["input_ids"][:-target]
 
 
