@@ -174,23 +174,22 @@ def per_token_kl(logprobs, ref_logprobs, estimator="k1", logits=None, ref_logits
     return log_ratio if estimator == "k1" else torch.expm1(-log_ratio) + log_ratio
 
 
-def weight_spans(delta, mode="uniform"):
-    """App. I ablation. uniform: delta as is. linear-decay: inside each run of equal non-zero labels, the k-th of n
-    tokens gets delta * (n - k) / n, so the start of a span carries most of its credit."""
+def weight_spans(delta, spans, mode="uniform"):
+    """App. I ablation. uniform: delta as is. linear-decay: the i-th of the n tokens of each span gets delta times
+    1 - (i - 1) * 0.9 / (n - 1) ([1, .775, .55, .325, .1] for n = 5; 1 for n = 1), so a span's start carries most of its
+    credit. spans[b]: the token indices of each located span of row b, in order (common.span_tokens); a token in two
+    spans of its label takes the larger weight."""
     if mode == "uniform":
         return delta
-    out = delta.clone()
-    for b in range(delta.shape[0]):
-        row, t = delta[b].tolist(), 0
-        while t < len(row):
-            end = t
-            while end + 1 < len(row) and row[t] != 0 and row[end + 1] == row[t]:
-                end += 1
-            n = end - t + 1
-            for k in range(n):
-                out[b, t + k] = row[t] * (n - k) / n
-            t = end + 1
-    return out
+    weight = torch.ones_like(delta)
+    for b, row in enumerate(spans):
+        best = {}
+        for idx in row:
+            for i, t in enumerate(idx):
+                best[t] = max(best.get(t, 0.0), 1.0 - i * 0.9 / (len(idx) - 1) if len(idx) > 1 else 1.0)
+        for t, w in best.items():
+            weight[b, t] = w
+    return delta * weight
 
 
 def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
@@ -283,10 +282,11 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
-    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards).
-    Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
-    of non-empty quotes and of quotes not found in their response."""
+    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
+    weighted within each span by --span-weighting (App. I). Returns delta (B, T) (0 where the feedback was
+    unparseable), span_rewards' (delta, unmatched) per row, the number of non-empty quotes and of quotes not found."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
+    spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
         if fb is None:
             continue
@@ -294,7 +294,9 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
         delta[i, :len(d)] = torch.tensor(d)
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         n_unmatched += len(unmatched)
-    return weight_spans(delta, weighting), rows, n_spans, n_unmatched
+        if weighting != "uniform":
+            spans[i] = [idx for _, idx in common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])]
+    return weight_spans(delta, spans, weighting), rows, n_spans, n_unmatched
 
 
 def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):

@@ -5,7 +5,8 @@ them lazily).
 Contents: the core first (copy it as is), then the task-specific material, one section each.
   core  1. Records                   DataError, iter_jsonl, read_jsonl, atomic_open, write_json, write_jsonl
         2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
-        3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3)
+        3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3),
+                                     span_tokens
         4. Datasets, resumable I/O   read_rows, open_resumable_jsonl, append_jsonl, fingerprint, cached
         5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
                                      Sec. 3.4), rm_critique_served
@@ -381,6 +382,14 @@ def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
     return text, offsets
 
 
+def _core(text: str, s: int, e: int) -> tuple[int, int]:
+    """A token's interval less the whitespace it carries (the space of "Ġdog"); a whitespace-only one's as it is."""
+    piece = text[s:e]
+    if piece.strip():
+        s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
+    return s, e
+
+
 def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
     """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
     A token takes a span's label when the non-whitespace part of its interval lies inside the span. Tokens straddling
@@ -392,9 +401,7 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = []
     for s, e in offsets:
-        piece = text[s:e]
-        if piece.strip():  # trim the whitespace a token carries, e.g. the space of "Ġdog"
-            s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
+        s, e = _core(text, s, e)
         if e <= s:
             delta.append(0.0)
             continue
@@ -409,6 +416,18 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
         elif completing[1] == s and s < len(text) and ord(text[s]) > 127:  # part of the multi-byte character at s
             delta[i] = completing[0]
     return delta, unmatched
+
+
+def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
+    """(label, token indices) of each quote that locate_spans locates, good ones first: the tokens whose delta_t it
+    sets in span_rewards (inside it, carrying its label; a byte token by where its character is), in order. What App.
+    I's within-span weighting counts: two adjacent quotes are two spans, and a token of a quote that span_rewards
+    leaves at 0 (it straddles a poor quote inside a good one) belongs to neither."""
+    delta, _ = span_rewards(text, offsets, good_spans, poor_spans)
+    good_iv, poor_iv, _ = locate_spans(text, good_spans, poor_spans)
+    cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
+    return [(label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
+            for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)) for a, b in ivs]
 
 
 # ======================================================================================================================

@@ -436,6 +436,15 @@ def test_repeated_word_good_then_poor(tiny_tokenizer):
     assert [d for _, d in pairs] == [0.0, -1.0, 0.0, 0.0, 0.0]
 
 
+def test_span_tokens_are_each_located_quotes_own_tokens():
+    """App. I counts a span's tokens per located quote: adjacent quotes stay apart, a straddling 0 splits nothing."""
+    text = "ab cd ef gh"
+    offsets = [(0, 2), (2, 5), (5, 8), (8, 11)]  # "ab", " cd", " ef", " gh"
+    assert common.span_tokens(text, offsets, ["ab cd", "ef gh"], []) == [(1.0, [0, 1]), (1.0, [2, 3])]
+    text, offsets = "ab c-d ef", [(0, 2), (2, 6), (6, 9)]  # " c-d" overlaps the poor "c-": 0, in no span
+    assert common.span_tokens(text, offsets, ["ab c-d ef"], ["c-"]) == [(1.0, [0, 2]), (-1.0, [])]
+
+
 def test_span_rewards_without_tokenizer():
     text = "ab cd ef"
     offsets = [(0, 2), (2, 3), (3, 5), (5, 8)]  # "ab", " ", "cd", " ef"

@@ -91,12 +91,22 @@ def test_whiten_and_span_weighting_and_kl_controller():
     w = ppo.masked_whiten(x, mask)
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3) and w[0, 3] == 0
     assert ppo.masked_whiten(x, mask, shift_mean=False)[0, 1].item() == pytest.approx(2.0)
-    delta = torch.tensor([[0.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0]])
-    assert ppo.weight_spans(delta, "uniform").tolist() == delta.tolist()
-    assert ppo.weight_spans(delta, "linear-decay")[0].tolist() == pytest.approx(
-        [0.0, 1.0, 2 / 3, 1 / 3, -1.0, -0.5, 0.0, 1.0])
     assert ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
     assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) < 0.1
+
+
+def test_linear_decay_is_the_papers_formula_over_each_located_span():
+    """App. I: the i-th of the n tokens of a span weighs 1 - (i - 1) * 0.9 / (n - 1): [1, .775, .55, .325, .1] for
+    n = 5, 1 for n = 1. Spans are the located quotes: two adjacent quotes are two spans, and a token of a quote that
+    carries no label of its own (0: it straddles a poor quote inside) does not split the quote in two."""
+    delta = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0],
+                          [1.0, 1.0, 0.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0]])
+    spans = [[[1, 2, 3, 4, 5], [6, 7], [9]],   # a 5-token span, then an adjacent poor one of 2, then one of 1
+             [[0, 1, 3, 4], [5]]]              # a good span whose third token is 0, a poor one inside it
+    assert ppo.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
+    assert torch.allclose(ppo.weight_spans(delta, spans, "linear-decay"), torch.tensor(
+        [[0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
+         [1.0, 0.7, 0.0, 0.4, 0.1, -1.0, 0.0, 0.0, 0.0, 0.0]]))
 
 
 def test_batch_indices_cover_each_pass_once_and_are_reproducible():
@@ -359,6 +369,54 @@ def _dump(tmp_path, model_dir, name, *extra):
 
 HUB_EXTRAS = {"repetition_penalty": 1.8, "no_repeat_ngram_size": 2, "min_p": 0.3, "typical_p": 0.5, "top_k": 3,
               "temperature": 0.2, "suppress_tokens": list(range(100, 400)), "bad_words_ids": [[5], [6]]}
+
+
+def paper_weights(text, offsets, good, poor):
+    """App. I's weights from first principles: each located quote's tokens (those inside it, by their non-whitespace
+    characters, or the character a byte token is part of) that carry its label, weighted 1 - (i - 1) * 0.9 / (n - 1)."""
+    delta, _ = common.span_rewards(text, offsets, good, poor)
+    good_iv, poor_iv, _ = common.locate_spans(text, good, poor)
+    def inside(t, a, b):
+        s, e = offsets[t]
+        piece = text[s:e]
+        if s == e:  # a byte token: where its character is
+            return a <= s < b
+        if piece.strip():  # by its non-whitespace characters
+            s, e = s + len(piece) - len(piece.lstrip()), e - len(piece) + len(piece.rstrip())
+        return a <= s and e <= b
+
+    weights = [1.0] * len(delta)
+    for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)):
+        for a, b in ivs:
+            mine = [t for t in range(len(delta)) if delta[t] == label and inside(t, a, b)]
+            for i, t in enumerate(mine):
+                weights[t] = 1.0 if len(mine) == 1 else 1 - i * 0.9 / (len(mine) - 1)
+    return [d * w for d, w in zip(delta, weights)]
+
+
+def test_span_weighting_linear_decay_in_a_run(tmp_path, tiny_model_dir, tiny_tokenizer, fake_openai):
+    """--span-weighting linear-decay end to end: the delta that step 4 turns into rewards is the critic's spans weighted
+    by App. I's formula, recomputed here from the logged critiques. The critic (a server) quotes the first three words
+    as good and the next two, right after them, as poor: adjacent spans of several tokens."""
+    def reply(body, n):
+        words = body["messages"][0]["content"].split("### Response\n", 1)[1].split(" ")
+        return json.dumps({"critique": "c", "good_spans": [" ".join(words[:3])], "poor_spans": [" ".join(words[3:5])]})
+
+    with fake_openai(reply) as server:
+        d, row = _dump(tmp_path, tiny_model_dir, "run", "--span-weighting", "linear-decay", "--log-every", "1",
+                       "--critic", "openai", "--critic-base-url", server.base_url, "--min-new-tokens", "12",
+                       "--max-new-tokens", "12")
+    samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(samples) == len(d["texts"]) == 4
+    decayed = 0
+    for i, s in enumerate(samples):
+        n = int(d["mask"][i].sum())
+        text, offsets = common.decode_with_offsets(tiny_tokenizer, d["response"][i, :n].tolist())
+        assert text == s["response"] == d["texts"][i]
+        want = paper_weights(text, offsets, s["good_spans"], s["poor_spans"])
+        assert d["delta"][i, :n].tolist() == pytest.approx(want) and d["delta"][i, n:].abs().sum() == 0
+        decayed += sum(abs(w) not in (0.0, 1.0) for w in want)
+    assert decayed > 0 and row["objective/span_reward"] == pytest.approx((d["delta"] * d["mask"]).sum(1).mean().item())
 
 
 def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_model_dir):
