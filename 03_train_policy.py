@@ -142,7 +142,7 @@ def parse_args(argv=None):
     args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-                                  ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0 would never update)"),
+                                  ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
                                   ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
                                   ("--grad-accum", args.grad_accum, args.grad_accum >= 1, ">= 1")):
         if not ok:

@@ -104,7 +104,8 @@ def parse_args(argv=None):
         p.error("--num-samples > 1 needs --temperature > 0: greedy samples are all the same")
     settings = common.rm_settings(args.reward_model)  # the reward model is used as stage 2 trained and evaluated it
     args.rm_max_prompt_tokens = settings["max_prompt_tokens"]
-    args.rm_max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or (96 if args.task == "demo" else 512)
+    args.rm_max_new_tokens = (args.rm_max_new_tokens or settings["max_new_tokens"] or
+                              (96 if args.task == "demo" else 512))  # else stage 3's critic presets
     return args
 
 

@@ -163,7 +163,8 @@ def _decode_object(text: str, start: int):
         pass
     end = _balanced_end(text, start)
     chunk = re.sub(r",\s*([}\]])", r"\1", text[start:end]) if end > 0 else ""  # trailing commas
-    for loads in (functools.partial(json.loads, strict=False), ast.literal_eval) if chunk else ():  # literal_eval: 'quotes', True/None; never runs code
+    # literal_eval: 'quotes', True/None; never runs code
+    for loads in (functools.partial(json.loads, strict=False), ast.literal_eval) if chunk else ():
         try:
             return loads(chunk), end
         except Exception:  # noqa: BLE001 - any failure just means "not this parser"
