@@ -21,8 +21,9 @@ GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 i
     torchrun --nproc_per_node 8 02_train_reward.py --task code --model Qwen/Qwen2.5-7B-Instruct --batch-size 2
 
 The output directory holds the LoRA adapter (adapter_config.json + weights), the tokenizer, reward_model.json (base
-model, format, training summary), eval.json, eval_samples.jsonl and checkpoints/; common.load_model(DIR) and
-`03_train_policy.py --reward-model DIR` need nothing else.
+model, format, the input and critique budgets that 03 and 04 use it with, training summary), eval.json,
+eval_samples.jsonl and checkpoints/; common.load_model(DIR) and `03_train_policy.py --reward-model DIR` need nothing
+else.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v
 DEMO = dict(
     model="runs/demo/base", lora_r=0, lora_alpha=0, lora_targets="all-linear", modules_to_save="", loraplus_ratio=0.0,
     lr=3e-3, lr_schedule="linear", epochs=1.0, max_steps=600, batch_size=32, grad_accum=1, max_len=256, warmup=0.05,
-    val_frac=0.025, eval_limit=200, max_new_tokens=128, logging_steps=50, eval_steps=300, save_steps=300,
+    val_frac=0.025, eval_limit=200, max_new_tokens=96, logging_steps=50, eval_steps=300, save_steps=300,
     sampling="replacement")
 PRESETS = {"demo": DEMO, "summarization": PAPER, "code": PAPER, "qa": PAPER}
 
@@ -74,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the train/val split, LoRA init and data order")
     p.add_argument("--val-frac", type=float, help="share of records held out for eval loss and span metrics (preset)")
     p.add_argument("--eval-limit", type=int, help="at most this many val records are critiqued for span metrics")
-    p.add_argument("--max-len", type=int, help="max tokens of prompt + target; longer prompts lose their start")
+    p.add_argument("--max-len", type=int, help="max tokens of input + target; the input (reward_model.json's "
+                   "max_prompt_tokens,\nin 03 and 04 too) gets --max-len minus --max-new-tokens, longer task prompts "
+                   "lose their start")
     # LoRA (peft)
     p.add_argument("--lora-r", type=int, help="LoRA rank (paper: 16); 0 = full fine-tuning (the demo's small model)")
     p.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 32)")
@@ -105,7 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
     # reward-model generation for the span metrics (the same call stage 3 makes: common.rm_critique)
-    p.add_argument("--max-new-tokens", type=int, help="max critique tokens at evaluation")
+    p.add_argument("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's "
+                   "default (reward_model.json)")
     p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.task].items():
@@ -117,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.bf16 is None:
         args.bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
+    if args.max_new_tokens >= args.max_len:
+        raise common.DataError(f"--max-new-tokens {args.max_new_tokens}: must be below --max-len {args.max_len} (the "
+                               "reward model's input gets the rest)")
     return args
 
 
@@ -152,27 +159,31 @@ def split_records(records: list[dict], val_frac: float, seed: int) -> tuple[list
     return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
-def encode_example(tokenizer, rec: dict, max_len: int) -> tuple[dict | None, str]:
+def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None) -> tuple[dict | None, str]:
     """({"input_ids", "labels"}, status) for one record; status is "ok", "truncated" or "too_long" (then None).
 
     input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4).
     Prompt and target are tokenized separately, exactly as the model sees them at inference (it generates z after the
-    prompt's last token). An over-long example loses the start of the task prompt: never the instruction, the
-    response or the target, which the spans are quoted from. If even an empty task prompt does not fit, it is dropped.
+    prompt's last token). The input is cut as 03 and 04 cut it (common.rm_prompt) to max_prompt_tokens, main()'s
+    --max-len minus --max-new-tokens (reward_model.json), and further where a longer target would not fit in max_len
+    beside it. Cutting loses the start of the task prompt: never the instruction, the response or the target, which
+    the spans are quoted from. If even an empty task prompt does not fit, the example is dropped.
     """
     target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]),
                        add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    prompt_ids, _, status = common.rm_prompt(tokenizer, rec["prompt"], rec["response"], max_len - len(target))
+    budget = min(max_prompt_tokens or max_len, max_len - len(target))
+    prompt_ids, _, status = common.rm_prompt(tokenizer, rec["prompt"], rec["response"], budget)
     if status == "too_long":
         return None, status
     return {"input_ids": prompt_ids + target, "labels": [-100] * len(prompt_ids) + target}, status
 
 
-def encode_all(tokenizer, records: list[dict], max_len: int) -> tuple[list[dict], dict]:
+def encode_all(tokenizer, records: list[dict], max_len: int, max_prompt_tokens: int | None = None) -> tuple[list[dict],
+                                                                                                           dict]:
     """Encoded examples and {"ok", "truncated", "too_long"} counts."""
     examples, counts = [], {"ok": 0, "truncated": 0, "too_long": 0}
     for rec in records:
-        ex, status = encode_example(tokenizer, rec, max_len)
+        ex, status = encode_example(tokenizer, rec, max_len, max_prompt_tokens)
         counts[status] += 1
         if ex is not None:
             examples.append(ex)
@@ -207,7 +218,7 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
 def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32,
                 max_prompt_tokens: int | None = None):
     """(metrics, raw outputs) of the reward model on `records` (common.rm_span_metrics, paper Tables 1 and 6).
-    Its input is cut as in training (common.rm_prompt) to leave max_new_tokens of max_len for the critique.
+    Its input is cut as in training and in 03 and 04 (common.rm_prompt) to max_prompt_tokens.
 
     Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
     gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
@@ -304,12 +315,13 @@ def main(args: argparse.Namespace) -> dict:
                                    if args.lora_r > 0 else "full fine-tuning, ") +
         f"{n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
 
-    train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len)
-    val_set, _ = encode_all(tokenizer, val_recs, args.max_len)
+    max_prompt_tokens = args.max_len - args.max_new_tokens  # the input's budget, in use as in training (rm_settings)
+    train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len, max_prompt_tokens)
+    val_set, _ = encode_all(tokenizer, val_recs, args.max_len, max_prompt_tokens)
     if not train_set:
         raise common.DataError(f"{data}: no training example fits in --max-len {args.max_len}")
-    log(f"max_len {args.max_len}: {train_counts['truncated']} train examples cut at the prompt's start, "
-        f"{train_counts['too_long']} dropped (response + target alone too long)")
+    log(f"max_len {args.max_len}, input <= {max_prompt_tokens} tokens: {train_counts['truncated']} train examples cut "
+        f"at the prompt's start, {train_counts['too_long']} dropped (response + target alone too long)")
 
     # ---- training (teacher forcing; the loss is the mean NLL of the target tokens, labels -100 elsewhere) ----
     ckpt_dir = out / "checkpoints"
@@ -353,9 +365,10 @@ def main(args: argparse.Namespace) -> dict:
     # ---- save first, evaluate second: a crash in evaluation must not cost the training run ----
     summary = {
         "base_model": args.model, "adapter": "peft LoRA" if args.lora_r > 0 else None, "task": args.task,
-        "data": str(data),
-        "prompt_format": "common.build_rm_prompt(tokenizer, prompt, response)",
-        "target_format": "common.format_rm_target(critique, good_spans, poor_spans) + EOS",
+        "data": str(data), "prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT,
+        # how 03 and 04 use it (common.rm_settings): the input cut to this many tokens, as in training; critiques
+        # of up to max_new_tokens, as in the evaluation below
+        "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
                  "targets": args.lora_targets, "modules_to_save": args.modules_to_save,
                  "loraplus_ratio": args.loraplus_ratio},
@@ -379,7 +392,7 @@ def main(args: argparse.Namespace) -> dict:
         rm, rm_tok = common.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
         t1 = time.time()
         metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size,
-                                       max(args.max_len - args.max_new_tokens, 1))
+                                       max_prompt_tokens)
         metrics["critique_s"] = round(time.time() - t1, 1)
         common.write_jsonl(out / "eval_samples.jsonl", [
             {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o,

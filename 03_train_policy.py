@@ -60,7 +60,7 @@ def parse_args(argv=None):
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
                                                                              "template (auto: if it has one)")
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (its chat template "
-      "is kept whole);\nthe reward model's input is cut the same way (common.rm_prompt), as in stage 2")
+      "is kept whole);\nthe reward model's input is cut to what stage 2 trained it with (its reward_model.json)")
     # --- optional SFT warm start (the paper's SLF5K policy starts from SFT on reference summaries)
     a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
     a("--sft-field", default="response", help="the SFT target field")
@@ -81,9 +81,11 @@ def parse_args(argv=None):
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"], help="chat: one user message (the server "
       "applies the chat template);\ncompletions: the exact text of common.rm_prompt (--reward-model's tokenizer if "
-      "given,\nelse the plain template), less a leading BOS the server adds itself")
+      "given,\nelse the plain template), less a leading BOS the server adds itself. Either API: with\n"
+      "--reward-model, the task prompt is cut as stage 2 cut it (reward_model.json)")
     a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
-    a("--critic-max-new-tokens", type=int, help="max tokens of a critique")
+    a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: what stage 2 evaluated "
+      "--reward-model with,\nelse the preset: 96 for the demo, 512)")
     # --- rollouts
     a("--batch-size", type=int, help="rollouts per iteration")
     a("--max-new-tokens", type=int, help="response length limit")
@@ -127,11 +129,22 @@ def parse_args(argv=None):
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
     a("--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt")
     args = p.parse_args(argv)
+    critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.critic != "local" and not rm_given:  # the demo's reward model is not the one a server runs
+        args.reward_model = None
+    # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
+    # unless given, critiques as long as those stage 2 evaluated (a shorter limit cuts them before their span JSON)
+    settings = common.rm_settings(args.reward_model if args.critic != "program" else None)
+    args.critic_max_prompt_tokens = settings["max_prompt_tokens"]
+    args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
-                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]")):
+                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+                                  ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
+                                  ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
+                                  ("--grad-accum", args.grad_accum, args.grad_accum >= 1, ">= 1")):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be {rule}")
     return args
@@ -164,23 +177,22 @@ def per_token_kl(logprobs, ref_logprobs, estimator="k1", logits=None, ref_logits
     return log_ratio if estimator == "k1" else torch.expm1(-log_ratio) + log_ratio
 
 
-def weight_spans(delta, mode="uniform"):
-    """App. I ablation. uniform: delta as is. linear-decay: inside each run of equal non-zero labels, the k-th of n
-    tokens gets delta * (n - k) / n, so the start of a span carries most of its credit."""
+def weight_spans(delta, spans, mode="uniform"):
+    """App. I ablation. uniform: delta as is. linear-decay: the i-th of the n tokens of each span gets delta times
+    1 - (i - 1) * 0.9 / (n - 1) ([1, .775, .55, .325, .1] for n = 5; 1 for n = 1), so a span's start carries most of its
+    credit. spans[b]: the token indices of each located span of row b, in order (common.span_tokens); a token in two
+    spans of its label takes the larger weight."""
     if mode == "uniform":
         return delta
-    out = delta.clone()
-    for b in range(delta.shape[0]):
-        row, t = delta[b].tolist(), 0
-        while t < len(row):
-            end = t
-            while end + 1 < len(row) and row[t] != 0 and row[end + 1] == row[t]:
-                end += 1
-            n = end - t + 1
-            for k in range(n):
-                out[b, t + k] = row[t] * (n - k) / n
-            t = end + 1
-    return out
+    weight = torch.ones_like(delta)
+    for b, row in enumerate(spans):
+        best = {}
+        for idx in row:
+            for i, t in enumerate(idx):
+                best[t] = max(best.get(t, 0.0), 1.0 - i * 0.9 / (len(idx) - 1) if len(idx) > 1 else 1.0)
+        for t, w in best.items():
+            weight[b, t] = w
+    return delta * weight
 
 
 def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
@@ -273,10 +285,11 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
-    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards).
-    Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
-    of non-empty quotes and of quotes not found in their response."""
+    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
+    weighted within each span by --span-weighting (App. I). Returns delta (B, T) (0 where the feedback was
+    unparseable), span_rewards' (delta, unmatched) per row, the number of non-empty quotes and of quotes not found."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
+    spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
         if fb is None:
             continue
@@ -284,7 +297,9 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
         delta[i, :len(d)] = torch.tensor(d)
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         n_unmatched += len(unmatched)
-    return weight_spans(delta, weighting), rows, n_spans, n_unmatched
+        if weighting != "uniform":
+            spans[i] = [idx for _, idx in common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])]
+    return weight_spans(delta, spans, weighting), rows, n_spans, n_unmatched
 
 
 def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
@@ -574,14 +589,17 @@ def make_critic(args):
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
         return lambda recs, texts: [_parse(x) for x in common.rm_critique(
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens)]
-    rm_tok = None  # completions API: the served reward model must see exactly its training prompt
-    if args.critic_api == "completions" and args.reward_model:
+            max_prompt_tokens=args.critic_max_prompt_tokens)]
+    rm_tok = None  # with --reward-model, the served reward model gets its training input, cut alike (either API)
+    if args.reward_model:
         from transformers import AutoTokenizer
+        if not Path(args.reward_model).is_dir():
+            raise common.DataError(f"--reward-model {args.reward_model}: no such directory (the served reward model's "
+                                   "stage-2 output, for its tokenizer and reward_model.json)")
         rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
     return lambda recs, texts: [_parse(x) for x in common.rm_critique_served(
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
-        args.critic_concurrency, args.critic_api, rm_tok, args.max_prompt_tokens)]
+        args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens)]
 
 
 def _parse(raw):

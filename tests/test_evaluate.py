@@ -403,34 +403,55 @@ def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
         ev.parse_args(["--task", "code", "--num-samples", "2"])  # greedy samples would all be the same
 
 
-def test_max_prompt_tokens_cuts_prompts_as_stage_3_and_rm_inputs_as_stage_2(tiny_model_dir, tmp_path, monkeypatch):
-    """--max-prompt-tokens: the policy's prompt keeps its last tokens as in stage 3, and the reward model gets exactly
-    the input stage 2 trained on, the task prompt cut from its start (common.rm_prompt)."""
+def test_reward_model_gets_its_training_input_and_budget_with_every_default(tiny_model_dir, tiny_reward_model,
+                                                                              tmp_path, monkeypatch):
+    """--max-prompt-tokens cuts the policy's prompt (its last tokens kept, as in stage 3); the reward model gets exactly
+    the input stage 2 trained on, the task prompt cut to reward_model.json's max_prompt_tokens (common.rm_settings),
+    and may write as many critique tokens as stage 2 evaluated it with (--rm-max-new-tokens' default)."""
     from transformers import AutoTokenizer
     rm = import_script("02_train_reward")
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    rm_dir, rm_args = tiny_reward_model
+    tok, rm_tok, settings = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(rm_dir), \
+        common.rm_settings(rm_dir)
     ex = common.demo_dataset("eval", 1)[0]
     long = {**ex, "prompt": ex["prompt"].replace("post: ", "post: " + "it rained on monday. " * 80)}
     common.write_jsonl(tmp_path / "eval.jsonl", [long])
     inputs = []
 
     def spy(real):  # the real generate (policy) or greedy_generate (reward model), recording what it was given
-        def record(model, tokenizer, prompts, *a, **k):
-            inputs.append(prompts)
-            return real(model, tokenizer, prompts, *a, **k)
+        def record(model, tokenizer, prompts, max_new_tokens, *a, **k):
+            inputs.append((prompts, max_new_tokens))
+            return real(model, tokenizer, prompts, max_new_tokens, *a, **k)
         return record
     monkeypatch.setattr(common, "generate", spy(common.generate))
     monkeypatch.setattr(common, "greedy_generate", spy(common.greedy_generate))
-    ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model",
-             tiny_model_dir, "--rm-max-new-tokens", "4", "--max-new-tokens", "6", "--max-prompt-tokens", "250",
-             "--output-dir", str(tmp_path / "out"), "--bootstrap", "10", "--device", "cpu"])
-    (policy_in,), (rm_in,) = inputs
+    ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model", rm_dir,
+             "--max-new-tokens", "6", "--max-prompt-tokens", "250", "--output-dir", str(tmp_path / "out"),
+             "--bootstrap", "10", "--device", "cpu"])
+    ((policy_in,), _), ((rm_in,), rm_budget) = inputs
     assert len(policy_in) <= 250 and tok.decode(policy_in).endswith(long["prompt"].split("monday.")[-1])
     response = common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")[0]["response"]
-    target = len(tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
-    trained, status = rm.encode_example(tok, {"prompt": long["prompt"], "response": response, "critique": "c",
-                                              "good_spans": [], "poor_spans": []}, max_len=250 + target)
+    target = len(rm_tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
+    trained, status = rm.encode_example(rm_tok, {"prompt": long["prompt"], "response": response, "critique": "c",
+                                                 "good_spans": [], "poor_spans": []}, rm_args.max_len,
+                                        settings["max_prompt_tokens"])
     assert status == "truncated" and rm_in == trained["input_ids"][:-target]
+    assert len(rm_in) <= settings["max_prompt_tokens"] == rm_args.max_len - rm_args.max_new_tokens
+    assert rm_budget == settings["max_new_tokens"] == rm_args.max_new_tokens
+
+
+def test_rm_max_new_tokens_defaults_to_the_reward_model_then_the_preset(tiny_reward_model):
+    """A critique budget of 96 tokens cut the real tasks' critiques before their span JSON: the default is what stage
+    2 evaluated the reward model with, else the task's preset (512 but for the demo)."""
+    rm_dir, rm_args = tiny_reward_model
+
+    def budget(*argv):  # the critique budget 04 gives the reward model of --reward-model
+        args = ev.parse_args(list(argv))
+        return ev.rm_budgets(args.reward_model, args)[0]
+    assert budget("--task", "summarization", "--reward-model", rm_dir) == rm_args.max_new_tokens
+    assert budget("--task", "summarization", "--reward-model", "none") == 512
+    assert budget("--task", "demo", "--reward-model", "none") == 96
+    assert budget("--task", "qa", "--reward-model", rm_dir, "--rm-max-new-tokens", "7") == 7
 
 
 @pytest.mark.parametrize("flag", ["--chat-template on", "--reward-model DIR", "--monitor-reward-model"])

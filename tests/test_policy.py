@@ -91,12 +91,22 @@ def test_whiten_and_span_weighting_and_kl_controller():
     w = ppo.masked_whiten(x, mask)
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3) and w[0, 3] == 0
     assert ppo.masked_whiten(x, mask, shift_mean=False)[0, 1].item() == pytest.approx(2.0)
-    delta = torch.tensor([[0.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0]])
-    assert ppo.weight_spans(delta, "uniform").tolist() == delta.tolist()
-    assert ppo.weight_spans(delta, "linear-decay")[0].tolist() == pytest.approx(
-        [0.0, 1.0, 2 / 3, 1 / 3, -1.0, -0.5, 0.0, 1.0])
     assert ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
     assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) < 0.1
+
+
+def test_linear_decay_is_the_papers_formula_over_each_located_span():
+    """App. I: the i-th of the n tokens of a span weighs 1 - (i - 1) * 0.9 / (n - 1): [1, .775, .55, .325, .1] for
+    n = 5, 1 for n = 1. Spans are the located quotes: two adjacent quotes are two spans, and a token of a quote that
+    carries no label of its own (0: it straddles a poor quote inside) does not split the quote in two."""
+    delta = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0],
+                          [1.0, 1.0, 0.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0]])
+    spans = [[[1, 2, 3, 4, 5], [6, 7], [9]],   # a 5-token span, then an adjacent poor one of 2, then one of 1
+             [[0, 1, 3, 4], [5]]]              # a good span whose third token is 0, a poor one inside it
+    assert ppo.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
+    assert torch.allclose(ppo.weight_spans(delta, spans, "linear-decay"), torch.tensor(
+        [[0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
+         [1.0, 0.7, 0.0, 0.4, 0.1, -1.0, 0.0, 0.0, 0.0, 0.0]]))
 
 
 def test_batch_indices_cover_each_pass_once_and_are_reproducible():
@@ -311,7 +321,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir,
            "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
-           "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
+           "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "1",
            "--ppo-epochs", "1", "--max-new-tokens", "8", "--device", "cpu", "--lora-r", "4",
            "--dump-rollouts", str(tmp_path / "dump"), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
            "reference", "--sft-steps", "2", "--sft-batch-size", "4", "--sft-output-dir", str(tmp_path / "sft")]
@@ -337,6 +347,34 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
         assert torch.allclose(cat("returns"), ret, atol=1e-5)
     assert rows[0]["objective/span_reward"] == pytest.approx(
         torch.cat([(x["delta"] * x["mask"]).sum(1) for x in d[:2]]).mean().item(), abs=1e-5)
+    # the updates: one process, from the same start, on each iteration's concatenated batch of both ranks' rollouts
+    # (one minibatch, so the order of the rows does not matter) ends with the parameters the two ranks saved
+    args = ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:])
+    torch.manual_seed(args.seed)
+    model, tok = common.load_model(str(tmp_path / "sft"))
+    model, _, value_head = ppo.build_policy(args, model)
+    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
+    for r0, r1 in (d[:2], d[2:]):
+        Q, T = (max(x[k].shape[1] for x in (r0, r1)) for k in ("query", "mask"))
+        pad = lambda x, width, value, left: torch.nn.functional.pad(  # noqa: E731
+            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+        b = {"input_ids": torch.cat([torch.cat([pad(x["query"], Q, tok.pad_token_id, True),
+                                                pad(x["response"], T, tok.pad_token_id, False)], 1) for x in (r0, r1)]),
+             "attention_mask": torch.cat([torch.cat([pad((x["query"] != tok.pad_token_id).long(), Q, 0, True),
+                                                     pad(x["mask"].long(), T, 0, False)], 1) for x in (r0, r1)]),
+             **{k: torch.cat([pad(x[k], T, 0.0, False) for x in (r0, r1)]) for k in
+                ("mask", "values", "advantages", "returns")}}
+        with torch.no_grad():
+            b["logprobs"] = ppo.forward(model, value_head, b["input_ids"], b["attention_mask"], T, 1.0)[0]
+        ppo.ppo_update(model, value_head, params, optimizer, common.grad_scaler("cpu", "float32"), b, None, args, 1)
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    replayed = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert saved["trainable"].keys() == replayed.keys()
+    for n, p in replayed.items():
+        torch.testing.assert_close(p.detach(), saved["trainable"][n], rtol=1e-4, atol=1e-6)
+    for n, p in value_head.state_dict().items():
+        torch.testing.assert_close(p, saved["value_head"][n], rtol=1e-4, atol=1e-6)
     # one process cannot continue what two sampled: refused in one line, the run left as it was
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
     with pytest.raises(common.DataError, match=r"checkpoint\.pt: saved by 2 process\(es\), resumed with 1; resume with "
@@ -359,6 +397,172 @@ def _dump(tmp_path, model_dir, name, *extra):
 
 HUB_EXTRAS = {"repetition_penalty": 1.8, "no_repeat_ngram_size": 2, "min_p": 0.3, "typical_p": 0.5, "top_k": 3,
               "temperature": 0.2, "suppress_tokens": list(range(100, 400)), "bad_words_ids": [[5], [6]]}
+
+
+def paper_weights(text, offsets, good, poor):
+    """App. I's weights from first principles: each located quote's tokens (those inside it, by their non-whitespace
+    characters, or the character a byte token is part of) that carry its label, weighted 1 - (i - 1) * 0.9 / (n - 1)."""
+    delta, _ = common.span_rewards(text, offsets, good, poor)
+    good_iv, poor_iv, _ = common.locate_spans(text, good, poor)
+    def inside(t, a, b):
+        s, e = offsets[t]
+        piece = text[s:e]
+        if s == e:  # a byte token: where its character is
+            return a <= s < b
+        if piece.strip():  # by its non-whitespace characters
+            s, e = s + len(piece) - len(piece.lstrip()), e - len(piece) + len(piece.rstrip())
+        return a <= s and e <= b
+
+    weights = [1.0] * len(delta)
+    for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)):
+        for a, b in ivs:
+            mine = [t for t in range(len(delta)) if delta[t] == label and inside(t, a, b)]
+            for i, t in enumerate(mine):
+                weights[t] = 1.0 if len(mine) == 1 else 1 - i * 0.9 / (len(mine) - 1)
+    return [d * w for d, w in zip(delta, weights)]
+
+
+def test_span_weighting_linear_decay_in_a_run(tmp_path, tiny_model_dir, tiny_tokenizer, fake_openai):
+    """--span-weighting linear-decay end to end: the delta that step 4 turns into rewards is the critic's spans weighted
+    by App. I's formula, recomputed here from the logged critiques. The critic (a server) quotes the first three words
+    as good and the next two, right after them, as poor: adjacent spans of several tokens."""
+    def reply(body, n):
+        words = body["messages"][0]["content"].split("### Response\n", 1)[1].split(" ")
+        return json.dumps({"critique": "c", "good_spans": [" ".join(words[:3])], "poor_spans": [" ".join(words[3:5])]})
+
+    with fake_openai(reply) as server:
+        d, row = _dump(tmp_path, tiny_model_dir, "run", "--span-weighting", "linear-decay", "--log-every", "1",
+                       "--critic", "openai", "--critic-base-url", server.base_url, "--min-new-tokens", "12",
+                       "--max-new-tokens", "12")
+    samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(samples) == len(d["texts"]) == 4
+    decayed = 0
+    for i, s in enumerate(samples):
+        n = int(d["mask"][i].sum())
+        text, offsets = common.decode_with_offsets(tiny_tokenizer, d["response"][i, :n].tolist())
+        assert text == s["response"] == d["texts"][i]
+        want = paper_weights(text, offsets, s["good_spans"], s["poor_spans"])
+        assert d["delta"][i, :n].tolist() == pytest.approx(want) and d["delta"][i, n:].abs().sum() == 0
+        decayed += sum(abs(w) not in (0.0, 1.0) for w in want)
+    assert decayed > 0 and row["objective/span_reward"] == pytest.approx((d["delta"] * d["mask"]).sum(1).mean().item())
+
+
+def _trained(tmp_path, model_dir, name, *extra):
+    """The trainable parameters after a run (its final checkpoint)."""
+    ppo.train(_args(tmp_path, model_dir, "--output-dir", str(tmp_path / name), *extra))
+    return torch.load(tmp_path / name / "checkpoint.pt", weights_only=False)["trainable"]
+
+
+def test_grad_accum_gives_the_same_update(tmp_path, tiny_model_dir):
+    """--grad-accum 2 splits each minibatch in two micro-batches; the update is the one of the whole minibatch (the
+    loss is its token mean, not a mean of the micro-batches' means). Responses of different lengths (many stop ids)
+    make the two differ. Another minibatch split is another update."""
+    model = model_variant(tiny_model_dir, tmp_path / "stops", generation={"eos_token_id": list(range(200, 300))})
+    flags = ("--steps", "2", "--num-minibatches", "1", "--lr", "1e-2", "--lora-r", "0", "--max-new-tokens", "16")
+    one, two = (_trained(tmp_path, model, f"accum{k}", *flags, "--grad-accum", k) for k in ("1", "2"))
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=2e-6)
+    split = _trained(tmp_path, model, "split", *flags[:2], "--num-minibatches", "2", *flags[4:])
+    assert max((split[k] - one[k]).abs().max().item() for k in one) > 1e-4
+
+
+def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
+    """--ent-coef > 0 is a bonus (loss - ent_coef * H): with no advantage and no value loss, the update makes the policy
+    more uncertain on the batch (and a negative coefficient, less); with --ent-coef 0 it moves nothing."""
+    tok = common.load_model(tiny_model_dir)[1]
+    recs = common.demo_dataset("eval", 4)
+    responses = [tok(r["response"], add_special_tokens=False)["input_ids"][:8] for r in recs]
+    T = max(map(len, responses))
+    ids, attn = common.left_pad([tok(r["prompt"])["input_ids"] + y + [tok.pad_token_id] * (T - len(y))
+                                 for r, y in zip(recs, responses)], tok.pad_token_id)
+    mask = torch.tensor([[1.0] * len(y) + [0.0] * (T - len(y)) for y in responses])
+    attn[:, -T:] = mask.long()
+    entropy = {}
+    for coef in ("0", "0.5", "-0.5"):
+        args = _args(tmp_path, tiny_model_dir, "--ent-coef", coef, "--vf-coef", "0", "--num-minibatches", "1",
+                     "--ppo-epochs", "3")
+        torch.manual_seed(0)
+        model, _, value_head = ppo.build_policy(args, common.load_model(tiny_model_dir)[0])
+        params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
+        before = [p.detach().clone() for p in params]
+        H = lambda: ppo.masked_mean(ppo.entropy_from_logits(ppo.forward(model, None, ids, attn, T, 1.0)[2]),  # noqa
+                                    mask).item()
+        with torch.no_grad():
+            old_lp, h0 = ppo.forward(model, None, ids, attn, T, 1.0)[0], H()
+        b = {"input_ids": ids, "attention_mask": attn, "mask": mask, "logprobs": old_lp, "advantages": 0 * mask,
+             "values": 0 * mask, "returns": 0 * mask}
+        ppo.ppo_update(model, value_head, params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
+                       common.grad_scaler("cpu", "float32"), b, None, args, 1)
+        with torch.no_grad():
+            entropy[coef] = H() - h0
+        moved = max((p.detach() - q).abs().max().item() for p, q in zip(params, before))
+        assert (moved > 0) == (coef != "0")
+    assert entropy["0"] == 0.0 and entropy["0.5"] > 1e-3 and entropy["-0.5"] < -1e-3
+
+
+def _advantages_from(d, kl_coef, whiten_rewards):
+    """Steps 4-5 from a dump, independently: rewards, optional reward whitening (scale only), GAE by the direct sum,
+    advantage whitening, in float64."""
+    import numpy as np
+    mask, B = d["mask"].double().numpy(), d["mask"].shape[0]
+    rewards = ((d["delta"] - kl_coef * d["kl"]) * d["mask"]).double().numpy()
+    for i in range(B):
+        n = int(mask[i].sum())
+        rewards[i, n - 1] -= 0.0 if d["has_eos"][i] else 1.0  # the missing-EOS penalty
+    if whiten_rewards:
+        valid = rewards[mask > 0]
+        rewards = ((rewards - valid.mean()) / np.sqrt(valid.var() + 1e-8) + valid.mean()) * mask
+    adv, ret = np.zeros_like(rewards), np.zeros_like(rewards)
+    for i in range(B):
+        n = int(mask[i].sum())
+        a, r = gae_reference(rewards[i].tolist(), d["values"][i].tolist(), n, 1.0, 0.95)
+        adv[i, :n], ret[i, :n] = a, r
+    valid = adv[mask > 0]
+    return (adv - valid.mean()) / np.sqrt(valid.var() + 1e-8) * mask, ret
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_whiten_rewards_in_a_run(tmp_path, tiny_model_dir, whiten):
+    """--whiten-rewards scales the rewards before GAE (their mean kept): the run's advantages and returns are those
+    recomputed from its own delta, KL and values, with the whitening or without it, and the two differ."""
+    d, _ = _dump(tmp_path, tiny_model_dir, "run", *(["--whiten-rewards"] if whiten else []))
+    for flag in (whiten, not whiten):
+        adv, ret = _advantages_from(d, d["kl_coef"], flag)
+        same = torch.allclose(d["returns"].double(), torch.from_numpy(ret), atol=1e-5) and \
+            torch.allclose(d["advantages"].double(), torch.from_numpy(adv), atol=1e-4)
+        assert same == (flag == whiten)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+def test_kl_estimator_in_a_run(tmp_path, tiny_model_dir, estimator):
+    """--kl-estimator k3 / full in a run: step 2's per-token KL (the policy after step 1 against the reference) is
+    the estimator's formula, recomputed in float64 from the two models' log-probs, and never negative."""
+    flags = ("--kl-estimator", estimator, "--lr", "3e-2", "--kl-coef", "0.1", "--output-dir", str(tmp_path / "run"))
+    ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "1", *flags))  # checkpoint.pt holds the policy after step 1
+    after_one = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["trainable"]
+    ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "2", "--resume", "--dump-rollouts", str(tmp_path / "dump"),
+                    *flags))
+    d = torch.load(tmp_path / "dump" / "step2_rank0.pt", weights_only=False)
+    args = _args(tmp_path, tiny_model_dir, *flags)
+    model, tok = common.load_model(tiny_model_dir)
+    model, _, _ = ppo.build_policy(args, model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in after_one:
+                p.copy_(after_one[n])
+        T = d["mask"].shape[1]
+        ids = torch.cat([d["query"], d["response"]], 1)
+        attn = torch.cat([(d["query"] != tok.pad_token_id).long(), d["mask"].long()], 1)
+        lp, _, logits = ppo.forward(model, None, ids, attn, T, 1.0)
+        ref_lp, ref_logits = ppo.reference_forward(model, None, ids, attn, T, 1.0)
+    if estimator == "k3":  # Schulman's k3: q/p - 1 - log(q/p), at the sampled token
+        log_q_over_p = (ref_lp - lp).double()
+        want = log_q_over_p.exp() - 1 - log_q_over_p
+    else:  # the exact KL(p || q) over the vocabulary
+        logp, logq = logits.double().log_softmax(-1), ref_logits.double().log_softmax(-1)
+        want = (logp.exp() * (logp - logq)).sum(-1)
+    want = want * d["mask"]
+    assert torch.allclose(d["kl"].double(), want, atol=1e-5) and (d["kl"] >= 0).all() and d["kl"].max() > 1e-4
 
 
 def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_model_dir):
@@ -394,6 +598,26 @@ def test_every_eos_id_stops_generation_and_cuts_the_mask(tmp_path, tiny_model_di
     model, tok = common.load_model(multi)
     out = common.generate(model, tok, [r["prompt"] for r in common.demo_dataset("eval", 8)], 16, temperature=1.0)
     assert all(not set(x) & set(stops) for x in out) and min(map(len, out)) < 16
+
+
+def test_a_tokenizer_without_pad_gets_a_distinct_one(tmp_path, tiny_model_dir):
+    """README: the pad token is distinct from EOS where load_model adds it (a tokenizer without one); one a tokenizer
+    ships is kept, even pad = EOS (SmolLM2: tests/test_real_model.py), as masks never compare ids with pad."""
+    from transformers import AutoTokenizer
+    d = model_variant(tiny_model_dir, tmp_path / "nopad")
+    tok = AutoTokenizer.from_pretrained(d)
+    tok.pad_token = None
+    tok.save_pretrained(d)
+    assert AutoTokenizer.from_pretrained(d).pad_token is None
+    model, tok = common.load_model(d)
+    assert tok.pad_token == "<|pad|>" and tok.pad_token_id not in common.stop_ids(model)
+    assert model.get_input_embeddings().weight.shape[0] == len(tok) and model.generation_config.pad_token_id == \
+        tok.pad_token_id
+    same = model_variant(tiny_model_dir, tmp_path / "padeos")
+    tok = AutoTokenizer.from_pretrained(same)
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(same)
+    assert common.load_model(same)[1].pad_token_id == tok.eos_token_id  # kept as shipped
 
 
 def dropout_models(tmp_path, tiny_model_dir):
@@ -478,42 +702,42 @@ def test_top_p_below_one_is_called_off_policy(tmp_path, tiny_model_dir, capsys):
     assert "--top-p 0.9 < 1: this run is off-policy" in capsys.readouterr().err
 
 
-def _bos_adding_copy(src, dst):
-    """A copy of a chat model whose tokenizer adds its BOS itself, as Llama's do (a server will too)."""
-    from tokenizers.processors import TemplateProcessing
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny_chat_model_dir, tiny_reward_model,
+                                                                  fake_openai, api):
+    """With stage 2's and stage 3's defaults, a served reward model gets exactly the input ids it was trained on (02's
+    encode_example): the task prompt cut from its start to reward_model.json's max_prompt_tokens (02's --max-len minus
+    --max-new-tokens), not to stage 3's own --max-prompt-tokens (1024). completions: the text itself, less the BOS the
+    server adds (one BOS, not two); chat: the user message with the cut task prompt, the server applying the template.
+    Each critique may be as long as the critiques stage 2 evaluated (reward_model.json's max_new_tokens)."""
     from transformers import AutoTokenizer
-    d = model_variant(src, dst)
-    tok = AutoTokenizer.from_pretrained(d)
-    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>",
-                                                                                                tok.bos_token_id)])
-    tok.save_pretrained(d)
-    tok = AutoTokenizer.from_pretrained(d)
-    assert tok("x")["input_ids"][0] == tok.bos_token_id
-    return d, tok
-
-
-def test_completions_critic_gets_the_training_input_cut_alike_with_one_bos(tmp_path, tiny_chat_model_dir,
-                                                                         fake_openai):
-    """--critic-api completions: the server, tokenizing what it gets and adding its BOS, sees exactly the ids stage 2
-    trained on: the task prompt cut from its start to --max-prompt-tokens as 02 cuts it, and one BOS, not two."""
     rm = import_script("02_train_reward")
-    rm_dir, tok = _bos_adding_copy(tiny_chat_model_dir, tmp_path / "rm")
+    rm_dir, rm_args = tiny_reward_model
+    tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
+    assert settings["max_prompt_tokens"] == rm_args.max_len - rm_args.max_new_tokens < 1024
     long = [{"prompt": "post: " + " ".join(["ben has a grey horse called coco."] * 30) + "\nsummary:"}] * 4
     common.write_jsonl(tmp_path / "long.jsonl", long)
     with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
         ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model", rm_dir,
-                        "--steps", "1", "--prompts", str(tmp_path / "long.jsonl"), "--max-prompt-tokens", "200",
-                        "--task", "qa"))  # qa: no demo monitor on these prompts
-        sent = [r["body"]["prompt"] for r in server.requests]
+                        "--critic-model", "rm", "--critic-api", api, "--reward-model", rm_dir, "--steps", "1",
+                        "--prompts", str(tmp_path / "long.jsonl"), "--task", "qa"))  # qa: no demo monitor
+        bodies = [r["body"] for r in server.requests]
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
-    assert len(sent) == 4 and len(samples) == 4
+    assert len(bodies) == 4 and len(samples) == 4
+    assert {b["max_tokens"] for b in bodies} == {settings["max_new_tokens"]}
     for s in samples:
-        server_ids = tok(next(p for p in sent if p.endswith(s["response"] + "\n<s>assistant: ")))["input_ids"]
-        assert server_ids[:2] != [tok.bos_token_id] * 2 and len(server_ids) <= 200
+        if api == "completions":
+            sent = next(b["prompt"] for b in bodies if b["prompt"].endswith(s["response"] + "\n<s>assistant: "))
+            server_ids = tok(sent)["input_ids"]  # the server tokenizes what it gets and adds its BOS
+        else:
+            sent = next(b["messages"][0]["content"] for b in bodies if b["messages"][0]["content"].endswith(
+                "### Response\n" + s["response"]))
+            server_ids = common.encode_prompt(tok, tok.apply_chat_template(
+                [{"role": "user", "content": sent}], tokenize=False, add_generation_prompt=True))
+        assert server_ids[:2] != [tok.bos_token_id] * 2
         rec = {**s, "critique": "c", "good_spans": [], "poor_spans": []}
         target = len(tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
-        trained, status = rm.encode_example(tok, rec, max_len=200 + target)
+        trained, status = rm.encode_example(tok, rec, rm_args.max_len, settings["max_prompt_tokens"])
         assert status == "truncated" and server_ids == trained["input_ids"][:-target]
 
 
@@ -566,10 +790,12 @@ def test_broken_reward_model_one_line_exit_2_before_any_training(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--temperature", "-1"), ("--top-p", "0"),
-                                        ("--top-p", "1.5")])
+                                        ("--top-p", "1.5"), ("--ppo-epochs", "0"), ("--num-minibatches", "0"),
+                                        ("--grad-accum", "0")])
 def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
-    """T <= 0 would divide the logits by zero (or flip them); top-p outside (0, 1] samples nothing or is no nucleus:
-    refused before anything is loaded or written."""
+    """T <= 0 would divide the logits by zero (or flip them); top-p outside (0, 1] samples nothing or is no nucleus;
+    no PPO epoch would never update, no minibatch or micro-batch divides by zero: refused before anything is loaded
+    or written."""
     proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), flag, value, "--output-dir",
                            str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]

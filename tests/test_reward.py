@@ -96,6 +96,36 @@ def test_long_prompt_is_cut_from_its_start_and_counted(tiny_model_dir):
     assert counts == {"ok": 1, "truncated": 2, "too_long": 0} and len(examples) == 3
 
 
+@pytest.mark.parametrize("preset", ["demo", "summarization"])
+def test_training_input_is_cut_as_the_input_in_use(tiny_model_dir, preset):
+    """With a preset's defaults, the reward model's training input is cut by the rule 03 and 04 use (common.rm_prompt
+    at reward_model.json's max_prompt_tokens, max_len minus max_new_tokens), never to max_len minus the target's own
+    length: an input a little over that budget, which would fit beside its target, is cut in training as in use. A
+    target longer than max_new_tokens cuts its own input further, so that the example still fits max_len."""
+    tok = tokenizer_of(tiny_model_dir)
+    args = rm.parse_args(["--task", preset, "--device", "cpu"])
+    budget, rec = args.max_len - args.max_new_tokens, annotations(1)[0]
+    prompt_of = lambda k: "post: " + " ".join(f"w{i}" for i in range(k)) + "\nsummary:"  # noqa: E731
+    size = lambda k: len(common.rm_prompt(tok, prompt_of(k), rec["response"])[0])  # noqa: E731
+    lo, hi = 0, 4 * args.max_len  # the fewest words whose whole input is over the budget by 10 tokens or more
+    while lo < hi:
+        lo, hi = (lo, (lo + hi) // 2) if size((lo + hi) // 2) >= budget + 10 else ((lo + hi) // 2 + 1, hi)
+    n_target = len(tok(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]),
+                       add_special_tokens=False)["input_ids"]) + 1
+    assert budget < size(lo) <= args.max_len - n_target  # it would fit beside its target: the old rule kept it whole
+    for k, want in ((3, "ok"), (lo, "truncated")):
+        ex, status = rm.encode_example(tok, {**rec, "prompt": prompt_of(k)}, args.max_len, budget)
+        assert (ex["input_ids"][:-n_target], status) == (common.rm_prompt(tok, prompt_of(k), rec["response"],
+                                                                          budget)[::2]) and status == want
+    long = {**rec, "prompt": prompt_of(lo), "critique": "long"}
+    while len(tok(common.format_rm_target(long["critique"], rec["good_spans"], rec["poor_spans"]))["input_ids"]) <= \
+            args.max_new_tokens:  # a target over max_new_tokens
+        long["critique"] += " long"
+    ex, status = rm.encode_example(tok, long, args.max_len, budget)
+    assert status == "truncated" and len(ex["input_ids"]) <= args.max_len
+    assert len(ex["input_ids"]) - sum(label != -100 for label in ex["labels"]) < budget
+
+
 def test_split_is_deterministic_and_disjoint():
     recs = [{"id": str(i)} for i in range(50)]
     train, val = rm.split_records(recs, 0.2, seed=3)
@@ -245,6 +275,9 @@ def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
     assert result["steps"] == 4 and not (out / "adapter_config.json").exists()
     info = json.loads((out / "reward_model.json").read_text())
     assert info["adapter"] is None and info["lora"]["r"] == 0
+    # the budgets 03 and 04 use it with: the input cut to max_len (the preset's) minus the critique budget
+    assert (info["max_prompt_tokens"], info["max_new_tokens"]) == (rm.DEMO["max_len"] - 8, 8)
+    assert common.rm_settings(out)["max_prompt_tokens"] == rm.DEMO["max_len"] - 8
     model, tok = common.load_model(str(out))
     base, _ = common.load_model(tiny_model_dir)
     assert type(model).__name__ == "LlamaForCausalLM"

@@ -46,6 +46,7 @@ def test_ppo_run_matches_the_recorded_one(tmp_path, tiny_model_dir, lora_r):
         PINS.write_text(json.dumps(pins, indent=1) + "\n")
         pytest.skip("recorded")
     want = pins[f"ppo_lora{lora_r}"]
+    assert len(got["metrics"]) == len(want["metrics"]) and len(got["param_checksums"]) == len(want["param_checksums"])
     assert all(set(w) <= set(g) for g, w in zip(got["metrics"], want["metrics"]))  # new metrics may be added
     for g, w in zip(got["metrics"], want["metrics"]):
         for key in w:  # a float-rounding difference (another CPU's kernels) is ~1e-7; a behaviour change is not
@@ -109,6 +110,7 @@ def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
     texts = [tok.decode(x, skip_special_tokens=True) for x in want]
     got_texts = [tok.decode(x, skip_special_tokens=True) for x in got]
     kinds = set()
+    assert len(got_texts) == len(texts) == len(prompts)
     for g, w in zip(got_texts, texts):
         if common.feedback_complete(w):
             kinds.add("json then EOS")
