@@ -117,6 +117,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, key, value)
     args.data = args.data or f"runs/{args.task}/annotations.jsonl"
     args.output_dir = args.output_dir or f"runs/{args.task}/reward_model"
+    if Path(args.model).is_dir():  # the adapter names its base by this path: absolute, to load from any directory
+        args.model = str(Path(args.model).resolve())
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.bf16 is None:

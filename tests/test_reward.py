@@ -368,3 +368,19 @@ def test_targets_only_batches_give_the_same_loss_and_gradients(tiny_model_dir):
         grads.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-7)
+
+
+def test_a_reward_model_trained_from_a_relative_path_loads_from_any_directory(tmp_path, tiny_model_dir, monkeypatch):
+    """`--model runs/smollm2` is how a user names a local base. The adapter records its base by that path, so it must
+    be absolute: stage 3 and the benches load the reward model from other working directories."""
+    shutil.copytree(tiny_model_dir, tmp_path / "work" / "base")
+    common.write_jsonl(tmp_path / "work" / "ann.jsonl", [{**ex, **common.demo_critic(ex["prompt"], ex["response"]),
+                                                          "status": "ok"} for ex in common.demo_dataset("annotate", 8)])
+    monkeypatch.chdir(tmp_path / "work")
+    rm.main(rm.parse_args(["--model", "base", "--data", "ann.jsonl", "--output-dir", "rm", "--max-steps", "1",
+                           "--batch-size", "4", "--eval-limit", "0", "--device", "cpu", *LORA]))
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    common.check_reward_model(str(tmp_path / "work" / "rm"))  # raised: "base ... no such directory"
+    model, _ = common.load_model(str(tmp_path / "work" / "rm"))
+    assert model is not None
