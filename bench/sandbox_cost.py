@@ -2,11 +2,12 @@
 
     python bench/sandbox_cost.py [--runs 20]     # a line per setting, then one JSON line
 
-Both run the same test runner (tasks/sandbox_test_runner.py, the fast in-process runner) on the same passing solution and
-KodCode-style test file, from a fresh temp dir, with the same private settings/verdict files:
+Both run the same test runner (tasks/sandbox_test_runner.py, the fast in-process runner) on the same passing solution
+and KodCode-style test file, from a fresh temp dir, with the same private settings/verdict files:
   plain_s     subprocess.run of the runner: no launcher, no layers
-  sandbox_s   tasks.sandbox.run_tests_sandboxed: launcher + supervisor fork, Landlock, capabilities dropped, PID and network
-              namespaces, a seccomp socket filter, a pids cgroup (as many as this machine allows; "layers" lists them)
+  sandbox_s   tasks.sandbox.run_tests_sandboxed: launcher + supervisor fork, Landlock, capabilities dropped, PID and
+              network namespaces, a seccomp socket filter, a pids cgroup (as many as this machine allows; "layers"
+              lists them)
   fallback_s  the same with the namespaces off (the subreaper fallback), for machines without them
 Times are medians of --runs runs, interleaved so that load drifts hit both alike; ratio = sandbox_s / plain_s.
 """
