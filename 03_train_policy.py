@@ -397,6 +397,13 @@ def build_policy(args, model):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _parse(raw):
+    try:
+        return common.parse_feedback(raw)
+    except ValueError:
+        return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
+
+
 def make_critic(args):
     """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or None when its output did not parse.
     --critic local: the stage 2 reward model; openai: one behind an OpenAI-compatible server; program: the task's
@@ -436,13 +443,6 @@ def make_monitor(args):
     from tasks.demo import demo_monitor
     reuse = args.critic == "program"
     return lambda recs, texts, offsets, deltas: demo_monitor(recs, texts, offsets, deltas if reuse else None)
-
-
-def _parse(raw):
-    try:
-        return common.parse_feedback(raw)
-    except ValueError:
-        return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -558,6 +558,16 @@ def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, wo
     return stats, epoch + 1
 
 
+def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir) -> None:
+    """--dump-rollouts (an audit): every tensor of an iteration and a checksum of the parameters after its update, to
+    out_dir/step<N>_rank<R>.pt."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    torch.save({"texts": b["texts"], "delta": b["delta"], "kl_coef": kl_coef, **{k: b[k] for k in (
+        "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
+        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
+        Path(out_dir) / f"step{step}_rank{rank}.pt")
+
+
 def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, epochs, kl_coef, lr, clock, args, rank,
                   world) -> dict:
     """Step 7: one line of metrics.jsonl, computed on the global batch g (every rank's rollouts), and every --log-every
@@ -598,16 +608,6 @@ def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, e
                 common.append_jsonl(f, {"step": step, "prompt": recs[i]["prompt"], "response": b["texts"][i], **fb,
                                         "span_reward": (b["delta"][i] * b["mask"][i]).sum().item()})
     return row
-
-
-def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir) -> None:
-    """--dump-rollouts (an audit): every tensor of an iteration and a checksum of the parameters after its update, to
-    out_dir/step<N>_rank<R>.pt."""
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    torch.save({"texts": b["texts"], "delta": b["delta"], "kl_coef": kl_coef, **{k: b[k] for k in (
-        "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
-        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
-        Path(out_dir) / f"step{step}_rank{rank}.pt")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
