@@ -175,7 +175,7 @@ def to_records(rows, args) -> list[dict]:
     for i, (where, row) in enumerate(rows):
         rid = str(row[id_field]) if id_field in row else f"{args.split}-{i}"
         problem = layout and code_problem(row, where, layout, need_reference=need_response and not
-                                                 args.response_field, prompt_field=args.prompt_field)
+                                          args.response_field, prompt_field=args.prompt_field)
         if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
             prompt = problem["prompt"]
         elif args.prompt_field:
