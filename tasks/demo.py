@@ -1,7 +1,7 @@
 """The demo world: summarise a short synthetic post about a pet. It holds the data (demo_dataset), the rule-based
 critic that writes critique + spans (demo_critic), the exact monitor of stages 3 and 4 (demo_monitor, demo_scores,
-demo_rm_agreement) and the tiny base model that plays the pretrained LLM (build_demo_base, build_tiny_base). Every
-stage's zero-flag run uses it; nothing else does.
+demo_rm_agreement) and the tiny base model that plays the pretrained LLM (build_demo_base, build_tiny_base). The
+zero-flag run of every stage uses it.
 """
 from __future__ import annotations
 
