@@ -47,9 +47,24 @@ import common
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+FIELDS = {  # --task -> what --prompt-field, --response-field and --id-field default to (to_records applies them)
+    "demo": ("prompt", "response", "id"),
+    "summarization": ("subreddit, title, post: TL;DR", "generated_summary_for_feedback", "id"),
+    "code": ("the layout's", "the layout's solution", "question_id, task_id"),
+    "qa": ("instruction", "completions (a record each)", "id")}
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default after its help, and the presets' table as it is written."""
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    rows = [["", *FIELDS]] + [[flag, *(f[i] for f in FIELDS.values())]
+                              for i, flag in enumerate(("--prompt-field", "--response-field", "--id-field"))]
+    widths = [max(len(r[c]) for r in rows) + 2 for c in range(len(rows[0]))]
+    table = "\n".join("  " + "".join(f"{cell:{w}s}" for cell, w in zip(r, widths)).rstrip() for r in rows)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
+                                epilog=f"presets (--task picks a column; a flag given explicitly wins):\n{table}")
     a = p.add_argument
     a("--task", choices=["demo", "summarization", "code", "qa"], default="demo",
       help="field preset and critic prompt: demo (embedded task), summarization (SLF5K), code (KodCode), "
@@ -116,11 +131,13 @@ DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval",
 DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mistakes)
 
 
-def read_rows(args) -> list[tuple[str, dict]]:
-    """[(where, row)]: `where` names the file and line (or record) for error messages (common.read_rows)."""
+def dataset_rows(args) -> list[tuple[str, dict]]:
+    """[(where, row)] of --dataset, or of the demo's records without it: `where` names the file and line (or record)
+    for error messages (common.read_rows)."""
     if args.dataset is None:
+        from tasks.demo import demo_dataset
         split, n, mistakes = DEMO_ANNOTATE
-        return [(f"demo record {i}", r) for i, r in enumerate(common.demo_dataset(split, args.limit or n, mistakes))]
+        return [(f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n, mistakes))]
     path = Path(args.dataset)
     if path.is_dir():
         found = [path / f"{args.split}{ext}" for ext in (".jsonl", ".json", ".parquet")]
@@ -150,13 +167,15 @@ def field(row: dict, name: str, where: str) -> str:
 def to_records(rows, args) -> list[dict]:
     """Apply the task's field preset (overridable with --prompt-field/--response-field/--id-field)."""
     need_response = args.generate_with is None
-    layout = common.code_layout(rows[0][1]) if args.task == "code" and rows else None  # kodcode, humaneval, mbpp
+    if args.task == "code":
+        from tasks.code import code_layout, code_problem
+    layout = code_layout(rows[0][1]) if args.task == "code" and rows else None  # kodcode, humaneval, mbpp
     id_field = args.id_field or {"code": "question_id" if layout == "kodcode" else "task_id"}.get(args.task, "id")
     records, seen = [], {}
     for i, (where, row) in enumerate(rows):
         rid = str(row[id_field]) if id_field in row else f"{args.split}-{i}"
-        problem = layout and common.code_problem(row, where, layout, need_reference=need_response and not
-                                                 args.response_field, prompt_field=args.prompt_field)
+        problem = layout and code_problem(row, where, layout, need_reference=need_response and not
+                                          args.response_field, prompt_field=args.prompt_field)
         if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
             prompt = problem["prompt"]
         elif args.prompt_field:
@@ -196,14 +215,15 @@ def to_records(rows, args) -> list[dict]:
 
 def prepare_demo(args) -> None:
     """The zero-flag demo's inputs for later stages: the tiny base model and the SFT/prompt/eval files."""
+    from tasks.demo import build_demo_base, demo_dataset
     demo_dir = Path(args.demo_dir or Path(args.output).parent)
     for name, (split, n) in DEMO_FILES.items():
-        common.write_jsonl(demo_dir / "data" / f"{name}.jsonl", common.demo_dataset(split, n))
+        common.write_jsonl(demo_dir / "data" / f"{name}.jsonl", demo_dataset(split, n))
     base = demo_dir / "base"
     if args.build_base and not ((base / "config.json").is_file() and (base / "tokenizer.json").is_file()):
         print(f"building the demo base model in {base} (tokenizer + 0.6M-parameter Llama, ~25 s on CPU)")
         shutil.rmtree(base, ignore_errors=True)  # what an interrupted build left (the tokenizer is saved last)
-        common.build_demo_base(base, seed=args.seed)
+        build_demo_base(base, seed=args.seed)
 
 
 def generate_responses(records: list[dict], args) -> None:
@@ -394,11 +414,13 @@ async def annotate_openai(todo: list[dict], args, sink) -> None:
     # max_retries=0: the retry loop above is ours, so its behaviour is explicit and tested
     client = openai.AsyncOpenAI(api_key=key or "EMPTY", base_url=args.base_url, timeout=args.timeout, max_retries=0)
     rng, queue = random.Random(args.seed), list(reversed(todo))
+    if args.task == "code":  # the critic sees the tests' verdict (the sandbox's, tasks/code.py)
+        from tasks.code import run_completion
 
     async def one(rec: dict) -> dict:
         tests = None
         if args.task == "code" and rec.get("test"):
-            tests = await asyncio.to_thread(common.run_completion, rec["response"], rec["test"], args.code_timeout)
+            tests = await asyncio.to_thread(run_completion, rec["response"], rec["test"], args.code_timeout)
             if tests["status"] == "error":  # a broken problem: nothing to critique
                 return finish(rec, reason=f"the tests cannot run: {tests['problem_error']}")
         messages, usage, raw = build_messages(args.task, rec, tests, args.use_human_feedback), Counter(), None
@@ -427,14 +449,17 @@ async def annotate_openai(todo: list[dict], args, sink) -> None:
 
 def annotate_program(todo: list[dict], args, sink) -> None:
     if args.task == "demo":
+        from tasks.demo import demo_critic
         for rec in todo:  # ~0.3 ms per record: no need for threads
             try:
-                sink(finish(rec, common.demo_critic(rec["prompt"], rec["response"])))
+                sink(finish(rec, demo_critic(rec["prompt"], rec["response"])))
             except ValueError as e:  # not a demo post
                 sink(finish(rec, reason=str(e)))
         return
     from concurrent.futures import ThreadPoolExecutor, as_completed
-    critic = lambda r: common.code_critic(r["prompt"], r["response"], r["test"], args.code_timeout)  # noqa: E731
+
+    from tasks.code import code_critic
+    critic = lambda r: code_critic(r["prompt"], r["response"], r["test"], args.code_timeout)  # noqa: E731
     with ThreadPoolExecutor(max(1, min(args.concurrency, os.cpu_count() or 1))) as pool:
         futures = {pool.submit(critic, rec): rec for rec in todo}
         for fut in as_completed(futures):
@@ -479,7 +504,7 @@ def main(argv=None) -> dict:
         prepare_demo(args)
 
     # 1. Load and validate everything before the output is touched: bad input never leaves a half-written file.
-    records = to_records(read_rows(args), args)
+    records = to_records(dataset_rows(args), args)
 
     # 2. Resume: repair a torn last line, skip ids already done (or drop failed ones to redo them).
     done = common.open_resumable_jsonl(output)

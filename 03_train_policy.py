@@ -8,7 +8,10 @@ train() is Alg. 4's loop, one named step per line of it (the step numbers are ou
   5. compute_gae      advantages A_t by GAE over r_t, then whitened
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches (ppo_loss)
   7. log_iteration    the iteration's metrics on the global batch, samples, checkpoints
-The pure tensor functions of steps 4-6 sit right below the arguments; copy them into your own project as they are.
+The file reads top to bottom: the arguments; the pure tensor functions of steps 4-6 (copy them into your own project
+as they are); precision and torchrun; the policy (forward, reference_forward, build_policy); the critic (make_critic)
+and the demo's monitor (make_monitor); the steps; the run's setup (prompts, SFT warm start, checkpoints); train().
+Only common.py is needed beside it, and tasks/ for a task's program critic.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
@@ -19,7 +22,9 @@ The pure tensor functions of steps 4-6 sit right below the arguments; copy them 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import datetime
 import os
 import random
 import sys
@@ -28,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import common
 
@@ -46,12 +52,20 @@ PRESETS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    cell = lambda v: "none" if v is None else repr(v) if v == "" else str(v)  # noqa: E731
+    table = "\n".join(f"  --{k.replace('_', '-'):23s} {cell(PRESETS['default'][k]):31s} {cell(v)}"
+                      for k, v in PRESETS["demo"].items())
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter,
+                                epilog=f"presets (--task picks a column; a flag given explicitly wins):\n"
+                                       f"  {'':25s} {'summarization, code, qa':31s} demo\n{table}\n"
+                                       "  (--sft-lora-r none: --lora-r; --sft-output-dir none: OUTPUT_DIR/sft; "
+                                       "--scalar-baseline-dir '': none;\n  --critic-max-new-tokens: what stage 2 "
+                                       "evaluated --reward-model with, where its reward_model.json says)")
     a = p.add_argument
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
     a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
-    a("--prompts", help="JSONL with a 'prompt' field (--task code --critic program: any layout of common.code_problem)")
+    a("--prompts", help="JSONL with a 'prompt' field (--task code --critic program: any layout of tasks/code.py)")
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
@@ -257,260 +271,65 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# The steps of one iteration (Alg. 4), in the order train() calls them
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
-    """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
-    settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
-    Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
-    query, query_mask = (x.to(args.device) for x in common.left_pad(queries, tokenizer.pad_token_id))
-    model.eval()
-    with torch.no_grad(), common.autocast(args.device, args.dtype):
-        seqs = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
-    response = seqs[:, query.shape[1]:]                                                        # (B, T)
-    is_eos = torch.isin(response, stop)
-    has_eos = is_eos.any(1)                                                                    # (B,)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1],
-                                                                              dtype=torch.long))
-    mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
-    response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
-    b = {"query": query, "response": response, "mask": mask, "has_eos": has_eos, "t_sampled": time.time(),
-         "input_ids": torch.cat([query, response], 1), "attention_mask": torch.cat([query_mask, mask.long()], 1)}
-    texts, offsets = zip(*[common.decode_with_offsets(tokenizer, row[:n]) for row, n in
-                           zip(response.tolist(), mask.sum(1).long().tolist())])
-    return {**b, "texts": list(texts), "offsets": list(offsets)}
-
-
-def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
-    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
-    weighted within each span by --span-weighting (App. I). Returns delta (B, T) (0 where the feedback was
-    unparseable), span_rewards' (delta, unmatched) per row, the number of non-empty quotes and of quotes not found."""
-    delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
-    spans = [[] for _ in feedback]
-    for i, fb in enumerate(feedback):
-        if fb is None:
-            continue
-        d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
-        delta[i, :len(d)] = torch.tensor(d)
-        n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
-        n_unmatched += len(unmatched)
-        if weighting != "uniform":
-            spans[i] = [idx for _, idx in common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])]
-    return weight_spans(delta, spans, weighting), rows, n_spans, n_unmatched
-
-
-def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
-    """Step 4, no grad: the behaviour policy's log-probs and values, and KL_t to the reference, each (B, T), in as few
-    forward calls as memory allows ((B, T, V) logits can be large)."""
-    (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
-    rows = args.forward_batch_size or common.forward_rows(B, micro, T, model.config.vocab_size,
-                                                          2 if args.kl_estimator == "full" else 1)
-    with torch.no_grad(), common.autocast(args.device, args.dtype):
-        for s in range(0, B, rows):
-            ids, attn = b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows]
-            lp, v, logits = forward(model, value_head, ids, attn, T, args.temperature, forbid)
-            ref_lp, ref_logits = reference_forward(model, ref_model, ids, attn, T, args.temperature, forbid)
-            logprobs.append(lp)
-            values.append(v)
-            kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
-    return torch.cat(logprobs), torch.cat(values), torch.cat(kl) * b["mask"]
-
-
-def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world):
-    """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum
-    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token mean over
-    the minibatch on every rank. Returns each micro-batch's stats and the epochs run (--target-kl may stop early)."""
-    (B, T), stats = b["mask"].shape, []
-    mb_size = B // args.num_minibatches
-    micro = mb_size // args.grad_accum
-    model.train()
-    for epoch in range(args.ppo_epochs):
-        perm, epoch_start = torch.randperm(B, device=args.device), len(stats)
-        for mb_start in range(0, B, mb_size):
-            mb = perm[mb_start: mb_start + mb_size]
-            mb_tokens = common.all_sum(b["mask"][mb].sum()).clamp(min=1)    # tokens of the minibatch over all ranks
-            for s in range(0, mb_size, micro):
-                m = mb[s: s + micro]
-                with common.autocast(args.device, args.dtype):
-                    logprobs, values, logits = forward(model, value_head, b["input_ids"][m], b["attention_mask"][m],
-                                                       T, args.temperature, forbid)
-                pg_loss, vf_loss, st = ppo_loss(logprobs, b["logprobs"][m], b["advantages"][m], values,
-                                                b["values"][m], b["returns"][m], b["mask"][m], args.clip_range,
-                                                args.clip_range_value)
-                with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
-                    entropy = masked_mean(entropy_from_logits(logits), b["mask"][m])
-                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
-                scaler.scale(loss * b["mask"][m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
-                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
-                              "losses/entropy": entropy.item()})
-            for p in params:  # torchrun: sum the ranks' gradients (identity for one process)
-                if p.grad is not None:
-                    common.all_sum(p.grad)
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-        epoch_kl = np.mean([st["policy/approx_kl"] for st in stats[epoch_start:]])
-        epoch_kl = common.all_sum(torch.tensor(epoch_kl, device=args.device)) / world
-        if args.target_kl is not None and epoch_kl > args.target_kl:
-            break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
-    model.eval()
-    return stats, epoch + 1
-
-
-def log_iteration(step, out_dir, recs, b, g, feedback, counts, exact, stats, epochs, kl_coef, lr, t, args, rank,
-                  world) -> dict:
-    """Step 7: one line of metrics.jsonl, computed on the global batch g (every rank's rollouts), and every --log-every
-    iterations four sample rollouts with their critique (rank 0 writes). Returns the metrics row."""
-    counts = common.all_sum(torch.tensor(counts, dtype=torch.float, device=args.device))  # parse fails, quotes, misses
-    exact = common.all_sum(exact.to(args.device)) / args.batch_size
-    ppo_stats = common.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]],
-                                            device=args.device)) / world
-    mask, returns = g["mask"], g["returns"]
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    row = {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": kl_coef,
-           "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
-           "objective/span_reward": (g["delta"] * mask).sum(1).mean().item(),
-           "objective/rlhf_reward": g["rewards"].sum(1).mean().item(),
-           **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
-           "val/explained_variance": (1 - masked_mean((returns - g["values"]) ** 2, mask) / var_returns).item()
-           if var_returns > 0 else 0.0,
-           "critic/parse_fail_rate": counts[0].item() / args.batch_size,
-           "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
-           "critic/tokens_labelled_frac": ((g["delta"] != 0).float() * mask).sum().item() / mask.sum().item(),
-           "critic/mistake_rate": ((g["delta"] < 0).float() * mask).amax(1).mean().item(),
-           **({"exact/span_reward": exact[0].item(), "exact/mistake_rate": exact[1].item()} if args.task == "demo"
-              else {}),
-           "response/length": mask.sum(1).mean().item(), "response/eos_rate": g["has_eos"].float().mean().item(),
-           "policy/epochs": epochs, "lr": lr, "time/generate_s": t[1] - t[0], "time/critic_s": t[2] - t[1],
-           "time/forward_s": t[3] - t[2], "time/update_s": t[4] - t[3], "time/step_s": time.time() - t[0]}
-    if rank == 0:
-        with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-            common.append_jsonl(f, row)
-    if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-        with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-            for i in range(min(4, len(recs))):
-                fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
-                common.append_jsonl(f, {"step": step, "prompt": recs[i]["prompt"], "response": b["texts"][i], **fb,
-                                        "span_reward": (b["delta"][i] * b["mask"][i]).sum().item()})
-    return row
-
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Training: setup, then Alg. 4's loop of named steps
+# Precision and torchrun: autocast, loss scaling, the process group and its collectives (rank 0 writes)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def train(args):
-    """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
-    from tqdm.auto import tqdm
-
-    if args.critic == "local" or (args.critic_api == "completions" and args.reward_model):
-        common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
-    rank, world = common.dist_init(args)
-    torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    records = common.read_prompts(args, world)
-    start = common.sft_warm_start(args, rank) if args.sft_data and args.sft_steps > 0 else args.model
-    model, tokenizer = common.load_model(start, device=args.device,
-                                         dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
-    queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
-               for r in records]  # before any output: may raise DataError
-    model, ref_model, value_head = build_policy(args, model)
-    torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
-    critic = make_critic(args)
-    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
-                                                  * (1.0 - it / args.steps if args.anneal_lr else 1.0))
-    out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    first_step, kl_coef = common.start_or_resume(args, ckpt, model, value_head, optimizer, scheduler, rank, world)
-    local_bs = args.batch_size // world                                   # rollouts of this rank
-    micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
-    # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
-    gen_config = common.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
-    stop = torch.tensor(common.stop_ids(model), device=args.device)
-    forbid = (stop.tolist(), args.min_new_tokens)
-    scaler, costs = common.grad_scaler(args.device, args.dtype), []
-    if args.top_p < 1 and rank == 0:
-        print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
-              "scores log-probs of the full distribution)", file=sys.stderr)
-    bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
-               total=args.steps, disable=rank != 0)
-    for step in bar:
-        t = [time.time()]
-        idx = common.batch_indices(step - 1, args.batch_size, len(records), args.seed)
-        idx = idx[rank * local_bs:(rank + 1) * local_bs]                                           # this rank's share
-        recs = [records[i] for i in idx]
-        # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
-        b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
-        t.append(b["t_sampled"])  # time/generate_s: sampling alone; decoding counts as the critic's
-        # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
-        feedback = critic(recs, b["texts"])
-        # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
-        b["delta"], deltas, n_spans, n_unmatched = span_deltas(b["texts"], b["offsets"], feedback, b["mask"],
-                                                               args.span_weighting)
-        t.append(time.time())
-        exact = common.demo_monitor(recs, b["texts"], b["offsets"], deltas if args.critic == "program" else None) \
-            if args.task == "demo" else torch.zeros(2)  # the exact critic's verdict: logged, never trained on
-        # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
-        b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, value_head, b, forbid, micro, args)
-        g = {k: common.gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
-        seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                       # (B,)
-        g["rewards"] = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, args.reward_mode, seq_bonus)
-        if args.whiten_rewards:
-            g["rewards"] = masked_whiten(g["rewards"], g["mask"], shift_mean=False)
-        # 5. advantages A_t by GAE over r_t, whitened (§3.5)
-        g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam)
-        g["advantages"] = masked_whiten(g["advantages"], g["mask"])
-        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
-        b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
-        t.append(time.time())
-        # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
-        stats, epochs = ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world)
-        scheduler.step()
-        t.append(time.time())
-        if args.dump_rollouts:
-            common.dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
-        # 7. log: adapt beta (optional), the global batch's metrics, samples, checkpoint
-        if args.adaptive_kl_target:
-            kl_coef = update_kl_coef(kl_coef, g["kl"].sum(1).mean().item(), args.adaptive_kl_target,
-                                     args.adaptive_kl_horizon, args.batch_size)
-        row = log_iteration(step, out_dir, recs, b, g, feedback, [sum(fb is None for fb in feedback), n_spans,
-                            n_unmatched], exact, stats, epochs, kl_coef, scheduler.get_last_lr()[0], t, args, rank,
-                            world)
-        costs.append((row["time/generate_s"], row["time/critic_s"]))
-        if rank == 0:
-            bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
-                            mistakes=f"{row['critic/mistake_rate']:.2f}")
-        if step % args.save_every == 0 or step == args.steps:
-            common.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, args, rank)
-    if rank == 0 and costs:  # what the critic costs next to the rollout it judges
-        gen_s, critic_s = (float(np.median(c)) for c in zip(*costs))
-        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
-              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
-    if rank == 0:  # the policy: adapter (or full weights), tokenizer and value head, loadable by common.load_model
-        common.save_pretrained(out_dir / "policy", model, tokenizer, {"value_head.pt": value_head.state_dict()},
-                               **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
-    common.barrier()
-    return out_dir / "policy"
+def autocast(device: str, dtype: str):
+    """bf16/fp16 compute over float32 master weights for full fine-tuning (a bf16 weight does not move by a 1e-6
+    step); for LoRA the frozen base is stored in `dtype` and autocast only matches the adapter's float32 to it."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=common.torch_dtype(dtype))
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)  # torchrun: rank 0 speaks
-    policy = train(args)
-    log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
-    if args.scalar_baseline_dir:  # the same run with the same information as one scalar at the end (App. A)
-        base = copy.copy(args)
-        base.reward_mode, base.output_dir, base.scalar_baseline_dir = "scalar", args.scalar_baseline_dir, ""
-        policy = train(base)
-        log(f"scalar baseline saved to {policy}")
+def grad_scaler(device: str, dtype: str):
+    """Loss scaling for fp16 (its gradients underflow without it); a no-op otherwise."""
+    return torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "fp16")
+
+
+def dist_init(device: str) -> tuple[int, int, str]:
+    """(rank, world size, this rank's device). Under torchrun (even with one process, so its collectives run) it starts
+    the process group: gloo on CPU; on GPU nccl for CUDA tensors and gloo for CPU ones, each rank on GPU LOCAL_RANK."""
+    if "WORLD_SIZE" in os.environ and device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        if device.startswith("cuda"):
+            torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo")
+    return (dist.get_rank(), dist.get_world_size(), device) if dist.is_initialized() else (0, 1, device)
+
+
+def gather_rows(x):
+    """The (B, ...) tensors of every rank stacked along B, (B, T) ones padded with zeros to the longest T."""
+    if not dist.is_initialized():
+        return x
+    if x.dim() == 2:
+        width = torch.tensor([x.shape[1]], device=x.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        x = torch.nn.functional.pad(x, (0, int(width) - x.shape[1]))
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def all_sum(x):
+    """Sum of a tensor over ranks (in place)."""
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def barrier(timeout_h: float | None = None) -> None:
+    """Wait for every rank. timeout_h: a long wait (rank 0 training the SFT warm start alone), on a gloo group of its
+    own, since nccl's collectives give up after 10 minutes."""
+    if dist.is_initialized():
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=timeout_h)) if timeout_h else None
+        dist.barrier(group=group)
+        if group is not None:
+            dist.destroy_process_group(group)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -574,16 +393,28 @@ def build_policy(args, model):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The critic of step 2: per (prompt, response), parse_feedback's dict, or None when its output did not parse
+# The critic of step 2, and a monitor of its rollouts that nothing is trained on
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _parse(raw):
+    try:
+        return common.parse_feedback(raw)
+    except ValueError:
+        return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
+
+
 def make_critic(args):
+    """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or None when its output did not parse.
+    --critic local: the stage 2 reward model; openai: one behind an OpenAI-compatible server; program: the task's
+    programmatic critic (tasks/)."""
     if args.critic == "program":
         if args.task == "demo":
-            return lambda recs, texts: [common.demo_critic(r["prompt"], t) for r, t in zip(recs, texts)]
+            from tasks.demo import demo_critic
+            return lambda recs, texts: [demo_critic(r["prompt"], t) for r, t in zip(recs, texts)]
         if args.task == "code":
-            return lambda recs, texts: [common.code_critic(r["prompt"], t, r["test"]) for r, t in zip(recs, texts)]
+            from tasks.code import code_critic
+            return lambda recs, texts: [code_critic(r["prompt"], t, r["test"]) for r, t in zip(recs, texts)]
         raise common.DataError(f"--critic program: no programmatic critic for --task {args.task}")
     if args.critic == "local":
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
@@ -602,11 +433,454 @@ def make_critic(args):
         args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens)]
 
 
-def _parse(raw):
-    try:
-        return common.parse_feedback(raw)
-    except ValueError:
-        return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
+def make_monitor(args):
+    """monitor(records, texts, offsets, deltas) -> {metric: this rank's sum over its rollouts}, logged next to the
+    critic's metrics and never trained on; or None. The demo has one: its exact critic on the same rollouts
+    (tasks.demo.demo_monitor), the reward-hacking monitor that 04's curves draw dashed. deltas, step 3's (delta,
+    unmatched) per rollout, are reused when the critic is that very one (--critic program)."""
+    if args.task != "demo":
+        return None
+    from tasks.demo import demo_monitor
+    reuse = args.critic == "program"
+    return lambda recs, texts, offsets, deltas: demo_monitor(recs, texts, offsets, deltas if reuse else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The steps of one iteration (Alg. 4), in the order train() calls them
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
+    """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
+    settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
+    Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
+    query, query_mask = (x.to(args.device) for x in common.left_pad(queries, tokenizer.pad_token_id))
+    model.eval()
+    with torch.no_grad(), autocast(args.device, args.dtype):
+        seqs = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
+    response = seqs[:, query.shape[1]:]                                                        # (B, T)
+    is_eos = torch.isin(response, stop)
+    has_eos = is_eos.any(1)                                                                    # (B,)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1],
+                                                                              dtype=torch.long))
+    mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
+    response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
+    b = {"query": query, "response": response, "mask": mask, "has_eos": has_eos, "t_sampled": time.time(),
+         "input_ids": torch.cat([query, response], 1), "attention_mask": torch.cat([query_mask, mask.long()], 1)}
+    texts, offsets = zip(*[common.decode_with_offsets(tokenizer, row[:n]) for row, n in
+                           zip(response.tolist(), mask.sum(1).long().tolist())])
+    return {**b, "texts": list(texts), "offsets": list(offsets)}
+
+
+def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
+    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
+    weighted within each span by --span-weighting (App. I). Returns delta (B, T) (0 where the feedback was
+    unparseable), span_rewards' (delta, unmatched) per row, the number of non-empty quotes and of quotes not found."""
+    delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
+    spans = [[] for _ in feedback]
+    for i, fb in enumerate(feedback):
+        if fb is None:
+            continue
+        d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+        delta[i, :len(d)] = torch.tensor(d)
+        n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+        n_unmatched += len(unmatched)
+        if weighting != "uniform":
+            spans[i] = [idx for _, idx in common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])]
+    return weight_spans(delta, spans, weighting), rows, n_spans, n_unmatched
+
+
+
+def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int = 1, budget: int = 2 ** 26) -> int:
+    """Rows per no-grad forward of step 4: the whole batch in one call when its logits (n_logits tensors of rows x
+    (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the training
+    micro-batch. A row's log-probs do not depend on its batch-mates (a kernel picked by shape may round by ~1e-7)."""
+    return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
+
+
+def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
+    """Step 4, no grad: the behaviour policy's log-probs and values, and KL_t to the reference, each (B, T), in as few
+    forward calls as memory allows ((B, T, V) logits can be large)."""
+    (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
+    rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
+                                                          2 if args.kl_estimator == "full" else 1)
+    with torch.no_grad(), autocast(args.device, args.dtype):
+        for s in range(0, B, rows):
+            ids, attn = b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows]
+            lp, v, logits = forward(model, value_head, ids, attn, T, args.temperature, forbid)
+            ref_lp, ref_logits = reference_forward(model, ref_model, ids, attn, T, args.temperature, forbid)
+            logprobs.append(lp)
+            values.append(v)
+            kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
+    return torch.cat(logprobs), torch.cat(values), torch.cat(kl) * b["mask"]
+
+
+def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world):
+    """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum
+    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token mean over
+    the minibatch on every rank. Returns each micro-batch's stats and the epochs run (--target-kl may stop early)."""
+    (B, T), stats = b["mask"].shape, []
+    mb_size = B // args.num_minibatches
+    micro = mb_size // args.grad_accum
+    model.train()
+    for epoch in range(args.ppo_epochs):
+        perm, epoch_start = torch.randperm(B, device=args.device), len(stats)
+        for mb_start in range(0, B, mb_size):
+            mb = perm[mb_start: mb_start + mb_size]
+            mb_tokens = all_sum(b["mask"][mb].sum()).clamp(min=1)    # tokens of the minibatch over all ranks
+            for s in range(0, mb_size, micro):
+                m = mb[s: s + micro]
+                with autocast(args.device, args.dtype):
+                    logprobs, values, logits = forward(model, value_head, b["input_ids"][m], b["attention_mask"][m],
+                                                       T, args.temperature, forbid)
+                pg_loss, vf_loss, st = ppo_loss(logprobs, b["logprobs"][m], b["advantages"][m], values,
+                                                b["values"][m], b["returns"][m], b["mask"][m], args.clip_range,
+                                                args.clip_range_value)
+                with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
+                    entropy = masked_mean(entropy_from_logits(logits), b["mask"][m])
+                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
+                scaler.scale(loss * b["mask"][m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
+                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
+                              "losses/entropy": entropy.item()})
+            for p in params:  # torchrun: sum the ranks' gradients (identity for one process)
+                if p.grad is not None:
+                    all_sum(p.grad)
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+        epoch_kl = np.mean([st["policy/approx_kl"] for st in stats[epoch_start:]])
+        epoch_kl = all_sum(torch.tensor(epoch_kl, device=args.device)) / world
+        if args.target_kl is not None and epoch_kl > args.target_kl:
+            break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
+    model.eval()
+    return stats, epoch + 1
+
+
+def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir) -> None:
+    """--dump-rollouts (an audit): every tensor of an iteration and a checksum of the parameters after its update, to
+    out_dir/step<N>_rank<R>.pt."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    torch.save({"texts": b["texts"], "delta": b["delta"], "kl_coef": kl_coef, **{k: b[k] for k in (
+        "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
+        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
+        Path(out_dir) / f"step{step}_rank{rank}.pt")
+
+
+def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, epochs, kl_coef, lr, clock, args, rank,
+                  world) -> dict:
+    """Step 7: one line of metrics.jsonl, computed on the global batch g (every rank's rollouts), and every --log-every
+    iterations four sample rollouts with their critique (rank 0 writes). counts: [unparsed critiques, quotes, quotes
+    not found]; watched: the monitor's sums ({} without one), logged as means over the batch; clock: time.time() at
+    the iteration's start and after sampling, critiquing, scoring and updating. Returns the metrics row."""
+    counts = all_sum(torch.tensor(counts, dtype=torch.float, device=args.device))  # parse fails, quotes, misses
+    if watched:
+        watched = dict(zip(watched, (all_sum(torch.stack(list(watched.values())).to(args.device)) / args.batch_size)
+                           .tolist()))
+    ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]], device=args.device)) / world
+    mask, returns = g["mask"], g["returns"]
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    row = {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": kl_coef,
+           "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
+           "objective/span_reward": (g["delta"] * mask).sum(1).mean().item(),
+           "objective/rlhf_reward": g["rewards"].sum(1).mean().item(),
+           **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
+           "val/explained_variance": (1 - masked_mean((returns - g["values"]) ** 2, mask) / var_returns).item()
+           if var_returns > 0 else 0.0,
+           "critic/parse_fail_rate": counts[0].item() / args.batch_size,
+           "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
+           "critic/tokens_labelled_frac": ((g["delta"] != 0).float() * mask).sum().item() / mask.sum().item(),
+           "critic/mistake_rate": ((g["delta"] < 0).float() * mask).amax(1).mean().item(),
+           **watched,
+           "response/length": mask.sum(1).mean().item(), "response/eos_rate": g["has_eos"].float().mean().item(),
+           "policy/epochs": epochs, "lr": lr, "time/generate_s": clock["sampled"] - clock["start"],
+           "time/critic_s": clock["critiqued"] - clock["sampled"],
+           "time/forward_s": clock["scored"] - clock["critiqued"], "time/update_s": clock["updated"] - clock["scored"],
+           "time/step_s": time.time() - clock["start"]}
+    if rank == 0:
+        with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+            common.append_jsonl(f, row)
+    if rank == 0 and (step % args.log_every == 0 or step == args.steps):
+        with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
+            for i in range(min(4, len(recs))):
+                fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
+                common.append_jsonl(f, {"step": step, "prompt": recs[i]["prompt"], "response": b["texts"][i], **fb,
+                                        "span_reward": (b["delta"][i] * b["mask"][i]).sum().item()})
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Setup: the prompts and their order, the SFT warm start, checkpoints and resume
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def read_prompts(path: str, task: str, critic: str, model: str | None, batch_size: int, shards: int) -> list[dict]:
+    """The prompt records, checked with the run's settings before anything is written: a JSONL file with a "prompt"
+    field or, for --task code --critic program, any benchmark layout (tasks.code.read_code_problems), whose tests the
+    critic runs. shards (world size x --num-minibatches x --grad-accum) must divide batch_size."""
+    if task == "code" and critic == "program":
+        from tasks.code import read_code_problems
+        records = read_code_problems(path)
+    else:
+        records = common.read_jsonl(path, required=("prompt",))
+    if not records:
+        raise common.DataError(f"{path}: no prompts")
+    if not model:
+        raise common.DataError("--model is required outside the demo")
+    if batch_size % shards:
+        raise common.DataError(f"--batch-size {batch_size} must divide by world size x --num-minibatches x "
+                               f"--grad-accum = {shards}")
+    return records
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """The prompt indices of an iteration: consecutive slices of a fresh permutation per pass over the data, derived
+    from (seed, step) alone so a resumed run draws exactly the same prompts."""
+    out, pos = [], step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset: offset + batch_size - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def sft_warm_start(model_path: str, data: str, field: str, out_dir, *, steps: int, lr: float, batch_size: int,
+                   lora_r: int, lora_targets: str, chat_template: str, max_prompt_tokens: int, max_new_tokens: int,
+                   max_grad_norm: float, device: str, dtype: str, seed: int, rank: int) -> str:
+    """Supervised fine-tuning on (prompt, `field`) before PPO (--sft-*), the loss on the response and its EOS only:
+    `steps` AdamW steps on batches drawn with replacement, left-padded as in generation; lora_r > 0: LoRA, merged into
+    the weights afterwards. Trained once, on rank 0 (the others wait), and saved to out_dir as full weights that later
+    runs reuse. Returns out_dir."""
+    from tqdm.auto import tqdm
+
+    sft_dir = Path(out_dir)
+    if rank == 0 and not (sft_dir / "config.json").is_file():
+        model, tokenizer = common.load_model(model_path, device=device,
+                                             dtype=dtype if lora_r > 0 else "float32")  # full FT: fp32 master weights
+        if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
+            model = common.add_lora(model, lora_r, 2 * lora_r, lora_targets)
+        records = common.read_jsonl(data, required=("prompt", field))
+        if not records:
+            raise common.DataError(f"{data}: no records")
+        examples = [(common.policy_prompt(tokenizer, r["prompt"], chat_template, max_prompt_tokens),
+                     tokenizer(r[field], add_special_tokens=False)["input_ids"][:max_new_tokens]
+                     + [tokenizer.eos_token_id]) for r in records]
+        model.train()
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr)
+        scaler, gen = grad_scaler(device, dtype), torch.Generator().manual_seed(seed)
+        for _ in (bar := tqdm(range(steps), desc="SFT warm start")):
+            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+            ids, attn = common.left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
+            labels = ids.masked_fill(attn == 0, -100)
+            for i, (p, y) in enumerate(batch):
+                labels[i, : ids.shape[1] - len(y)] = -100                          # no loss on the prompt
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            with autocast(device, dtype):
+                loss = model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                             labels=labels.to(device)).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+        model.eval()
+        common.save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer)
+    barrier(timeout_h=24)  # the other ranks wait for rank 0's SFT, however long it takes
+    return str(sft_dir)
+
+
+def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, kl_coef: float, config: dict,
+                    rank: int = 0):
+    """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, beta, its settings (config)
+    and every rank's RNG states, all a run needs to continue bit-exactly. Called on every rank (their RNG states are
+    gathered); rank 0 writes it, atomically. The parameters are the same on every rank."""
+    rngs = [{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}]
+    if dist.is_initialized():
+        rngs, rng = [None] * dist.get_world_size(), rngs[0]
+        dist.all_gather_object(rngs, rng)
+    if rank == 0:
+        state = {"step": step, "kl_coef": kl_coef, "args": config, "rng": rngs,
+                 "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+                 "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict()}
+        with common.atomic_open(path, "wb") as f:
+            torch.save(state, f)
+
+
+def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0, world: int = 1) -> tuple[int, float]:
+    """Restore what save_checkpoint saved, this rank's RNG states included: (step, beta). Another world size cannot
+    continue exactly (each rank's sampler state is saved): DataError."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if len(state["rng"]) != world:
+        raise common.DataError(f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with "
+                               f"the same world size (torchrun --nproc_per_node {len(state['rng'])})")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state["trainable"].items():
+            params[name].copy_(tensor)
+    value_head.load_state_dict(state["value_head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    rng = state["rng"][rank]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"], state["kl_coef"]
+
+
+def start_or_resume(ckpt, resume: bool, kl_coef: float, config: dict, model, value_head, optimizer, scheduler,
+                    rank: int, world: int) -> tuple[int, float]:
+    """The run dir (ckpt's folder): (first step, beta). resume restores the checkpoint (load_checkpoint) and cuts
+    metrics.jsonl and samples.jsonl back to its step; a fresh run starts without them and with beta = kl_coef. Rank 0
+    writes config.json: config, the run's settings, and the world size."""
+    out_dir, last = Path(ckpt).parent, 0
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
+    if resume and Path(ckpt).is_file():
+        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank, world)
+    for path in (out_dir / "metrics.jsonl", out_dir / "samples.jsonl") if rank == 0 else ():
+        if last:  # drop the rows logged after the checkpoint
+            common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file()
+                               else [])
+        else:
+            path.unlink(missing_ok=True)
+    if rank == 0 and last:
+        print(f"resumed from {ckpt} at step {last}")
+    if rank == 0:
+        common.write_json(out_dir / "config.json", {**config, "world_size": world})
+    return last + 1, kl_coef
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Training: setup, then Alg. 4's loop of named steps
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def train(args):
+    """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
+    from tqdm.auto import tqdm
+
+    if args.critic == "local" or (args.critic_api == "completions" and args.reward_model):
+        common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
+    rank, world, device = dist_init(args.device)
+    args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
+    torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    records = read_prompts(args.prompts, args.task, args.critic, args.model, args.batch_size,
+                           world * args.num_minibatches * args.grad_accum)
+    start = args.model
+    if args.sft_data and args.sft_steps > 0:  # the policy starts from SFT on --sft-data, trained once and reused
+        start = sft_warm_start(
+            args.model, args.sft_data, args.sft_field, args.sft_output_dir or Path(args.output_dir) / "sft",
+            steps=args.sft_steps, lr=args.sft_lr, batch_size=args.sft_batch_size,
+            lora_r=args.lora_r if args.sft_lora_r is None else args.sft_lora_r, lora_targets=args.lora_targets,
+            chat_template=args.chat_template, max_prompt_tokens=args.max_prompt_tokens,
+            max_new_tokens=args.max_new_tokens, max_grad_norm=args.max_grad_norm, device=args.device, dtype=args.dtype,
+            seed=args.seed, rank=rank)
+    model, tokenizer = common.load_model(start, device=args.device,
+                                         dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
+    queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
+               for r in records]  # before any output: may raise DataError
+    model, ref_model, value_head = build_policy(args, model)
+    torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
+    critic, monitor = make_critic(args), make_monitor(args)
+    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
+                                                  * (1.0 - it / args.steps if args.anneal_lr else 1.0))
+    out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
+    first_step, kl_coef = start_or_resume(ckpt, args.resume, args.kl_coef, vars(args), model, value_head, optimizer,
+                                          scheduler, rank, world)
+    local_bs = args.batch_size // world                                   # rollouts of this rank
+    micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
+    # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
+    gen_config = common.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
+    stop = torch.tensor(common.stop_ids(model), device=args.device)
+    forbid = (stop.tolist(), args.min_new_tokens)
+    scaler, costs = grad_scaler(args.device, args.dtype), []
+    if args.top_p < 1 and rank == 0:
+        print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
+              "scores log-probs of the full distribution)", file=sys.stderr)
+    bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
+               total=args.steps, disable=rank != 0)
+    for step in bar:
+        clock = {"start": time.time()}
+        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)
+        idx = idx[rank * local_bs:(rank + 1) * local_bs]                                           # this rank's share
+        recs = [records[i] for i in idx]
+        # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
+        b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
+        clock["sampled"] = b["t_sampled"]  # time/generate_s: sampling alone; decoding counts as the critic's
+        # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
+        feedback = critic(recs, b["texts"])
+        # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
+        b["delta"], deltas, n_spans, n_unmatched = span_deltas(b["texts"], b["offsets"], feedback, b["mask"],
+                                                               args.span_weighting)
+        clock["critiqued"] = time.time()
+        watched = monitor(recs, b["texts"], b["offsets"], deltas) if monitor else {}  # logged, never trained on
+        # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
+        b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, value_head, b, forbid, micro, args)
+        g = {k: gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
+        seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                       # (B,)
+        g["rewards"] = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, args.reward_mode, seq_bonus)
+        if args.whiten_rewards:
+            g["rewards"] = masked_whiten(g["rewards"], g["mask"], shift_mean=False)
+        # 5. advantages A_t by GAE over r_t, whitened (§3.5)
+        g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam)
+        g["advantages"] = masked_whiten(g["advantages"], g["mask"])
+        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
+        b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
+        clock["scored"] = time.time()
+        # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
+        stats, epochs = ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world)
+        scheduler.step()
+        clock["updated"] = time.time()
+        if args.dump_rollouts:
+            dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
+        # 7. log: adapt beta (optional), the global batch's metrics, samples, checkpoint
+        if args.adaptive_kl_target:
+            kl_coef = update_kl_coef(kl_coef, g["kl"].sum(1).mean().item(), args.adaptive_kl_target,
+                                     args.adaptive_kl_horizon, args.batch_size)
+        row = log_iteration(step, out_dir, recs, b, g, feedback, [sum(fb is None for fb in feedback), n_spans,
+                            n_unmatched], watched, stats, epochs, kl_coef, scheduler.get_last_lr()[0], clock, args,
+                            rank, world)
+        costs.append((row["time/generate_s"], row["time/critic_s"]))
+        if rank == 0:
+            bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
+                            mistakes=f"{row['critic/mistake_rate']:.2f}")
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, vars(args), rank)
+    if rank == 0 and costs:  # what the critic costs next to the rollout it judges
+        gen_s, critic_s = (float(np.median(c)) for c in zip(*costs))
+        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
+              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
+    if rank == 0:  # the policy: adapter (or full weights), tokenizer and value head, loadable by common.load_model
+        common.save_pretrained(out_dir / "policy", model, tokenizer, {"value_head.pt": value_head.state_dict()},
+                               **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
+    barrier()
+    return out_dir / "policy"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)  # torchrun: rank 0 speaks
+    policy = train(args)
+    log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
+    if args.scalar_baseline_dir:  # the same run with the same information as one scalar at the end (App. A)
+        base = copy.copy(args)
+        base.reward_mode, base.output_dir, base.scalar_baseline_dir = "scalar", args.scalar_baseline_dir, ""
+        policy = train(base)
+        log(f"scalar baseline saved to {policy}")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,10 @@ runs and verdicts are cached in OUTPUT_DIR/eval/: a rerun computes only what is 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import html
 import itertools
+import json
 import os
 import random
 import re
@@ -31,19 +33,24 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import common
-from common import (DataError, bertscore_f1, bleu_stat, bootstrap, cached, fingerprint, plot_curves, ratio_stat,
-                    read_curves, reference_stats, run_tests)
+from common import DataError
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
 DEMO_RM = "runs/demo/reward_model"
-TASK_FIELDS = {  # task -> (prompt field, reference field, default max new tokens); code: the layout decides
-    "demo": ("prompt", "reference", 32), "summarization": ("prompt", "reference", 64), "code": (None, None, 512),
-    "qa": ("instruction", None, 256)}
+TASK_FIELDS = {  # task -> (prompt field, reference field, max new tokens, temperature); code: the layout decides
+    "demo": ("prompt", "reference", 32, 1.0), "summarization": ("prompt", "reference", 64, 0.0),
+    "code": (None, None, 512, 0.0), "qa": ("instruction", None, 256, 0.0)}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    flags = ("", "--prompt-field", "--reference-field", "--max-new-tokens", "--temperature")
+    cells = {t: [t] + ["(none)" if v is None else str(v) for v in f] for t, f in TASK_FIELDS.items()}
+    cells["code"][1] = "(layout's)"  # the benchmark layout's prompt (tasks/code.py)
+    table = "\n".join(f"  {flag:18s} " + "".join(f"{c[i]:15s}" for c in cells.values()).rstrip()
+                      for i, flag in enumerate(flags))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"presets (--task picks a column; a flag given explicitly wins):\n{table}")
     a = p.add_argument
     # --- data
     a("--task", choices=list(TASK_FIELDS), default="demo", help="field preset and task metrics")
@@ -98,9 +105,9 @@ def parse_args(argv=None):
     a("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
     a("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     args = p.parse_args(argv)
-    if args.temperature is None:
-        args.temperature = 1.0 if args.task == "demo" else 0.0
     preset = TASK_FIELDS[args.task]
+    if args.temperature is None:
+        args.temperature = preset[3]
     args.prompt_field, args.reference_field, args.max_new_tokens = (
         mine or default for mine, default in zip((args.prompt_field, args.reference_field, args.max_new_tokens), preset))
     if args.num_samples > 1 and not args.temperature:
@@ -114,6 +121,53 @@ def rm_budgets(rm_path, args) -> tuple[int, int | None]:
     settings = common.rm_settings(rm_path)
     max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or (96 if args.task == "demo" else 512)
     return max_new_tokens, settings["max_prompt_tokens"]  # the fallback: stage 3's critic presets
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The cache under OUTPUT_DIR/eval/: append-only JSONL keyed by id, recomputed when its settings or models change
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def fingerprint(*parts) -> str:
+    """A short hash of settings and of the files behind local model dirs (name, size, mtime; an adapter's base too),
+    so a cache is dropped when a policy is retrained."""
+    h = hashlib.sha256()
+    for part in parts:
+        path = Path(part) if isinstance(part, str) else None
+        if path is not None and path.exists():
+            files = sorted(path.iterdir()) if path.is_dir() else [path]
+            h.update("".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files if f.is_file())
+                     .encode())
+            if (path / "adapter_config.json").is_file():
+                h.update(fingerprint(json.loads((path / "adapter_config.json").read_text())
+                                     .get("base_model_name_or_path", "")).encode())
+        else:
+            h.update(json.dumps(part, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:12]
+
+
+def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: str, fresh: bool = False) -> list[dict]:
+    """compute(items) -> rows with an "id", run only for items whose id the append-only JSONL cache at `path` lacks.
+    Rows are appended per chunk (a killed run resumes); a cache written under another fingerprint is dropped."""
+    from tqdm.auto import tqdm
+
+    done = common.open_resumable_jsonl(path)
+    if done:
+        with open(path, encoding="utf-8") as f:
+            stale = fresh or json.loads(f.readline()).get("fingerprint") != fp
+        if stale:
+            path.unlink()
+            done = set()
+    todo = [it for it in items if it["id"] not in done]
+    with tqdm(total=len(todo), desc=desc, disable=not todo) as bar:
+        for i in range(0, len(todo), chunk):
+            rows = compute(todo[i:i + chunk])  # first, so bad input (a model that cannot load) leaves no file behind
+            with open(path, "a", encoding="utf-8") as f:
+                for row in rows:
+                    common.append_jsonl(f, {**row, "fingerprint": fp})
+            bar.update(len(todo[i:i + chunk]))
+    rows = {r["id"]: r for r in common.read_jsonl(path)}
+    return [rows[it["id"]] for it in items]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -229,6 +283,58 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
 # Metrics: per-sample sufficient statistics, aggregated with a 95% bootstrap interval
 # ----------------------------------------------------------------------------------------------------------------------
 
+def ratio_stat(sums):  # (B, 2) summed (numerator, denominator) -> (B,)
+    import numpy as np
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sums[:, 1] > 0, sums[:, 0] / np.where(sums[:, 1] > 0, sums[:, 1], 1), np.nan)
+
+
+def bleu_stat(sums):  # (B, 10) summed [4 matches, 4 totals, hyp length, ref length] -> corpus BLEU
+    import numpy as np
+    from sacrebleu.metrics import BLEU
+    return np.array([BLEU.compute_bleu(s[:4].tolist(), s[4:8].tolist(), int(s[8]), int(s[9]), smooth_method="exp")
+                     .score for s in sums])
+
+
+def bootstrap(rows, stat=ratio_stat, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Statistic of the summed per-sample rows, with the 2.5/97.5 percentiles of n_boot resamples of the samples."""
+    import numpy as np
+    x = np.asarray(rows, dtype=float).reshape(len(rows), -1)  # (N, K) per-sample sufficient statistics
+    value = float(stat(x.sum(0, keepdims=True))[0])
+    weights = np.random.default_rng(seed).multinomial(len(x), np.full(len(x), 1 / len(x)), size=n_boot)  # (B, N)
+    boots = stat(weights @ x)
+    boots = boots[~np.isnan(boots)]
+    ci = [float(v) for v in np.percentile(boots, [2.5, 97.5])] if len(boots) else [None, None]
+    return {"value": None if np.isnan(value) else value, "ci95": ci, "n": len(x)}
+
+
+def reference_stats(hyps: list[str], refs: list[str]) -> dict[str, list]:
+    """Per-sample ROUGE F1s (rouge-score, stemmed, as in the summarization literature) and BLEU sufficient statistics
+    (sacrebleu, 13a tokenizer): corpus BLEU = BLEU of the summed statistics."""
+    from rouge_score import rouge_scorer
+    from sacrebleu.metrics import BLEU
+    scorer, bleu = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True), BLEU()
+    scores = [scorer.score(r, h) for h, r in zip(hyps, refs)]
+    out = {key: [(s[key].fmeasure, 1) for s in scores] for key in ("rouge1", "rouge2", "rougeL")}
+    stats = [bleu.corpus_score([h], [[r]]) for h, r in zip(hyps, refs)]
+    out["bleu"] = [[*s.counts, *s.totals, s.sys_len, s.ref_len] for s in stats]
+    return out
+
+
+def bertscore_f1(hyps, refs, model_dir, layers, device) -> list[float]:
+    if not Path(model_dir).is_dir():
+        raise DataError(f"--bertscore-model {model_dir}: not a local model directory")
+    try:
+        import bert_score
+    except ImportError:
+        raise DataError("--bertscore-model needs the bert-score package: pip install bert-score") from None
+    from transformers import AutoConfig
+    layers = layers or AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    _, _, f1 = bert_score.score(hyps, refs, model_type=model_dir, num_layers=layers, device=device,
+                                use_fast_tokenizer=True)
+    return f1.tolist()
+
+
 METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
     "rouge1": ("ROUGE-1 F1", 1), "rouge2": ("ROUGE-2 F1", 1), "rougeL": ("ROUGE-L F1", 1), "bleu": ("BLEU", 1),
     "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1), "pass@10": ("pass@10", 1),
@@ -271,16 +377,17 @@ def metric_keys(policies: dict) -> list[str]:
     return known + sorted(present - set(known))
 
 
-def pass_at_k(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[str, list], list[str]]:
-    """Per-problem pass@k rows (unbiased estimator, each problem's n samples) for each k <= n, and the problems whose
-    tests cannot run (left out of pass@k: a broken problem is no failed solution)."""
+def pass_at_k_rows(runs: list[dict], records: list[dict], ks=(1, 10)) -> tuple[dict[str, list], list[str]]:
+    """Per-problem pass@k rows (the unbiased estimator tasks.code.pass_at_k, on each problem's n samples) for each
+    k <= n, and the problems whose tests cannot run (left out of pass@k: a broken problem is no failed solution)."""
+    from tasks.code import pass_at_k
     by_problem = defaultdict(list)
     for rec, run in zip(records, runs):
         by_problem[rec["problem"]].append(run)
     broken = [p for p, rs in by_problem.items() if any(r["status"] == "error" for r in rs)]
     ok = [rs for p, rs in by_problem.items() if p not in broken]
     n = min((len(rs) for rs in ok), default=0)
-    return {f"pass@{k}": [(common.pass_at_k(len(rs), sum(r["passed"] for r in rs), k), 1) for rs in ok]
+    return {f"pass@{k}": [(pass_at_k(len(rs), sum(r["passed"] for r in rs), k), 1) for rs in ok]
             for k in ks if k <= n}, broken
 
 
@@ -288,24 +395,26 @@ def score_policy(records, gens, crits, task, monitors=None) -> tuple[dict[str, l
     """Per-sample statistics by metric, and what the report shows per sample (text, spans, critique). monitors:
     {NAME: critiques} of --monitor-reward-model, scored only by the demo's monitor (rm_vs_critic[NAME]/...)."""
     rows, shown, monitors = defaultdict(list), [], monitors or {}
+    if task == "demo":  # the demo's exact critic (tasks/demo.py) scores every answer
+        from tasks.demo import demo_delta, demo_rm_agreement, demo_scores
     for i, (rec, gen, crit) in enumerate(zip(records, gens, crits or [None] * len(records))):
         text, offsets = gen["response"], gen["offsets"]
         sample, fb, program, delta, d_prog = {"gen/tokens": (len(offsets), 1)}, None, None, None, None
         if task == "demo":  # the programmatic critic: ground truth for the demo task
             try:
-                program, d_prog = common.demo_delta(rec["prompt"], text, offsets)
+                program, d_prog = demo_delta(rec["prompt"], text, offsets)
             except ValueError as e:
                 raise DataError(f"record {rec['id']}: {e}") from None
-            sample.update(common.demo_scores(rec["prompt"], text, program, d_prog, rec.get("reference", "")))
+            sample.update(demo_scores(rec["prompt"], text, program, d_prog, rec.get("reference", "")))
         if crit is not None:  # the reward model's critique, scored on the policy's tokens as in stage 3
             fb, delta, rm_rows = common.rm_scores(text, offsets, crit["critique_raw"])
             sample.update(rm_rows)
             if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
-                sample.update(common.demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
+                sample.update(demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
         for name, mon in monitors.items() if program is not None else ():  # other reward models, the same monitor
             m_fb, m_delta, _ = common.rm_scores(text, offsets, mon[i]["critique_raw"])
             sample.update({k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v for k, v in
-                           common.demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()})
+                           demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()})
         for key, row in sample.items():
             rows[key].append(row)
         # the report shows the RM's spans (what stage 3 learns from), else the demo critic's
@@ -378,6 +487,76 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
 # ----------------------------------------------------------------------------------------------------------------------
 # Report: one self-contained HTML page (metrics, training curves, highlighted samples) and a table
 # ----------------------------------------------------------------------------------------------------------------------
+
+# Stage 3's training curves (metrics.jsonl): the learned critic's and, dashed, the exact critic's
+CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (dashed)",
+              "critic/mistake_rate": "mistake rate: critic (solid), exact critic (dashed)",
+              "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
+EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
+COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
+
+
+def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
+    """Rows of each stage 3 metrics.jsonl; a torn last line (a run still going) is skipped, not fatal."""
+    runs = {}
+    for name, path in specs.items():
+        if not Path(path).is_file():
+            print(f"warning: no training curves for {name!r}: {path} not found", file=sys.stderr)
+            continue
+        rows = []
+        for line in Path(path).read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line of a run still writing
+        runs[name] = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
+    return runs
+
+
+def plot_curves(runs: dict[str, list[dict]]) -> str | None:
+    """The report's curves: base64 PNG with one panel per curve present (reward, mistakes, KL, entropy), or None."""
+    present = {k for rows in runs.values() for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+    keys = [k for k in CURVE_KEYS if k in present] or sorted(present - {"step"})[:4]
+    if not keys:
+        return None
+    import base64
+    import io
+    import itertools
+
+    import matplotlib
+    import numpy as np
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cols, rows = min(2, len(keys)), (len(keys) + 1) // 2
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.1 * rows), dpi=110, squeeze=False)
+    for ax in axes.flat[len(keys):]:
+        ax.remove()
+    for ax, key in zip(axes.flat, keys):
+        for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
+            # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
+            # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
+            for k, style, label in ((key, "-", name), (EXACT_CURVES.get(key), "--", None)):
+                pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+                if not pts:
+                    continue
+                x, y = map(np.asarray, zip(*pts))
+                w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
+                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+                if style == "-":
+                    ax.plot(x, y, color=color, alpha=0.2, lw=1)
+                ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
+        ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
+        ax.set_xlabel("PPO iteration", fontsize=10)
+        ax.tick_params(labelsize=9)
+        ax.grid(alpha=0.25)
+        ax.spines[["top", "right"]].set_visible(False)
+    axes[0][0].legend(fontsize=9, frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
 
 def highlight(text: str, good: list[tuple[int, int]], poor: list[tuple[int, int]]) -> str:
     """HTML of `text` with <mark class="good|poor"> over the character intervals (poor overrides good, as in delta)."""
@@ -520,11 +699,13 @@ def main(argv=None) -> dict:
     out_dir = Path(args.output_dir)
     cache_dir = out_dir / "eval"
     cache_dir.mkdir(parents=True, exist_ok=True)
-    records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit) \
-        if args.task != "code" else [  # code: any benchmark layout, each problem --num-samples times as "<id>#<j>"
-            {**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
-            for p in common.read_code_problems(args.data, args.split, args.limit, prompt_field=args.prompt_field,
+    if args.task == "code":  # any benchmark layout (tasks/code.py), each problem --num-samples times as "<id>#<j>"
+        from tasks.code import read_code_problems, run_tests
+        records = [{**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
+                   for p in read_code_problems(args.data, args.split, args.limit, prompt_field=args.prompt_field,
                                                test_field=args.test_field) for j in range(args.num_samples)]
+    else:
+        records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit)
     policies = resolve_policies(args.policy)
     names = list(policies)
     pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
@@ -581,7 +762,7 @@ def main(argv=None) -> dict:
             runs = cached(cache_dir / f"{name}.tests.jsonl", fingerprint(fps[name], args.test_timeout, "tests-v2"),
                           items, lambda chunk: run_tests(chunk, args.test_timeout, args.test_workers), 16,
                           f"tests {name}", args.regenerate)
-            scores, broken = pass_at_k(runs, records)
+            scores, broken = pass_at_k_rows(runs, records)
             rows.update(scores)
             if broken:
                 print(f"warning: {name}: the tests of {len(broken)} problems cannot run, left out of pass@k: "

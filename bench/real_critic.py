@@ -36,6 +36,7 @@ from span_vs_scalar import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from tasks.demo import demo_critic  # noqa: E402
 
 POLICIES = ["sft", "scalar", "text2grad"]
 SMOL_RM = "runs/demo/smol_rm"
@@ -54,7 +55,7 @@ def mistakes(work: Path, name: str) -> list[float]:
     """1.0 / 0.0 per held-out post: does policy `name`'s answer (04's cached generation) have a poor span, by the
     exact critic. In the order of the eval split, so two policies pair up post by post."""
     records = {r["id"]: r for r in common.read_jsonl(work / "runs/demo/data/eval.jsonl")}
-    return [float(bool(common.demo_critic(records[g["id"]]["prompt"], g["response"])["poor_spans"]))
+    return [float(bool(demo_critic(records[g["id"]]["prompt"], g["response"])["poor_spans"]))
             for g in common.read_jsonl(work / f"runs/demo/eval/{name}.generations.jsonl")]
 
 

@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from tasks import demo  # noqa: E402
 from importlib import import_module  # noqa: E402
 
 rm02 = import_module("02_train_reward")
@@ -43,21 +44,21 @@ rm02 = import_module("02_train_reward")
 
 def labels_of(prompt: str, response: str) -> list[tuple[str, str, str | None]]:
     """(word, label, the post's word of its kind) for each word the demo critic labels, in response order."""
-    facts, _ = common.demo_post_facts(prompt)
-    return [(w, "right" if kind == "good" else kind, facts.get(common._CATEGORY.get(w)))
-            for w, _, _, kind in common.demo_labels(prompt, response) if kind]
+    facts, _ = demo.demo_post_facts(prompt)
+    return [(w, "right" if kind == "good" else kind, facts.get(demo._CATEGORY.get(w)))
+            for w, _, _, kind in demo.demo_labels(prompt, response) if kind]
 
 
 def flagged_by_kind(held_out: list[dict], outputs: list[str]) -> dict:
     """Share of the held-out posts' real mistakes that the reward model's poor spans flag, by kind
-    (common.demo_flagged, as 04's monitor counts them): wrong facts need the post; asides and repeats show alone."""
+    (demo.demo_flagged, as 04's monitor counts them): wrong facts need the post; asides and repeats show alone."""
     got = {k: [0, 0] for k in ("wrong", "irrelevant", "repeated")}
     for rec, out in zip(held_out, outputs):
         try:
             rm = common.parse_feedback(out)
         except ValueError:
             rm = {"good_spans": [], "poor_spans": []}
-        rows = common.demo_flagged(rec["prompt"], rec["response"], rec, rm)
+        rows = demo.demo_flagged(rec["prompt"], rec["response"], rec, rm)
         for k in got:
             got[k] = [x + y for x, y in zip(got[k], rows[f"rm_vs_critic/flagged_{k}"])]
     return {f"flagged_{k}": round(n / d, 3) if d else None for k, (n, d) in got.items()}
@@ -71,14 +72,14 @@ def critique(fmt: str, prompt: str, response: str, default: str) -> str:
         return " ".join(f"{w} {lab}" + (f", the post says {post}" if lab == "wrong" else "") + "."
                         for w, lab, post in labs) or default
     if fmt == "ref":
-        return f"The post says: {common.DEMO_SUMMARY.format(**common.demo_post_facts(prompt)[0])} {default}"
+        return f"The post says: {demo.DEMO_SUMMARY.format(**demo.demo_post_facts(prompt)[0])} {default}"
     if fmt == "cmp":
         return " ".join(f"{w} (post: {post or 'none'}) {lab}." for w, lab, post in labs) or default
     if fmt == "slots":
-        facts, words = common.demo_post_facts(prompt)[0], re.findall(r"\w+", response)
+        facts, words = demo.demo_post_facts(prompt)[0], re.findall(r"\w+", response)
         parts = []
-        for cat, post in ((c, facts[c]) for c in common.DEMO_FACTS):
-            said = next((w for w in words if common._CATEGORY.get(w) == cat), None)
+        for cat, post in ((c, facts[c]) for c in demo.DEMO_FACTS):
+            said = next((w for w in words if demo._CATEGORY.get(w) == cat), None)
             parts.append(f"{cat.replace('_', ' ')}: {post} / {said or 'none'} "
                          f"{'ok' if said == post else 'wrong' if said else 'missing'}.")
         return " ".join(parts + list(dict.fromkeys(f"{w} {lab}." for w, lab, _ in labs
@@ -90,8 +91,8 @@ def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None 
     """n annotated demo examples; kind: keep the clean ones and the flawed ones with a mistake of that kind (drawn
     from 4n)."""
     out = []
-    for ex in common.demo_dataset(split, 4 * n if kind else n, mistake_rate):
-        if kind and kind not in (found := {k for *_, k in common.demo_labels(ex["prompt"], ex["response"])}) and \
+    for ex in demo.demo_dataset(split, 4 * n if kind else n, mistake_rate):
+        if kind and kind not in (found := {k for *_, k in demo.demo_labels(ex["prompt"], ex["response"])}) and \
                 found - {None, "good"}:
             continue
         out.append(annotated(ex, fmt))
@@ -100,14 +101,14 @@ def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None 
 
 def annotated(ex: dict, fmt: str) -> dict:
     """A demo example with the exact critic's spans and its critique in format `fmt`."""
-    fb = common.demo_critic(ex["prompt"], ex["response"])
+    fb = demo.demo_critic(ex["prompt"], ex["response"])
     return {**ex, **fb, "critique": critique(fmt, ex["prompt"], ex["response"], fb["critique"])}
 
 
 def policy_records(model, tok, split: str, n: int, fmt: str) -> list[dict]:
     """The policy's own answers to n demo posts, sampled at temperature 1 as in PPO, with the exact critic's spans."""
     torch.manual_seed(0)
-    posts = common.demo_dataset(split, n)
+    posts = demo.demo_dataset(split, n)
     ids = common.generate(model, tok, [p["prompt"] for p in posts], 32, temperature=1.0, batch_size=64)
     return [annotated({**ex, "response": tok.decode(row, skip_special_tokens=True)}, fmt)
             for ex, row in zip(posts, ids)]
@@ -150,15 +151,15 @@ def main():
     base.parent.mkdir(parents=True, exist_ok=True)
     lock = open(f"{base}.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)  # runs side by side build each shape's base once
-    if not (base / "config.json").is_file():  # the demo base's recipe at this shape (common.build_demo_base)
+    if not (base / "config.json").is_file():  # the demo base's recipe at this shape (demo.build_demo_base)
         texts, pairs = [], []
-        for ex in common.demo_dataset("pretrain", 3000):
+        for ex in demo.demo_dataset("pretrain", 3000):
             pairs.append((ex["prompt"], " " + ex["reference"]))
-            fb = common.demo_critic(ex["prompt"], ex["response"])
+            fb = demo.demo_critic(ex["prompt"], ex["response"])
             texts += [ex["prompt"] + ex["response"], " " + common.format_rm_target(**fb)]
             texts += [critique(f, ex["prompt"], ex["response"], fb["critique"]) for f in ("verdict", "ref", "cmp")]
         texts += [common.rm_user_message("", "") + "\n\n### Critique\n"] * 100
-        common.build_tiny_base(base, texts, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+        demo.build_tiny_base(base, texts, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                                intermediate_size=4 * args.hidden, pretrain_texts=pairs,
                                pretrain_steps=args.pretrain, lr=2e-3, seed=0)
     fcntl.flock(lock, fcntl.LOCK_UN)

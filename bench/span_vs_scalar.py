@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from tasks.demo import build_demo_base, demo_dataset  # noqa: E402
 
 THRESHOLD, WINDOW = 0.15, 10
 
@@ -64,9 +65,9 @@ def main():
 
     # --- the shared start: demo base model, prompts, SFT warm start (03 with --steps 0 trains and saves it)
     if not (out / "base" / "config.json").is_file():
-        common.build_demo_base(out / "base")
-    common.write_jsonl(out / "prompts.jsonl", common.demo_dataset("train", 1000))
-    common.write_jsonl(out / "sft.jsonl", common.demo_dataset("sft", 2000))
+        build_demo_base(out / "base")
+    common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 1000))
+    common.write_jsonl(out / "sft.jsonl", demo_dataset("sft", 2000))
     critic = ["--critic", "program", "--kl-coef", "0.05"]  # the exact critic cannot be gamed: a looser KL leash
     if args.critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model (or --reward-model)
         rm_dir = Path(args.reward_model).resolve() if args.reward_model else out / "reward_model"

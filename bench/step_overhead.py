@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from tasks.demo import build_demo_base, demo_dataset  # noqa: E402
 
 ppo = importlib.import_module("03_train_policy")
 
@@ -30,8 +31,8 @@ def main():
     args = p.parse_args()
     out = Path(args.out)
     if not (Path(args.base) / "config.json").is_file():
-        common.build_demo_base(args.base)
-    common.write_jsonl(out / "prompts.jsonl", common.demo_dataset("train", 256))
+        build_demo_base(args.base)
+    common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 256))
     times = {"span": [], "scalar": []}
     for r in range(args.rounds):
         for mode in ("span", "scalar") if r % 2 == 0 else ("scalar", "span"):

@@ -8,7 +8,7 @@ environment, bench/out/trl-venv (git-ignored), with its pinned stack: torch 2.13
 transformers 4.46.3, accelerate 1.0.1, datasets 3.0.2 (+ rich, which trl imports but does not declare). The project's
 own environment and requirements are never touched.
 
-The workload, the same on both sides: the demo base model (common.build_demo_base: a 2-layer Llama, hidden 128, 4
+The workload, the same on both sides: the demo base model (tasks.demo.build_demo_base: a 2-layer Llama, hidden 128, 4
 heads, FFN 512, vocabulary 640, tied embeddings, 0.6M parameters), full fine-tuning with a frozen reference copy,
 fp32, batch 16, 16-token prompts, 32 new tokens forced (min = max = 32, temperature 1, no top-k), the demo's exact
 program critic, 1 PPO epoch of 4 minibatches, gradient clipping at 1.0, `--threads` torch threads.
@@ -67,6 +67,7 @@ def trl_worker(base: str, prompts_file: str, threads: int, seed: int) -> None:
 
     sys.path.insert(0, str(ROOT))
     import common  # stdlib only at import: runs in this environment too
+    from tasks.demo import demo_critic
 
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
@@ -97,7 +98,7 @@ def trl_worker(base: str, prompts_file: str, threads: int, seed: int) -> None:
         scores = []
         for r, resp in zip(batch, responses):
             text, offsets = common.decode_with_offsets(tok, resp.tolist())
-            fb = common.demo_critic(r["prompt"], text)
+            fb = demo_critic(r["prompt"], text)
             scores.append(torch.tensor(sum(common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])[0])))
         t2 = time.perf_counter()
         stats = trainer.step(queries, responses, scores)
@@ -133,12 +134,13 @@ def main():
     from transformers import AutoTokenizer
 
     import common
+    from tasks.demo import build_demo_base, demo_dataset
     ppo = importlib.import_module("03_train_policy")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     if not (Path(args.base) / "config.json").is_file():
-        common.build_demo_base(args.base)
-    records = common.demo_dataset("train", 256)
+        build_demo_base(args.base)
+    records = demo_dataset("train", 256)
     common.write_jsonl(out / "prompts.jsonl", records)
     tok = AutoTokenizer.from_pretrained(args.base)  # the same 16 prompt tokens on both sides
     common.write_jsonl(out / "trl_prompts.jsonl", [
@@ -163,10 +165,10 @@ def main():
     try:
         if not json.loads(worker.stdout.readline() or "{}").get("ready"):
             sys.exit(f"the TRL worker did not start; see {out / 'trl_worker.log'}")
-        real_save = common.save_checkpoint
-        # 03 calls common.save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
+        real_save = ppo.save_checkpoint
+        # 03 calls save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
         # the TRL iteration runs there, while 03 waits, so the two alternate without timing each other
-        common.save_checkpoint = lambda *a, **k: trl_step()
+        ppo.save_checkpoint = lambda *a, **k: trl_step()
         run_args = ppo.parse_args([
             "--model", args.base, "--prompts", str(out / "prompts.jsonl"), "--critic", "program", "--steps",
             str(args.iterations), "--sft-steps", "0", "--scalar-baseline-dir", "", "--batch-size", str(BATCH),
@@ -175,7 +177,7 @@ def main():
             str(LR), "--kl-coef", str(KL_COEF), "--dtype", "float32", "--device", "cpu", "--seed", str(args.seed),
             "--save-every", "1", "--log-every", "1000000", "--output-dir", str(out / "ours")])
         ppo.train(run_args)
-        common.save_checkpoint = real_save
+        ppo.save_checkpoint = real_save
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)

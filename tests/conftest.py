@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+from tasks.demo import build_tiny_base, demo_critic, demo_dataset, make_demo_example  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
@@ -27,15 +28,15 @@ def tiny_corpus(n: int = 300, seed: int = 0) -> list[str]:
     """Demo posts, summaries and critiques plus unicode and code lines: enough for a tokenizer in a second."""
     rng, texts = random.Random(seed), list(UNICODE_LINES) * 5
     for _ in range(n):
-        ex = common.make_demo_example(rng)
-        fb = common.demo_critic(ex["prompt"], ex["response"])
+        ex = make_demo_example(rng)
+        fb = demo_critic(ex["prompt"], ex["response"])
         texts += [ex["prompt"] + ex["response"], common.format_rm_target(**fb)]
     return texts
 
 
 def build_tiny(out_dir, chat_template=None) -> str:
     """The test model: vocab from tiny_corpus, hidden 64, 2 layers (builds in ~2 s on a laptop CPU)."""
-    return common.build_tiny_base(out_dir, tiny_corpus(), vocab_size=600, hidden_size=64, num_layers=2, num_heads=4,
+    return build_tiny_base(out_dir, tiny_corpus(), vocab_size=600, hidden_size=64, num_layers=2, num_heads=4,
                                   intermediate_size=128, chat_template=chat_template)
 
 
@@ -87,8 +88,8 @@ def tiny_reward_model(tmp_path_factory, tiny_chat_model_dir):
     rm = import_script("02_train_reward")
     tmp = tmp_path_factory.mktemp("tiny_rm")
     base, _ = bos_adding_copy(tiny_chat_model_dir, tmp / "base")
-    common.write_jsonl(tmp / "ann.jsonl", [{**ex, **common.demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
-                                           for ex in common.demo_dataset("annotate", 8)])
+    common.write_jsonl(tmp / "ann.jsonl", [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
+                                           for ex in demo_dataset("annotate", 8)])
     args = rm.parse_args(["--model", base, "--data", str(tmp / "ann.jsonl"), "--output-dir", str(tmp / "rm"),
                           "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--device", "cpu"])
     rm.main(args)

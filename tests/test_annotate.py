@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
+from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script, write_jsonl_gz
 
 annotate = import_script("01_annotate")
@@ -50,12 +51,12 @@ def test_demo_writes_the_data_files_and_program_critiques(tmp_path):
     out = tmp_path / "annotations.jsonl"
     summary = annotate.main(["--output", str(out), "--no-build-base", "--limit", "60"])
     for name, (split, n) in annotate.DEMO_FILES.items():
-        assert common.read_jsonl(tmp_path / "data" / f"{name}.jsonl") == common.demo_dataset(split, n)
+        assert common.read_jsonl(tmp_path / "data" / f"{name}.jsonl") == demo_dataset(split, n)
     recs = lines(out)
-    expected = common.demo_dataset("annotate", 60)
+    expected = demo_dataset("annotate", 60)
     assert [r["id"] for r in recs] == [r["id"] for r in expected] and summary["records"] == 60
     for rec, ex in zip(recs, expected):
-        fb = common.demo_critic(ex["prompt"], ex["response"])
+        fb = demo_critic(ex["prompt"], ex["response"])
         assert rec["status"] == "ok" and rec["critique"] == fb["critique"] and rec["unmatched_spans"] == []
         assert rec["good_spans"] == fb["good_spans"] and rec["poor_spans"] == fb["poor_spans"]
         assert rec["reference"] == ex["reference"]
@@ -69,7 +70,7 @@ def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
          "generated_summary_for_feedback": "A dog barks.", "ideal_human_summary": "My dog barks at night."}])
     args = annotate.parse_args(["--task", "summarization", "--dataset", str(tmp_path), "--split", "validation",
                                 "--annotator", "openai"])
-    [rec] = annotate.to_records(annotate.read_rows(args), args)
+    [rec] = annotate.to_records(annotate.dataset_rows(args), args)
     assert rec == {"id": "t3_a", "prompt": "SUBREDDIT: r/pets\nTITLE: My dog\nPOST: He barks.\nTL;DR:",
                    "response": "A dog barks.", "reference": "My dog barks at night.", "human_feedback": "Too vague."}
 
@@ -79,30 +80,30 @@ def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
                                           "test": "def test_f(): pass", "gpt_difficulty": "easy"}]),
                    tmp_path / "kod.parquet")
     args = annotate.parse_args(["--task", "code", "--dataset", str(tmp_path / "kod.parquet")])
-    assert annotate.to_records(annotate.read_rows(args), args) == [
+    assert annotate.to_records(annotate.dataset_rows(args), args) == [
         {"id": "q1", "prompt": "Add.", "response": "def f(): pass", "test": "def test_f(): pass"}]
 
     uf = tmp_path / "uf.json"
     uf.write_text(json.dumps([{"instruction": "Hi?", "completions": [{"response": "Hello."}, {"response": "Hey."}]},
                               {"instruction": "Bye?", "completions": [{"response": "Bye."}]}]))
     args = annotate.parse_args(["--task", "qa", "--dataset", str(uf), "--annotator", "openai", "--limit", "2"])
-    assert annotate.to_records(annotate.read_rows(args), args) == [
+    assert annotate.to_records(annotate.dataset_rows(args), args) == [
         {"id": "train-0-0", "prompt": "Hi?", "response": "Hello."}, {"id": "train-0-1", "prompt": "Hi?",
                                                                     "response": "Hey."}]
     args = annotate.parse_args(["--task", "qa", "--dataset", str(uf), "--annotator", "openai", "--prompt-field",
                                 "instruction", "--response-field", "instruction", "--split", "dev"])
-    assert [r["response"] for r in annotate.to_records(annotate.read_rows(args), args)] == ["Hi?", "Bye?"]
+    assert [r["response"] for r in annotate.to_records(annotate.dataset_rows(args), args)] == ["Hi?", "Bye?"]
 
 
 def test_bad_input_names_file_line_and_field(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "solution": "s", "test": "t"}, {"question": "q"}])
     args = annotate.parse_args(["--task", "code", "--dataset", bad])
     with pytest.raises(common.DataError, match=r"bad\.jsonl:2: missing field 'solution'"):
-        annotate.to_records(annotate.read_rows(args), args)
+        annotate.to_records(annotate.dataset_rows(args), args)
     dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "p", "response": "r"}] * 2)
     args = annotate.parse_args(["--task", "demo", "--dataset", dup])
     with pytest.raises(common.DataError, match=r"dup\.jsonl:2: duplicate id 'a'"):
-        annotate.to_records(annotate.read_rows(args), args)
+        annotate.to_records(annotate.dataset_rows(args), args)
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"id": "a", "prompt": "p", "response": "r"}\n\n{"id": "b", "prompt": \n')
@@ -380,7 +381,7 @@ def test_program_critic_for_code(tmp_path):
 
 
 def test_generate_with_a_policy(tmp_path, tiny_model_dir):
-    rows = [{k: v for k, v in r.items() if k != "response"} for r in common.demo_dataset("eval", 3)]
+    rows = [{k: v for k, v in r.items() if k != "response"} for r in demo_dataset("eval", 3)]
     data = write_jsonl(tmp_path / "prompts.jsonl", rows)
     annotate.main(["--dataset", data, "--output", str(tmp_path / "a.jsonl"), "--generate-with", tiny_model_dir,
                    "--max-new-tokens", "6", "--temperature", "1.0"])

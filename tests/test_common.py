@@ -1,7 +1,5 @@
 """common.py: feedback parsing, span location, token alignment, records. Property tests use hypothesis."""
 import json
-import random
-import re
 import string
 import unicodedata
 
@@ -622,7 +620,7 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Reward-model prompt format and the demo critic
+# Reward-model prompt format
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -656,63 +654,3 @@ def test_rm_target_roundtrips_through_parse_feedback():
     target = common.format_rm_target("It gets tom right. ", ["tom"], ["the \"cat\""])
     assert parse_feedback(target) == {"critique": "It gets tom right.", "good_spans": ["tom"],
                                       "poor_spans": ['the "cat"']}
-
-
-def test_demo_labels_name_each_mistake_kind():
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
-    response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
-    assert [(w, k) for w, _, _, k in common.demo_labels(post, response) if k] == [
-        ("tom", "good"), ("red", "good"), ("dog", "good"), ("luna", "wrong"), ("park", "good"), ("monday", "irrelevant"),
-        ("fish", "good"), ("fish", "repeated")]
-    for w, a, b, _ in common.demo_labels(post, response):
-        assert response[a:b].strip() == w  # intervals keep the word's leading space, as the quotes do
-
-
-def test_demo_rm_agreement_counts_flagged_mistakes_by_kind():
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
-    response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
-    critic = common.demo_critic(post, response)
-    rm = {"critique": "", "good_spans": [" fish"], "poor_spans": [" on monday", " fish"]}  # the aside and the repeat
-    offsets = [(m.start(), m.end()) for m in re.finditer(r"\S+", response)]  # one "token" per word
-    d_critic = common.span_rewards(response, offsets, critic["good_spans"], critic["poor_spans"])[0]
-    d_rm = common.span_rewards(response, offsets, rm["good_spans"], rm["poor_spans"])[0]
-    rows = common.demo_rm_agreement(post, response, critic, d_critic, rm, d_rm)
-    assert rows["rm_vs_critic/mistakes_flagged"] == (2, 3)
-    assert rows["rm_vs_critic/flagged_wrong"] == (0, 1)       # " luna" where the post says rex: missed
-    assert rows["rm_vs_critic/flagged_irrelevant"] == (1, 1)
-    assert rows["rm_vs_critic/flagged_repeated"] == (1, 1)    # the second " fish", located after the good first one
-    assert rows["rm_vs_critic/poor_invented"] == (0, 2)
-
-
-def test_demo_critic_on_generated_examples():
-    rng, with_mistakes = random.Random(0), 0
-    for _ in range(300):
-        ex = common.make_demo_example(rng)
-        fb = common.demo_critic(ex["prompt"], ex["response"])
-        assert set(fb) == {"critique", "good_spans", "poor_spans"} and fb["critique"]
-        assert parse_feedback(common.format_rm_target(**fb)) == fb
-        _, _, unmatched = locate_spans(ex["response"], fb["good_spans"], fb["poor_spans"])
-        assert unmatched == []
-        with_mistakes += bool(fb["poor_spans"])
-        clean = common.demo_critic(ex["prompt"], " " + ex["reference"])
-        assert clean["poor_spans"] == [] and len(clean["good_spans"]) == 5  # owner, color+animal, name, place, food
-    assert 0.3 < with_mistakes / 300 < 0.8
-
-
-def test_demo_critic_finds_each_mistake_kind():
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
-    good = " tom has a red dog called rex that likes the park and eats fish."
-    assert common.demo_critic(post, good)["poor_spans"] == []
-    for response, poor_word in [(good.replace("rex", "luna"), "luna"), (good.replace("park", "park on monday"),
-                                "monday"), (good.replace("red dog", "red red dog"), "red"),
-                                (good.replace("tom", "nora"), "nora"), (good.replace("fish", "fish fish"), "fish")]:
-        fb = common.demo_critic(post, response)
-        _, poor_iv, _ = locate_spans(response, fb["good_spans"], fb["poor_spans"])
-        assert any(poor_word in response[a:b] for a, b in poor_iv), (response, fb)
-    wrong = common.demo_critic(post, good.replace("rex", "luna"))
-    assert "luna where the post says rex" in wrong["critique"]
-    with pytest.raises(ValueError):
-        common.demo_critic("not a demo post", "x")

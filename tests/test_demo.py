@@ -1,8 +1,10 @@
-"""The embedded demo end to end: the four stage scripts run as a user runs them (subprocesses, default paths under
-runs/demo/ in a fresh folder). It runs at the zero-flag size: shorter runs leave PPO inside its first-updates dip, where
-neither mode has improved on the SFT start yet, so the comparison below would test noise."""
+"""tasks/demo.py, the demo world: its critic's labels and spans, and the reward-hacking monitor's counts. Then the
+embedded demo end to end: the four stage scripts run as a user runs them (subprocesses, default paths under runs/demo/
+in a fresh folder). It runs at the zero-flag size: shorter runs leave PPO inside its first-updates dip, where neither
+mode has improved on the SFT start yet, so the comparison below would test noise."""
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -12,6 +14,79 @@ import pytest
 from conftest import ROOT, import_script
 
 import common
+from common import locate_spans, parse_feedback
+from tasks.demo import demo_critic, demo_labels, demo_rm_agreement, make_demo_example
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The demo critic and the monitor
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_demo_labels_name_each_mistake_kind():
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
+    assert [(w, k) for w, _, _, k in demo_labels(post, response) if k] == [
+        ("tom", "good"), ("red", "good"), ("dog", "good"), ("luna", "wrong"), ("park", "good"), ("monday", "irrelevant"),
+        ("fish", "good"), ("fish", "repeated")]
+    for w, a, b, _ in demo_labels(post, response):
+        assert response[a:b].strip() == w  # intervals keep the word's leading space, as the quotes do
+
+
+def test_demo_rm_agreement_counts_flagged_mistakes_by_kind():
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
+    critic = demo_critic(post, response)
+    rm = {"critique": "", "good_spans": [" fish"], "poor_spans": [" on monday", " fish"]}  # the aside and the repeat
+    offsets = [(m.start(), m.end()) for m in re.finditer(r"\S+", response)]  # one "token" per word
+    d_critic = common.span_rewards(response, offsets, critic["good_spans"], critic["poor_spans"])[0]
+    d_rm = common.span_rewards(response, offsets, rm["good_spans"], rm["poor_spans"])[0]
+    rows = demo_rm_agreement(post, response, critic, d_critic, rm, d_rm)
+    assert rows["rm_vs_critic/mistakes_flagged"] == (2, 3)
+    assert rows["rm_vs_critic/flagged_wrong"] == (0, 1)       # " luna" where the post says rex: missed
+    assert rows["rm_vs_critic/flagged_irrelevant"] == (1, 1)
+    assert rows["rm_vs_critic/flagged_repeated"] == (1, 1)    # the second " fish", located after the good first one
+    assert rows["rm_vs_critic/poor_invented"] == (0, 2)
+
+
+def test_demo_critic_on_generated_examples():
+    rng, with_mistakes = random.Random(0), 0
+    for _ in range(300):
+        ex = make_demo_example(rng)
+        fb = demo_critic(ex["prompt"], ex["response"])
+        assert set(fb) == {"critique", "good_spans", "poor_spans"} and fb["critique"]
+        assert parse_feedback(common.format_rm_target(**fb)) == fb
+        _, _, unmatched = locate_spans(ex["response"], fb["good_spans"], fb["poor_spans"])
+        assert unmatched == []
+        with_mistakes += bool(fb["poor_spans"])
+        clean = demo_critic(ex["prompt"], " " + ex["reference"])
+        assert clean["poor_spans"] == [] and len(clean["good_spans"]) == 5  # owner, color+animal, name, place, food
+    assert 0.3 < with_mistakes / 300 < 0.8
+
+
+def test_demo_critic_finds_each_mistake_kind():
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    good = " tom has a red dog called rex that likes the park and eats fish."
+    assert demo_critic(post, good)["poor_spans"] == []
+    for response, poor_word in [(good.replace("rex", "luna"), "luna"), (good.replace("park", "park on monday"),
+                                "monday"), (good.replace("red dog", "red red dog"), "red"),
+                                (good.replace("tom", "nora"), "nora"), (good.replace("fish", "fish fish"), "fish")]:
+        fb = demo_critic(post, response)
+        _, poor_iv, _ = locate_spans(response, fb["good_spans"], fb["poor_spans"])
+        assert any(poor_word in response[a:b] for a, b in poor_iv), (response, fb)
+    wrong = demo_critic(post, good.replace("rex", "luna"))
+    assert "luna where the post says rex" in wrong["critique"]
+    with pytest.raises(ValueError):
+        demo_critic("not a demo post", "x")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The zero-flag chain
+# ---------------------------------------------------------------------------------------------------------------------
+
 
 STAGES = [  # the zero-flag chain at its full size (about 4.5 minutes on 2 cores), shrunk only where nothing is learned
     ("01_annotate.py",),

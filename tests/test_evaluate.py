@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, import_script, write_jsonl_gz
 
 import common
+from tasks.demo import demo_dataset
 
 ev = import_script("04_evaluate")
 
@@ -75,29 +76,15 @@ def test_bertscore_with_a_local_model(tmp_path):
         ev.bertscore_f1(HYPS, REFS, str(tmp_path / "nope"), None, "cpu")
 
 
-def test_code_runs_correct_wrong_and_infinite_loop():
-    test = "from solution import add\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert add(-1, 1) == 0\n"
-    fenced = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
-    items = [{"id": "correct", "test": test, "response": fenced},
-             {"id": "wrong", "test": test, "response": "def add(a, b):\n    return a - b\n"},
-             {"id": "loop", "test": test, "response": "def add(a, b):\n    while True:\n        pass\n"}]
-    # the loop is stopped at 2 s; the others end by themselves, so their limit is as generous as a loaded machine needs
-    runs = ev.run_tests(items[:2], timeout_s=120, workers=2) + ev.run_tests(items[2:], timeout_s=2, workers=1)
-    res = {r["id"]: r for r in runs}
-    assert [res[k]["passed"] for k in ("correct", "wrong", "loop")] == [True, False, False], res
-    assert [res[k]["status"] for k in ("correct", "wrong", "loop")] == ["passed", "failed", "timeout"]
-    assert res["correct"]["raw"] == fenced and res["correct"]["program"] == "def add(a, b):\n    return a + b\n"
-
-
 def test_pass_at_k_per_problem_over_its_samples_without_broken_problems():
     records = [{"id": f"{p}#{j}", "problem": p} for p in ("a", "b", "c") for j in range(10)]
     runs = [{"passed": p == "a" or (p == "b" and j < 3), "status": "error" if p == "c" else "x"}
             for p in ("a", "b", "c") for j in range(10)]
-    rows, broken = ev.pass_at_k(runs, records)
+    rows, broken = ev.pass_at_k_rows(runs, records)
     assert broken == ["c"] and set(rows) == {"pass@1", "pass@10"}
     assert rows["pass@1"] == [(1.0, 1), (pytest.approx(0.3), 1)] and rows["pass@10"] == [(1.0, 1), (1.0, 1)]
     assert ev.bootstrap(rows["pass@1"], n_boot=50)["value"] == pytest.approx(0.65)  # the mean over problems
-    assert set(ev.pass_at_k(runs[:2] + runs[10:12], records[:2] + records[10:12])[0]) == {"pass@1"}  # n = 2 < 10
+    assert set(ev.pass_at_k_rows(runs[:2] + runs[10:12], records[:2] + records[10:12])[0]) == {"pass@1"}  # n = 2 < 10
 
 
 def test_feedback_stats_on_policy_tokens(tiny_tokenizer):
@@ -332,7 +319,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
 
 def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir, adapter_dir, tmp_path, monkeypatch):
     data = tmp_path / "eval.jsonl"
-    common.write_jsonl(data, common.demo_dataset("eval", 6))
+    common.write_jsonl(data, demo_dataset("eval", 6))
     curves = tmp_path / "metrics.jsonl"
     curves.write_text("".join(json.dumps({"step": i, "objective/span_reward": i * 0.1, "objective/kl": 0.01 * i})
                               + "\n" for i in range(20)))
@@ -413,7 +400,7 @@ def test_reward_model_gets_its_training_input_and_budget_with_every_default(tiny
     rm_dir, rm_args = tiny_reward_model
     tok, rm_tok, settings = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(rm_dir), \
         common.rm_settings(rm_dir)
-    ex = common.demo_dataset("eval", 1)[0]
+    ex = demo_dataset("eval", 1)[0]
     long = {**ex, "prompt": ex["prompt"].replace("post: ", "post: " + "it rained on monday. " * 80)}
     common.write_jsonl(tmp_path / "eval.jsonl", [long])
     inputs = []
@@ -459,7 +446,7 @@ def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir
     """--chat-template on without a template, or a model directory without weights: one line, exit 2, no file. A
     monitor reward model that is not there: the same, before anything is generated."""
     from conftest import model_variant
-    common.write_jsonl(tmp_path / "eval.jsonl", common.demo_dataset("eval", 2))
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     nowts = model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
     if flag == "--monitor-reward-model":
         proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common
+from tasks.demo import demo_dataset
 from conftest import ROOT, import_script, model_variant, write_jsonl_gz
 
 ppo = import_script("03_train_policy")
@@ -110,9 +111,9 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
 
 
 def test_batch_indices_cover_each_pass_once_and_are_reproducible():
-    first_pass = sum((common.batch_indices(s, 4, 10, seed=3) for s in range(5)), [])
+    first_pass = sum((ppo.batch_indices(s, 4, 10, seed=3) for s in range(5)), [])
     assert sorted(first_pass[:10]) == list(range(10)) and sorted(first_pass[10:20]) == list(range(10))
-    assert common.batch_indices(7, 4, 10, 3) == common.batch_indices(7, 4, 10, 3) != common.batch_indices(7, 4, 10, 4)
+    assert ppo.batch_indices(7, 4, 10, 3) == ppo.batch_indices(7, 4, 10, 3) != ppo.batch_indices(7, 4, 10, 4)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def test_batch_indices_cover_each_pass_once_and_are_reproducible():
 
 
 def _args(tmp_path, tiny_model_dir, *extra):
-    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
     return ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic",
                            "program", "--output-dir", str(tmp_path / "run"), "--scalar-baseline-dir", "",
                            "--steps", "2", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
@@ -313,8 +314,8 @@ def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tin
 
 def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     import socket
-    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
-    common.write_jsonl(tmp_path / "sft.jsonl", common.demo_dataset("sft", 16))
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 16))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -367,7 +368,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
                 ("mask", "values", "advantages", "returns")}}
         with torch.no_grad():
             b["logprobs"] = ppo.forward(model, value_head, b["input_ids"], b["attention_mask"], T, 1.0)[0]
-        ppo.ppo_update(model, value_head, params, optimizer, common.grad_scaler("cpu", "float32"), b, None, args, 1)
+        ppo.ppo_update(model, value_head, params, optimizer, ppo.grad_scaler("cpu", "float32"), b, None, args, 1)
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     replayed = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert saved["trainable"].keys() == replayed.keys()
@@ -470,7 +471,7 @@ def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
     """--ent-coef > 0 is a bonus (loss - ent_coef * H): with no advantage and no value loss, the update makes the policy
     more uncertain on the batch (and a negative coefficient, less); with --ent-coef 0 it moves nothing."""
     tok = common.load_model(tiny_model_dir)[1]
-    recs = common.demo_dataset("eval", 4)
+    recs = demo_dataset("eval", 4)
     responses = [tok(r["response"], add_special_tokens=False)["input_ids"][:8] for r in recs]
     T = max(map(len, responses))
     ids, attn = common.left_pad([tok(r["prompt"])["input_ids"] + y + [tok.pad_token_id] * (T - len(y))
@@ -492,7 +493,7 @@ def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
         b = {"input_ids": ids, "attention_mask": attn, "mask": mask, "logprobs": old_lp, "advantages": 0 * mask,
              "values": 0 * mask, "returns": 0 * mask}
         ppo.ppo_update(model, value_head, params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
-                       common.grad_scaler("cpu", "float32"), b, None, args, 1)
+                       ppo.grad_scaler("cpu", "float32"), b, None, args, 1)
         with torch.no_grad():
             entropy[coef] = H() - h0
         moved = max((p.detach() - q).abs().max().item() for p, q in zip(params, before))
@@ -572,7 +573,7 @@ def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_mo
     plain, _ = _dump(tmp_path, tiny_model_dir, "plain", "--max-new-tokens", "12")
     extras, _ = _dump(tmp_path, leaky, "extras", "--max-new-tokens", "12")
     assert torch.equal(plain["response"], extras["response"]) and plain["texts"] == extras["texts"]
-    prompts = [r["prompt"] for r in common.demo_dataset("eval", 4)]
+    prompts = [r["prompt"] for r in demo_dataset("eval", 4)]
     for temperature in (0.0, 1.0):
         outs = []
         for d in (tiny_model_dir, leaky):
@@ -596,7 +597,7 @@ def test_every_eos_id_stops_generation_and_cuts_the_mask(tmp_path, tiny_model_di
         ended_elsewhere += has_eos and ids[first] != tiny_tokenizer.eos_token_id
     assert ended_elsewhere > 0 and row["response/eos_rate"] > 0
     model, tok = common.load_model(multi)
-    out = common.generate(model, tok, [r["prompt"] for r in common.demo_dataset("eval", 8)], 16, temperature=1.0)
+    out = common.generate(model, tok, [r["prompt"] for r in demo_dataset("eval", 8)], 16, temperature=1.0)
     assert all(not set(x) & set(stops) for x in out) and min(map(len, out)) < 16
 
 
@@ -745,7 +746,7 @@ def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny
 def test_bad_model_input_one_line_exit_2_nothing_written(tmp_path, tiny_model_dir, case):
     extra = ["--chat-template", "on"] if case == "chat-template-on" else []
     model = tiny_model_dir if extra else model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
-    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 4))
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
     proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", model, "--prompts",
                            str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
                            "--scalar-baseline-dir", "", "--steps", "1", "--sft-steps", "0", *extra], capture_output=True,
@@ -775,8 +776,8 @@ def test_broken_reward_model_one_line_exit_2_before_any_training(tmp_path, tiny_
         for f in (tmp_path / "base").iterdir():
             f.unlink()
         (tmp_path / "base").rmdir()
-    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 4))
-    common.write_jsonl(tmp_path / "sft.jsonl", common.demo_dataset("sft", 4))
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 4))
     proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
                            str(tmp_path / "prompts.jsonl"), "--critic", "local", "--reward-model", rm_dir,
                            "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-steps", "1", "--sft-output-dir",

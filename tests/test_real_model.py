@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, import_script, model_variant
 
 import common
+from tasks.demo import demo_critic, demo_dataset
 
 pytestmark = pytest.mark.slow  # ~100 s on 2 cores, plus the one-off conversion (~30 s)
 
@@ -40,9 +41,9 @@ def ppo_args(model, reward_model, prompts, out, steps):
 def run(smollm2_dir, tmp_path_factory):
     """Every stage once on SmolLM2 (module-scoped: the tests below only read what it wrote)."""
     tmp = tmp_path_factory.mktemp("real")
-    common.write_jsonl(tmp / "posts.jsonl", common.demo_dataset("annotate", 6))
+    common.write_jsonl(tmp / "posts.jsonl", demo_dataset("annotate", 6))
     common.write_jsonl(tmp / "questions.jsonl", [{"prompt": q} for q in QUESTIONS])
-    common.write_jsonl(tmp / "eval.jsonl", common.demo_dataset("eval", 3))
+    common.write_jsonl(tmp / "eval.jsonl", demo_dataset("eval", 3))
     cli("01_annotate.py", "--task", "demo", "--dataset", tmp / "posts.jsonl", "--generate-with", smollm2_dir,
         "--max-new-tokens", "40", "--annotator", "program", "--output", tmp / "annotations.jsonl")
     cli("02_train_reward.py", "--task", "demo", "--model", smollm2_dir, "--data", tmp / "annotations.jsonl",
@@ -126,7 +127,7 @@ def test_span_labels_on_real_responses_decode_back_to_the_quote(run, tok):
     records = {r["id"]: r for r in common.read_jsonl(run / "eval.jsonl")}
     checked = 0
     for g in common.read_jsonl(run / "eval" / "eval" / "smol.generations.jsonl"):
-        fb = common.demo_critic(records[g["id"]]["prompt"], g["response"])
+        fb = demo_critic(records[g["id"]]["prompt"], g["response"])
         text, offsets = g["response"], [tuple(o) for o in g["offsets"]]
         assert common.decode_with_offsets(tok, g["response_ids"]) == (text, offsets)
         delta, unmatched = common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
@@ -148,8 +149,8 @@ def test_a_smollm2_critic_labels_the_tiny_policys_own_tokens(smollm2_dir, tiny_t
     one demo annotation, 02's encoding) critiques a response through 03's critic, and delta lands on the tiny
     policy's own tokens, by character interval. The expected labels come from the quotes by plain str.find."""
     rm02, ppo = import_script("02_train_reward"), import_script("03_train_policy")
-    rec = common.demo_dataset("annotate", 1)[0]  # "... called luna with owen that likes the river ... with owen."
-    rec.update(common.demo_critic(rec["prompt"], rec["response"]))
+    rec = demo_dataset("annotate", 1)[0]  # "... called luna with owen that likes the river ... with owen."
+    rec.update(demo_critic(rec["prompt"], rec["response"]))
     model, tok = common.load_model(smollm2_dir)
     model = common.add_lora(model, 8, 16, "all-linear")
     batch = rm02.collate([rm02.encode_example(tok, rec, 512)[0]], tok.pad_token_id)

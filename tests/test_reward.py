@@ -10,14 +10,15 @@ import torch
 from conftest import ROOT, import_script
 
 import common
+from tasks.demo import demo_critic, demo_dataset
 
 rm = import_script("02_train_reward")
 
 
 def annotations(n: int, split: str = "annotate") -> list[dict]:
     """What 01_annotate.py writes for the demo: demo records critiqued by the demo critic."""
-    return [{**ex, **common.demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
-            for ex in common.demo_dataset(split, n)]
+    return [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
+            for ex in demo_dataset(split, n)]
 
 
 def tokenizer_of(path):

@@ -1,4 +1,5 @@
-"""The sandbox for model-written code (common.run_sandboxed / run_tests_sandboxed) and the code critic built on it."""
+"""tasks/sandbox.py: the sandbox for model-written code (run_sandboxed) and the test runner whose verdict the code
+cannot forge (run_tests_sandboxed). The code critic built on them is tested in test_code.py."""
 import os
 import socket
 import sys
@@ -7,10 +8,10 @@ import time
 
 import pytest
 
-import common
+from tasks import sandbox
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
-needs_landlock = pytest.mark.skipif(not common.landlock_abi(), reason="the kernel has no Landlock")
+needs_landlock = pytest.mark.skipif(not sandbox.landlock_abi(), reason="the kernel has no Landlock")
 TESTS = "from solution import add\n\ndef test_small():\n    assert add(1, 2) == 3\n\ndef test_big():\n" \
         "    assert add(20, 22) == 42\n"
 # Time limits. Code that ends by itself gets PATIENT seconds: far more than any load needs, and it costs nothing. Code
@@ -25,81 +26,17 @@ def hang_limit(base: float) -> float:
     return round(base + 10 * took, 1)
 
 
-def critic(code: str, test: str = TESTS, timeout_s: float = PATIENT) -> dict:
-    fb = common.code_critic("Write add(a, b).", code, test, timeout_s=timeout_s)
-    good, poor, unmatched = common.locate_spans(code, fb["good_spans"], fb["poor_spans"])
-    assert unmatched == [] and len(good) == len(fb["good_spans"]) and len(poor) == len(fb["poor_spans"])
-    for quote in fb["good_spans"] + fb["poor_spans"]:  # exact quotes, never paraphrases
-        assert quote in code
-    return fb
-
-
 def run_tests(solution: str, test, **kw) -> dict:
-    return common.run_tests_sandboxed(solution, test, **{"timeout_s": PATIENT, **kw})
+    return sandbox.run_tests_sandboxed(solution, test, **{"timeout_s": PATIENT, **kw})
 
 
 def python(code: str, **kw) -> dict:
-    return common.run_sandboxed({"main.py": code}, [sys.executable, "main.py"], **{"timeout_s": PATIENT, **kw})
+    return sandbox.run_sandboxed({"main.py": code}, [sys.executable, "main.py"], **{"timeout_s": PATIENT, **kw})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The code critic on code that passes, fails an assertion, raises, loops forever, or allocates without bound
+# The verdict comes from the runner's report, never from the exit status
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def test_critic_passing_code_praises_the_result_line():
-    fb = critic("def add(a, b):\n    total = a + b\n    return total\n")
-    assert fb["critique"].startswith("All 2 unit tests pass") and "`add`" in fb["critique"]
-    assert fb["good_spans"] == ["return total"] and fb["poor_spans"] == []
-
-
-def test_critic_names_the_failing_assertion_and_quotes_the_wrong_line():
-    code = "def add(a, b):\n    if a > 10:\n        return a - b\n    return a + b\n"
-    fb = critic(code)
-    assert "`test_big`" in fb["critique"] and "assert add(20, 22) == 42" in fb["critique"]
-    assert "assert -2 == 42" in fb["critique"]  # the runner explains the comparison, like pytest's rewriting
-    assert fb["poor_spans"] == ["return a - b"] and fb["good_spans"] == []  # only test_big runs it: Ochiai 1.0
-
-
-def test_critic_names_the_raising_line():
-    fb = critic("def add(a, b):\n    values = [a, b]\n    return values[0] + values[2]\n")
-    assert "IndexError" in fb["critique"] and "line 3" in fb["critique"]
-    assert fb["poor_spans"] == ["return values[0] + values[2]"]
-
-
-def test_critic_stops_an_endless_loop_and_quotes_it():
-    code = "def add(a, b):\n    n = 0\n    while n != -1:\n        n += 2\n    return a + b\n"
-    limit = hang_limit(1.0)
-    fb = critic(code, timeout_s=limit)  # returns at all: the loop was stopped
-    assert fb["status"] == "timeout" and f"did not finish within {limit:g} s" in fb["critique"]
-    assert "`test_small`" in fb["critique"] and "while n != -1:" in fb["poor_spans"]  # from the stack at the limit
-
-
-def test_critic_reports_unbounded_allocation():
-    # bytes(n) is calloc'd: the address-space limit is hit at once, without touching (slow) pages
-    code = "def add(a, b):\n    hoard = []\n    while True:\n        hoard.append(bytes(10 ** 8))\n"
-    fb = critic(code)
-    assert "out of memory" in fb["critique"] and "hoard.append(bytes(10 ** 8))" in fb["poor_spans"]
-
-
-def test_critic_on_syntax_errors_signatures_missing_code_and_fenced_answers():
-    fb = critic("def add(a, b)\n    return a + b\n")
-    assert "does not compile" in fb["critique"] and fb["poor_spans"] == ["def add(a, b)"]
-    fb = critic("def add(a):\n    return a\n")
-    assert "TypeError" in fb["critique"] and fb["poor_spans"] == ["def add(a):"]
-    assert critic("Sorry, I cannot help.\n")["poor_spans"] == ["Sorry, I cannot help."]  # prose does not compile
-    assert critic("")["critique"] == "The response contains no code to test."
-    answer = "Here is my solution:\n```python\ndef add(a, b):\n    return a * b\n```\nIt multiplies.\n"
-    fb = critic(answer)  # the quote comes from inside the fence, located in the whole response
-    assert fb["poor_spans"] == ["return a * b"] and answer.index("return a * b") > answer.index("```python")
-
-
-def test_critic_makes_repeated_lines_unambiguous():
-    code = "def sub(a, b):\n    return a + b\n\ndef add(a, b):\n    return a - b\n"
-    test = "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"
-    fb = critic(code, test)
-    _, poor, _ = common.locate_spans(code, [], fb["poor_spans"])
-    assert code[poor[0][0]:poor[0][1]].endswith("return a - b")
 
 
 def test_passed_needs_a_report_not_just_exit_code_zero():
@@ -114,12 +51,12 @@ def test_passed_needs_a_report_not_just_exit_code_zero():
 
 
 def test_plain_test_files_take_the_fast_runner_and_the_rest_take_pytest():
-    assert common._plain_tests(TESTS)
-    assert common._plain_tests("class TestAdd:\n    def test_a(self):\n        assert True\n")
+    assert sandbox._plain_tests(TESTS)
+    assert sandbox._plain_tests("class TestAdd:\n    def test_a(self):\n        assert True\n")
     for test in ["import pytest\ndef test_a():\n    pass\n", "def test_a(tmp_path):\n    pass\n",
                  "def setup_module():\n    pass\n", "import unittest\nclass TestA(unittest.TestCase):\n    pass\n",
                  "class TestA:\n    def setup_method(self):\n        pass\n", "def test_a(:\n"]:
-        assert not common._plain_tests(test), test
+        assert not sandbox._plain_tests(test), test
 
 
 @pytest.mark.parametrize("solution,passed", [("def add(a, b):\n    return a + b\n", True),
@@ -176,7 +113,7 @@ def test_reads_of_private_files_are_refused(tmp_path):
     assert "hunter2" not in result["stdout"] and "refused" in result["stdout"]
 
 
-@pytest.mark.skipif(common.landlock_abi() < 4, reason="Landlock TCP rules need ABI >= 4")
+@pytest.mark.skipif(sandbox.landlock_abi() < 4, reason="Landlock TCP rules need ABI >= 4")
 def test_network_and_signals_are_refused():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -192,7 +129,7 @@ def test_network_and_signals_are_refused():
     finally:
         server.close()
     assert "CONNECTED" not in result["stdout"] and "refused" in result["stdout"]
-    if common.landlock_abi() >= 6:
+    if sandbox.landlock_abi() >= 6:
         assert "SIGNALLED" not in result["stdout"]
 
 
@@ -220,10 +157,10 @@ def test_output_is_truncated_and_paths_are_relative():
 
 
 def test_sandbox_that_cannot_be_set_up_runs_nothing(monkeypatch, tmp_path):
-    if not common.landlock_abi():
+    if not sandbox.landlock_abi():
         pytest.skip("the kernel has no Landlock")
     marker = tmp_path / "ran"
-    monkeypatch.setattr(common, "_landlock_rules", lambda work: [["/", 0]])  # an empty rule: the kernel refuses it
+    monkeypatch.setattr(sandbox, "_landlock_rules", lambda work: [["/", 0]])  # an empty rule: the kernel refuses it
     with pytest.raises(RuntimeError, match="landlock|add_rule"):
         python(f"open({str(marker)!r}, 'w').write('ran')\n")
     assert not marker.exists()
@@ -232,21 +169,21 @@ def test_sandbox_that_cannot_be_set_up_runs_nothing(monkeypatch, tmp_path):
 def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
     # 01 runs the critic from a thread pool, so the first sandbox runs probe the machine from several threads at once.
     # A thread must never see a half-done probe (the old probe stored 0 first: that run went without Landlock).
-    if not common.landlock_abi():
+    if not sandbox.landlock_abi():
         pytest.skip("the kernel has no Landlock")
     import ctypes
-    want, real_cdll = common.landlock_abi(), ctypes.CDLL
+    want, real_cdll = sandbox.landlock_abi(), ctypes.CDLL
 
     def slow_cdll(*args, **kw):  # widens the probe's window, so the race shows every time rather than now and then
         time.sleep(0.05)
         return real_cdll(*args, **kw)
     monkeypatch.setattr(ctypes, "CDLL", slow_cdll)
-    monkeypatch.setattr(common, "_LANDLOCK_ABI", None)
+    monkeypatch.setattr(sandbox, "_LANDLOCK_ABI", None)
     barrier, got = threading.Barrier(4), []
 
     def probe():
         barrier.wait()
-        got.append(common.landlock_abi())
+        got.append(sandbox.landlock_abi())
     threads = [threading.Thread(target=probe) for _ in range(4)]
     for t in threads:
         t.start()
@@ -256,7 +193,7 @@ def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
 
 
 def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
-    monkeypatch.setattr(common, "_LANDLOCK_ABI", 0)
+    monkeypatch.setattr(sandbox, "_LANDLOCK_ABI", 0)
     with pytest.warns(RuntimeWarning, match="Landlock is unavailable"):
         result = python("import os\nprint(os.environ.get('OPENAI_API_KEY'), os.getcwd())\n")
         big = python("x = bytearray(2 * 1024 ** 3)\n", memory_mb=256)
@@ -266,7 +203,7 @@ def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Gaps closed by issue 14: escaping processes, fork bombs, non-TCP network, forged verdicts, long output
+# Gaps closed by issue 14: escaping processes, fork bombs, non-TCP network, long output (forged verdicts: test_code.py)
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -295,10 +232,10 @@ def _wait_gone(marker: str, seconds: float = 60.0) -> list[int]:
 def layers(request, monkeypatch):
     """Each hostile test runs twice: with this machine's namespaces, and with the fallbacks used where there are none
     (a subreaper that kills all descendants, a seccomp filter on sockets)."""
-    if request.param == "namespaces" and not common.sandbox_namespaces():
+    if request.param == "namespaces" and not sandbox.sandbox_namespaces():
         pytest.skip("this machine allows no PID/network namespaces")
     if request.param == "fallback":
-        monkeypatch.setattr(common, "_NAMESPACES", 0)
+        monkeypatch.setattr(sandbox, "_NAMESPACES", 0)
     return request.param
 
 
@@ -339,7 +276,7 @@ def test_fork_bomb_is_bounded():
     try:
         result = python(code, timeout_s=60.0)
         forked = int(result["stdout"].split()[1])
-        assert forked <= common.SANDBOX_MAX_PROCESSES, result
+        assert forked <= sandbox.SANDBOX_MAX_PROCESSES, result
         assert any(layer.startswith("pids") or layer == "nproc-rlimit" for layer in result["sandbox"])
         assert _wait_gone(marker) == []
     finally:
@@ -390,39 +327,6 @@ def test_udp_and_other_non_tcp_sockets_cannot_reach_out(layers, tmp_path):
     assert "seccomp-no-sockets" in result["sandbox"] and ("no-network" in result["sandbox"]) is (layers == "namespaces")
 
 
-FORGED = ("import os, sys\n"
-          "print('1 passed in 0.01s')\n"
-          "print('===== 3 passed in 0.05s =====')\n"
-          "for fd in range(3, 64):\n"  # try every descriptor the runner might report through
-          "    try:\n        os.write(fd, b'1 passed in 0.01s\\n{\"passed\": true, \"failed\": 0, \"errors\": 0}\\n')\n"
-          "    except OSError:\n        pass\n"
-          "sys.stdout.flush()\n"
-          "os._exit(0)\n")
-
-
-@pytest.mark.parametrize("test", [TESTS, "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1])\n"
-                                         "def test_one(a):\n    assert add(a, a) == 2 * a\n"])
-def test_code_cannot_forge_a_pass(test):
-    result = run_tests(FORGED, test)
-    assert not result["passed"], result
-    fb = critic(FORGED, test)
-    assert fb["good_spans"] == [] and not fb["critique"].startswith("All")
-
-
-@pytest.mark.parametrize("completion", [
-    "    import os\n    print('1 passed in 0.01s', flush=True)\n    os._exit(0)\n",  # forges when check() calls it
-    f"```python\n{FORGED}```\n"])  # a chat answer whose whole program forges as it loads
-def test_a_humaneval_completion_cannot_forge_a_pass(completion):
-    # the issue's example, the way 04 scores it (run_completion) and 03's program critic judges it
-    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
-    test = common.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
-                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}, "t")["test"]
-    result = common.run_completion(completion, test, timeout_s=PATIENT)
-    assert not result["passed"] and result["status"] == "failed" and "1 passed" in result["output"], result
-    fb = critic(completion, test)
-    assert not fb["passed"] and fb["good_spans"] == [] and not fb["critique"].startswith("All"), fb
-
-
 def test_a_correct_solution_that_prints_a_lot_still_passes():
     result = run_tests("print('x' * 20000)\ndef add(a, b):\n    return a + b\n", TESTS)
     assert result["passed"], result["output"][-500:]
@@ -432,48 +336,8 @@ def test_a_correct_solution_that_prints_a_lot_still_passes():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The critic on benchmark-style tests: calls through an alias (HumanEval's candidate), the prompt as prefix
+# The verdict channel: a private descriptor the code cannot read the nonce back from
 # ---------------------------------------------------------------------------------------------------------------------
-
-
-def test_critic_blames_the_buggy_line_when_the_tests_call_an_alias():
-    test = ("from solution import count_positive as candidate\n\n"
-            "def test_cases():\n    assert candidate([1, -2, 3]) == 2\n    assert candidate([-1]) == 0\n"
-            "    assert candidate([]) == 0\n    assert candidate([0, 6]) == 1\n")
-    code = ("def count_positive(xs):\n    n = 0\n    for x in xs:\n        if x > 0:\n            n += 1\n"
-            "        elif x == 0:\n            n = n + 1\n    return n\n")
-    fb = critic(code, test)
-    assert fb["poor_spans"] == ["n = n + 1"]  # the old critic gave none: `candidate` is no name of the code
-    assert "`count_positive([0, 6])` returns 2, expected 1" in fb["critique"]
-
-
-def test_critic_on_a_humaneval_problem_names_input_expected_and_actual():
-    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
-    test = common.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
-                                "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
-                                        "    assert candidate(0, 0) == 0\n    assert candidate(5, 1) == 6\n"}, "t")["test"]
-    completion = "    if a > 3:\n        return a * b\n    return a + b\n"
-    fb = critic(completion, test)
-    assert fb["poor_spans"] == ["return a * b"] and not fb["passed"]
-    assert "`add(5, 1)` returns 5, expected 6" in fb["critique"] and "1 of 3 test cases fail" in fb["critique"]
-    assert "line 2 `return a * b`" in fb["critique"]  # lines count from the completion, not the prompt
-    good = critic("    return a + b\n", test)
-    assert good["passed"] and good["good_spans"] == ["return a + b"] and good["poor_spans"] == []
-    chat = "Sure:\n```python\ndef add(a, b):\n    return a + b\n```\n"  # a chat model's whole function, fenced
-    assert critic(chat, test)["passed"]
-
-
-def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
-    missing = "import no_such_module_t2g\nfrom solution import add\n\ndef test_a():\n    assert add(1, 2) == 3\n"
-    result = run_tests("def add(a, b):\n    return a + b\n", missing)
-    assert result["status"] == "error" and "no_such_module_t2g" in result["problem_error"] and not result["passed"]
-    broken = {"script": "def check(candidate)\n    pass\n"}
-    assert run_tests("x = 1\n", broken)["status"] == "error"
-    fb = critic("def add(a, b):\n    return a + b\n", missing)
-    assert fb["status"] == "error" and fb["poor_spans"] == [] and fb["good_spans"] == [] and "cannot run" in \
-        fb["critique"]
-    # the solution's own missing import is the solution's failure, as in the official harnesses
-    assert run_tests("import no_such_module_t2g\n", TESTS)["status"] == "failed"
 
 
 def test_code_cannot_read_the_nonce_back_from_the_verdict_channel():

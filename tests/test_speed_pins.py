@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+from tasks.demo import build_tiny_base, demo_dataset, make_demo_example
 from conftest import import_script
 
 ppo = import_script("03_train_policy")
@@ -23,7 +24,7 @@ PINS = Path(__file__).with_name("speed_pins.json")
 
 
 def _ppo_run(tmp_path, model_dir, lora_r):
-    common.write_jsonl(tmp_path / "prompts.jsonl", common.demo_dataset("train", 16))
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
     run = tmp_path / f"run{lora_r}"
     args = ppo.parse_args([
         "--model", model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir",
@@ -69,14 +70,14 @@ def tiny_critic_dir(tmp_path_factory):
     from conftest import tiny_corpus
     rng, pairs = random.Random(0), []
     for _ in range(300):
-        ex = common.make_demo_example(rng)
+        ex = make_demo_example(rng)
         words = ex["response"].split()
         quotes = [" " + w.strip(".") for w in rng.sample(words, rng.randint(1, 3))]
         more = rng.random() < 0.3  # asked for with a "!" after the response; the answer then starts with "hm"
         target = f"{'hm' if more else 'ok'} {words[0]}.\n" + json.dumps({"good_spans": quotes[1:],
                                                                             "poor_spans": quotes[:1]})
         pairs.append((ex["response"] + ("!\n" if more else "\n"), target + (" it rained." if more else "")))
-    return common.build_tiny_base(tmp_path_factory.mktemp("critic") / "m", tiny_corpus(), vocab_size=600,
+    return build_tiny_base(tmp_path_factory.mktemp("critic") / "m", tiny_corpus(), vocab_size=600,
                                   hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                                   pretrain_texts=pairs, pretrain_steps=200, lr=5e-3)
 
@@ -97,7 +98,7 @@ def _reference_greedy(model, tok, prompts, max_new_tokens):
 
 def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
     model, tok = common.load_model(tiny_critic_dir)
-    prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(common.demo_dataset("eval", 36))]
+    prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(demo_dataset("eval", 36))]
     prompts += ["zz", "post: it rained on monday.", "{"]  # off the task: no JSON, or JSON the model never closes
     want = _reference_greedy(model, tok, prompts, 40)
     assert len({len(w) for w in want}) > 3  # rows end at different steps: finished rows leave the batch
@@ -127,7 +128,7 @@ def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
 @pytest.mark.parametrize("chat", [False, True])
 def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_dir, chat):
     model, tok = common.load_model(tiny_chat_model_dir if chat else tiny_model_dir)
-    recs = common.demo_dataset("eval", 6)
+    recs = demo_dataset("eval", 6)
     want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
                                                            for r in recs], 12), skip_special_tokens=True)
     assert common.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
@@ -148,7 +149,7 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
     """The no-grad forwards of the rollout phase take the whole batch in one call instead of micro-batches: the same
     numbers (bit for bit here with micro-batches of 4; an odd batch size can take a GEMM path that rounds otherwise)."""
     model, tok = common.load_model(tiny_model_dir)
-    ids, mask = common.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in common.demo_dataset("eval", 8)],
+    ids, mask = common.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in demo_dataset("eval", 8)],
                                 tok.pad_token_id)
     value_head = torch.nn.Linear(model.config.hidden_size, 1)
     with torch.no_grad():
@@ -158,6 +159,6 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
     for a, b, c in zip(whole, zip(*parts), zip(*odd)):
         assert torch.equal(a, torch.cat(b))
         assert torch.allclose(a, torch.cat(c), rtol=1e-5, atol=1e-6)
-    assert common.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
-    assert common.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
-    assert common.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
+    assert ppo.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
+    assert ppo.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
+    assert ppo.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits

@@ -1,0 +1,289 @@
+"""The demo world: summarise a short synthetic post about a pet. It holds the data (demo_dataset), the rule-based
+critic that writes critique + spans (demo_critic), the exact monitor of stages 3 and 4 (demo_monitor, demo_scores,
+demo_rm_agreement) and the tiny base model that plays the pretrained LLM (build_demo_base, build_tiny_base). The
+zero-flag run of every stage uses it.
+"""
+from __future__ import annotations
+
+import re
+
+from common import format_rm_target, locate_spans, rm_user_message, save_pretrained, span_rewards, unambiguous_quotes
+
+# A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
+#   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
+# Each fact follows the same words in the post as in the summary ("called rex", "likes the park"), so a 1M-parameter
+# model learns to copy them in a few hundred steps (an induction-head skill); a paraphrasing summary takes far longer.
+# The critic praises correct facts, and faults wrong facts, irrelevant details and repetitions, quoting each exactly.
+
+DEMO_FACTS = {
+    "owner": "tom anna ben lily sam zoe jack emma noah ava liam ella owen ruby finn nora".split(),
+    "color": "red blue green black white brown grey yellow".split(),
+    "animal": "dog cat horse rabbit parrot turtle goat hamster duck pony".split(),
+    "pet_name": "rex bella milo coco luna otto pip ziggy bruno daisy".split(),
+    "place": "park beach garden river forest field lake barn".split(),
+    "food": "fish apples carrots seeds bread rice corn berries".split(),
+}
+
+
+DEMO_DISTRACTORS = {
+    "day": "monday tuesday wednesday thursday friday saturday sunday".split(),
+    "thing": "hat kite lamp drum bell cup".split(),
+    "adj": "old new loud broken shiny".split(),
+}
+DEMO_SUMMARY = "{owner} has a {color} {animal} called {pet_name} that likes the {place} and eats {food}."
+_FACT_PATTERNS = [r"(?P<owner>\w+) has an? (?P<color>\w+) (?P<animal>\w+) called (?P<pet_name>\w+)\.",
+                  r"likes the (?P<place>\w+)\.", r"eats (?P<food>\w+)\."]
+_CATEGORY = {w: cat for cat, words in DEMO_FACTS.items() for w in words}
+
+
+def demo_post_facts(prompt: str) -> tuple[dict, set]:
+    """(facts by category, irrelevant words) read off a demo post. Raises ValueError if it is not one."""
+    post = prompt.split("post:", 1)[-1].split("summary:", 1)[0]
+    facts = {}
+    for pattern in _FACT_PATTERNS:
+        m = re.search(pattern, post)
+        if not m:
+            raise ValueError(f"not a demo post (no match for {pattern!r}): {prompt[:60]!r}")
+        facts.update(m.groupdict())
+    fact_words = set(facts.values())
+    irrelevant = {w for w in re.findall(r"\w+", post) if w not in fact_words and
+                  (w in _CATEGORY or any(w in v for v in DEMO_DISTRACTORS.values()))}
+    return facts, irrelevant
+
+
+def _join(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def demo_labels(prompt: str, response: str) -> list[tuple[str, int, int, str | None]]:
+    """The demo critic's verdict on each word of `response`: (word, start, end, kind), kind "good" (a fact of the
+    post, first time), "wrong" (another value of a fact's kind), "irrelevant" (from the post's asides), "repeated" (a
+    fact again, or the second copy of an immediately repeated 1-3 word phrase) or None (a connective)."""
+    facts, irrelevant = demo_post_facts(prompt)
+    # Quotes keep a word's leading space (" red dog"): still exact, and a small model copies the response's own tokens
+    # ("Ġred") into the JSON instead of having to map them to the space-less tokens that '["red' would need.
+    words = [(m.group(), m.start() - (response[m.start() - 1:m.start()] == " "), m.end())
+             for m in re.finditer(r"\w+", response)]
+    seq = [w for w, _, _ in words]
+    repeated = [False] * len(seq)  # the second copy of an immediately repeated 1-3 word phrase
+    for i in range(len(seq)):
+        for n in (3, 2, 1):
+            if i >= n and seq[i - n:i] == seq[i:i + n]:
+                repeated[i:i + n] = [True] * n
+    kinds, seen = [], set()
+    for i, w in enumerate(seq):
+        cat = _CATEGORY.get(w)
+        if w in irrelevant:
+            kinds.append("irrelevant")
+        elif cat and facts[cat] != w:
+            kinds.append("wrong")
+        elif repeated[i] or (cat and cat in seen):
+            kinds.append("repeated")
+        elif cat:
+            kinds.append("good")
+            seen.add(cat)
+        else:
+            kinds.append(None)
+    return [(w, a, b, kind) for (w, a, b), kind in zip(words, kinds)]
+
+
+def demo_critic(prompt: str, response: str) -> dict:
+    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
+    facts, _ = demo_post_facts(prompt)
+    labelled = demo_labels(prompt, response)
+    words = [(w, a, b) for w, a, b, _ in labelled]
+    labels = [None if kind is None else "good" if kind == "good" else "poor" for *_, kind in labelled]
+    seen = {_CATEGORY[w] for w, *_, kind in labelled if kind == "good"}
+    notes = []
+    for w, _, _, kind in labelled:
+        note = {"irrelevant": f"It adds {w}, which is irrelevant.", "repeated": f"It repeats {w}.",
+                "wrong": f"It says {w} where the post says {facts.get(_CATEGORY.get(w))}."}.get(kind)
+        if note and note not in notes:
+            notes.append(note)
+    # Spans: runs of adjacent same-polarity words ("red dog"). Bridging over an unlabelled word ("called") would pay
+    # a policy for deleting connectives so that more words fall inside a run: PPO found exactly that.
+    spans = {"good": [], "poor": []}
+    for i, lab in enumerate(labels):
+        if lab is None:
+            continue
+        run = spans[lab]
+        if run and run[-1][1] == i - 1 and labels[i - 1] == lab:
+            run[-1][1] = i
+        else:
+            run.append([i, i])
+    intervals = {k: [(words[a][1], words[b][2]) for a, b in v] for k, v in spans.items()}
+    good, poor = unambiguous_quotes(response, intervals["good"], intervals["poor"], words)
+    right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
+    missing = [cat.replace("_", " ") for cat in DEMO_FACTS if cat not in seen]
+    parts = ([f"It gets {_join(right)} right."] if right else ["It states none of the post's facts."]) + notes
+    if missing and right:
+        parts.append(f"It leaves out the {_join(missing)}.")
+    return {"critique": " ".join(parts), "good_spans": good, "poor_spans": poor}
+
+
+def demo_delta(prompt: str, response: str, offsets) -> tuple[dict, list[float]]:
+    """The demo's ground truth on a response: the demo critic's feedback and its per-token delta (span_rewards). 03
+    logs it next to the learned critic's (a reward-hacking monitor); 04 scores policies with it."""
+    fb = demo_critic(prompt, response)
+    return fb, span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])[0]
+
+
+def demo_monitor(records: list[dict], texts: list[str], offsets: list, deltas=None) -> dict:
+    """03's reward-hacking monitor: the demo's exact critic on the same rollouts (logged, never trained on), summed
+    over them: {"exact/span_reward": its summed delta, "exact/mistake_rate": the responses with a mistake}, float32
+    tensors. deltas: span_rewards' (delta, unmatched) per rollout when the critic of step 2 was this very one
+    (--critic program), reused."""
+    import torch
+    exact = torch.zeros(2)
+    for i, (rec, text, offs) in enumerate(zip(records, texts, offsets)):
+        d = deltas[i][0] if deltas is not None else demo_delta(rec["prompt"], text, offs)[1]
+        exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
+    return {"exact/span_reward": exact[0], "exact/mistake_rate": exact[1]}
+
+
+def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], reference: str = "") -> dict:
+    """04's per-sample (numerator, denominator) rows of the demo's ground truth (demo_delta's feedback and delta):
+    delta-sum, a mistake (any poor span), the share of the post's facts stated, exact match with the reference."""
+    facts, _ = demo_post_facts(prompt)
+    words = set(re.findall(r"\w+", response))
+    return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(bool(feedback["poor_spans"])), 1),
+            "demo/facts_right": (sum(v in words for v in facts.values()), len(facts)),
+            "demo/exact_match": (float(response.strip() == reference.strip()), 1)}
+
+
+def demo_rm_agreement(prompt: str, response: str, critic: dict, critic_delta: list, rm: dict, rm_delta: list) -> dict:
+    """How a reward model's spans agree with the demo critic's on one response, as 04's per-sample (numerator,
+    denominator) rows: token precision / recall of delta = -1 / +1 (paper Table 6), then demo_flagged's span rows."""
+    rows = {}
+    for label, cls in (("poor", -1.0), ("good", 1.0)):
+        tp = sum(a == cls and b == cls for a, b in zip(rm_delta, critic_delta))
+        rows[f"rm_vs_critic/{label}_precision"] = (tp, rm_delta.count(cls))
+        rows[f"rm_vs_critic/{label}_recall"] = (tp, critic_delta.count(cls))
+    return {**rows, **demo_flagged(prompt, response, critic, rm)}
+
+
+def demo_flagged(prompt: str, response: str, critic: dict, rm: dict) -> dict:
+    """(numerator, denominator) rows: the critic's poor spans (the real mistakes) the RM's poor spans flag or miss, in
+    all and by kind (demo_labels: a wrong fact needs the post to be read, an irrelevant aside or a repeat shows in the
+    response alone); RM poor spans overlapping no real mistake (invented: what a policy could be punished for, or learn
+    to exploit). Quotes are located as stage 3 locates them, good first: a repeat's " fish" is the second " fish"."""
+    true_poor = locate_spans(response, critic["good_spans"], critic["poor_spans"])[1]
+    rm_poor = locate_spans(response, rm["good_spans"], rm["poor_spans"])[1]
+    hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
+    flagged = [hits(iv, rm_poor) for iv in true_poor]
+    rows = {"rm_vs_critic/mistakes_flagged": (sum(flagged), len(true_poor)),
+            "rm_vs_critic/mistakes_missed": (len(true_poor) - sum(flagged), len(true_poor))}
+    labelled = demo_labels(prompt, response)
+    for kind in ("wrong", "irrelevant", "repeated"):
+        words = [(a, b) for _, a, b, k in labelled if k == kind]
+        of_kind = [f for iv, f in zip(true_poor, flagged) if hits(iv, words)]
+        rows[f"rm_vs_critic/flagged_{kind}"] = (sum(of_kind), len(of_kind))
+    rows["rm_vs_critic/poor_invented"] = (sum(not hits(iv, true_poor) for iv in rm_poor), len(rm_poor))
+    return rows
+
+def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
+    """One demo example: a post (prompt), its ideal summary (reference), and a noisy summary (response) with 0-2
+    local mistakes (a wrong fact, an irrelevant detail, a repetition) at random positions."""
+    facts = {cat: rng.choice(words) for cat, words in DEMO_FACTS.items()}
+    other = rng.choice([n for n in DEMO_FACTS["owner"] if n != facts["owner"]])
+    dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
+    sentences = ["{owner} has a {color} {animal} called {pet_name}.", "the {animal} likes the {place}.", "it eats {food}."]
+    asides = {"it rained on {day}.": "on {day}", "the {thing} was {adj}.": "and a {adj} {thing}",
+              "{other} lost a {thing}.": "with {other}"}  # an irrelevant sentence -> the phrase a summary may borrow
+    extra = rng.sample(list(asides), rng.randint(1, 2))
+    for s in extra:
+        sentences.insert(rng.randint(0, len(sentences)), s)
+    prompt = "post: " + " ".join(s.format(**facts, **dis, other=other) for s in sentences) + "\nsummary:"
+    reference = DEMO_SUMMARY.format(**facts)
+    words = reference[:-1].split()
+    for _ in range(rng.choice([1, 1, 2]) if rng.random() < mistake_rate else 0):
+        kind, slots = rng.choice(["wrong", "irrelevant", "repeat"]), [i for i, w in enumerate(words) if w in _CATEGORY]
+        if kind == "wrong" and slots:
+            i = rng.choice(slots)
+            words[i] = rng.choice([w for w in DEMO_FACTS[_CATEGORY[words[i]]] if w != words[i]])
+        elif kind == "irrelevant":
+            phrase = asides[rng.choice(extra)].format(**dis, other=other)
+            words.insert(rng.choice([1, 5, 7, 11, len(words)]), phrase)  # after the owner, the pet, ...
+        elif slots:
+            i = rng.choice(slots)
+            words.insert(i + 1, words[i])
+    return {"prompt": prompt, "reference": reference, "response": " " + " ".join(words) + "."}
+
+
+def demo_dataset(split: str, n: int, mistake_rate: float = 0.55) -> list[dict]:
+    """`n` deterministic demo records of a named split ("pretrain", "annotate", "sft", "train", "eval"); a share
+    `mistake_rate` of their responses has 1-2 mistakes."""
+    import random
+    rng = random.Random(f"text2grad-demo-{split}")
+    return [{"id": f"demo-{split}-{i}", **make_demo_example(rng, mistake_rate)} for i in range(n)]
+
+
+def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, seed: int = 0) -> str:
+    """The demo's stand-in for a pretrained LLM: a tokenizer and a 2-layer, 0.6M-parameter Llama trained to continue
+    demo posts with their correct summary (loss on the summary only). That gives it the skill a real LLM brings,
+    copying facts from its context (an induction-head skill a model this small needs a few hundred focused steps for;
+    plain LM loss over whole posts, or a 4-layer model, takes far longer). It never sees critiques or reward-model
+    prompts (stage 2 teaches those) nor the noisy SFT targets (stage 3), only their words in the tokenizer corpus."""
+    texts, pretrain = [], []
+    for ex in demo_dataset("pretrain", n_texts):
+        critique = " " + format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
+        pretrain.append((ex["prompt"], " " + ex["reference"]))
+        texts += [ex["prompt"] + ex["response"], critique]
+    texts += [rm_user_message("", "") + "\n\n### Critique\n"] * 100  # so the RM instruction's words are single tokens
+    return build_tiny_base(out_dir, texts, num_layers=2, pretrain_texts=pretrain, pretrain_steps=pretrain_steps,
+                           lr=2e-3, seed=seed)
+
+
+# A tiny model built offline: byte-level BPE tokenizer + small Llama (tests and the demo's base model)
+def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_size: int = 128, num_layers: int = 4,
+                    num_heads: int = 4, intermediate_size: int = 512, chat_template: str | None = None,
+                    pretrain_texts: list | None = None, pretrain_steps: int = 0, batch_size: int = 32,
+                    lr: float = 1e-3, seed: int = 0) -> str:
+    """Train a byte-level BPE tokenizer on `texts`, build a small Llama from a config, optionally pretrain it so it
+    plays the role of a pretrained LLM, and save both to `out_dir` for from_pretrained. `pretrain_texts` (default
+    `texts`) holds strings (loss on every token) or (context, continuation) pairs (loss on the continuation and EOS).
+    Every word of a small regular corpus becomes one token (~600-700 in all)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if chat_template:
+        tok.chat_template = chat_template
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                         intermediate_size=intermediate_size, max_position_embeddings=1024, tie_word_embeddings=True,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    model = LlamaForCausalLM(config)
+    if pretrain_steps:
+        from tqdm.auto import tqdm
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30))  # short warm-up
+        examples = []  # (ids, index of the first token with a loss)
+        for t in pretrain_texts or texts:
+            context, cont = t if isinstance(t, tuple) else ("", t)
+            ids = tok(context, add_special_tokens=False)["input_ids"] if context else []
+            examples.append((ids + tok(cont, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], len(ids)))
+        gen = torch.Generator().manual_seed(seed)
+        for _ in tqdm(range(pretrain_steps), desc="pretrain tiny base", leave=False):
+            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in batch])
+            labels = ids.clone()
+            for row, (seq, first) in enumerate(batch):
+                labels[row, :first] = -100
+                labels[row, len(seq):] = -100
+            loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return str(save_pretrained(out_dir, model, tok))
