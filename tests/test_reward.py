@@ -375,8 +375,8 @@ def test_a_reward_model_trained_from_a_relative_path_loads_from_any_directory(tm
     """`--model runs/smollm2` is how a user names a local base. The adapter records its base by that path, so it must
     be absolute: stage 3 and the benches load the reward model from other working directories."""
     shutil.copytree(tiny_model_dir, tmp_path / "work" / "base")
-    common.write_jsonl(tmp_path / "work" / "ann.jsonl", [{**ex, **common.demo_critic(ex["prompt"], ex["response"]),
-                                                          "status": "ok"} for ex in common.demo_dataset("annotate", 8)])
+    common.write_jsonl(tmp_path / "work" / "ann.jsonl", [{**ex, **demo_critic(ex["prompt"], ex["response"]),
+                                                          "status": "ok"} for ex in demo_dataset("annotate", 8)])
     monkeypatch.chdir(tmp_path / "work")
     rm.main(rm.parse_args(["--model", "base", "--data", "ann.jsonl", "--output-dir", "rm", "--max-steps", "1",
                            "--batch-size", "4", "--eval-limit", "0", "--device", "cpu", *LORA]))
