@@ -5,7 +5,7 @@ train() is Alg. 4's loop, one named step per line of it (the step numbers are ou
   2. critic           the critic writes a critique c and quotes good / poor spans of each y (make_critic)
   3. span_deltas      spans -> character intervals -> per-token delta_t in {-1, 0, +1} (§3.3, common.span_rewards)
   4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy from score_rollouts
-  5. compute_gae      advantages A_t by GAE over r_t, then whitened
+  5. compute_gae      advantages A_t by GAE over r_t, then whitened (--advantage rloo: compute_rloo, no value head)
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches (ppo_loss)
   7. log_iteration    the iteration's metrics on the global batch, samples, checkpoints
 The file reads top to bottom: the arguments; the pure tensor functions of steps 4-6 (copy them into your own project
@@ -120,6 +120,9 @@ def parse_args(argv=None):
     a("--whiten-rewards", action="store_true", help="whiten rewards (scale only) before GAE")
     a("--gamma", type=float, default=1.0, help="discount")
     a("--lam", type=float, default=0.95, help="GAE lambda")
+    a("--advantage", default="gae", choices=["gae", "rloo"], help="gae: GAE with the value head (compute_gae); "
+      "rloo: no value head, each token's\nreward-to-go minus the other samples' mean return (compute_rloo)")
+    a("--rloo-k", type=int, default=4, help="--advantage rloo: samples per prompt (>= 2, divides --batch-size)")
     # --- PPO update
     a("--lr", type=float, help="learning rate (LoRA weights and value head)")
     a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
@@ -158,7 +161,10 @@ def parse_args(argv=None):
                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
                                   ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
                                   ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
-                                  ("--grad-accum", args.grad_accum, args.grad_accum >= 1, ">= 1")):
+                                  ("--grad-accum", args.grad_accum, args.grad_accum >= 1, ">= 1"),
+                                  ("--rloo-k", args.rloo_k, args.advantage == "gae" or (
+                                      args.rloo_k >= 2 and args.batch_size % args.rloo_k == 0),
+                                   ">= 2 and divide --batch-size (samples of one prompt)")):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be {rule}")
     return args
@@ -240,6 +246,25 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
         advantages[:, t] = running
     advantages = advantages * mask
     return advantages, (advantages + values) * mask
+
+
+def compute_rloo(rewards, mask, k: int, gamma: float = 1.0):
+    """Critic-free advantages (--advantage rloo; step 5 without a value head). Rows come in groups of k >= 2 samples
+    of one prompt (rows j*k .. j*k+k-1). RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns
+    (PRIME, Cui et al. 2025):
+      G_t = sum_{s>=t} gamma^(s-t) r_s            r_t from compute_rewards: delta_t - beta*KL_t, as for GAE
+      A_t = G_t - 1/(k-1) * sum_{other samples i of the prompt} G_0^i
+    With the whole reward on the last token it is plain RLOO: every token of a sample gets R - mean(others' R).
+    Returns (advantages, returns = G), both 0 where mask is 0."""
+    rewards = rewards * mask
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running
+        returns[:, t] = running
+    start = returns[:, 0].reshape(-1, k)                                       # (B/k, k) each sample's return
+    baseline = (start.sum(1, keepdim=True) - start) / (k - 1)                  # (B/k, k) the others' mean
+    return (returns - baseline.reshape(-1, 1)) * mask, returns * mask
 
 
 def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
@@ -538,7 +563,8 @@ def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, wo
                                                 args.clip_range_value)
                 with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
                     entropy = masked_mean(entropy_from_logits(logits), b["mask"][m])
-                loss = pg_loss + args.vf_coef * vf_loss - args.ent_coef * entropy
+                vf_coef = args.vf_coef if args.advantage == "gae" else 0.0  # rloo: the value head is not used
+                loss = pg_loss + vf_coef * vf_loss - args.ent_coef * entropy
                 scaler.scale(loss * b["mask"][m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
                 stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
                               "losses/entropy": entropy.item()})
@@ -815,7 +841,9 @@ def train(args):
                total=args.steps, disable=rank != 0)
     for step in bar:
         clock = {"start": time.time()}
-        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed)
+        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed) if args.advantage == "gae" else \
+            [i for i in batch_indices(step - 1, args.batch_size // args.rloo_k, len(records), args.seed)
+             for _ in range(args.rloo_k)]                                  # rloo: k samples of each prompt, in a row
         idx = idx[rank * local_bs:(rank + 1) * local_bs]                                           # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
@@ -835,8 +863,9 @@ def train(args):
         g["rewards"] = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, args.reward_mode, seq_bonus)
         if args.whiten_rewards:
             g["rewards"] = masked_whiten(g["rewards"], g["mask"], shift_mean=False)
-        # 5. advantages A_t by GAE over r_t, whitened (§3.5)
-        g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam)
+        # 5. advantages A_t by GAE over r_t (§3.5), or by RLOO without the value head; whitened
+        g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam) \
+            if args.advantage == "gae" else compute_rloo(g["rewards"], g["mask"], args.rloo_k, args.gamma)
         g["advantages"] = masked_whiten(g["advantages"], g["mask"])
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
         b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]

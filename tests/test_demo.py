@@ -128,8 +128,8 @@ def test_stage2_reward_model_saved_and_evaluated(demo):
     run, _ = demo
     rm = run / "reward_model"
     info = json.loads((rm / "reward_model.json").read_text())
-    assert info["base_model"] == "runs/demo/base" and info["train"]["steps"] == import_script("02_train_reward").DEMO[
-        "max_steps"]
+    assert info["base_model"] == str((run / "base").resolve())  # stored absolute: loads from any directory
+    assert info["train"]["steps"] == import_script("02_train_reward").DEMO["max_steps"]
     assert (rm / "model.safetensors").is_file()  # the demo's reward model is fully fine-tuned
     ev = json.loads((rm / "eval.json").read_text())
     assert ev["n"] == 50 and 0.0 <= ev["parse_rate"] <= 1.0

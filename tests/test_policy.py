@@ -110,6 +110,70 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
          [1.0, 0.7, 0.0, 0.4, 0.1, -1.0, 0.0, 0.0, 0.0, 0.0]]))
 
 
+def rloo_reference(rewards, lengths, k, gamma):
+    """RLOO advantages by a direct loop on python floats: G_t = sum_{s>=t} gamma^(s-t) r_s over a row's own tokens,
+    minus the mean of G_0 over the other k-1 rows of its group."""
+    G = [[sum(gamma ** (s - t) * row[s] for s in range(t, n)) for t in range(n)] for row, n in zip(rewards, lengths)]
+    start = [g[0] if g else 0.0 for g in G]
+    out = []
+    for i, g in enumerate(G):
+        group = range(i // k * k, i // k * k + k)
+        base = sum(start[j] for j in group if j != i) / (k - 1)
+        out.append([x - base for x in g])
+    return out, G
+
+
+@pytest.mark.parametrize("k,gamma", [(2, 1.0), (3, 1.0), (3, 0.9)])
+def test_rloo_matches_a_direct_loop_with_ragged_masks(k, gamma):
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 1, 5, 3, 8, 2][:6 // k * k]
+    B, T = len(lengths), 9
+    rewards = torch.randn(B, T, generator=g)
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    adv, ret = ppo.compute_rloo(rewards, mask, k, gamma)
+    want_adv, want_ret = rloo_reference(rewards.tolist(), lengths, k, gamma)
+    for b, n in enumerate(lengths):
+        assert adv[b, :n].tolist() == pytest.approx(want_adv[b], abs=1e-5)
+        assert ret[b, :n].tolist() == pytest.approx(want_ret[b], abs=1e-5)
+        assert adv[b, n:].abs().sum() == 0 and ret[b, n:].abs().sum() == 0
+
+
+def test_rloo_with_the_reward_on_the_last_token_is_plain_rloo():
+    """delta only at the last token, no KL: every token of sample i gets R_i - mean of the other samples' R."""
+    R = [1.0, -2.0, 0.5, 3.0, 0.0, -1.0]  # two prompts, k = 3
+    lengths = [4, 2, 5, 3, 5, 1]
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths])
+    delta = torch.zeros(6, 5)
+    for i, n in enumerate(lengths):
+        delta[i, n - 1] = R[i]
+    rewards = ppo.compute_rewards(delta, torch.zeros(6, 5), mask, 0.1, "span")
+    adv, _ = ppo.compute_rloo(rewards, mask, 3)
+    for i, n in enumerate(lengths):
+        others = [R[j] for j in range(i // 3 * 3, i // 3 * 3 + 3) if j != i]
+        assert adv[i, :n].tolist() == pytest.approx([R[i] - sum(others) / 2] * n)
+
+
+def test_rloo_run_samples_each_prompt_k_times_and_leaves_the_value_head(tmp_path, tiny_model_dir):
+    """--advantage rloo --rloo-k 2: the batch holds 2 samples of each prompt, in a row; the advantages are compute_rloo
+    of the run's own rewards; the value head gets no gradient, so it is not trained."""
+    d, _ = _dump(tmp_path, tiny_model_dir, "rloo", "--advantage", "rloo", "--rloo-k", "2")
+    samples = [json.loads(x) for x in (tmp_path / "rloo" / "samples.jsonl").read_text().splitlines()]
+    prompts = [s["prompt"] for s in samples][:4]
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
+    import numpy as np
+    mask = d["mask"].double()
+    rewards = (d["delta"] - d["kl_coef"] * d["kl"]) * d["mask"]
+    for i in range(mask.shape[0]):
+        rewards[i, int(mask[i].sum()) - 1] -= 0.0 if d["has_eos"][i] else 1.0
+    adv, ret = ppo.compute_rloo(rewards.double(), mask, 2)
+    valid = adv[mask > 0].numpy()
+    want = (adv.numpy() - valid.mean()) / np.sqrt(valid.var() + 1e-8) * mask.numpy()
+    assert torch.allclose(d["advantages"].double(), torch.from_numpy(want), atol=1e-4)
+    assert torch.allclose(d["returns"].double(), ret, atol=1e-5)
+    head = torch.load(tmp_path / "rloo" / "policy" / "value_head.pt", weights_only=True)
+    assert all(v.abs().sum() == 0 for v in head.values())  # zero-init and never updated
+
+
 def test_batch_indices_cover_each_pass_once_and_are_reproducible():
     first_pass = sum((ppo.batch_indices(s, 4, 10, seed=3) for s in range(5)), [])
     assert sorted(first_pass[:10]) == list(range(10)) and sorted(first_pass[10:20]) == list(range(10))
@@ -801,4 +865,15 @@ def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
                            str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flag} {value}: must be ")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["1", "3"])
+def test_rloo_k_must_group_the_batch(tmp_path, value):
+    """--advantage rloo needs >= 2 samples per prompt (a leave-one-out mean of nothing) that tile the batch of 8."""
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--advantage", "rloo", "--rloo-k", value,
+                           "--batch-size", "8", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --rloo-k {value}: must be >= 2 and divide")
     assert not (tmp_path / "run").exists()
