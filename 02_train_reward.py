@@ -13,6 +13,7 @@ CPU demo (zero flags; reads runs/demo/annotations.jsonl and runs/demo/base from 
     python 02_train_reward.py
     python 02_train_reward.py --resume                  # continue an interrupted run from its last checkpoint
     torchrun --nproc_per_node 2 02_train_reward.py      # the same run as 2 DDP processes (gloo on CPU)
+    python 02_train_reward.py --rm-format spans-only --output-dir runs/demo/rm_spans_only   # w/o CoT (Table 2)
 
 GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 is on by default on CUDA):
     python 02_train_reward.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \\
@@ -111,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's "
                    "default (reward_model.json)")
     p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
+    p.add_argument("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="what the reward model "
+                   "learns to write: critique+spans is the paper's z = [c ; A(y)];\nspans-only is its w/o-CoT "
+                   "ablation (Table 2), the span JSON alone. 03 and 04 read it from reward_model.json")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.task].items():
         if getattr(args, key) is None:
@@ -161,31 +165,33 @@ def split_records(records: list[dict], val_frac: float, seed: int) -> tuple[list
     return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
-def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None) -> tuple[dict | None, str]:
+def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None,
+                   rm_format: str = "critique+spans") -> tuple[dict | None, str]:
     """({"input_ids", "labels"}, status) for one record; status is "ok", "truncated" or "too_long" (then None).
 
-    input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4).
+    input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4), or
+    the span JSON alone with rm_format "spans-only" (w/o CoT).
     Prompt and target are tokenized separately, exactly as the model sees them at inference (it generates z after the
     prompt's last token). The input is cut as 03 and 04 cut it (common.rm_prompt) to max_prompt_tokens, main()'s
     --max-len minus --max-new-tokens (reward_model.json), and further where a longer target would not fit in max_len
     beside it. Cutting loses the start of the task prompt: never the instruction, the response or the target, which
     the spans are quoted from. If even an empty task prompt does not fit, the example is dropped.
     """
-    target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]),
+    target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"], rm_format),
                        add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     budget = min(max_prompt_tokens or max_len, max_len - len(target))
-    prompt_ids, _, status = common.rm_prompt(tokenizer, rec["prompt"], rec["response"], budget)
+    prompt_ids, _, status = common.rm_prompt(tokenizer, rec["prompt"], rec["response"], budget, rm_format)
     if status == "too_long":
         return None, status
     return {"input_ids": prompt_ids + target, "labels": [-100] * len(prompt_ids) + target}, status
 
 
-def encode_all(tokenizer, records: list[dict], max_len: int, max_prompt_tokens: int | None = None) -> tuple[list[dict],
-                                                                                                           dict]:
+def encode_all(tokenizer, records: list[dict], max_len: int, max_prompt_tokens: int | None = None,
+               rm_format: str = "critique+spans") -> tuple[list[dict], dict]:
     """Encoded examples and {"ok", "truncated", "too_long"} counts."""
     examples, counts = [], {"ok": 0, "truncated": 0, "too_long": 0}
     for rec in records:
-        ex, status = encode_example(tokenizer, rec, max_len, max_prompt_tokens)
+        ex, status = encode_example(tokenizer, rec, max_len, max_prompt_tokens, rm_format)
         counts[status] += 1
         if ex is not None:
             examples.append(ex)
@@ -218,7 +224,7 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
 
 
 def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32,
-                max_prompt_tokens: int | None = None):
+                max_prompt_tokens: int | None = None, rm_format: str = "critique+spans"):
     """(metrics, raw outputs) of the reward model on `records` (common.rm_span_metrics, paper Tables 1 and 6).
     Its input is cut as in training and in 03 and 04 (common.rm_prompt) to max_prompt_tokens.
 
@@ -227,7 +233,7 @@ def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batc
     """
     outputs = common.rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
                                  max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split",
-                                 max_prompt_tokens=max_prompt_tokens)
+                                 max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
     items = []
     for rec in records:
         text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
@@ -318,8 +324,8 @@ def main(args: argparse.Namespace) -> dict:
         f"{n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
 
     max_prompt_tokens = args.max_len - args.max_new_tokens  # the input's budget, in use as in training (rm_settings)
-    train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len, max_prompt_tokens)
-    val_set, _ = encode_all(tokenizer, val_recs, args.max_len, max_prompt_tokens)
+    train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len, max_prompt_tokens, args.rm_format)
+    val_set, _ = encode_all(tokenizer, val_recs, args.max_len, max_prompt_tokens, args.rm_format)
     if not train_set:
         raise common.DataError(f"{data}: no training example fits in --max-len {args.max_len}")
     log(f"max_len {args.max_len}, input <= {max_prompt_tokens} tokens: {train_counts['truncated']} train examples cut "
@@ -367,7 +373,8 @@ def main(args: argparse.Namespace) -> dict:
     # ---- save first, evaluate second: a crash in evaluation must not cost the training run ----
     summary = {
         "base_model": args.model, "adapter": "peft LoRA" if args.lora_r > 0 else None, "task": args.task,
-        "data": str(data), "prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT,
+        "data": str(data), "rm_format": args.rm_format, "prompt_format": common.RM_PROMPT_FORMAT,
+        "target_format": common.RM_TARGET_FORMAT,
         # how 03 and 04 use it (common.rm_settings): the input cut to this many tokens, as in training; critiques
         # of up to max_new_tokens, as in the evaluation below
         "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
@@ -394,7 +401,7 @@ def main(args: argparse.Namespace) -> dict:
         rm, rm_tok = common.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
         t1 = time.time()
         metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size,
-                                       max_prompt_tokens)
+                                       max_prompt_tokens, args.rm_format)
         metrics["critique_s"] = round(time.time() - t1, 1)
         common.write_jsonl(out / "eval_samples.jsonl", [
             {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o,

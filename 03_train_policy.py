@@ -112,6 +112,9 @@ def parse_args(argv=None):
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
                                                                         "scalar: sum of delta on the last token")
     a("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="App. I ablation (weight_spans)")
+    a("--labels", default="spans", choices=["spans", "dense"], help="spans: delta from the quoted spans, 0 elsewhere "
+      "(§3.3);\ndense (App. I.1 ablation): every token outside the critic's poor spans +1, inside -1, its good "
+      "spans\nignored. Any critic's output (program, local, openai) is relabelled so (dense_feedback)")
     a("--kl-estimator", default="k1", choices=["k1", "k3", "full"], help="per-token KL: k1 = log p - log q at the "
       "sampled token, k3 = (r-1) - log r,\nfull = sum over the vocabulary (what the paper's code uses)")
     a("--kl-coef", type=float, help="initial beta")
@@ -155,7 +158,7 @@ def parse_args(argv=None):
     # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
     # unless given, critiques as long as those stage 2 evaluated (a shorter limit cuts them before their span JSON)
     settings = common.rm_settings(args.reward_model if args.critic != "program" else None)
-    args.critic_max_prompt_tokens = settings["max_prompt_tokens"]
+    args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
     args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
@@ -445,7 +448,7 @@ def make_critic(args):
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
         return lambda recs, texts: [_parse(x) for x in common.rm_critique(
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
-            max_prompt_tokens=args.critic_max_prompt_tokens)]
+            max_prompt_tokens=args.critic_max_prompt_tokens, rm_format=args.critic_rm_format)]
     rm_tok = None  # with --reward-model, the served reward model gets its training input, cut alike (either API)
     if args.reward_model:
         from transformers import AutoTokenizer
@@ -455,18 +458,18 @@ def make_critic(args):
         rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
     return lambda recs, texts: [_parse(x) for x in common.rm_critique_served(
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
-        args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens)]
+        args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens, args.critic_rm_format)]
 
 
 def make_monitor(args):
     """monitor(records, texts, offsets, deltas) -> {metric: this rank's sum over its rollouts}, logged next to the
     critic's metrics and never trained on; or None. The demo has one: its exact critic on the same rollouts
     (tasks.demo.demo_monitor), the reward-hacking monitor that 04's curves draw dashed. deltas, step 3's (delta,
-    unmatched) per rollout, are reused when the critic is that very one (--critic program)."""
+    unmatched) per rollout, are reused when the critic is that very one (--critic program, --labels spans)."""
     if args.task != "demo":
         return None
     from tasks.demo import demo_monitor
-    reuse = args.critic == "program"
+    reuse = args.critic == "program" and args.labels == "spans"  # dense labels are not the exact critic's delta
     return lambda recs, texts, offsets, deltas: demo_monitor(recs, texts, offsets, deltas if reuse else None)
 
 
@@ -497,18 +500,27 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
     return {**b, "texts": list(texts), "offsets": list(offsets)}
 
 
-def span_deltas(texts, offsets, feedback, mask, weighting="uniform"):
+def dense_feedback(text: str, fb: dict) -> dict:
+    """--labels dense (App. I.1): the critic's feedback relabelled so that every token of `text` gets a label: its
+    poor spans stay, and the whole response is quoted as good, so span_rewards gives -1 inside a poor span and +1
+    everywhere else (0 only on a token straddling a poor span's edge, or one of whitespace alone)."""
+    return {**fb, "good_spans": [text] if text.strip() else [], "poor_spans": fb["poor_spans"]}
+
+
+def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
     """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
-    weighted within each span by --span-weighting (App. I). Returns delta (B, T) (0 where the feedback was
-    unparseable), span_rewards' (delta, unmatched) per row, the number of non-empty quotes and of quotes not found."""
+    weighted within each span by --span-weighting (App. I); --labels dense labels every token (dense_feedback).
+    Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
+    of non-empty quotes and of quotes not found (the critic's own quotes)."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
     spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
         if fb is None:
             continue
+        n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+        fb = dense_feedback(texts[i], fb) if labels == "dense" else fb
         d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
         delta[i, :len(d)] = torch.tensor(d)
-        n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         n_unmatched += len(unmatched)
         if weighting != "uniform":
             spans[i] = [idx for _, idx in common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])]
@@ -853,7 +865,7 @@ def train(args):
         feedback = critic(recs, b["texts"])
         # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
         b["delta"], deltas, n_spans, n_unmatched = span_deltas(b["texts"], b["offsets"], feedback, b["mask"],
-                                                               args.span_weighting)
+                                                               args.span_weighting, args.labels)
         clock["critiqued"] = time.time()
         watched = monitor(recs, b["texts"], b["offsets"], deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)

@@ -115,12 +115,12 @@ def parse_args(argv=None):
     return args
 
 
-def rm_budgets(rm_path, args) -> tuple[int, int | None]:
-    """(critique budget, input cut) for the reward model at rm_path: as stage 2 trained and evaluated it
-    (common.rm_settings); --rm-max-new-tokens, when given, for every reward model."""
+def rm_budgets(rm_path, args) -> tuple[int, int | None, str]:
+    """(critique budget, input cut, output format) for the reward model at rm_path: as stage 2 trained and evaluated
+    it (common.rm_settings); --rm-max-new-tokens, when given, for every reward model."""
     settings = common.rm_settings(rm_path)
     max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or (96 if args.task == "demo" else 512)
-    return max_new_tokens, settings["max_prompt_tokens"]  # the fallback: stage 3's critic presets
+    return max_new_tokens, settings["max_prompt_tokens"], settings["rm_format"]  # the fallback: stage 3's presets
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -259,8 +259,8 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
     """The raw critique of each output by the reward model at rm_path (batched greedy, cached in
     <name>.critiques<tag>.jsonl), its input cut and its critique capped as stage 2 did (rm_budgets). rm_state lazily
     holds its (model, tok)."""
-    max_new_tokens, max_prompt_tokens = rm_budgets(rm_path, args)
-    fp = fingerprint(gen_fp, rm_path, max_new_tokens, max_prompt_tokens)
+    max_new_tokens, max_prompt_tokens, rm_format = rm_budgets(rm_path, args)
+    fp = fingerprint(gen_fp, rm_path, max_new_tokens, max_prompt_tokens, rm_format)
     by_id = {g["id"]: g["response"] for g in gens}
 
     def compute(chunk):
@@ -272,7 +272,7 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
                 rm_state[0] = rm_state[0].merge_and_unload()
         raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
                                  max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
-                                 max_prompt_tokens=max_prompt_tokens)
+                                 max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
     return cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute, 4 * args.rm_batch_size,

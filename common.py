@@ -545,37 +545,45 @@ def append_jsonl(f, record: dict) -> None:
 
 RM_INSTRUCTION = ("Critique the response, then give its good_spans and poor_spans as JSON, each quoted exactly from "
                   "the response.")
+# The reward model's output format (02 --rm-format, reward_model.json "rm_format"): "critique+spans" is the paper's
+# z = [c ; A(y)]; "spans-only" is its "w/o CoT" ablation (Table 2): the span JSON alone, no critique before it.
+RM_FORMATS = ("critique+spans", "spans-only")
+RM_INSTRUCTIONS = {"critique+spans": RM_INSTRUCTION,
+                   "spans-only": "Give the good_spans and poor_spans of the response as JSON, each quoted exactly "
+                                 "from the response."}
 
 
-def rm_user_message(prompt: str, response: str) -> str:
+def rm_user_message(prompt: str, response: str, rm_format: str = "critique+spans") -> str:
     """The reward model's request as one user message (what an OpenAI-compatible server receives)."""
-    return f"{RM_INSTRUCTION}\n\n### Prompt\n{prompt}\n\n### Response\n{response}"
+    return f"{RM_INSTRUCTIONS[rm_format]}\n\n### Prompt\n{prompt}\n\n### Response\n{response}"
 
 
-def build_rm_prompt(tokenizer, prompt: str, response: str) -> str:
+def build_rm_prompt(tokenizer, prompt: str, response: str, rm_format: str = "critique+spans") -> str:
     """The reward model's input text: the tokenizer's chat template if it has one, else a plain documented fallback:
     the user message followed by a blank line and "### Critique". tokenizer=None gives the fallback."""
-    message = rm_user_message(prompt, response)
+    message = rm_user_message(prompt, response, rm_format)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
                                              add_generation_prompt=True)
     return f"{message}\n\n### Critique\n"
 
 
-def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = None):
+def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = None, rm_format: str = "critique+spans"):
     """The reward model's input, the same in 02 (training), 03 and 04 (critiquing): (ids, task prompt kept, status) of
     build_rm_prompt, the task prompt cut from its start when the whole would not fit in max_tokens (fit_prompt)."""
-    return fit_prompt(tokenizer, lambda p: build_rm_prompt(tokenizer, p, response), prompt, max_tokens)
+    return fit_prompt(tokenizer, lambda p: build_rm_prompt(tokenizer, p, response, rm_format), prompt, max_tokens)
 
 
-def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]) -> str:
-    """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later)."""
+def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str], rm_format: str = "critique+spans"
+                     ) -> str:
+    """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later).
+    rm_format "spans-only" (the paper's w/o-CoT ablation): the span JSON alone."""
     spans = json.dumps({"good_spans": list(good_spans), "poor_spans": list(poor_spans)}, ensure_ascii=False)
-    return f"{critique.strip()}\n{spans}"
+    return spans if rm_format == "spans-only" else f"{critique.strip()}\n{spans}"
 
 
-RM_PROMPT_FORMAT = "common.build_rm_prompt(tokenizer, prompt, response)"
-RM_TARGET_FORMAT = "common.format_rm_target(critique, good_spans, poor_spans) + EOS"
+RM_PROMPT_FORMAT = "common.build_rm_prompt(tokenizer, prompt, response, rm_format)"
+RM_TARGET_FORMAT = "common.format_rm_target(critique, good_spans, poor_spans, rm_format) + EOS"
 
 
 def rm_settings(reward_model_dir) -> dict:
@@ -584,6 +592,8 @@ def rm_settings(reward_model_dir) -> dict:
                          same in training (02) and in use (03, 04, a served model too); None: no cut. Stage 2 sets it
                          to --max-len minus --max-new-tokens, so that an input and its critique fit in --max-len.
       max_new_tokens     the critique budget stage 2 evaluated it with: 03's and 04's default; None: the caller's.
+      rm_format          its output: "critique+spans" (z = [c ; A(y)]) or "spans-only" (w/o CoT); and its input's
+                         instruction (RM_INSTRUCTIONS). Older files: "critique+spans".
       prompt_format, target_format   its input and output (build_rm_prompt; format_rm_target, then EOS).
     Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
     max_new_tokens 128 (demo) or 512 and the input cut to max_len minus that: those are returned. No file (a plain
@@ -593,32 +603,37 @@ def rm_settings(reward_model_dir) -> dict:
         info = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    out = {"max_prompt_tokens": None, "max_new_tokens": None, "prompt_format": RM_PROMPT_FORMAT,
-           "target_format": RM_TARGET_FORMAT}
+    out = {"max_prompt_tokens": None, "max_new_tokens": None, "rm_format": "critique+spans",
+           "prompt_format": RM_PROMPT_FORMAT, "target_format": RM_TARGET_FORMAT}
     if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
         out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
         out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)
     out.update({k: info[k] for k in out if k in info})
+    if out["rm_format"] not in RM_FORMATS:
+        raise DataError(f"{path}: rm_format {out['rm_format']!r}: must be one of {', '.join(RM_FORMATS)}")
     return out
 
 
-def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None) -> str:
+def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None,
+                          rm_format: str = "critique+spans") -> str:
     """The text a served reward model gets on /v1/completions: rm_prompt's, as in training (tokenizer=None: the plain
     template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
     if tokenizer is None:
-        return build_rm_prompt(None, prompt, response)
-    text = build_rm_prompt(tokenizer, rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1], response)
+        return build_rm_prompt(None, prompt, response, rm_format)
+    text = build_rm_prompt(tokenizer, rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1], response,
+                           rm_format)
     bos, adds_bos = tokenizer.bos_token, tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
     return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
 
 
 def rm_critique_served(prompts: list[str], responses: list[str], base_url: str | None, model: str,
                        max_new_tokens: int, concurrency: int = 32, api: str = "chat", tokenizer=None,
-                       max_prompt_tokens: int | None = None) -> list[str]:
+                       max_prompt_tokens: int | None = None, rm_format: str = "critique+spans") -> list[str]:
     """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
     batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
     applies the chat template); "completions" sends rm_completions_prompt, the exact training text. Given the reward
-    model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings)."""
+    model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings); both ask
+    for rm_format's output (its instruction)."""
     import asyncio
 
     from openai import AsyncOpenAI
@@ -628,13 +643,14 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
             if api == "completions":
                 reply = await client.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
                                                         prompt=rm_completions_prompt(tokenizer, prompt, response,
-                                                                                     max_prompt_tokens))
+                                                                                     max_prompt_tokens, rm_format))
                 return reply.choices[0].text or ""
             if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
-                prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens)[1]
+                prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
             reply = await client.chat.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
                                                          messages=[{"role": "user",
-                                                                    "content": rm_user_message(prompt, response)}])
+                                                                    "content": rm_user_message(prompt, response,
+                                                                                               rm_format)}])
             return reply.choices[0].message.content or ""
 
     async def ask_all():
@@ -830,12 +846,13 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
 
 
 def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,
-                batch_size: int = 32, desc: str | None = None, max_prompt_tokens: int | None = None) -> list[str]:
+                batch_size: int = 32, desc: str | None = None, max_prompt_tokens: int | None = None,
+                rm_format: str = "critique+spans") -> list[str]:
     """The local reward model's raw critic output for each (prompt, response): batched greedy generation on rm_prompt
     (the task prompt cut from its start to fit max_prompt_tokens, as in training), in which a row stops as soon as
     its span JSON is complete (greedy_generate). The text is what plain greedy decoding up to a stop id gives whenever
-    the model ends its output with that JSON, as it is trained to (format_rm_target)."""
-    inputs = [rm_prompt(tokenizer, p, r, max_prompt_tokens)[0] for p, r in zip(prompts, responses)]
+    the model ends its output with that JSON, as it is trained to (format_rm_target, in its rm_format)."""
+    inputs = [rm_prompt(tokenizer, p, r, max_prompt_tokens, rm_format)[0] for p, r in zip(prompts, responses)]
     ids = greedy_generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc,
                           stop=feedback_complete)
     return tokenizer.batch_decode(ids, skip_special_tokens=True)

@@ -85,13 +85,23 @@ def tiny_reward_model(tmp_path_factory, tiny_chat_model_dir):
     """(directory, stage 2's args) of a reward model saved by 02_train_reward.py with the demo preset's defaults, on a
     chat model whose tokenizer adds its BOS itself (as Llama's do). One training step: its weights do not matter
     here, its reward_model.json (the input and critique budgets) and tokenizer do."""
+    return _train_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm"), tiny_chat_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_spans_only_reward_model(tmp_path_factory, tiny_chat_model_dir):
+    """tiny_reward_model's recipe with 02 --rm-format spans-only (the w/o-CoT ablation)."""
+    return _train_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm_spans_only"), tiny_chat_model_dir,
+                                    "--rm-format", "spans-only")
+
+
+def _train_tiny_reward_model(tmp, chat_model_dir, *extra):
     rm = import_script("02_train_reward")
-    tmp = tmp_path_factory.mktemp("tiny_rm")
-    base, _ = bos_adding_copy(tiny_chat_model_dir, tmp / "base")
+    base, _ = bos_adding_copy(chat_model_dir, tmp / "base")
     common.write_jsonl(tmp / "ann.jsonl", [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
                                            for ex in demo_dataset("annotate", 8)])
     args = rm.parse_args(["--model", base, "--data", str(tmp / "ann.jsonl"), "--output-dir", str(tmp / "rm"),
-                          "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--device", "cpu"])
+                          "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--device", "cpu", *extra])
     rm.main(args)
     return str(tmp / "rm"), args
 

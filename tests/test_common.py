@@ -638,7 +638,8 @@ def test_rm_settings_defaults(tmp_path):
     """What 03 and 04 read about a reward model (common.rm_settings): the stored budgets; an older reward_model.json's
     (stage 2 evaluated with max_new_tokens 128 on the demo, else 512, and the rest of max_len for the input); none
     without a file."""
-    formats = {"prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT}
+    formats = {"rm_format": "critique+spans", "prompt_format": common.RM_PROMPT_FORMAT,
+               "target_format": common.RM_TARGET_FORMAT}
     assert common.rm_settings(None) == common.rm_settings(tmp_path) == {"max_prompt_tokens": None,
                                                                         "max_new_tokens": None, **formats}
     common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})
@@ -648,6 +649,20 @@ def test_rm_settings_defaults(tmp_path):
     common.write_json(tmp_path / "reward_model.json", {"task": "qa", "max_prompt_tokens": 900, "max_new_tokens": 100,
                                                        "train": {"max_len": 1000}})
     assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 900, "max_new_tokens": 100, **formats}
+
+
+def test_spans_only_format_is_read_and_a_bad_one_names_the_file(tmp_path):
+    """02 --rm-format spans-only (w/o CoT): its target is the span JSON alone, which parses with an empty critique and
+    ends a critique (feedback_complete); rm_settings reads the format, and refuses one it does not know."""
+    target = common.format_rm_target("It gets tom right.", ["tom"], ["cat"], "spans-only")
+    assert target == '{"good_spans": ["tom"], "poor_spans": ["cat"]}' and common.feedback_complete(target)
+    assert parse_feedback(target) == {"critique": "", "good_spans": ["tom"], "poor_spans": ["cat"]}
+    common.write_json(tmp_path / "reward_model.json", {"rm_format": "spans-only"})
+    assert common.rm_settings(tmp_path)["rm_format"] == "spans-only"
+    assert common.build_rm_prompt(None, "P", "R", "spans-only").startswith(common.RM_INSTRUCTIONS["spans-only"])
+    common.write_json(tmp_path / "reward_model.json", {"rm_format": "json-first"})
+    with pytest.raises(common.DataError, match=r"reward_model.json: rm_format 'json-first': must be one of"):
+        common.rm_settings(tmp_path)
 
 
 def test_rm_target_roundtrips_through_parse_feedback():

@@ -469,3 +469,31 @@ def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir
                                                                                                "model: ")[-1])
     written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert written == ([] if "chat" in flag else [tmp_path / "out/eval/base.generations.jsonl"])  # complete, cached
+
+
+def test_a_spans_only_reward_model_is_asked_for_spans_only(tiny_model_dir, tiny_spans_only_reward_model, tmp_path,
+                                                           monkeypatch):
+    """02 --rm-format spans-only (w/o CoT): 04 reads the format from reward_model.json and gives the reward model the
+    input it trained on, its spans-only instruction included, not the critique+spans one."""
+    from transformers import AutoTokenizer
+    rm = import_script("02_train_reward")
+    rm_dir, rm_args = tiny_spans_only_reward_model
+    rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
+    assert settings["rm_format"] == "spans-only"
+    ex = demo_dataset("eval", 1)[0]
+    common.write_jsonl(tmp_path / "eval.jsonl", [ex])
+    inputs, real = [], common.greedy_generate
+
+    def record(model, tokenizer, prompts, *a, **k):
+        inputs.extend(prompts)
+        return real(model, tokenizer, prompts, *a, **k)
+    monkeypatch.setattr(common, "greedy_generate", record)
+    ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model", rm_dir,
+             "--max-new-tokens", "6", "--output-dir", str(tmp_path / "out"), "--bootstrap", "10", "--device", "cpu"])
+    response = common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")[0]["response"]
+    rec = {"prompt": ex["prompt"], "response": response, "critique": "c", "good_spans": [], "poor_spans": []}
+    trained, _ = rm.encode_example(rm_tok, rec, rm_args.max_len, settings["max_prompt_tokens"], "spans-only")
+    target = len(rm_tok(common.format_rm_target("c", [], [], "spans-only"), add_special_tokens=False)["input_ids"]) + 1
+    assert inputs == [trained["input_ids"][:-target]]
+    assert common.RM_INSTRUCTIONS["spans-only"] in rm_tok.decode(inputs[0])
+    assert common.RM_INSTRUCTION not in rm_tok.decode(inputs[0])

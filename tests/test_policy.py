@@ -326,6 +326,74 @@ def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_
     assert all(p.endswith("assistant: ") for p in sent)  # the chat template's generation prompt, applied by us
 
 
+def test_local_critic_asks_a_spans_only_reward_model_for_spans_only(tmp_path, tiny_model_dir,
+                                                                     tiny_spans_only_reward_model, monkeypatch):
+    """--critic local with a 02 --rm-format spans-only reward model: the format comes from its reward_model.json, and
+    every critique request is its training input (the spans-only instruction, rm_prompt cut as in 02)."""
+    from transformers import AutoTokenizer
+    rm_dir, _ = tiny_spans_only_reward_model
+    rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
+    inputs, real = [], common.greedy_generate
+
+    def record(model, tokenizer, prompts, *a, **k):
+        inputs.extend(prompts)
+        return real(model, tokenizer, prompts, *a, **k)
+    monkeypatch.setattr(common, "greedy_generate", record)
+    ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", rm_dir, "--steps", "1",
+                    "--log-every", "1"))
+    samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert len(inputs) == 4
+    for s in samples:
+        want = common.rm_prompt(rm_tok, s["prompt"], s["response"], settings["max_prompt_tokens"], "spans-only")[0]
+        assert want in inputs
+    assert all(common.RM_INSTRUCTIONS["spans-only"] in rm_tok.decode(x) for x in inputs)
+
+
+def test_dense_labels_put_minus_one_inside_poor_spans_and_plus_one_elsewhere():
+    """--labels dense (App. I.1): from the same critique, every token outside a poor span is +1 and every token inside
+    one is -1 (a token straddling its edge: 0); the critic's good spans do not matter. Spans: only the quotes count."""
+    text = "tom saw the cat today"
+    offsets = [(0, 3), (3, 7), (7, 11), (11, 18), (18, 21), (21, 21)]  # tom| saw| the| cat to|day|EOS (no text)
+    mask = torch.ones(1, 6)
+    fb = {"critique": "c", "good_spans": ["tom"], "poor_spans": ["the", "cat"]}
+    spans, _, n, _ = ppo.span_deltas([text], [offsets], [fb], mask)
+    dense, _, n_dense, _ = ppo.span_deltas([text], [offsets], [fb], mask, labels="dense")
+    assert spans.tolist() == [[1.0, 0.0, -1.0, 0.0, 0.0, 0.0]]
+    assert dense.tolist() == [[1.0, 1.0, -1.0, 0.0, 1.0, 0.0]]  # " cat to" straddles "cat"'s edge
+    assert n == n_dense == 3  # the critic's own quotes
+    no_good = ppo.span_deltas([text], [offsets], [{**fb, "good_spans": []}], mask, labels="dense")[0]
+    assert torch.equal(no_good, dense)
+    unparsed = ppo.span_deltas([text], [offsets], [None], mask, labels="dense")[0]
+    assert unparsed.abs().sum() == 0  # no critique, no labels
+
+
+def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_model_dir):
+    """--labels dense --critic program: step 3's delta is +1 on every token of a rollout outside the exact critic's poor
+    spans, -1 inside; the monitor still logs the exact critic's own span reward, not the dense one."""
+    from tasks.demo import demo_critic
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    d, row = _dump(tmp_path, tiny_model_dir, "dense", "--labels", "dense", "--log-every", "1")
+    samples = common.read_jsonl(tmp_path / "dense" / "samples.jsonl")
+    assert [s["response"] for s in samples] == d["texts"]  # the batch of 4, in order
+    exact_sum, labelled = 0.0, 0
+    for i, text in enumerate(d["texts"]):
+        n = int(d["mask"][i].sum())
+        text_i, offsets = common.decode_with_offsets(tok, d["response"][i, :n].tolist())
+        assert text_i == text
+        fb = demo_critic(samples[i]["prompt"], text)
+        poor, _ = common.span_rewards(text, offsets, [], fb["poor_spans"])
+        for t, (s, e) in enumerate(offsets):
+            want = -1.0 if poor[t] == -1 else 1.0 if text[s:e].strip() and not any(
+                a < e and s < b for a, b in common.locate_spans(text, [], fb["poor_spans"])[1]) else None
+            if want is not None:
+                assert d["delta"][i, t].item() == want
+                labelled += 1
+        exact_sum += sum(common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])[0])
+    assert labelled >= 0.9 * d["mask"].sum().item() - 4  # nearly every token but the EOS carries a dense label
+    assert row["exact/span_reward"] == pytest.approx(exact_sum / len(d["texts"]), abs=1e-4)
+
+
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
     extra = ["--steps", "4", "--save-every", "2", "--kl-coef", "0.1", "--adaptive-kl-target", "0.5", "--anneal-lr",
              "--log-every", "1"]
