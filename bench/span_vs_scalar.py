@@ -46,6 +46,44 @@ def steps_to_threshold(mistakes: list[float]) -> int | None:
     return next((i + 1 for i, x in enumerate(smoothed(mistakes)) if i + 1 >= WINDOW and x <= THRESHOLD), None)
 
 
+def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, ppo_args: list[str]) -> list[str]:
+    """The start every run shares, built once in `out`: the demo base model, prompts, the SFT warm start (03 with
+    --steps 0 trains and saves it) and, for critic "local" without reward_model, stages 1 and 2 at their zero-flag
+    settings on this base. Returns 03's flags for every run (critic, prompts, steps)."""
+    if not (out / "base" / "config.json").is_file():
+        build_demo_base(out / "base")
+    common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 1000))
+    common.write_jsonl(out / "sft.jsonl", demo_dataset("sft", 2000))
+    flags = ["--critic", "program", "--kl-coef", "0.05"]  # the exact critic cannot be gamed: a looser KL leash
+    if critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model (or --reward-model)
+        rm_dir = Path(reward_model).resolve() if reward_model else out / "reward_model"
+        if reward_model:
+            common.check_reward_model(str(rm_dir))
+        elif not (rm_dir / "reward_model.json").is_file():
+            run(["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)])
+            run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
+                 "--output-dir", str(rm_dir)])
+        flags = ["--critic", "local", "--reward-model", str(rm_dir)]  # and the demo's own KL setting
+    flags += ["--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "", "--steps", str(steps),
+              "--save-every", str(steps), *ppo_args]
+    if not (out / "sft" / "config.json").is_file():
+        run(["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"),
+             "--sft-output-dir", str(out / "sft"), *flags, "--steps", "0", "--output-dir", str(out / "sft_only")])
+    return flags
+
+
+def ppo_run(out: Path, run_dir: Path, seed: int, steps: int, flags: list[str]) -> dict:
+    """One PPO run from the shared SFT start (skipped when run_dir already holds `steps` iterations): its curves as
+    judged by the exact critic on its own rollouts (03's exact/* monitor), its KL and response length."""
+    metrics = run_dir / "metrics.jsonl"
+    if not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
+        run(["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--seed", str(seed),
+             "--output-dir", str(run_dir), *flags])
+    rows = common.read_jsonl(metrics)[:steps]
+    return {"mistakes": [r["exact/mistake_rate"] for r in rows], "reward": [r["exact/span_reward"] for r in rows],
+            "kl": [r["objective/kl"] for r in rows], "length": [r["response/length"] for r in rows]}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds per mode")
@@ -63,42 +101,14 @@ def main():
     out = Path(args.out or f"bench/out/span_vs_scalar{suffix}")
     args.png = args.png or f"bench/span_vs_scalar{suffix}.png"
 
-    # --- the shared start: demo base model, prompts, SFT warm start (03 with --steps 0 trains and saves it)
-    if not (out / "base" / "config.json").is_file():
-        build_demo_base(out / "base")
-    common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 1000))
-    common.write_jsonl(out / "sft.jsonl", demo_dataset("sft", 2000))
-    critic = ["--critic", "program", "--kl-coef", "0.05"]  # the exact critic cannot be gamed: a looser KL leash
-    if args.critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model (or --reward-model)
-        rm_dir = Path(args.reward_model).resolve() if args.reward_model else out / "reward_model"
-        if args.reward_model:
-            common.check_reward_model(str(rm_dir))
-        elif not (rm_dir / "reward_model.json").is_file():
-            run(["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)])
-            run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
-                 "--output-dir", str(rm_dir)])
-        critic = ["--critic", "local", "--reward-model", str(rm_dir)]  # and the demo's own KL setting
-    common_flags = [*critic, "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
-                    "--steps", str(args.steps), "--save-every", str(args.steps), *args.ppo_args]
-    if not (out / "sft" / "config.json").is_file():
-        run(["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"),
-             "--sft-output-dir", str(out / "sft"), *common_flags, "--steps", "0", "--output-dir",
-             str(out / "sft_only")])
+    common_flags = shared_start(out, args.critic, args.reward_model, args.steps, args.ppo_args)
 
     # --- the runs, one at a time (two jobs sharing 2 cores would distort nothing but wall time; still, keep it clean)
     curves = {"span": [], "scalar": []}
     for seed in range(1, args.seeds + 1):
         for mode in ("span", "scalar"):
-            run_dir = out / f"{mode}_seed{seed}"
-            metrics = run_dir / "metrics.jsonl"
-            done = metrics.is_file() and len(metrics.read_text().splitlines()) >= args.steps
-            if not done:
-                run(["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--reward-mode", mode,
-                     "--seed", str(seed), "--output-dir", str(run_dir), *common_flags])
-            rows = common.read_jsonl(metrics)[: args.steps]
-            curves[mode].append({"mistakes": [r["exact/mistake_rate"] for r in rows],
-                                 "reward": [r["exact/span_reward"] for r in rows],
-                                 "kl": [r["objective/kl"] for r in rows]})
+            curves[mode].append(ppo_run(out, out / f"{mode}_seed{seed}", seed, args.steps,
+                                        ["--reward-mode", mode, *common_flags]))
 
     # --- steps to threshold, final values
     start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)

@@ -1,0 +1,118 @@
+"""The paper's ablations and a critic-free estimator, side by side on one bench (paper Table 2, App. A, App. I.1)
+
+    python bench/ablations.py                   # exact critic: 6 rows x 3 seeds x 150 iterations, ~25 min on 2 cores
+    python bench/ablations.py --rows "span + RLOO" "scalar + RLOO"        # some rows only (the rest stay on disk)
+    python bench/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 7 rows, ~40 min
+    python bench/ablations.py --critic local --reward-model runs/demo/smol_rm --steps 60 \\
+        --spans-only-reward-model runs/demo/smol_rm_spans_only    # the pretrained critic (bench/real_critic.py)
+
+Every row starts from the same SFT checkpoint (bench/span_vs_scalar.py's shared start, built once in --out), with the
+same critic, seeds, iterations, batch of rollouts and hyperparameters; a row changes only its own flags:
+    span                 Text2Grad: delta_t from the quoted spans, GAE (03's defaults)
+    scalar               the same delta summed onto the last token (App. A, --reward-mode scalar)
+    span + linear-decay  within-span weighting (App. I, --span-weighting linear-decay)
+    dense labels         every token labelled: -1 inside a poor span, +1 elsewhere (App. I.1, --labels dense)
+    spans-only RM        learned critic only: a reward model trained to write the span JSON without its critique
+                         (Table 2's "w/o CoT", 02 --rm-format spans-only), else the same recipe as --reward-model's
+    span + RLOO          no value head: reward-to-go minus the leave-one-out mean return of the other samples of the
+                         prompt (--advantage rloo, k = 4 samples per prompt, the same 32 rollouts per iteration)
+    scalar + RLOO        plain RLOO (the whole reward on the last token)
+Judged as bench/span_vs_scalar.py judges: the exact critic on each run's own rollouts (03's exact/mistake_rate, never
+trained on), smoothed over 10 iterations; steps to a mistake rate <= 0.15 (a run that never gets there counts its
+full length, shown as "> N") and the final mistake rate (mean of the last 10 iterations). Median [min, max] over seeds.
+Nothing is tuned per row. Prints the table and one JSON line; writes OUT/results.json.
+"""
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from span_vs_scalar import THRESHOLD, WINDOW, ppo_run, run, shared_start, steps_to_threshold  # noqa: E402
+
+import common  # noqa: E402  (on the path from span_vs_scalar)
+
+ROWS = {  # row -> (03 flags, the paper's direction against "span")
+    "span": ([], "the method (reference row)"),
+    "scalar": (["--reward-mode", "scalar"], "worse: slower, lower scores (App. A)"),
+    "span + linear-decay": (["--span-weighting", "linear-decay"], "uniform is the paper's choice (App. I)"),
+    "dense labels": (["--labels", "dense"], "worse: ROUGE-L 0.196 vs 0.291 (App. I.1)"),
+    "spans-only RM": ([], "worse without the critique (Table 2, w/o CoT)"),
+    "span + RLOO": (["--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),
+    "scalar + RLOO": (["--reward-mode", "scalar", "--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),
+}
+
+
+def spread(xs, fmt):
+    return f"{fmt(statistics.median(xs))} [{fmt(min(xs))}, {fmt(max(xs))}]"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--critic", default="program", choices=["program", "local"],
+                   help="program: the demo's exact critic; local: a stage-2 reward model (the zero-flag one, trained "
+                        "once in --out, or --reward-model)")
+    p.add_argument("--reward-model", help="--critic local: this reward model (e.g. runs/demo/smol_rm)")
+    p.add_argument("--spans-only-reward-model", help="--critic local: the spans-only one for its row; default: 02 "
+                   "--rm-format spans-only at its zero-flag settings, trained in --out (without --reward-model only)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per row")
+    p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), help="run only these rows (default: all that apply)")
+    p.add_argument("--out", help="work dir; default bench/out/ablations[_local]")
+    p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every row")
+    args = p.parse_args()
+    out = Path(args.out or f"bench/out/ablations{'' if args.critic == 'program' else '_local'}")
+    flags = shared_start(out, args.critic, args.reward_model, args.steps, args.ppo_args)
+    rows = [r for r in (args.rows or ROWS) if args.critic == "local" or r != "spans-only RM"]
+
+    if "spans-only RM" in rows:  # the w/o-CoT reward model: the same data and settings as the critic's, spans only
+        spans_only = Path(args.spans_only_reward_model or out / "reward_model_spans_only").resolve()
+        if not args.spans_only_reward_model and args.reward_model:
+            sys.exit("--reward-model given: pass --spans-only-reward-model too, trained with that model's recipe and "
+                     "02 --rm-format spans-only")
+        if not (spans_only / "reward_model.json").is_file():
+            run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
+                 "--rm-format", "spans-only", "--output-dir", str(spans_only)])
+        i = flags.index("--reward-model")
+        ROWS["spans-only RM"] = (["--reward-model", str(spans_only)], ROWS["spans-only RM"][1])
+        flags_without_rm = flags[:i] + flags[i + 2:]
+    curves = {}
+    for row in rows:
+        row_flags, _ = ROWS[row]
+        base = flags_without_rm if row == "spans-only RM" else flags
+        slug = row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
+        curves[row] = [ppo_run(out, out / f"{slug}_seed{seed}", seed, args.steps, [*row_flags, *base])
+                       for seed in range(1, args.seeds + 1)]
+
+    start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)
+    if start <= THRESHOLD:
+        sys.exit(f"the SFT start already has mistake rate {start:.2f} <= {THRESHOLD}: the benchmark would be void")
+    result = {"critic": args.critic, "reward_model": args.reward_model, "threshold": THRESHOLD, "window": WINDOW,
+              "steps": args.steps, "seeds": args.seeds, "start_mistake_rate": round(start, 3), "rows": {}}
+    print(f"\ncritic: {args.critic}{' ' + args.reward_model if args.reward_model else ''}; SFT start {start:.2f}; "
+          f"{args.seeds} seeds x {args.steps} iterations\n")
+    print(f"{'row':<22}{'steps to <= 0.15':>22}{'final mistake rate':>28}{'final length':>22}   paper's direction "
+          "vs span")
+    for row, cs in curves.items():
+        hits = [steps_to_threshold(c["mistakes"]) for c in cs]
+        steps = [h or args.steps for h in hits]
+        finals = [statistics.fmean(c["mistakes"][-WINDOW:]) for c in cs]
+        result["rows"][row] = {"steps": steps, "reached": [h is not None for h in hits], "final": finals,
+                               "final_kl": [statistics.fmean(c["kl"][-WINDOW:]) for c in cs],
+                               "final_length": [statistics.fmean(c["length"][-WINDOW:]) for c in cs],
+                               "steps_median": statistics.median(steps), "final_median": statistics.median(finals)}
+        shown = spread(steps, lambda v: f"{v:g}" if v < args.steps else f">{args.steps}")
+        length = spread(result["rows"][row]["final_length"], lambda v: f"{v:.1f}")
+        print(f"{row:<22}{shown:>22}{spread(finals, lambda v: f'{v:.3f}'):>28}{length:>22}   {ROWS[row][1]}")
+    if {"span + RLOO", "scalar + RLOO"} <= set(curves):
+        r = result["rows"]
+        result["rloo_steps_ratio"] = r["span + RLOO"]["steps_median"] / r["scalar + RLOO"]["steps_median"]
+        print(f"\nspan + RLOO / scalar + RLOO steps (medians): {result['rloo_steps_ratio']:.2f}"
+              + ("" if all(r["scalar + RLOO"]["reached"]) else " (a bound: scalar + RLOO did not always get there)"))
+    common.write_json(out / "results.json", result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
