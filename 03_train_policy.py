@@ -170,6 +170,8 @@ def parse_args(argv=None):
                                    ">= 2 and divide --batch-size (samples of one prompt)")):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be {rule}")
+    if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
+        raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
     return args
 
 

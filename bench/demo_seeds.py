@@ -65,9 +65,10 @@ def summary_table(runs: list[dict], keys: dict[str, str], policies=POLICIES) -> 
     for key, label in keys.items():
         cells = []
         for pol in policies:
-            vals = [value(r, pol, key) for r in runs]
-            summary[f"{pol}/{key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals)}
-            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]")
+            vals = [v for r in runs if (v := value(r, pol, key)) is not None]  # None: nothing to count (0 / 0)
+            summary[f"{pol}/{key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+                                       "n": len(vals)} if vals else None
+            cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]" if vals else "n/a")
         print(f"{label:<48}" + "".join(f"{c:>24}" for c in cells))
     return summary
 

