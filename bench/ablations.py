@@ -36,7 +36,7 @@ import common  # noqa: E402  (on the path from span_vs_scalar)
 ROWS = {  # row -> (03 flags, the paper's direction against "span")
     "span": ([], "the method (reference row)"),
     "scalar": (["--reward-mode", "scalar"], "worse: slower, lower scores (App. A)"),
-    "span + linear-decay": (["--span-weighting", "linear-decay"], "uniform is the paper's choice (App. I)"),
+    "span + linear-decay": (["--span-weighting", "linear-decay"], "the method uses uniform weights (App. I)"),
     "dense labels": (["--labels", "dense"], "worse: ROUGE-L 0.196 vs 0.291 (App. I.1)"),
     "spans-only RM": ([], "worse without the critique (Table 2, w/o CoT)"),
     "span + RLOO": (["--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),

@@ -180,7 +180,7 @@ def main():
         model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
     model.to(args.device)
     if args.json_first:  # encode_example and rm_critique read this module attribute at call time
-        common.format_rm_target = lambda critique, good, poor: (
+        common.format_rm_target = lambda critique, good, poor, rm_format="critique+spans": (
             json.dumps({"good_spans": list(good), "poor_spans": list(poor)}, ensure_ascii=False) + "\n" + critique)
     examples, _ = rm02.encode_all(tok, train, 320)
     for ex in examples if args.json_weight != 1.0 else []:  # loss weights: the span JSON's tokens json_weight, else 1

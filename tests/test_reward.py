@@ -64,9 +64,9 @@ def test_prompt_builder_is_the_shared_one(tiny_model_dir, monkeypatch):
     rec = annotations(1)[0]
     shared, calls = common.build_rm_prompt, []
 
-    def spy(tokenizer, prompt, response):
+    def spy(tokenizer, prompt, response, rm_format="critique+spans"):
         calls.append((prompt, response))
-        return "MARK " + shared(tokenizer, prompt, response)
+        return "MARK " + shared(tokenizer, prompt, response, rm_format)
 
     monkeypatch.setattr(common, "build_rm_prompt", spy)
     ex, _ = rm.encode_example(tok, rec, max_len=1024)
