@@ -126,6 +126,10 @@ def parse_args(argv=None):
     a("--advantage", default="gae", choices=["gae", "rloo"], help="gae: GAE with the value head (compute_gae); "
       "rloo: no value head, each token's\nreward-to-go minus the other samples' mean return (compute_rloo)")
     a("--rloo-k", type=int, default=4, help="--advantage rloo: samples per prompt (>= 2, divides --batch-size)")
+    a("--rloo-baseline", default="start", choices=["start", "position", "mean-reward"], help="--advantage rloo: "
+      "what each token's reward-to-go G_t is compared with, over the\nother samples of its prompt: start = their "
+      "mean return G_0 (the same for every token); position =\ntheir mean G_t at the same position; mean-reward = "
+      "their mean reward per token, subtracted from\neach r_s before summing (PRIME). README: \"the two estimators\"")
     # --- PPO update
     a("--lr", type=float, help="learning rate (LoRA weights and value head)")
     a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
@@ -253,23 +257,37 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def compute_rloo(rewards, mask, k: int, gamma: float = 1.0):
+def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "start"):
     """Critic-free advantages (--advantage rloo; step 5 without a value head). Rows come in groups of k >= 2 samples
-    of one prompt (rows j*k .. j*k+k-1). RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns
-    (PRIME, Cui et al. 2025):
-      G_t = sum_{s>=t} gamma^(s-t) r_s            r_t from compute_rewards: delta_t - beta*KL_t, as for GAE
-      A_t = G_t - 1/(k-1) * sum_{other samples i of the prompt} G_0^i
-    With the whole reward on the last token it is plain RLOO: every token of a sample gets R - mean(others' R).
+    of one prompt (rows j*k .. j*k+k-1). RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns,
+    with r_t from compute_rewards (delta_t - beta*KL_t, as for GAE) and the mean over the other samples j of the prompt:
+      start        A_t = G_t - mean_j G_0^j                 G_t = sum_{s>=t} gamma^(s-t) r_s (--rloo-baseline)
+      position     A_t = G_t - mean_j G_t^j                 (G_t^j = 0 once sample j has ended)
+      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j)   rbar^j: j's mean reward per token (PRIME)
+    With the whole reward on the last token, "start" is plain RLOO: every token of a sample gets R - mean(others' R).
     Returns (advantages, returns = G), both 0 where mask is 0."""
-    rewards = rewards * mask
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros_like(rewards[:, 0])
-    for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running
-        returns[:, t] = running
-    start = returns[:, 0].reshape(-1, k)                                       # (B/k, k) each sample's return
-    baseline = (start.sum(1, keepdim=True) - start) / (k - 1)                  # (B/k, k) the others' mean
-    return (returns - baseline.reshape(-1, 1)) * mask, returns * mask
+    def reward_to_go(r):                                                       # (B, T) -> (B, T), a reversed loop
+        out, running = torch.zeros_like(r), torch.zeros_like(r[:, 0])
+        for t in reversed(range(r.shape[1])):
+            running = r[:, t] * mask[:, t] + gamma * running                   # nothing after a sample's end
+            out[:, t] = running
+        return out * mask
+
+    def others_mean(x):                                                        # (B, ...) -> each row: its group's
+        group = x.reshape(-1, k, *x.shape[1:])                                 # mean over the other k-1 rows
+        return ((group.sum(1, keepdim=True) - group) / (k - 1)).reshape(x.shape)
+
+    returns = reward_to_go(rewards)                                            # (B, T)
+    if baseline == "start":
+        advantages = returns - others_mean(returns[:, 0])[:, None]
+    elif baseline == "position":
+        advantages = returns - others_mean(returns)
+    elif baseline == "mean-reward":
+        rbar = (rewards * mask).sum(1) / mask.sum(1).clamp(min=1)              # (B,)
+        advantages = reward_to_go(rewards - others_mean(rbar)[:, None])
+    else:
+        raise ValueError(f"unknown RLOO baseline {baseline!r}")
+    return advantages * mask, returns
 
 
 def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
@@ -879,7 +897,8 @@ def train(args):
             g["rewards"] = masked_whiten(g["rewards"], g["mask"], shift_mean=False)
         # 5. advantages A_t by GAE over r_t (§3.5), or by RLOO without the value head; whitened
         g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam) \
-            if args.advantage == "gae" else compute_rloo(g["rewards"], g["mask"], args.rloo_k, args.gamma)
+            if args.advantage == "gae" else compute_rloo(g["rewards"], g["mask"], args.rloo_k, args.gamma,
+                                                          args.rloo_baseline)
         g["advantages"] = masked_whiten(g["advantages"], g["mask"])
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
         b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]

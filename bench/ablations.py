@@ -1,8 +1,8 @@
 """The paper's ablations and a critic-free estimator, side by side on one bench (paper Table 2, App. A, App. I.1)
 
-    python bench/ablations.py                   # exact critic: 6 rows x 3 seeds x 150 iterations, ~25 min on 2 cores
+    python bench/ablations.py                   # exact critic: 8 rows x 3 seeds x 150 iterations, ~30 min on one core
     python bench/ablations.py --rows "span + RLOO" "scalar + RLOO"        # some rows only (the rest stay on disk)
-    python bench/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 7 rows, ~40 min
+    python bench/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 9 rows, ~45 min
     python bench/ablations.py --critic local --reward-model runs/demo/smol_rm --steps 60 \\
         --spans-only-reward-model runs/demo/smol_rm_spans_only    # the pretrained critic (bench/real_critic.py)
 
@@ -17,6 +17,10 @@ same critic, seeds, iterations, batch of rollouts and hyperparameters; a row cha
     span + RLOO          no value head: reward-to-go minus the leave-one-out mean return of the other samples of the
                          prompt (--advantage rloo, k = 4 samples per prompt, the same 32 rollouts per iteration)
     scalar + RLOO        plain RLOO (the whole reward on the last token)
+    span + RLOO position     span + RLOO, each token's reward-to-go compared with the other samples' at the same
+                             position instead of their whole return (--rloo-baseline position)
+    span + RLOO mean-reward  span + RLOO, the other samples' mean reward per token subtracted from each reward before
+                             summing (--rloo-baseline mean-reward, PRIME's)
 Judged as bench/span_vs_scalar.py judges: the exact critic on each run's own rollouts (03's exact/mistake_rate, never
 trained on), smoothed over 10 iterations; steps to a mistake rate <= 0.15 (a run that never gets there counts its
 full length, shown as "> N") and the final mistake rate (mean of the last 10 iterations). Median [min, max] over seeds.
@@ -41,7 +45,12 @@ ROWS = {  # row -> (03 flags, the paper's direction against "span")
     "spans-only RM": ([], "worse without the critique (Table 2, w/o CoT)"),
     "span + RLOO": (["--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),
     "scalar + RLOO": (["--reward-mode", "scalar", "--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),
+    "span + RLOO position": (["--advantage", "rloo", "--rloo-k", "4", "--rloo-baseline", "position"],
+                             "none (not in the paper)"),
+    "span + RLOO mean-reward": (["--advantage", "rloo", "--rloo-k", "4", "--rloo-baseline", "mean-reward"],
+                                "none (not in the paper)"),
 }
+SPAN_RLOO = ["span + RLOO", "span + RLOO position", "span + RLOO mean-reward"]  # each against scalar + RLOO
 
 
 def spread(xs, fmt):
@@ -92,7 +101,7 @@ def main():
               "steps": args.steps, "seeds": args.seeds, "start_mistake_rate": round(start, 3), "rows": {}}
     print(f"\ncritic: {args.critic}{' ' + args.reward_model if args.reward_model else ''}; SFT start {start:.2f}; "
           f"{args.seeds} seeds x {args.steps} iterations\n")
-    print(f"{'row':<22}{'steps to <= 0.15':>22}{'final mistake rate':>28}{'final length':>22}   paper's direction "
+    print(f"{'row':<26}{'steps to <= 0.15':>18}{'final mistake rate':>28}{'final length':>22}   paper's direction "
           "vs span")
     for row, cs in curves.items():
         hits = [steps_to_threshold(c["mistakes"]) for c in cs]
@@ -104,12 +113,14 @@ def main():
                                "steps_median": statistics.median(steps), "final_median": statistics.median(finals)}
         shown = spread(steps, lambda v: f"{v:g}" if v < args.steps else f">{args.steps}")
         length = spread(result["rows"][row]["final_length"], lambda v: f"{v:.1f}")
-        print(f"{row:<22}{shown:>22}{spread(finals, lambda v: f'{v:.3f}'):>28}{length:>22}   {ROWS[row][1]}")
-    if {"span + RLOO", "scalar + RLOO"} <= set(curves):
-        r = result["rows"]
-        result["rloo_steps_ratio"] = r["span + RLOO"]["steps_median"] / r["scalar + RLOO"]["steps_median"]
-        print(f"\nspan + RLOO / scalar + RLOO steps (medians): {result['rloo_steps_ratio']:.2f}"
-              + ("" if all(r["scalar + RLOO"]["reached"]) else " (a bound: scalar + RLOO did not always get there)"))
+        print(f"{row:<26}{shown:>18}{spread(finals, lambda v: f'{v:.3f}'):>28}{length:>22}   {ROWS[row][1]}")
+    r = result["rows"]
+    for row in [row for row in SPAN_RLOO if row in r and "scalar + RLOO" in r]:
+        ratio = r[row]["steps_median"] / r["scalar + RLOO"]["steps_median"]
+        result.setdefault("rloo_steps_ratio", {})[row] = ratio
+        bounds = [f"{name} did not always get there" for name in (row, "scalar + RLOO") if not all(r[name]["reached"])]
+        print(f"{row} / scalar + RLOO steps (medians): {ratio:.2f}" + (f" (not a ratio: {'; '.join(bounds)})"
+                                                                         if bounds else ""))
     common.write_json(out / "results.json", result)
     print(json.dumps(result))
 

@@ -110,32 +110,53 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
          [1.0, 0.7, 0.0, 0.4, 0.1, -1.0, 0.0, 0.0, 0.0, 0.0]]))
 
 
-def rloo_reference(rewards, lengths, k, gamma):
+def rloo_reference(rewards, lengths, k, gamma, baseline="start"):
     """RLOO advantages by a direct loop on python floats: G_t = sum_{s>=t} gamma^(s-t) r_s over a row's own tokens,
-    minus the mean of G_0 over the other k-1 rows of its group."""
-    G = [[sum(gamma ** (s - t) * row[s] for s in range(t, n)) for t in range(n)] for row, n in zip(rewards, lengths)]
-    start = [g[0] if g else 0.0 for g in G]
+    minus, over the other k-1 rows of its group: the mean of their G_0 (start); the mean of their G_t at the same t, 0
+    past a row's end (position). mean-reward: sum_{s>=t} gamma^(s-t) (r_s - the others' mean of their mean reward)."""
+    def to_go(row, n):
+        return [sum(gamma ** (s - t) * row[s] for s in range(t, n)) for t in range(n)]
+
+    G = [to_go(row, n) for row, n in zip(rewards, lengths)]
     out = []
-    for i, g in enumerate(G):
-        group = range(i // k * k, i // k * k + k)
-        base = sum(start[j] for j in group if j != i) / (k - 1)
-        out.append([x - base for x in g])
+    for i, (g, n) in enumerate(zip(G, lengths)):
+        others = [j for j in range(i // k * k, i // k * k + k) if j != i]
+        if baseline == "start":
+            out.append([x - sum(G[j][0] for j in others) / (k - 1) for x in g])
+        elif baseline == "position":
+            out.append([x - sum(G[j][t] if t < lengths[j] else 0.0 for j in others) / (k - 1) for t, x in enumerate(g)])
+        else:
+            rbar = sum(sum(rewards[j][:lengths[j]]) / lengths[j] for j in others) / (k - 1)
+            out.append(to_go([r - rbar for r in rewards[i][:n]], n))
     return out, G
 
 
+@pytest.mark.parametrize("baseline", ["start", "position", "mean-reward"])
 @pytest.mark.parametrize("k,gamma", [(2, 1.0), (3, 1.0), (3, 0.9)])
-def test_rloo_matches_a_direct_loop_with_ragged_masks(k, gamma):
+def test_rloo_matches_a_direct_loop_with_ragged_masks(k, gamma, baseline):
     g = torch.Generator().manual_seed(1)
     lengths = [9, 1, 5, 3, 8, 2][:6 // k * k]
     B, T = len(lengths), 9
     rewards = torch.randn(B, T, generator=g)
     mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
-    adv, ret = ppo.compute_rloo(rewards, mask, k, gamma)
-    want_adv, want_ret = rloo_reference(rewards.tolist(), lengths, k, gamma)
+    adv, ret = ppo.compute_rloo(rewards, mask, k, gamma, baseline)
+    want_adv, want_ret = rloo_reference(rewards.tolist(), lengths, k, gamma, baseline)
     for b, n in enumerate(lengths):
         assert adv[b, :n].tolist() == pytest.approx(want_adv[b], abs=1e-5)
         assert ret[b, :n].tolist() == pytest.approx(want_ret[b], abs=1e-5)
         assert adv[b, n:].abs().sum() == 0 and ret[b, n:].abs().sum() == 0
+
+
+def test_rloo_baselines_differ_where_they_should():
+    """One prompt, k = 2, +1 on each token of equal-length answers: the start baseline gives later tokens less (their
+    reward-to-go is smaller than the other's whole return: the position term), the position baseline gives every
+    token 0, and an unknown baseline is refused."""
+    rewards, mask = torch.ones(2, 4), torch.ones(2, 4)
+    assert ppo.compute_rloo(rewards, mask, 2, baseline="start")[0][0].tolist() == [0.0, -1.0, -2.0, -3.0]
+    assert ppo.compute_rloo(rewards, mask, 2, baseline="position")[0].abs().sum() == 0
+    assert ppo.compute_rloo(rewards, mask, 2, baseline="mean-reward")[0].abs().sum() == 0
+    with pytest.raises(ValueError, match="unknown RLOO baseline"):
+        ppo.compute_rloo(rewards, mask, 2, baseline="first")
 
 
 def test_rloo_with_the_reward_on_the_last_token_is_plain_rloo():
@@ -153,10 +174,11 @@ def test_rloo_with_the_reward_on_the_last_token_is_plain_rloo():
         assert adv[i, :n].tolist() == pytest.approx([R[i] - sum(others) / 2] * n)
 
 
-def test_rloo_run_samples_each_prompt_k_times_and_leaves_the_value_head(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("baseline", ["start", "position"])
+def test_rloo_run_samples_each_prompt_k_times_and_leaves_the_value_head(tmp_path, tiny_model_dir, baseline):
     """--advantage rloo --rloo-k 2: the batch holds 2 samples of each prompt, in a row; the advantages are compute_rloo
-    of the run's own rewards; the value head gets no gradient, so it is not trained."""
-    d, _ = _dump(tmp_path, tiny_model_dir, "rloo", "--advantage", "rloo", "--rloo-k", "2")
+    of the run's own rewards, with --rloo-baseline's baseline; the value head gets no gradient, so it is not trained."""
+    d, _ = _dump(tmp_path, tiny_model_dir, "rloo", "--advantage", "rloo", "--rloo-k", "2", "--rloo-baseline", baseline)
     samples = [json.loads(x) for x in (tmp_path / "rloo" / "samples.jsonl").read_text().splitlines()]
     prompts = [s["prompt"] for s in samples][:4]
     assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
@@ -165,7 +187,9 @@ def test_rloo_run_samples_each_prompt_k_times_and_leaves_the_value_head(tmp_path
     rewards = (d["delta"] - d["kl_coef"] * d["kl"]) * d["mask"]
     for i in range(mask.shape[0]):
         rewards[i, int(mask[i].sum()) - 1] -= 0.0 if d["has_eos"][i] else 1.0
-    adv, ret = ppo.compute_rloo(rewards.double(), mask, 2)
+    adv, ret = ppo.compute_rloo(rewards.double(), mask, 2, baseline=baseline)
+    assert not torch.allclose(adv, ppo.compute_rloo(rewards.double(), mask, 2,  # the flag chose between different ones
+                                                    baseline={"start": "position", "position": "start"}[baseline])[0])
     valid = adv[mask > 0].numpy()
     want = (adv.numpy() - valid.mean()) / np.sqrt(valid.var() + 1e-8) * mask.numpy()
     assert torch.allclose(d["advantages"].double(), torch.from_numpy(want), atol=1e-4)
