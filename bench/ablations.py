@@ -23,7 +23,9 @@ same critic, seeds, iterations, batch of rollouts and hyperparameters; a row cha
                              summing (--rloo-baseline mean-reward, PRIME's)
 Judged as bench/span_vs_scalar.py judges: the exact critic on each run's own rollouts (03's exact/mistake_rate, never
 trained on), smoothed over 10 iterations; steps to a mistake rate <= 0.15 (a run that never gets there counts its
-full length, shown as "> N") and the final mistake rate (mean of the last 10 iterations). Median [min, max] over seeds.
+full length, shown as "> N"), the final mistake rate (mean of the last 10 iterations) and the final sum of the exact
+critic's delta (good words +1, wrong ones -1: an answer that drops facts scores less, one that only avoids mistakes
+does not). Median [min, max] over seeds.
 Nothing is tuned per row. Prints the table and one JSON line; writes OUT/results.json.
 """
 import argparse
@@ -101,8 +103,8 @@ def main():
               "steps": args.steps, "seeds": args.seeds, "start_mistake_rate": round(start, 3), "rows": {}}
     print(f"\ncritic: {args.critic}{' ' + args.reward_model if args.reward_model else ''}; SFT start {start:.2f}; "
           f"{args.seeds} seeds x {args.steps} iterations\n")
-    print(f"{'row':<26}{'steps to <= 0.15':>18}{'final mistake rate':>28}{'final length':>22}   paper's direction "
-          "vs span")
+    print(f"{'row':<26}{'steps to <= 0.15':>18}{'final mistake rate':>28}{'final exact sum delta':>24}"
+          f"{'final length':>20}   paper's direction vs span")
     for row, cs in curves.items():
         hits = [steps_to_threshold(c["mistakes"]) for c in cs]
         steps = [h or args.steps for h in hits]
@@ -110,10 +112,13 @@ def main():
         result["rows"][row] = {"steps": steps, "reached": [h is not None for h in hits], "final": finals,
                                "final_kl": [statistics.fmean(c["kl"][-WINDOW:]) for c in cs],
                                "final_length": [statistics.fmean(c["length"][-WINDOW:]) for c in cs],
+                               "final_delta_sum": [statistics.fmean(c["reward"][-WINDOW:]) for c in cs],
                                "steps_median": statistics.median(steps), "final_median": statistics.median(finals)}
         shown = spread(steps, lambda v: f"{v:g}" if v < args.steps else f">{args.steps}")
         length = spread(result["rows"][row]["final_length"], lambda v: f"{v:.1f}")
-        print(f"{row:<26}{shown:>18}{spread(finals, lambda v: f'{v:.3f}'):>28}{length:>22}   {ROWS[row][1]}")
+        delta_sum = spread(result["rows"][row]["final_delta_sum"], lambda v: f"{v:.2f}")
+        print(f"{row:<26}{shown:>18}{spread(finals, lambda v: f'{v:.3f}'):>28}{delta_sum:>24}{length:>20}   "
+              f"{ROWS[row][1]}")
     r = result["rows"]
     for row in [row for row in SPAN_RLOO if row in r and "scalar + RLOO" in r]:
         ratio = r[row]["steps_median"] / r["scalar + RLOO"]["steps_median"]
