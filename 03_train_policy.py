@@ -524,7 +524,7 @@ def dense_feedback(text: str, fb: dict) -> dict:
     """--labels dense (App. I.1): the critic's feedback relabelled so that every token of `text` gets a label: its
     poor spans stay, and the whole response is quoted as good, so span_rewards gives -1 inside a poor span and +1
     everywhere else (0 only on a token straddling a poor span's edge, or one of whitespace alone)."""
-    return {**fb, "good_spans": [text] if text.strip() else [], "poor_spans": fb["poor_spans"]}
+    return {**fb, "good_spans": [text] if text.strip() else []}
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):

@@ -86,11 +86,10 @@ def main():
             run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
                  "--rm-format", "spans-only", "--output-dir", str(spans_only)])
         i = flags.index("--reward-model")
-        ROWS["spans-only RM"] = (["--reward-model", str(spans_only)], ROWS["spans-only RM"][1])
         flags_without_rm = flags[:i] + flags[i + 2:]
     curves = {}
     for row in rows:
-        row_flags, _ = ROWS[row]
+        row_flags = ["--reward-model", str(spans_only)] if row == "spans-only RM" else ROWS[row][0]
         base = flags_without_rm if row == "spans-only RM" else flags
         slug = row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
         curves[row] = [ppo_run(out, out / f"{slug}_seed{seed}", seed, args.steps, [*row_flags, *base])
