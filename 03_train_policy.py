@@ -328,22 +328,24 @@ LOCALITY_GROUPS = ("poor", "good", "outside_flawed", "outside_clean")
 def locality_sums(log_ratio, delta, mask):
     """Where an update went: Delta_t = log pi_new - log pi_old (log_ratio, (B, T)) summed per token group, the groups
     read off the delta_t the update was computed from (its sign): inside poor spans, inside good spans, and outside
-    every span in answers with a poor span ("flawed") or without one ("clean"). Returns (4, 3): per LOCALITY_GROUPS
-    entry, (tokens, sum Delta, sum |Delta|); sums, so that ranks and batches add up."""
+    every span in answers with a poor span ("flawed") or without one ("clean"). Returns (4, 4): per LOCALITY_GROUPS
+    entry, (tokens, sum Delta, sum |Delta|, tokens whose Delta < 0); sums, so that ranks and batches add up."""
     flawed = ((delta < 0).float() * mask).amax(1, keepdim=True)              # (B, 1): 1 if the answer has a poor token
     outside = (delta == 0).float() * mask
     groups = torch.stack([(delta < 0).float() * mask, (delta > 0).float() * mask, outside * flawed,
                           outside * (1 - flawed)])                           # (4, B, T)
-    return torch.stack([groups.sum((1, 2)), (groups * log_ratio).sum((1, 2)),
-                        (groups * log_ratio.abs()).sum((1, 2))], 1)
+    return torch.stack([groups.sum((1, 2)), (groups * log_ratio).sum((1, 2)), (groups * log_ratio.abs()).sum((1, 2)),
+                        (groups * (log_ratio < 0).float()).sum((1, 2))], 1)
 
 
 def locality_summary(sums) -> dict:
-    """locality_sums' (4, 3) as {group: {tokens, mean, mean_abs}} plus "ratio", the locality ratio: mean |Delta| inside
-    poor spans / mean |Delta| on the unflagged tokens of the same (flawed) answers; None where a group is empty."""
+    """locality_sums' (4, 4) as {group: {tokens, mean, mean_abs, down}} (down: the share of its tokens made less
+    likely) plus "ratio", the locality ratio: mean |Delta| inside poor spans / mean |Delta| on the unflagged tokens of
+    the same (flawed) answers; None where a group is empty."""
     out = {}
-    for name, (n, total, total_abs) in zip(LOCALITY_GROUPS, sums.tolist()):
-        out[name] = {"tokens": int(n), "mean": total / n if n else None, "mean_abs": total_abs / n if n else None}
+    for name, (n, total, total_abs, down) in zip(LOCALITY_GROUPS, sums.tolist()):
+        out[name] = {"tokens": int(n), "mean": total / n if n else None, "mean_abs": total_abs / n if n else None,
+                     "down": down / n if n else None}
     poor, rest = out["poor"]["mean_abs"], out["outside_flawed"]["mean_abs"]
     out["ratio"] = poor / rest if poor is not None and rest else None
     return out
@@ -685,18 +687,21 @@ def policy_logprobs(model, b, forbid, micro, args):
 def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank) -> None:
     """--trace-samples N: where this iteration's update went, one line of out_dir/trace.jsonl (rank 0 writes; resume
     cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old
-    of every response token. The line holds the batch's locality (locality_summary of every rank's tokens) and N of
-    this rank's rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs,
-    and r and A under both reward modes (the other mode's from the same delta, KL, V and beta). It draws nothing
-    random: a run is the same with or without it. 04's report draws it ("Where the update went")."""
+    of every response token. The line holds the locality of Delta over the global batch (locality_summary), that of
+    the advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this
+    rank's rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r
+    and A under both modes. It draws nothing random: a run is the same with or without it. 04's report draws it
+    ("Where the update went"); bench/locality.py measures with it."""
     B, T = b["mask"].shape
     log_ratio = (policy_logprobs(model, b, forbid, micro, args) - b["logprobs"]) * b["mask"]      # (B, T): Delta_t
     locality = locality_summary(all_sum(locality_sums(log_ratio, b["delta"], b["mask"])))
     other = "scalar" if args.reward_mode == "span" else "span"
     r_other, a_other, _ = rewards_and_advantages(g, kl_coef, other, args)
+    rewards, advantages = {args.reward_mode: g["rewards"], other: r_other}, {args.reward_mode: g["advantages"],
+                                                                             other: a_other}     # global batch
+    advantage_locality = {m: locality_summary(locality_sums(a, g["delta"], g["mask"])) for m, a in advantages.items()}
     mine = slice(rank * B, (rank + 1) * B)                                                        # this rank's rows
-    rewards = {args.reward_mode: g["rewards"][mine, :T], other: r_other[mine, :T]}
-    advantages = {args.reward_mode: b["advantages"], other: a_other[mine, :T]}
+    rewards, advantages = ({m: x[mine, :T] for m, x in d.items()} for d in (rewards, advantages))
     if rank != 0:
         return
     flawed = ((b["delta"] < 0).float() * b["mask"]).amax(1).tolist()
@@ -714,7 +719,7 @@ def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid,
             "logprobs_old": num(b["logprobs"], i, n), "logprobs_new": num(b["logprobs"] + log_ratio, i, n)})
     with open(Path(out_dir) / "trace.jsonl", "a", encoding="utf-8") as f:
         common.append_jsonl(f, {"step": step, "reward_mode": args.reward_mode, "kl_coef": kl_coef,
-                                "locality": locality, "samples": samples})
+                                "locality": locality, "advantage_locality": advantage_locality, "samples": samples})
 
 
 def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, epochs, kl_coef, lr, clock, args, rank,

@@ -751,6 +751,7 @@ def test_locality_sums_match_a_plain_loop():
         assert got[k]["tokens"] == len(xs) > 0
         assert got[k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-6)
         assert got[k]["mean_abs"] == pytest.approx(sum(map(abs, xs)) / len(xs), abs=1e-6)
+        assert got[k]["down"] == pytest.approx(sum(x < 0 for x in xs) / len(xs))
     assert got["ratio"] == pytest.approx(got["poor"]["mean_abs"] / got["outside_flawed"]["mean_abs"])
     clean = ppo.locality_summary(ppo.locality_sums(log_ratio, delta.clamp(min=0), mask))  # no poor span anywhere
     assert clean["poor"]["tokens"] == clean["outside_flawed"]["tokens"] == 0 and clean["ratio"] is None
@@ -800,6 +801,7 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
         flawed = [any(x < 0 for x in s["delta"]) for s in row["samples"]]
         assert flawed == sorted(flawed, reverse=True)  # answers with a poor span first
         groups = {k: [] for k in ppo.LOCALITY_GROUPS}
+        adv = {m: {k: [] for k in ppo.LOCALITY_GROUPS} for m in ("span", "scalar")}
         for s in row["samples"]:
             i, n = s["row"], int(d["mask"][s["row"]].sum())
             text, offsets = common.decode_with_offsets(tiny_tokenizer, d["response"][i, :n].tolist())
@@ -818,10 +820,19 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
                     "outside_clean"
                 groups[group].append(b - a)
                 moved = max(moved, abs(b - a))
+            for m in adv:
+                for lab, a in zip(labels, s["advantages"][m]):
+                    adv[m]["poor" if lab < 0 else "good" if lab > 0 else "outside_flawed" if min(labels) < 0 else
+                           "outside_clean"].append(a)
         for k, xs in groups.items():  # the whole batch is traced: the locality is that of these tokens
             assert row["locality"][k]["tokens"] == len(xs)
             if xs:
                 assert row["locality"][k]["mean_abs"] == pytest.approx(sum(map(abs, xs)) / len(xs), abs=1e-4)
+            for m, by_group in adv.items():  # and the advantages' locality, in both modes
+                xs = by_group[k]
+                assert row["advantage_locality"][m][k]["tokens"] == len(xs)
+                if xs:
+                    assert row["advantage_locality"][m][k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-4)
     assert moved > 1e-3  # the update moved the log-probs (so the lr-0 test below can fail)
     ppo.train(_args(tmp_path, tiny_model_dir, "--output-dir", str(tmp_path / "plain"), "--steps", "2",
                     "--trace-samples", "0", *flags))  # the demo preset traces 3 rollouts; 0 is off
@@ -861,6 +872,7 @@ def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(
     assert any(a["logprobs_new"] != b["logprobs_new"] for a, b in zip(span["samples"], scalar["samples"]))
     assert {k: v["tokens"] for k, v in span["locality"].items() if k != "ratio"} == \
         {k: v["tokens"] for k, v in scalar["locality"].items() if k != "ratio"}
+    assert span["advantage_locality"] == scalar["advantage_locality"]
     for mode, d in dumps.items():  # each run's update used its own mode's advantages, as recomputed independently
         adv, _ = _advantages_from(d, span["kl_coef"], False, mode)
         assert torch.allclose(d["advantages"].double(), torch.from_numpy(adv), atol=1e-4)
