@@ -117,6 +117,10 @@ def summarize(measured: list[dict]) -> dict:
     per_state = [m["span"]["ratio"] / m["scalar"]["ratio"] for m in measured if m["span"]["ratio"] and
                  m["scalar"]["ratio"]]
     out["span_over_scalar_ratio"] = spread(per_state)
+    push = [m["span"]["poor"]["mean"] / m["scalar"]["poor"]["mean"] for m in measured if m["scalar"]["poor"]["mean"]]
+    out["span_over_scalar_poor_mean"] = spread(push)  # how much harder span mode pushes the flagged tokens down
+    out["scalar_poor_mean_positive_states"] = sum(m["scalar"]["poor"]["mean"] > 0 for m in measured
+                                                  if m["scalar"]["poor"]["mean"] is not None)
     poor = [m["span"]["poor"]["mean"] for m in measured if m["span"]["poor"]["mean"] is not None]
     out["goal_ratio_3x"] = bool(per_state) and statistics.median(per_state) >= 3
     out["goal_ratio_3x_every_state"] = bool(per_state) and min(per_state) >= 3
@@ -140,7 +144,9 @@ def print_tables(critic: str, summary: dict, measured: list[dict]) -> None:
                   f"{fmt(summary[mode]['advantage'][g]['mean'], '+.3f'):>30}")
         print(f"{'locality ratio':<17}{fmt(summary[mode]['ratio'], '.2f'):>60}{'':>24}"
               f"{fmt(summary[mode]['advantage']['ratio'], '.2f'):>30}  (of |A|)")
-    print(f"span's ratio / scalar's, per state: {fmt(summary['span_over_scalar_ratio'], '.2f')}")
+    print(f"span's ratio / scalar's, per state: {fmt(summary['span_over_scalar_ratio'], '.2f')}; span's mean Δ in "
+          f"poor spans / scalar's, per state: {fmt(summary['span_over_scalar_poor_mean'], '.2f')}; scalar's > 0 in "
+          f"{summary['scalar_poor_mean_positive_states']} of {summary['states']} states")
     print(f"goals: span ratio >= 3x scalar's (median state): {summary['goal_ratio_3x']}, in every state: "
           f"{summary['goal_ratio_3x_every_state']}; span mean Δ in poor spans < 0 in every state: "
           f"{summary['goal_poor_mean_negative']} ({summary['span_poor_mean_negative_states']})")
@@ -162,8 +168,12 @@ def plot(results: dict, png: str) -> None:
     import matplotlib.pyplot as plt
     panels = [(f"{critic} critic, {setting}", s) for critic, by in results["critics"].items() for setting, s in
               by.items()]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.4 * len(panels), 3.6), squeeze=False)
-    for ax, (title, s) in zip(axes[0], panels):
+    cols = min(2, len(panels))
+    fig, axes = plt.subplots((len(panels) + cols - 1) // cols, cols, figsize=(5.6 * cols, 3.4 * len(panels) / cols),
+                             squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
+    for ax, (title, s) in zip(axes.flat, panels):
         for j, (mode, color) in enumerate((("span", "#1a7f37"), ("scalar", "#cf222e"))):
             cells = [s[mode][g]["mean_abs"] for g in GROUPS]
             x = [i + (j - 0.5) * 0.38 for i in range(len(GROUPS))]
@@ -174,7 +184,7 @@ def plot(results: dict, png: str) -> None:
             ax.bar(x, med, 0.38, yerr=err, color=color, alpha=0.85, capsize=3,
                    label=f"{mode}: locality ratio {ratio['median']:.2f}" if ratio else mode)
         ax.set_xticks(range(len(GROUPS)), list(GROUPS.values()), fontsize=9)
-        ax.set_title(f"mean |log π_new − log π_old| per token\n({title})", fontsize=10)
+        ax.set_title(f"mean |log π_new − log π_old| per token ({title})", fontsize=9.5)
         ax.spines[["top", "right"]].set_visible(False)
         ax.legend(fontsize=9, frameon=False)
     fig.tight_layout()
@@ -193,11 +203,15 @@ def main():
     p.add_argument("--lams", type=float, nargs="+", default=[0.95], help="GAE lambda of the measured update (the "
                    "runs keep 03's 0.95):\n0.95 is 03's default; 0 makes A_t = r_t + V_{t+1} - V_t, one token's")
     p.add_argument("--png", default="bench/locality.png", help="the picture")
+    p.add_argument("--tables-only", action="store_true", help="print the tables and draw the picture from "
+                   "OUT/results.json, running nothing")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     args = p.parse_args()
     out = Path(args.out)
     results = {"seeds": args.seeds, "iterations": args.iterations, "critics": {}}
-    for critic in args.critics:
+    if args.tables_only:
+        results = json.loads((out / "results.json").read_text())
+    for critic in [] if args.tables_only else args.critics:
         flags = shared_start(out, critic, args.reward_model, max(args.iterations) + 1, args.ppo_args)
         flags = ["--model", str(out / "sft"), "--sft-steps", "0", *flags]
         measured = {f"lam {lam:g}": [] for lam in args.lams}
@@ -212,6 +226,10 @@ def main():
         for setting, rows in measured.items():
             results["critics"][critic][setting] = {**summarize(rows), "measured": rows}
             print_tables(f"{critic}, measured update's GAE {setting}", results["critics"][critic][setting], rows)
+    for critic, by in results["critics"].items() if args.tables_only else ():
+        for setting, s in by.items():
+            by[setting] = {**summarize(s["measured"]), "measured": s["measured"]}
+            print_tables(f"{critic}, measured update's GAE {setting}", by[setting], s["measured"])
     common.write_json(out / "results.json", results)
     plot(results, args.png)
     brief = {c: {setting: {k: v for k, v in s.items() if k != "measured"} for setting, s in by.items()}
