@@ -987,7 +987,7 @@ def train(args):
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, value_head, b, forbid, micro, args)
         g = {k: gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
-        # 5. advantages A_t by GAE over r_t (§3.5), or by RLOO without the value head; whitened
+        # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g["rewards"], g["advantages"], g["returns"] = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
         b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
