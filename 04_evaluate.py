@@ -5,8 +5,9 @@ count and a 95% bootstrap interval: ROUGE-1/2/L, BLEU and BERTScore against refe
 estimator, Chen et al. 2021) from the benchmark's tests run in the sandbox; the reward model's critique of each answer;
 an optional LLM judge's pairwise win/tie/loss, the answers' order randomised per pair (App. E); demo: the programmatic
 critic's score. Writes OUTPUT_DIR/results.json, a table, and OUTPUT_DIR/report.html: metrics, stage 3's training
-curves and sample answers with the critique's spans highlighted (the paper's Figure 2). Generations, critiques, test
-runs and verdicts are cached in OUTPUT_DIR/eval/: a rerun computes only what is missing or stale.
+curves, where its updates went token by token (its --trace-samples), and sample answers with the critique's spans
+highlighted (the paper's Figure 2). Generations, critiques, test runs and verdicts are cached in OUTPUT_DIR/eval/: a
+rerun computes only what is missing or stale.
 
     python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 CPU cores)
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
@@ -710,12 +711,13 @@ def render_update_section(traces: dict[str, list[dict]], max_samples: int = 3) -
     if png:
         rows = []
         for name, trace in traces.items():
-            loc = [r["locality"] for r in trace if r.get("locality")]
-            med = lambda f: statistics.median(v) if (v := [x for x in map(f, loc) if x is not None]) else None  # noqa
-            cells = [med(lambda x: x["ratio"]), med(lambda x: x["poor"]["mean"]), med(lambda x: x["poor"]["mean_abs"]),
-                     med(lambda x: x["outside_flawed"]["mean_abs"])]
-            rows.append(f"<tr><td>{esc(name)} ({esc(str(trace[0].get('reward_mode')))} rewards)</td>" + "".join(
-                f"<td>{'–' if c is None else f'{c:.3g}'}</td>" for c in cells) + f"<td>{len(loc)}</td></tr>")
+            loc, cells = [r["locality"] for r in trace if r.get("locality")], []
+            for get in (lambda x: x["ratio"], lambda x: x["poor"]["mean"], lambda x: x["poor"]["mean_abs"],
+                        lambda x: x["outside_flawed"]["mean_abs"]):
+                values = [v for v in map(get, loc) if v is not None]
+                cells.append(f"<td>{statistics.median(values):.3g}</td>" if values else "<td>–</td>")
+            rows.append(f"<tr><td>{esc(name)} ({esc(str(trace[0].get('reward_mode')))} rewards)</td>{''.join(cells)}"
+                        f"<td>{len(loc)}</td></tr>")
         parts.append(f"<img class='curves locality' alt='locality ratio over training' src='data:image/png;base64,"
                      f"{png}'><table><tr><th>run (its own update, median over iterations)</th><th>locality ratio</th>"
                      f"<th>mean Δ poor</th><th>mean |Δ| poor</th><th>mean |Δ| outside, flawed</th><th>iterations"
