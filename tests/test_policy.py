@@ -881,6 +881,35 @@ def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(
             assert s["advantages"][mode] == pytest.approx(adv[s["row"], :n].tolist(), abs=1e-4)
 
 
+def test_locality_bench_summary_and_its_same_batch_check():
+    """bench/locality.py: medians [min, max] over the states, empty groups left out, the goals, and a refusal to
+    compare two updates that did not see the same batch."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import locality
+
+    def state(poor_span, poor_scalar, rest_span, rest_scalar, n=4):
+        loc = lambda poor, rest: ppo.locality_summary(torch.tensor(  # noqa: E731
+            [[n, poor * n, abs(poor) * n, n * (poor < 0)], [0, 0, 0, 0], [n, rest * n, abs(rest) * n, 0],
+             [0, 0, 0, 0]], dtype=torch.float64))
+        return {"span": loc(poor_span, rest_span), "scalar": loc(poor_scalar, rest_scalar),
+                "advantages": {"span": loc(-2.0, -0.5), "scalar": loc(-1.0, -1.0)}}
+
+    measured = [state(-0.5, -0.1, 0.05, 0.05), state(-0.2, 0.1, 0.01, 0.02), state(-0.4, -0.2, 0.1, 0.1)]
+    s = locality.summarize(measured)
+    assert s["span"]["poor"]["mean"] == {"median": -0.4, "min": -0.5, "max": -0.2, "n": 3}
+    assert s["span"]["good"]["mean"] is None  # no good-span token in any state
+    assert s["span"]["ratio"]["median"] == pytest.approx(10.0) and s["scalar"]["ratio"]["median"] == pytest.approx(2.0)
+    assert s["span_over_scalar_ratio"]["median"] == pytest.approx(4.0)  # per state: 5, 4, 2
+    assert s["goal_ratio_3x"] and not s["goal_ratio_3x_every_state"] and s["goal_poor_mean_negative"]
+    assert s["scalar_poor_mean_positive_states"] == 1 and s["span"]["advantage"]["ratio"]["median"] == 4.0
+    assert not locality.summarize([state(0.1, -0.1, 0.05, 0.05)])["goal_poor_mean_negative"]
+    sample = {"tokens": [" a"], "delta": [-1.0], "kl": [0.0], "values": [0.0], "logprobs_old": [-1.0]}
+    row = {"samples": [sample], "kl_coef": 0.2, "advantage_locality": {}, "locality": measured[0]["span"]}
+    locality.check_same_batch(row, {**row, "locality": measured[0]["scalar"]})
+    with pytest.raises(SystemExit, match="sample tokens differs"):
+        locality.check_same_batch(row, {**row, "samples": [{**sample, "tokens": [" b"]}]})
+
+
 def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_model_dir):
     """generation_config.json's sampling extras reach neither the rollouts nor any other generate() (01, 02, 04 and
     the local critic all go through common.generate)."""
