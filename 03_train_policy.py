@@ -153,8 +153,8 @@ def parse_args(argv=None):
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
     a("--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt")
     a("--trace-samples", type=int, help="where each update went (trace_iteration): N rollouts' delta, KL, V, r and A "
-      "under both\nreward modes, log-probs before and after the update, and the batch's locality, to "
-      "OUTPUT_DIR/trace.jsonl\n(0: off; costs one no-grad forward of the batch per iteration)")
+      "under both\nreward modes, old and new log-probs, the batch's update locality: OUTPUT_DIR/trace.jsonl\n"
+      "(0: off; costs one no-grad forward of the batch per iteration)")
     args = p.parse_args(argv)
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
