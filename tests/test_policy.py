@@ -495,6 +495,9 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     d = [torch.load(tmp_path / "dump" / f"step{s}_rank{r}.pt", weights_only=False) for s in (1, 2) for r in (0, 1)]
     assert d[2]["param_checksum"] == d[3]["param_checksum"]  # both ranks end with identical parameters
     assert d[0]["texts"] != d[1]["texts"]                    # but sampled different rollouts
+    for row, dumps in zip(common.read_jsonl(tmp_path / "run" / "trace.jsonl"), (d[:2], d[2:])):  # the demo preset's
+        assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == \
+            sum(x["mask"].sum().item() for x in dumps)      # --trace-samples: its locality counts both ranks' tokens
     for r0, r1 in (d[:2], d[2:]):  # single process on the concatenated batch gives the same whitened advantages
         T = max(r0["mask"].shape[1], r1["mask"].shape[1])
         cat = lambda k: torch.cat([torch.nn.functional.pad(x[k], (0, T - x[k].shape[1])) for x in (r0, r1)])  # noqa
