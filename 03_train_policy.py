@@ -44,11 +44,11 @@ PRESETS = {
                  reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
                  scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32, max_new_tokens=32, lr=1e-3,
                  lora_r=16, lora_alpha=32, kl_coef=0.2, ppo_epochs=2, num_minibatches=2, critic_max_new_tokens=96,
-                 warmup_steps=0),
+                 warmup_steps=0, trace_samples=3),
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
-                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0)}
+                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0, trace_samples=0)}
 
 
 def parse_args(argv=None):
@@ -152,6 +152,9 @@ def parse_args(argv=None):
     a("--save-every", type=int, default=20, help="checkpoint every N iterations")
     a("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
     a("--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt")
+    a("--trace-samples", type=int, help="where each update went (trace_iteration): N rollouts' delta, KL, V, r and A "
+      "under both\nreward modes, old and new log-probs, the batch's update locality: OUTPUT_DIR/trace.jsonl\n"
+      "(0: off; costs one no-grad forward of the batch per iteration)")
     args = p.parse_args(argv)
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
@@ -317,6 +320,35 @@ def entropy_from_logits(logits):
     """H of the categorical at each position, (B, T, V) -> (B, T)."""
     probs = logits.softmax(-1)
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
+
+
+LOCALITY_GROUPS = ("poor", "good", "outside_flawed", "outside_clean")
+
+
+def locality_sums(log_ratio, delta, mask):
+    """Where an update went: Delta_t = log pi_new - log pi_old (log_ratio, (B, T)) summed per token group, the groups
+    read off the delta_t the update was computed from (its sign): inside poor spans, inside good spans, and outside
+    every span in answers with a poor span ("flawed") or without one ("clean"). Returns (4, 4): per LOCALITY_GROUPS
+    entry, (tokens, sum Delta, sum |Delta|, tokens whose Delta < 0); sums, so that ranks and batches add up."""
+    flawed = ((delta < 0).float() * mask).amax(1, keepdim=True)              # (B, 1): 1 if the answer has a poor token
+    outside = (delta == 0).float() * mask
+    groups = torch.stack([(delta < 0).float() * mask, (delta > 0).float() * mask, outside * flawed,
+                          outside * (1 - flawed)])                           # (4, B, T)
+    return torch.stack([groups.sum((1, 2)), (groups * log_ratio).sum((1, 2)), (groups * log_ratio.abs()).sum((1, 2)),
+                        (groups * (log_ratio < 0).float()).sum((1, 2))], 1)
+
+
+def locality_summary(sums) -> dict:
+    """locality_sums' (4, 4) as {group: {tokens, mean, mean_abs, down}} (down: the share of its tokens made less
+    likely) plus "ratio", the locality ratio: mean |Delta| inside poor spans / mean |Delta| on the unflagged tokens of
+    the same (flawed) answers; None where a group is empty."""
+    out = {}
+    for name, (n, total, total_abs, down) in zip(LOCALITY_GROUPS, sums.tolist()):
+        out[name] = {"tokens": int(n), "mean": total / n if n else None, "mean_abs": total_abs / n if n else None,
+                     "down": down / n if n else None}
+    poor, rest = out["poor"]["mean_abs"], out["outside_flawed"]["mean_abs"]
+    out["ratio"] = poor / rest if poor is not None and rest else None
+    return out
 
 
 
@@ -572,6 +604,19 @@ def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
     return torch.cat(logprobs), torch.cat(values), torch.cat(kl) * b["mask"]
 
 
+def rewards_and_advantages(g, kl_coef: float, reward_mode: str, args):
+    """Steps 4-5 on the global batch g (its delta, kl, mask, values, has_eos): the rewards r_t = delta_t - beta*KL_t
+    of reward_mode (compute_rewards, the missing-EOS penalty at the last token; --whiten-rewards), then A_t by GAE
+    (or --advantage rloo), whitened. Returns (rewards, advantages, returns), each (B, T)."""
+    seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                      # (B,)
+    rewards = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, reward_mode, seq_bonus)
+    if args.whiten_rewards:
+        rewards = masked_whiten(rewards, g["mask"], shift_mean=False)
+    advantages, returns = compute_gae(rewards, g["values"], g["mask"], args.gamma, args.lam) \
+        if args.advantage == "gae" else compute_rloo(rewards, g["mask"], args.rloo_k, args.gamma, args.rloo_baseline)
+    return rewards, masked_whiten(advantages, g["mask"]), returns
+
+
 def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world):
     """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum
     micro-batches; loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token mean over
@@ -624,6 +669,57 @@ def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir
         "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
         "param_checksum": sum(p.detach().double().sum().item() for p in params)},
         Path(out_dir) / f"step{step}_rank{rank}.pt")
+
+
+def policy_logprobs(model, b, forbid, micro, args):
+    """log pi(y_t | x, y_<t) of the batch's response tokens under the model as it is now, (B, T), no grad: in the
+    same chunks as score_rollouts (the same shapes, so a token whose probability did not move gets Delta = 0)."""
+    (B, T), out = b["mask"].shape, []
+    rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
+                                                   2 if args.kl_estimator == "full" else 1)
+    with torch.no_grad(), autocast(args.device, args.dtype):
+        for s in range(0, B, rows):
+            out.append(forward(model, None, b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows], T,
+                               args.temperature, forbid)[0])
+    return torch.cat(out)
+
+
+def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank) -> None:
+    """--trace-samples N: where this iteration's update went, one line of out_dir/trace.jsonl (rank 0 writes; resume
+    cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old
+    of every response token. The line holds the locality of Delta over the global batch (locality_summary), that of
+    the advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this
+    rank's rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r
+    and A under both modes. It draws nothing random: a run is the same with or without it. 04's report draws it
+    ("Where the update went"); bench/locality.py measures with it."""
+    B, T = b["mask"].shape
+    log_ratio = (policy_logprobs(model, b, forbid, micro, args) - b["logprobs"]) * b["mask"]      # (B, T): Delta_t
+    locality = locality_summary(all_sum(locality_sums(log_ratio, b["delta"], b["mask"])))
+    other = "scalar" if args.reward_mode == "span" else "span"
+    r_other, a_other, _ = rewards_and_advantages(g, kl_coef, other, args)
+    rewards, advantages = {args.reward_mode: g["rewards"], other: r_other}, {args.reward_mode: g["advantages"],
+                                                                             other: a_other}     # global batch
+    advantage_locality = {m: locality_summary(locality_sums(a, g["delta"], g["mask"])) for m, a in advantages.items()}
+    mine = slice(rank * B, (rank + 1) * B)                                                        # this rank's rows
+    rewards, advantages = ({m: x[mine, :T] for m, x in d.items()} for d in (rewards, advantages))
+    if rank != 0:
+        return
+    flawed = ((b["delta"] < 0).float() * b["mask"]).amax(1).tolist()
+    rows = sorted(range(B), key=lambda i: -flawed[i])[:args.trace_samples]      # stable: flawed first, in batch order
+    num = lambda x, i, n: [float(f"{v:.6g}") + 0.0 for v in x[i, :n].tolist()]  # noqa: E731  (6 digits; no -0.0)
+    samples = []
+    for i in rows:
+        n, text = int(b["mask"][i].sum()), b["texts"][i]
+        samples.append({
+            "row": i, "prompt": recs[i]["prompt"][-2000:], "critique": (feedback[i] or {}).get("critique"),
+            "tokens": [text[a:z] for a, z in b["offsets"][i]], "has_eos": bool(b["has_eos"][i]),
+            "delta": num(b["delta"], i, n), "kl": num(b["kl"], i, n), "values": num(b["values"], i, n),
+            "rewards": {m: num(r, i, n) for m, r in rewards.items()},
+            "advantages": {m: num(a, i, n) for m, a in advantages.items()},
+            "logprobs_old": num(b["logprobs"], i, n), "logprobs_new": num(b["logprobs"] + log_ratio, i, n)})
+    with open(Path(out_dir) / "trace.jsonl", "a", encoding="utf-8") as f:
+        common.append_jsonl(f, {"step": step, "reward_mode": args.reward_mode, "kl_coef": kl_coef,
+                                "locality": locality, "advantage_locality": advantage_locality, "samples": samples})
 
 
 def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, epochs, kl_coef, lr, clock, args, rank,
@@ -797,15 +893,15 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0
 def start_or_resume(ckpt, resume: bool, kl_coef: float, config: dict, model, value_head, optimizer, scheduler,
                     rank: int, world: int) -> tuple[int, float]:
     """The run dir (ckpt's folder): (first step, beta). resume restores the checkpoint (load_checkpoint) and cuts
-    metrics.jsonl and samples.jsonl back to its step; a fresh run starts without them and with beta = kl_coef. Rank 0
-    writes config.json: config, the run's settings, and the world size."""
+    metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh run starts without them and with beta =
+    kl_coef. Rank 0 writes config.json: config, the run's settings, and the world size."""
     out_dir, last = Path(ckpt).parent, 0
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     barrier()
     if resume and Path(ckpt).is_file():
         last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank, world)
-    for path in (out_dir / "metrics.jsonl", out_dir / "samples.jsonl") if rank == 0 else ():
+    for path in (out_dir / "metrics.jsonl", out_dir / "samples.jsonl", out_dir / "trace.jsonl") if rank == 0 else ():
         if last:  # drop the rows logged after the checkpoint
             common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file()
                                else [])
@@ -891,15 +987,8 @@ def train(args):
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, value_head, b, forbid, micro, args)
         g = {k: gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
-        seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                       # (B,)
-        g["rewards"] = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, args.reward_mode, seq_bonus)
-        if args.whiten_rewards:
-            g["rewards"] = masked_whiten(g["rewards"], g["mask"], shift_mean=False)
-        # 5. advantages A_t by GAE over r_t (§3.5), or by RLOO without the value head; whitened
-        g["advantages"], g["returns"] = compute_gae(g["rewards"], g["values"], g["mask"], args.gamma, args.lam) \
-            if args.advantage == "gae" else compute_rloo(g["rewards"], g["mask"], args.rloo_k, args.gamma,
-                                                          args.rloo_baseline)
-        g["advantages"] = masked_whiten(g["advantages"], g["mask"])
+        # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
+        g["rewards"], g["advantages"], g["returns"] = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
         b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
         clock["scored"] = time.time()
@@ -909,6 +998,8 @@ def train(args):
         clock["updated"] = time.time()
         if args.dump_rollouts:
             dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
+        if args.trace_samples:
+            trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank)
         # 7. log: adapt beta (optional), the global batch's metrics, samples, checkpoint
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, g["kl"].sum(1).mean().item(), args.adaptive_kl_target,

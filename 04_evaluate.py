@@ -5,8 +5,9 @@ count and a 95% bootstrap interval: ROUGE-1/2/L, BLEU and BERTScore against refe
 estimator, Chen et al. 2021) from the benchmark's tests run in the sandbox; the reward model's critique of each answer;
 an optional LLM judge's pairwise win/tie/loss, the answers' order randomised per pair (App. E); demo: the programmatic
 critic's score. Writes OUTPUT_DIR/results.json, a table, and OUTPUT_DIR/report.html: metrics, stage 3's training
-curves and sample answers with the critique's spans highlighted (the paper's Figure 2). Generations, critiques, test
-runs and verdicts are cached in OUTPUT_DIR/eval/: a rerun computes only what is missing or stale.
+curves, where its updates went token by token (its --trace-samples), and sample answers with the critique's spans
+highlighted (the paper's Figure 2). Generations, critiques, test runs and verdicts are cached in OUTPUT_DIR/eval/: a
+rerun computes only what is missing or stale.
 
     python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 CPU cores)
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
@@ -23,9 +24,11 @@ import hashlib
 import html
 import itertools
 import json
+import math
 import os
 import random
 import re
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -573,6 +576,158 @@ def highlight(text: str, good: list[tuple[int, int]], poor: list[tuple[int, int]
     return "".join(out)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# "Where the update went": stage 3's --trace-samples (trace.jsonl beside each metrics.jsonl), drawn token by token
+# ----------------------------------------------------------------------------------------------------------------------
+
+STRIP_ROWS = [  # (label, what it is, its values from {mode: sample}, scale: the rows coloured alike)
+    ("π<sub>old</sub>(y<sub>t</sub>)", "pi_old(y_t), the sampled token's probability before the update",
+     lambda s, m: [round(math.exp(x), 4) for x in s["logprobs_old"]], "p"),
+    ("δ<sub>t</sub>", "delta_t, the critic's label", lambda s, m: s["delta"], "delta"),
+    ("A<sub>t</sub> span", "A_t under span rewards", lambda s, m: s["advantages"]["span"], "A"),
+    ("A<sub>t</sub> scalar", "A_t under scalar rewards", lambda s, m: s["advantages"]["scalar"], "A"),
+    ("Δ<sub>t</sub> span", "Delta_t = log pi_new - log pi_old, span update",
+     lambda s, m: m.get("span") and [b - a for a, b in zip(m["span"]["logprobs_old"], m["span"]["logprobs_new"])],
+     "Delta"),
+    ("Δ<sub>t</sub> scalar", "Delta_t = log pi_new - log pi_old, scalar update",
+     lambda s, m: m.get("scalar") and [b - a for a, b in zip(m["scalar"]["logprobs_old"],
+                                                             m["scalar"]["logprobs_new"])], "Delta")]
+
+
+def read_traces(curve_specs: dict[str, str]) -> dict[str, list[dict]]:
+    """Stage 3's trace.jsonl beside each run's metrics.jsonl (--trace-samples), where there is one."""
+    paths = {name: str(Path(path).with_name("trace.jsonl")) for name, path in curve_specs.items()}
+    return {name: rows for name, rows in read_curves({n: p for n, p in paths.items() if Path(p).is_file()}).items()
+            if rows}
+
+
+def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict]]:
+    """The first traced iteration of the span-rewards run and its samples, each as {mode: sample} with the scalar
+    run's sample of the same iteration where it is the same rollout (so at iteration 1, where both runs start from
+    the same state and seed: the same rollouts, delta, KL and values, only the update differs)."""
+    first = {}
+    for rows in traces.values():
+        mode = rows[0].get("reward_mode")
+        if mode in ("span", "scalar") and mode not in first:
+            first[mode] = rows
+    if not first:
+        return None, []
+    lead = first.get("span") or first["scalar"]
+    step, samples = lead[0]["step"], lead[0]["samples"]
+    other = "scalar" if lead is first.get("span") else "span"
+    twin = next((r["samples"] for r in first.get(other, []) if r["step"] == step), [])
+    key = lambda s: json.dumps([s["row"], s["tokens"], s["delta"]])  # noqa: E731
+    twins = {key(s): s for s in twin}
+    return step, [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})} for s in samples]
+
+
+def cell_color(v: float, scale: float) -> str:
+    """A diverging colour: green for v > 0, red for v < 0, stronger with |v| / scale; none for 0."""
+    if not v or not scale:
+        return "transparent"
+    alpha = min(1.0, abs(v) / scale) ** 0.5 * 0.85 + 0.08  # sqrt: small values stay visible next to a large one
+    return f"rgba(26,127,55,{alpha:.3f})" if v > 0 else f"rgba(207,34,46,{alpha:.3f})"
+
+
+def render_strip(modes: dict[str, dict]) -> str:
+    """One sampled response as a strip of its tokens, with a row of coloured cells per STRIP_ROWS entry (the exact
+    value on hover)."""
+    esc, s = html.escape, next(iter(modes.values()))
+    rows = [(label, what, values, scale) for label, what, get, scale in STRIP_ROWS if (values := get(s, modes))]
+    scales = {scale: max((abs(v) for _, _, values, sc in rows if sc == scale for v in values), default=0)
+              for scale in {r[3] for r in rows}}
+    scales["delta"] = 1.0 if scales.get("delta") else 0.0
+    color = lambda v, scale: (f"rgba(9,105,218,{(1 - v) * 0.8 + 0.04:.3f})" if scale == "p"  # noqa: E731
+                              else cell_color(v, scales[scale]))  # p: bluer where the token was less likely
+    shown = [t if t.strip() else "·" for t in s["tokens"]]       # a token of no visible text: the EOS, or a space
+    if s["has_eos"] and not s["tokens"][-1].strip():
+        shown[-1] = "⟨eos⟩"
+    heads = "".join(f"<th title='{esc(repr(t))}'>{esc(x)}</th>" for t, x in zip(s["tokens"], shown))
+    body = "".join(f"<tr><th class='what' title='{esc(what)}'>{label}</th>" + "".join(
+        f"<td class='cell {scale}' data-v='{v!r}' title='{esc(what)} = {v:+.6g}' style='background:"
+        f"{color(v, scale)}'></td>" for v in values) + "</tr>" for label, what, values, scale in rows)
+    critique = f"<div class='critique'>critic: {esc(s['critique'])}</div>" if s.get("critique") else ""
+    return (f"<div class='strip'><pre class='prompt'>{esc(s['prompt'])}</pre>{critique}<div class='scroll'>"
+            f"<table class='tokens'><tr><th class='what'>token</th>{heads}</tr>{body}</table></div></div>")
+
+
+def plot_locality(traces: dict[str, list[dict]]) -> str | None:
+    """The locality ratio of each run's own update at every traced iteration (base64 PNG), or None."""
+    series = {name: [(r["step"], r["locality"]["ratio"]) for r in rows if r.get("locality", {}).get("ratio")]
+              for name, rows in traces.items()}
+    series = {name: pts for name, pts in series.items() if pts}
+    if not series:
+        return None
+    import base64
+    import io
+    import itertools
+
+    import matplotlib
+    import numpy as np
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 2.8), dpi=110)
+    for color, (name, pts) in zip(itertools.cycle(COLORS), series.items()):
+        x, y = map(np.asarray, zip(*pts))
+        w = max(1, len(y) // 10)  # a running median: a ratio of two small means has outliers both ways
+        ax.plot(x, y, "o-", color=color, alpha=0.25, lw=1, ms=2.5)
+        ax.plot(x, [np.median(y[max(0, i - w + 1):i + 1]) for i in range(len(y))], color=color, lw=2,
+                label=f"{name} (median {np.median(y):.1f})")
+    ax.axhline(1.0, color="grey", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_title("locality ratio: mean |Δ| in poor spans / mean |Δ| outside spans of the same answers\n(each "
+                 "run's own update; running median over ~10% of the run)", fontsize=9.5)
+    ax.set_xlabel("PPO iteration", fontsize=9.5)
+    ax.tick_params(labelsize=8.5)
+    ax.grid(alpha=0.25)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(fontsize=8.5, frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def render_update_section(traces: dict[str, list[dict]], max_samples: int = 3) -> str:
+    """The report's "Where the update went": sample strips of the first traced iteration, both runs' updates side by
+    side where they share the rollout, then the locality ratio over training with its medians per run."""
+    esc = html.escape
+    step, samples = paired_samples(traces)
+    if not samples:
+        return ""
+    both = any(len(m) == 2 for m in samples)
+    parts = [f"<h2 id='where-update'>Where the update went</h2><p class='note'>Iteration {step}: "
+             + ("both runs start from the same state and seed, so they sample the same rollouts and see the same "
+                "δ, KL and values; only the rewards' placement differs (span: δ<sub>t</sub> on every token; scalar: "
+                "Σδ on the last). " if both else "")
+             + "Rows: the critic's δ<sub>t</sub>, the whitened advantages A<sub>t</sub> under each reward mode, and "
+               "Δ<sub>t</sub> = log π<sub>new</sub> − log π<sub>old</sub>, how far one PPO update moved each token's "
+               "log-probability. <span style='color:#1a7f37'>Green</span> &gt; 0, <span style='color:#cf222e'>red"
+               "</span> &lt; 0, stronger with the magnitude (one scale per kind of row); hover for the number. The "
+               "first row, π<sub>old</sub>(y<sub>t</sub>), is bluer where the sampled token was less likely: a "
+               "token the policy was sure of (π ≈ 1) can barely move, whatever its advantage.</p>"]
+    parts += [render_strip(m) for m in samples[:max_samples]]
+    png = plot_locality(traces)
+    if png:
+        rows = []
+        for name, trace in traces.items():
+            loc, cells = [r["locality"] for r in trace if r.get("locality")], []
+            for get in (lambda x: x["ratio"], lambda x: x["poor"]["mean"], lambda x: x["poor"]["mean_abs"],
+                        lambda x: x["outside_flawed"]["mean_abs"]):
+                values = [v for v in map(get, loc) if v is not None]
+                cells.append(f"<td>{statistics.median(values):.3g}</td>" if values else "<td>–</td>")
+            rows.append(f"<tr><td>{esc(name)} ({esc(str(trace[0].get('reward_mode')))} rewards)</td>{''.join(cells)}"
+                        f"<td>{len(loc)}</td></tr>")
+        parts.append(f"<img class='curves locality' alt='locality ratio over training' src='data:image/png;base64,"
+                     f"{png}'><table><tr><th>run (its own update, median over iterations)</th><th>locality ratio</th>"
+                     f"<th>mean Δ poor</th><th>mean |Δ| poor</th><th>mean |Δ| outside, flawed</th><th>iterations"
+                     f"</th></tr>{''.join(rows)}</table><p class='note'>Each run's own update on its own batch, every "
+                     "iteration. The same update from the same state in both modes, over seeds and iterations: "
+                     "<code>bench/locality.py</code>.</p>")
+    return "".join(parts)
+
+
 CSS = """
 :root{--fg:#1f2328;--muted:#59636e;--line:#d1d9e0;--soft:#f6f8fa;--good:#d2f4da;--good-b:#1a7f37;--poor:#ffe0dd;
 --poor-b:#cf222e;--mono:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace}*{box-sizing:border-box}
@@ -599,6 +754,11 @@ margin-top:8px}
 .pname .score{display:block;font-weight:400;color:var(--muted);font-size:12px;font-variant-numeric:tabular-nums}
 .response{white-space:pre-wrap}.code .response{font:13px/1.5 var(--mono)}
 .critique{color:var(--muted);font-size:13px;margin-top:6px}
+.strip{border:1px solid var(--line);border-radius:10px;padding:14px 18px;margin:14px 0}.scroll{overflow-x:auto}
+table.tokens{width:auto;border-collapse:separate;border-spacing:2px;margin-top:8px;font-size:12.5px}
+table.tokens th{background:none;font:12.5px var(--mono);padding:2px 4px;white-space:pre;border:0;text-align:center}
+table.tokens th.what{font:12px system-ui,sans-serif;color:var(--muted);text-align:right;padding-right:8px}
+table.tokens td.cell{height:18px;min-width:26px;padding:0;border:1px solid #eaeef2;border-radius:3px}
 """
 
 
@@ -607,7 +767,7 @@ def fmt(v) -> str:
 
 
 def render_report(results: dict, shown: dict[str, list[dict]], records: list[dict], curves_png: str | None,
-                  sample_ids: list[str], task: str) -> str:
+                  sample_ids: list[str], task: str, traces: dict[str, list[dict]] | None = None) -> str:
     esc, pol, gen = html.escape, results["policies"], results["generation"]
     names, rows, group = list(pol), [], None
     for key in metric_keys(pol):  # the metric table: grouped by prefix, the best policy per row in bold
@@ -636,6 +796,7 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
     parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' src='data:image/png;base64,"
                                                 f"{curves_png}'>" if curves_png else "<p class='note'>No stage 3 "
                                                 "metrics.jsonl found.</p>"))
+    parts.append(render_update_section(traces or {}))
     parts.append("<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span><span>"
                  "<mark class='poor'>poor span</mark> δ = −1</span><span>quoted by the critique shown below each "
                  "response (also on hover)</span></div>")
@@ -787,7 +948,7 @@ def main(argv=None) -> dict:
     curves = plot_curves(read_curves(curve_specs))
     sample_ids = pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:
-        f.write(render_report(results, shown, records, curves, sample_ids, args.task))
+        f.write(render_report(results, shown, records, curves, sample_ids, args.task, read_traces(curve_specs)))
     print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}  ({time.time() - t0:.1f} s)")
     return results
 

@@ -186,16 +186,37 @@ def test_stage4_results_and_report(demo):
 @pytest.mark.skipif(browser.CHROMIUM is None, reason="needs Debian's chromium (apt install chromium)")
 def test_report_renders_offline_in_headless_chromium(demo):
     """report.html in a real browser: no console errors, no network fetches (no CDN), the span highlights and the
-    training curves render. A screenshot is left next to the report for a person to look at."""
+    training curves render, and "Where the update went" draws its token strips from stage 3's traces: both runs'
+    updates of the same rollouts, every signed cell green above 0 and red below it as the browser paints it, with its
+    number on hover. A screenshot is left next to the report for a person to look at."""
     run, _ = demo
+    signed = "[...document.querySelectorAll('table.tokens td.cell:not(.p)')]"
     values, errors, fetched = browser.inspect_page((run / "report.html").as_uri(), {
         "good": "document.querySelectorAll('mark.good').length",
         "poor": "document.querySelectorAll('mark.poor').length",
         "curves": "[...document.querySelectorAll('img.curves')].map(i => i.complete && i.naturalWidth > 0)",
         "monitor": "document.body.innerText.includes('real mistakes the RM flags')",
+        "section": "!!document.getElementById('where-update')",
+        "strips": "[...document.querySelectorAll('table.tokens')].map(t => [...t.rows].map(r => r.cells[0].innerText))",
+        "cells": f"{signed}.length",
+        "visible": f"{signed}.filter(c => c.getBoundingClientRect().width > 0).length",
+        # the painted colour of each cell against the sign of its value: [value, 'r,g,b,a'] where they disagree
+        "wrong_colour": f"""{signed}.map(c => [parseFloat(c.dataset.v),
+            getComputedStyle(c).backgroundColor.match(/[\\d.]+/g).map(Number)]).filter(([v, [r, g, b, a]]) =>
+            v > 0 ? !(g > r && (a ?? 1) > 0) : v < 0 ? !(r > g && (a ?? 1) > 0) : (a ?? 1) !== 0)""",
+        "signs": f"{signed}.map(c => Math.sign(parseFloat(c.dataset.v)))",
+        "titles": f"{signed}.every(c => Math.abs(parseFloat(c.title.split(' = ').pop()) - c.dataset.v) < 1e-5)",
     }, screenshot=str(run / "report.png"))
     assert errors == [] and fetched == []
     assert values["good"] > 0 and values["poor"] > 0
-    assert values["curves"] == [True]
+    assert values["curves"] == [True, True]  # the training curves, and the locality ratio over training
     assert values["monitor"]
+    assert values["section"] and 1 <= len(values["strips"]) <= 3
+    for rows in values["strips"]:  # the demo's two runs sample the same first rollouts: both updates are drawn
+        assert [r.replace("\n", "") for r in rows] == ["token", "πold(yt)", "δt", "At span", "At scalar", "Δt span",
+                                                       "Δt scalar"]
+    assert values["cells"] > 0 and values["visible"] == values["cells"]
+    assert values["wrong_colour"] == []
+    assert {1, -1} <= set(values["signs"])  # both colours were checked
+    assert values["titles"]
     assert (run / "report.png").stat().st_size > 10_000

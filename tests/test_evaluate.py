@@ -253,6 +253,95 @@ def test_curves_plot_what_is_present(tmp_path):
     assert ev.plot_curves({}) is None
 
 
+class StripParser(HTMLParser):
+    """The "Where the update went" strips: per strip, its token headers and, per row label, its cells' (value, title,
+    background)."""
+
+    def __init__(self):
+        super().__init__()
+        self.strips, self.row, self.inside, self.text = [], None, False, None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "table" and a.get("class") == "tokens":
+            self.strips.append({"tokens": [], "rows": {}})
+            self.inside = True
+        elif self.inside and tag == "th":
+            self.text = ""
+        elif self.inside and tag == "td" and "cell" in a.get("class", ""):
+            self.strips[-1]["rows"][self.row].append((float(a["data-v"]), a["title"], a["style"]))
+
+    def handle_endtag(self, tag):
+        if self.inside and tag == "th" and self.text is not None:
+            if self.row is None and self.text != "token":
+                self.strips[-1]["tokens"].append(self.text)
+            self.text = None
+        elif tag == "table":
+            self.row, self.inside = None, False
+
+    def handle_data(self, data):
+        if self.text is not None:
+            self.text += data
+            if self.text in ("δt", "At span", "At scalar", "Δt span", "Δt scalar", "πold(yt)"):
+                self.row = self.text
+                self.strips[-1]["rows"][self.row] = []
+
+
+def _trace_row(step, mode, tokens, delta, old, new_span, new_scalar, adv_span, adv_scalar, ratio):
+    sample = {"row": 0, "prompt": "post: <b>x</b>\nsummary:", "critique": "says <cat>", "tokens": tokens,
+              "has_eos": True, "delta": delta, "kl": [0.0] * len(tokens), "values": [0.0] * len(tokens),
+              "rewards": {"span": delta, "scalar": [0.0] * (len(tokens) - 1) + [sum(delta)]},
+              "advantages": {"span": adv_span, "scalar": adv_scalar}, "logprobs_old": old,
+              "logprobs_new": new_span if mode == "span" else new_scalar}
+    group = {"tokens": 1, "mean": -0.5, "mean_abs": 0.5, "down": 1.0}
+    return {"step": step, "reward_mode": mode, "kl_coef": 0.2, "samples": [sample],
+            "locality": {"poor": group, "good": group, "outside_flawed": group, "outside_clean": group, "ratio": ratio}}
+
+
+def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
+    tokens, delta = [" tom", " cat", " <b>", ""], [1.0, -1.0, 0.0, 0.0]
+    old, new_span, new_scalar = [-0.1, -3.0, -0.5, -0.01], [-0.05, -3.75, -0.5, -0.01], [-0.2, -3.5, -0.6, -0.02]
+    adv_span, adv_scalar = [0.5, -1.2, 0.0, 0.3], [-0.7, -0.8, -0.9, -1.0]
+    for name, mode in (("t2g", "span"), ("base", "scalar")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text('{"step": 1}\n')
+        rows = [_trace_row(s, mode, tokens, delta, old, new_span, new_scalar, adv_span, adv_scalar, 2.0 + s)
+                for s in (1, 2, 3)]
+        (tmp_path / name / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    (tmp_path / "none").mkdir()
+    specs = {n: str(tmp_path / n / "metrics.jsonl") for n in ("t2g", "base", "none")}
+    traces = ev.read_traces(specs)
+    assert list(traces) == ["t2g", "base"] and [r["step"] for r in traces["t2g"]] == [1, 2, 3]  # torn line skipped
+    section = ev.render_update_section(traces)
+    parser = StripParser()
+    parser.feed(section)
+    (strip,) = parser.strips
+    assert strip["tokens"] == [" tom", " cat", " <b>", "⟨eos⟩"]  # escaped, not markup
+    want = {"δt": delta, "At span": adv_span, "At scalar": adv_scalar,
+            "Δt span": [b - a for a, b in zip(old, new_span)], "Δt scalar": [b - a for a, b in zip(old, new_scalar)]}
+    assert set(strip["rows"]) == {*want, "πold(yt)"}
+    for label, values in want.items():
+        cells = strip["rows"][label]
+        assert [v for v, _, _ in cells] == pytest.approx(values)
+        for v, title, style in cells:
+            assert title.endswith(f" = {v:+.6g}")                      # the exact number on hover
+            colour = "transparent" if v == 0 else "rgba(26,127,55," if v > 0 else "rgba(207,34,46,"
+            assert colour in style                                     # green > 0, red < 0, none at 0
+    assert [v for v, _, _ in strip["rows"]["πold(yt)"]] == pytest.approx([round(np.exp(x), 4) for x in old])
+    assert "<b>" not in section and "<cat>" not in section and "data:image/png;base64," in section
+    # another rollout in the scalar run's first iteration: no scalar update of this one to show
+    other = [_trace_row(1, "scalar", [" ann", " dog", " <b>", ""], delta, old, new_span, new_scalar, adv_span,
+                        adv_scalar, 1.0)]
+    parser = StripParser()
+    parser.feed(ev.render_update_section({"t2g": traces["t2g"], "base": other}))
+    assert set(parser.strips[0]["rows"]) == {"πold(yt)", "δt", "At span", "At scalar", "Δt span"}
+    assert ev.render_update_section({}) == ""
+    results = {"task": "demo", "data": "x", "n_prompts": 0, "created": "now", "reward_model": None,
+               "generation": {"temperature": 1.0, "max_new_tokens": 4}, "policies": {}}
+    assert "Where the update went" in ev.render_report(results, {}, [], None, [], "demo", traces)
+    assert "Where the update went" not in ev.render_report(results, {}, [], None, [], "demo")
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad input, and a full run on tiny models
 # ----------------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import common
-from tasks.demo import demo_dataset
+from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script, model_variant, write_jsonl_gz
 
 ppo = import_script("03_train_policy")
@@ -447,6 +447,8 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
     assert strip(_rows(tmp_path / "resumed")) == strip(_rows(tmp_path / "straight"))
     samples = [common.read_jsonl(tmp_path / d / "samples.jsonl") for d in ("resumed", "straight")]
     assert samples[0] == samples[1] and [r["step"] for r in samples[0]] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    traces = [common.read_jsonl(tmp_path / d / "trace.jsonl") for d in ("resumed", "straight")]  # the demo preset's
+    assert traces[0] == traces[1] and [r["step"] for r in traces[0]] == [1, 2, 3, 4]              # --trace-samples 3
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["trainable"]
     b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["trainable"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -493,6 +495,9 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     d = [torch.load(tmp_path / "dump" / f"step{s}_rank{r}.pt", weights_only=False) for s in (1, 2) for r in (0, 1)]
     assert d[2]["param_checksum"] == d[3]["param_checksum"]  # both ranks end with identical parameters
     assert d[0]["texts"] != d[1]["texts"]                    # but sampled different rollouts
+    for row, dumps in zip(common.read_jsonl(tmp_path / "run" / "trace.jsonl"), (d[:2], d[2:])):  # the demo preset's
+        assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == \
+            sum(x["mask"].sum().item() for x in dumps)      # --trace-samples: its locality counts both ranks' tokens
     for r0, r1 in (d[:2], d[2:]):  # single process on the concatenated batch gives the same whitened advantages
         T = max(r0["mask"].shape[1], r1["mask"].shape[1])
         cat = lambda k: torch.cat([torch.nn.functional.pad(x[k], (0, T - x[k].shape[1])) for x in (r0, r1)])  # noqa
@@ -657,15 +662,17 @@ def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
     assert entropy["0"] == 0.0 and entropy["0.5"] > 1e-3 and entropy["-0.5"] < -1e-3
 
 
-def _advantages_from(d, kl_coef, whiten_rewards):
-    """Steps 4-5 from a dump, independently: rewards, optional reward whitening (scale only), GAE by the direct sum,
-    advantage whitening, in float64."""
+def _advantages_from(d, kl_coef, whiten_rewards, mode="span"):
+    """Steps 4-5 from a dump, independently: rewards (scalar mode: the sum of delta at the last token), optional reward
+    whitening (scale only), GAE by the direct sum, advantage whitening, in float64."""
     import numpy as np
     mask, B = d["mask"].double().numpy(), d["mask"].shape[0]
-    rewards = ((d["delta"] - kl_coef * d["kl"]) * d["mask"]).double().numpy()
+    delta = d["delta"].double().numpy() * mask
+    rewards = (-kl_coef * d["kl"] * d["mask"]).double().numpy() + (delta if mode == "span" else 0.0)
     for i in range(B):
         n = int(mask[i].sum())
         rewards[i, n - 1] -= 0.0 if d["has_eos"][i] else 1.0  # the missing-EOS penalty
+        rewards[i, n - 1] += 0.0 if mode == "span" else delta[i].sum()
     if whiten_rewards:
         valid = rewards[mask > 0]
         rewards = ((rewards - valid.mean()) / np.sqrt(valid.var() + 1e-8) + valid.mean()) * mask
@@ -720,6 +727,190 @@ def test_kl_estimator_in_a_run(tmp_path, tiny_model_dir, estimator):
         want = (logp.exp() * (logp - logq)).sum(-1)
     want = want * d["mask"]
     assert torch.allclose(d["kl"].double(), want, atol=1e-5) and (d["kl"] >= 0).all() and d["kl"].max() > 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# --trace-samples: where each update went (bench/locality.py, 04's "Where the update went")
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_locality_sums_match_a_plain_loop():
+    g = torch.Generator().manual_seed(0)
+    lengths = [7, 3, 6, 0, 5, 4]
+    B, T = len(lengths), 7
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
+    delta = torch.randint(-1, 2, (B, T), generator=g).float() * mask
+    delta[2] = delta[2].clamp(min=0)                                # a clean answer with good spans
+    delta[5] = 0.0                                                  # a clean answer without any span
+    log_ratio = torch.randn(B, T, generator=g) * mask
+    want = {k: [] for k in ppo.LOCALITY_GROUPS}
+    for b, n in enumerate(lengths):
+        flawed = any(delta[b, t] < 0 for t in range(n))
+        for t in range(n):
+            d, x = delta[b, t].item(), log_ratio[b, t].item()
+            want["poor" if d < 0 else "good" if d > 0 else "outside_flawed" if flawed else "outside_clean"].append(x)
+    got = ppo.locality_summary(ppo.locality_sums(log_ratio, delta, mask))
+    for k, xs in want.items():
+        assert got[k]["tokens"] == len(xs) > 0
+        assert got[k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-6)
+        assert got[k]["mean_abs"] == pytest.approx(sum(map(abs, xs)) / len(xs), abs=1e-6)
+        assert got[k]["down"] == pytest.approx(sum(x < 0 for x in xs) / len(xs))
+    assert got["ratio"] == pytest.approx(got["poor"]["mean_abs"] / got["outside_flawed"]["mean_abs"])
+    clean = ppo.locality_summary(ppo.locality_sums(log_ratio, delta.clamp(min=0), mask))  # no poor span anywhere
+    assert clean["poor"]["tokens"] == clean["outside_flawed"]["tokens"] == 0 and clean["ratio"] is None
+
+
+def _traced(tmp_path, model_dir, name, *extra):
+    """A run's trace.jsonl, its --dump-rollouts by step and its metrics rows; every rollout of the batch traced."""
+    ppo.train(_args(tmp_path, model_dir, "--output-dir", str(tmp_path / name), "--dump-rollouts",
+                    str(tmp_path / name / "dump"), "--trace-samples", "4", "--log-every", "1", *extra))
+    trace = common.read_jsonl(tmp_path / name / "trace.jsonl")
+    dumps = {r["step"]: torch.load(tmp_path / name / "dump" / f"step{r['step']}_rank0.pt", weights_only=False)
+             for r in trace}
+    return trace, dumps, _rows(tmp_path / name)
+
+
+def _policy_logprobs(args, model_dir, trainable, d):
+    """log pi(y_t) of a dump's rollouts under the policy with these trainable parameters (none: the start), float64."""
+    model, tok = common.load_model(model_dir)
+    model, _, _ = ppo.build_policy(args, model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in (trainable or {}):
+                p.copy_(trainable[n])
+        ids = torch.cat([d["query"], d["response"]], 1)
+        attn = torch.cat([(d["query"] != tok.pad_token_id).long(), d["mask"].long()], 1)
+        return ppo.forward(model, None, ids, attn, d["mask"].shape[1], 1.0)[0].double()
+
+
+def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_tokenizer):
+    """--trace-samples: each traced token's delta, KL, V and A are the ones the update used (the dump's), its delta
+    the span_rewards labels of the critic's spans, its old and new log-probs those of the policy before and after the
+    update, and the batch's locality groups and means follow from them. Resumed, the trace is cut back and continues
+    as if never interrupted; and the trace changes nothing in the run."""
+    flags = ("--lr", "1e-2", "--kl-coef", "0.1", "--save-every", "1")
+    trace, dumps, rows = _traced(tmp_path, tiny_model_dir, "run", "--steps", "1", *flags)
+    after_one = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["trainable"]
+    (tmp_path / "run" / "trace.jsonl").open("a").write('{"step": 2, "stale": true}\n')  # logged, never checkpointed
+    trace, dumps, rows = _traced(tmp_path, tiny_model_dir, "run", "--steps", "2", "--resume", *flags)
+    assert [r["step"] for r in trace] == [1, 2] and all(r["reward_mode"] == "span" for r in trace)
+    args = _args(tmp_path, tiny_model_dir, *flags)
+    moved = 0.0
+    for row in trace:
+        d = dumps[row["step"]]
+        old = _policy_logprobs(args, tiny_model_dir, None if row["step"] == 1 else after_one, d)
+        new = _policy_logprobs(args, tiny_model_dir, after_one, d) if row["step"] == 1 else None
+        assert sorted(s["row"] for s in row["samples"]) == [0, 1, 2, 3]
+        flawed = [any(x < 0 for x in s["delta"]) for s in row["samples"]]
+        assert flawed == sorted(flawed, reverse=True)  # answers with a poor span first
+        groups = {k: [] for k in ppo.LOCALITY_GROUPS}
+        adv = {m: {k: [] for k in ppo.LOCALITY_GROUPS} for m in ("span", "scalar")}
+        for s in row["samples"]:
+            i, n = s["row"], int(d["mask"][s["row"]].sum())
+            text, offsets = common.decode_with_offsets(tiny_tokenizer, d["response"][i, :n].tolist())
+            assert "".join(s["tokens"]) == text == d["texts"][i] and len(s["tokens"]) == n
+            fb = demo_critic(s["prompt"], text)
+            labels = common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])[0]
+            assert s["delta"] == labels == d["delta"][i, :n].tolist()  # the labels the update used
+            for key, want in (("kl", d["kl"]), ("values", d["values"])):
+                assert s[key] == pytest.approx(want[i, :n].tolist(), rel=1e-5, abs=1e-6)
+            assert s["advantages"]["span"] == pytest.approx(d["advantages"][i, :n].tolist(), rel=1e-5, abs=1e-5)
+            assert s["logprobs_old"] == pytest.approx(old[i, :n].tolist(), abs=1e-4)
+            if new is not None:
+                assert s["logprobs_new"] == pytest.approx(new[i, :n].tolist(), abs=1e-4)
+            for lab, a, b in zip(labels, s["logprobs_old"], s["logprobs_new"]):
+                group = "poor" if lab < 0 else "good" if lab > 0 else "outside_flawed" if min(labels) < 0 else \
+                    "outside_clean"
+                groups[group].append(b - a)
+                moved = max(moved, abs(b - a))
+            for m in adv:
+                for lab, a in zip(labels, s["advantages"][m]):
+                    adv[m]["poor" if lab < 0 else "good" if lab > 0 else "outside_flawed" if min(labels) < 0 else
+                           "outside_clean"].append(a)
+        for k, xs in groups.items():  # the whole batch is traced: the locality is that of these tokens
+            assert row["locality"][k]["tokens"] == len(xs)
+            if xs:
+                assert row["locality"][k]["mean_abs"] == pytest.approx(sum(map(abs, xs)) / len(xs), abs=1e-4)
+            for m, by_group in adv.items():  # and the advantages' locality, in both modes
+                xs = by_group[k]
+                assert row["advantage_locality"][m][k]["tokens"] == len(xs)
+                if xs:
+                    assert row["advantage_locality"][m][k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-4)
+    assert moved > 1e-3  # the update moved the log-probs (so the lr-0 test below can fail)
+    ppo.train(_args(tmp_path, tiny_model_dir, "--output-dir", str(tmp_path / "plain"), "--steps", "2",
+                    "--trace-samples", "0", *flags))  # the demo preset traces 3 rollouts; 0 is off
+    assert not (tmp_path / "plain" / "trace.jsonl").exists()
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert strip(_rows(tmp_path / "plain")) == strip(rows)  # the trace draws nothing random
+
+
+def test_trace_delta_is_zero_at_learning_rate_zero(tmp_path, tiny_model_dir):
+    trace, _, _ = _traced(tmp_path, tiny_model_dir, "run", "--lr", "0", "--steps", "1")
+    for s in trace[0]["samples"]:
+        assert s["logprobs_new"] == s["logprobs_old"]
+    assert all(g["mean_abs"] in (0.0, None) for k, g in trace[0]["locality"].items() if k != "ratio")
+
+
+def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(tmp_path, tiny_model_dir):
+    """bench/locality.py's experiment: two copies of one checkpoint, resumed for one iteration in each reward mode,
+    sample the same rollouts and see the same delta, KL, beta, values and old log-probs; each computes both modes'
+    rewards and advantages alike, the span rewards summed are the scalar ones, and only the update moves differently."""
+    flags = ("--lr", "1e-2", "--kl-coef", "0.1")
+    ppo.train(_args(tmp_path, tiny_model_dir, "--output-dir", str(tmp_path / "start"), "--steps", "1", *flags))
+    traces, dumps = {}, {}
+    for mode in ("span", "scalar"):
+        (tmp_path / mode).mkdir()
+        (tmp_path / mode / "checkpoint.pt").write_bytes((tmp_path / "start" / "checkpoint.pt").read_bytes())
+        trace, dump, _ = _traced(tmp_path, tiny_model_dir, mode, "--steps", "2", "--resume", "--reward-mode", mode,
+                                 *flags)
+        (traces[mode],), dumps[mode] = trace, dump[2]
+    span, scalar = traces["span"], traces["scalar"]
+    assert span["kl_coef"] == scalar["kl_coef"] and span["reward_mode"] == "span" and scalar["reward_mode"] == "scalar"
+    for a, b in zip(span["samples"], scalar["samples"]):
+        for key in ("row", "tokens", "delta", "kl", "values", "logprobs_old", "rewards", "advantages"):
+            assert a[key] == b[key], key
+        assert max(abs(x) for x in a["kl"]) > 0 and max(abs(x) for x in a["values"]) > 0  # a trained state
+        assert sum(a["rewards"]["span"]) == pytest.approx(sum(a["rewards"]["scalar"]), abs=1e-4)  # the same return
+        assert a["advantages"]["span"] != a["advantages"]["scalar"]
+    assert any(a["logprobs_new"] != b["logprobs_new"] for a, b in zip(span["samples"], scalar["samples"]))
+    assert {k: v["tokens"] for k, v in span["locality"].items() if k != "ratio"} == \
+        {k: v["tokens"] for k, v in scalar["locality"].items() if k != "ratio"}
+    assert span["advantage_locality"] == scalar["advantage_locality"]
+    for mode, d in dumps.items():  # each run's update used its own mode's advantages, as recomputed independently
+        adv, _ = _advantages_from(d, span["kl_coef"], False, mode)
+        assert torch.allclose(d["advantages"].double(), torch.from_numpy(adv), atol=1e-4)
+        for s in span["samples"]:
+            n = len(s["tokens"])
+            assert s["advantages"][mode] == pytest.approx(adv[s["row"], :n].tolist(), abs=1e-4)
+
+
+def test_locality_bench_summary_and_its_same_batch_check():
+    """bench/locality.py: medians [min, max] over the states, empty groups left out, the goals, and a refusal to
+    compare two updates that did not see the same batch."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import locality
+
+    def state(poor_span, poor_scalar, rest_span, rest_scalar, n=4):
+        loc = lambda poor, rest: ppo.locality_summary(torch.tensor(  # noqa: E731
+            [[n, poor * n, abs(poor) * n, n * (poor < 0)], [0, 0, 0, 0], [n, rest * n, abs(rest) * n, 0],
+             [0, 0, 0, 0]], dtype=torch.float64))
+        return {"span": loc(poor_span, rest_span), "scalar": loc(poor_scalar, rest_scalar),
+                "advantages": {"span": loc(-2.0, -0.5), "scalar": loc(-1.0, -1.0)}}
+
+    measured = [state(-0.5, -0.1, 0.05, 0.05), state(-0.2, 0.1, 0.01, 0.02), state(-0.4, -0.2, 0.1, 0.1)]
+    s = locality.summarize(measured)
+    assert s["span"]["poor"]["mean"] == {"median": -0.4, "min": -0.5, "max": -0.2, "n": 3}
+    assert s["span"]["good"]["mean"] is None  # no good-span token in any state
+    assert s["span"]["ratio"]["median"] == pytest.approx(10.0) and s["scalar"]["ratio"]["median"] == pytest.approx(2.0)
+    assert s["span_over_scalar_ratio"]["median"] == pytest.approx(4.0)  # per state: 5, 4, 2
+    assert s["goal_ratio_3x"] and not s["goal_ratio_3x_every_state"] and s["goal_poor_mean_negative"]
+    assert s["scalar_poor_mean_positive_states"] == 1 and s["span"]["advantage"]["ratio"]["median"] == 4.0
+    assert not locality.summarize([state(0.1, -0.1, 0.05, 0.05)])["goal_poor_mean_negative"]
+    sample = {"tokens": [" a"], "delta": [-1.0], "kl": [0.0], "values": [0.0], "logprobs_old": [-1.0]}
+    row = {"samples": [sample], "kl_coef": 0.2, "advantage_locality": {}, "locality": measured[0]["span"]}
+    locality.check_same_batch(row, {**row, "locality": measured[0]["scalar"]})
+    with pytest.raises(SystemExit, match="sample tokens differs"):
+        locality.check_same_batch(row, {**row, "samples": [{**sample, "tokens": [" b"]}]})
 
 
 def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_model_dir):
