@@ -170,35 +170,73 @@ def _decode_object(text: str, start: int):
     return None, start + 1
 
 
+# A template's stand-in is not content: "...", "\u2026", "[...]" (ast.literal_eval reads a bare [...] as [Ellipsis]),
+# anything of dots, ellipses, brackets and quotes alone; for a critique also one "<description>" in angle brackets.
+_PLACEHOLDER = re.compile(r"[\s\[\]()<>\"'`]*(?:\.\.|\u2026)[\s.\u2026\[\]()<>\"'`]*")
+_DESCRIPTION = re.compile(r"<[^<>\n]+>")
+
+
+def _is_placeholder(value, critique: bool = False) -> bool:
+    if value is Ellipsis:
+        return True
+    return isinstance(value, str) and bool(_PLACEHOLDER.fullmatch(value.strip()) or critique and
+                                           _DESCRIPTION.fullmatch(value.strip()))
+
+
+def _span_list(value):
+    """The strings of a span list (a lone string: a list of one), without placeholders; None when it held nothing but
+    placeholders: a template's list, not filled in, is no span list."""
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
+    spans = [s for s in items if isinstance(s, str) and not _is_placeholder(s)]
+    return None if not spans and any(_is_placeholder(s) for s in items) else spans
+
+
+def _read_feedback(feedback: dict, critique) -> tuple[dict | None, bool]:
+    """The dict _find_feedback chose, read without placeholders: ({"critique": its critique or None (absent),
+    "good_spans", "poor_spans"}, False); or (None, True) when its span lists hold only placeholders (a template's
+    lists, not filled in), or when it holds placeholders and nothing else (a template echoed as it is)."""
+    fields = {_norm_key(k): v for k, v in feedback.items()}
+    good = next((_span_list(fields[k]) for k in fields if k in _GOOD_KEYS), [])
+    poor = next((_span_list(fields[k]) for k in fields if k in _POOR_KEYS), [])
+    placeholder = _is_placeholder(critique, critique=True)
+    critique = None if placeholder else critique
+    has_critique = critique is not None and (not isinstance(critique, str) or bool(critique.strip()))
+    if good is None and poor is None or placeholder and not good and not poor and not has_critique:
+        return None, True
+    return {"critique": critique, "good_spans": good or [], "poor_spans": poor or []}, False
+
+
 def parse_feedback(text: str) -> dict:
     """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}. The JSON may be fenced, follow
     chain-of-thought, or precede chatter. Of several objects, the last one holding a span list (good_spans or
     poor_spans, at any depth) wins; with only one of the two lists, the other is []. Its critique is the critique key
     next to the lists, else one around them, else the prose before the JSON. ValueError when no object holds a span
-    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans"."""
+    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans".
+    Placeholders ("...", "\u2026", [...], a "<description>" critique) count as absent: a span list of nothing else is
+    no span list, and an object of nothing else (a template the critic echoed) is never chosen."""
     if not isinstance(text, str):
         raise ValueError(f"critic output must be a string, got {type(text).__name__}")
-    chosen, critique, chosen_start, any_obj, pos = None, None, 0, False, 0
+    chosen, chosen_start, any_obj, echoed, pos = None, 0, False, False, 0
     while (start := text.find("{", pos)) >= 0:
         obj, pos = _decode_object(text, start)
         if isinstance(obj, dict):
             any_obj = True
             feedback, found_critique = _find_feedback(obj)
             if feedback is not None:
-                chosen, critique, chosen_start = feedback, found_critique, start
+                fields, was_echo = _read_feedback(feedback, found_critique)
+                echoed = echoed or was_echo
+                if fields is not None:
+                    chosen, chosen_start = fields, start
     if chosen is None:
-        raise ValueError("no JSON object with good_spans or poor_spans in critic output" if any_obj else
-                         "no JSON object (with good_spans or poor_spans) found in critic output")
-    fields = {_norm_key(k): v for k, v in chosen.items()}
-    as_list = lambda v: [v] if isinstance(v, str) else [s for s in v if isinstance(s, str)] if isinstance(  # noqa: E731
-        v, (list, tuple)) else []
-    good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
-    poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
+        raise ValueError("only template placeholders ('...', [...]) where the spans belong: a format echoed, not "
+                         "filled in" if echoed else "no JSON object with good_spans or poor_spans in critic output" if any_obj
+                         else "no JSON object (with good_spans or poor_spans) found in critic output")
+    critique = chosen["critique"]
     if critique is None:  # prose before the JSON, minus an opening code fence
         critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
     elif not isinstance(critique, str):
-        critique = json.dumps(critique, ensure_ascii=False)
-    return {"critique": critique.strip(), "good_spans": as_list(good), "poor_spans": as_list(poor)}
+        critique = json.dumps(critique, ensure_ascii=False, default=str)
+    return {"critique": critique.strip(), "good_spans": chosen["good_spans"], "poor_spans": chosen["poor_spans"]}
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -216,6 +216,15 @@ def test_a_critique_without_span_lists_is_repaired_or_failed(tmp_path, fake_open
     assert len(log["always"]) == 2
 
 
+def test_echoing_the_format_or_the_repair_template_is_no_annotation():
+    """A small model copies the prompt's templates (SmolLM2-135M did, tests/data): neither is a critique, so neither
+    becomes an "ok" record that stage 2 would learn as "nothing wrong"."""
+    for echo in (annotate.FORMAT, annotate.REPAIR.format(error="no JSON object"),
+                 "Sure! " + annotate.FORMAT.split("```json\n")[1].split("\n```")[0]):
+        with pytest.raises(ValueError, match="placeholders"):
+            annotate.parse_critic(echo)
+
+
 def test_backoff_and_retry_after():
     rng = random.Random(0)
     for attempt in range(8):
