@@ -13,7 +13,7 @@ Contents: the core first (copy it as is), then what the stages share.
                                      Sec. 3.4), rm_settings, rm_critique_served
         6. Models                    load_model, check_reward_model, generation_config, policy_prompt, generate,
                                      rm_critique
-        7. Training pieces           torch_dtype, add_lora, save_pretrained
+        7. Training pieces           torch_dtype, add_lora, save_pretrained, share_files
         8. Reward-model metrics      rm_scores, rm_span_metrics (paper Tables 1 and 6)
 """
 from __future__ import annotations
@@ -989,6 +989,16 @@ def add_lora(model, r: int, alpha: int, targets: str = "all-linear", dropout: fl
         modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
 
 
+def share_files(folder) -> None:
+    """Give a saved model folder and its files the permissions the umask gives any new file (0644 and 0755 under
+    umask 022): mkdtemp makes 0700 folders and safetensors writes its weights 0600, which a server run as another user
+    (or in a container) cannot read."""
+    folder = Path(folder)
+    os.chmod(folder, 0o777 & ~_UMASK)
+    for f in folder.rglob("*"):
+        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~_UMASK)
+
+
 def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwargs) -> Path:
     """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: state dict}, torch.save) into a temp dir that
     is then renamed to out_dir (replacing it): a reader never sees half a model."""
@@ -1002,7 +1012,7 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwar
     tokenizer.save_pretrained(tmp)
     for name, state in (files or {}).items():
         torch.save(state, tmp / name)
-    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 dirs; give the result the usual permissions
+    share_files(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

@@ -655,6 +655,18 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
     assert [x.name for x in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
+    """safetensors writes its weights 0600: a model folder saved here must be readable as the umask allows (a server
+    run as another user, a container, a colleague), like the config next to it."""
+    import os
+    model, tok = common.load_model(tiny_model_dir)
+    out = common.save_pretrained(tmp_path / "m", model, tok)
+    want = 0o666 & ~common._UMASK
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {want}, modes
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~common._UMASK
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward-model prompt format
 # ---------------------------------------------------------------------------------------------------------------------
