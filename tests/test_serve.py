@@ -1,9 +1,41 @@
 """Stages 1, 3 and 4 against a real OpenAI-compatible server running a real model: `transformers serve` with
 SmolLM2-135M-Instruct (conftest.smollm2_server), through the official openai client, as a user runs them. What only a
-real server shows: its own error texts, its model-name rules, its tokenization of a raw prompt, its timing."""
+real server shows: its own error texts and model-name rule, how it tokenizes a raw prompt, what a small model really
+writes. The fake server of conftest stays for the faults no real server makes on demand (429, 500, timeouts).
+
+Generation budgets are small (SmolLM2 on one thread writes ~15 tokens/s): what is tested is the plumbing, not the
+critiques' quality."""
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 import common
+from conftest import ROOT, import_script, start_server, stop_server
+from tasks.demo import demo_dataset
+
+annotate, ppo, ev = import_script("01_annotate"), import_script("03_train_policy"), import_script("04_evaluate")
+
+
+def cli(script, *args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+
+
+def one_error_line(proc) -> str:
+    """The stage's stderr is one line, `error: ...`, and it exited 2."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def dead_url() -> str:
+    from conftest import free_port
+    return f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
 
 
 def test_the_smollm2_export_is_readable_by_a_server(smollm2_dir):
@@ -11,3 +43,148 @@ def test_the_smollm2_export_is_readable_by_a_server(smollm2_dir):
     writes its weights 0600, which a server run as another user cannot read)."""
     modes = {f.name: f.stat().st_mode & 0o777 for f in Path(smollm2_dir).iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~common._UMASK}, modes
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stage 1
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_01_annotates_through_a_real_server_resumes_and_reports_the_true_parse_rate(smollm2_server, tmp_path):
+    """Two demo rows critiqued by SmolLM2 (48 tokens per reply): once with --limit 1, then the rest on a rerun. Every
+    row comes back once, and the summary counts a row as ok only when it is a real annotation. SmolLM2 answers
+    demo-annotate-2's repair request by quoting the repair template {"critique": "...", ...}: that row was written as
+    ok, critique "...", no spans."""
+    data = tmp_path / "posts.jsonl"
+    common.write_jsonl(data, demo_dataset("annotate", 4)[2:])
+    out = tmp_path / "a.jsonl"
+    argv = ["--task", "demo", "--dataset", data, "--annotator", "openai", "--base-url", smollm2_server["base_url"],
+            "--model", smollm2_server["model"], "--max-tokens", "48", "--concurrency", "1", "--output", out]
+    first = annotate.main(list(map(str, argv + ["--limit", "1"])))
+    summary = annotate.main(list(map(str, argv)))
+    recs = common.read_jsonl(out)
+    assert sorted(r["id"] for r in recs) == ["demo-annotate-2", "demo-annotate-3"]
+    assert first["this_run"]["annotated"] == 1 and summary["this_run"]["annotated"] == 1  # the rerun did the rest
+    ok = [r for r in recs if r["status"] == "ok"]
+    assert summary["ok"] == len(ok) and summary["failed"] == len(recs) - len(ok)
+    for r in ok:  # a real annotation: a critique of its own, every kept span a quote of the response
+        assert not common._is_placeholder(r["critique"], critique=True) and len(r["critique"].split()) > 2, r
+        assert all(common.find_span(r["response"], s) for s in r["good_spans"] + r["poor_spans"])
+    for r in recs:
+        assert r["usage"]["completion_tokens"] <= 2 * 48  # the reply, and at most one repair
+        if r["status"] == "failed":
+            assert r["critic_output"] and "unparseable" in r["reason"]
+            with pytest.raises(ValueError):
+                annotate.parse_critic(r["critic_output"])
+    assert summary["estimated_cost_usd"] is None  # a local server has no gpt-4o price
+
+
+@pytest.mark.parametrize("case", ["wrong-model", "dead-port"])
+def test_01_a_wrong_endpoint_stops_before_the_first_row_in_one_line(smollm2_server, tmp_path, case):
+    """01's default --model gpt-4o against a server pinned to another model: the server's own words, once, exit 2,
+    no record written (it used to write every row as failed, "HTTP 400: Error code: 400", and exit 0)."""
+    common.write_jsonl(tmp_path / "posts.jsonl", demo_dataset("annotate", 3))
+    url = smollm2_server["base_url"] if case == "wrong-model" else dead_url()
+    proc = cli("01_annotate.py", "--task", "demo", "--dataset", tmp_path / "posts.jsonl", "--annotator", "openai",
+               "--base-url", url, "--max-retries", "1", "--output", tmp_path / "a.jsonl")
+    line = one_error_line(proc)
+    if case == "wrong-model":
+        assert f"Server is pinned to '{smollm2_server['model']}'; requested 'gpt-4o'" in line and "400" in line
+    else:
+        assert url in line and "connect" in line.lower()
+    assert not (tmp_path / "a.jsonl").exists() or not (tmp_path / "a.jsonl").read_text().strip()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stage 3
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def ppo_argv(tmp_path, model, *extra):
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
+    return ["--model", model, "--prompts", str(tmp_path / "prompts.jsonl"), "--task", "qa", "--output-dir",
+            str(tmp_path / "run"), "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "2",
+            "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device",
+            "cpu", "--lora-r", "4", "--lora-alpha", "8", "--log-every", "1", *extra]
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_03_two_iterations_with_a_served_critic(smollm2_server, tiny_model_dir, tmp_path, api):
+    """SmolLM2 as stage 3's critic over either API. It writes no span JSON in 12 tokens: every critique is unparsed,
+    delta = 0, counted, and samples.jsonl keeps what the server wrote (it kept "critique": null and nothing else)."""
+    from openai import OpenAI
+    ppo.main(ppo_argv(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", smollm2_server["base_url"],
+                      "--critic-model", smollm2_server["model"], "--critic-api", api, "--critic-max-new-tokens", "12"))
+    rows = common.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and len(samples) == 4
+    unparsed = [s for s in samples if s["critique"] is None]
+    assert sum(r["critic/parse_fail_rate"] for r in rows) * 2 == len(unparsed)
+    assert all(r["objective/span_reward"] == 0.0 for r in rows) if len(unparsed) == 4 else True
+    client = OpenAI(base_url=smollm2_server["base_url"], api_key="EMPTY")
+    for s in unparsed:  # the server's own text, verbatim: ask it again (greedy) and compare
+        assert s["critic_error"] and s["critic_output"].strip(), s
+        if api == "chat":
+            again = client.chat.completions.create(model=smollm2_server["model"], temperature=0.0, max_tokens=12,
+                                                   messages=[{"role": "user", "content": common.rm_user_message(
+                                                       s["prompt"], s["response"])}]).choices[0].message.content
+        else:
+            again = client.completions.create(model=smollm2_server["model"], temperature=0.0, max_tokens=12,
+                                              prompt=common.build_rm_prompt(None, s["prompt"], s["response"])
+                                              ).choices[0].text
+        assert s["critic_output"] == again
+
+
+@pytest.mark.parametrize("case", ["wrong-model", "dead-port", "completions-wrong-model"])
+def test_03_a_wrong_endpoint_stops_before_any_training_in_one_line(smollm2_server, tiny_model_dir, tmp_path, case):
+    """One cheap request before the SFT warm start and the policy: exit 2, the server's own words, nothing written
+    (it was a traceback, after the warm start)."""
+    url = dead_url() if case == "dead-port" else smollm2_server["base_url"]
+    argv = ppo_argv(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", url, "--critic-model",
+                    "gpt-4o", "--sft-data", str(tmp_path / "prompts.jsonl"), "--sft-field", "prompt", "--sft-steps",
+                    "5", *(["--critic-api", "completions"] if case.startswith("completions") else []))
+    line = one_error_line(cli("03_train_policy.py", *argv))
+    if case == "dead-port":
+        assert url in line and "connect" in line.lower()
+    else:
+        assert f"Server is pinned to '{smollm2_server['model']}'; requested 'gpt-4o'" in line and "400" in line
+    assert "--critic-base-url" in line and not (tmp_path / "run").exists()
+
+
+def test_03_without_a_key_or_an_endpoint_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(common.DataError, match="OPENAI_API_KEY is not set"):
+        ppo.main(ppo_argv(tmp_path, tiny_model_dir, "--critic", "openai"))
+    assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stage 4
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def eval_argv(tmp_path, tiny_model_dir, tiny_chat_model_dir, server, model, *extra):
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
+    return ["--data", str(tmp_path / "eval.jsonl"), "--policy", f"a={tiny_model_dir}", "--policy",
+            f"b={tiny_chat_model_dir}", "--reward-model", "none", "--max-new-tokens", "8", "--bootstrap", "10",
+            "--device", "cpu", "--output-dir", str(tmp_path / "out"), "--judge-base-url", server["base_url"],
+            "--judge-model", model, *extra]
+
+
+def test_04_judges_through_a_real_server(smollm2_server, tiny_model_dir, tiny_chat_model_dir, tmp_path):
+    """SmolLM2 as the pairwise judge, 16 tokens a verdict: every pair is judged once, valid or not."""
+    results = ev.main(eval_argv(tmp_path, tiny_model_dir, tiny_chat_model_dir, smollm2_server,
+                                smollm2_server["model"], "--judge-max-tokens", "16"))
+    pair = results["judge"]["pairs"]["b_vs_a"]
+    assert pair["n"] + pair["invalid"] == 2
+    rows = common.read_jsonl(tmp_path / "out" / "eval" / "judge.b_vs_a.jsonl")
+    assert len(rows) == 2 and all(r["reply"].strip() for r in rows)
+
+
+def test_04_a_wrong_judge_stops_before_any_generation_in_one_line(smollm2_server, tiny_model_dir,
+                                                                    tiny_chat_model_dir, tmp_path):
+    with pytest.raises(common.DataError) as err:
+        ev.main(eval_argv(tmp_path, tiny_model_dir, tiny_chat_model_dir, smollm2_server, "gpt-4o"))
+    line = str(err.value)
+    assert "--judge-base-url" in line and "Server is pinned to" in line and "\n" not in line
+    assert not list((tmp_path / "out").glob("eval/*.generations.jsonl"))
