@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import common
-from conftest import ROOT, import_script, start_server, stop_server
-from tasks.demo import demo_dataset
+from conftest import ROOT, bos_adding_copy, import_script, start_server, stop_server
+from tasks.demo import demo_critic, demo_dataset
 
 annotate, ppo, ev = import_script("01_annotate"), import_script("03_train_policy"), import_script("04_evaluate")
 
@@ -188,3 +188,65 @@ def test_04_a_wrong_judge_stops_before_any_generation_in_one_line(smollm2_server
     line = str(err.value)
     assert "--judge-base-url" in line and "Server is pinned to" in line and "\n" not in line
     assert not list((tmp_path / "out").glob("eval/*.generations.jsonl"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A served reward model is the local one
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served_reward_model(tmp_path_factory, tiny_chat_model_dir):
+    """(folder, base_url): a LoRA reward model (every projection, lm_head and the tied embed_tokens, trainable norms)
+    trained by 02 on the tiny chat model whose tokenizer adds its BOS itself, as Llama's do; written by 02 --merge as
+    a plain model folder and served by its own `transformers serve`. 120 steps: it then writes one short critique
+    and a span JSON that quotes the response, so its output depends on its input (a few steps only loop)."""
+    rm = import_script("02_train_reward")
+    tmp = tmp_path_factory.mktemp("served_rm")
+    base, _ = bos_adding_copy(tiny_chat_model_dir, tmp / "base")
+    recs = []
+    for ex in demo_dataset("annotate", 200):
+        fb = demo_critic(ex["prompt"], ex["response"])
+        recs.append({**ex, "critique": "It is checked.", "good_spans": fb["good_spans"][:1],
+                     "poor_spans": fb["poor_spans"][:1], "status": "ok"})
+    common.write_jsonl(tmp / "ann.jsonl", recs)
+    rm.main(rm.parse_args([
+        "--model", base, "--data", str(tmp / "ann.jsonl"), "--output-dir", str(tmp / "rm"), "--max-steps", "120",
+        "--batch-size", "8", "--eval-limit", "0", "--device", "cpu", "--lora-r", "32", "--lora-alpha", "64",
+        "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens",
+        "--modules-to-save", "norm", "--loraplus-ratio", "16", "--lr", "5e-4", "--max-new-tokens", "40",
+        "--merge", str(tmp / "merged")]))
+    proc, base_url = start_server(str(tmp / "merged"), tmp / "server.log")
+    try:
+        yield str(tmp / "merged"), base_url
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores, most of it training the reward model
+def test_a_served_reward_model_critiques_as_the_local_one_token_for_token(served_reward_model):
+    """03 --critic openai --critic-api completions --reward-model DIR, at temperature 0, against the merged folder
+    served by transformers serve, writes what --critic local --reward-model DIR writes, token for token: the raw
+    critiques, the parsed feedback and delta on the rollout's tokens. That is the served path sending exactly what
+    stage 2 trained on: the prompt, its cut, one BOS (the server adds it; the text leaves it out)."""
+    rm_dir, url = served_reward_model
+    recs = demo_dataset("eval", 16)
+    prompts = [r["prompt"] for r in recs]
+    local_args = ppo.parse_args(["--critic", "local", "--reward-model", rm_dir, "--device", "cpu"])
+    served_args = ppo.parse_args(["--critic", "openai", "--critic-api", "completions", "--critic-base-url", url,
+                                  "--critic-model", rm_dir, "--reward-model", rm_dir, "--device", "cpu"])
+    model, tok = common.load_model(rm_dir)
+    texts, offsets = zip(*[common.decode_with_offsets(tok, tok(r["response"], add_special_tokens=False)["input_ids"])
+                           for r in recs])  # the rollouts, as 03 decodes them
+    budget, cut = local_args.critic_max_new_tokens, local_args.critic_max_prompt_tokens
+    assert (budget, cut) == (served_args.critic_max_new_tokens, served_args.critic_max_prompt_tokens) == (40, 216)
+    local_raw = common.rm_critique(model, tok, prompts, list(texts), budget, max_prompt_tokens=cut)
+    served_raw = common.rm_critique_served(prompts, list(texts), url, rm_dir, budget, api="completions",
+                                           tokenizer=tok, max_prompt_tokens=cut)
+    assert served_raw == local_raw
+    local, served = (ppo.make_critic(a)(recs, list(texts)) for a in (local_args, served_args))
+    assert served == local and not any(map(ppo.critique_failed, local))
+    assert len({json.dumps(fb) for fb in local}) > 3  # the critiques differ with the response: a real comparison
+    mask = torch.ones(len(texts), max(map(len, offsets)))
+    deltas = [ppo.span_deltas(list(texts), list(offsets), fb, mask)[0] for fb in (local, served)]
+    assert torch.equal(*deltas) and deltas[0].abs().sum() > 0
