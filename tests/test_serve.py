@@ -137,18 +137,24 @@ def test_03_two_iterations_with_a_served_critic(smollm2_server, tiny_model_dir, 
 
 @pytest.mark.parametrize("case", ["wrong-model", "dead-port", "completions-wrong-model"])
 def test_03_a_wrong_endpoint_stops_before_any_training_in_one_line(smollm2_server, tiny_model_dir, tmp_path, case):
-    """One cheap request before the SFT warm start and the policy: exit 2, the server's own words, nothing written
-    (it was a traceback, after the warm start)."""
+    """One cheap request before the SFT warm start and the policy: the server's own words in one line, exit 2,
+    nothing written (it was a traceback, after the warm start). The command line once; in-process (DataError, which
+    main turns into that line) for the rest."""
     url = dead_url() if case == "dead-port" else smollm2_server["base_url"]
     argv = ppo_argv(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", url, "--critic-model",
                     "gpt-4o", "--sft-data", str(tmp_path / "prompts.jsonl"), "--sft-field", "prompt", "--sft-steps",
                     "5", *(["--critic-api", "completions"] if case.startswith("completions") else []))
-    line = one_error_line(cli("03_train_policy.py", *argv))
+    if case == "wrong-model":
+        line = one_error_line(cli("03_train_policy.py", *argv))
+    else:
+        with pytest.raises(common.DataError) as err:
+            ppo.main(argv)
+        line = f"error: {err.value}"
     if case == "dead-port":
         assert url in line and "connect" in line.lower()
     else:
         assert f"Server is pinned to '{smollm2_server['model']}'; requested 'gpt-4o'" in line and "400" in line
-    assert "--critic-base-url" in line and not (tmp_path / "run").exists()
+    assert "--critic-base-url" in line and "\n" not in line and not (tmp_path / "run").exists()
 
 
 def test_03_without_a_key_or_an_endpoint_stops_in_one_line(tiny_model_dir, tmp_path, monkeypatch):
