@@ -352,6 +352,9 @@ class FatalAPIError(Exception):
     """Every request would fail the same way (bad key, no such model or endpoint): stop the run."""
 
 
+FATAL_REPEATS = 5  # the same 4xx for the first this many records, none ok: every record would get it (FatalAPIError)
+
+
 async def chat(client, messages: list[dict], args, usage: Counter, rng: random.Random) -> str:
     """The critic's reply, sent again on 408/409/429/5xx and connection errors (common.retry_delay: Retry-After,
     else backoff with jitter), never on a timeout. 401/403/404: FatalAPIError; any other failure: RecordError."""
@@ -403,9 +406,17 @@ async def annotate_openai(todo: list[dict], args, sink) -> None:
         except RecordError as e:
             return finish(rec, reason=str(e), raw=raw, usage=usage)
 
+    seen = Counter()  # outcomes so far: "ok", or a 4xx's reason
+
     async def worker():
         while queue:
-            sink(await one(queue.pop()))
+            rec = await one(queue.pop())
+            sink(rec)
+            seen[rec["status"] if rec["status"] == "ok" else rec.get("reason", "")] += 1
+            reason = rec.get("reason", "")
+            if reason.startswith("HTTP 4") and not seen["ok"] and seen[reason] >= FATAL_REPEATS:
+                raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: the first {FATAL_REPEATS} records all "
+                                    f"got {reason}")
 
     try:
         await asyncio.gather(*[worker() for _ in range(max(1, min(args.concurrency, len(todo))))])

@@ -198,6 +198,24 @@ def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monk
     assert len(server.preflights) == 1 and server.preflights[0]["body"]["model"] == "fake-critic"
 
 
+def test_a_400_that_every_row_gets_stops_the_run(tmp_path, fake_openai, monkeypatch):
+    """A 400 the one-token preflight cannot see (here --max-tokens above what the model allows) that the first rows
+    all get, and no row succeeds: the run stops in one line with the server's words, exit 2, instead of writing every
+    row as failed. A 400 of one row (a prompt too long) stays that row's failure (the fault test above)."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"id": f"q{i}", "instruction": "Q?", "completions": [
+        {"response": f"answer {i}"}]} for i in range(20)])
+    too_long = {"error": {"message": "max_tokens 100000 exceeds the model's context (2048)"}}
+    with fake_openai(lambda body, n: (400, too_long, {})) as server:
+        argv = openai_args(server.base_url, data, tmp_path / "a.jsonl", "--concurrency", "1", "--max-tokens",
+                           "100000")
+        proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: --base-url {server.base_url}: the first {annotate.FATAL_REPEATS} records all got "
+        "HTTP 400: max_tokens 100000 exceeds the model's context (2048)")
+    assert len(server.preflights) == 1 and len(lines(tmp_path / "a.jsonl")) == annotate.FATAL_REPEATS
+
+
 def test_a_critique_without_span_lists_is_repaired_or_failed(tmp_path, fake_openai, monkeypatch):
     """A critic reply with a critique but no good_spans / poor_spans is no annotation: it gets the repair request,
     and a record whose critic never gives span lists is "failed" (never "ok" with no spans, which stage 2 would learn
