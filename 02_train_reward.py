@@ -114,9 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "default (reward_model.json)")
     p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
     p.add_argument("--merge", metavar="DIR", help="then also write the reward model as a plain model folder at DIR, "
-                   "its LoRA adapter merged into\nthe weights, for an OpenAI-compatible server (transformers serve DIR, "
-                   "vllm serve DIR; then\n03 --critic openai --critic-api completions --reward-model DIR); "
-                   "tools/merge_reward_model.py does it\nfor a reward model already trained")
+                   "its LoRA adapter merged\ninto the weights, for an OpenAI-compatible server (transformers serve "
+                   "DIR, vllm serve DIR;\nthen 03 --critic openai --critic-api completions --reward-model DIR); "
+                   "tools/merge_reward_model.py\ndoes it for a reward model already trained")
     p.add_argument("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="what the reward model "
                    "learns to write: critique+spans is the paper's z = [c ; A(y)];\nspans-only is its w/o-CoT "
                    "ablation (Table 2), the span JSON alone. 03 and 04 read it from reward_model.json")

@@ -461,7 +461,7 @@ def _parse(raw):
         return common.parse_feedback(raw)
     except ValueError as e:
         return {"critique": None, "good_spans": [], "poor_spans": [], "critic_error": str(e),
-                "critic_output": raw[-4000:]}
+                "critic_output": raw[:4000]}
 
 
 def critique_failed(fb) -> bool:

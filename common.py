@@ -229,9 +229,10 @@ def parse_feedback(text: str) -> dict:
                 if fields is not None:
                     chosen, chosen_start = fields, start
     if chosen is None:
-        raise ValueError("only template placeholders ('...', [...]) where the spans belong: a format echoed, not "
-                         "filled in" if echoed else "no JSON object with good_spans or poor_spans in critic output" if any_obj
-                         else "no JSON object (with good_spans or poor_spans) found in critic output")
+        raise ValueError(
+            "only template placeholders ('...', [...]) where the spans belong: a format echoed, not filled in" if echoed
+            else "no JSON object with good_spans or poor_spans in critic output" if any_obj
+            else "no JSON object (with good_spans or poor_spans) found in critic output")
     critique = chosen["critique"]
     if critique is None:  # prose before the JSON, minus an opening code fence
         critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()

@@ -99,7 +99,7 @@ def critic_runs(smollm2: str, rm: str, url: str, tmp: Path, steps: int) -> dict:
         cli("03_train_policy.py", "--model", smollm2, "--task", "qa", "--prompts", tmp / "questions.jsonl",
             *critic, "--reward-model", rm, "--lora-r", "8", "--lora-alpha", "16", "--steps", steps, "--batch-size",
             "4", "--ppo-epochs", "1", "--num-minibatches", "1", "--max-new-tokens", "24", "--critic-max-new-tokens",
-            "32", "--sft-steps", "0", "--scalar-baseline-dir", "", "--log-every", "1", "--output-dir", run)
+            "24", "--sft-steps", "0", "--scalar-baseline-dir", "", "--log-every", "1", "--output-dir", run)
         rows = common.read_jsonl(run / "metrics.jsonl")
         out[name] = {"critic_s": statistics.median(r["time/critic_s"] for r in rows),
                      "generate_s": statistics.median(r["time/generate_s"] for r in rows),
@@ -113,7 +113,7 @@ def critic_runs(smollm2: str, rm: str, url: str, tmp: Path, steps: int) -> dict:
             "served_over_local": round(out["served"]["critic_s"] / out["local"]["critic_s"], 2),
             "rollout_s_per_iteration": round(out["local"]["generate_s"], 3),
             "step1_identical": f"{same}/{len(pairs)}", "steps": steps, "batch_size": 4,
-            "critic_max_new_tokens": 32}
+            "critic_max_new_tokens": 24}
 
 
 def main():

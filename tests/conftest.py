@@ -174,7 +174,8 @@ def free_port() -> int:
 def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
     """(process, base_url) of `transformers serve model_dir` on 127.0.0.1, once its /health answers. One OpenMP
     thread: two next to the tests' own work ran ~10x slower (FIELD_NOTES). Without --continuous-batching it answers
-    one request at a time, in ~1 GB (with it: ~4 GB, and a ~17 s first request). Its model name is model_dir, exactly."""
+    one request at a time, in ~1 GB (with it: ~4 GB, and a ~17 s first request). Its model name is model_dir,
+    exactly."""
     try:
         importlib.import_module("fastapi")
         importlib.import_module("uvicorn")
@@ -198,7 +199,8 @@ def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[su
         except OSError:
             time.sleep(0.3)
     stop_server(proc)
-    pytest.fail(f"transformers serve did not answer /health in {timeout_s:.0f} s:\n{Path(log_path).read_text()[-3000:]}")
+    pytest.fail(f"transformers serve did not answer /health in {timeout_s:.0f} s:\n"
+                f"{Path(log_path).read_text()[-3000:]}")
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

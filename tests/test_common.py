@@ -123,7 +123,8 @@ def test_parse_an_echoed_template_is_a_failure(text):
 
 
 def test_parse_drops_placeholders_and_keeps_the_rest():
-    out = parse_feedback('Prose first.\n{"critique": "...", "good_spans": ["...", "the cat", "[]"], "poor_spans": [...]}')
+    out = parse_feedback('Prose first.\n{"critique": "...", "good_spans": ["...", "the cat", "[]"], '
+                         '"poor_spans": [...]}')
     assert out == {"critique": "Prose first.", "good_spans": ["the cat", "[]"], "poor_spans": []}  # "[]" is code
     out = parse_feedback('{"critique": "real", "good_spans": ["tom"], "poor_spans": []} then the format again: '
                          '{"critique": "...", "good_spans": [...], "poor_spans": [...]}')

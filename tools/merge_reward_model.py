@@ -3,8 +3,8 @@ serve (its LoRA adapter merged into the weights; 02 --merge DIR does the same ri
 
     python tools/merge_reward_model.py runs/demo/reward_model runs/demo/reward_model_merged
     transformers serve runs/demo/reward_model_merged --host 127.0.0.1 --port 8000 --device cpu --dtype float32
-    python 03_train_policy.py --critic openai --critic-base-url http://127.0.0.1:8000/v1 \\
-        --critic-model runs/demo/reward_model_merged --critic-api completions --reward-model runs/demo/reward_model_merged
+    python 03_train_policy.py --critic openai --critic-base-url http://127.0.0.1:8000/v1 --critic-api completions \\
+        --critic-model runs/demo/reward_model_merged --reward-model runs/demo/reward_model_merged
 
 The folder keeps the reward model's reward_model.json, so --reward-model DIR cuts the input and budgets the critique as
 stage 2 trained it; with --critic-api completions at temperature 0 the served critic writes what --critic local writes.
