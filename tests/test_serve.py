@@ -7,6 +7,7 @@ Generation budgets are small (SmolLM2 on one thread writes ~15 tokens/s): what i
 critiques' quality."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,7 @@ def test_01_annotates_through_a_real_server_resumes_and_reports_the_true_parse_r
     ok = [r for r in recs if r["status"] == "ok"]
     assert summary["ok"] == len(ok) and summary["failed"] == len(recs) - len(ok)
     for r in ok:  # a real annotation: a critique of its own, every kept span a quote of the response
-        assert not common._is_placeholder(r["critique"], critique=True) and len(r["critique"].split()) > 2, r
+        assert len(re.findall(r"[A-Za-z]{2,}", r["critique"])) >= 3 and not r["critique"].startswith("<"), r
         assert all(common.find_span(r["response"], s) for s in r["good_spans"] + r["poor_spans"])
     for r in recs:
         assert r["usage"]["completion_tokens"] <= 2 * 48  # the reply, and at most one repair
