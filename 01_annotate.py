@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import email.utils
 import importlib
 import json
 import os
@@ -52,6 +51,9 @@ FIELDS = {  # --task -> what --prompt-field, --response-field and --id-field def
     "summarization": ("subreddit, title, post: TL;DR", "generated_summary_for_feedback", "id"),
     "code": ("the layout's", "the layout's solution", "question_id, task_id"),
     "qa": ("instruction", "completions (a record each)", "id")}
+
+
+GPT4O_PRICES = (2.50, 10.0)  # USD per 1M prompt and completion tokens: OpenAI's list price of gpt-4o (the paper's)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -94,9 +96,9 @@ def parse_args(argv=None):
     a("--model", default="gpt-4o", help="critic model name at the endpoint")
     a("--concurrency", type=int, default=16, help="requests in flight (program critic for code: parallel sandboxes, "
                                                   "at most the CPU count)")
-    a("--timeout", type=float, default=120.0, help="seconds before a request is abandoned and retried")
-    a("--max-retries", type=int, default=6, help="retries per request on 408/409/429/5xx, timeouts and connection "
-                                                 "errors")
+    a("--timeout", type=float, default=120.0, help="seconds before a request is abandoned; the record fails and is "
+      "not retried (the server may still be generating it: README \"Use a local server\"); --retry-failed redoes it")
+    a("--max-retries", type=int, default=6, help="retries per request on 408/409/429/5xx and connection errors")
     a("--backoff-base", type=float, default=1.0, help="first backoff in seconds; doubles per retry, with jitter")
     a("--backoff-max", type=float, default=60.0, help="longest backoff in seconds (a server's Retry-After wins)")
     a("--max-tokens", type=int, default=1024, help="completion token limit per request (0: the server's default)")
@@ -104,8 +106,10 @@ def parse_args(argv=None):
     a("--use-human-feedback", action="store_true",
       help="summarization: show the SLF5K human feedback and ask for spans grounded in it (the paper's path)")
     a("--code-timeout", type=float, default=10.0, help="code: seconds the unit tests may run in the sandbox")
-    a("--price-input", type=float, default=2.50, help="USD per 1M prompt tokens, for the cost estimate (gpt-4o)")
-    a("--price-output", type=float, default=10.0, help="USD per 1M completion tokens, for the cost estimate")
+    a("--price-input", type=float, default=None, help="USD per 1M prompt tokens, for the cost estimate (default: "
+      f"gpt-4o's {GPT4O_PRICES[0]} at OpenAI's endpoint with --model gpt-4o; else no estimate)")
+    a("--price-output", type=float, default=None, help="USD per 1M completion tokens, for the cost estimate "
+      f"(default: gpt-4o's {GPT4O_PRICES[1]}, as --price-input)")
     a("--output", default="runs/demo/annotations.jsonl", help="annotations JSONL (append-only, resumable)")
     a("--retry-failed", action="store_true", help="redo the records of --output whose status is failed")
     a("--demo-dir", default=None, help="--task demo without --dataset: where base/ and data/ go (default: the "
@@ -336,83 +340,48 @@ def finish(rec: dict, fb: dict | None = None, reason: str | None = None, raw: st
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The OpenAI-compatible annotator: N workers, explicit retries (429/5xx/timeouts, Retry-After), one repair retry
+# The OpenAI-compatible annotator: N workers, explicit retries (429/5xx, Retry-After; never a timeout), one repair
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 class RecordError(Exception):
-    """This record cannot be annotated (retries exhausted, or a 4xx that retrying cannot fix): status failed."""
+    """This record cannot be annotated (retries exhausted, a timeout, or a 4xx that retrying cannot fix): failed."""
 
 
 class FatalAPIError(Exception):
     """Every request would fail the same way (bad key, no such model or endpoint): stop the run."""
 
 
-def redact(text: str) -> str:
-    """`text` without the API key: errors may echo request headers, and keys never reach logs or files."""
-    key = os.environ.get("OPENAI_API_KEY", "")
-    return text.replace(key, "[redacted]") if len(key) >= 4 else text
-
-
-def retry_after_s(headers) -> float | None:
-    """Seconds a 429/503 asks us to wait: Retry-After-Ms, Retry-After in seconds, or Retry-After as an HTTP date."""
-    if headers is None:
-        return None
-    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
-        try:
-            return max(0.0, float(headers.get(name)) * scale)
-        except (TypeError, ValueError):
-            pass
-    try:
-        return max(0.0, email.utils.parsedate_to_datetime(headers.get("retry-after")).timestamp() - time.time())
-    except (TypeError, ValueError):
-        return None
-
-
-def backoff_delay(attempt: int, retry_after: float | None, base: float, cap: float, rng: random.Random) -> float:
-    """Wait before retry number attempt+1: the server's Retry-After (+0-10% so workers do not return in lockstep),
-    else exponential backoff with equal jitter, min(cap, base * 2^attempt) * U[0.5, 1]."""
-    if retry_after is not None:
-        return retry_after * (1 + 0.1 * rng.random())
-    d = min(cap, base * 2 ** attempt)
-    return d / 2 + rng.uniform(0, d / 2)
+FATAL_REPEATS = 5  # the same 4xx for the first this many records, none ok: every record would get it (FatalAPIError)
 
 
 async def chat(client, messages: list[dict], args, usage: Counter, rng: random.Random) -> str:
+    """The critic's reply, sent again on 408/409/429/5xx and connection errors (common.retry_delay: Retry-After,
+    else backoff with jitter), never on a timeout. 401/403/404: FatalAPIError; any other failure: RecordError."""
     import openai
     from openai.types.chat import ChatCompletion
-    for attempt in range(args.max_retries + 1):
-        try:
-            # client.post, not client.chat.completions.create: the same request and typed response, minus the SDK's
-            # per-request TypedDict transform (~2 ms of CPU here), which would cap throughput at 16 requests in flight
-            body = {"model": args.model, "messages": messages, "temperature": args.critic_temperature,
-                    **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
-            resp = await client.post("/chat/completions", body=body, cast_to=ChatCompletion)
-            if resp.usage is not None:
-                usage["prompt_tokens"] += resp.usage.prompt_tokens or 0
-                usage["completion_tokens"] += resp.usage.completion_tokens or 0
-            return redact(resp.choices[0].message.content or "") if resp.choices else ""  # a server may echo it
-        except openai.APIStatusError as e:
-            code, retry_after = e.status_code, retry_after_s(getattr(e.response, "headers", None))
-            if code in (401, 403, 404):
-                raise FatalAPIError(f"HTTP {code} from {args.base_url or 'OpenAI'}: {redact(str(e))[:300]}") from None
-            if code not in (408, 409, 429) and code < 500:
-                raise RecordError(f"HTTP {code}: {redact(str(e))[:300]}") from None
-            error = f"HTTP {code}"
-        except openai.APIConnectionError as e:  # includes APITimeoutError
-            error, retry_after = type(e).__name__, None
-        if attempt == args.max_retries:
-            raise RecordError(f"{error}, gave up after {attempt + 1} attempts")
-        await asyncio.sleep(backoff_delay(attempt, retry_after, args.backoff_base, args.backoff_max, rng))
+    body = {"model": args.model, "messages": messages, "temperature": args.critic_temperature,
+            **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
+    try:
+        # client.post, not client.chat.completions.create: the same request and typed response, minus the SDK's
+        # per-request TypedDict transform (~2 ms of CPU here), which would cap throughput at 16 requests in flight
+        resp = await common.send_with_retries(lambda: client.post("/chat/completions", body=body,
+                                                                   cast_to=ChatCompletion),
+                                              args.max_retries, rng, args.backoff_base, args.backoff_max)
+    except openai.APIStatusError as e:
+        if e.status_code in (401, 403, 404):
+            raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: {common.api_error(e)}") from None
+        raise RecordError(common.api_error(e)) from None
+    except openai.APIError as e:  # connection errors and timeouts
+        raise RecordError(common.api_error(e)) from None
+    if resp.usage is not None:
+        usage["prompt_tokens"] += resp.usage.prompt_tokens or 0
+        usage["completion_tokens"] += resp.usage.completion_tokens or 0
+    return common.redact(resp.choices[0].message.content or "") if resp.choices else ""  # a server may echo the key
 
 
 async def annotate_openai(todo: list[dict], args, sink) -> None:
-    import openai
-    key = os.environ.get("OPENAI_API_KEY")
-    if not key and args.base_url is None:
-        raise common.DataError("OPENAI_API_KEY is not set (the key is read from the environment only)")
-    # max_retries=0: the retry loop above is ours, so its behaviour is explicit and tested
-    client = openai.AsyncOpenAI(api_key=key or "EMPTY", base_url=args.base_url, timeout=args.timeout, max_retries=0)
+    client = common.openai_client(args.base_url, args.timeout)  # no SDK retries: ours (chat) are explicit and tested
     rng, queue = random.Random(args.seed), list(reversed(todo))
     if args.task == "code":  # the critic sees the tests' verdict (the sandbox's, tasks/code.py)
         from tasks.code import run_completion
@@ -435,11 +404,19 @@ async def annotate_openai(todo: list[dict], args, sink) -> None:
                                            {"role": "user", "content": REPAIR.format(error=error)}]
             return finish(rec, reason=f"unparseable critic output after one repair: {error}", raw=raw, usage=usage)
         except RecordError as e:
-            return finish(rec, reason=redact(str(e)), raw=raw, usage=usage)
+            return finish(rec, reason=str(e), raw=raw, usage=usage)
+
+    seen = Counter()  # outcomes so far: "ok", or a 4xx's reason
 
     async def worker():
         while queue:
-            sink(await one(queue.pop()))
+            rec = await one(queue.pop())
+            sink(rec)
+            seen[rec["status"] if rec["status"] == "ok" else rec.get("reason", "")] += 1
+            reason = rec.get("reason", "")
+            if reason.startswith("HTTP 4") and not seen["ok"] and seen[reason] >= FATAL_REPEATS:
+                raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: the first {FATAL_REPEATS} records all "
+                                    f"got {reason}")
 
     try:
         await asyncio.gather(*[worker() for _ in range(max(1, min(args.concurrency, len(todo))))])
@@ -481,15 +458,25 @@ def summarize(path: Path, args, this_run: Counter, elapsed_s: float) -> dict:
     tokens = Counter()
     for r in recs:
         tokens.update(r.get("usage", {}))
-    cost = (tokens["prompt_tokens"] * args.price_input + tokens["completion_tokens"] * args.price_output) / 1e6
+    prices = prices_usd(args)
+    cost = None if prices is None else (tokens["prompt_tokens"] * prices[0] + tokens["completion_tokens"] * prices[1]
+                                        ) / 1e6
     return {"records": len(recs), "ok": len(ok), "failed": len(recs) - len(ok),
             "good_spans_per_record": round(good / max(1, len(ok)), 3),
             "poor_spans_per_record": round(poor / max(1, len(ok)), 3),
             "unmatched_span_rate": round(unmatched / max(1, good + poor + unmatched), 4),
             "prompt_tokens": tokens["prompt_tokens"], "completion_tokens": tokens["completion_tokens"],
-            "estimated_cost_usd": round(cost, 4) if args.annotator == "openai" else 0.0,
+            "estimated_cost_usd": (None if cost is None else round(cost, 4)) if args.annotator == "openai" else 0.0,
             "this_run": {"annotated": this_run["ok"] + this_run["failed"], "failed": this_run["failed"],
-                         "elapsed_s": round(elapsed_s, 3)}}
+                         "timed_out": this_run["timed_out"], "elapsed_s": round(elapsed_s, 3)}}
+
+
+def prices_usd(args) -> tuple[float, float] | None:
+    """(input, output) USD per 1M tokens for the cost estimate: the ones given, else gpt-4o's at OpenAI's endpoint;
+    None (no estimate) for any other model or endpoint, a local server's above all."""
+    if args.price_input is not None or args.price_output is not None:
+        return args.price_input or 0.0, args.price_output or 0.0
+    return GPT4O_PRICES if args.base_url is None and args.model == "gpt-4o" else None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -515,6 +502,8 @@ def main(argv=None) -> dict:
     todo = [r for r in records if r["id"] not in done]
     print(f"{len(records)} records, {len(records) - len(todo)} already in {output}, {len(todo)} to annotate "
           f"with the {args.annotator} critic" + (f" ({args.model})" if args.annotator == "openai" else ""))
+    if todo and args.annotator == "openai":  # one cheap request first: a wrong endpoint fails here, in one line
+        common.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2))
     if todo and args.generate_with:
         generate_responses(todo, args)
 
@@ -527,6 +516,7 @@ def main(argv=None) -> dict:
         def sink(rec: dict) -> None:
             common.append_jsonl(f, rec)
             this_run[rec["status"]] += 1
+            this_run["timed_out"] += rec.get("reason", "").startswith("timed out")
             bar.update()
         if args.annotator == "openai":
             asyncio.run(annotate_openai(todo, args, sink))
@@ -540,7 +530,13 @@ def main(argv=None) -> dict:
     print(f"{summary['records']} records ({summary['failed']} failed) in {output}; spans per record: "
           f"{summary['good_spans_per_record']} good, {summary['poor_spans_per_record']} poor; unmatched-span rate "
           f"{summary['unmatched_span_rate']:.2%}; tokens {summary['prompt_tokens']} in / "
-          f"{summary['completion_tokens']} out, ~${summary['estimated_cost_usd']:.2f}")
+          f"{summary['completion_tokens']} out" + ("" if summary["estimated_cost_usd"] is None else
+                                                    f", ~${summary['estimated_cost_usd']:.2f}"))
+    if this_run["timed_out"]:
+        print(f"warning: {this_run['timed_out']} requests timed out after --timeout {args.timeout:g} s: the server "
+              f"takes longer than that for --concurrency {args.concurrency} requests of up to --max-tokens "
+              f"{args.max_tokens} at once. Lower --concurrency (to what the server runs in parallel) or --max-tokens, "
+              "or raise --timeout; --retry-failed redoes them", file=sys.stderr)
     print(json.dumps(summary))
     return summary
 
@@ -548,6 +544,6 @@ def main(argv=None) -> dict:
 if __name__ == "__main__":
     try:
         main()
-    except (common.DataError, FatalAPIError) as e:
-        print(f"error: {redact(str(e))}", file=sys.stderr)
-        sys.exit(2 if isinstance(e, common.DataError) else 1)  # 2: bad input; 1: the API refused every request
+    except (common.DataError, FatalAPIError) as e:  # bad input, or an endpoint that refuses every request
+        print(f"error: {common.redact(str(e))}", file=sys.stderr)
+        sys.exit(2)

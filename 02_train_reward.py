@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import random
 import shutil
@@ -112,6 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's "
                    "default (reward_model.json)")
     p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
+    p.add_argument("--merge", metavar="DIR", help="then also write the reward model as a plain model folder at DIR, "
+                   "its LoRA adapter merged\ninto the weights, for an OpenAI-compatible server (transformers serve "
+                   "DIR, vllm serve DIR;\nthen 03 --critic openai --critic-api completions --reward-model DIR); "
+                   "tools/merge_reward_model.py\ndoes it for a reward model already trained")
     p.add_argument("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="what the reward model "
                    "learns to write: critique+spans is the paper's z = [c ; A(y)];\nspans-only is its w/o-CoT "
                    "ablation (Table 2), the span JSON alone. 03 and 04 read it from reward_model.json")
@@ -282,6 +287,42 @@ def save_reward_model(model, args, out: Path, summary: dict) -> None:
     common.write_json(out / "reward_model.json", summary)
 
 
+def merge_untied(model):
+    """model.merge_and_unload() for a LoRA model, right also when the base ties lm_head to embed_tokens (SmolLM2,
+    Llama-3.2, Qwen2.5-0.5B) and the adapter changes either: merged into the one shared matrix, lm_head's delta would
+    reach the embeddings and embed_tokens' the logits. lm_head gets its own copy of the matrix first; the two are tied
+    again afterwards when no delta touched them."""
+    import torch
+    base = model.get_base_model()
+    tied = getattr(base.config, "tie_word_embeddings", False)
+    if tied:
+        head = base.get_output_embeddings()
+        head = getattr(head, "base_layer", head)  # under LoRA, the layer it wraps
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+    model = model.merge_and_unload()
+    if tied and torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight):
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    return model
+
+
+def merge_reward_model(rm_dir, out_dir, dtype: str = "float32") -> Path:
+    """The reward model at rm_dir (stage 2's output) as a plain model folder at out_dir that any OpenAI-compatible
+    server can serve: its LoRA adapter merged into the base weights (full fine-tuning: the weights as they are), in
+    `dtype`, loaded as stage 3 loads it (common.load_model: the same pad token, a generation_config of stop ids only,
+    so a server adds no sampling settings of the hub's); its tokenizer; and its reward_model.json with "merged_from",
+    so that --reward-model out_dir cuts the input and budgets critiques as stage 2 trained it. Returns out_dir."""
+    model, tokenizer = common.load_model(str(rm_dir), dtype=dtype)
+    if hasattr(model, "peft_config"):
+        model = merge_untied(model)
+    info = json.loads((Path(rm_dir) / "reward_model.json").read_text()) if (Path(rm_dir) / "reward_model.json"
+                                                                            ).is_file() else {}
+    out = common.save_pretrained(out_dir, model, tokenizer)
+    common.write_json(out / "reward_model.json", {**info, "merged_from": str(rm_dir)})
+    return out
+
+
 def replacement_sampler(trainer):
     """--sampling replacement: every training example drawn independently (a Trainer draws shuffled epochs)."""
     args = trainer.args
@@ -412,6 +453,8 @@ def main(args: argparse.Namespace) -> dict:
                    steps=summary["train"]["steps"], train_s=round(train_s, 1), wall_s=round(time.time() - t0, 1))
     common.write_json(out / "eval.json", metrics)
     log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
+    if args.merge:
+        log(f"merged for serving: {merge_reward_model(out, args.merge, 'bf16' if args.bf16 else 'float32')}")
     return metrics
 
 

@@ -97,7 +97,12 @@ def parse_args(argv=None):
       "applies the chat template);\ncompletions: the exact text of common.rm_prompt (--reward-model's tokenizer if "
       "given,\nelse the plain template), less a leading BOS the server adds itself. Either API: with\n"
       "--reward-model, the task prompt is cut as stage 2 cut it (reward_model.json)")
-    a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
+    a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai (a local server: "
+      "what it runs at once)")
+    a("--critic-timeout", type=float, default=300.0, help="--critic openai: seconds before a critique request is "
+      "abandoned;\nit is not retried (the server may still be generating it) and that rollout gets delta = 0")
+    a("--critic-retries", type=int, default=2, help="--critic openai: retries of a critique request on 408/409/429/5xx "
+      "and\nconnection errors (backoff with jitter, the server's Retry-After); then delta = 0")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: what stage 2 evaluated "
       "--reward-model with,\nelse the preset: 96 for the demo, 512)")
     # --- rollouts
@@ -478,14 +483,35 @@ def build_policy(args, model):
 
 
 def _parse(raw):
+    """parse_feedback's dict for the critic's output `raw`; for one that does not parse, or a request that failed (an
+    exception), a failed critique (critique_failed): delta = 0 for this rollout, counted in critic/parse_fail_rate,
+    with the error and the critic's text kept for samples.jsonl."""
+    if isinstance(raw, Exception):
+        return {"critique": None, "good_spans": [], "poor_spans": [], "critic_error": common.api_error(raw),
+                "critic_output": None}
     try:
         return common.parse_feedback(raw)
-    except ValueError:
-        return None  # counted in critic/parse_fail_rate; this rollout gets delta = 0
+    except ValueError as e:
+        return {"critique": None, "good_spans": [], "poor_spans": [], "critic_error": str(e),
+                "critic_output": raw[:4000]}
+
+
+def critique_failed(fb) -> bool:
+    """True for a critique that gives no delta: its output did not parse or its request failed (_parse), or None."""
+    return fb is None or fb.get("critique") is None
+
+
+def check_critic(args) -> None:
+    """--critic openai: one cheap request to the served critic before any training, so that a wrong model name, a
+    dead port, a 4xx or a missing key stops the run here in one line (common.check_server)."""
+    if args.critic == "openai":
+        common.check_server(args.critic_base_url, args.critic_model, args.critic_api, args.critic_timeout,
+                            args.critic_retries, "--critic-base-url")
 
 
 def make_critic(args):
-    """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or None when its output did not parse.
+    """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or a failed critique (_parse) when its
+    output did not parse or its request failed.
     --critic local: the stage 2 reward model; openai: one behind an OpenAI-compatible server; program: the task's
     programmatic critic (tasks/)."""
     if args.critic == "program":
@@ -510,7 +536,8 @@ def make_critic(args):
         rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
     return lambda recs, texts: [_parse(x) for x in common.rm_critique_served(
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
-        args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens, args.critic_rm_format)]
+        args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens, args.critic_rm_format,
+        args.critic_timeout, args.critic_retries)]
 
 
 def make_monitor(args):
@@ -567,7 +594,7 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
     spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
-        if fb is None:
+        if critique_failed(fb):
             continue
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         fb = dense_feedback(texts[i], fb) if labels == "dense" else fb
@@ -925,6 +952,7 @@ def train(args):
 
     if args.critic == "local" or (args.critic_api == "completions" and args.reward_model):
         common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
+    check_critic(args)  # so does a served critic that cannot answer
     rank, world, device = dist_init(args.device)
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
@@ -1004,7 +1032,7 @@ def train(args):
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, g["kl"].sum(1).mean().item(), args.adaptive_kl_target,
                                      args.adaptive_kl_horizon, args.batch_size)
-        row = log_iteration(step, out_dir, recs, b, g, feedback, [sum(fb is None for fb in feedback), n_spans,
+        row = log_iteration(step, out_dir, recs, b, g, feedback, [sum(map(critique_failed, feedback)), n_spans,
                             n_unmatched], watched, stats, epochs, kl_coef, scheduler.get_last_lr()[0], clock, args,
                             rank, world)
         costs.append((row["time/generate_s"], row["time/critic_s"]))

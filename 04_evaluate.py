@@ -20,19 +20,18 @@ rerun computes only what is missing or stale.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import html
 import itertools
 import json
 import math
-import os
 import random
 import re
 import statistics
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import common
@@ -100,7 +99,13 @@ def parse_args(argv=None):
     a("--judge-pairs", default=None, metavar="A:B,...",
       help="A's win/tie/loss against B (default: each policy vs each policy listed before it)")
     a("--judge-limit", type=int, default=None, help="judge only the first N prompts")
-    a("--judge-concurrency", type=int, default=8, help="judge requests in flight")
+    a("--judge-concurrency", type=int, default=8, help="judge requests in flight (a local server: what it runs at "
+                                                       "once)")
+    a("--judge-max-tokens", type=int, default=1024, help="longest verdict, in tokens (its reasoning, then 'Winner: ')")
+    a("--judge-timeout", type=float, default=120.0, help="seconds before a judge request is abandoned (never retried: "
+                                                         "the server may still be generating it)")
+    a("--judge-retries", type=int, default=6, help="retries of a judge request on 408/409/429/5xx and connection "
+                                                   "errors")
     # --- outputs
     a("--curves", action="append", default=[], metavar="NAME=PATH",
       help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)")
@@ -448,21 +453,25 @@ def parse_verdict(text: str) -> str:
 
 
 def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, str]], base_url: str, model: str,
-                seed: int, concurrency: int, cache_dir: Path, fps: dict[str, str]) -> dict:
+                seed: int, concurrency: int, cache_dir: Path, fps: dict[str, str], max_tokens: int = 1024,
+                timeout: float = 120.0, retries: int = 6) -> dict:
     """Win/tie/loss of A against B for each pair. Per prompt, a seeded coin decides which answer is shown first; the
-    order is recorded with each verdict and undone before scoring, so position bias cancels out."""
-    from openai import APIError, OpenAI
-    client = OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY") or "none", max_retries=6, timeout=120)
+    order is recorded with each verdict and undone before scoring, so position bias cancels out. Requests are retried
+    as common.retry_delay says (never after a timeout); one that still fails stops the judge in one line (DataError),
+    the verdicts so far cached."""
+    from openai import APIError
     results = {}
     for a, b in pairs:
-        def ask(it):
+        async def ask(client, sem, it):
             first, second = (b, a) if it["swapped"] else (a, b)
             content = JUDGE_PROMPT.format(prompt=it["prompt"], a=it["answers"][first], b=it["answers"][second])
             try:
-                reply = client.chat.completions.create(model=model, temperature=0.0,
-                                                       messages=[{"role": "user", "content": content}])
-            except APIError as e:  # after the client's own retries with backoff; verdicts so far stay cached
-                raise DataError(f"judge request failed: {type(e).__name__}: {common.first_line(e)}") from None
+                async with sem:
+                    reply = await common.send_with_retries(lambda: client.chat.completions.create(
+                        model=model, temperature=0.0, max_tokens=max_tokens,
+                        messages=[{"role": "user", "content": content}]), retries)
+            except APIError as e:
+                raise DataError(f"judge request failed: {common.api_error(e)}") from None
             raw = reply.choices[0].message.content or ""
             verdict = parse_verdict(raw)
             winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
@@ -472,8 +481,11 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
                   "swapped": random.Random(f"{seed}|{a}|{b}|{r['id']}").random() < 0.5} for i, r in enumerate(records)]
 
         def compute(chunk):
-            with ThreadPoolExecutor(max(1, concurrency)) as pool:
-                return list(pool.map(ask, chunk))
+            async def ask_all():
+                sem = asyncio.Semaphore(max(1, concurrency))
+                async with common.openai_client(base_url, timeout, "--judge-base-url") as client:
+                    return await asyncio.gather(*[ask(client, sem, it) for it in chunk])
+            return asyncio.run(ask_all())
 
         rows = cached(cache_dir / f"judge.{a}_vs_{b}.jsonl", fingerprint(fps[a], fps[b], model, seed), items, compute,
                       4 * concurrency, f"judge {a} vs {b}")
@@ -884,6 +896,9 @@ def main(argv=None) -> dict:
     for rm_path, flag in [(args.reward_model, "--reward-model ")] * bool(args.reward_model) + [
             (p, f"--monitor-reward-model {n}=") for n, p in monitors.items()]:
         common.check_reward_model(rm_path, flag)  # before any generation
+    if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
+        common.check_server(args.judge_base_url, args.judge_model, "chat", args.judge_timeout,
+                            min(args.judge_retries, 2), "--judge-base-url")
 
     # 1. generation (cached per policy) and the reward model's critique of every output (one model for all)
     gens, fps, crits, rm_state = {}, {}, {}, []
@@ -938,7 +953,7 @@ def main(argv=None) -> dict:
         n = args.judge_limit or len(records)
         pairs_out = judge_pairs(records[:n], {k: [g["response"] for g in v[:n]] for k, v in gens.items()}, pairs,
                                 args.judge_base_url, args.judge_model, args.seed, args.judge_concurrency, cache_dir,
-                                fps)
+                                fps, args.judge_max_tokens, args.judge_timeout, args.judge_retries)
         results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
 
     # 4. results.json, the table, and the report

@@ -10,10 +10,11 @@ Contents: the core first (copy it as is), then what the stages share.
                                      span_tokens, unambiguous_quotes
         4. Datasets, resumable I/O   read_rows, open_resumable_jsonl, append_jsonl
         5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
-                                     Sec. 3.4), rm_settings, rm_critique_served
+                                     Sec. 3.4), rm_settings; OpenAI-compatible servers: api_error, retry_delay,
+                                     send_with_retries, check_server (a preflight), rm_critique_served
         6. Models                    load_model, check_reward_model, generation_config, policy_prompt, generate,
                                      rm_critique
-        7. Training pieces           torch_dtype, add_lora, save_pretrained
+        7. Training pieces           torch_dtype, add_lora, save_pretrained, share_files
         8. Reward-model metrics      rm_scores, rm_span_metrics (paper Tables 1 and 6)
 """
 from __future__ import annotations
@@ -170,35 +171,74 @@ def _decode_object(text: str, start: int):
     return None, start + 1
 
 
+# A template's stand-in is not content: "...", "\u2026", "[...]" (ast.literal_eval reads a bare [...] as [Ellipsis]),
+# anything of dots, ellipses, brackets and quotes alone; for a critique also one "<description>" in angle brackets.
+_PLACEHOLDER = re.compile(r"[\s\[\]()<>\"'`]*(?:\.\.|\u2026)[\s.\u2026\[\]()<>\"'`]*")
+_DESCRIPTION = re.compile(r"<[^<>\n]+>")
+
+
+def _is_placeholder(value, critique: bool = False) -> bool:
+    if value is Ellipsis:
+        return True
+    return isinstance(value, str) and bool(_PLACEHOLDER.fullmatch(value.strip()) or critique and
+                                           _DESCRIPTION.fullmatch(value.strip()))
+
+
+def _span_list(value):
+    """The strings of a span list (a lone string: a list of one), without placeholders; None when it held nothing but
+    placeholders: a template's list, not filled in, is no span list."""
+    items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
+    spans = [s for s in items if isinstance(s, str) and not _is_placeholder(s)]
+    return None if not spans and any(_is_placeholder(s) for s in items) else spans
+
+
+def _read_feedback(feedback: dict, critique) -> tuple[dict | None, bool]:
+    """The dict _find_feedback chose, read without placeholders: ({"critique": its critique or None (absent),
+    "good_spans", "poor_spans"}, False); or (None, True) when its span lists hold only placeholders (a template's
+    lists, not filled in), or when it holds placeholders and nothing else (a template echoed as it is)."""
+    fields = {_norm_key(k): v for k, v in feedback.items()}
+    good = next((_span_list(fields[k]) for k in fields if k in _GOOD_KEYS), [])
+    poor = next((_span_list(fields[k]) for k in fields if k in _POOR_KEYS), [])
+    placeholder = _is_placeholder(critique, critique=True)
+    critique = None if placeholder else critique
+    has_critique = critique is not None and (not isinstance(critique, str) or bool(critique.strip()))
+    if good is None and poor is None or placeholder and not good and not poor and not has_critique:
+        return None, True
+    return {"critique": critique, "good_spans": good or [], "poor_spans": poor or []}, False
+
+
 def parse_feedback(text: str) -> dict:
     """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}. The JSON may be fenced, follow
     chain-of-thought, or precede chatter. Of several objects, the last one holding a span list (good_spans or
     poor_spans, at any depth) wins; with only one of the two lists, the other is []. Its critique is the critique key
     next to the lists, else one around them, else the prose before the JSON. ValueError when no object holds a span
-    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans"."""
+    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans".
+    Placeholders ("...", "\u2026", [...], a "<description>" critique) count as absent: a span list of nothing else is
+    no span list, and an object of nothing else (a template the critic echoed) is never chosen."""
     if not isinstance(text, str):
         raise ValueError(f"critic output must be a string, got {type(text).__name__}")
-    chosen, critique, chosen_start, any_obj, pos = None, None, 0, False, 0
+    chosen, chosen_start, any_obj, echoed, pos = None, 0, False, False, 0
     while (start := text.find("{", pos)) >= 0:
         obj, pos = _decode_object(text, start)
         if isinstance(obj, dict):
             any_obj = True
             feedback, found_critique = _find_feedback(obj)
             if feedback is not None:
-                chosen, critique, chosen_start = feedback, found_critique, start
+                fields, was_echo = _read_feedback(feedback, found_critique)
+                echoed = echoed or was_echo
+                if fields is not None:
+                    chosen, chosen_start = fields, start
     if chosen is None:
-        raise ValueError("no JSON object with good_spans or poor_spans in critic output" if any_obj else
-                         "no JSON object (with good_spans or poor_spans) found in critic output")
-    fields = {_norm_key(k): v for k, v in chosen.items()}
-    as_list = lambda v: [v] if isinstance(v, str) else [s for s in v if isinstance(s, str)] if isinstance(  # noqa: E731
-        v, (list, tuple)) else []
-    good = next((fields[k] for k in fields if k in _GOOD_KEYS), [])
-    poor = next((fields[k] for k in fields if k in _POOR_KEYS), [])
+        raise ValueError(
+            "only template placeholders ('...', [...]) where the spans belong: a format echoed, not filled in" if echoed
+            else "no JSON object with good_spans or poor_spans in critic output" if any_obj
+            else "no JSON object (with good_spans or poor_spans) found in critic output")
+    critique = chosen["critique"]
     if critique is None:  # prose before the JSON, minus an opening code fence
         critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
     elif not isinstance(critique, str):
-        critique = json.dumps(critique, ensure_ascii=False)
-    return {"critique": critique.strip(), "good_spans": as_list(good), "poor_spans": as_list(poor)}
+        critique = json.dumps(critique, ensure_ascii=False, default=str)
+    return {"critique": critique.strip(), "good_spans": chosen["good_spans"], "poor_spans": chosen["poor_spans"]}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -626,36 +666,177 @@ def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_toke
     return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
 
 
+# OpenAI-compatible servers (01's critic, 03's served critic, 04's judge): the server's own error text, one retry
+# policy, and one cheap request before any work is spent.
+
+PREFLIGHT = "Reply with OK."  # the one-token request check_server sends
+
+
+def redact(text: str) -> str:
+    """`text` without the API key: errors may echo request headers, and keys never reach logs or files."""
+    key = os.environ.get("OPENAI_API_KEY", "")
+    return text.replace(key, "[redacted]") if len(key) >= 4 else text
+
+
+def api_error(e: Exception) -> str:
+    """A failed request as one line, with the server's own words: "HTTP 400: Server is pinned to ...". The openai
+    SDK's str(e) keeps only OpenAI's {"error": {"message"}} and drops every other layout (FastAPI's {"detail"},
+    transformers serve's among them); the text is in e.body, else e.response.text. Timeouts and connection errors
+    name themselves; notes added to the exception (send_with_retries: the attempts) follow after "; "."""
+    import openai
+    if isinstance(e, openai.APIStatusError):
+        body = e.body if e.body is not None else e.response.text
+        if isinstance(body, dict):
+            body = next((body[k] for k in ("message", "detail", "error") if body.get(k)), body)
+        text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, default=str)
+        line = f"HTTP {e.status_code}: {' '.join(text.split()) or e.response.reason_phrase}"
+    elif isinstance(e, openai.APITimeoutError):
+        line = "timed out"
+    elif isinstance(e, openai.APIConnectionError):
+        line = f"cannot connect ({first_line(e.__cause__) if e.__cause__ else first_line(e)})"
+    else:
+        line = f"{type(e).__name__}: {first_line(e)}"
+    return redact("; ".join([line[:500], *getattr(e, "__notes__", [])]))
+
+
+def backoff_delay(attempt: int, retry_after: float | None, base: float, cap: float, rng) -> float:
+    """Wait before retry number attempt+1: the server's Retry-After (+0-10% so workers do not return in lockstep),
+    else exponential backoff with equal jitter, min(cap, base * 2^attempt) * U[0.5, 1]."""
+    if retry_after is not None:
+        return retry_after * (1 + 0.1 * rng.random())
+    d = min(cap, base * 2 ** attempt)
+    return d / 2 + rng.uniform(0, d / 2)
+
+
+def retry_after_s(headers) -> float | None:
+    """Seconds a 429/503 asks us to wait: Retry-After-Ms, Retry-After in seconds, or Retry-After as an HTTP date."""
+    import email.utils
+    import time
+    if headers is None:
+        return None
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            return max(0.0, float(headers.get(name)) * scale)
+        except (TypeError, ValueError):
+            pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(headers.get("retry-after")).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def retry_delay(e: Exception, attempt: int, retries: int, rng, base: float = 1.0, cap: float = 60.0) -> float | None:
+    """Seconds to wait before sending a failed request again, or None: give up. Retried up to `retries` times:
+    408, 409, 429 and 5xx (after the server's Retry-After, else backoff_delay) and connection errors. Never another
+    4xx (the same request fails the same way) and never a timeout: a server keeps generating a request whose client
+    has gone (transformers serve does, measured), so a retry would queue the same work twice, exactly when the server
+    is slowest. A timed-out request fails; 01 --retry-failed redoes it later."""
+    import openai
+    if attempt >= retries or isinstance(e, openai.APITimeoutError):
+        return None
+    if isinstance(e, openai.APIStatusError):
+        if e.status_code not in (408, 409, 429) and e.status_code < 500:
+            return None
+        return backoff_delay(attempt, retry_after_s(getattr(e.response, "headers", None)), base, cap, rng)
+    return backoff_delay(attempt, None, base, cap, rng) if isinstance(e, openai.APIConnectionError) else None
+
+
+async def send_with_retries(send, retries: int, rng=None, base: float = 1.0, cap: float = 60.0):
+    """await send() (one OpenAI-compatible request), sent again while retry_delay allows; the last error is raised
+    with a note of the attempts it took (api_error shows it)."""
+    import asyncio
+    import random
+
+    import openai
+    attempt = 0
+    while True:
+        try:
+            return await send()
+        except openai.APIError as e:
+            wait = retry_delay(e, attempt, retries, rng or random, base, cap)
+            if wait is None:
+                if attempt:
+                    e.add_note(f"gave up after {attempt + 1} attempts")
+                elif isinstance(e, openai.APITimeoutError):
+                    e.add_note("not retried: the server may still be generating it")
+                raise
+            await asyncio.sleep(wait)
+            attempt += 1
+
+
+def openai_client(base_url: str | None, timeout: float, flag: str = "--base-url"):
+    """An AsyncOpenAI client for `base_url` (None: OpenAI), the key from OPENAI_API_KEY only (a local server needs
+    none), its own retries off (send_with_retries is ours). DataError when OpenAI itself is meant and there is no
+    key."""
+    from openai import AsyncOpenAI
+    key = os.environ.get("OPENAI_API_KEY")
+    if not key and base_url is None:
+        raise DataError(f"OPENAI_API_KEY is not set (the key is read from the environment only), and no {flag} "
+                        "names another endpoint")
+    return AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", timeout=timeout, max_retries=0)
+
+
+def check_server(base_url: str | None, model: str, api: str = "chat", timeout: float = 120.0, retries: int = 2,
+                 flag: str = "--base-url") -> None:
+    """One cheap request (PREFLIGHT, one token, greedy) to the endpoint and model a stage is about to use, through
+    the API it will use, before it spends any compute: DataError, one line with the server's own words, for a wrong
+    model name, a dead port, a 4xx (a missing or bad key: 401), or a timeout. 429 and 5xx are retried as any request
+    (retry_delay)."""
+    import asyncio
+
+    async def ping():
+        async with openai_client(base_url, timeout, flag) as client:
+            if api == "completions":
+                return await send_with_retries(lambda: client.completions.create(
+                    model=model, prompt=PREFLIGHT, max_tokens=1, temperature=0.0), retries)
+            return await send_with_retries(lambda: client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": PREFLIGHT}], max_tokens=1, temperature=0.0), retries)
+    import openai
+    try:
+        asyncio.run(ping())
+    except openai.APIError as e:
+        where = f"{flag} {base_url or 'https://api.openai.com/v1'} (model {model!r}, {api} API)"
+        hint = " (OPENAI_API_KEY is not set)" if getattr(e, "status_code", None) == 401 and not os.environ.get(
+            "OPENAI_API_KEY") else ""
+        raise DataError(f"{where}: {api_error(e)}{hint}") from None
+
+
 def rm_critique_served(prompts: list[str], responses: list[str], base_url: str | None, model: str,
                        max_new_tokens: int, concurrency: int = 32, api: str = "chat", tokenizer=None,
-                       max_prompt_tokens: int | None = None, rm_format: str = "critique+spans") -> list[str]:
+                       max_prompt_tokens: int | None = None, rm_format: str = "critique+spans", timeout: float = 300.0,
+                       retries: int = 2) -> list:
     """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
     batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
     applies the chat template); "completions" sends rm_completions_prompt, the exact training text. Given the reward
     model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings); both ask
-    for rm_format's output (its instruction)."""
+    for rm_format's output (its instruction). Each request times out after `timeout` s and is retried as retry_delay
+    says. Each entry is the critic's text or, for a request that failed, its exception (openai.APIError): one failed
+    critique never stops the batch."""
     import asyncio
 
-    from openai import AsyncOpenAI
+    import openai
 
     async def ask(client, sem, prompt, response):
         async with sem:
-            if api == "completions":
-                reply = await client.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
-                                                        prompt=rm_completions_prompt(tokenizer, prompt, response,
-                                                                                     max_prompt_tokens, rm_format))
-                return reply.choices[0].text or ""
-            if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
-                prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
-            reply = await client.chat.completions.create(model=model, temperature=0.0, max_tokens=max_new_tokens,
-                                                         messages=[{"role": "user",
-                                                                    "content": rm_user_message(prompt, response,
-                                                                                               rm_format)}])
-            return reply.choices[0].message.content or ""
+            try:
+                if api == "completions":
+                    reply = await send_with_retries(lambda: client.completions.create(
+                        model=model, temperature=0.0, max_tokens=max_new_tokens,
+                        prompt=rm_completions_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)),
+                        retries)
+                    return reply.choices[0].text or ""
+                if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
+                    prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
+                reply = await send_with_retries(lambda: client.chat.completions.create(
+                    model=model, temperature=0.0, max_tokens=max_new_tokens,
+                    messages=[{"role": "user", "content": rm_user_message(prompt, response, rm_format)}]), retries)
+                return reply.choices[0].message.content or ""
+            except openai.APIError as e:
+                return e
 
     async def ask_all():
         sem = asyncio.Semaphore(concurrency)
-        async with AsyncOpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY")) as client:
+        async with openai_client(base_url, timeout, "--critic-base-url") as client:
             return await asyncio.gather(*[ask(client, sem, p, r) for p, r in zip(prompts, responses)])
     return asyncio.run(ask_all())
 
@@ -951,6 +1132,16 @@ def add_lora(model, r: int, alpha: int, targets: str = "all-linear", dropout: fl
         modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
 
 
+def share_files(folder) -> None:
+    """Give a saved model folder and its files the permissions the umask gives any new file (0644 and 0755 under
+    umask 022): mkdtemp makes 0700 folders and safetensors writes its weights 0600, which a server run as another user
+    (or in a container) cannot read."""
+    folder = Path(folder)
+    os.chmod(folder, 0o777 & ~_UMASK)
+    for f in folder.rglob("*"):
+        os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~_UMASK)
+
+
 def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwargs) -> Path:
     """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: state dict}, torch.save) into a temp dir that
     is then renamed to out_dir (replacing it): a reader never sees half a model."""
@@ -964,7 +1155,7 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwar
     tokenizer.save_pretrained(tmp)
     for name, state in (files or {}).items():
         torch.save(state, tmp / name)
-    os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 dirs; give the result the usual permissions
+    share_files(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return out_dir

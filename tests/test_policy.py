@@ -333,6 +333,43 @@ def test_smoke_openai_critic_sends_the_batch_concurrently(tmp_path, tiny_model_d
     assert rows[0]["critic/parse_fail_rate"] == 0.0 and rows[0]["critic/tokens_labelled_frac"] > 0
 
 
+def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tmp_path, tiny_model_dir, fake_openai):
+    """--critic openai: a critique whose request still fails after --critic-retries (503), or times out after
+    --critic-timeout (never retried: the server may still be generating it), gives its rollout delta = 0, is counted
+    in critic/parse_fail_rate, and its error is kept in samples.jsonl; the run goes on (it crashed on the first)."""
+    attempts = {}
+
+    def reply(body, n):
+        response = body["messages"][0]["content"].split("### Response\n", 1)[1]
+        attempts[response] = attempts.get(response, 0) + 1
+        if len(response) % 3 == 0:
+            return 503, {"error": {"message": "overloaded"}}, {}
+        if len(response) % 3 == 1:
+            time.sleep(1.5)  # past --critic-timeout
+        word = (response.split() or ["x"])[0]
+        return json.dumps({"critique": "c", "good_spans": [], "poor_spans": [word]})
+
+    with fake_openai(reply) as server:
+        ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
+                        "--critic-model", "rm", "--critic-timeout", "0.5", "--critic-retries", "1", "--log-every", "1",
+                        "--task", "qa"))
+    rows, samples = _rows(tmp_path / "run"), common.read_jsonl(tmp_path / "run" / "samples.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and len(samples) == 8  # every rollout of both iterations
+    kinds = [len(s["response"]) % 3 for s in samples]
+    assert 0 in kinds and 1 in kinds  # both faults happened
+    for s, kind in zip(samples, kinds):
+        if kind == 0:
+            assert s["critic_error"] == "HTTP 503: overloaded; gave up after 2 attempts" and attempts[s["response"]] >= 2
+        elif kind == 1:
+            assert s["critic_error"].startswith("timed out") and s["critique"] is None
+        else:
+            assert s["critique"] == "c" and "critic_error" not in s
+        if kind != 2:
+            assert s["critique"] is None and s["critic_output"] is None and s["span_reward"] == 0.0
+    for step, row in zip((1, 2), rows):
+        assert row["critic/parse_fail_rate"] == sum(k != 2 for s, k in zip(samples, kinds) if s["step"] == step) / 4
+
+
 def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_chat_model_dir, fake_openai):
     """--critic-api completions: a served base model gets exactly the text stage 2 trained on (build_rm_prompt)."""
     from transformers import AutoTokenizer

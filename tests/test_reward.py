@@ -288,6 +288,33 @@ def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
     assert len(common.rm_critique(model, tok, ["post: x"], [" y"], max_new_tokens=4)) == 1
 
 
+def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_model_dir):
+    """--merge DIR: the LoRA reward model (LORA: lm_head, embed_tokens, trainable norms) as a plain model folder, the
+    adapter merged into the weights: the same logits as the adapter on its base, its tokenizer, a generation_config of
+    stop ids only (a server applies whatever it holds), and its reward_model.json, so that --reward-model DIR uses it
+    with the same input cut and critique budget."""
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(16))
+    rm.main(run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--max-steps", "3", "--eval-limit", "0",
+                     "--lr", "5e-3", "--merge", str(tmp_path / "merged")))
+    merged = tmp_path / "merged"
+    assert not (merged / "adapter_config.json").exists() and (merged / "model.safetensors").is_file()
+    assert {f.stat().st_mode & 0o777 for f in merged.iterdir()} == {0o666 & ~common._UMASK}
+    info, src = (json.loads((d / "reward_model.json").read_text()) for d in (merged, tmp_path / "rm"))
+    assert info == {**src, "merged_from": str(tmp_path / "rm")}
+    assert common.rm_settings(merged) == common.rm_settings(tmp_path / "rm")
+    assert json.loads((merged / "generation_config.json").read_text()).keys() <= {
+        "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config"}
+    adapter, tok = common.load_model(str(tmp_path / "rm"))
+    plain, plain_tok = common.load_model(str(merged))
+    assert type(plain).__name__ == "LlamaForCausalLM" and plain_tok.get_vocab() == tok.get_vocab()
+    ids = torch.tensor([common.rm_prompt(tok, "post: ann has a cat.\nsummary:", " ann has a dog.")[0]])
+    with torch.no_grad():
+        want, got = adapter(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert not torch.allclose(want, common.load_model(tiny_model_dir)[0](input_ids=ids).logits)  # it trained
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
 def adapter_weights(path):
     from safetensors.torch import load_file
     return load_file(str(path / "adapter_model.safetensors"))

