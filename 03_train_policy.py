@@ -912,7 +912,7 @@ def train(args):
     head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic, monitor = make_critic(args), make_monitor(args)
-    params = [p for p in model.parameters() if p.requires_grad] + (list(head.parameters()) if head else [])
+    params = [p for p in model.parameters() if p.requires_grad] + (list(head.parameters()) if head is not None else [])
     optimizer, scheduler = make_optimizer(params, args)
     scaler, costs = grad_scaler(args.device, args.dtype), []
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
