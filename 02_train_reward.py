@@ -267,24 +267,18 @@ def print_table(m: dict) -> None:
 
 
 def save_reward_model(model, args, out: Path, summary: dict) -> None:
-    """Adapter weights and config, the base tokenizer, then reward_model.json last (its presence marks a complete save).
+    """Adapter weights and config (full fine-tuning: the whole model, loadable like any model directory), the base
+    tokenizer and reward_model.json, written to a temp folder that then replaces `out` (common.save_pretrained; the
+    Trainer's checkpoints/ move over, for --resume): killed while saving, `out` still holds the previous reward model
+    whole. A folder with reward_model.json is a complete stage-2 output (common.check_reward_model).
 
     The tokenizer is saved as the base model ships it: common.load_model adds the same pad token (and resizes the
     embeddings the same way) when it loads the reward model, so the adapter never needs to carry embedding rows.
     """
     from transformers import AutoTokenizer
-    (out / "reward_model.json").unlink(missing_ok=True)
-    tmp = out / ".saving"
-    shutil.rmtree(tmp, ignore_errors=True)
-    if hasattr(model, "peft_config"):
-        model.save_pretrained(tmp, save_embedding_layers=False)
-    else:  # full fine-tuning: the whole model, loadable by common.load_model like any model directory
-        model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(args.model).save_pretrained(tmp)
-    for f in tmp.iterdir():
-        os.replace(f, out / f.name)
-    tmp.rmdir()
-    common.write_json(out / "reward_model.json", summary)
+    common.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
+                           keep=("checkpoints",), **({"save_embedding_layers": False} if hasattr(model, "peft_config")
+                                                     else {}))
 
 
 def merge_untied(model):

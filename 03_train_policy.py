@@ -27,6 +27,7 @@ import copy
 import datetime
 import os
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -43,12 +44,13 @@ PRESETS = {
                  sft_steps=100, sft_lr=1e-3, sft_lora_r=0, sft_output_dir="runs/demo/sft",
                  reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
                  scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32, max_new_tokens=32, lr=1e-3,
-                 lora_r=16, lora_alpha=32, kl_coef=0.2, ppo_epochs=2, num_minibatches=2, critic_max_new_tokens=96,
-                 warmup_steps=0, trace_samples=3),
+                 lora_r=16, lora_alpha=32, kl_coef=0.2, ppo_epochs=2, num_minibatches=2,
+                 critic_max_new_tokens=common.critique_tokens("demo"), warmup_steps=0, trace_samples=3),
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
-                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=512, warmup_steps=0, trace_samples=0)}
+                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=common.critique_tokens("qa"),
+                    warmup_steps=0, trace_samples=0)}
 
 
 def parse_args(argv=None):
@@ -58,9 +60,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter,
                                 epilog=f"presets (--task picks a column; a flag given explicitly wins):\n"
                                        f"  {'':25s} {'summarization, code, qa':31s} demo\n{table}\n"
-                                       "  (--sft-lora-r none: --lora-r; --sft-output-dir none: OUTPUT_DIR/sft; "
-                                       "--scalar-baseline-dir '': none;\n  --critic-max-new-tokens: what stage 2 "
-                                       "evaluated --reward-model with, where its reward_model.json says)")
+                                       "  (--sft-lora-r none: --lora-r; --sft-output-dir none: OUTPUT_DIR/sft, the "
+                                       "scalar baseline's too;\n  with --output-dir, --scalar-baseline-dir is '' "
+                                       "(none) and --sft-output-dir OUTPUT_DIR/sft unless given:\n  no run writes "
+                                       "into a preset's folder it did not name;\n  --critic-max-new-tokens: what "
+                                       "stage 2 evaluated --reward-model with, where its reward_model.json says)")
     a = p.add_argument
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
@@ -69,8 +73,12 @@ def parse_args(argv=None):
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
-    a("--resume", action="store_true", help="continue from <output-dir>/checkpoint.pt")
-    a("--scalar-baseline-dir", help="then train the --reward-mode scalar baseline here, same settings ('': skip)")
+    a("--resume", action="store_true", help="continue from <output-dir>/checkpoint.pt (a folder holding a run "
+      "without one: refused)")
+    a("--overwrite", action="store_true", help="a fresh run replaces the run in --output-dir (without it: refused, "
+      "but for the\nzero-flag demo's own runs/demo/text2grad and runs/demo/scalar)")
+    a("--scalar-baseline-dir", help="then train the --reward-mode scalar baseline here, same settings and SFT start "
+      "('': skip;\ndefault: the demo's runs/demo/scalar when --output-dir is not given, else none)")
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
                                                                              "template (auto: if it has one)")
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (its chat template "
@@ -134,7 +142,7 @@ def parse_args(argv=None):
     a("--rloo-baseline", default="start", choices=["start", "position", "mean-reward"], help="--advantage rloo: "
       "what each token's reward-to-go G_t is compared with, over the\nother samples of its prompt: start = their "
       "mean return G_0 (the same for every token); position =\ntheir mean G_t at the same position; mean-reward = "
-      "their mean reward per token, subtracted from\neach r_s before summing (PRIME). README: \"the two estimators\"")
+      "their mean reward per token, subtracted from\neach r_s before summing. README: \"the two estimators\"")
     # --- PPO update
     a("--lr", type=float, help="learning rate (LoRA weights and value head)")
     a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
@@ -162,9 +170,15 @@ def parse_args(argv=None):
       "(0: off; costs one no-grad forward of the batch per iteration)")
     args = p.parse_args(argv)
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
+    if args.output_dir is not None:  # the preset's folders are the preset's: no baseline, the SFT in OUTPUT_DIR/sft
+        args.scalar_baseline_dir = "" if args.scalar_baseline_dir is None else args.scalar_baseline_dir
+        args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # the scalar baseline's too
+    if not args.model:
+        raise common.DataError("--model is required outside the demo")
     if args.critic != "local" and not rm_given:  # the demo's reward model is not the one a server runs
         args.reward_model = None
     # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
@@ -182,6 +196,10 @@ def parse_args(argv=None):
                                    ">= 2 and divide --batch-size (samples of one prompt)")):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be {rule}")
+    shards = int(os.environ.get("WORLD_SIZE", 1)) * args.num_minibatches * args.grad_accum  # torchrun sets it
+    if args.batch_size % shards:
+        raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
+                               f"--grad-accum = {shards}")
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
         raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
     return args
@@ -271,7 +289,7 @@ def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "sta
     with r_t from compute_rewards (delta_t - beta*KL_t, as for GAE) and the mean over the other samples j of the prompt:
       start        A_t = G_t - mean_j G_0^j                 G_t = sum_{s>=t} gamma^(s-t) r_s (--rloo-baseline)
       position     A_t = G_t - mean_j G_t^j                 (G_t^j = 0 once sample j has ended)
-      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j)   rbar^j: j's mean reward per token (PRIME)
+      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j)   rbar^j: j's mean reward per token
     With the whole reward on the last token, "start" is plain RLOO: every token of a sample gets R - mean(others' R).
     Returns (advantages, returns = G), both 0 where mask is 0."""
     def reward_to_go(r):                                                       # (B, T) -> (B, T), a reversed loop
@@ -299,25 +317,28 @@ def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "sta
 
 
 def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
-    """Clipped surrogate policy loss and clipped value loss (step 6), token-averaged under `mask`."""
+    """Clipped surrogate policy loss and clipped value loss (step 6), token-averaged under `mask`. values None (no
+    value head: --advantage rloo): no value loss (None) and no value statistic."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
-    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
-    vf_loss = 0.5 * masked_mean(torch.max((values - returns) ** 2, (values_clipped - returns) ** 2), mask)
     with torch.no_grad():
         stats = {"policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
-                 "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), mask).item(),
-                 "val/clipfrac": masked_mean(((values - returns) ** 2 < (values_clipped - returns) ** 2).float(),
-                                             mask).item()}
+                 "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), mask).item()}
+    if values is None:
+        return pg_loss, None, stats
+    values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
+    vf_losses, vf_losses_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses_clipped), mask)
+    stats["val/clipfrac"] = masked_mean((vf_losses < vf_losses_clipped).float(), mask).item()
     return pg_loss, vf_loss, stats
 
 
 def update_kl_coef(kl_coef, observed_kl, target, horizon, n_steps):
     """Adaptive KL controller (Ziegler et al. 2019): nudge beta towards the target sequence KL."""
-    error = float(np.clip(observed_kl / target - 1.0, -0.2, 0.2))
+    error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * n_steps / horizon)
 
 
@@ -528,11 +549,8 @@ def make_critic(args):
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
             max_prompt_tokens=args.critic_max_prompt_tokens, rm_format=args.critic_rm_format)]
     rm_tok = None  # with --reward-model, the served reward model gets its training input, cut alike (either API)
-    if args.reward_model:
+    if args.reward_model:  # a stage-2 output (train() checked it: common.check_reward_model)
         from transformers import AutoTokenizer
-        if not Path(args.reward_model).is_dir():
-            raise common.DataError(f"--reward-model {args.reward_model}: no such directory (the served reward model's "
-                                   "stage-2 output, for its tokenizer and reward_model.json)")
         rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
     return lambda recs, texts: [_parse(x) for x in common.rm_critique_served(
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
@@ -580,10 +598,12 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
 
 
 def dense_feedback(text: str, fb: dict) -> dict:
-    """--labels dense (App. I.1): the critic's feedback relabelled so that every token of `text` gets a label: its
-    poor spans stay, and the whole response is quoted as good, so span_rewards gives -1 inside a poor span and +1
-    everywhere else (0 only on a token straddling a poor span's edge, or one of whitespace alone)."""
-    return {**fb, "good_spans": [text] if text.strip() else []}
+    """--labels dense (App. I.1): the critic's feedback relabelled so that every token of `text` gets a label: the
+    whole response is quoted as good too, so span_rewards gives -1 inside a poor span and +1 everywhere else (0 only
+    on a token straddling a poor span's edge, or one of whitespace alone). The critic's good quotes change no label;
+    they still place its poor ones (a word quoted good, then poor: the poor one is its second occurrence) and count
+    in critic/unmatched_span_rate as they do with --labels spans."""
+    return {**fb, "good_spans": fb["good_spans"] + ([text] if text.strip() else [])}
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
@@ -598,11 +618,13 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
             continue
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         fb = dense_feedback(texts[i], fb) if labels == "dense" else fb
-        d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+        if weighting == "uniform":
+            d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+        else:  # the same delta, and the tokens of each located quote (App. I's spans)
+            d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+            rows[i], spans[i] = (d, unmatched), [idx for _, idx in located]
         delta[i, :len(d)] = torch.tensor(d)
-        n_unmatched += len(unmatched)
-        if weighting != "uniform":
-            spans[i] = [idx for _, idx in common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])]
+        n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
     return weight_spans(delta, spans, weighting), rows, n_spans, n_unmatched
 
 
@@ -615,8 +637,8 @@ def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int 
 
 
 def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
-    """Step 4, no grad: the behaviour policy's log-probs and values, and KL_t to the reference, each (B, T), in as few
-    forward calls as memory allows ((B, T, V) logits can be large)."""
+    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head: --advantage rloo), and
+    KL_t to the reference, each (B, T), in as few forward calls as memory allows ((B, T, V) logits can be large)."""
     (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
     rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
                                                           2 if args.kl_estimator == "full" else 1)
@@ -626,7 +648,7 @@ def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
             lp, v, logits = forward(model, value_head, ids, attn, T, args.temperature, forbid)
             ref_lp, ref_logits = reference_forward(model, ref_model, ids, attn, T, args.temperature, forbid)
             logprobs.append(lp)
-            values.append(v)
+            values.append(torch.zeros_like(lp) if v is None else v)
             kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
     return torch.cat(logprobs), torch.cat(values), torch.cat(kl) * b["mask"]
 
@@ -646,8 +668,9 @@ def rewards_and_advantages(g, kl_coef: float, reward_mode: str, args):
 
 def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world):
     """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum
-    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token mean over
-    the minibatch on every rank. Returns each micro-batch's stats and the epochs run (--target-kl may stop early)."""
+    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss (none without a value head: --advantage
+    rloo) - ent_coef * entropy, its token mean over the minibatch on every rank. Returns each micro-batch's stats and
+    the epochs run (--target-kl may stop early)."""
     (B, T), stats = b["mask"].shape, []
     mb_size = B // args.num_minibatches
     micro = mb_size // args.grad_accum
@@ -667,11 +690,10 @@ def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, wo
                                                 args.clip_range_value)
                 with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
                     entropy = masked_mean(entropy_from_logits(logits), b["mask"][m])
-                vf_coef = args.vf_coef if args.advantage == "gae" else 0.0  # rloo: the value head is not used
-                loss = pg_loss + vf_coef * vf_loss - args.ent_coef * entropy
+                loss = pg_loss + (args.vf_coef * vf_loss if vf_loss is not None else 0.0) - args.ent_coef * entropy
                 scaler.scale(loss * b["mask"][m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
-                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/value_loss": vf_loss.item(),
-                              "losses/entropy": entropy.item()})
+                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/entropy": entropy.item(),
+                              **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {})})
             for p in params:  # torchrun: sum the ranks' gradients (identity for one process)
                 if p.grad is not None:
                     all_sum(p.grad)
@@ -749,33 +771,35 @@ def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid,
                                 "locality": locality, "advantage_locality": advantage_locality, "samples": samples})
 
 
-def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, epochs, kl_coef, lr, clock, args, rank,
-                  world) -> dict:
-    """Step 7: one line of metrics.jsonl, computed on the global batch g (every rank's rollouts), and every --log-every
-    iterations four sample rollouts with their critique (rank 0 writes). counts: [unparsed critiques, quotes, quotes
-    not found]; watched: the monitor's sums ({} without one), logged as means over the batch; clock: time.time() at
-    the iteration's start and after sampling, critiquing, scoring and updating. Returns the metrics row."""
-    counts = all_sum(torch.tensor(counts, dtype=torch.float, device=args.device))  # parse fails, quotes, misses
+def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
+    """Step 7: one line of metrics.jsonl, computed on the global batch it["g"] (every rank's rollouts), and every
+    --log-every iterations four sample rollouts with their critique (rank 0 writes). `it`, the iteration: its records
+    "recs", this rank's batch "b" and the global one "g", "feedback", "counts" [unparsed critiques, quotes, quotes not
+    found], "watched" (the monitor's sums, {} without one; logged as means over the batch), ppo_update's "stats" and
+    "epochs", the "kl_coef" and "lr" it used, and its "clock" (time.time() at its start and after sampling,
+    critiquing, scoring and updating). Returns the metrics row."""
+    b, g, stats, clock, watched = it["b"], it["g"], it["stats"], it["clock"], it["watched"]
+    counts = all_sum(torch.tensor(it["counts"], dtype=torch.float, device=args.device))  # parse fails, quotes, misses
     if watched:
         watched = dict(zip(watched, (all_sum(torch.stack(list(watched.values())).to(args.device)) / args.batch_size)
                            .tolist()))
     ppo_stats = all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]], device=args.device)) / world
     mask, returns = g["mask"], g["returns"]
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    row = {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": kl_coef,
+    explained = 1 - masked_mean((returns - g["values"]) ** 2, mask) / var_returns if var_returns > 0 else 0.0
+    row = {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": it["kl_coef"],
            "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
            "objective/span_reward": (g["delta"] * mask).sum(1).mean().item(),
            "objective/rlhf_reward": g["rewards"].sum(1).mean().item(),
            **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
-           "val/explained_variance": (1 - masked_mean((returns - g["values"]) ** 2, mask) / var_returns).item()
-           if var_returns > 0 else 0.0,
+           **({"val/explained_variance": float(explained)} if args.advantage == "gae" else {}),  # rloo: no value head
            "critic/parse_fail_rate": counts[0].item() / args.batch_size,
            "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
            "critic/tokens_labelled_frac": ((g["delta"] != 0).float() * mask).sum().item() / mask.sum().item(),
            "critic/mistake_rate": ((g["delta"] < 0).float() * mask).amax(1).mean().item(),
            **watched,
            "response/length": mask.sum(1).mean().item(), "response/eos_rate": g["has_eos"].float().mean().item(),
-           "policy/epochs": epochs, "lr": lr, "time/generate_s": clock["sampled"] - clock["start"],
+           "policy/epochs": it["epochs"], "lr": it["lr"], "time/generate_s": clock["sampled"] - clock["start"],
            "time/critic_s": clock["critiqued"] - clock["sampled"],
            "time/forward_s": clock["scored"] - clock["critiqued"], "time/update_s": clock["updated"] - clock["scored"],
            "time/step_s": time.time() - clock["start"]}
@@ -784,10 +808,10 @@ def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, e
             common.append_jsonl(f, row)
     if rank == 0 and (step % args.log_every == 0 or step == args.steps):
         with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-            for i in range(min(4, len(recs))):
-                fb = feedback[i] or {"critique": None, "good_spans": [], "poor_spans": []}
-                common.append_jsonl(f, {"step": step, "prompt": recs[i]["prompt"], "response": b["texts"][i], **fb,
-                                        "span_reward": (b["delta"][i] * b["mask"][i]).sum().item()})
+            for rec, text, fb, delta, m in list(zip(it["recs"], b["texts"], it["feedback"], b["delta"], b["mask"]))[:4]:
+                fb = fb or {"critique": None, "good_spans": [], "poor_spans": []}
+                common.append_jsonl(f, {"step": step, "prompt": rec["prompt"], "response": text, **fb,
+                                        "span_reward": (delta * m).sum().item()})
     return row
 
 
@@ -796,10 +820,9 @@ def log_iteration(step, out_dir, recs, b, g, feedback, counts, watched, stats, e
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def read_prompts(path: str, task: str, critic: str, model: str | None, batch_size: int, shards: int) -> list[dict]:
-    """The prompt records, checked with the run's settings before anything is written: a JSONL file with a "prompt"
-    field or, for --task code --critic program, any benchmark layout (tasks.code.read_code_problems), whose tests the
-    critic runs. shards (world size x --num-minibatches x --grad-accum) must divide batch_size."""
+def read_prompts(path: str, task: str, critic: str) -> list[dict]:
+    """The prompt records, read before anything is written: a JSONL file with a "prompt" field or, for --task code
+    --critic program, any benchmark layout (tasks.code.read_code_problems), whose tests the critic runs."""
     if task == "code" and critic == "program":
         from tasks.code import read_code_problems
         records = read_code_problems(path)
@@ -807,11 +830,6 @@ def read_prompts(path: str, task: str, critic: str, model: str | None, batch_siz
         records = common.read_jsonl(path, required=("prompt",))
     if not records:
         raise common.DataError(f"{path}: no prompts")
-    if not model:
-        raise common.DataError("--model is required outside the demo")
-    if batch_size % shards:
-        raise common.DataError(f"--batch-size {batch_size} must divide by world size x --num-minibatches x "
-                               f"--grad-accum = {shards}")
     return records
 
 
@@ -828,32 +846,31 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
-def sft_warm_start(model_path: str, data: str, field: str, out_dir, *, steps: int, lr: float, batch_size: int,
-                   lora_r: int, lora_targets: str, chat_template: str, max_prompt_tokens: int, max_new_tokens: int,
-                   max_grad_norm: float, device: str, dtype: str, seed: int, rank: int) -> str:
-    """Supervised fine-tuning on (prompt, `field`) before PPO (--sft-*), the loss on the response and its EOS only:
-    `steps` AdamW steps on batches drawn with replacement, left-padded as in generation; lora_r > 0: LoRA, merged into
-    the weights afterwards. Trained once, on rank 0 (the others wait), and saved to out_dir as full weights that later
-    runs reuse. Returns out_dir."""
+def sft_warm_start(args, rank: int) -> str:
+    """Supervised fine-tuning of --model on (prompt, --sft-field) of --sft-data before PPO, the loss on the response
+    and its EOS only: --sft-steps AdamW steps on batches drawn with replacement, left-padded as in generation; LoRA
+    (--sft-lora-r > 0) is merged into the weights afterwards. Trained once, on rank 0 (the others wait), and saved to
+    --sft-output-dir as full weights that later runs (the scalar baseline among them) reuse. Returns that folder."""
     from tqdm.auto import tqdm
 
-    sft_dir = Path(out_dir)
+    sft_dir, device, dtype = Path(args.sft_output_dir), args.device, args.dtype
+    lora_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
     if rank == 0 and not (sft_dir / "config.json").is_file():
-        model, tokenizer = common.load_model(model_path, device=device,
+        model, tokenizer = common.load_model(args.model, device=device,
                                              dtype=dtype if lora_r > 0 else "float32")  # full FT: fp32 master weights
         if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
-            model = common.add_lora(model, lora_r, 2 * lora_r, lora_targets)
-        records = common.read_jsonl(data, required=("prompt", field))
+            model = common.add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
+        records = common.read_jsonl(args.sft_data, required=("prompt", args.sft_field))
         if not records:
-            raise common.DataError(f"{data}: no records")
-        examples = [(common.policy_prompt(tokenizer, r["prompt"], chat_template, max_prompt_tokens),
-                     tokenizer(r[field], add_special_tokens=False)["input_ids"][:max_new_tokens]
+            raise common.DataError(f"{args.sft_data}: no records")
+        examples = [(common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens),
+                     tokenizer(r[args.sft_field], add_special_tokens=False)["input_ids"][:args.max_new_tokens]
                      + [tokenizer.eos_token_id]) for r in records]
         model.train()
-        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr)
-        scaler, gen = grad_scaler(device, dtype), torch.Generator().manual_seed(seed)
-        for _ in (bar := tqdm(range(steps), desc="SFT warm start")):
-            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
+        opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.sft_lr)
+        scaler, gen = grad_scaler(device, dtype), torch.Generator().manual_seed(args.seed)
+        for _ in (bar := tqdm(range(args.sft_steps), desc="SFT warm start")):
+            batch = [examples[i] for i in torch.randint(len(examples), (args.sft_batch_size,), generator=gen).tolist()]
             ids, attn = common.left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
             labels = ids.masked_fill(attn == 0, -100)
             for i, (p, y) in enumerate(batch):
@@ -864,7 +881,7 @@ def sft_warm_start(model_path: str, data: str, field: str, out_dir, *, steps: in
                              labels=labels.to(device)).loss
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
@@ -875,11 +892,29 @@ def sft_warm_start(model_path: str, data: str, field: str, out_dir, *, steps: in
     return str(sft_dir)
 
 
-def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, kl_coef: float, config: dict,
+def make_optimizer(params, args):
+    """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
+    then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
+    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
+                                                  * (1.0 - it / args.steps if args.anneal_lr else 1.0))
+    return optimizer, scheduler
+
+
+def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
+    """This rank's share of iteration `step`'s prompts (batch_indices): --batch-size of them, or for --advantage rloo
+    --batch-size / --rloo-k of them, each --rloo-k times in a row (the k samples of a prompt, one group)."""
+    k = 1 if args.advantage == "gae" else args.rloo_k
+    idx = [i for i in batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
+    local = args.batch_size // world
+    return idx[rank * local:(rank + 1) * local]
+
+
+def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, scaler, kl_coef: float, config: dict,
                     rank: int = 0):
-    """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, beta, its settings (config)
-    and every rank's RNG states, all a run needs to continue bit-exactly. Called on every rank (their RNG states are
-    gathered); rank 0 writes it, atomically. The parameters are the same on every rank."""
+    """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, loss scaler (fp16), beta,
+    its settings (config) and every rank's RNG states, all a run needs to continue bit-exactly. Called on every rank
+    (their RNG states are gathered); rank 0 writes it, atomically. The parameters are the same on every rank."""
     rngs = [{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}]
     if dist.is_initialized():
@@ -889,12 +924,13 @@ def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, kl
         state = {"step": step, "kl_coef": kl_coef, "args": config, "rng": rngs,
                  "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
                  "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict()}
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}
         with common.atomic_open(path, "wb") as f:
             torch.save(state, f)
 
 
-def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0, world: int = 1) -> tuple[int, float]:
+def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank: int = 0,
+                    world: int = 1) -> tuple[int, float]:
     """Restore what save_checkpoint saved, this rank's RNG states included: (step, beta). Another world size cannot
     continue exactly (each rank's sampler state is saved): DataError."""
     state = torch.load(path, map_location="cpu", weights_only=False)
@@ -908,6 +944,8 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0
     value_head.load_state_dict(state["value_head"])
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):  # {} when loss scaling is off (not fp16)
+        scaler.load_state_dict(state["scaler"])
     rng = state["rng"][rank]
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
@@ -917,25 +955,54 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, rank: int = 0
     return state["step"], state["kl_coef"]
 
 
-def start_or_resume(ckpt, resume: bool, kl_coef: float, config: dict, model, value_head, optimizer, scheduler,
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.jsonl", "checkpoint.pt", "policy")  # what a run writes
+
+
+def start_kind(out_dir, resume: bool, overwrite: bool) -> str:
+    """How a run starts in out_dir, decided before anything is trained: "resume" (--resume, and a checkpoint there),
+    "fresh" (no run there) or "replace" (a run there, which --overwrite gives up, or a rerun of the zero-flag demo in
+    its own two folders). Anything else is refused (DataError): a run is never lost to a start that did not ask for
+    it."""
+    out_dir = Path(out_dir)
+    held = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if resume and (out_dir / "checkpoint.pt").is_file():
+        return "resume"
+    if not held:
+        return "fresh"
+    demo = [Path(PRESETS["demo"][key]).resolve() for key in ("output_dir", "scalar_baseline_dir")]
+    if overwrite or out_dir.resolve() in demo:
+        return "replace"
+    if resume:
+        raise common.DataError(f"--resume: no checkpoint.pt in {out_dir}, which holds a run ({', '.join(held)}): "
+                               "--overwrite replaces it")
+    raise common.DataError(f"{out_dir} holds a run ({', '.join(held)}): --resume continues it from its checkpoint, "
+                           "--overwrite replaces it")
+
+
+def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, value_head, optimizer, scheduler, scaler,
                     rank: int, world: int) -> tuple[int, float]:
-    """The run dir (ckpt's folder): (first step, beta). resume restores the checkpoint (load_checkpoint) and cuts
-    metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh run starts without them and with beta =
-    kl_coef. Rank 0 writes config.json: config, the run's settings, and the world size."""
-    out_dir, last = Path(ckpt).parent, 0
+    """The run dir: (first step, beta). kind (start_kind) "resume" restores the checkpoint (load_checkpoint) and cuts
+    metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh start removes the run it replaces and has
+    beta = kl_coef. Rank 0 writes config.json: config, the run's settings, and the world size."""
+    out_dir, last = Path(out_dir), 0
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     barrier()
-    if resume and Path(ckpt).is_file():
-        last, kl_coef = load_checkpoint(ckpt, model, value_head, optimizer, scheduler, rank, world)
-    for path in (out_dir / "metrics.jsonl", out_dir / "samples.jsonl", out_dir / "trace.jsonl") if rank == 0 else ():
-        if last:  # drop the rows logged after the checkpoint
+    if kind == "resume":
+        last, kl_coef = load_checkpoint(out_dir / "checkpoint.pt", model, value_head, optimizer, scheduler, scaler,
+                                        rank, world)
+    for path in [out_dir / name for name in RUN_FILES] if rank == 0 else ():
+        if last and path.suffix == ".jsonl":  # drop the rows logged after the checkpoint
             common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file()
                                else [])
-        else:
+        elif not last and path.is_dir():
+            shutil.rmtree(path)
+        elif not last:
             path.unlink(missing_ok=True)
     if rank == 0 and last:
-        print(f"resumed from {ckpt} at step {last}")
+        print(f"resumed from {out_dir / 'checkpoint.pt'} at step {last}")
+    elif rank == 0 and kind == "replace":
+        print(f"{out_dir}: the run there is replaced (--overwrite, or a rerun of the zero-flag demo)", file=sys.stderr)
     if rank == 0:
         common.write_json(out_dir / "config.json", {**config, "world_size": world})
     return last + 1, kl_coef
@@ -950,46 +1017,37 @@ def train(args):
     """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
     from tqdm.auto import tqdm
 
-    if args.critic == "local" or (args.critic_api == "completions" and args.reward_model):
+    if args.critic == "local" or (args.critic == "openai" and args.reward_model):
         common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
     check_critic(args)  # so does a served critic that cannot answer
+    kind = start_kind(args.output_dir, args.resume, args.overwrite)  # a run there is never lost unasked for
     rank, world, device = dist_init(args.device)
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     random.seed(args.seed)
     np.random.seed(args.seed)
-    records = read_prompts(args.prompts, args.task, args.critic, args.model, args.batch_size,
-                           world * args.num_minibatches * args.grad_accum)
-    start = args.model
-    if args.sft_data and args.sft_steps > 0:  # the policy starts from SFT on --sft-data, trained once and reused
-        start = sft_warm_start(
-            args.model, args.sft_data, args.sft_field, args.sft_output_dir or Path(args.output_dir) / "sft",
-            steps=args.sft_steps, lr=args.sft_lr, batch_size=args.sft_batch_size,
-            lora_r=args.lora_r if args.sft_lora_r is None else args.sft_lora_r, lora_targets=args.lora_targets,
-            chat_template=args.chat_template, max_prompt_tokens=args.max_prompt_tokens,
-            max_new_tokens=args.max_new_tokens, max_grad_norm=args.max_grad_norm, device=args.device, dtype=args.dtype,
-            seed=args.seed, rank=rank)
+    records = read_prompts(args.prompts, args.task, args.critic)
+    start = sft_warm_start(args, rank) if args.sft_data and args.sft_steps > 0 else args.model  # trained once, reused
     model, tokenizer = common.load_model(start, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
     queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
                for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
+    head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic, monitor = make_critic(args), make_monitor(args)
-    params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
-                                                  * (1.0 - it / args.steps if args.anneal_lr else 1.0))
+    params = [p for p in model.parameters() if p.requires_grad] + (list(head.parameters()) if head is not None else [])
+    optimizer, scheduler = make_optimizer(params, args)
+    scaler, costs = grad_scaler(args.device, args.dtype), []
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    first_step, kl_coef = start_or_resume(ckpt, args.resume, args.kl_coef, vars(args), model, value_head, optimizer,
-                                          scheduler, rank, world)
+    first_step, kl_coef = start_or_resume(out_dir, kind, args.kl_coef, vars(args), model, value_head, optimizer,
+                                          scheduler, scaler, rank, world)
     local_bs = args.batch_size // world                                   # rollouts of this rank
     micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
     gen_config = common.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
     stop = torch.tensor(common.stop_ids(model), device=args.device)
     forbid = (stop.tolist(), args.min_new_tokens)
-    scaler, costs = grad_scaler(args.device, args.dtype), []
     if args.top_p < 1 and rank == 0:
         print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
               "scores log-probs of the full distribution)", file=sys.stderr)
@@ -997,10 +1055,7 @@ def train(args):
                total=args.steps, disable=rank != 0)
     for step in bar:
         clock = {"start": time.time()}
-        idx = batch_indices(step - 1, args.batch_size, len(records), args.seed) if args.advantage == "gae" else \
-            [i for i in batch_indices(step - 1, args.batch_size // args.rloo_k, len(records), args.seed)
-             for _ in range(args.rloo_k)]                                  # rloo: k samples of each prompt, in a row
-        idx = idx[rank * local_bs:(rank + 1) * local_bs]                                           # this rank's share
+        idx = prompt_indices(step, len(records), args, rank, world)                               # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
         b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
@@ -1013,7 +1068,7 @@ def train(args):
         clock["critiqued"] = time.time()
         watched = monitor(recs, b["texts"], b["offsets"], deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
-        b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, value_head, b, forbid, micro, args)
+        b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, head, b, forbid, micro, args)
         g = {k: gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g["rewards"], g["advantages"], g["returns"] = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
@@ -1021,26 +1076,28 @@ def train(args):
         b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
-        stats, epochs = ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world)
+        lr = scheduler.get_last_lr()[0]  # the update's; the scheduler then steps to the next iteration's
+        stats, epochs = ppo_update(model, head, params, optimizer, scaler, b, forbid, args, world)
         scheduler.step()
         clock["updated"] = time.time()
         if args.dump_rollouts:
             dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
         if args.trace_samples:
             trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank)
-        # 7. log: adapt beta (optional), the global batch's metrics, samples, checkpoint
+        # 7. log the global batch's metrics with the beta and lr this iteration used, samples; adapt beta; checkpoint
+        row = log_iteration(step, out_dir, {
+            "recs": recs, "b": b, "g": g, "feedback": feedback, "counts": [sum(map(critique_failed, feedback)),
+            n_spans, n_unmatched], "watched": watched, "stats": stats, "epochs": epochs, "kl_coef": kl_coef, "lr": lr,
+            "clock": clock}, args, rank, world)
         if args.adaptive_kl_target:
-            kl_coef = update_kl_coef(kl_coef, g["kl"].sum(1).mean().item(), args.adaptive_kl_target,
-                                     args.adaptive_kl_horizon, args.batch_size)
-        row = log_iteration(step, out_dir, recs, b, g, feedback, [sum(map(critique_failed, feedback)), n_spans,
-                            n_unmatched], watched, stats, epochs, kl_coef, scheduler.get_last_lr()[0], clock, args,
-                            rank, world)
+            kl_coef = update_kl_coef(kl_coef, row["objective/kl"], args.adaptive_kl_target, args.adaptive_kl_horizon,
+                                     args.batch_size)
         costs.append((row["time/generate_s"], row["time/critic_s"]))
         if rank == 0:
             bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
                             mistakes=f"{row['critic/mistake_rate']:.2f}")
         if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, kl_coef, vars(args), rank)
+            save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank)
     if rank == 0 and costs:  # what the critic costs next to the rollout it judges
         gen_s, critic_s = (float(np.median(c)) for c in zip(*costs))
         print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
@@ -1055,9 +1112,11 @@ def train(args):
 def main(argv=None):
     args = parse_args(argv)
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)  # torchrun: rank 0 speaks
+    if args.scalar_baseline_dir:  # refused now, not after the first run, if its folder holds a run
+        start_kind(args.scalar_baseline_dir, args.resume, args.overwrite)
     policy = train(args)
     log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
-    if args.scalar_baseline_dir:  # the same run with the same information as one scalar at the end (App. A)
+    if args.scalar_baseline_dir:  # the same run, from the same SFT start, with the information as one scalar (App. A)
         base = copy.copy(args)
         base.reward_mode, base.output_dir, base.scalar_baseline_dir = "scalar", args.scalar_baseline_dir, ""
         policy = train(base)

@@ -84,7 +84,7 @@ def parse_args(argv=None):
     # --- reward model and task metrics
     a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
     a("--rm-max-new-tokens", type=int, default=None, help="critique length limit (default: what stage 2 evaluated "
-      "the reward model with, else 96 for the demo and 512, as stage 3's critic)")
+      "the reward model with, else stage 2's preset: 96 for the demo, 512 (common.critique_tokens))")
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
     a("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
       help="demo: another reward model whose spans the monitor also scores against the exact critic, next to\n"
@@ -127,8 +127,8 @@ def rm_budgets(rm_path, args) -> tuple[int, int | None, str]:
     """(critique budget, input cut, output format) for the reward model at rm_path: as stage 2 trained and evaluated
     it (common.rm_settings); --rm-max-new-tokens, when given, for every reward model."""
     settings = common.rm_settings(rm_path)
-    max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or (96 if args.task == "demo" else 512)
-    return max_new_tokens, settings["max_prompt_tokens"], settings["rm_format"]  # the fallback: stage 3's presets
+    max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or common.critique_tokens(args.task)
+    return max_new_tokens, settings["max_prompt_tokens"], settings["rm_format"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -438,6 +438,11 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
     "北京不是上海" are labelled, not just the 6 that complete one. A token that completes one character and starts the
     next ("ĠðŁ" of " 🍰": the space, then half the emoji) is scored by the one it completes."""
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
+    return _token_labels(text, offsets, good_iv, poor_iv), unmatched
+
+
+def _token_labels(text: str, offsets: list[tuple[int, int]], good_iv, poor_iv) -> list[float]:
+    """span_rewards' delta_t, from the located intervals."""
     delta = []
     for s, e in offsets:
         s, e = _core(text, s, e)
@@ -454,19 +459,20 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
             completing = (delta[i], s)
         elif completing[1] == s and s < len(text) and ord(text[s]) > 127:  # part of the multi-byte character at s
             delta[i] = completing[0]
-    return delta, unmatched
+    return delta
 
 
 def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
-    """(label, token indices) of each quote that locate_spans locates, good ones first: the tokens whose delta_t it
-    sets in span_rewards (inside it, carrying its label; a byte token by where its character is), in order. What App.
-    I's within-span weighting counts: two adjacent quotes are two spans, and a token of a quote that span_rewards
-    leaves at 0 (it straddles a poor quote inside a good one) belongs to neither."""
-    delta, _ = span_rewards(text, offsets, good_spans, poor_spans)
-    good_iv, poor_iv, _ = locate_spans(text, good_spans, poor_spans)
+    """span_rewards' (delta, unmatched), and (label, token indices) of each quote that locate_spans locates, good ones
+    first: the tokens whose delta_t it sets (inside it, carrying its label; a byte token by where its character is),
+    in order; each quote located once. What App. I's within-span weighting counts: two adjacent quotes are two spans,
+    and a token of a quote that span_rewards leaves at 0 (it straddles a poor quote inside a good one) belongs to
+    neither."""
+    good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
+    delta = _token_labels(text, offsets, good_iv, poor_iv)
     cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
-    return [(label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
-            for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)) for a, b in ivs]
+    return delta, unmatched, [(label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
+                              for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)) for a, b in ivs]
 
 
 def unambiguous_quotes(text, good_iv, poor_iv, words):
@@ -624,6 +630,12 @@ def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]
 
 RM_PROMPT_FORMAT = "common.build_rm_prompt(tokenizer, prompt, response, rm_format)"
 RM_TARGET_FORMAT = "common.format_rm_target(critique, good_spans, poor_spans, rm_format) + EOS"
+
+
+def critique_tokens(task: str) -> int:
+    """The critique budget where neither a flag nor reward_model.json gives one (03's critic, 04): stage 2's preset
+    --max-new-tokens for the task, 96 for the demo (02 DEMO) and 512 otherwise (02 PAPER)."""
+    return 96 if task == "demo" else 512
 
 
 def rm_settings(reward_model_dir) -> dict:
@@ -897,13 +909,16 @@ def looks_local(path: str) -> bool:
 
 
 def check_reward_model(path: str, flag: str = "--reward-model ") -> None:
-    """Fail fast, before any training: DataError (one line) unless load_model could load the reward model at `path`.
-    Checks, without loading weights: the directory exists; an adapter's base model is there when it is a local path
-    (a hub id is left to load_model); the tokenizer loads. `flag` prefixes the message, as the user typed it."""
+    """Fail fast, before any training: DataError (one line) unless `path` is a stage-2 output that load_model could
+    load. Checks, without loading weights: the directory exists and holds reward_model.json; an adapter's base model
+    is there when it is a local path (a hub id is left to load_model); the tokenizer loads. `flag` prefixes the
+    message, as the user typed it."""
     from transformers import AutoTokenizer
     rm = Path(path or "")
     if not path or not rm.is_dir():
         raise DataError(f"{flag}{path or '(not given)'}: no such directory (run 02_train_reward.py first)")
+    if not (rm / "reward_model.json").is_file():  # 02 writes it into the folder it renames into place, last
+        raise DataError(f"{flag}{path}: no reward_model.json (not a stage-2 output; run 02_train_reward.py)")
     tokenizer_dir = path
     if (rm / "adapter_config.json").is_file():  # a LoRA adapter: load_model loads the base it names, then the adapter
         base = json.loads((rm / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
@@ -1142,22 +1157,37 @@ def share_files(folder) -> None:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~_UMASK)
 
 
-def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, **kwargs) -> Path:
-    """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: state dict}, torch.save) into a temp dir that
-    is then renamed to out_dir (replacing it): a reader never sees half a model."""
+def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: tuple[str, ...] = (), **kwargs) -> Path:
+    """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: a state dict, torch.save; or for a .json
+    name, a dict}) into a temp dir that then replaces out_dir, whose entries named in `keep` it takes over: a reader
+    finds the old folder whole or the new one whole (for an instant, none), never half a model."""
     import shutil
 
     import torch
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
-    model.save_pretrained(tmp, **kwargs)
-    tokenizer.save_pretrained(tmp)
-    for name, state in (files or {}).items():
-        torch.save(state, tmp / name)
-    share_files(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp, **kwargs)
+        tokenizer.save_pretrained(tmp)
+        for name, obj in (files or {}).items():
+            if name.endswith(".json"):
+                write_json(tmp / name, obj)
+            else:
+                torch.save(obj, tmp / name)
+        share_files(tmp)  # mkdtemp makes 0700 dirs, safetensors 0600 weights: the usual permissions
+    except BaseException:
+        shutil.rmtree(tmp)
+        raise
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)  # two renames: a directory cannot replace a non-empty one in one
     os.replace(tmp, out_dir)
+    for name in keep:
+        if (old / name).exists():
+            os.replace(old / name, out_dir / name)
+    shutil.rmtree(old, ignore_errors=True)
     return out_dir
 
 

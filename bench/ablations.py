@@ -20,16 +20,18 @@ same critic, seeds, iterations, batch of rollouts and hyperparameters; a row cha
     span + RLOO position     span + RLOO, each token's reward-to-go compared with the other samples' at the same
                              position instead of their whole return (--rloo-baseline position)
     span + RLOO mean-reward  span + RLOO, the other samples' mean reward per token subtracted from each reward before
-                             summing (--rloo-baseline mean-reward, PRIME's)
+                             summing (--rloo-baseline mean-reward; not PRIME's masked_rloo, README)
 Judged as bench/span_vs_scalar.py judges: the exact critic on each run's own rollouts (03's exact/mistake_rate, never
 trained on), smoothed over 10 iterations; steps to a mistake rate <= 0.15 (a run that never gets there counts its
-full length, shown as "> N"), the final mistake rate (mean of the last 10 iterations) and the final sum of the exact
-critic's delta (good words +1, wrong ones -1: an answer that drops facts scores less, one that only avoids mistakes
-does not). Median [min, max] over seeds.
+full length, shown as "> N" and ranked above every run that got there), the final mistake rate (mean of the last 10
+iterations) and the final sum of the exact critic's delta (good words +1, wrong ones -1: an answer that drops facts
+scores less, one that only avoids mistakes does not). Median [min, max] over seeds. Every run, the SFT start and the
+reward models are reused from --out only when the same commands made them (bench/run_cache.py).
 Nothing is tuned per row. Prints the table and one JSON line; writes OUT/results.json.
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from span_vs_scalar import THRESHOLD, WINDOW, ppo_run, run, shared_start, steps_to_threshold  # noqa: E402
 
 import common  # noqa: E402  (on the path from span_vs_scalar)
+from run_cache import check_settings  # noqa: E402
 
 ROWS = {  # row -> (03 flags, the paper's direction against "span")
     "span": ([], "the method (reference row)"),
@@ -59,6 +62,36 @@ def spread(xs, fmt):
     return f"{fmt(statistics.median(xs))} [{fmt(min(xs))}, {fmt(max(xs))}]"
 
 
+def steps_cell(hits: list[int | None], steps: int) -> str:
+    """Steps to the threshold over seeds, "median [min, max]": a run that never got there (None) shows as "> steps"
+    and ranks above every run that did, one that got there at its last step shows that step."""
+    return spread([math.inf if h is None else h for h in hits], lambda v: f"> {steps}" if v == math.inf else f"{v:g}")
+
+
+def spans_only_reward_model(out: Path, given: str | None, reward_model: str | None) -> Path:
+    """The w/o-CoT reward model of the "spans-only RM" row. Given (--spans-only-reward-model): a stage-2 output trained
+    with --rm-format spans-only, used as it is (nothing is trained into it). Else 02 --rm-format spans-only at its
+    zero-flag settings on the shared start's annotations, trained once in OUT/reward_model_spans_only (run_cache)."""
+    if given:
+        path = Path(given).resolve()
+        if not (path / "reward_model.json").is_file():
+            sys.exit(f"--spans-only-reward-model {given}: no reward_model.json (a stage-2 output of 02_train_reward.py "
+                     "--rm-format spans-only, with --reward-model's recipe)")
+        if (fmt := common.rm_settings(path)["rm_format"]) != "spans-only":
+            sys.exit(f"--spans-only-reward-model {given}: rm_format {fmt!r}, not spans-only (its reward_model.json)")
+        return path
+    if reward_model:
+        sys.exit("--reward-model given: pass --spans-only-reward-model too, trained with that model's recipe and "
+                 "02 --rm-format spans-only")
+    path = out / "reward_model_spans_only"
+    cmd = ["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
+           "--rm-format", "spans-only", "--output-dir", str(path)]
+    check_settings(path, {"argv": cmd})
+    if not (path / "reward_model.json").is_file():
+        run(cmd)
+    return path.resolve()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--critic", default="program", choices=["program", "local"],
@@ -78,13 +111,7 @@ def main():
     rows = [r for r in (args.rows or ROWS) if args.critic == "local" or r != "spans-only RM"]
 
     if "spans-only RM" in rows:  # the w/o-CoT reward model: the same data and settings as the critic's, spans only
-        spans_only = Path(args.spans_only_reward_model or out / "reward_model_spans_only").resolve()
-        if not args.spans_only_reward_model and args.reward_model:
-            sys.exit("--reward-model given: pass --spans-only-reward-model too, trained with that model's recipe and "
-                     "02 --rm-format spans-only")
-        if not (spans_only / "reward_model.json").is_file():
-            run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
-                 "--rm-format", "spans-only", "--output-dir", str(spans_only)])
+        spans_only = spans_only_reward_model(out, args.spans_only_reward_model, args.reward_model)
         i = flags.index("--reward-model")
         flags_without_rm = flags[:i] + flags[i + 2:]
     curves = {}
@@ -113,7 +140,7 @@ def main():
                                "final_length": [statistics.fmean(c["length"][-WINDOW:]) for c in cs],
                                "final_delta_sum": [statistics.fmean(c["reward"][-WINDOW:]) for c in cs],
                                "steps_median": statistics.median(steps), "final_median": statistics.median(finals)}
-        shown = spread(steps, lambda v: f"{v:g}" if v < args.steps else f">{args.steps}")
+        shown = steps_cell(hits, args.steps)
         length = spread(result["rows"][row]["final_length"], lambda v: f"{v:.1f}")
         delta_sum = spread(result["rows"][row]["final_delta_sum"], lambda v: f"{v:.2f}")
         print(f"{row:<26}{shown:>18}{spread(finals, lambda v: f'{v:.3f}'):>28}{delta_sum:>24}{length:>20}   "

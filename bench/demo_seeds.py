@@ -20,6 +20,9 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_cache import check_settings  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = [(script, []) for script in ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py")]
 POLICIES = ["sft", "scalar", "text2grad"]
@@ -27,10 +30,17 @@ KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "d
         "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (reward model)"}
 
 
+def chain_settings(seed: int, threads: int, stages) -> dict:
+    """What makes a chain: its stages' command lines, the seed and the thread count (its key in run_cache)."""
+    return {"stages": [[script, *extra] for script, extra in stages], "seed": seed, "threads": threads}
+
+
 def run_chain(work: Path, seed: int, threads: int, stages=STAGES, rm_dir: str = "runs/demo/reward_model") -> dict:
     """Run `stages` [(script, extra flags)] in `work`, each with --seed S and OMP_NUM_THREADS=T, unless results.json
-    is there already; a stage that timing.json records as finished (an interrupted run) is not run again. Returns
-    results.json plus the seconds per stage and the reward model's eval.json (rm_dir, relative to `work`)."""
+    is there already; a stage that timing.json records as finished (an interrupted run) is not run again. A `work`
+    that other stages, another seed or thread count made is refused (run_cache). Returns results.json plus the seconds
+    per stage and the reward model's eval.json (rm_dir, relative to `work`)."""
+    check_settings(work, chain_settings(seed, threads, stages))
     results = work / "runs" / "demo" / "results.json"
     timing = work / "timing.json"
     if not results.is_file():

@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import ROOT, packages, run_chain, summary_table, value  # noqa: E402
+from run_cache import check_settings  # noqa: E402
 from span_vs_scalar import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
@@ -174,19 +175,21 @@ def main():
 
 def extend_scalar(work: Path, seed: int, rm: str, args) -> str:
     """--scalar-steps N: the seed's scalar run continued to N iterations, bit-exact as if it had run N from the start
-    (03 --resume from its checkpoint), in a copy. Returns its directory under runs/demo."""
+    (03 --resume from its checkpoint), in a copy; reused when the same command made it (run_cache). Returns its
+    directory under runs/demo."""
     name, n = f"scalar_to{args.scalar_steps}", args.scalar_steps
     dst, metrics = work / "runs/demo" / name, work / "runs/demo" / name / "metrics.jsonl"
+    cmd = ["03_train_policy.py", "--seed", str(seed), "--critic", "local", "--reward-model", rm, "--reward-mode",
+           "scalar", "--output-dir", f"runs/demo/{name}", "--scalar-baseline-dir", "", "--steps", str(n), "--resume"]
+    check_settings(dst, {"copy_of": "runs/demo/scalar", "argv": cmd, "threads": args.threads})
     if not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(work / "runs/demo/scalar", dst)
         print(f"+ [{work.name}] python 03_train_policy.py --reward-mode scalar --steps {n} --resume", flush=True)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
         with open(work / f"{name}.log", "w") as log:
-            subprocess.run([sys.executable, "-u", str(ROOT / "03_train_policy.py"), "--seed", str(seed), "--critic",
-                            "local", "--reward-model", rm, "--reward-mode", "scalar", "--output-dir",
-                            f"runs/demo/{name}", "--scalar-baseline-dir", "", "--steps", str(n), "--resume"],
-                           cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+            subprocess.run([sys.executable, "-u", str(ROOT / cmd[0]), *cmd[1:]], cwd=work, env=env, stdout=log,
+                           stderr=subprocess.STDOUT, check=True)
     return name
 
 

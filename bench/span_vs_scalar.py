@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from run_cache import check_settings  # noqa: E402
 from tasks.demo import build_demo_base, demo_dataset  # noqa: E402
 
 THRESHOLD, WINDOW = 0.15, 10
@@ -49,7 +50,8 @@ def steps_to_threshold(mistakes: list[float]) -> int | None:
 def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, ppo_args: list[str]) -> list[str]:
     """The start every run shares, built once in `out`: the demo base model, prompts, the SFT warm start (03 with
     --steps 0 trains and saves it) and, for critic "local" without reward_model, stages 1 and 2 at their zero-flag
-    settings on this base. Returns 03's flags for every run (critic, prompts, steps)."""
+    settings on this base. Each is keyed by the commands that made it (run_cache). Returns 03's flags for every run
+    (critic, prompts, steps)."""
     if not (out / "base" / "config.json").is_file():
         build_demo_base(out / "base")
     common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 1000))
@@ -59,26 +61,37 @@ def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, p
         rm_dir = Path(reward_model).resolve() if reward_model else out / "reward_model"
         if reward_model:
             common.check_reward_model(str(rm_dir))
-        elif not (rm_dir / "reward_model.json").is_file():
-            run(["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)])
-            run(["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
-                 "--output-dir", str(rm_dir)])
+        else:
+            stages = [["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)],
+                      ["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
+                       "--output-dir", str(rm_dir)]]
+            check_settings(rm_dir, {"commands": stages})
+            for cmd in stages if not (rm_dir / "reward_model.json").is_file() else ():
+                run(cmd)
         flags = ["--critic", "local", "--reward-model", str(rm_dir)]  # and the demo's own KL setting
-    flags += ["--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "", "--steps", str(steps),
-              "--save-every", str(steps), *ppo_args]
+    flags += ["--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", ""]
+    sft = ["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"), "--sft-output-dir",
+           str(out / "sft"), *flags, *ppo_args, "--steps", "0", "--output-dir", str(out / "sft_only")]
+    check_settings(out / "sft", {"argv": sft})  # the SFT start does not depend on --steps
     if not (out / "sft" / "config.json").is_file():
-        run(["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"),
-             "--sft-output-dir", str(out / "sft"), *flags, "--steps", "0", "--output-dir", str(out / "sft_only")])
-    return flags
+        run([*sft, "--overwrite"])
+    return [*flags, "--steps", str(steps), "--save-every", str(steps), *ppo_args]
+
+
+def ppo_command(out: Path, run_dir: Path, seed: int, flags: list[str]) -> list[str]:
+    """03's command line for one PPO run from the shared SFT start."""
+    return ["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--seed", str(seed), "--output-dir",
+            str(run_dir), *flags]
 
 
 def ppo_run(out: Path, run_dir: Path, seed: int, steps: int, flags: list[str]) -> dict:
-    """One PPO run from the shared SFT start (skipped when run_dir already holds `steps` iterations): its curves as
-    judged by the exact critic on its own rollouts (03's exact/* monitor), its KL and response length."""
-    metrics = run_dir / "metrics.jsonl"
+    """One PPO run from the shared SFT start (skipped when run_dir already holds `steps` iterations of the very same
+    command, refused when it holds a run of another: run_cache): its curves as judged by the exact critic on its own
+    rollouts (03's exact/* monitor), its KL and response length."""
+    cmd, metrics = ppo_command(out, run_dir, seed, flags), run_dir / "metrics.jsonl"
+    check_settings(run_dir, {"argv": cmd})
     if not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
-        run(["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--seed", str(seed),
-             "--output-dir", str(run_dir), *flags])
+        run([*cmd, "--overwrite"])  # an unfinished run of this command: started again
     rows = common.read_jsonl(metrics)[:steps]
     return {"mistakes": [r["exact/mistake_rate"] for r in rows], "reward": [r["exact/span_reward"] for r in rows],
             "kl": [r["objective/kl"] for r in rows], "length": [r["response/length"] for r in rows]}

@@ -40,7 +40,7 @@ def main():
                                        "program", "--reward-mode", mode, "--steps", str(args.steps), "--sft-steps",
                                        "0", "--scalar-baseline-dir", "", "--max-new-tokens", "24",
                                        "--min-new-tokens", "24", "--output-dir", str(out / f"{mode}{r}"),
-                                       "--save-every", "1000", "--device", "cpu"])
+                                       "--save-every", "1000", "--device", "cpu", "--overwrite"])
             ppo.train(run_args)
             rows = common.read_jsonl(out / f"{mode}{r}" / "metrics.jsonl")
             times[mode] += [row["time/step_s"] for row in rows[1:]]

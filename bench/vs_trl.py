@@ -175,7 +175,7 @@ def main():
             "--max-prompt-tokens", str(PROMPT_TOKENS), "--max-new-tokens", str(NEW_TOKENS), "--min-new-tokens",
             str(NEW_TOKENS), "--ppo-epochs", "1", "--num-minibatches", str(MINIBATCHES), "--lora-r", "0", "--lr",
             str(LR), "--kl-coef", str(KL_COEF), "--dtype", "float32", "--device", "cpu", "--seed", str(args.seed),
-            "--save-every", "1", "--log-every", "1000000", "--output-dir", str(out / "ours")])
+            "--save-every", "1", "--log-every", "1000000", "--output-dir", str(out / "ours"), "--overwrite"])
         ppo.train(run_args)
         ppo.save_checkpoint = real_save
     finally:

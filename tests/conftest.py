@@ -146,6 +146,15 @@ def model_variant(src, dst, config: dict | None = None, generation: dict | None 
     return str(dst)
 
 
+def as_reward_model(src, dst) -> str:
+    """A copy of the model (or adapter) directory `src` at `dst` marked as a stage-2 output, as 03 --critic local and
+    04 require: a reward_model.json without budgets (no input cut; the caller's critique budget), for a model whose
+    training does not matter to the test."""
+    d = model_variant(src, dst)
+    common.write_json(Path(d) / "reward_model.json", {"base_model": str(src)})
+    return d
+
+
 def write_jsonl_gz(path, rows: list[dict]) -> str:
     """A .jsonl.gz file, as benchmarks ship them (HumanEval.jsonl.gz)."""
     import gzip

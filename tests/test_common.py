@@ -475,9 +475,10 @@ def test_span_tokens_are_each_located_quotes_own_tokens():
     """App. I counts a span's tokens per located quote: adjacent quotes stay apart, a straddling 0 splits nothing."""
     text = "ab cd ef gh"
     offsets = [(0, 2), (2, 5), (5, 8), (8, 11)]  # "ab", " cd", " ef", " gh"
-    assert common.span_tokens(text, offsets, ["ab cd", "ef gh"], []) == [(1.0, [0, 1]), (1.0, [2, 3])]
+    assert common.span_tokens(text, offsets, ["ab cd", "ef gh", "xy"], []) == (
+        [1.0] * 4, ["xy"], [(1.0, [0, 1]), (1.0, [2, 3])])  # span_rewards' (delta, unmatched), and the spans
     text, offsets = "ab c-d ef", [(0, 2), (2, 6), (6, 9)]  # " c-d" overlaps the poor "c-": 0, in no span
-    assert common.span_tokens(text, offsets, ["ab c-d ef"], ["c-"]) == [(1.0, [0, 2]), (-1.0, [])]
+    assert common.span_tokens(text, offsets, ["ab c-d ef"], ["c-"])[2] == [(1.0, [0, 2]), (-1.0, [])]
 
 
 def test_span_rewards_without_tokenizer():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, import_script, write_jsonl_gz
+from conftest import ROOT, as_reward_model, import_script, write_jsonl_gz
 
 import common
 from tasks.demo import demo_dataset
@@ -412,11 +412,12 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
     curves = tmp_path / "metrics.jsonl"
     curves.write_text("".join(json.dumps({"step": i, "objective/span_reward": i * 0.1, "objective/kl": 0.01 * i})
                               + "\n" for i in range(20)))
+    rm_dir = as_reward_model(tiny_model_dir, tmp_path / "rm")
     argv = ["--data", str(data), "--policy", f"base={tiny_model_dir}", "--policy", f"lora={adapter_dir}",
-            "--reward-model", tiny_model_dir, "--rm-max-new-tokens", "12", "--max-new-tokens", "8",
+            "--reward-model", rm_dir, "--rm-max-new-tokens", "12", "--max-new-tokens", "8",
             "--curves", f"t2g={curves}", "--output-dir", str(tmp_path / "out"), "--bootstrap", "100",
-            "--device", "cpu", "--monitor-reward-model", f"same={tiny_model_dir}",
-            "--monitor-reward-model", f"other={adapter_dir}"]
+            "--device", "cpu", "--monitor-reward-model", f"same={rm_dir}",
+            "--monitor-reward-model", f"other={as_reward_model(adapter_dir, tmp_path / 'other')}"]
     results = ev.main(argv)
     saved = json.loads((tmp_path / "out/results.json").read_text())
     assert saved["policies"].keys() == {"base", "lora"} and saved["n_prompts"] == 6
@@ -530,6 +531,17 @@ def test_rm_max_new_tokens_defaults_to_the_reward_model_then_the_preset(tiny_rew
     assert budget("--task", "qa", "--reward-model", rm_dir, "--rm-max-new-tokens", "7") == 7
 
 
+def test_the_fallback_critique_budget_is_defined_once(monkeypatch):
+    """Without a budget from reward_model.json, 04 gives a critique the budget 03's critic has by its preset: one
+    number per task, common.critique_tokens, not a second copy of it."""
+    ppo = import_script("03_train_policy")
+    for task, preset in (("demo", "demo"), ("qa", "default"), ("summarization", "default")):
+        args = ev.parse_args(["--task", task, "--reward-model", "none"])
+        assert ev.rm_budgets(None, args)[0] == ppo.PRESETS[preset]["critic_max_new_tokens"]
+    monkeypatch.setattr(common, "critique_tokens", lambda task: 7)
+    assert ev.rm_budgets(None, ev.parse_args(["--reward-model", "none"]))[0] == 7
+
+
 @pytest.mark.parametrize("flag", ["--chat-template on", "--reward-model DIR", "--monitor-reward-model"])
 def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir, tmp_path, flag):
     """--chat-template on without a template, or a model directory without weights: one line, exit 2, no file. A
@@ -537,9 +549,11 @@ def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir
     from conftest import model_variant
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     nowts = model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
+    common.write_json(tmp_path / "noweights" / "reward_model.json", {"base_model": tiny_model_dir})
     if flag == "--monitor-reward-model":
         proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
-                               "--policy", f"base={tiny_model_dir}", "--reward-model", tiny_model_dir,
+                               "--policy", f"base={tiny_model_dir}", "--reward-model",
+                               as_reward_model(tiny_model_dir, tmp_path / "rm"),
                                "--monitor-reward-model", f"toy={tmp_path / 'gone'}", "--output-dir",
                                str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
         assert proc.returncode == 2, proc.stderr[-2000:]

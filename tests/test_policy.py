@@ -10,7 +10,7 @@ import torch
 
 import common
 from tasks.demo import demo_critic, demo_dataset
-from conftest import ROOT, import_script, model_variant, write_jsonl_gz
+from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
 
 ppo = import_script("03_train_policy")
 
@@ -300,8 +300,8 @@ def test_smoke_code_task_on_a_humaneval_file(tmp_path, tiny_model_dir):
 
 def test_smoke_local_critic_counts_unparseable_output(tmp_path, tiny_model_dir):
     # an untrained model as "reward model": its output is gibberish, which must give delta = 0, never a crash
-    args = _args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", tiny_model_dir,
-                 "--critic-max-new-tokens", "8")
+    args = _args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model",
+                 as_reward_model(tiny_model_dir, tmp_path / "rm"), "--critic-max-new-tokens", "8")
     ppo.train(args)
     rows = _rows(tmp_path / "run")
     assert rows[0]["critic/parse_fail_rate"] == 1.0 and rows[0]["objective/span_reward"] == 0.0
@@ -375,8 +375,8 @@ def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_
     from transformers import AutoTokenizer
     with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
         ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model", tiny_chat_model_dir,
-                        "--steps", "1"))
+                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model",
+                        as_reward_model(tiny_chat_model_dir, tmp_path / "rm"), "--steps", "1"))
         requests = list(server.requests)
     tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
@@ -442,11 +442,11 @@ def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_m
         n = int(d["mask"][i].sum())
         text_i, offsets = common.decode_with_offsets(tok, d["response"][i, :n].tolist())
         assert text_i == text
-        fb = demo_critic(samples[i]["prompt"], text)
-        poor, _ = common.span_rewards(text, offsets, [], fb["poor_spans"])
+        fb = demo_critic(samples[i]["prompt"], text)  # its poor quotes land where its good ones place them
+        exact, _ = common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
         for t, (s, e) in enumerate(offsets):
-            want = -1.0 if poor[t] == -1 else 1.0 if text[s:e].strip() and not any(
-                a < e and s < b for a, b in common.locate_spans(text, [], fb["poor_spans"])[1]) else None
+            want = -1.0 if exact[t] == -1 else 1.0 if text[s:e].strip() and not any(
+                a < e and s < b for a, b in common.locate_spans(text, fb["good_spans"], fb["poor_spans"])[1]) else None
             if want is not None:
                 assert d["delta"][i, t].item() == want
                 labelled += 1
@@ -1147,7 +1147,7 @@ def test_broken_reward_model_one_line_exit_2_before_any_training(tmp_path, tiny_
     """--critic local with a reward model that cannot load: a tokenizer that does not load, or an adapter whose base
     model (named in reward_model.json / adapter_config.json) is gone. One line, exit 2, before the SFT warm start."""
     if case == "tokenizer":
-        rm_dir = model_variant(tiny_model_dir, tmp_path / "rm")
+        rm_dir = as_reward_model(tiny_model_dir, tmp_path / "rm")
         (tmp_path / "rm" / "tokenizer.json").write_text("{not json")
     else:
         from peft import LoraConfig, get_peft_model
@@ -1205,3 +1205,202 @@ def test_rloo_k_must_group_the_batch(tmp_path, value):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --rloo-k {value}: must be >= 2 and divide")
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Where a run writes, and what it logs: the numbers an iteration used, nothing another command made overwritten
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _main_argv(tmp_path, tiny_model_dir, *extra):
+    """03's command line for a 1-step run of the tiny model on 16 demo prompts (no --scalar-baseline-dir)."""
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
+    return ["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--steps",
+            "1", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1", "--max-new-tokens", "8",
+            "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8", *extra]
+
+
+def test_an_explicit_output_dir_trains_no_baseline_in_the_demo_folder(tmp_path, tiny_model_dir, monkeypatch):
+    """The demo preset's scalar baseline (runs/demo/scalar) belongs to the zero-flag demo: with --output-dir, 03 trains
+    that one run, and a baseline only where --scalar-baseline-dir asks for one (README's second stage-3 command)."""
+    assert ppo.parse_args([]).scalar_baseline_dir == "runs/demo/scalar"
+    assert ppo.parse_args(["--output-dir", "runs/demo/prog_scalar"]).scalar_baseline_dir == ""
+    assert ppo.parse_args(["--output-dir", "x", "--scalar-baseline-dir", "y"]).scalar_baseline_dir == "y"
+    monkeypatch.chdir(tmp_path)
+    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--reward-mode", "scalar", "--output-dir",
+                        str(tmp_path / "prog_scalar")))
+    assert (tmp_path / "prog_scalar" / "policy").is_dir() and not (tmp_path / "runs").exists()
+
+
+def test_the_scalar_baseline_starts_from_the_same_sft(tmp_path, tiny_model_dir):
+    """One SFT warm start, in OUTPUT_DIR/sft, that the scalar baseline reuses: both modes start from the same weights."""
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
+    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
+                        "reference", "--sft-steps", "1", "--sft-batch-size", "4", "--output-dir", str(tmp_path / "run"),
+                        "--scalar-baseline-dir", str(tmp_path / "scalar")))
+    assert (tmp_path / "run" / "sft" / "config.json").is_file() and not (tmp_path / "scalar" / "sft").exists()
+    configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("run", "scalar")]
+    assert configs[0]["sft_output_dir"] == configs[1]["sft_output_dir"] == str(tmp_path / "run" / "sft")
+    assert [c["reward_mode"] for c in configs] == ["span", "scalar"]
+
+
+def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model_dir, monkeypatch):
+    """A folder holding a run: a fresh start refuses (one line, exit 2, nothing touched); --resume without a checkpoint
+    refuses alike; --overwrite replaces it. The zero-flag demo's own folders are replaced by a rerun of the demo."""
+    monkeypatch.chdir(tmp_path)
+    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--output-dir", str(tmp_path / "run"))
+    ppo.main(argv)
+    before = {f: (tmp_path / "run" / f).read_bytes() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint.pt")}
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), *argv], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'run'} holds a run (metrics.jsonl, samples.jsonl, checkpoint.pt, policy): --resume "
+        "continues it from its checkpoint, --overwrite replaces it"]
+    (tmp_path / "run" / "checkpoint.pt").rename(tmp_path / "saved.pt")
+    with pytest.raises(common.DataError, match=r"--resume: no checkpoint\.pt in .*run, which holds a run"):
+        ppo.main(argv + ["--resume"])
+    (tmp_path / "saved.pt").rename(tmp_path / "run" / "checkpoint.pt")
+    assert {f: (tmp_path / "run" / f).read_bytes() for f in before} == before
+    ppo.main(argv + ["--steps", "2", "--resume"])  # a checkpoint: continued
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    ppo.main(argv + ["--overwrite"])  # replaced by a fresh 1-step run
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
+    for d in ("runs/demo/text2grad", "runs/demo/scalar", "runs/demo/other"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "metrics.jsonl").write_text("{}\n")
+    assert [ppo.start_kind(d, resume=False, overwrite=False) for d in ("runs/demo/text2grad", "runs/demo/scalar")] \
+        == ["replace", "replace"]  # the zero-flag demo's own folders: a rerun of the demo replaces them
+    with pytest.raises(common.DataError, match="holds a run"):
+        ppo.start_kind("runs/demo/other", resume=False, overwrite=False)
+    assert ppo.start_kind(str(tmp_path / "empty"), resume=True, overwrite=False) == "fresh"
+
+
+def test_logged_lr_and_beta_are_those_the_iteration_used(tmp_path, tiny_model_dir):
+    """Iteration s logs the learning rate its update used (warmup: lr * s / N, before the scheduler steps) and the beta
+    its rewards used (the adaptive controller updates it after); --dump-rollouts records the same beta."""
+    extra = ("--steps", "3", "--warmup-steps", "4", "--lr", "1e-3", "--kl-coef", "0.1", "--adaptive-kl-target", "0.01",
+             "--output-dir", str(tmp_path / "run"), "--dump-rollouts", str(tmp_path / "dump"))
+    ppo.train(_args(tmp_path, tiny_model_dir, *extra))
+    rows = _rows(tmp_path / "run")
+    assert [r["lr"] for r in rows] == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
+    assert rows[0]["objective/kl_coef"] == 0.1
+    for s in (1, 2):
+        assert rows[s]["objective/kl_coef"] == pytest.approx(ppo.update_kl_coef(
+            rows[s - 1]["objective/kl_coef"], rows[s - 1]["objective/kl"], 0.01, 10000, 4))
+    dumped = [torch.load(tmp_path / "dump" / f"step{s}_rank0.pt", weights_only=False)["kl_coef"] for s in (1, 2, 3)]
+    assert dumped == pytest.approx([r["objective/kl_coef"] for r in rows])
+
+
+def test_rloo_runs_no_value_head(tmp_path, tiny_model_dir, monkeypatch):
+    """--advantage rloo: no forward pass computes values (no hidden states asked for), and no value metric is logged."""
+    heads, real = [], ppo.forward
+
+    def spy(model, value_head, *a, **k):
+        heads.append(value_head)
+        return real(model, value_head, *a, **k)
+    monkeypatch.setattr(ppo, "forward", spy)
+    _, row = _dump(tmp_path, tiny_model_dir, "rloo", "--advantage", "rloo", "--rloo-k", "2")
+    assert heads and all(h is None for h in heads)
+    assert not {"losses/value_loss", "val/explained_variance", "val/clipfrac"} & set(row)
+    heads.clear()
+    _, row = _dump(tmp_path, tiny_model_dir, "gae")
+    assert any(h is not None for h in heads) and {"losses/value_loss", "val/explained_variance"} <= set(row)
+
+
+def test_the_checkpoint_holds_the_grad_scaler(tmp_path, tiny_model_dir):
+    """--dtype fp16's loss scale is part of the state a resumed run continues from."""
+    args = _args(tmp_path, tiny_model_dir)
+    torch.manual_seed(0)
+    model, _, value_head = ppo.build_policy(args, common.load_model(tiny_model_dir)[0])
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = ppo.make_optimizer(params, args)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)  # where a run's scale got to (it started at 2^16)
+    ppo.save_checkpoint(tmp_path / "ckpt.pt", 3, model, value_head, optimizer, scheduler, scaler, 0.1, {})
+    fresh = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    assert ppo.load_checkpoint(tmp_path / "ckpt.pt", model, value_head, optimizer, scheduler, fresh) == (3, 0.1)
+    assert fresh.get_scale() == 512.0
+
+
+def test_dense_labels_count_the_critics_unmatched_quotes_and_place_its_poor_ones():
+    """critic/unmatched_span_rate counts the critic's own quotes in both label modes: 2 of 4 not found is 2 of 4 with
+    --labels dense too. A word quoted good then poor (a repetition) stays poor on its second occurrence."""
+    text = "tom saw the cat"
+    offsets = [(0, 3), (3, 7), (7, 11), (11, 15)]
+    fb = {"critique": "c", "good_spans": ["tom", "dog"], "poor_spans": ["cat", "bird"]}
+    for labels in ("spans", "dense"):
+        _, _, n, unmatched = ppo.span_deltas([text], [offsets], [fb], torch.ones(1, 4), labels=labels)
+        assert (n, unmatched) == (4, 2), labels
+    text, offsets = "fish and fish", [(0, 4), (4, 8), (8, 13)]
+    fb = {"critique": "c", "good_spans": ["fish"], "poor_spans": ["fish"]}
+    assert ppo.span_deltas([text], [offsets], [fb], torch.ones(1, 3), labels="dense")[0].tolist() == [[1.0, 1.0, -1.0]]
+
+
+def test_linear_decay_locates_each_quote_once(monkeypatch):
+    calls, real = [0], common.locate_spans
+
+    def counted(*a):
+        calls[0] += 1
+        return real(*a)
+    monkeypatch.setattr(common, "locate_spans", counted)
+    text, offsets = "ab cd ef gh", [(0, 2), (2, 5), (5, 8), (8, 11)]
+    fb = {"critique": "c", "good_spans": ["ab cd"], "poor_spans": ["gh"]}
+    delta, _, _, _ = ppo.span_deltas([text] * 2, [offsets] * 2, [fb, fb], torch.ones(2, 4), "linear-decay")
+    assert calls[0] == 2 and delta[0].tolist() == pytest.approx([1.0, 0.1, 0.0, -1.0])
+
+
+def test_run_settings_are_checked_where_they_are_parsed(monkeypatch):
+    """--model outside the demo, and a batch that the world size x minibatches x micro-batches must divide, are flags:
+    parse_args refuses them (read_prompts only reads prompts)."""
+    with pytest.raises(common.DataError, match="--model is required outside the demo"):
+        ppo.parse_args(["--task", "qa", "--prompts", "p.jsonl"])
+    with pytest.raises(common.DataError, match=r"--batch-size 6 must divide by world size x --num-minibatches x "
+                                               r"--grad-accum = 4"):
+        ppo.parse_args(["--batch-size", "6", "--num-minibatches", "4"])
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(common.DataError, match="= 8"):
+        ppo.parse_args(["--batch-size", "12", "--num-minibatches", "2"])
+    import inspect
+    assert list(inspect.signature(ppo.read_prompts).parameters) == ["path", "task", "critic"]
+
+
+def test_the_pure_functions_need_only_torch():
+    """README: the pure tensor functions near the top of 03 depend on torch alone (no numpy), to copy as they are."""
+    for name in ("masked_mean", "masked_whiten", "per_token_kl", "weight_spans", "compute_rewards", "compute_gae",
+                 "compute_rloo", "ppo_loss", "update_kl_coef", "entropy_from_logits"):
+        assert "np" not in getattr(ppo, name).__code__.co_names, name
+    assert isinstance(ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100), float)
+
+
+def test_train_is_alg4_in_at_most_100_lines():
+    """Issue 16's readability bound: train() stays a page of named steps; log_iteration takes the iteration as a dict."""
+    import inspect
+    assert len(inspect.getsource(ppo.train).splitlines()) <= 100
+    assert len(inspect.signature(ppo.log_iteration).parameters) <= 6
+
+
+def test_mean_reward_baseline_is_not_primes_masked_rloo(capsys):
+    """PRIME's masked_rloo (Cui et al. 2025), transcribed as a loop: per token r * k/(k-1) - sum over the group of the
+    mean rewards / (k-1), then summed from t on. --rloo-baseline mean-reward subtracts the other samples' mean reward
+    alone: the two agree at t = 0 only. The issue's worked example, and nothing attributes mean-reward to PRIME."""
+    rewards = torch.tensor([[1.0, 0.0, -1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
+    ours, _ = ppo.compute_rloo(rewards, mask, 2, baseline="mean-reward")
+    for got, want in zip(ours.tolist(), [[-5 / 3, -2.0, -4 / 3, 1 / 3], [1.25, 0.5, -0.25, 0.0]]):
+        assert got == pytest.approx(want, abs=1e-6)
+
+    def prime(rows, lengths, k):
+        means = [sum(r[:n]) / n for r, n in zip(rows, lengths)]
+        out = []
+        for i, (r, n) in enumerate(zip(rows, lengths)):
+            group = sum(means[i // k * k: i // k * k + k])
+            x = [r[t] * k / (k - 1) - group / (k - 1) for t in range(n)]
+            out.append([sum(x[t:]) for t in range(n)] + [0.0] * (len(r) - n))
+        return out
+    theirs = prime(rewards.tolist(), [4, 3], 2)
+    for got, want in zip(theirs, [[-5 / 3, -2.75, -11 / 6, 13 / 12], [1.25, 1 / 6, -11 / 12, 0.0]]):
+        assert got == pytest.approx(want, abs=1e-6)
+    assert ours[:, 0].tolist() == pytest.approx([row[0] for row in theirs])
+    with pytest.raises(SystemExit):
+        ppo.parse_args(["--help"])
+    assert "PRIME" not in capsys.readouterr().out and "PRIME" not in ppo.compute_rloo.__doc__

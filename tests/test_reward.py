@@ -412,3 +412,35 @@ def test_a_reward_model_trained_from_a_relative_path_loads_from_any_directory(tm
     common.check_reward_model(str(tmp_path / "work" / "rm"))  # raised: "base ... no such directory"
     model, _ = common.load_model(str(tmp_path / "work" / "rm"))
     assert model is not None
+
+
+def test_a_crash_while_saving_leaves_the_previous_reward_model_whole(tmp_path, tiny_model_dir, monkeypatch):
+    """Stage 2 writes the new reward model in a temp folder and renames it into place: killed while saving, the folder
+    still holds the previous reward model, every file of it, and no temp folder is left behind."""
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(16))
+    out = tmp_path / "rm"
+    rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--max-steps", "1", "--eval-limit", "0"))
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    assert "reward_model.json" in before
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(type(tokenizer_of(tiny_model_dir)), "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--max-steps", "2", "--eval-limit", "0"))
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ann.jsonl", "rm"]
+
+
+def test_a_stage2_output_is_required_where_one_is_expected(tmp_path, tiny_model_dir):
+    """A folder without reward_model.json (a plain model, or a save that never finished) is not a reward model: 03
+    --critic local and 04 refuse it in one line, before anything is trained or generated."""
+    with pytest.raises(common.DataError, match=rf"--reward-model {tiny_model_dir}: no reward_model\.json \(not a "
+                                               r"stage-2 output; run 02_train_reward\.py\)"):
+        common.check_reward_model(tiny_model_dir)
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--critic",
+                           "local", "--reward-model", tiny_model_dir, "--output-dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "no reward_model.json" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,108 @@
+"""bench/: a finished run is reused only when the settings that made it are the ones asked for (bench/run_cache.py);
+a folder made otherwise, or whose settings were never recorded, is refused in one line, never mixed into a result."""
+import argparse
+import sys
+
+import pytest
+from conftest import ROOT
+
+import common
+
+sys.path.insert(0, str(ROOT / "bench"))
+import ablations  # noqa: E402
+import demo_seeds  # noqa: E402
+import real_critic  # noqa: E402
+import span_vs_scalar  # noqa: E402
+
+
+def _metrics(run_dir, n):
+    common.write_jsonl(run_dir / "metrics.jsonl", [{"step": i + 1, "exact/mistake_rate": 0.5, "exact/span_reward": 1.0,
+                                                    "objective/kl": 0.0, "response/length": 9.0} for i in range(n)])
+
+
+def _never(*a, **k):
+    raise AssertionError("a cached run must not be run again")
+
+
+def test_settings_are_recorded_then_matched(tmp_path):
+    """check_settings records a folder's settings next to it; the same settings pass, other ones exit naming the first
+    difference; a folder holding output without recorded settings exits too. An empty folder takes any settings."""
+    import run_cache
+    folder = tmp_path / "run"
+    run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 1})
+    _metrics(folder, 1)
+    run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 1})
+    with pytest.raises(SystemExit, match=rf"^{folder}: made with other settings \(argv\[1\]: 'b' there, 'c' now\);"
+                                         r" delete it or pick another --out$"):
+        run_cache.check_settings(folder, {"argv": ["a", "c"], "seed": 1})
+    with pytest.raises(SystemExit, match=r"\(seed: 1 there, 2 now\)"):
+        run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 2})
+    run_cache.settings_path(folder).unlink()
+    with pytest.raises(SystemExit, match=rf"^{folder}: holds output whose settings were not recorded; delete it "
+                                         r"or pick another --out$"):
+        run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 1})
+
+
+def test_a_cached_ppo_run_is_reused_only_with_its_own_flags(tmp_path, monkeypatch):
+    """bench/span_vs_scalar.py's runs (and bench/ablations.py's, which are the same function): a finished run made by
+    other flags, e.g. another critic, is refused; one made by these flags is read, not run again."""
+    out, run_dir = tmp_path / "out", tmp_path / "out" / "span_seed1"
+    _metrics(run_dir, 3)  # a finished run whose flags nobody recorded
+    monkeypatch.setattr(span_vs_scalar, "run", _never)
+    with pytest.raises(SystemExit, match="settings were not recorded"):
+        span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "local", "--reward-model", "smol_rm"])
+    import run_cache
+    common.write_json(run_cache.settings_path(run_dir),  # as if this bench had made it
+                      {"argv": span_vs_scalar.ppo_command(out, run_dir, 1, ["--critic", "program"])})
+    with pytest.raises(SystemExit, match="made with other settings"):
+        span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "local", "--reward-model", "smol_rm"])
+    curves = span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "program"])
+    assert curves["mistakes"] == [0.5] * 3
+
+
+def test_a_cached_demo_chain_is_reused_only_with_its_own_stages(tmp_path, monkeypatch):
+    """bench/demo_seeds.py and bench/real_critic.py: a chain folder that other stages made is refused."""
+    work = tmp_path / "seed1_threads1"
+    common.write_json(work / "runs/demo/results.json", {"policies": {}})
+    common.write_json(work / "runs/demo/reward_model/eval.json", {})
+    monkeypatch.setattr(demo_seeds.subprocess, "run", _never)
+    with pytest.raises(SystemExit, match="settings were not recorded"):
+        demo_seeds.run_chain(work, 1, 1)
+    import run_cache
+    common.write_json(run_cache.settings_path(work), demo_seeds.chain_settings(1, 1, demo_seeds.STAGES))
+    assert demo_seeds.run_chain(work, 1, 1)["policies"] == {}
+    smol = [("03_train_policy.py", ["--critic", "local", "--reward-model", "runs/demo/smol_rm"])]
+    with pytest.raises(SystemExit, match="made with other settings"):
+        demo_seeds.run_chain(work, 1, 1, smol)
+    with pytest.raises(SystemExit, match="made with other settings"):
+        demo_seeds.run_chain(work, 2, 1)
+
+
+def test_a_continued_scalar_run_is_keyed_too(tmp_path, monkeypatch):
+    """bench/real_critic.py --scalar-steps N: a scalar_toN folder that another command made is refused."""
+    work = tmp_path / "seed1"
+    _metrics(work / "runs/demo/scalar_to5", 5)
+    monkeypatch.setattr(real_critic.subprocess, "run", _never)
+    with pytest.raises(SystemExit, match="settings were not recorded"):
+        real_critic.extend_scalar(work, 1, "runs/demo/smol_rm", argparse.Namespace(scalar_steps=5, threads=1))
+
+
+def test_a_given_spans_only_reward_model_must_be_one(tmp_path, monkeypatch):
+    """bench/ablations.py --spans-only-reward-model DIR: DIR must be a stage-2 output trained with --rm-format
+    spans-only; nothing is ever trained into a folder the user named."""
+    monkeypatch.setattr(ablations, "run", _never)
+    given = tmp_path / "smol_rm_spans_only"
+    given.mkdir()
+    with pytest.raises(SystemExit, match=rf"^--spans-only-reward-model {given}: no reward_model\.json"):
+        ablations.spans_only_reward_model(tmp_path / "out", str(given), "runs/demo/smol_rm")
+    common.write_json(given / "reward_model.json", {"rm_format": "critique+spans"})
+    with pytest.raises(SystemExit, match=r"rm_format 'critique\+spans', not spans-only"):
+        ablations.spans_only_reward_model(tmp_path / "out", str(given), "runs/demo/smol_rm")
+    common.write_json(given / "reward_model.json", {"rm_format": "spans-only"})
+    assert ablations.spans_only_reward_model(tmp_path / "out", str(given), "runs/demo/smol_rm") == given.resolve()
+
+
+def test_ablations_show_a_run_that_reached_the_threshold_at_its_last_step():
+    """A run that got there at exactly step N shows N; only one that never did shows "> N"."""
+    assert ablations.steps_cell([150, 120, None], 150) == "150 [120, > 150]"
+    assert ablations.steps_cell([None, None, None], 150) == "> 150 [> 150, > 150]"
