@@ -25,6 +25,7 @@ import os
 import re
 import tempfile
 import unicodedata
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -971,14 +972,37 @@ def decode_forward(model, ids, mask, position, cache):
 
 
 @functools.cache
-def _compiled_decode_forward():
-    """decode_forward under torch.compile (inductor): built once, specialised to each shape it meets (dynamic=False),
-    fullgraph, so a part that cannot be compiled is an error rather than a silent fall back to eager."""
+def _compiled_decode_forward(device_type: str):
+    """decode_forward under torch.compile (inductor): built once per device type, specialised to each shape it meets
+    (dynamic=False), fullgraph (a part that cannot be compiled is an error, not a silent fall back to eager). On CUDA
+    in mode reduce-overhead, as transformers' own compiled generate(): the step is replayed as one CUDA graph, so
+    its few hundred kernel launches cost one (the static cache's tensors keep their addresses for it)."""
     import torch
     # one compiled entry per model class x batch x cache length: torch's default limit of 8 would make a long
     # run (policy and critic, a few buckets each) quietly fall back to eager for the shapes after the eighth
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(decode_forward, fullgraph=True, dynamic=False)
+    return torch.compile(decode_forward, fullgraph=True, dynamic=False,
+                         mode="reduce-overhead" if device_type == "cuda" else None)
+
+
+_STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> (shape key, its StaticCache): the last one static_decode used
+
+
+def static_cache(model, batch: int, length: int, device):
+    """An empty StaticCache of `length` slots for `batch` rows: the model's last one when its shape and dtype fit (its
+    tensors keep their addresses, on which a CUDA graph of the compiled step replays), else a new one that replaces
+    it (one per model: an 8B model's cache can take gigabytes)."""
+    import torch
+    from transformers import StaticCache
+    key = (batch, length, str(device), next(model.parameters()).dtype,
+           torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type))
+    kept = _STATIC_CACHES.get(model)
+    if kept is not None and kept[0] == key:
+        kept[1].reset()
+        return kept[1]
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    _STATIC_CACHES[model] = (key, cache)
+    return cache
 
 
 def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[int], pad_id: int, compile: bool = True,
@@ -997,15 +1021,14 @@ def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[in
     """
     import torch
     import torch.nn.functional as F
-    from transformers import StaticCache
 
     extra = prompt_bucket(ids.shape[1]) - ids.shape[1]
     ids, mask = F.pad(ids, (extra, 0), value=pad_id), F.pad(mask, (extra, 0))               # (B, P'), P' a bucket
     slots = F.pad(mask, (0, max_new_tokens))                     # (B, P' + N): 1 where a cache slot holds a token
     position = (mask.cumsum(-1) - 1).clamp(min=0)                # left padding: positions start at the first token
-    cache = StaticCache(config=model.config, max_cache_len=slots.shape[1])
+    cache = static_cache(model, len(ids), slots.shape[1], ids.device)
     stop = torch.tensor(stop_ids, device=ids.device)
-    step = _compiled_decode_forward() if compile else decode_forward
+    step = _compiled_decode_forward(ids.device.type) if compile else decode_forward
     done, new = torch.zeros(len(ids), dtype=torch.bool, device=ids.device), []
     with torch.no_grad():
         logits = decode_forward(model, ids, slots, position, cache)      # prefill: eager (its shape changes)
