@@ -12,7 +12,8 @@ Contents: the core first (copy it as is), then what the stages share.
         5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
                                      Sec. 3.4), rm_settings, rm_critique_served
         6. Models                    load_model, check_reward_model, generation_config, policy_prompt, generate,
-                                     rm_critique
+                                     rm_critique; static_decode, generate_static (a static KV cache, the decode
+                                     step under torch.compile: generate()'s tokens at the model's speed)
         7. Training pieces           torch_dtype, add_lora, save_pretrained
         8. Reward-model metrics      rm_scores, rm_span_metrics (paper Tables 1 and 6)
 """

@@ -164,7 +164,7 @@ def run_decode(args):
                                        dtype="bf16" if args.device.startswith("cuda") else "float32")
         ids, mask = (x.to(args.device) for x in demo_prompts(tok, n_rows, chat=name == "smollm2"))
         rows.append(decode_section(name, model, ids, mask, 8, 32 if name == "demo" else 24, args.reps,
-                                   profile_arith=name == "smollm2"))
+                                   profile_arith=True))
         del model
         torch._dynamo.reset()
     return rows

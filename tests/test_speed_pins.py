@@ -133,9 +133,10 @@ def test_compiled_greedy_generate_gives_the_same_critiques(tiny_critic_dir):
     prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(demo_dataset("eval", 36))]
     prompts += ["zz", "post: it rained on monday.", "{"]
     want = _reference_greedy(model, tok, prompts, 40)
-    assert common.greedy_generate(model, tok, prompts, 40, batch_size=32, compile=True) == want
-    eager = common.greedy_generate(model, tok, prompts, 40, batch_size=32, stop=common.feedback_complete)
-    got = common.greedy_generate(model, tok, prompts, 40, batch_size=32, stop=common.feedback_complete, compile=True)
+    n = len(prompts)  # one chunk: one shape to compile (the eager test above covers a ragged last chunk)
+    assert common.greedy_generate(model, tok, prompts, 40, batch_size=n, compile=True) == want
+    eager = common.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete)
+    got = common.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete, compile=True)
     assert got == eager and got != want  # the stop ended some rows early, in both
 
 
