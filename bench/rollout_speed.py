@@ -1,6 +1,6 @@
 """Rollout speed: eager generate() against static-cache compiled decoding (03 --compile-generation), as ratios.
 
-    python bench/rollout_speed.py                              # all sections (~15 min on 1 free core)
+    python bench/rollout_speed.py                              # all (~20 min on a free core, ~45 on a busy one)
     python bench/rollout_speed.py --sections decode critic     # a part
 
 Sections, each measured interleaved (the two sides alternate rep by rep, or iteration by iteration, so both see the
@@ -28,6 +28,7 @@ Prints one JSON object last.
 """
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -139,7 +140,8 @@ def decode_section(name, model, ids, mask, n1, n2, reps, profile_arith):
            "compile_s": round(first - warm, 2)}
     if profile_arith and ids.device.type == "cpu":
         arith = arithmetic_step(model, ids, mask, n1, n2)
-        row.update(arithmetic_step_s=round(arith, 6), ratio_compiled_vs_arithmetic=round(step["static_compiled"] / arith, 3),
+        row.update(arithmetic_step_s=round(arith, 6),
+                   ratio_compiled_vs_arithmetic=round(step["static_compiled"] / arith, 3),
                    ratio_generate_vs_arithmetic=round(step["generate"] / arith, 3))
     if ids.device.type == "cuda":
         bound = hbm_bound(model)
@@ -192,7 +194,8 @@ def run_critic(args):
                                  rm_format=settings["rm_format"], compile=compile)
         return out, time.perf_counter() - t
     critique(batches[0], False)
-    _, first = critique(batches[0], True)  # warm-up batch: the compile (inductor caches as the process has them)
+    # the warm-up batch pays the compile (cold after the decode section, which turned the inductor caches off)
+    _, first = critique(batches[0], True)
     times, same = {False: [], True: []}, 0
     for batch in batches[1:]:
         eager, t_eager = critique(batch, False)
