@@ -121,6 +121,10 @@ def parse_args(argv=None):
     a("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 = off). Below 1 the run is OFF-POLICY: rollouts"
                                                "\ncome from the truncated distribution, PPO scores the full one")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
+    a("--compile-generation", action=argparse.BooleanOptionalAction, default=False, help="rollouts and the local "
+      "critic's critiques by common.static_decode: a static KV cache and the\ndecode step under torch.compile, the "
+      "same tokens as generate() (compiled once per prompt-width\nbucket: seconds on a CPU, a minute for an 8B model); "
+      "--no-compile-generation: generate() and\ngreedy_generate as they were")
     # --- rewards (§3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
                                                                         "scalar: sum of delta on the last token")
@@ -547,7 +551,8 @@ def make_critic(args):
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
         return lambda recs, texts: [_parse(x) for x in common.rm_critique(
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
-            max_prompt_tokens=args.critic_max_prompt_tokens, rm_format=args.critic_rm_format)]
+            max_prompt_tokens=args.critic_max_prompt_tokens, rm_format=args.critic_rm_format,
+            compile=args.compile_generation)]
     rm_tok = None  # with --reward-model, the served reward model gets its training input, cut alike (either API)
     if args.reward_model:  # a stage-2 output (train() checked it: common.check_reward_model)
         from transformers import AutoTokenizer
@@ -582,8 +587,11 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
     query, query_mask = (x.to(args.device) for x in common.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
     with torch.no_grad(), autocast(args.device, args.dtype):
-        seqs = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
-    response = seqs[:, query.shape[1]:]                                                        # (B, T)
+        if args.compile_generation:  # the same tokens from the same random numbers, at the compiled model's speed
+            response = common.generate_static(model, query, query_mask, gen_config)                          # (B, T)
+        else:
+            response = model.generate(input_ids=query, attention_mask=query_mask,
+                                      generation_config=gen_config)[:, query.shape[1]:]                      # (B, T)
     is_eos = torch.isin(response, stop)
     has_eos = is_eos.any(1)                                                                    # (B,)
     first_eos = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1],

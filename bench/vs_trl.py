@@ -110,6 +110,36 @@ def trl_worker(base: str, prompts_file: str, threads: int, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# The workload of our side, shared with bench/rollout_speed.py
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def write_prompts(base: str, out: Path) -> Path:
+    """The same 256 demo prompts for both sides: out/prompts.jsonl for 03 (which keeps their last 16 tokens,
+    --max-prompt-tokens), out/trl_prompts.jsonl with those 16 token ids for the TRL worker. Returns the first."""
+    from transformers import AutoTokenizer
+
+    import common
+    from tasks.demo import demo_dataset
+    records = demo_dataset("train", 256)
+    common.write_jsonl(Path(out) / "prompts.jsonl", records)
+    tok = AutoTokenizer.from_pretrained(base)
+    common.write_jsonl(Path(out) / "trl_prompts.jsonl", [
+        {"prompt": r["prompt"], "ids": common.encode_prompt(tok, r["prompt"])[-PROMPT_TOKENS:]} for r in records])
+    return Path(out) / "prompts.jsonl"
+
+
+def ours_argv(base: str, prompts, iterations: int, seed: int, output_dir) -> list[str]:
+    """03_train_policy.py's flags for the workload (module docstring); --save-every 1 calls the hook each iteration."""
+    return ["--model", base, "--prompts", str(prompts), "--critic", "program", "--steps", str(iterations),
+            "--sft-steps", "0", "--scalar-baseline-dir", "", "--batch-size", str(BATCH), "--max-prompt-tokens",
+            str(PROMPT_TOKENS), "--max-new-tokens", str(NEW_TOKENS), "--min-new-tokens", str(NEW_TOKENS),
+            "--ppo-epochs", "1", "--num-minibatches", str(MINIBATCHES), "--lora-r", "0", "--lr", str(LR), "--kl-coef",
+            str(KL_COEF), "--dtype", "float32", "--device", "cpu", "--seed", str(seed), "--save-every", "1",
+            "--log-every", "1000000", "--output-dir", str(output_dir), "--overwrite"]  # throwaway timing runs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # The driver: 03's train() in this process, the TRL worker stepped from 03's per-iteration checkpoint hook
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -131,20 +161,15 @@ def main():
     python = venv_python()
     sys.path.insert(0, str(ROOT))
     import torch
-    from transformers import AutoTokenizer
 
     import common
-    from tasks.demo import build_demo_base, demo_dataset
+    from tasks.demo import build_demo_base
     ppo = importlib.import_module("03_train_policy")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     if not (Path(args.base) / "config.json").is_file():
         build_demo_base(args.base)
-    records = demo_dataset("train", 256)
-    common.write_jsonl(out / "prompts.jsonl", records)
-    tok = AutoTokenizer.from_pretrained(args.base)  # the same 16 prompt tokens on both sides
-    common.write_jsonl(out / "trl_prompts.jsonl", [
-        {"prompt": r["prompt"], "ids": common.encode_prompt(tok, r["prompt"])[-PROMPT_TOKENS:]} for r in records])
+    write_prompts(args.base, out)
 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}
@@ -169,13 +194,8 @@ def main():
         # 03 calls save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
         # the TRL iteration runs there, while 03 waits, so the two alternate without timing each other
         ppo.save_checkpoint = lambda *a, **k: trl_step()
-        run_args = ppo.parse_args([
-            "--model", args.base, "--prompts", str(out / "prompts.jsonl"), "--critic", "program", "--steps",
-            str(args.iterations), "--sft-steps", "0", "--scalar-baseline-dir", "", "--batch-size", str(BATCH),
-            "--max-prompt-tokens", str(PROMPT_TOKENS), "--max-new-tokens", str(NEW_TOKENS), "--min-new-tokens",
-            str(NEW_TOKENS), "--ppo-epochs", "1", "--num-minibatches", str(MINIBATCHES), "--lora-r", "0", "--lr",
-            str(LR), "--kl-coef", str(KL_COEF), "--dtype", "float32", "--device", "cpu", "--seed", str(args.seed),
-            "--save-every", "1", "--log-every", "1000000", "--output-dir", str(out / "ours"), "--overwrite"])
+        run_args = ppo.parse_args(ours_argv(args.base, out / "prompts.jsonl", args.iterations, args.seed,
+                                            out / "ours"))
         ppo.train(run_args)
         ppo.save_checkpoint = real_save
     finally:

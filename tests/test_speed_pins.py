@@ -23,7 +23,7 @@ ppo = import_script("03_train_policy")
 PINS = Path(__file__).with_name("speed_pins.json")
 
 
-def _ppo_run(tmp_path, model_dir, lora_r):
+def _ppo_run(tmp_path, model_dir, lora_r, *extra):
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
     run = tmp_path / f"run{lora_r}"
     args = ppo.parse_args([
@@ -31,18 +31,19 @@ def _ppo_run(tmp_path, model_dir, lora_r):
         str(run), "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
         "--ppo-epochs", "2", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", str(lora_r),
         "--lora-alpha", "8", "--lr", "1e-3", "--kl-coef", "0.1", "--seed", "3", "--temperature", "1.0",
-        "--dump-rollouts", str(run / "dump")])
+        "--dump-rollouts", str(run / "dump"), *extra])
     ppo.train(args)
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in common.read_jsonl(run / "metrics.jsonl")]
     checksums = [torch.load(run / "dump" / f"step{s}_rank0.pt", weights_only=False)["param_checksum"] for s in (1, 2)]
     return {"metrics": rows, "param_checksums": checksums}
 
 
-@pytest.mark.parametrize("lora_r", [0, 4])
-def test_ppo_run_matches_the_recorded_one(tmp_path, tiny_model_dir, lora_r):
-    got = _ppo_run(tmp_path, tiny_model_dir, lora_r)
+@pytest.mark.parametrize("lora_r,extra", [(0, ()), (4, ()), (4, ("--compile-generation",))])
+def test_ppo_run_matches_the_recorded_one(tmp_path, tiny_model_dir, lora_r, extra):
+    """(--compile-generation: the rollouts of common.static_decode, which must leave the run exactly as it was.)"""
+    got = _ppo_run(tmp_path, tiny_model_dir, lora_r, *extra)
     pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
-    if os.environ.get("T2G_RECORD_PINS"):
+    if os.environ.get("T2G_RECORD_PINS") and not extra:
         pins[f"ppo_lora{lora_r}"] = got
         PINS.write_text(json.dumps(pins, indent=1) + "\n")
         pytest.skip("recorded")
@@ -123,6 +124,20 @@ def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
         else:
             kinds.add("no json")
     assert kinds >= {"json then EOS", "json then more"}, kinds
+
+
+def test_compiled_greedy_generate_gives_the_same_critiques(tiny_critic_dir):
+    """compile=True (static_decode: a static KV cache, the step compiled, ended rows kept in the batch, masked): the
+    tokens of plain greedy decoding, and with stop=feedback_complete those of the eager loop, row for row."""
+    model, tok = common.load_model(tiny_critic_dir)
+    prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(demo_dataset("eval", 36))]
+    prompts += ["zz", "post: it rained on monday.", "{"]
+    want = _reference_greedy(model, tok, prompts, 40)
+    n = len(prompts)  # one chunk: one shape to compile (the eager test above covers a ragged last chunk)
+    assert common.greedy_generate(model, tok, prompts, 40, batch_size=n, compile=True) == want
+    eager = common.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete)
+    got = common.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete, compile=True)
+    assert got == eager and got != want  # the stop ended some rows early, in both
 
 
 @pytest.mark.parametrize("chat", [False, True])

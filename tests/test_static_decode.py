@@ -1,0 +1,125 @@
+"""Static-cache decoding (common.static_decode, issue 37): generate()'s tokens, from the same random numbers, with a
+static KV cache and the decode step under torch.compile; 03's --compile-generation rollouts scored as they were
+sampled. The critic's greedy path and a whole PPO run against the recorded one are pinned in test_speed_pins.py."""
+import pytest
+import torch
+
+import common
+from tasks.demo import demo_dataset
+from conftest import import_script
+
+ppo = import_script("03_train_policy")
+
+
+def test_prompt_bucket_pads_by_at_most_a_third():
+    assert [common.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 97, 129, 1000)] == \
+        [16, 16, 24, 24, 32, 48, 48, 64, 96, 128, 192, 1024]
+    assert all(n <= common.prompt_bucket(n) < max(16, n * 1.5) + 1 for n in range(1, 3000))
+
+
+def _generate(model, ids, mask, config, seed, how):
+    """(new ids, the next random number): model.generate's or generate_static's, from the same seed."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        if how == "generate":
+            new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+        else:
+            new = common.generate_static(model, ids, mask, config, compile=how == "compiled")
+    return new, torch.rand(1).item()
+
+
+SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, min_new_tokens=5), dict(temperature=1.6),
+            dict(temperature=0.0)]
+
+
+def test_generate_static_gives_generates_tokens_and_random_stream(tiny_model_dir):
+    """Ragged prompts (left padding, then padding to the bucket: 22 tokens -> 24), sampling at T = 1 and T != 1,
+    top-p with min_new_tokens, greedy: eager and compiled static decoding give model.generate's tokens, and draw the
+    same random numbers (the next draw after it agrees), so every later draw of a run (the next rollout, the
+    minibatch order) is unchanged too."""
+    model, tok = common.load_model(tiny_model_dir)
+    prompts = [r["prompt"] for r in demo_dataset("eval", 12)] + ["post: it", "post: tom"]
+    ids, mask = common.left_pad([common.encode_prompt(tok, p)[-22:] for p in prompts], tok.pad_token_id)
+    assert common.prompt_bucket(ids.shape[1]) > ids.shape[1] and (mask == 0).any()
+    stop = common.stop_ids(model) + list(range(100, 160))  # this untrained model seldom says EOS: more stop ids
+    lengths = set()
+    for seed, settings in enumerate(SETTINGS):
+        config = common.generation_config(model, 20, **settings)
+        config.eos_token_id = stop
+        want, want_next = _generate(model, ids, mask, config, seed, "generate")
+        for how in ("eager", "compiled"):
+            got, got_next = _generate(model, ids, mask, config, seed, how)
+            assert torch.equal(got, want), (settings, how)
+            assert got_next == want_next, (settings, how)
+        lengths |= {next((t for t, x in enumerate(row) if x in stop), None) for row in want.tolist()}
+    assert len(lengths) > 5  # rows end at different steps (and some never): ended rows padded as generate pads them
+
+
+@pytest.mark.slow
+def test_generate_static_gives_generates_tokens_on_smollm2(smollm2_dir):
+    """The real model (30 layers, grouped-query attention, ChatML, eos = pad): eager and compiled static decoding
+    give model.generate's sampled and greedy tokens for chat-templated prompts of different lengths."""
+    model, tok = common.load_model(smollm2_dir)
+    prompts = ["Summarize: tom lives in york and likes tea.", "Say hi.", "What is 2 + 2? Answer in one word.",
+               "Name three colours."]
+    ids, mask = common.left_pad([common.policy_prompt(tok, p) for p in prompts], tok.pad_token_id)
+    for seed, settings in enumerate([dict(temperature=1.0), dict(temperature=0.0)]):
+        config = common.generation_config(model, 12, **settings)
+        want, want_next = _generate(model, ids, mask, config, seed, "generate")
+        for how in ("eager", "compiled"):
+            got, got_next = _generate(model, ids, mask, config, seed, how)
+            assert torch.equal(got, want) and got_next == want_next, (settings, how)
+
+
+def test_sampler_refuses_what_it_does_not_implement(tiny_model_dir):
+    model, _ = common.load_model(tiny_model_dir)
+    config = common.generation_config(model, 8, temperature=1.0)
+    config.top_k = 50  # generate() would cut to the top 50: static decoding would sample another distribution
+    with pytest.raises(ValueError, match="top_k"):
+        common.sampler(config)
+    config.top_k, config.repetition_penalty = 0, 1.3
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        common.sampler(config)
+
+
+def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(tiny_model_dir, monkeypatch):
+    """The behaviour policy of --compile-generation is the one PPO scores: at every response position, the
+    distribution the compiled step sampled from (its logits, after the min-new-tokens ban and / T) is forward()'s
+    logits / T (within float rounding: another kernel, another summation order), and the rollout's tokens are those
+    of generate()."""
+    model, tok = common.load_model(tiny_model_dir)
+    prompts = [r["prompt"] for r in demo_dataset("train", 6)]
+    queries = [common.encode_prompt(tok, p) for p in prompts]
+    T, min_new = 0.7, 3
+    config = common.generation_config(model, 10, T, 1.0, min_new)
+    stop = torch.tensor(common.stop_ids(model))
+    sampled, real_sampler = [], common.sampler
+
+    def recording_sampler(cfg):
+        pick = real_sampler(cfg)
+
+        def record(logits, t):
+            sampled.append(logits.clone())
+            return pick(logits, t)
+        return record
+    monkeypatch.setattr(common, "sampler", recording_sampler)
+    b = {}
+    for flag in ("--no-compile-generation", "--compile-generation"):
+        args = ppo.parse_args(["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--temperature",
+                               str(T), flag])
+        torch.manual_seed(0)
+        b[flag] = ppo.rollout(model, tok, queries, config, stop, args)
+    eager, compiled = b["--no-compile-generation"], b["--compile-generation"]
+    assert torch.equal(compiled["response"], eager["response"]) and compiled["texts"] == eager["texts"]
+    n = compiled["response"].shape[1]
+    assert len(sampled) == n
+    with torch.no_grad():
+        _, _, logits = ppo.forward(model, None, compiled["input_ids"], compiled["attention_mask"], n, T,
+                                   (stop.tolist(), min_new))                                        # (B, n, V) / T
+    behaviour = torch.stack(sampled, 1)                                                             # (B, n, V)
+    behaviour[:, :min_new, stop] = -float("inf")
+    live = compiled["mask"].bool()
+    want, got = logits.log_softmax(-1)[live], (behaviour / T).log_softmax(-1)[live]
+    finite = torch.isfinite(got)
+    assert torch.equal(finite, want > torch.finfo(want.dtype).min / 2)  # the banned ids, and only those
+    assert torch.allclose(got[finite], want[finite], atol=1e-5)
