@@ -51,7 +51,7 @@ PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v
     modules_to_save="", loraplus_ratio=0.0, lr=1e-5, lr_schedule="cosine", epochs=3.0, max_steps=-1, batch_size=4,
     grad_accum=8, max_len=2048, warmup=0.03, val_frac=0.05, eval_limit=500, max_new_tokens=512, logging_steps=10,
     eval_steps=200, save_steps=200, sampling="epochs")
-# The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. What limited its poor-span recall (bench/rm_levers.py,
+# The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. What limited its poor-span recall (rm_levers,
 # bench/README.md): LoRA first (r32: recall 0.16 where full fine-tuning got 0.53),
 # then data and training length, not depth or width. On 2000 annotations it memorised (train loss 0.01); 16000 fresh
 # examples (01_annotate.py) and full fine-tuning at a high lr teach it the rule (is each quoted word in the post?),
