@@ -1255,8 +1255,8 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model
                           cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"error: {tmp_path / 'run'} holds a run (metrics.jsonl, samples.jsonl, checkpoint.pt, policy): --resume "
-        "continues it from its checkpoint, --overwrite replaces it"]
+        f"error: {tmp_path / 'run'} holds a run (metrics.jsonl, samples.jsonl, trace.jsonl, checkpoint.pt, policy): "
+        "--resume continues it from its checkpoint, --overwrite replaces it"]
     (tmp_path / "run" / "checkpoint.pt").rename(tmp_path / "saved.pt")
     with pytest.raises(common.DataError, match=r"--resume: no checkpoint\.pt in .*run, which holds a run"):
         ppo.main(argv + ["--resume"])
