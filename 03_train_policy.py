@@ -126,9 +126,10 @@ def parse_args(argv=None):
       "same tokens as generate() (compiled once per prompt-width\nbucket: seconds on a CPU, a minute for an 8B model); "
       "--no-compile-generation: generate() and\ngreedy_generate as they were")
     a("--compile-update", action=argparse.BooleanOptionalAction, default=False, help="the policy and reference "
-      "forwards of steps 4 and 6 (scoring; the update's forward and\nbackward) under torch.compile, and AdamW fused: "
-      "NOT bit for bit, metrics and weights move\nwithin float rounding (compiled kernels fuse and round otherwise); "
-      "compiled once per\nshape (dynamic after the first change). --no-compile-update: eager, as it was")
+      "forwards of steps 4 and 6 (scoring; the update's forward and\nbackward) under torch.compile, and AdamW fused. "
+      "NOT bit for bit (--compile-generation is):\nlog-probs, losses and weights move within float rounding (~1e-6 "
+      "relative; a later\nsampled token could flip); compiled per shape, dynamic after the first change (minutes\n"
+      "on a CPU). Slower on the demo's CPU preset (docs); --no-compile-update: eager, as it was")
     # --- rewards (§3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
                                                                         "scalar: sum of delta on the last token")
