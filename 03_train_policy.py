@@ -129,7 +129,7 @@ def parse_args(argv=None):
       "forwards of steps 4 and 6 (scoring; the update's forward and\nbackward) under torch.compile, and AdamW fused. "
       "NOT bit for bit (--compile-generation is):\nlog-probs, losses and weights move within float rounding (~1e-6 "
       "relative; a later\nsampled token could flip); compiled per shape, dynamic after the first change (minutes\n"
-      "on a CPU). Slower on the demo's CPU preset (docs); --no-compile-update: eager, as it was")
+      "on a CPU: more than the demo saves); --no-compile-update: eager, as it was")
     # --- rewards (§3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
                                                                         "scalar: sum of delta on the last token")
