@@ -125,6 +125,11 @@ def parse_args(argv=None):
       "critic's critiques by common.static_decode: a static KV cache and the\ndecode step under torch.compile, the "
       "same tokens as generate() (compiled once per prompt-width\nbucket: seconds on a CPU, a minute for an 8B model); "
       "--no-compile-generation: generate() and\ngreedy_generate as they were")
+    a("--compile-update", action=argparse.BooleanOptionalAction, default=False, help="the policy and reference "
+      "forwards of steps 4 and 6 (scoring; the update's forward and\nbackward) under torch.compile, and AdamW fused. "
+      "NOT bit for bit (--compile-generation is):\nlog-probs, losses and weights move within float rounding (~1e-6 "
+      "relative; a later\nsampled token could flip); compiled per shape, dynamic after the first change (minutes\n"
+      "on a CPU: more than the demo saves); --no-compile-update: eager, as it was")
     # --- rewards (§3.5) and advantages
     a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
                                                                         "scalar: sum of delta on the last token")
@@ -479,6 +484,18 @@ def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, tempe
             model.set_adapter("default")
     with model.disable_adapter():
         return forward(model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
+
+
+def compile_update(model, ref_model, args):
+    """--compile-update: (model, ref_model) as forward() should call them in steps 4 and 6, under torch.compile
+    (inductor; the same modules and weights, so the rollout, the save and everything else still see the eager ones).
+    torch decides per shape: static first, dynamic in the dims that change (the response width, the rows)."""
+    if not args.compile_update:
+        return model, ref_model
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # train/eval, adapter on/off
+    from torch._inductor import config as inductor_config
+    inductor_config.fallback_random = True  # a dropout draws from torch's generator, as eager: same random stream
+    return torch.compile(model), ref_model if ref_model is None else torch.compile(ref_model)
 
 
 def build_policy(args, model):
@@ -903,7 +920,7 @@ def sft_warm_start(args, rank: int) -> str:
 def make_optimizer(params, args):
     """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
     then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
-    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
                                                   * (1.0 - it / args.steps if args.anneal_lr else 1.0))
     return optimizer, scheduler
@@ -1041,6 +1058,7 @@ def train(args):
     queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
                for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
+    scorer, ref_scorer = compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
     head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic, monitor = make_critic(args), make_monitor(args)
@@ -1076,7 +1094,7 @@ def train(args):
         clock["critiqued"] = time.time()
         watched = monitor(recs, b["texts"], b["offsets"], deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
-        b["logprobs"], b["values"], b["kl"] = score_rollouts(model, ref_model, head, b, forbid, micro, args)
+        b["logprobs"], b["values"], b["kl"] = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
         g = {k: gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g["rewards"], g["advantages"], g["returns"] = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
@@ -1085,13 +1103,13 @@ def train(args):
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
         lr = scheduler.get_last_lr()[0]  # the update's; the scheduler then steps to the next iteration's
-        stats, epochs = ppo_update(model, head, params, optimizer, scaler, b, forbid, args, world)
+        stats, epochs = ppo_update(scorer, head, params, optimizer, scaler, b, forbid, args, world)
         scheduler.step()
         clock["updated"] = time.time()
         if args.dump_rollouts:
             dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
         if args.trace_samples:
-            trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank)
+            trace_iteration(step, out_dir, scorer, b, g, recs, feedback, kl_coef, forbid, micro, args, rank)
         # 7. log the global batch's metrics with the beta and lr this iteration used, samples; adapt beta; checkpoint
         row = log_iteration(step, out_dir, {
             "recs": recs, "b": b, "g": g, "feedback": feedback, "counts": [sum(map(critique_failed, feedback)),

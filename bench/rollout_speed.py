@@ -17,13 +17,17 @@ same machine load; read the ratios, the seconds move with the load):
   critic  the demo reward model's greedy critiques of 32 SFT-data responses per batch: greedy_generate as it was
           (eager, a finished row leaves the batch and its KV cache) against compile=True (static cache, compiled
           step, finished rows kept and masked). Same critiques checked.
-  ppo     seconds per PPO iteration (03's time/step_s) of 03 eager and 03 --compile-generation, each in its own worker
-          process, one iteration each in turn; at bench/vs_trl.py's workload also TRL 0.11.4's PPOTrainer with its
+  ppo     seconds per PPO iteration (03's time/step_s) of 03 eager, 03 --compile-generation and 03 with
+          --compile-generation --compile-update ("all": the scoring forwards and the update compiled too, AdamW
+          fused), each in its own worker process, one iteration each in turn, and each phase's (time/*_s); at
+          bench/vs_trl.py's workload also TRL 0.11.4's PPOTrainer with its
           generate handed the whole batch (vs_trl's worker and environment). Workloads: vs_trl (the demo base, full
           fine-tuning, 16 rows, 16-token prompts, 32 forced new tokens, 1 epoch of 4 minibatches), demo (the demo
           preset: 32 rows, up to 32 new tokens, LoRA r=16, 2 epochs of 2 minibatches) and smollm2 (SmolLM2 with
           the demo preset's settings at 16 rows); all with the demo's exact program critic. The first --warmup
           iterations are dropped (compiled: the compile); compile_s = its first iteration less its median.
+          metrics_identical: eager vs --compile-generation (must be all); all_metrics_max_rel_diff: eager vs all
+          (--compile-update rounds otherwise: small, unless a rounding flips a sampled token and the runs part).
 Prints one JSON object last.
 """
 import argparse
@@ -243,7 +247,7 @@ def ppo_argv(workload: str, iterations: int, out: Path, seed: int) -> list[str]:
     model, rows = (demo_base(), 32) if workload == "demo" else (smollm2_dir(), 16)
     return ["--model", model, "--prompts", str(prompts), "--critic", "program", "--steps", str(iterations),
             "--sft-steps", "0", "--scalar-baseline-dir", "", "--batch-size", str(rows), "--seed", str(seed),
-            "--device", "cpu", "--save-every", "1", "--log-every", "1000000"]
+            "--device", "cpu", "--save-every", "1", "--log-every", "1000000", "--overwrite"]  # throwaway timing runs
 
 
 def start(cmd: list[str], log: Path, threads: int):
@@ -262,6 +266,19 @@ def step(worker, name: str) -> dict:
     return json.loads(reply)
 
 
+SIDES = {"eager": ["--no-compile-generation"], "compiled": ["--compile-generation"],
+         "all": ["--compile-generation", "--compile-update"]}  # all: the update's and the scoring forwards too
+PHASES = ("generate", "critic", "forward", "update")          # 03's time/*_s of an iteration
+
+
+def max_rel_diff(a: list[dict], b: list[dict]) -> float:
+    """The largest relative difference between two runs' logged metrics (time/* aside), iteration by iteration, for
+    values of magnitude >= 1e-3 (a policy loss of 1e-6, the mean of whitened advantages, has no relative digits)."""
+    return max((abs(x[k] - y[k]) / max(abs(x[k]), abs(y[k])) for x, y in zip(a, b) for k in x
+                if not k.startswith("time/") and isinstance(x[k], float) and isinstance(y.get(k), float)
+                and max(abs(x[k]), abs(y[k])) >= 1e-3), default=0.0)
+
+
 def run_ppo(args):
     rows = []
     for workload in args.workloads:
@@ -270,8 +287,8 @@ def run_ppo(args):
         workers = {}
         iterations = args.smollm2_iterations if workload == "smollm2" else args.iterations
         argv = ppo_argv(workload, iterations, out, args.seed)
-        for side, flag in (("eager", "--no-compile-generation"), ("compiled", "--compile-generation")):
-            side_argv = argv + ["--output-dir", str(out / side), flag]
+        for side, flags in SIDES.items():
+            side_argv = argv + ["--output-dir", str(out / side), *flags]
             workers[side] = start([sys.executable, __file__, "--ppo-worker", json.dumps(side_argv)],
                                   OUT / f"{workload}_{side}.log", args.threads)
         if workload == "vs_trl":
@@ -291,10 +308,11 @@ def run_ppo(args):
             for worker in workers.values():
                 worker.stdin.close()
                 worker.wait(timeout=120)
-        key = {"eager": "time/step_s", "compiled": "time/step_s", "trl": "step_s"}
-        med = {side: statistics.median(r[key[side]] for r in v[args.warmup:]) for side, v in seen.items()}
-        gen = {side: statistics.median(r["time/generate_s"] for r in v[args.warmup:])
-               for side, v in seen.items() if side != "trl"}
+        med = {side: statistics.median(r["step_s" if side == "trl" else "time/step_s"] for r in v[args.warmup:])
+               for side, v in seen.items()}
+        part = {(side, p): statistics.median(r[f"time/{p}_s"] for r in v[args.warmup:])
+                for side, v in seen.items() if side != "trl" for p in PHASES}
+        gen = {side: part[side, "generate"] for side in SIDES}
         same = [a["objective/span_reward"] == b["objective/span_reward"] and a["objective/kl"] == b["objective/kl"]
                 for a, b in zip(seen["eager"], seen["compiled"])]
         row = {"workload": workload, "iterations": iterations - args.warmup,
@@ -303,10 +321,16 @@ def run_ppo(args):
                "eager_generate_s": round(gen["eager"], 4), "compiled_generate_s": round(gen["compiled"], 4),
                "ratio_generate_compiled_vs_eager": round(gen["compiled"] / gen["eager"], 3),
                "compile_s": round(seen["compiled"][0]["time/step_s"] - med["compiled"], 2),
-               "metrics_identical": f"{sum(same)}/{len(same)} iterations"}
+               "metrics_identical": f"{sum(same)}/{len(same)} iterations",
+               "all_step_s": round(med["all"], 4), "ratio_all_vs_eager": round(med["all"] / med["eager"], 3),
+               "ratio_all_vs_compiled": round(med["all"] / med["compiled"], 3),
+               "all_compile_s": round(seen["all"][0]["time/step_s"] - med["all"], 2),
+               "all_metrics_max_rel_diff": max_rel_diff(seen["eager"], seen["all"]),
+               "phases_s": {side: {p: round(part[side, p], 4) for p in PHASES} for side in SIDES}}
         if "trl" in med:
             row.update(trl_step_s=round(med["trl"], 4), ratio_eager_vs_trl=round(med["eager"] / med["trl"], 3),
-                       ratio_compiled_vs_trl=round(med["compiled"] / med["trl"], 3), trl="0.11.4")
+                       ratio_compiled_vs_trl=round(med["compiled"] / med["trl"], 3),
+                       ratio_all_vs_trl=round(med["all"] / med["trl"], 3), trl="0.11.4")
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
