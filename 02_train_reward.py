@@ -548,7 +548,7 @@ def main(args: argparse.Namespace) -> dict:
                   "too_long_dropped": train_counts["too_long"], "max_len": args.max_len, "lr": args.lr,
                   "lr_schedule": args.lr_schedule, "sampling": args.sampling,
                   "epochs": args.epochs, "steps": trainer.state.global_step, "resumed_from": resume_from,
-                  "batch_size": args.batch_size * args.grad_accum * targs.world_size, "seed": args.seed,
+                  "batch_size": args.batch_size * args.grad_accum * trainer.args.world_size, "seed": args.seed,
                   "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
                   "train_s": round(train_s, 1)},
     }
