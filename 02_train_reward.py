@@ -21,6 +21,17 @@ GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 i
         --batch-size 4 --grad-accum 8 --gradient-checkpointing
     torchrun --nproc_per_node 8 02_train_reward.py --task code --model Qwen/Qwen2.5-7B-Instruct --batch-size 2
 
+The paper's scalar baselines (§4.3, App. N) train here too, on a scalar head (sequence classification) of the same LM:
+    python 02_train_reward.py --objective pairwise --data pairs.jsonl --output-dir runs/demo/bt_rm   # PPO's RM
+    python 02_train_reward.py --objective pairwise --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs
+    python 02_train_reward.py --objective prm --data runs/demo/annotations.jsonl --output-dir runs/demo/prm  # PRM-PPO's
+pairwise: -log sigmoid(r_c - r_r) on chosen / rejected pairs, a dataset's own fields or, from annotations, the answer
+with fewer poor spans chosen over the other answer to the same prompt; the held-out pairwise accuracy goes to
+eval.json, and reward_model.json gets score_bias, the mean score of --norm-data's demonstrations (Huang et al. 2024).
+prm: binary cross-entropy of each step's score (clauses; code: blocks) against "no poor span falls in it". 03 takes
+them as --critic scalar-rm and --critic prm, and refuses each where the other kind is needed (reward_model.json's
+objective).
+
 The output directory holds the LoRA adapter (adapter_config.json + weights), the tokenizer, reward_model.json (base
 model, format, the input and critique budgets that 03 and 04 use it with, training summary), eval.json,
 eval_samples.jsonl and checkpoints/; common.load_model(DIR) and `03_train_policy.py --reward-model DIR` need nothing

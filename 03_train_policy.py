@@ -15,6 +15,8 @@ Only common.py is needed beside it, and tasks/ for a task's program critic.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
+    python 03_train_policy.py --critic scalar-rm --reward-model runs/demo/bt_rm --output-dir runs/demo/ppo_bt  # RLHF PPO
+    python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo     # PRM-PPO
     python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
         --prompts data/slf5k_prompts.jsonl --critic openai --critic-base-url http://localhost:8000/v1 \
         --critic-model rm --device cuda --dtype bf16 --gradient-checkpointing --output-dir runs/slf5k/text2grad

@@ -1,6 +1,6 @@
 """The paper's baselines beside Text2Grad on the demo, in the layout of the paper's Table 2 (§4.3, App. N)
 
-    python bench/paper_baselines.py                          # both annotators, 3 seeds x 150 iterations (hours on CPU)
+    python bench/paper_baselines.py                          # both annotators, 3 seeds x 100 iterations (hours on CPU)
     python bench/paper_baselines.py --annotators exact       # the programmatic-critique setting only
     python bench/paper_baselines.py --seeds 1 --steps 20 --pool 300 --pairs 100 --out bench/out/pb_smoke  # a look
 
@@ -22,8 +22,10 @@ learns from exactly those, and nothing else:
     Text2Grad, annotator online  03 with the annotator itself as the critic on every rollout: no budget, a reference
 Annotators (--annotators): exact, the demo's exact critic (the programmatic-critique setting); toy, the zero-flag
 stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
-and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset; every PPO run
-uses 03's demo preset (beta 0.2, batch 32, LoRA r 16) with --steps iterations; nothing is tuned per method.
+and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset but for its length
+(--rm-steps, the same for all three); every PPO run uses 03's demo preset (beta 0.2, batch 32, LoRA r 16, lr 1e-3)
+with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over the pairs. Nothing is tuned per
+method.
 
 Judged by the exact critic always, never trained on: on 200 held-out posts sampled at T = 1 by 04_evaluate.py (the
 mistake rate, Σδ, exact match; ROUGE-L and BLEU against the reference; length in tokens), the KL to the SFT start on
@@ -61,6 +63,7 @@ ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its a
     "Text2Grad, annotator online": "not in the paper (no budget: the annotator as critic)",
 }
 PPO_ROWS = ["PPO (BT RM)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
+DPO_FLAGS = ["--lr", "1e-3", "--epochs", "3"]  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
 
 
 def slug(row: str) -> str:
@@ -232,10 +235,10 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
     seeds = range(1, args.seeds + 1)
     dpo = {}
     for seed in seeds:
-        dpo[seed] = keyed(folder, f"dpo_seed{seed}", [str(flags["sft"]), str(data), seed])
+        dpo[seed] = keyed(folder, f"dpo_seed{seed}", [str(flags["sft"]), str(data), seed, *DPO_FLAGS])
         if not (dpo[seed] / "eval.json").is_file():
             run(["baselines/dpo.py", "--model", str(flags["sft"]), "--data", str(data), "--seed", str(seed),
-                 "--output-dir", str(dpo[seed])])
+                 *DPO_FLAGS, "--output-dir", str(dpo[seed])])
     runs = {row: {s: ppo(folder, slug(row), s, args.steps, [*start, *critic]) for s in seeds}
             for row, critic in critics.items()}
 
@@ -335,10 +338,11 @@ def main():
     p.add_argument("--annotators", nargs="+", default=["exact", "toy"], choices=["exact", "toy"],
                    help="exact: the demo's exact critic annotates every method's data; toy: the zero-flag reward model")
     p.add_argument("--seeds", type=int, default=3, help="seeds per trained method (PPO rows, DPO)")
-    p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
-    p.add_argument("--pool", type=int, default=6000, help="posts the SFT policy answers twice")
-    p.add_argument("--pairs", type=int, default=1500, help="the data budget: preference pairs (2x answers) per method")
-    p.add_argument("--rm-steps", type=int, help="02 --max-steps of every reward model (default: 02's demo preset)")
+    p.add_argument("--steps", type=int, default=100, help="PPO iterations per run")
+    p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
+    p.add_argument("--pairs", type=int, default=1000, help="the data budget: preference pairs (2x answers) per method")
+    p.add_argument("--rm-steps", type=int, default=300, help="02 --max-steps of every reward model (0: 02's demo "
+                   "preset, 600)")
     p.add_argument("--out", default="bench/out/paper_baselines", help="work dir (base, SFT, pool, every run)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every PPO run")
     args = p.parse_args()
