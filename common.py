@@ -601,7 +601,9 @@ def rm_settings(reward_model_dir) -> dict:
       rm_format          its output: "critique+spans" (z = [c ; A(y)]) or "spans-only" (w/o CoT); and its input's
                          instruction (RM_INSTRUCTIONS). Older files: "critique+spans".
       prompt_format, target_format   its input and output (build_rm_prompt; format_rm_target, then EOS).
-      objective          what it was trained for (02 --objective, RM_OBJECTIVES); older files: "generative".
+      objective          what it was trained for (02 --objective, RM_OBJECTIVES); older files: "generative". Without
+                         a file, a sequence classifier (its config.json's architecture, or a SEQ_CLS adapter: e.g.
+                         TRL's RewardTrainer output) is "pairwise", score_bias 0; any other model "generative".
       score_bias         pairwise: its mean score on the normalisation responses, subtracted from every score (Huang
                          et al. 2024); step_unit: prm: how its responses are cut into steps (split_steps).
     Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
@@ -619,11 +621,26 @@ def rm_settings(reward_model_dir) -> dict:
         out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
         out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)
     out.update({k: info[k] for k in out if k in info})
+    if path is not None and not info and _is_sequence_classifier(Path(reward_model_dir)):
+        out["objective"] = "pairwise"
     if out["rm_format"] not in RM_FORMATS:
         raise DataError(f"{path}: rm_format {out['rm_format']!r}: must be one of {', '.join(RM_FORMATS)}")
     if out["objective"] not in RM_OBJECTIVES:
         raise DataError(f"{path}: objective {out['objective']!r}: must be one of {', '.join(RM_OBJECTIVES)}")
     return out
+
+
+def _is_sequence_classifier(model_dir: Path) -> bool:
+    """True for a model directory (or LoRA adapter) with a sequence-classification head, read from its config files."""
+    for name, test in (("adapter_config.json", lambda c: c.get("task_type") == "SEQ_CLS"),
+                       ("config.json", lambda c: any(a.endswith("ForSequenceClassification")
+                                                     for a in c.get("architectures") or []))):
+        try:
+            if test(json.loads((model_dir / name).read_text())):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
 
 
 def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None,

@@ -22,8 +22,8 @@ learns from exactly those, and nothing else:
     Text2Grad, annotator online  03 with the annotator itself as the critic on every rollout: no budget, a reference
 Annotators (--annotators): exact, the demo's exact critic (the programmatic-critique setting); toy, the zero-flag
 stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
-and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset but for its length
-(--rm-steps, the same for all three); every PPO run uses 03's demo preset (beta 0.2, batch 32, LoRA r 16, lr 1e-3)
+and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
+full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2, batch 32, LoRA r 16, lr 1e-3)
 with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over the pairs. Nothing is tuned per
 method.
 
@@ -341,7 +341,7 @@ def main():
     p.add_argument("--steps", type=int, default=100, help="PPO iterations per run")
     p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
     p.add_argument("--pairs", type=int, default=1000, help="the data budget: preference pairs (2x answers) per method")
-    p.add_argument("--rm-steps", type=int, default=300, help="02 --max-steps of every reward model (0: 02's demo "
+    p.add_argument("--rm-steps", type=int, default=0, help="02 --max-steps of every reward model (0: 02's demo "
                    "preset, 600)")
     p.add_argument("--out", default="bench/out/paper_baselines", help="work dir (base, SFT, pool, every run)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every PPO run")

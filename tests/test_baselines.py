@@ -288,3 +288,16 @@ def test_reflect_adds_a_revised_row_and_needs_a_critic(tmp_path, tiny_model_dir)
     with pytest.raises(common.DataError, match="--reflect-critic reward-model: no --reward-model"):
         ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
                  "--reward-model", "none", "--output-dir", str(tmp_path / "ev2")])
+
+
+def test_a_plain_sequence_classifier_is_a_scalar_reward_model(tmp_path, tiny_model_dir):
+    """A reward model trained elsewhere (TRL's RewardTrainer saves a sequence classifier, no reward_model.json) is
+    taken by --critic scalar-rm, unnormalised, and refused where critiques are needed."""
+    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
+    common.save_pretrained(tmp_path / "trl_rm", model, tok)
+    settings = common.rm_settings(tmp_path / "trl_rm")
+    assert settings["objective"] == "pairwise" and settings["score_bias"] == 0.0
+    assert common.rm_settings(tiny_model_dir)["objective"] == "generative"  # a causal LM
+    ppo.parse_args(["--critic", "scalar-rm", "--reward-model", str(tmp_path / "trl_rm")])
+    with pytest.raises(common.DataError, match="needs a generative one"):
+        common.check_reward_model(str(tmp_path / "trl_rm"))
