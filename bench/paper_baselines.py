@@ -120,6 +120,38 @@ def annotate_with_rm(exact: Path, rm_dir: Path) -> Path:
     return dst
 
 
+def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 300) -> dict:
+    """Each reward model against the truth, on n_posts pool posts no budget used, judged by the exact critic: the
+    Bradley-Terry model's pairwise accuracy on their pairs, the PRM's step accuracy and wrong-step recall, the span
+    reward model's poor-token precision and recall (common.rm_span_metrics, as 02 reports them). Cached."""
+    cache = keyed(folder, "rm_quality", [str(exact), sorted(str(v) for v in rms.values()), n_posts]).with_suffix(
+        ".json")
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    import torch
+    torch.set_num_threads(1)
+    stage2 = importlib.import_module("02_train_reward")
+    records = [r for r in common.read_jsonl(exact) if r["prompt"] not in used]
+    posts = list(dict.fromkeys(r["prompt"] for r in records))[-n_posts:]
+    held = [r for r in records if r["prompt"] in set(posts)]
+    out = {"posts": len(posts), "answers": len(held)}
+    pairs = common.preference_pairs(held)
+    model, tok = common.load_model(str(rms["bt_rm"]), scalar_head=True)
+    info = common.rm_settings(rms["bt_rm"])
+    out["bt_rm"] = stage2.evaluate_scalar(model, tok, pairs, "pairwise", info["max_prompt_tokens"], "clause")
+    model, tok = common.load_model(str(rms["prm"]), scalar_head=True)
+    info = common.rm_settings(rms["prm"])
+    out["prm"] = stage2.evaluate_scalar(model, tok, held, "prm", info["max_prompt_tokens"], info["step_unit"])
+    model, tok = common.load_model(str(rms["span_rm"]))
+    info = common.rm_settings(rms["span_rm"])
+    metrics, _ = stage2.evaluate_rm(model, tok, held, info["max_new_tokens"], 64, info["max_prompt_tokens"],
+                                    info["rm_format"])
+    out["span_rm"] = {k: metrics[k] for k in ("parse_rate", "neg_precision", "neg_recall", "pos_precision",
+                                              "pos_recall")}
+    common.write_json(cache, out)
+    return out
+
+
 def budget(annotations: Path, n_pairs: int, folder: Path) -> Path:
     """The annotated answers of the first n_pairs posts that make a preference pair: the data of every method."""
     records = common.read_jsonl(annotations)
@@ -278,8 +310,10 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
                       for n, s in zip(names, seeds)]
     rms = {name: json.loads((d / "eval.json").read_text()) for name, d in
            (("span_rm", span_rm), ("bt_rm", bt_rm), ("prm", prm))}
+    used = {r["prompt"] for f in out.glob("*/budget-*.jsonl") for r in common.read_jsonl(f)}
+    truth = rm_quality(folder, exact, used, {"span_rm": span_rm, "bt_rm": bt_rm, "prm": prm})
     n_pairs = len(common.preference_pairs(common.read_jsonl(data)))
-    return {"rows": table, "reward_models": rms, "budget": str(data), "pairs": n_pairs,
+    return {"rows": table, "reward_models": rms, "reward_models_vs_exact": truth, "budget": str(data), "pairs": n_pairs,
             "dirs": {"eval": str(ev["dir"]), "reflect": str(ev_reflect["dir"]), "no_critique": str(ev_plain["dir"])}}
 
 
@@ -326,7 +360,14 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
               f"rate on {sum(wins)} of {len(wins)} seeds (steps {[m['steps'] for m in mine]} vs "
               f"{[b['steps'] for b in bt]}; final {[round(m['final'], 3) for m in mine]} vs "
               f"{[round(b['final'], 3) for b in bt]})")
-    print("reward models on held-out data: " + "; ".join(
+    truth = res["reward_models_vs_exact"]
+    print(f"reward models against the exact critic on {truth['posts']} pool posts no budget used "
+          f"({truth['answers']} answers): BT pairwise accuracy {truth['bt_rm']['pairwise_accuracy']:.3f} on "
+          f"{truth['bt_rm']['n']} pairs; PRM step accuracy {truth['prm']['step_accuracy']:.3f}, wrong-step recall "
+          f"{truth['prm']['wrong_step_recall'] or 0:.3f}, precision {truth['prm']['wrong_step_precision'] or 0:.3f}; "
+          f"span RM poor-token recall {truth['span_rm']['neg_recall'] or 0:.3f}, precision "
+          f"{truth['span_rm']['neg_precision'] or 0:.3f}, parse {truth['span_rm']['parse_rate']:.3f}")
+    print("reward models on their own held-out split: " + "; ".join(
         f"{n}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if k in (
             "pairwise_accuracy", "step_accuracy", "wrong_step_recall", "wrong_step_precision", "neg_precision",
             "neg_recall", "parse_rate") and v is not None) for n, m in res["reward_models"].items()))
