@@ -292,7 +292,7 @@ def print_table(m: dict) -> None:
 
 
 def bradley_terry_loss(r_chosen, r_rejected):
-    """-log sigmoid(r_c - r_r), the mean over pairs (Bradley-Terry, as in Ouyang et al. 2022, eq. 1). (B,), (B,) -> ()"""
+    """-log sigmoid(r_c - r_r), the mean over pairs (Bradley-Terry, as in Ouyang et al. 2022, eq. 1). (B,), (B,)"""
     return -torch.nn.functional.logsigmoid(r_chosen - r_rejected).mean()
 
 

@@ -15,7 +15,7 @@ Only common.py is needed beside it, and tasks/ for a task's program critic.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
-    python 03_train_policy.py --critic scalar-rm --reward-model runs/demo/bt_rm --output-dir runs/demo/ppo_bt  # RLHF PPO
+    python 03_train_policy.py --critic scalar-rm --reward-model runs/demo/bt_rm --output-dir runs/demo/ppo_bt  # PPO
     python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo     # PRM-PPO
     python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
         --prompts data/slf5k_prompts.jsonl --critic openai --critic-base-url http://localhost:8000/v1 \
@@ -183,7 +183,7 @@ def parse_args(argv=None):
         objective, use = SCALAR_CRITICS[args.critic]
         common.check_reward_model(args.reward_model, objective=objective, use=use)
         if args.labels == "dense" or args.span_weighting != "uniform":
-            raise common.DataError(f"--critic {args.critic}: --labels and --span-weighting relabel spans; it quotes none")
+            raise common.DataError(f"--critic {args.critic}: --labels and --span-weighting relabel spans, it has none")
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
         raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
     return args

@@ -721,8 +721,9 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
     try:
         tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json")
                                                   .is_file() else name_or_path)
-        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=torch_dtype(dtype), num_labels=1) \
-            if scalar_head else AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype))
+        auto = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+        model = auto.from_pretrained(name_or_path, dtype=torch_dtype(dtype), **({"num_labels": 1} if scalar_head
+                                                                                 else {}))
     except (OSError, ValueError) as e:
         raise DataError(f"{name_or_path}: cannot load the model: {first_line(e)}") from None
     if tokenizer.pad_token is None:

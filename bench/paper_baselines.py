@@ -23,9 +23,9 @@ learns from exactly those, and nothing else:
 Annotators (--annotators): exact, the demo's exact critic (the programmatic-critique setting); toy, the zero-flag
 stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
 and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
-full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2, batch 32, LoRA r 16, lr 1e-3)
-with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over the pairs. Nothing is tuned per
-method.
+full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2,
+batch 32, LoRA r 16, lr 1e-3) with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over
+the pairs. Nothing is tuned per method.
 
 Judged by the exact critic always, never trained on: on 200 held-out posts sampled at T = 1 by 04_evaluate.py (the
 mistake rate, Σδ, exact match; ROUGE-L and BLEU against the reference; length in tokens), the KL to the SFT start on

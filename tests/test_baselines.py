@@ -89,7 +89,8 @@ def test_dataset_pairs_take_strings_and_chats(tmp_path):
     common.write_jsonl(path, [{"prompt": "hi", "chosen": "good", "rejected": "bad"},
                               {"prompt": "yo", "chosen": [{"role": "user", "content": "yo"},
                                                           {"role": "assistant", "content": "fine"}],
-                               "rejected": [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "no"}]}])
+                               "rejected": [{"role": "user", "content": "yo"},
+                                            {"role": "assistant", "content": "no"}]}])
     pairs, source = rm.load_pairs(str(path))
     assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [("hi", "good", "bad"), ("yo", "fine", "no")]
     assert source == "the dataset's pairs"
