@@ -96,6 +96,9 @@ def parse_args(argv=None):
       "scalar-rm (02 --objective pairwise) scores the whole response,\nput on its last token (classic RLHF PPO); "
       "prm (02 --objective prm) scores each step, put\non the step's last token (scalar_critic)")
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
+    a("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: mean subtracts the "
+      "SFT demonstrations' mean score (Huang et al. 2024);\nmean-std also divides by their std (Ziegler et al. "
+      "2019's gain): the score's scale\nagainst beta * KL no longer depends on how confident the reward model got")
     a("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"], help="chat: one user message (the server "
@@ -501,7 +504,8 @@ def scalar_critic(args):
     that span_deltas puts on the token holding the character before that end (None: the last token).
       scalar-rm  classic RLHF PPO (Ziegler et al. 2019; Huang et al. 2024): a Bradley-Terry reward model's score of
                  the whole response, read at the EOS appended to it (common.scalar_rm_input), minus score_bias (its
-                 mean score on the SFT demonstrations, 02's normalisation): one reward, on the last token (the
+                 mean score on the SFT demonstrations, 02's normalisation; --score-norm mean-std: divided by
+                 their std too, norm_score_std): one reward, on the last token (the
                  EOS if the policy sampled one). compute_rewards adds -beta * KL_t and the missing-EOS penalty; the
                  paper's scalar PPO baseline is this with --reward-mode span or scalar alike (one non-zero delta).
       prm        PRM-PPO (App. N): a process reward model's score s of each step (common.split_steps, as 02 cut its
@@ -510,13 +514,14 @@ def scalar_critic(args):
     Its input is cut as stage 2 cut it (reward_model.json's max_prompt_tokens)."""
     rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype, scalar_head=True)
     info, prm = common.rm_settings(args.reward_model), args.critic == "prm"
+    scale = info["norm_score_std"] if args.score_norm == "mean-std" else 1.0
 
     def critic(recs, texts):
         steps = [common.split_steps(t, info["step_unit"] or "clause") for t in texts] if prm else None
         scores = common.score_responses(rm, rm_tok, [r["prompt"] for r in recs], texts, steps,
                                         info["max_prompt_tokens"])
         rewards = [[(e, 2 * torch.sigmoid(torch.tensor(s)).item() - 1) for (_, e), s in zip(st, row)]
-                   for st, row in zip(steps, scores)] if prm else [[(None, row[0] - info["score_bias"])]
+                   for st, row in zip(steps, scores)] if prm else [[(None, (row[0] - info["score_bias"]) / scale)]
                                                                     for row in scores]
         return [{"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": r} for r in rewards]
     return critic

@@ -605,7 +605,8 @@ def rm_settings(reward_model_dir) -> dict:
                          a file, a sequence classifier (its config.json's architecture, or a SEQ_CLS adapter: e.g.
                          TRL's RewardTrainer output) is "pairwise", score_bias 0; any other model "generative".
       score_bias         pairwise: its mean score on the normalisation responses, subtracted from every score (Huang
-                         et al. 2024); step_unit: prm: how its responses are cut into steps (split_steps).
+                         et al. 2024), and norm_score_std their std; step_unit: prm: how its responses are cut into
+                         steps (split_steps).
     Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
     max_new_tokens 128 (demo) or 512 and the input cut to max_len minus that: those are returned. No file (a plain
     model directory; None for a served model): no cut, and max_new_tokens None."""
@@ -616,7 +617,7 @@ def rm_settings(reward_model_dir) -> dict:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     out = {"max_prompt_tokens": None, "max_new_tokens": None, "rm_format": "critique+spans",
            "prompt_format": RM_PROMPT_FORMAT, "target_format": RM_TARGET_FORMAT, "objective": "generative",
-           "score_bias": 0.0, "step_unit": None}
+           "score_bias": 0.0, "norm_score_std": 1.0, "step_unit": None}
     if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
         out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
         out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)

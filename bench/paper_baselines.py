@@ -17,6 +17,7 @@ learns from exactly those, and nothing else:
     DPO                          baselines/dpo.py on the N pairs
     PPO (BT RM)                  03 --critic scalar-rm: 02 --objective pairwise on the N pairs, normalised on the SFT
                                  demonstrations (Huang et al. 2024): classic RLHF PPO
+    PPO (BT RM, unit std)        the same, the score also divided by the demonstrations' std (--score-norm mean-std)
     PRM-PPO                      03 --critic prm: 02 --objective prm on the 2N answers' clause labels (App. N)
     Text2Grad                    03 --critic local: 02's span reward model on the 2N annotated answers
     Text2Grad, annotator online  03 with the annotator itself as the critic on every rollout: no budget, a reference
@@ -58,11 +59,12 @@ ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its a
     "SFT + revision, no critique": "not in the paper (our control)",
     "DPO": "Text2Grad better (App. N)",
     "PPO (BT RM)": "Text2Grad better, and faster to converge (Table 2, Fig. 3)",
+    "PPO (BT RM, unit std)": "as PPO (BT RM): not in the paper, our variant",
     "PRM-PPO": "Text2Grad better (App. N)",
     "Text2Grad": "the method",
     "Text2Grad, annotator online": "not in the paper (no budget: the annotator as critic)",
 }
-PPO_ROWS = ["PPO (BT RM)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
+PPO_ROWS = ["PPO (BT RM)", "PPO (BT RM, unit std)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
 DPO_FLAGS = ["--lr", "1e-3", "--epochs", "3"]  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
 
 
@@ -188,7 +190,8 @@ def curve_stats(run_dir: Path, steps: int) -> dict:
     mistakes = [r["exact/mistake_rate"] for r in rows]
     hit = steps_to_threshold(mistakes)
     return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
-            "start": mistakes[0]}
+            "start": mistakes[0], "final_train_length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
+            "final_train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:])}
 
 
 def sequence_kl(policy: str, sft: str, prompts: list[str], gens: list[dict], max_new_tokens: int) -> float:
@@ -260,6 +263,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
     start = ["--model", str(flags["sft"]), "--sft-steps", "0", "--prompts", str(flags["prompts"]),
              "--scalar-baseline-dir", "", *args.ppo_args]
     critics = {"PPO (BT RM)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm)],
+               "PPO (BT RM, unit std)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm), "--score-norm",
+                                         "mean-std"],
                "PRM-PPO": ["--critic", "prm", "--reward-model", str(prm)],
                "Text2Grad": ["--critic", "local", "--reward-model", str(span_rm)],
                "Text2Grad, annotator online": ["--critic", "program"] if annotator == "exact" else
@@ -359,7 +364,9 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
         print(f"{name} vs PPO (BT RM), seed by seed: fewer steps to ≤ {THRESHOLD} and a lower final training mistake "
               f"rate on {sum(wins)} of {len(wins)} seeds (steps {[m['steps'] for m in mine]} vs "
               f"{[b['steps'] for b in bt]}; final {[round(m['final'], 3) for m in mine]} vs "
-              f"{[round(b['final'], 3) for b in bt]})")
+              f"{[round(b['final'], 3) for b in bt]}; final training length / KL "
+              f"{[(round(m['final_train_length'], 1), round(m['final_train_kl'], 1)) for m in mine]} vs "
+              f"{[(round(b['final_train_length'], 1), round(b['final_train_kl'], 1)) for b in bt]})")
     truth = res["reward_models_vs_exact"]
     print(f"reward models against the exact critic on {truth['posts']} pool posts no budget used "
           f"({truth['answers']} answers): BT pairwise accuracy {truth['bt_rm']['pairwise_accuracy']:.3f} on "

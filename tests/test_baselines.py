@@ -191,6 +191,10 @@ def test_scalar_rm_critic_puts_the_normalised_score_on_the_last_token(bt_reward_
         with torch.no_grad():
             raw = model(input_ids=torch.tensor([common.scalar_rm_input(tok, p, text)[0]])).logits[0, 0].item()
         assert fb["step_rewards"] == [(None, pytest.approx(raw - bias, abs=1e-5))]
+        std = common.rm_settings(path)["norm_score_std"]
+        assert std > 0 and ppo.make_critic(ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path,
+                                                           "--score-norm", "mean-std", "--device", "cpu"]))(
+            [{"prompt": p}], [text])[0]["step_rewards"] == [(None, pytest.approx((raw - bias) / std, abs=1e-5))]
         ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         d = ppo.span_deltas([text], [common.decode_with_offsets(tok, ids)[1]], [fb], torch.ones(1, len(ids)))[0]
         assert d[0, :-1].abs().sum() == 0 and d[0, -1].item() == pytest.approx(raw - bias, abs=1e-5)

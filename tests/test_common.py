@@ -640,7 +640,7 @@ def test_rm_settings_defaults(tmp_path):
     without a file."""
     formats = {"rm_format": "critique+spans", "prompt_format": common.RM_PROMPT_FORMAT,
                "target_format": common.RM_TARGET_FORMAT, "objective": "generative", "score_bias": 0.0,
-               "step_unit": None}  # older files: a generative reward model
+               "norm_score_std": 1.0, "step_unit": None}  # older files: a generative reward model
     assert common.rm_settings(None) == common.rm_settings(tmp_path) == {"max_prompt_tokens": None,
                                                                         "max_new_tokens": None, **formats}
     common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})
