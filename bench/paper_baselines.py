@@ -14,7 +14,7 @@ learns from exactly those, and nothing else:
                                  reviser: 03's SFT on the budget's flawed answers -> references (baselines/
                                  reflection_data.py; the toy policy cannot revise untrained)
     SFT + revision, no critique  the same reviser with an empty critique: what the critique itself adds
-    DPO                          baselines/dpo.py on the N pairs
+    DPO                          baselines/dpo.py on the N pairs (lr 1e-3 as PPO's LoRA; and 1e-4)
     PPO (BT RM)                  03 --critic scalar-rm: 02 --objective pairwise on the N pairs, normalised on the SFT
                                  demonstrations (Huang et al. 2024): classic RLHF PPO
     PPO (BT RM, unit std)        the same, the score also divided by the demonstrations' std (--score-norm mean-std)
@@ -26,7 +26,7 @@ stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in
 and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
 full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2,
 batch 32, LoRA r 16, lr 1e-3) with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over
-the pairs. Nothing is tuned per method.
+the pairs (and a row at a tenth of that learning rate). Nothing is tuned per method.
 
 Judged by the exact critic always, never trained on: on 200 held-out posts sampled at T = 1 by 04_evaluate.py (the
 mistake rate, Σδ, exact match; ROUGE-L and BLEU against the reference; length in tokens), the KL to the SFT start on
@@ -58,6 +58,7 @@ ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its a
     "SFT + reflection": "Text2Grad better (Table 2)",
     "SFT + revision, no critique": "not in the paper (our control)",
     "DPO": "Text2Grad better (App. N)",
+    "DPO, lr 1e-4": "as DPO: not in the paper, our variant",
     "PPO (BT RM)": "Text2Grad better, and faster to converge (Table 2, Fig. 3)",
     "PPO (BT RM, unit std)": "as PPO (BT RM): not in the paper, our variant",
     "PRM-PPO": "Text2Grad better (App. N)",
@@ -65,7 +66,8 @@ ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its a
     "Text2Grad, annotator online": "not in the paper (no budget: the annotator as critic)",
 }
 PPO_ROWS = ["PPO (BT RM)", "PPO (BT RM, unit std)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
-DPO_FLAGS = ["--lr", "1e-3", "--epochs", "3"]  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
+DPO_ROWS = {"DPO": ["--lr", "1e-3", "--epochs", "3"],  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
+            "DPO, lr 1e-4": ["--lr", "1e-4", "--epochs", "3"]}  # a tenth of it: DPO has no clip and no KL per token
 
 
 def slug(row: str) -> str:
@@ -271,16 +273,17 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
                ["--critic", "local", "--reward-model", str(flags["toy_rm"])]}
     seeds = range(1, args.seeds + 1)
     dpo = {}
-    for seed in seeds:
-        dpo[seed] = keyed(folder, f"dpo_seed{seed}", [str(flags["sft"]), str(data), seed, *DPO_FLAGS])
-        if not (dpo[seed] / "eval.json").is_file():
-            run(["baselines/dpo.py", "--model", str(flags["sft"]), "--data", str(data), "--seed", str(seed),
-                 *DPO_FLAGS, "--output-dir", str(dpo[seed])])
+    for row, dpo_flags in DPO_ROWS.items():
+        for seed in seeds:
+            dpo[row, seed] = keyed(folder, f"{slug(row)}_seed{seed}", [str(flags["sft"]), str(data), seed, *dpo_flags])
+            if not (dpo[row, seed] / "eval.json").is_file():
+                run(["baselines/dpo.py", "--model", str(flags["sft"]), "--data", str(data), "--seed", str(seed),
+                     *dpo_flags, "--output-dir", str(dpo[row, seed])])
     runs = {row: {s: ppo(folder, slug(row), s, args.steps, [*start, *critic]) for s in seeds}
             for row, critic in critics.items()}
 
     # ---- evaluation: 04 on the held-out posts (exact critic, ROUGE-L, BLEU), the KL to SFT, the training curves
-    policies = {"sft": str(flags["sft"]), **{f"dpo_{s}": str(dpo[s] / "policy") for s in seeds},
+    policies = {"sft": str(flags["sft"]), **{f"{slug(row)}_{s}": str(d / "policy") for (row, s), d in dpo.items()},
                 **{f"{slug(row)}_{s}": str(runs[row][s] / "policy") for row in PPO_ROWS for s in seeds}}
     ev = evaluate(folder, policies, flags["eval"])
     reflect = ["--reflect", "--reviser", str(reviser)] + (["--reflect-critic", "program"] if annotator == "exact"
@@ -308,7 +311,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
     table = {"SFT": [metrics(ev["table"], "sft", 0.0)],
              "SFT + reflection": [metrics(ev_reflect["table"], "sft+reflect", None)],
              "SFT + revision, no critique": [metrics(ev_plain["table"], "sft+reflect", None)],
-             "DPO": [metrics(ev["table"], f"dpo_{s}", kl[f"dpo_{s}"]) for s in seeds]}
+             **{row: [metrics(ev["table"], f"{slug(row)}_{s}", kl[f"{slug(row)}_{s}"]) for s in seeds]
+                for row in DPO_ROWS}}
     for row in PPO_ROWS:
         names = [f"{slug(row)}_{s}" for s in seeds]
         table[row] = [{**metrics(ev["table"], n, kl[n]), **curve_stats(runs[row][s], args.steps)}
