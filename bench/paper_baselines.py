@@ -2,6 +2,7 @@
 
     python bench/paper_baselines.py                          # both annotators, 3 seeds x 100 iterations (hours on CPU)
     python bench/paper_baselines.py --annotators exact       # the programmatic-critique setting only
+    python bench/paper_baselines.py --annotators smol --annotator-rm smol=runs/demo/smol_rm   # SmolLM2's critic (GPU)
     python bench/paper_baselines.py --seeds 1 --steps 20 --pool 300 --pairs 100 --out bench/out/pb_smoke  # a look
 
 One start and one data budget for every method. The start: bench/span_vs_scalar.py's shared SFT checkpoint. The
@@ -23,7 +24,8 @@ learns from exactly those, and nothing else:
     Text2Grad, annotator online  03 with the annotator itself as the critic on every rollout: no budget, a reference
 Annotators (--annotators): exact, the demo's exact critic (the programmatic-critique setting); toy, the zero-flag
 stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
-and located as 01 does. Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
+and located as 01 does; --annotator-rm NAME=DIR adds another such annotator (e.g. bench/real_critic.py's SmolLM2
+reward model). Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
 full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2,
 batch 32, LoRA r 16, lr 1e-3) with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over
 the pairs (and a row at a tenth of that learning rate). Nothing is tuned per method.
@@ -95,11 +97,11 @@ def pool_annotations(out: Path, sft: Path, n_posts: int) -> Path:
     return exact
 
 
-def annotate_with_rm(exact: Path, rm_dir: Path) -> Path:
+def annotate_with_rm(exact: Path, rm_dir: Path, name: str) -> Path:
     """The same answers judged by a stage-2 reward model: its critique parsed and located as 01_annotate.py's are
     (01's finish), unparseable ones status "failed". Append-only per chunk, resumable."""
     stage1 = importlib.import_module("01_annotate")
-    dst = keyed(exact.parent, "toy", {"rm": str(rm_dir)}).with_suffix(".jsonl")
+    dst = keyed(exact.parent, name, {"rm": str(rm_dir)}).with_suffix(".jsonl")
     records = [{k: r[k] for k in ("id", "prompt", "response", "reference")} for r in common.read_jsonl(exact)]
     done = common.open_resumable_jsonl(dst)
     todo = [r for r in records if r["id"] not in done]
@@ -246,7 +248,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
     folder = out / annotator
     folder.mkdir(parents=True, exist_ok=True)
     exact = pool_annotations(out, flags["sft"], args.pool)
-    annotations = exact if annotator == "exact" else annotate_with_rm(exact, flags["toy_rm"])
+    annotator_rm = flags["annotator_rms"].get(annotator)  # None: the exact critic
+    annotations = exact if annotator_rm is None else annotate_with_rm(exact, annotator_rm, annotator)
     data = budget(annotations, args.pairs, folder)
     base = ["--model", str(flags["base"]), "--data", str(data), *(["--max-steps", str(args.rm_steps)]
                                                                   if args.rm_steps else [])]
@@ -269,8 +272,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
                                          "mean-std"],
                "PRM-PPO": ["--critic", "prm", "--reward-model", str(prm)],
                "Text2Grad": ["--critic", "local", "--reward-model", str(span_rm)],
-               "Text2Grad, annotator online": ["--critic", "program"] if annotator == "exact" else
-               ["--critic", "local", "--reward-model", str(flags["toy_rm"])]}
+               "Text2Grad, annotator online": ["--critic", "program"] if annotator_rm is None else
+               ["--critic", "local", "--reward-model", str(annotator_rm)]}
     seeds = range(1, args.seeds + 1)
     dpo = {}
     for row, dpo_flags in DPO_ROWS.items():
@@ -286,8 +289,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
     policies = {"sft": str(flags["sft"]), **{f"{slug(row)}_{s}": str(d / "policy") for (row, s), d in dpo.items()},
                 **{f"{slug(row)}_{s}": str(runs[row][s] / "policy") for row in PPO_ROWS for s in seeds}}
     ev = evaluate(folder, policies, flags["eval"])
-    reflect = ["--reflect", "--reviser", str(reviser)] + (["--reflect-critic", "program"] if annotator == "exact"
-                                                          else ["--reward-model", str(flags["toy_rm"])])
+    reflect = ["--reflect", "--reviser", str(reviser)] + (["--reflect-critic", "program"] if annotator_rm is None
+                                                          else ["--reward-model", str(annotator_rm)])
     ev_reflect = evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"], reflect)
     ev_plain = evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"],
                         ["--reflect", "--reviser", str(reviser), "--reflect-critic", "none"])
@@ -387,8 +390,12 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--annotators", nargs="+", default=["exact", "toy"], choices=["exact", "toy"],
-                   help="exact: the demo's exact critic annotates every method's data; toy: the zero-flag reward model")
+    p.add_argument("--annotators", nargs="+", default=["exact", "toy"],
+                   help="exact: the demo's exact critic annotates every method's data; toy: the zero-flag reward model; "
+                        "or a NAME of --annotator-rm")
+    p.add_argument("--annotator-rm", action="append", default=[], metavar="NAME=DIR",
+                   help="another annotator: a generative stage-2 reward model that annotates the pool and is the "
+                        "online critic of its setting (repeatable)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per trained method (PPO rows, DPO)")
     p.add_argument("--steps", type=int, default=100, help="PPO iterations per run")
     p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
@@ -402,8 +409,16 @@ def main():
     shared_start(out, "local" if "toy" in args.annotators else "program", None, args.steps, [])
     eval_data = out / "eval.jsonl"
     common.write_jsonl(eval_data, demo_dataset("eval", 200))
+    annotator_rms = {"toy": (out / "reward_model").resolve()}
+    for spec in args.annotator_rm:
+        name, _, path = spec.partition("=")
+        annotator_rms[name] = Path(path).resolve()
+        common.check_reward_model(str(annotator_rms[name]), "--annotator-rm ")
+    unknown = [a for a in args.annotators if a != "exact" and a not in annotator_rms]
+    if unknown:
+        p.error(f"--annotators {' '.join(unknown)}: not exact, toy or a NAME given by --annotator-rm NAME=DIR")
     flags = {"base": (out / "base").resolve(), "sft": (out / "sft").resolve(), "prompts": out / "prompts.jsonl",
-             "sft_data": out / "sft.jsonl", "toy_rm": (out / "reward_model").resolve(), "eval": eval_data}
+             "sft_data": out / "sft.jsonl", "annotator_rms": annotator_rms, "eval": eval_data}
     import peft
     import torch
     import transformers
