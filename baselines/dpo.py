@@ -94,10 +94,10 @@ def encode_pairs(tokenizer, pairs: list[dict], chat_template: str, max_prompt_to
              answer(p["rejected"])) for p in pairs]
 
 
-def sequence_logprobs(model, ref_model, batch: list[tuple], pad_id: int, device: str, dtype: str):
-    """(policy, reference) summed log-probs of the chosen then the rejected response of each pair, each (2B,), laid
-    out as 03 lays out rollouts (prompts left-padded, responses right-padded) and scored by 03's forward."""
-    queries, answers = [q for q, _, _ in batch] * 2, [c for _, c, _ in batch] + [r for _, _, r in batch]
+def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[list[int]], pad_id: int, device: str,
+                      dtype: str):
+    """(policy, reference) summed log-probs of each answer given its query, each (N,), laid out as 03 lays out
+    rollouts (queries left-padded, answers right-padded) and scored by 03's forward and reference_forward."""
     query, query_mask = common.left_pad(queries, pad_id)
     T = max(len(y) for y in answers)
     response = torch.full((len(answers), T), pad_id, dtype=torch.long)
@@ -115,7 +115,8 @@ def sequence_logprobs(model, ref_model, batch: list[tuple], pad_id: int, device:
 
 def pair_stats(model, ref_model, batch, pad_id, args) -> tuple:
     """(loss, its stats) of a batch of encoded pairs: dpo_loss on sequence_logprobs, and TRL's names for the stats."""
-    pi, ref = sequence_logprobs(model, ref_model, batch, pad_id, args.device, args.dtype)
+    queries, answers = [q for q, _, _ in batch] * 2, [c for _, c, _ in batch] + [r for _, _, r in batch]
+    pi, ref = sequence_logprobs(model, ref_model, queries, answers, pad_id, args.device, args.dtype)  # chosen, rejected
     B = len(batch)
     loss, r_c, r_r = dpo_loss(pi[:B], pi[B:], ref[:B], ref[B:], args.beta)
     return loss, {"loss": loss.item(), "rewards/chosen": r_c.mean().item(), "rewards/rejected": r_r.mean().item(),

@@ -200,27 +200,21 @@ def curve_stats(run_dir: Path, steps: int) -> dict:
 
 def sequence_kl(policy: str, sft: str, prompts: list[str], gens: list[dict], max_new_tokens: int) -> float:
     """KL(pi || pi_SFT) on pi's own samples: the mean over them of sum_t log pi(y_t) - log pi_SFT(y_t), the EOS
-    included where one ended the answer. pi_SFT is the LoRA adapter switched off (03's reference_forward)."""
+    included where one ended the answer (baselines/dpo.py's sequence_logprobs: 03's forward; pi_SFT is the LoRA
+    adapter switched off, or the SFT model itself for a full fine-tune)."""
     import torch
-    stage3 = importlib.import_module("03_train_policy")
+    sys.path.insert(0, str(ROOT / "baselines"))
+    dpo = importlib.import_module("dpo")
     model, tok = common.load_model(policy)
     ref = None if hasattr(model, "peft_config") else common.load_model(sft)[0]
     total = []
     for i in range(0, len(gens), 64):
-        chunk = gens[i:i + 64]
-        query, query_mask = common.left_pad([common.policy_prompt(tok, p) for p in prompts[i:i + 64]],
-                                            tok.pad_token_id)
+        queries = [common.policy_prompt(tok, p) for p in prompts[i:i + 64]]
         answers = [g["response_ids"] + ([tok.eos_token_id] if len(g["response_ids"]) < max_new_tokens else [])
-                   for g in chunk]
-        T = max(len(y) for y in answers)
-        response, mask = torch.full((len(chunk), T), tok.pad_token_id), torch.zeros(len(chunk), T)
-        for j, y in enumerate(answers):
-            response[j, :len(y)], mask[j, :len(y)] = torch.tensor(y), 1.0
-        ids, attn = torch.cat([query, response], 1), torch.cat([query_mask, mask.long()], 1)
+                   for g in gens[i:i + 64]]
         with torch.no_grad():
-            logp = stage3.forward(model, None, ids, attn, T, 1.0)[0]
-            ref_logp = stage3.reference_forward(model, ref, ids, attn, T, 1.0)[0]
-        total += ((logp - ref_logp) * mask).sum(1).tolist()
+            logp, ref_logp = dpo.sequence_logprobs(model, ref, queries, answers, tok.pad_token_id, "cpu", "float32")
+        total += (logp - ref_logp).tolist()
     return statistics.fmean(total)
 
 
