@@ -56,12 +56,12 @@ from tasks.demo import demo_dataset  # noqa: E402
 
 ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its abstract: Text2Grad "consistently
     # surpasses scalar-reward RL and prompt-only baselines")
-    "SFT": "Text2Grad better (Table 2)",
-    "SFT + reflection": "Text2Grad better (Table 2)",
+    "SFT": "Text2Grad better (§4.3)",
+    "SFT + reflection": "Text2Grad better (§4.3)",
     "SFT + revision, no critique": "not in the paper (our control)",
-    "DPO": "Text2Grad better (App. N)",
+    "DPO": "Text2Grad better (§4.3, App. N)",
     "DPO, lr 1e-4": "as DPO: not in the paper, our variant",
-    "PPO (BT RM)": "Text2Grad better, and faster to converge (Table 2, Fig. 3)",
+    "PPO (BT RM)": "Text2Grad better, and faster to converge (§4.3)",
     "PPO (BT RM, unit std)": "as PPO (BT RM): not in the paper, our variant",
     "PRM-PPO": "Text2Grad better (App. N)",
     "Text2Grad": "the method",
