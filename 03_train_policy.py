@@ -15,6 +15,8 @@ Only common.py is needed beside it, and tasks/ for a task's program critic.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
+    python 03_train_policy.py --critic scalar-rm --reward-model runs/demo/bt_rm --output-dir runs/demo/ppo_bt  # PPO
+    python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo     # PRM-PPO
     python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
         --prompts data/slf5k_prompts.jsonl --critic openai --critic-base-url http://localhost:8000/v1 \
         --critic-model rm --device cuda --dtype bf16 --gradient-checkpointing --output-dir runs/slf5k/text2grad
@@ -97,8 +99,14 @@ def parse_args(argv=None):
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
     # --- critic
-    a("--critic", default="local", choices=["local", "program", "openai"], help="who writes critique + spans")
-    a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local")
+    a("--critic", default="local", choices=["local", "program", "openai", "scalar-rm", "prm"], help="who writes "
+      "critique + spans; or the paper's baselines (§4.3, App. N), a scalar reward\nmodel's scores instead: "
+      "scalar-rm (02 --objective pairwise) scores the whole response,\nput on its last token (classic RLHF PPO); "
+      "prm (02 --objective prm) scores each step, put\non the step's last token (scalar_critic)")
+    a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
+    a("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: mean subtracts the "
+      "SFT demonstrations' mean score (Huang et al. 2024);\nmean-std also divides by their std (Ziegler et al. "
+      "2019's gain): the score's scale\nagainst beta * KL no longer depends on how confident the reward model got")
     a("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"], help="chat: one user message (the server "
@@ -209,6 +217,11 @@ def parse_args(argv=None):
     if args.batch_size % shards:
         raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
                                f"--grad-accum = {shards}")
+    if args.critic in SCALAR_CRITICS:  # before any training: a generative reward model here (or none) is refused
+        objective, use = SCALAR_CRITICS[args.critic]
+        common.check_reward_model(args.reward_model, objective=objective, use=use)
+        if args.labels == "dense" or args.span_weighting != "uniform":
+            raise common.DataError(f"--critic {args.critic}: --labels and --span-weighting relabel spans, it has none")
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
         raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
     return args
@@ -555,7 +568,9 @@ def make_critic(args):
     """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or a failed critique (_parse) when its
     output did not parse or its request failed.
     --critic local: the stage 2 reward model; openai: one behind an OpenAI-compatible server; program: the task's
-    programmatic critic (tasks/)."""
+    programmatic critic (tasks/); scalar-rm, prm: a scalar reward model (scalar_critic)."""
+    if args.critic in SCALAR_CRITICS:
+        return scalar_critic(args)
     if args.critic == "program":
         if args.task == "demo":
             from tasks.demo import demo_critic
@@ -578,6 +593,37 @@ def make_critic(args):
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
         args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens, args.critic_rm_format,
         args.critic_timeout, args.critic_retries)]
+
+
+SCALAR_CRITICS = {"scalar-rm": ("pairwise", "--critic scalar-rm"), "prm": ("prm", "--critic prm")}
+
+
+def scalar_critic(args):
+    """The paper's scalar baselines as a critic: feedback with no spans and "step_rewards", [(character end, reward)]
+    that span_deltas puts on the token holding the character before that end (None: the last token).
+      scalar-rm  classic RLHF PPO (Ziegler et al. 2019; Huang et al. 2024): a Bradley-Terry reward model's score of
+                 the whole response, read at the EOS appended to it (common.scalar_rm_input), minus score_bias (its
+                 mean score on the SFT demonstrations, 02's normalisation; --score-norm mean-std: divided by
+                 their std too, norm_score_std): one reward, on the last token (the
+                 EOS if the policy sampled one). compute_rewards adds -beta * KL_t and the missing-EOS penalty; the
+                 paper's scalar PPO baseline is this with --reward-mode span or scalar alike (one non-zero delta).
+      prm        PRM-PPO (App. N): a process reward model's score s of each step (common.split_steps, as 02 cut its
+                 training responses), as 2 * sigmoid(s) - 1 in (-1, 1) (+1: surely right, -1: surely wrong, the
+                 range of delta), on the step's last token.
+    Its input is cut as stage 2 cut it (reward_model.json's max_prompt_tokens)."""
+    rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype, scalar_head=True)
+    info, prm = common.rm_settings(args.reward_model), args.critic == "prm"
+    scale = info["norm_score_std"] if args.score_norm == "mean-std" else 1.0
+
+    def critic(recs, texts):
+        steps = [common.split_steps(t, info["step_unit"] or "clause") for t in texts] if prm else None
+        scores = common.score_responses(rm, rm_tok, [r["prompt"] for r in recs], texts, steps,
+                                        info["max_prompt_tokens"])
+        rewards = [[(e, 2 * torch.sigmoid(torch.tensor(s)).item() - 1) for (_, e), s in zip(st, row)]
+                   for st, row in zip(steps, scores)] if prm else [[(None, (row[0] - info["score_bias"]) / scale)]
+                                                                    for row in scores]
+        return [{"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": r} for r in rewards]
+    return critic
 
 
 def make_monitor(args):
@@ -631,15 +677,30 @@ def dense_feedback(text: str, fb: dict) -> dict:
     return {**fb, "good_spans": fb["good_spans"] + ([text] if text.strip() else [])}
 
 
+def step_deltas(offsets, step_rewards) -> list[float]:
+    """The per-token rewards of a scalar critic (scalar_critic): each (end, r) of step_rewards adds r at the token
+    holding the character before `end` (common.token_at), or at the last token when end is None; 0 elsewhere."""
+    d = [0.0] * len(offsets)
+    for end, r in step_rewards:
+        if d:
+            d[len(d) - 1 if end is None else common.token_at(offsets, end)] += r
+    return d
+
+
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
     """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
     weighted within each span by --span-weighting (App. I); --labels dense labels every token (dense_feedback).
+    A scalar critic's feedback (--critic scalar-rm, prm) carries step_rewards instead: step_deltas puts them on tokens.
     Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
     of non-empty quotes and of quotes not found (the critic's own quotes)."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
     spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
         if critique_failed(fb):
+            continue
+        if "step_rewards" in fb:  # a scalar critic (scalar_critic): its rewards on given tokens, no spans
+            d = step_deltas(offsets[i], fb["step_rewards"])
+            delta[i, :len(d)], rows[i] = torch.tensor(d), (d, [])
             continue
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         fb = dense_feedback(texts[i], fb) if labels == "dense" else fb

@@ -86,6 +86,15 @@ def parse_args(argv=None):
     a("--rm-max-new-tokens", type=int, default=None, help="critique length limit (default: what stage 2 evaluated "
       "the reward model with, else stage 2's preset: 96 for the demo, 512 (common.critique_tokens))")
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
+    # --- SFT + reflection (the paper's §4.3 baseline)
+    a("--reflect", action="store_true", help="SFT + reflection: each policy's answer is revised once, with a critique "
+      "of it in the prompt\n(common.revision_prompt), by --reviser; adds the row NAME+reflect")
+    a("--reflect-critic", default="reward-model", choices=["reward-model", "program", "none"],
+      help="--reflect: whose critique the reviser reads: --reward-model's (a generative one), the\ntask's "
+           "programmatic critic (demo: the exact critic; code: the tests), or none (an empty\ncritique: what revision "
+           "does without feedback)")
+    a("--reviser", help="--reflect: the model that revises (default: each policy itself, as the paper prompts it); "
+      "the demo's\ntoy policy needs revision SFT (baselines/reflection_data.py, then 03 --sft-data)")
     a("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
       help="demo: another reward model whose spans the monitor also scores against the exact critic, next to\n"
            "--reward-model's (repeatable), e.g. toy=runs/demo/reward_model; it trains nothing")
@@ -120,6 +129,8 @@ def parse_args(argv=None):
         mine or default for mine, default in zip((args.prompt_field, args.reference_field, args.max_new_tokens), preset))
     if args.num_samples > 1 and not args.temperature:
         p.error("--num-samples > 1 needs --temperature > 0: greedy samples are all the same")
+    if args.reflect and args.reflect_critic == "program" and args.task not in ("demo", "code"):
+        p.error(f"--reflect-critic program: no programmatic critic for --task {args.task}")
     return args
 
 
@@ -239,10 +250,11 @@ def load(path: str, args, flag: str):
         raise DataError(f"{flag}{e}") from None
 
 
-def generate_outputs(name, path, records, args, cache_dir) -> tuple[list[dict], str]:
-    """Each record's response from policy `name`: text, token ids and per-token character offsets (cached)."""
+def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[list[dict], str]:
+    """Each record's response from policy `name`: text, token ids and per-token character offsets (cached; `extra`
+    joins the cache's fingerprint)."""
     fp = fingerprint(path, args.data, args.prompt_field, args.max_new_tokens, args.temperature, args.top_p,
-                     args.chat_template, args.seed, args.dtype, args.max_prompt_tokens, "generate-v2")
+                     args.chat_template, args.seed, args.dtype, args.max_prompt_tokens, "generate-v2", *extra)
     loaded = []
 
     def compute(chunk):
@@ -285,6 +297,33 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
 
     return cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute, 4 * args.rm_batch_size,
                   f"critique {name}{tag}", args.regenerate)
+
+
+def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir) -> tuple[list[dict], str]:
+    """SFT + reflection (§4.3): each answer of policy `name` revised once by --reviser (default: the policy itself),
+    from common.revision_prompt(prompt, answer, critique), sampled as the answers were (cached like them). The
+    critique: the reward model's (crits, already computed: its critique text, and its poor spans when it wrote no
+    text), the task's programmatic critic's, or none. Returns the revisions in generate_outputs' rows, and their
+    fingerprint."""
+    reviser = args.reviser or path
+
+    def critique(rec, gen, crit) -> str:
+        if args.reflect_critic == "none":
+            return ""
+        if args.reflect_critic == "program":
+            if args.task == "demo":
+                from tasks.demo import demo_critic
+                return demo_critic(rec["prompt"], gen["response"])["critique"]
+            from tasks.code import code_critic
+            return code_critic(rec["prompt"], gen["response"], rec["test"], args.test_timeout)["critique"]
+        fb = common.rm_scores(gen["response"], gen["offsets"], crit["critique_raw"])[0]
+        return fb["critique"] or "poor: " + ", ".join(s.strip() for s in fb["poor_spans"])
+
+    revise = [{**rec, "prompt": common.revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
+              for rec, gen, crit in zip(records, gens, crits or [None] * len(records))]
+    return generate_outputs(f"{name}+reflect", reviser, revise, args, cache_dir,
+                            extra=(gen_fp, args.reflect_critic, "reflect-v1",
+                                   args.reward_model if args.reflect_critic == "reward-model" else None))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -892,6 +931,9 @@ def main(argv=None) -> dict:
     elif not Path(args.reward_model).exists() and args.reward_model == DEMO_RM:
         print(f"warning: no reward model at {DEMO_RM} (run stage 2): skipping the RM critique metrics", file=sys.stderr)
         args.reward_model = None
+    if args.reflect and args.reflect_critic == "reward-model" and not args.reward_model:
+        raise DataError("--reflect-critic reward-model: no --reward-model to critique the answers (a generative one); "
+                        "or pass --reflect-critic program or none")
     monitors = parse_named(args.monitor_reward_model, "--monitor-reward-model")
     for rm_path, flag in [(args.reward_model, "--reward-model ")] * bool(args.reward_model) + [
             (p, f"--monitor-reward-model {n}=") for n, p in monitors.items()]:
@@ -907,6 +949,14 @@ def main(argv=None) -> dict:
     for name in policies if args.reward_model else ():
         crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, args.reward_model,
                                        rm_state)
+    for name in list(policies) if args.reflect else ():  # SFT + reflection: a revised row per policy
+        rname = f"{name}+reflect"
+        policies[rname] = args.reviser or policies[name]
+        gens[rname], fps[rname] = reflect_outputs(name, policies[name], gens[name], fps[name], crits.get(name),
+                                                  records, args, cache_dir)
+        if args.reward_model:
+            crits[rname] = critique_outputs(rname, gens[rname], fps[rname], records, args, cache_dir,
+                                            args.reward_model, rm_state)
     del rm_state
     monitor_crits = {name: {} for name in policies}
     for tag, rm_path in monitors.items() if args.task == "demo" else ():

@@ -689,7 +689,8 @@ def test_rm_settings_defaults(tmp_path):
     (stage 2 evaluated with max_new_tokens 128 on the demo, else 512, and the rest of max_len for the input); none
     without a file."""
     formats = {"rm_format": "critique+spans", "prompt_format": common.RM_PROMPT_FORMAT,
-               "target_format": common.RM_TARGET_FORMAT}
+               "target_format": common.RM_TARGET_FORMAT, "objective": "generative", "score_bias": 0.0,
+               "norm_score_std": 1.0, "step_unit": None}  # older files: a generative reward model
     assert common.rm_settings(None) == common.rm_settings(tmp_path) == {"max_prompt_tokens": None,
                                                                         "max_new_tokens": None, **formats}
     common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})

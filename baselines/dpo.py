@@ -1,0 +1,187 @@
+"""DPO (Rafailov et al. 2023) on preference pairs, from the same SFT start as stage 3: the paper's DPO baseline (§4.3).
+
+    python baselines/dpo.py --model runs/demo/sft --data runs/demo/pairs_annotations.jsonl --output-dir runs/demo/dpo
+    python baselines/dpo.py --model runs/slf5k/sft --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs \\
+        --output-dir runs/uf/dpo --device cuda --dtype bf16
+    python 04_evaluate.py --policy sft=runs/demo/sft --policy dpo=runs/demo/dpo/policy
+
+Why here and not in a stage: DPO has no reward model (stage 2's job) and no rollouts or critic (stage 3's); it turns
+the pairs that `02 --objective pairwise` trains a Bradley-Terry reward model on into a policy directly. So it reads
+the pairs exactly as 02 does (02's load_pairs: a dataset's chosen / rejected fields, or annotations, one pair per
+prompt, fewer poor spans winning) and writes a policy that 04 evaluates like any other. The policy is 03's: the same
+LoRA parametrisation and reference (the adapter switched off; build_policy), the same log-probs (03's forward).
+
+The loss, with pi's and the reference's summed log-probs of each response (its EOS included) given the prompt:
+    L = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
+and beta * (log pi - log ref) is each response's implicit reward. It is written out in dpo_loss (a few lines, tested
+against hand-computed values) rather than imported from TRL, which the project does not depend on for a baseline.
+Writes OUTPUT_DIR/policy (04 loads it), metrics.jsonl (per step: loss, implicit rewards, their margin and accuracy),
+eval.json (the same on the held-out pairs) and config.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import common  # noqa: E402
+
+stage2, stage3 = importlib.import_module("02_train_reward"), importlib.import_module("03_train_policy")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    a = p.add_argument
+    a("--model", default="runs/demo/sft", help="the SFT policy to start from (and the reference): hub id or local dir")
+    a("--data", required=True, help="preference pairs: a dataset with chosen / rejected fields (JSONL, .json, "
+      ".parquet or hub id),\nor annotations of 01_annotate.py (one pair per prompt, fewer poor spans wins)")
+    a("--split", default="train", help="--data a hub dataset: its split")
+    a("--prompt-field", default="prompt", help="the prompt field of a preference dataset")
+    a("--chosen-field", default="chosen", help="the preferred answer's field")
+    a("--rejected-field", default="rejected", help="the other answer's field")
+    a("--output-dir", default="runs/demo/dpo", help="policy/, metrics.jsonl, eval.json, config.json")
+    a("--beta", type=float, default=0.1, help="DPO's beta: the strength of the implicit KL to the reference")
+    a("--lr", type=float, default=1e-4, help="learning rate (AdamW; linear warmup, then constant). On the demo, 1e-4 "
+      "learns and\n1e-3 (03's LoRA lr) over-optimises: bench/paper_baselines.py")
+    a("--warmup-steps", type=int, default=10, help="linear learning-rate warmup")
+    a("--epochs", type=float, default=3.0, help="passes over the training pairs")
+    a("--batch-size", type=int, default=32, help="pairs per optimizer step")
+    a("--lora-r", type=int, default=16, help="LoRA rank (as 03's demo preset); 0 = full fine-tuning (the reference "
+      "is then a frozen copy)")
+    a("--lora-alpha", type=int, default=32, help="LoRA alpha")
+    a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
+    a("--val-frac", type=float, default=0.025, help="share of pairs held out for eval.json (02's split: same seed, "
+      "same pairs)")
+    a("--seed", type=int, default=1, help="seed of the LoRA init and the pair order (the split uses --split-seed)")
+    a("--split-seed", type=int, default=0, help="seed of the train / val split (02's --seed: the same held-out pairs)")
+    a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the chat template, as "
+      "03 and 04 do")
+    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (as in 03)")
+    a("--max-new-tokens", type=int, default=256, help="a longer response is cut to this many tokens (and loses "
+      "its EOS)")
+    a("--max-grad-norm", type=float, default=1.0, help="gradient norm clip")
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
+    a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="as 03's --dtype")
+    args = p.parse_args(argv)
+    for flag, value, ok in (("--beta", args.beta, args.beta > 0), ("--batch-size", args.batch_size,
+                                                                   args.batch_size >= 1)):
+        if not ok:
+            raise common.DataError(f"{flag} {value:g}: must be > 0")
+    return args
+
+
+def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta: float):
+    """DPO's loss on a batch of pairs, each argument the (B,) summed log-probs of a response given its prompt under
+    the policy or the reference. Returns (mean loss, implicit rewards of the chosen and the rejected, each (B,)):
+    r = beta * (log pi - log ref), loss = -log sigmoid(r_c - r_r)."""
+    r_chosen, r_rejected = beta * (pi_chosen - ref_chosen), beta * (pi_rejected - ref_rejected)
+    return -torch.nn.functional.logsigmoid(r_chosen - r_rejected).mean(), r_chosen, r_rejected
+
+
+def encode_pairs(tokenizer, pairs: list[dict], chat_template: str, max_prompt_tokens: int, max_new_tokens: int):
+    """Each pair as (prompt ids as 03 builds them, chosen ids, rejected ids); a response ends with EOS unless cut."""
+    def answer(text):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids[:max_new_tokens] if len(ids) >= max_new_tokens else ids + [tokenizer.eos_token_id]
+    return [(common.policy_prompt(tokenizer, p["prompt"], chat_template, max_prompt_tokens), answer(p["chosen"]),
+             answer(p["rejected"])) for p in pairs]
+
+
+def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[list[int]], pad_id: int, device: str,
+                      dtype: str):
+    """(policy, reference) summed log-probs of each answer given its query, each (N,), laid out as 03 lays out
+    rollouts (queries left-padded, answers right-padded) and scored by 03's forward and reference_forward."""
+    query, query_mask = common.left_pad(queries, pad_id)
+    T = max(len(y) for y in answers)
+    response = torch.full((len(answers), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(answers), T)
+    for i, y in enumerate(answers):
+        response[i, :len(y)], mask[i, :len(y)] = torch.tensor(y), 1.0
+    ids, attn = torch.cat([query, response], 1).to(device), torch.cat([query_mask, mask.long()], 1).to(device)
+    mask = mask.to(device)
+    with stage3.autocast(device, dtype):
+        logprobs = stage3.forward(model, None, ids, attn, T, 1.0)[0]                              # (2B, T)
+        with torch.no_grad():
+            ref_logprobs = stage3.reference_forward(model, ref_model, ids, attn, T, 1.0)[0]
+    return (logprobs * mask).sum(1), (ref_logprobs * mask).sum(1)
+
+
+def pair_stats(model, ref_model, batch, pad_id, args) -> tuple:
+    """(loss, its stats) of a batch of encoded pairs: dpo_loss on sequence_logprobs, and TRL's names for the stats."""
+    queries, answers = [q for q, _, _ in batch] * 2, [c for _, c, _ in batch] + [r for _, _, r in batch]
+    pi, ref = sequence_logprobs(model, ref_model, queries, answers, pad_id, args.device, args.dtype)  # chosen, rejected
+    B = len(batch)
+    loss, r_c, r_r = dpo_loss(pi[:B], pi[B:], ref[:B], ref[B:], args.beta)
+    return loss, {"loss": loss.item(), "rewards/chosen": r_c.mean().item(), "rewards/rejected": r_r.mean().item(),
+                  "rewards/margin": (r_c - r_r).mean().item(), "rewards/accuracy": (r_c > r_r).float().mean().item()}
+
+
+def main(argv=None) -> dict:
+    from tqdm.auto import tqdm
+
+    args, t0 = parse_args(argv), time.time()
+    out = Path(args.output_dir)
+    pairs, source = stage2.load_pairs(args.data, args.split, args.prompt_field, args.chosen_field, args.rejected_field)
+    train_pairs, val_pairs = stage2.split_records(pairs, args.val_frac, args.split_seed)
+    print(f"{args.data}: {len(pairs)} pairs from {source} -> {len(train_pairs)} train, {len(val_pairs)} val")
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    model, tokenizer = common.load_model(args.model, device=args.device,
+                                         dtype=args.dtype if args.lora_r > 0 else "float32")
+    config = argparse.Namespace(**vars(args), ref_adapter=None, gradient_checkpointing=False)
+    model, ref_model, _ = stage3.build_policy(config, model)  # 03's policy: LoRA, the reference = the adapter off
+    encode = lambda ps: encode_pairs(tokenizer, ps, args.chat_template, args.max_prompt_tokens,  # noqa: E731
+                                     args.max_new_tokens)
+    train_set, val_set = encode(train_pairs), encode(val_pairs)
+    params = [q for q in model.parameters() if q.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)))
+    scaler = stage3.grad_scaler(args.device, args.dtype)
+    steps = max(1, round(args.epochs * len(train_set) / args.batch_size))
+    order, rows = [], []
+    out.mkdir(parents=True, exist_ok=True)
+    model.train()
+    for step in (bar := tqdm(range(1, steps + 1), desc="DPO")):
+        if len(order) < args.batch_size:  # shuffled epochs, drawn in order
+            order += random.sample(range(len(train_set)), len(train_set))
+        batch, order = [train_set[i] for i in order[:args.batch_size]], order[args.batch_size:]
+        loss, stats = pair_stats(model, ref_model, batch, tokenizer.pad_token_id, args)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        rows.append({"step": step, **stats})
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", margin=f"{stats['rewards/margin']:.2f}")
+    model.eval()
+    common.write_jsonl(out / "metrics.jsonl", rows)
+    common.save_pretrained(out / "policy", model, tokenizer,
+                           **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
+    metrics = {"n": len(val_set), "steps": steps, "train_s": round(time.time() - t0, 1)}
+    if val_set:
+        with torch.no_grad():
+            _, stats = pair_stats(model, ref_model, val_set, tokenizer.pad_token_id, args)
+        metrics.update(stats)
+    common.write_json(out / "eval.json", metrics)
+    common.write_json(out / "config.json", {**vars(args), "pairs": len(pairs), "source": source})
+    print(f"policy saved to {out / 'policy'}; held-out pairs: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float)))
+    return metrics
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except common.DataError as e:  # bad input: one line, exit code 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

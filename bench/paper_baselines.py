@@ -1,0 +1,433 @@
+"""The paper's baselines beside Text2Grad on the demo, in the layout of the paper's Table 2 (§4.3, App. N)
+
+    python bench/paper_baselines.py                          # both annotators, 3 seeds x 100 iterations (hours on CPU)
+    python bench/paper_baselines.py --annotators exact       # the programmatic-critique setting only
+    python bench/paper_baselines.py --annotators smol --annotator-rm smol=runs/demo/smol_rm   # SmolLM2's critic (GPU)
+    python bench/paper_baselines.py --seeds 1 --steps 20 --pool 300 --pairs 100 --out bench/out/pb_smoke  # a look
+
+One start and one data budget for every method. The start: bench/span_vs_scalar.py's shared SFT checkpoint. The
+budget: the SFT policy answers each of --pool held-apart posts twice at T = 1 (01_annotate.py --generate-with), an
+annotator judges every answer (01's record format), and the first --pairs posts whose two answers differ in their
+poor spans are kept: N pairs, 2N annotated answers (common.preference_pairs: fewer poor spans wins). Every method
+learns from exactly those, and nothing else:
+    SFT                          the start itself
+    SFT + reflection             04 --reflect: each answer revised once, the annotator's critique in the prompt, by a
+                                 reviser: 03's SFT on the budget's flawed answers -> references (baselines/
+                                 reflection_data.py; the toy policy cannot revise untrained)
+    SFT + revision, no critique  the same reviser with an empty critique: what the critique itself adds
+    DPO                          baselines/dpo.py on the N pairs (lr 1e-3 as PPO's LoRA; and 1e-4)
+    PPO (BT RM)                  03 --critic scalar-rm: 02 --objective pairwise on the N pairs, normalised on the SFT
+                                 demonstrations (Huang et al. 2024): classic RLHF PPO
+    PPO (BT RM, unit std)        the same, the score also divided by the demonstrations' std (--score-norm mean-std)
+    PRM-PPO                      03 --critic prm: 02 --objective prm on the 2N answers' clause labels (App. N)
+    Text2Grad                    03 --critic local: 02's span reward model on the 2N annotated answers
+    Text2Grad, annotator online  03 with the annotator itself as the critic on every rollout: no budget, a reference
+Annotators (--annotators): exact, the demo's exact critic (the programmatic-critique setting); toy, the zero-flag
+stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
+and located as 01 does; --annotator-rm NAME=DIR adds another such annotator (e.g. bench/real_critic.py's SmolLM2
+reward model). Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
+full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2,
+batch 32, LoRA r 16, lr 1e-3) with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over
+the pairs (and a row at a tenth of that learning rate). Nothing is tuned per method.
+
+Judged by the exact critic always, never trained on: on 200 held-out posts sampled at T = 1 by 04_evaluate.py (the
+mistake rate, Σδ, exact match; ROUGE-L and BLEU against the reference; length in tokens), the KL to the SFT start on
+those samples (sum over tokens of log pi - log pi_SFT, y ~ pi), and for PPO rows on the training rollouts (03's
+exact/mistake_rate): steps to a smoothed mistake rate <= 0.15 and the final one (last 10 iterations), as
+bench/span_vs_scalar.py measures them. Median [min, max] over seeds. Every artefact is cached under --out in a folder
+named by a hash of the settings that made it, so a rerun (or a killed run) redoes only what is missing or changed.
+Prints the tables, then one JSON line; writes OUT/results.json.
+"""
+import argparse
+import hashlib
+import importlib
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+import common  # noqa: E402
+from span_vs_scalar import THRESHOLD, WINDOW, run, shared_start, steps_to_threshold  # noqa: E402
+from tasks.demo import demo_dataset  # noqa: E402
+
+ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its abstract: Text2Grad "consistently
+    # surpasses scalar-reward RL and prompt-only baselines")
+    "SFT": "Text2Grad better (§4.3)",
+    "SFT + reflection": "Text2Grad better (§4.3)",
+    "SFT + revision, no critique": "not in the paper (our control)",
+    "DPO": "Text2Grad better (§4.3, App. N)",
+    "DPO, lr 1e-4": "as DPO: not in the paper, our variant",
+    "PPO (BT RM)": "Text2Grad better, and faster to converge (§4.3)",
+    "PPO (BT RM, unit std)": "as PPO (BT RM): not in the paper, our variant",
+    "PRM-PPO": "Text2Grad better (App. N)",
+    "Text2Grad": "the method",
+    "Text2Grad, annotator online": "not in the paper (no budget: the annotator as critic)",
+}
+PPO_ROWS = ["PPO (BT RM)", "PPO (BT RM, unit std)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
+DPO_ROWS = {"DPO": ["--lr", "1e-3", "--epochs", "3"],  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
+            "DPO, lr 1e-4": ["--lr", "1e-4", "--epochs", "3"]}  # a tenth of it: DPO has no clip and no KL per token
+
+
+def slug(row: str) -> str:
+    return re.sub(r"\W+", "_", row).strip("_")  # "PPO (BT RM)" -> "PPO_BT_RM": a folder, a 04 policy name
+
+
+def keyed(parent: Path, name: str, settings) -> Path:
+    """The folder of an artefact made with `settings`: its name carries their hash."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return parent / f"{name}-{digest}"
+
+
+def pool_annotations(out: Path, sft: Path, n_posts: int) -> Path:
+    """The SFT policy's two answers to each of n_posts posts (the demo's "pairs" split, apart from the PPO prompts
+    and the eval posts), judged by the exact critic: 01_annotate.py --generate-with, resumable."""
+    pool = keyed(out / "pool", "pool", {"sft": str(sft), "posts": n_posts, "v": 1})
+    pool.mkdir(parents=True, exist_ok=True)
+    posts = [{**r, "id": f"{r['id']}/{k}"} for r in demo_dataset("pairs", n_posts) for k in "ab"]
+    common.write_jsonl(pool / "pool.jsonl", [{k: r[k] for k in ("id", "prompt", "reference")} for r in posts])
+    exact = pool / "exact.jsonl"
+    if len(common.open_resumable_jsonl(exact)) < len(posts):
+        run(["01_annotate.py", "--task", "demo", "--dataset", str(pool / "pool.jsonl"), "--generate-with", str(sft),
+             "--temperature", "1.0", "--max-new-tokens", "32", "--gen-batch-size", "64", "--annotator", "program",
+             "--output", str(exact), "--seed", "0"])
+    return exact
+
+
+def annotate_with_rm(exact: Path, rm_dir: Path, name: str) -> Path:
+    """The same answers judged by a stage-2 reward model: its critique parsed and located as 01_annotate.py's are
+    (01's finish), unparseable ones status "failed". Append-only per chunk, resumable."""
+    stage1 = importlib.import_module("01_annotate")
+    dst = keyed(exact.parent, name, {"rm": str(rm_dir)}).with_suffix(".jsonl")
+    records = [{k: r[k] for k in ("id", "prompt", "response", "reference")} for r in common.read_jsonl(exact)]
+    done = common.open_resumable_jsonl(dst)
+    todo = [r for r in records if r["id"] not in done]
+    if todo:
+        import torch
+        torch.set_num_threads(1)
+        rm, tok = common.load_model(str(rm_dir))
+        settings = common.rm_settings(rm_dir)
+        print(f"annotating {len(todo)} answers with {rm_dir}", flush=True)
+        for i in range(0, len(todo), 256):
+            chunk = todo[i:i + 256]
+            raw = common.rm_critique(rm, tok, [r["prompt"] for r in chunk], [r["response"] for r in chunk],
+                                     settings["max_new_tokens"] or 96, batch_size=64,
+                                     max_prompt_tokens=settings["max_prompt_tokens"], rm_format=settings["rm_format"])
+            with open(dst, "a", encoding="utf-8") as f:
+                for rec, text in zip(chunk, raw):
+                    try:
+                        row = stage1.finish(rec, common.parse_feedback(text))
+                    except ValueError as e:
+                        row = stage1.finish(rec, None, reason=f"unparseable: {e}", raw=text)
+                    common.append_jsonl(f, row)
+    return dst
+
+
+def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 300) -> dict:
+    """Each reward model against the truth, on n_posts pool posts no budget used, judged by the exact critic: the
+    Bradley-Terry model's pairwise accuracy on their pairs, the PRM's step accuracy and wrong-step recall, the span
+    reward model's poor-token precision and recall (common.rm_span_metrics, as 02 reports them). Cached."""
+    cache = keyed(folder, "rm_quality", [str(exact), sorted(str(v) for v in rms.values()), n_posts]).with_suffix(
+        ".json")
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    import torch
+    torch.set_num_threads(1)
+    stage2 = importlib.import_module("02_train_reward")
+    records = [r for r in common.read_jsonl(exact) if r["prompt"] not in used]
+    posts = list(dict.fromkeys(r["prompt"] for r in records))[-n_posts:]
+    held = [r for r in records if r["prompt"] in set(posts)]
+    out = {"posts": len(posts), "answers": len(held)}
+    pairs = common.preference_pairs(held)
+    model, tok = common.load_model(str(rms["bt_rm"]), scalar_head=True)
+    info = common.rm_settings(rms["bt_rm"])
+    out["bt_rm"] = stage2.evaluate_scalar(model, tok, pairs, "pairwise", info["max_prompt_tokens"], "clause")
+    model, tok = common.load_model(str(rms["prm"]), scalar_head=True)
+    info = common.rm_settings(rms["prm"])
+    out["prm"] = stage2.evaluate_scalar(model, tok, held, "prm", info["max_prompt_tokens"], info["step_unit"])
+    model, tok = common.load_model(str(rms["span_rm"]))
+    info = common.rm_settings(rms["span_rm"])
+    metrics, _ = stage2.evaluate_rm(model, tok, held, info["max_new_tokens"], 64, info["max_prompt_tokens"],
+                                    info["rm_format"])
+    out["span_rm"] = {k: metrics[k] for k in ("parse_rate", "neg_precision", "neg_recall", "pos_precision",
+                                              "pos_recall")}
+    common.write_json(cache, out)
+    return out
+
+
+def budget(annotations: Path, n_pairs: int, folder: Path) -> Path:
+    """The annotated answers of the first n_pairs posts that make a preference pair: the data of every method."""
+    records = common.read_jsonl(annotations)
+    pairs = common.preference_pairs(records)
+    if len(pairs) < n_pairs:
+        sys.exit(f"{annotations}: only {len(pairs)} posts give a pair; raise --pool or lower --pairs")
+    keep = {i for p in pairs[:n_pairs] for i in (p["chosen_id"], p["rejected_id"])}
+    path = keyed(folder, "budget", {"annotations": str(annotations), "pairs": n_pairs}).with_suffix(".jsonl")
+    if not path.is_file():
+        common.write_jsonl(path, [r for r in records if r["id"] in keep])
+    return path
+
+
+def reward_model(folder: Path, name: str, flags: list[str]) -> Path:
+    """02_train_reward.py with these flags, once (resumable from its checkpoints)."""
+    rm = keyed(folder, name, flags)
+    if not ((rm / "reward_model.json").is_file() and (rm / "eval.json").is_file()):
+        run(["02_train_reward.py", *flags, "--output-dir", str(rm), "--resume"])
+    return rm
+
+
+def ppo(folder: Path, name: str, seed: int, steps: int, flags: list[str]) -> Path:
+    """One 03 run from the SFT start (resumed where a killed one stopped); its folder."""
+    run_dir = keyed(folder, f"{name}_seed{seed}", [*flags, seed, steps])
+    metrics = run_dir / "metrics.jsonl"
+    if not ((run_dir / "policy").is_dir() and metrics.is_file() and len(common.read_jsonl(metrics)) >= steps):
+        run(["03_train_policy.py", *flags, "--seed", str(seed), "--steps", str(steps), "--save-every", "25",
+             "--output-dir", str(run_dir), "--resume"])
+    return run_dir
+
+
+def curve_stats(run_dir: Path, steps: int) -> dict:
+    rows = common.read_jsonl(run_dir / "metrics.jsonl")[:steps]
+    mistakes = [r["exact/mistake_rate"] for r in rows]
+    hit = steps_to_threshold(mistakes)
+    return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
+            "start": mistakes[0], "final_train_length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
+            "final_train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:])}
+
+
+def sequence_kl(policy: str, sft: str, prompts: list[str], gens: list[dict], max_new_tokens: int) -> float:
+    """KL(pi || pi_SFT) on pi's own samples: the mean over them of sum_t log pi(y_t) - log pi_SFT(y_t), the EOS
+    included where one ended the answer (baselines/dpo.py's sequence_logprobs: 03's forward; pi_SFT is the LoRA
+    adapter switched off, or the SFT model itself for a full fine-tune)."""
+    import torch
+    sys.path.insert(0, str(ROOT / "baselines"))
+    dpo = importlib.import_module("dpo")
+    model, tok = common.load_model(policy)
+    ref = None if hasattr(model, "peft_config") else common.load_model(sft)[0]
+    total = []
+    for i in range(0, len(gens), 64):
+        queries = [common.policy_prompt(tok, p) for p in prompts[i:i + 64]]
+        answers = [g["response_ids"] + ([tok.eos_token_id] if len(g["response_ids"]) < max_new_tokens else [])
+                   for g in gens[i:i + 64]]
+        with torch.no_grad():
+            logp, ref_logp = dpo.sequence_logprobs(model, ref, queries, answers, tok.pad_token_id, "cpu", "float32")
+        total += (logp - ref_logp).tolist()
+    return statistics.fmean(total)
+
+
+def evaluate(folder: Path, policies: dict, eval_data: Path, extra: list[str] = ()) -> dict:
+    """04_evaluate.py on the held-out posts (cached in its folder): {policy: {metric: value}}."""
+    out = keyed(folder, "eval", [policies, str(eval_data), *extra])
+    if not (out / "results.json").is_file():
+        run(["04_evaluate.py", "--data", str(eval_data), "--reward-model", "none", "--output-dir", str(out),
+             *[f"--policy={n}={p}" for n, p in policies.items()], *extra])
+    results = json.loads((out / "results.json").read_text())
+    table = {n: {k: m["value"] for k, m in p["metrics"].items()} for n, p in results["policies"].items()}
+    return {"table": table, "dir": out}
+
+
+def spread(xs, fmt) -> str:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "n/a"
+    return fmt(xs[0]) if len(xs) == 1 else f"{fmt(statistics.median(xs))} [{fmt(min(xs))}, {fmt(max(xs))}]"
+
+
+def setting(out: Path, annotator: str, flags: dict, args) -> dict:
+    """Every row for one annotator: the budget, the reward models, DPO, the reviser, the PPO runs, then 04 and the
+    KL; returns {row: {metric: [value per seed]}} and the reward models' own held-out metrics."""
+    folder = out / annotator
+    folder.mkdir(parents=True, exist_ok=True)
+    exact = pool_annotations(out, flags["sft"], args.pool)
+    annotator_rm = flags["annotator_rms"].get(annotator)  # None: the exact critic
+    annotations = exact if annotator_rm is None else annotate_with_rm(exact, annotator_rm, annotator)
+    data = budget(annotations, args.pairs, folder)
+    base = ["--model", str(flags["base"]), "--data", str(data), *(["--max-steps", str(args.rm_steps)]
+                                                                  if args.rm_steps else [])]
+    span_rm = reward_model(folder, "span_rm", base)
+    bt_rm = reward_model(folder, "bt_rm", [*base, "--objective", "pairwise", "--norm-data", str(flags["sft_data"])])
+    prm = reward_model(folder, "prm", [*base, "--objective", "prm"])
+    revisions = keyed(folder, "revisions", [str(data)]).with_suffix(".jsonl")
+    if not revisions.is_file():
+        run(["baselines/reflection_data.py", "--data", str(data), "--output", str(revisions)])
+    reviser = keyed(folder, "reviser", [str(revisions), str(flags["sft"])])
+    if not (reviser / "config.json").is_file():
+        run(["03_train_policy.py", "--model", str(flags["sft"]), "--sft-data", str(revisions), "--sft-output-dir",
+             str(reviser), "--steps", "0", "--critic", "program", "--prompts", str(flags["prompts"]),
+             "--scalar-baseline-dir", "", "--output-dir", str(folder / "reviser_run")])
+
+    start = ["--model", str(flags["sft"]), "--sft-steps", "0", "--prompts", str(flags["prompts"]),
+             "--scalar-baseline-dir", "", *args.ppo_args]
+    critics = {"PPO (BT RM)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm)],
+               "PPO (BT RM, unit std)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm), "--score-norm",
+                                         "mean-std"],
+               "PRM-PPO": ["--critic", "prm", "--reward-model", str(prm)],
+               "Text2Grad": ["--critic", "local", "--reward-model", str(span_rm)],
+               "Text2Grad, annotator online": ["--critic", "program"] if annotator_rm is None else
+               ["--critic", "local", "--reward-model", str(annotator_rm)]}
+    seeds = range(1, args.seeds + 1)
+    dpo = {}
+    for row, dpo_flags in DPO_ROWS.items():
+        for seed in seeds:
+            dpo[row, seed] = keyed(folder, f"{slug(row)}_seed{seed}", [str(flags["sft"]), str(data), seed, *dpo_flags])
+            if not (dpo[row, seed] / "eval.json").is_file():
+                run(["baselines/dpo.py", "--model", str(flags["sft"]), "--data", str(data), "--seed", str(seed),
+                     *dpo_flags, "--output-dir", str(dpo[row, seed])])
+    runs = {row: {s: ppo(folder, slug(row), s, args.steps, [*start, *critic]) for s in seeds}
+            for row, critic in critics.items()}
+
+    # ---- evaluation: 04 on the held-out posts (exact critic, ROUGE-L, BLEU), the KL to SFT, the training curves
+    policies = {"sft": str(flags["sft"]), **{f"{slug(row)}_{s}": str(d / "policy") for (row, s), d in dpo.items()},
+                **{f"{slug(row)}_{s}": str(runs[row][s] / "policy") for row in PPO_ROWS for s in seeds}}
+    ev = evaluate(folder, policies, flags["eval"])
+    reflect = ["--reflect", "--reviser", str(reviser)] + (["--reflect-critic", "program"] if annotator_rm is None
+                                                          else ["--reward-model", str(annotator_rm)])
+    ev_reflect = evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"], reflect)
+    ev_plain = evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"],
+                        ["--reflect", "--reviser", str(reviser), "--reflect-critic", "none"])
+    max_new_tokens = json.loads((ev["dir"] / "results.json").read_text())["generation"]["max_new_tokens"]
+    records = common.read_jsonl(flags["eval"])
+    kl_cache = ev["dir"] / "kl.json"
+    kl = json.loads(kl_cache.read_text()) if kl_cache.is_file() else {}
+    for name, path in policies.items():
+        if name not in kl:
+            gens = common.read_jsonl(ev["dir"] / "eval" / f"{name}.generations.jsonl")
+            kl[name] = 0.0 if name == "sft" else sequence_kl(path, str(flags["sft"]), [r["prompt"] for r in records],
+                                                             gens, max_new_tokens)
+            common.write_json(kl_cache, kl)
+
+    def metrics(table: dict, name: str, kl_value) -> dict:
+        m = table[name]
+        return {"mistake_rate": m["demo/mistake_rate"], "rougeL": m["rougeL"], "bleu": m["bleu"],
+                "delta_sum": m["demo/delta_sum"], "exact_match": m["demo/exact_match"], "kl": kl_value,
+                "length": m["gen/tokens"]}
+
+    table = {"SFT": [metrics(ev["table"], "sft", 0.0)],
+             "SFT + reflection": [metrics(ev_reflect["table"], "sft+reflect", None)],
+             "SFT + revision, no critique": [metrics(ev_plain["table"], "sft+reflect", None)],
+             **{row: [metrics(ev["table"], f"{slug(row)}_{s}", kl[f"{slug(row)}_{s}"]) for s in seeds]
+                for row in DPO_ROWS}}
+    for row in PPO_ROWS:
+        names = [f"{slug(row)}_{s}" for s in seeds]
+        table[row] = [{**metrics(ev["table"], n, kl[n]), **curve_stats(runs[row][s], args.steps)}
+                      for n, s in zip(names, seeds)]
+    rms = {name: json.loads((d / "eval.json").read_text()) for name, d in
+           (("span_rm", span_rm), ("bt_rm", bt_rm), ("prm", prm))}
+    used = {r["prompt"] for f in out.glob("*/budget-*.jsonl") for r in common.read_jsonl(f)}
+    truth = rm_quality(folder, exact, used, {"span_rm": span_rm, "bt_rm": bt_rm, "prm": prm})
+    n_pairs = len(common.preference_pairs(common.read_jsonl(data)))
+    return {"rows": table, "reward_models": rms, "reward_models_vs_exact": truth, "budget": str(data), "pairs": n_pairs,
+            "dirs": {"eval": str(ev["dir"]), "reflect": str(ev_reflect["dir"]), "no_critique": str(ev_plain["dir"])}}
+
+
+def print_setting(annotator: str, res: dict, steps: int) -> dict:
+    """The Table 2 layout for one annotator, the paper's direction per row, and the central comparison: Text2Grad
+    against PPO with the Bradley-Terry reward model, seed by seed."""
+    rows, t2g = res["rows"], res["rows"]["Text2Grad"]
+    print(f"\nannotator: {annotator}; {res['pairs']} pairs ({2 * res['pairs']} annotated answers) for every method; "
+          f"judged by the exact critic on 200 held-out posts at T = 1\n")
+    cols = [("mistake_rate", "mistakes ↓", "{:.3f}"), ("rougeL", "ROUGE-L", "{:.3f}"), ("bleu", "BLEU", "{:.1f}"),
+            ("delta_sum", "Σδ", "{:.2f}"), ("exact_match", "exact match", "{:.3f}"), ("kl", "KL to SFT", "{:.2f}"),
+            ("length", "length", "{:.1f}"), ("steps", f"steps to ≤ {THRESHOLD}", None), ("final", "final train "
+                                                                                              "mistakes", "{:.3f}")]
+    head = "| method | " + " | ".join(c[1] for c in cols) + " | the paper | ours vs Text2Grad |"
+    lines = [head, "|" + " --- |" * (len(cols) + 3)]
+    verdicts = {}
+    for row, vals in rows.items():
+        cells = []
+        for key, _, fmt in cols:
+            xs = [v.get(key) for v in vals]
+            if key == "steps":
+                cells.append(spread([v["steps"] for v in vals if "steps" in v],
+                                    lambda x: f"{x:g}" if x < steps else f"> {steps}") if "steps" in vals[0] else "–")
+            else:
+                cells.append(spread(xs, lambda x, f=fmt: f.format(x)) if any(x is not None for x in xs) else "–")
+        if row in ("Text2Grad", "Text2Grad, annotator online", "SFT + revision, no critique"):
+            ours = "—" if row == "Text2Grad" else ""
+        else:  # the paper: Text2Grad beats every baseline; ours on the held-out mistake rate and ROUGE-L (medians)
+            med = lambda vs, k: statistics.median(v[k] for v in vs)  # noqa: E731
+            better = [med(t2g, "mistake_rate") < med(vals, "mistake_rate"), med(t2g, "rougeL") > med(vals, "rougeL")]
+            ours = "agrees" if all(better) else "disagrees" if not any(better) else "mixed"
+            ours += f" (mistakes {med(t2g, 'mistake_rate'):.3f} vs {med(vals, 'mistake_rate'):.3f}, ROUGE-L " \
+                    f"{med(t2g, 'rougeL'):.3f} vs {med(vals, 'rougeL'):.3f})"
+            verdicts[row] = ours
+        lines.append(f"| {row} | " + " | ".join(cells) + f" | {ROWS[row]} | {ours} |")
+    print("\n".join(lines))
+    claim = {}
+    for name in ("Text2Grad", "Text2Grad, annotator online"):
+        mine, bt = rows[name], rows["PPO (BT RM)"]
+        wins = [m["steps"] < b["steps"] and m["final"] < b["final"] for m, b in zip(mine, bt)]
+        claim[name] = {"seeds_won": sum(wins), "seeds": len(wins), "fewer_steps": [m["steps"] < b["steps"]
+                       for m, b in zip(mine, bt)], "lower_final": [m["final"] < b["final"] for m, b in zip(mine, bt)]}
+        print(f"{name} vs PPO (BT RM), seed by seed: fewer steps to ≤ {THRESHOLD} and a lower final training mistake "
+              f"rate on {sum(wins)} of {len(wins)} seeds (steps {[m['steps'] for m in mine]} vs "
+              f"{[b['steps'] for b in bt]}; final {[round(m['final'], 3) for m in mine]} vs "
+              f"{[round(b['final'], 3) for b in bt]}; final training length / KL "
+              f"{[(round(m['final_train_length'], 1), round(m['final_train_kl'], 1)) for m in mine]} vs "
+              f"{[(round(b['final_train_length'], 1), round(b['final_train_kl'], 1)) for b in bt]})")
+    truth = res["reward_models_vs_exact"]
+    print(f"reward models against the exact critic on {truth['posts']} pool posts no budget used "
+          f"({truth['answers']} answers): BT pairwise accuracy {truth['bt_rm']['pairwise_accuracy']:.3f} on "
+          f"{truth['bt_rm']['n']} pairs; PRM step accuracy {truth['prm']['step_accuracy']:.3f}, wrong-step recall "
+          f"{truth['prm']['wrong_step_recall'] or 0:.3f}, precision {truth['prm']['wrong_step_precision'] or 0:.3f}; "
+          f"span RM poor-token recall {truth['span_rm']['neg_recall'] or 0:.3f}, precision "
+          f"{truth['span_rm']['neg_precision'] or 0:.3f}, parse {truth['span_rm']['parse_rate']:.3f}")
+    print("reward models on their own held-out split: " + "; ".join(
+        f"{n}: " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if k in (
+            "pairwise_accuracy", "step_accuracy", "wrong_step_recall", "wrong_step_precision", "neg_precision",
+            "neg_recall", "parse_rate") and v is not None) for n, m in res["reward_models"].items()))
+    return {"claim": claim, "verdicts": verdicts, "markdown": "\n".join(lines)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--annotators", nargs="+", default=["exact", "toy"],
+                   help="exact: the demo's exact critic annotates every method's data; toy: the zero-flag reward model; "
+                        "or a NAME of --annotator-rm")
+    p.add_argument("--annotator-rm", action="append", default=[], metavar="NAME=DIR",
+                   help="another annotator: a generative stage-2 reward model that annotates the pool and is the "
+                        "online critic of its setting (repeatable)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per trained method (PPO rows, DPO)")
+    p.add_argument("--steps", type=int, default=100, help="PPO iterations per run")
+    p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
+    p.add_argument("--pairs", type=int, default=1000, help="the data budget: preference pairs (2x answers) per method")
+    p.add_argument("--rm-steps", type=int, default=0, help="02 --max-steps of every reward model (0: 02's demo "
+                   "preset, 600)")
+    p.add_argument("--out", default="bench/out/paper_baselines", help="work dir (base, SFT, pool, every run)")
+    p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every PPO run")
+    args = p.parse_args()
+    out = Path(args.out)
+    shared_start(out, "local" if "toy" in args.annotators else "program", None, args.steps, [])
+    eval_data = out / "eval.jsonl"
+    common.write_jsonl(eval_data, demo_dataset("eval", 200))
+    annotator_rms = {"toy": (out / "reward_model").resolve()}
+    for spec in args.annotator_rm:
+        name, _, path = spec.partition("=")
+        annotator_rms[name] = Path(path).resolve()
+        common.check_reward_model(str(annotator_rms[name]), "--annotator-rm ")
+    unknown = [a for a in args.annotators if a != "exact" and a not in annotator_rms]
+    if unknown:
+        p.error(f"--annotators {' '.join(unknown)}: not exact, toy or a NAME given by --annotator-rm NAME=DIR")
+    flags = {"base": (out / "base").resolve(), "sft": (out / "sft").resolve(), "prompts": out / "prompts.jsonl",
+             "sft_data": out / "sft.jsonl", "annotator_rms": annotator_rms, "eval": eval_data}
+    import peft
+    import torch
+    import transformers
+    result = {"threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "seeds": args.seeds, "pool": args.pool,
+              "pairs": args.pairs, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                                                "peft": peft.__version__, "python": sys.version.split()[0]},
+              "command": " ".join(sys.argv), "settings": {}}
+    for annotator in args.annotators:
+        res = setting(out, annotator, flags, args)
+        res.update(print_setting(annotator, res, args.steps))
+        result["settings"][annotator] = res
+        common.write_json(out / "results.json", result)
+    summary = {a: {"claim": r["claim"], "verdicts": r["verdicts"]} for a, r in result["settings"].items()}
+    print(json.dumps({"steps": args.steps, "seeds": args.seeds, "pairs": args.pairs, **summary}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The paper's baselines (§4.3, App. N): preference pairs and the Bradley-Terry reward model (02 --objective pairwise),
+the process reward model (02 --objective prm), their critics in 03 (--critic scalar-rm, prm), DPO (baselines/dpo.py)
+and SFT + reflection (baselines/reflection_data.py, 04 --reflect). Losses against hand-computed values; the scalar
+reward model's scores against transformers' own pooling; bad input as one line."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import import_script
+
+import common
+from tasks.demo import demo_critic, demo_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+rm = import_script("02_train_reward")
+ppo = import_script("03_train_policy")
+sys.path.insert(0, str(ROOT / "baselines"))
+dpo = import_script("dpo")
+reflection = import_script("reflection_data")
+
+
+def annotated(prompt, response, rid):
+    return {"id": rid, "prompt": prompt, "response": response, **demo_critic(prompt, response), "status": "ok"}
+
+
+def pool(n: int) -> list[dict]:
+    """Two annotated answers per demo post: its noisy summary and its reference (the demo critic judges both)."""
+    return [annotated(ex["prompt"], resp, f"{ex['id']}/{k}") | {"reference": ex["reference"]}
+            for ex in demo_dataset("annotate", n) for k, resp in (("a", ex["response"]), ("b", " " + ex["reference"]))]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The losses, against values computed by hand
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_bradley_terry_loss_matches_hand_values():
+    # -log sigmoid(1 - 0) = log(1 + e^-1) = 0.313262; -log sigmoid(0 - 2) = log(1 + e^2) = 2.126928
+    loss = rm.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]))
+    assert loss.item() == pytest.approx((0.313262 + 2.126928) / 2, abs=1e-6)
+    assert rm.bradley_terry_loss(torch.tensor([3.0]), torch.tensor([3.0])).item() == pytest.approx(math.log(2))
+
+
+def test_prm_loss_matches_hand_values():
+    # BCE with logits: label 1, s = 0 -> log 2; label 0, s = 2 -> log(1 + e^2) = 2.126928; the masked step counts not
+    scores, labels = torch.tensor([[0.0, 2.0, 9.0]]), torch.tensor([[1.0, 0.0, 0.0]])
+    loss = rm.prm_loss(scores, labels, torch.tensor([[1.0, 1.0, 0.0]]))
+    assert loss.item() == pytest.approx((math.log(2) + 2.126928) / 2, abs=1e-6)
+
+
+def test_dpo_loss_matches_hand_values():
+    # beta 0.1: r_c = 0.1 * (-1 - -1.5) = 0.05, r_r = 0.1 * (-2 - -1.5) = -0.05; loss = log(1 + e^-0.1) = 0.644397
+    loss, r_c, r_r = dpo.dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]),
+                                  torch.tensor([-1.5]), beta=0.1)
+    assert (r_c.item(), r_r.item()) == pytest.approx((0.05, -0.05))
+    assert loss.item() == pytest.approx(0.644397, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pairs and steps
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_preference_pairs_fewer_poor_spans_wins_and_ties_give_none():
+    p = "post: tom has a red dog called rex. the dog likes the park. it eats fish.\nsummary:"
+    good = " tom has a red dog called rex that likes the park and eats fish."
+    bad = " tom has a blue dog called rex that likes the park and eats fish fish."
+    recs = [annotated(p, bad, "a"), annotated(p, good, "b"),                      # a pair: b is chosen
+            annotated(p + " ", good, "c"), annotated(p + " ", good, "d"),         # a tie: no pair
+            annotated(p + "  ", good, "e"), {**annotated(p + "  ", bad, "f"), "status": "failed"}]  # one usable answer
+    pairs = common.preference_pairs(recs)
+    assert [(x["chosen_id"], x["rejected_id"]) for x in pairs] == [("b", "a")]
+    assert pairs[0]["chosen"] == good and pairs[0]["rejected"] == bad
+
+
+def test_preference_pairs_tests_passed_win_over_fewer_poor_spans():
+    recs = [{"id": "x", "prompt": "q", "response": "a", "poor_spans": [], "passed": False},
+            {"id": "y", "prompt": "q", "response": "b", "poor_spans": ["b"], "passed": True}]
+    assert [(x["chosen_id"], x["rejected_id"]) for x in common.preference_pairs(recs)] == [("y", "x")]
+
+
+def test_dataset_pairs_take_strings_and_chats(tmp_path):
+    path = tmp_path / "prefs.jsonl"
+    common.write_jsonl(path, [{"prompt": "hi", "chosen": "good", "rejected": "bad"},
+                              {"prompt": "yo", "chosen": [{"role": "user", "content": "yo"},
+                                                          {"role": "assistant", "content": "fine"}],
+                               "rejected": [{"role": "user", "content": "yo"},
+                                            {"role": "assistant", "content": "no"}]}])
+    pairs, source = rm.load_pairs(str(path))
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [("hi", "good", "bad"), ("yo", "fine", "no")]
+    assert source == "the dataset's pairs"
+
+
+def test_split_steps_cuts_clauses_and_code_blocks():
+    text = " tom has a red dog called rex that likes the park, and eats fish."
+    steps = common.split_steps(text)
+    assert [text[a:b] for a, b in steps] == ["tom has a red dog called rex", "that likes the park,", "and eats fish."]
+    code = "import os\n\ndef f(x):\n    if x:\n        return 1\n    else:\n        return 2\nprint(f(1))\n"
+    assert [code[a:b] for a, b in common.split_steps(code, "block")] == [
+        "import os", "def f(x):\n    if x:\n        return 1\n    else:\n        return 2", "print(f(1))"]
+
+
+def test_step_labels_mark_the_steps_a_poor_span_falls_in():
+    p = "post: tom has a red dog called rex. the dog likes the park. it eats fish.\nsummary:"
+    text = " tom has a red dog called rex that likes the beach and eats fish fish."
+    fb = demo_critic(p, text)  # poor: " beach" (wrong), the second " fish" (repeated)
+    assert common.step_labels(text, common.split_steps(text), fb["good_spans"], fb["poor_spans"]) == [1, 0, 0]
+
+
+def test_step_deltas_put_each_reward_on_the_steps_last_token():
+    offsets = [(0, 4), (4, 8), (8, 13), (13, 13)]  # " tom", " has", " fish", EOS
+    assert ppo.step_deltas(offsets, [(8, 0.5), (13, -0.25)]) == [0.0, 0.5, -0.25, 0.0]
+    assert ppo.step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]   # the scalar RM: the last token (EOS)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The scalar reward model: its scores, training (02 --objective pairwise / prm), use in 03, refusals
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_scores_are_read_at_the_eos_as_transformers_pools_them(tiny_model_dir):
+    """score_responses (left-padded batches, the score at each row's EOS) against transformers' own pooled logits of
+    each input alone (the last token, the EOS: the tiny tokenizer's pad is a distinct token)."""
+    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
+    prompts = ["post: tom has a dog.\nsummary:", "post: a much longer post about anna and her cat.\nsummary:"]
+    responses = [" tom has a dog.", " anna"]
+    ours = [s[0] for s in common.score_responses(model, tok, prompts, responses, batch_size=2)]
+    for p, r, s in zip(prompts, responses, ours):
+        ids = common.scalar_rm_input(tok, p, r)[0]
+        assert ids[-1] == tok.eos_token_id
+        with torch.no_grad():
+            assert s == pytest.approx(model(input_ids=torch.tensor([ids])).logits[0, 0].item(), abs=1e-5)
+
+
+def test_scores_ignore_a_pad_that_equals_eos(tiny_model_dir):
+    """With pad == EOS (SmolLM2), transformers' pooling reads the token before the EOS; ours still reads the EOS."""
+    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
+    ids = common.scalar_rm_input(tok, "post: tom.\nsummary:", " tom")[0]
+    with torch.no_grad():
+        at = common.scalar_rm_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        model.config.pad_token_id = tok.eos_token_id
+        pooled = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+    assert pooled == pytest.approx(at[-2].item(), abs=1e-5) and pooled != pytest.approx(at[-1].item(), abs=1e-3)
+    tok.pad_token = tok.eos_token
+    assert common.score_responses(model, tok, ["post: tom.\nsummary:"], [" tom"])[0][0] == pytest.approx(
+        at[-1].item(), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def bt_reward_model(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("bt")
+    common.write_jsonl(tmp / "ann.jsonl", pool(60))
+    common.write_jsonl(tmp / "sft.jsonl", [{"prompt": ex["prompt"], "response": ex["response"]}
+                                          for ex in demo_dataset("sft", 20)])
+    args = rm.parse_args(["--objective", "pairwise", "--model", tiny_model_dir, "--data", str(tmp / "ann.jsonl"),
+                          "--output-dir", str(tmp / "rm"), "--max-steps", "40", "--batch-size", "8", "--lr", "1e-3",
+                          "--val-frac", "0.2", "--norm-data", str(tmp / "sft.jsonl"), "--device", "cpu"])
+    return str(tmp / "rm"), rm.main(args), tmp
+
+
+def test_pairwise_reward_model_trains_normalises_and_reports(bt_reward_model):
+    """02 --objective pairwise: the saved model says what it is; its held-out Bradley-Terry loss, computed on the
+    reloaded model one answer at a time (score_responses), equals the Trainer's eval loss on collated batches; the
+    demonstrations' mean score is what 03 subtracts."""
+    path, metrics, tmp = bt_reward_model
+    info = json.loads(Path(path, "reward_model.json").read_text())
+    assert info["objective"] == "pairwise" and common.rm_settings(path)["objective"] == "pairwise"
+    assert metrics["n"] == round(0.2 * len(common.preference_pairs(pool(60))))  # the held-out pairs
+    assert metrics["bt_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
+    assert metrics["pairwise_accuracy"] > 0.5  # 40 steps: the clean reference beats the noisy answer
+    model, tok = common.load_model(path, scalar_head=True)
+    demos = common.read_jsonl(tmp / "sft.jsonl")
+    scores = common.score_responses(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos])
+    assert info["score_bias"] == pytest.approx(sum(s[0] for s in scores) / len(scores), abs=1e-4)
+
+
+def test_scalar_rm_critic_puts_the_normalised_score_on_the_last_token(bt_reward_model):
+    path, _, _ = bt_reward_model
+    args = ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path, "--device", "cpu"])
+    critic = ppo.make_critic(args)
+    model, tok = common.load_model(path, scalar_head=True)
+    p, texts = "post: tom has a red dog called rex.\nsummary:", [" tom has a red dog.", " rex"]
+    fbs = critic([{"prompt": p}] * 2, texts)
+    bias = common.rm_settings(path)["score_bias"]
+    for text, fb in zip(texts, fbs):
+        with torch.no_grad():
+            raw = model(input_ids=torch.tensor([common.scalar_rm_input(tok, p, text)[0]])).logits[0, 0].item()
+        assert fb["step_rewards"] == [(None, pytest.approx(raw - bias, abs=1e-5))]
+        std = common.rm_settings(path)["norm_score_std"]
+        assert std > 0 and ppo.make_critic(ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path,
+                                                           "--score-norm", "mean-std", "--device", "cpu"]))(
+            [{"prompt": p}], [text])[0]["step_rewards"] == [(None, pytest.approx((raw - bias) / std, abs=1e-5))]
+        ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        d = ppo.span_deltas([text], [common.decode_with_offsets(tok, ids)[1]], [fb], torch.ones(1, len(ids)))[0]
+        assert d[0, :-1].abs().sum() == 0 and d[0, -1].item() == pytest.approx(raw - bias, abs=1e-5)
+
+
+def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
+    common.write_jsonl(tmp_path / "ann.jsonl", pool(30))
+    metrics = rm.main(rm.parse_args(["--objective", "prm", "--model", tiny_model_dir, "--data",
+                                     str(tmp_path / "ann.jsonl"), "--output-dir", str(tmp_path / "prm"),
+                                     "--max-steps", "10", "--batch-size", "8", "--val-frac", "0.2", "--device", "cpu"]))
+    assert metrics["n"] == 12 and metrics["n_steps"] >= 12 and 0.0 <= metrics["step_accuracy"] <= 1.0
+    assert common.rm_settings(tmp_path / "prm")["step_unit"] == "clause"
+    critic = ppo.make_critic(ppo.parse_args(["--critic", "prm", "--reward-model", str(tmp_path / "prm"),
+                                             "--device", "cpu"]))
+    text = " tom has a red dog called rex that likes the park and eats fish."
+    (fb,) = critic([{"prompt": "post: tom.\nsummary:"}], [text])
+    assert [e for e, _ in fb["step_rewards"]] == [e for _, e in common.split_steps(text)]
+    assert all(-1 < r < 1 for _, r in fb["step_rewards"])
+
+
+@pytest.mark.parametrize("case", ["scalar-for-critiques-03", "scalar-for-critiques-04", "generative-for-scalar"])
+def test_the_wrong_kind_of_reward_model_is_refused_in_one_line(tmp_path, bt_reward_model, tiny_reward_model, case):
+    bt = bt_reward_model[0]
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
+    cmd = {"scalar-for-critiques-03": ["03_train_policy.py", "--critic", "local", "--reward-model", bt],
+           "scalar-for-critiques-04": ["04_evaluate.py", "--reward-model", bt, "--policy", f"x={bt}", "--data",
+                                       str(tmp_path / "eval.jsonl")],
+           "generative-for-scalar": ["03_train_policy.py", "--critic", "scalar-rm", "--reward-model",
+                                     tiny_reward_model[0]]}[case]
+    proc = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:]], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()
+    assert len(last) == 1 and last[0].startswith("error: --reward-model ")
+    assert ("needs a generative one" in last[0]) == (case != "generative-for-scalar")
+    assert ("needs a scalar one trained on preference pairs" in last[0]) == (case == "generative-for-scalar")
+
+
+@pytest.mark.parametrize("script", ["02_train_reward.py", "baselines/dpo.py"])
+def test_pairs_with_a_missing_field_exit_2_naming_file_line_and_field(tmp_path, tiny_model_dir, script):
+    path = tmp_path / "prefs.jsonl"
+    common.write_jsonl(path, [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
+    extra = ["--objective", "pairwise"] if script.startswith("02") else []
+    proc = subprocess.run([sys.executable, str(ROOT / script), "--data", str(path), "--model", tiny_model_dir,
+                           "--output-dir", str(tmp_path / "out"), *extra], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == f"error: {path}:2: missing field 'rejected'"
+    assert not (tmp_path / "out").exists()
+
+
+def test_annotations_without_two_answers_per_prompt_give_no_pairs_in_one_line(tmp_path):
+    path = tmp_path / "ann.jsonl"
+    common.write_jsonl(path, [annotated(ex["prompt"], ex["response"], ex["id"]) for ex in demo_dataset("annotate", 3)])
+    with pytest.raises(common.DataError, match=r"no preference pairs: no prompt has two responses"):
+        rm.load_pairs(str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# DPO and SFT + reflection
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_dpo_raises_the_chosen_answers_implicit_reward_over_the_rejected(tmp_path, tiny_model_dir):
+    """A few DPO steps on pairs: the implicit reward margin beta * [(log pi - log ref)(y_c) - (...)(y_r)] starts at
+    0 (pi = ref) and turns positive on the training pairs, and the loss falls below log 2."""
+    common.write_jsonl(tmp_path / "ann.jsonl", pool(16))
+    metrics = dpo.main(["--model", tiny_model_dir, "--data", str(tmp_path / "ann.jsonl"), "--output-dir",
+                        str(tmp_path / "dpo"), "--epochs", "6", "--batch-size", "8", "--lr", "3e-3", "--val-frac",
+                        "0", "--device", "cpu"])
+    rows = common.read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
+    assert rows[0]["rewards/margin"] == pytest.approx(0.0, abs=1e-6) and rows[0]["loss"] == pytest.approx(math.log(2))
+    assert rows[-1]["rewards/margin"] > 0 and rows[-1]["loss"] < math.log(2)
+    assert rows[-1]["rewards/chosen"] > rows[-1]["rewards/rejected"]
+    assert metrics["n"] == 0 and (tmp_path / "dpo" / "policy" / "adapter_config.json").is_file()
+
+
+def test_revision_examples_map_flawed_answers_and_their_critique_to_the_reference():
+    recs = pool(5)
+    examples = reflection.revision_examples(recs)
+    flawed = [r for r in recs if r["poor_spans"]]
+    assert len(examples) == len(flawed) > 0
+    for ex, rec in zip(examples, flawed):
+        assert ex["prompt"] == common.revision_prompt(rec["prompt"], rec["response"], rec["critique"])
+        assert rec["critique"] in ex["prompt"] and ex["response"] == " " + rec["reference"]
+
+
+def test_reflect_adds_a_revised_row_and_needs_a_critic(tmp_path, tiny_model_dir):
+    ev = import_script("04_evaluate")
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
+    results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
+                       "--reflect-critic", "program", "--reward-model", "none", "--output-dir", str(tmp_path / "ev"),
+                       "--max-new-tokens", "8", "--bootstrap", "10"])
+    assert list(results["policies"]) == ["sft", "sft+reflect"]
+    assert (tmp_path / "ev" / "eval" / "sft+reflect.generations.jsonl").is_file()
+    with pytest.raises(common.DataError, match="--reflect-critic reward-model: no --reward-model"):
+        ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
+                 "--reward-model", "none", "--output-dir", str(tmp_path / "ev2")])
+
+
+def test_a_plain_sequence_classifier_is_a_scalar_reward_model(tmp_path, tiny_model_dir):
+    """A reward model trained elsewhere (TRL's RewardTrainer saves a sequence classifier, no reward_model.json) is
+    taken by --critic scalar-rm, unnormalised, and refused where critiques are needed."""
+    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
+    common.save_pretrained(tmp_path / "trl_rm", model, tok)
+    settings = common.rm_settings(tmp_path / "trl_rm")
+    assert settings["objective"] == "pairwise" and settings["score_bias"] == 0.0
+    assert common.rm_settings(tiny_model_dir)["objective"] == "generative"  # a causal LM
+    ppo.parse_args(["--critic", "scalar-rm", "--reward-model", str(tmp_path / "trl_rm")])
+    with pytest.raises(common.DataError, match="needs a generative one"):
+        common.check_reward_model(str(tmp_path / "trl_rm"))
