@@ -1,6 +1,7 @@
 """Every command in the README still runs as written: each `python SCRIPT ...` or `torchrun ... SCRIPT ...` in a fenced
-block of README.md (and bench/README.md) names a script that exists and accepts its flags. The flags are parsed by the
-script's own argparse parser and nothing runs: parse_args is patched to stop the script once it has parsed them."""
+block of README.md (and bench/README.md, baselines/README.md) names a script that exists and accepts its flags. The
+flags are parsed by the script's own argparse parser and nothing runs: parse_args is patched to stop the script
+once it has parsed them."""
 import json
 import re
 import shlex
@@ -10,7 +11,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-READMES = [p for p in (ROOT / "README.md", ROOT / "bench" / "README.md") if p.is_file()]
+READMES = [p for p in (ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "baselines" / "README.md")
+           if p.is_file()]
 PREFIXES = {"taskset": 2, "nice": 2, "nohup": 0, "time": 0, "env": 0}  # wrappers before the command: arguments skipped
 
 # In a fresh interpreter, in the repo root: run each script as __main__ with its README arguments until its parser has
