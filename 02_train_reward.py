@@ -21,14 +21,12 @@ GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 i
         --batch-size 4 --grad-accum 8 --gradient-checkpointing
     torchrun --nproc_per_node 8 02_train_reward.py --task code --model Qwen/Qwen2.5-7B-Instruct --batch-size 2
 
-The paper's scalar baselines (§4.3, App. N) train here too, on a scalar head (sequence classification) of the same LM:
+The paper's scalar baselines (§4.3, App. N) train here too, on a scalar head (sequence classification) of the same LM,
+with this file's Trainer set-up (make_trainer) and saving; their code is in baselines/scalar_rm.py (main_scalar):
     python 02_train_reward.py --objective pairwise --data pairs.jsonl --output-dir runs/demo/bt_rm   # PPO's RM
     python 02_train_reward.py --objective pairwise --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs
     python 02_train_reward.py --objective prm --data runs/demo/annotations.jsonl --output-dir runs/demo/prm  # PRM-PPO's
-pairwise: -log sigmoid(r_c - r_r) on chosen / rejected pairs, a dataset's own fields or, from annotations, the answer
-with fewer poor spans chosen over the other answer to the same prompt; the held-out pairwise accuracy goes to
-eval.json, and reward_model.json gets score_bias, the mean score of --norm-data's demonstrations (Huang et al. 2024).
-prm: binary cross-entropy of each step's score (clauses; code: blocks) against "no poor span falls in it". 03 takes
+pairwise: a Bradley-Terry reward model on chosen / rejected pairs; prm: a process reward model on step labels. 03 takes
 them as --critic scalar-rm and --critic prm, and refuses each where the other kind is needed (reward_model.json's
 objective).
 
@@ -141,13 +139,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-field", default="prompt", help="pairwise, a preference dataset: the prompt field")
     p.add_argument("--chosen-field", default="chosen", help="pairwise: the preferred answer's field; without it in "
                    "--data's records,\npairs come from annotations: of two responses to one prompt, fewer poor spans "
-                   "wins\n(common.preference_pairs)")
+                   "wins\n(baselines/scalar_rm.py: preference_pairs)")
     p.add_argument("--rejected-field", default="rejected", help="pairwise: the other answer's field")
     p.add_argument("--norm-data", help="pairwise: JSONL of demonstrations (prompt + --norm-field, e.g. the SFT data) "
                    "whose mean score\nbecomes 0 (Huang et al. 2024); default: the training pairs' answers")
     p.add_argument("--norm-field", default="response", help="pairwise: the demonstration field of --norm-data")
     p.add_argument("--step-unit", choices=common.STEP_UNITS, help="prm: how responses are cut into steps "
-                   "(common.split_steps; default: block for --task code, else clause)")
+                   "(baselines/scalar_rm.py: split_steps;\ndefault: block for --task code, else clause)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.task].items():
         if getattr(args, key) is None:
@@ -291,129 +289,6 @@ def print_table(m: dict) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The paper's baselines (§4.3, App. N): a scalar head on the same LM, trained on preference pairs (Bradley-Terry) or on
-# step labels (a process reward model). Its input is common.scalar_rm_input: prompt as the policy sees it, response, EOS
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def bradley_terry_loss(r_chosen, r_rejected):
-    """-log sigmoid(r_c - r_r), the mean over pairs (Bradley-Terry, as in Ouyang et al. 2022, eq. 1). (B,), (B,)"""
-    return -torch.nn.functional.logsigmoid(r_chosen - r_rejected).mean()
-
-
-def prm_loss(scores, labels, mask):
-    """Binary cross-entropy of each step's score, a logit of "this step is right", against its label (1 right, 0
-    wrong), the mean over the steps under mask (Lightman et al. 2023). (B, S) each -> ()"""
-    bce = torch.nn.functional.binary_cross_entropy_with_logits(scores, labels, reduction="none")
-    return (bce * mask).sum() / mask.sum().clamp(min=1)
-
-
-def load_pairs(path: str, split: str = "train", prompt_field: str = "prompt", chosen_field: str = "chosen",
-               rejected_field: str = "rejected") -> tuple[list[dict], str]:
-    """(preference pairs, where they came from). A dataset whose first record has the chosen or rejected field (a JSONL,
-    .json or .parquet file, or a hub id such as HuggingFaceH4/ultrafeedback_binarized) gives its own pairs
-    (common.dataset_pairs); annotations of 01_annotate.py give one pair per prompt, fewer poor spans (tests passed)
-    winning (common.preference_pairs, App. N). DataError naming the file, line and field on a bad record."""
-    rows = common.read_rows(path, split)
-    if not rows:
-        raise common.DataError(f"{path}: no records")
-    where, first = rows[0]
-    if chosen_field in first or rejected_field in first:
-        return common.dataset_pairs(rows, prompt_field, chosen_field, rejected_field), "the dataset's pairs"
-    if "response" not in first or "poor_spans" not in first:
-        raise common.DataError(f"{where}: missing field '{chosen_field}' (a preference dataset: --chosen-field, "
-                               f"--rejected-field) or 'response' and 'poor_spans' (annotations of 01_annotate.py)")
-    records, _ = load_annotations(path)
-    pairs = common.preference_pairs(records)
-    if not pairs:
-        raise common.DataError(f"{path}: no preference pairs: no prompt has two responses that differ in their poor "
-                               f"spans ({len(records)} usable records; sample two answers per prompt, then annotate)")
-    return pairs, "annotations (fewer poor spans wins)"
-
-
-def encode_scalar(tokenizer, items: list[dict], objective: str, max_len: int, max_prompt_tokens: int,
-                  step_unit: str = "clause") -> tuple[list[dict], dict]:
-    """Encoded examples and {"ok", "too_long"} counts. pairwise: {"chosen", "rejected"} input ids of one pair; prm:
-    {"input_ids", "positions" (the token that holds each step's last character), "labels" (1 right, 0 wrong:
-    common.step_labels)}. Inputs come from common.scalar_rm_input (the prompt cut to max_prompt_tokens); an example
-    longer than max_len is dropped, and a response without steps gives none."""
-    examples, counts = [], {"ok": 0, "too_long": 0}
-    for it in items:
-        if objective == "pairwise":
-            ex = {k: common.scalar_rm_input(tokenizer, it["prompt"], it[k], max_prompt_tokens)[0]
-                  for k in ("chosen", "rejected")}
-            length = max(map(len, ex.values()))
-        else:
-            steps = common.split_steps(it["response"], step_unit)
-            if not steps:
-                continue
-            ids, first, offsets = common.scalar_rm_input(tokenizer, it["prompt"], it["response"], max_prompt_tokens)
-            ex = {"input_ids": ids, "positions": [first + common.token_at(offsets, e) for _, e in steps],
-                  "labels": common.step_labels(it["response"], steps, it["good_spans"], it["poor_spans"])}
-            length = len(ids)
-        status = "too_long" if length > max_len else "ok"
-        counts[status] += 1
-        if status == "ok":
-            examples.append(ex)
-    return examples, counts
-
-
-def collate_scalar(features: list[dict], pad_id: int) -> dict:
-    """A left-padded batch for a scalar reward model, so every row ends at its EOS. pairwise: the B chosen rows, then
-    the B rejected rows (input_ids, attention_mask (2B, T)), labels (B,) = 1 (the first is preferred); prm:
-    input_ids, attention_mask (B, T) and positions, labels, step_mask (B, S), S the most steps of a row."""
-    if "chosen" in features[0]:
-        ids, mask = common.left_pad([f["chosen"] for f in features] + [f["rejected"] for f in features], pad_id)
-        return {"input_ids": ids, "attention_mask": mask, "labels": torch.ones(len(features))}
-    ids, mask = common.left_pad([f["input_ids"] for f in features], pad_id)
-    S = max(len(f["positions"]) for f in features)
-    positions, labels, step_mask = (torch.zeros(len(features), S, dtype=dt) for dt in (torch.long, torch.float,
-                                                                                         torch.float))
-    for i, f in enumerate(features):
-        n, shift = len(f["positions"]), ids.shape[1] - len(f["input_ids"])  # left padding shifts every position
-        positions[i, :n], labels[i, :n], step_mask[i, :n] = torch.tensor(f["positions"]) + shift, \
-            torch.tensor(f["labels"], dtype=torch.float), 1.0
-    return {"input_ids": ids, "attention_mask": mask, "positions": positions, "labels": labels, "step_mask": step_mask}
-
-
-def scalar_loss(model, batch: dict):
-    """The training loss of a scalar reward model on a collate_scalar batch: Bradley-Terry on the scores at the last
-    position (every row's EOS), or the PRM loss on the scores at each step's last token."""
-    scores = common.scalar_rm_scores(model, batch["input_ids"], batch["attention_mask"])          # (rows, T)
-    if "positions" not in batch:
-        r = scores[:, -1]                                                                          # (2B,)
-        return bradley_terry_loss(r[: len(r) // 2], r[len(r) // 2:])
-    return prm_loss(scores.gather(1, batch["positions"]), batch["labels"], batch["step_mask"])
-
-
-def evaluate_scalar(model, tokenizer, items: list[dict], objective: str, max_prompt_tokens: int, step_unit: str,
-                    batch_size: int = 32) -> dict:
-    """Held-out metrics of a scalar reward model (loaded as 03 loads it), on its raw scores (common.score_responses).
-    pairwise: accuracy (r_c > r_r), the Bradley-Terry loss and the mean margin r_c - r_r. prm: step accuracy
-    (sigmoid > 0.5 = right) and precision / recall of the wrong steps, the ones that carry a poor span."""
-    if not items:
-        return {"n": 0}
-    if objective == "pairwise":
-        score = lambda key: torch.tensor([s[0] for s in common.score_responses(  # noqa: E731 - (n,) raw scores
-            model, tokenizer, [it["prompt"] for it in items], [it[key] for it in items],
-            max_prompt_tokens=max_prompt_tokens, batch_size=batch_size)])
-        r_c, r_r = score("chosen"), score("rejected")
-        return {"n": len(items), "pairwise_accuracy": (r_c > r_r).float().mean().item(),
-                "bt_loss": bradley_terry_loss(r_c, r_r).item(), "margin": (r_c - r_r).mean().item()}
-    steps = [common.split_steps(it["response"], step_unit) for it in items]
-    scores = common.score_responses(model, tokenizer, [it["prompt"] for it in items], [it["response"] for it in items],
-                                    steps, max_prompt_tokens, batch_size)
-    gold = [g for it, st in zip(items, steps) for g in common.step_labels(it["response"], st, it["good_spans"],
-                                                                         it["poor_spans"])]
-    pred = [int(s > 0) for row in scores for s in row]                                  # sigmoid(s) > 0.5: right
-    wrong_tp = sum(p == 0 and g == 0 for p, g in zip(pred, gold))
-    precision, recall, f1 = common._prf(wrong_tp, pred.count(0), gold.count(0))
-    return {"n": len(items), "n_steps": len(gold), "step_accuracy": sum(p == g for p, g in zip(pred, gold)) / max(
-        len(gold), 1), "wrong_step_precision": precision, "wrong_step_recall": recall, "wrong_step_f1": f1,
-        "wrong_steps_gold": gold.count(0)}
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # Saving: adapter + tokenizer + reward_model.json, written so that a crash never leaves a half-written reward model
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -487,7 +362,7 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
     """(transformers.Trainer of this run, the checkpoint it resumes from or None): checkpoints in
     OUTPUT_DIR/checkpoints (a fresh run clears them; --resume continues from the last), the eval loss on val_set,
     --sampling, LoRA+ (--loraplus-ratio). loss_fn(model, inputs) -> mean loss replaces the model's own loss (the
-    scalar objectives)."""
+    scalar objectives: baselines/scalar_rm.py)."""
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
 
@@ -536,6 +411,7 @@ def main(args: argparse.Namespace) -> dict:
     from transformers import set_seed
 
     if args.objective != "generative":  # a scalar reward model: the paper's PPO and PRM-PPO baselines
+        from baselines.scalar_rm import main_scalar
         return main_scalar(args)
     t0 = time.time()
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -622,97 +498,6 @@ def main(args: argparse.Namespace) -> dict:
     log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
     if args.merge:
         log(f"merged for serving: {merge_reward_model(out, args.merge, 'bf16' if args.bf16 else 'float32')}")
-    return metrics
-
-
-def main_scalar(args: argparse.Namespace) -> dict:
-    """--objective pairwise | prm: stage 2 for the paper's scalar baselines. The same LM with a scalar head (sequence
-    classification, its weights drawn with std 1/sqrt(d+1) as in Huang et al. 2024), LoRA or full fine-tuning by the
-    same preset, trained by the same Trainer (checkpoints, --resume, DDP); then reward_model.json (objective, the
-    input's budget; pairwise: score_bias, the mean score of the demonstrations, which 03 subtracts) and eval.json
-    (held-out pairwise accuracy, or step accuracy), measured on the model reloaded as 03 loads it."""
-    import math
-
-    from transformers import set_seed
-
-    t0 = time.time()
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    log = print if rank0 else (lambda *a, **k: None)
-    out, dtype = Path(args.output_dir), "bf16" if args.bf16 else "float32"
-    if args.objective == "pairwise":
-        items, source = load_pairs(args.data, args.split, args.prompt_field, args.chosen_field, args.rejected_field)
-    else:
-        items, source = load_annotations(args.data)[0], f"annotations, steps: {args.step_unit}s"
-    train_items, val_items = split_records(items, args.val_frac, args.seed)
-    log(f"{args.data}: {len(items)} {'pairs' if args.objective == 'pairwise' else 'responses'} from {source} -> "
-        f"{len(train_items)} train, {len(val_items)} val")
-
-    norm = ([(r["prompt"], r[args.norm_field]) for r in common.read_jsonl(args.norm_data, ("prompt", args.norm_field))]
-            if args.norm_data else [(it["prompt"], it[k]) for it in train_items for k in ("chosen", "rejected")]
-            ) if args.objective == "pairwise" else []  # read before training: a bad file fails first
-
-    set_seed(args.seed)
-    model, tokenizer = common.load_model(args.model, dtype=dtype, scalar_head=True)
-    model.config.use_cache = False
-    torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))  # Huang et al. 2024
-    if args.lora_r > 0:  # peft's SEQ_CLS trains and saves the score head in full
-        model = common.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
-                                args.modules_to_save, task_type="SEQ_CLS")
-    max_prompt_tokens = args.max_len - args.max_new_tokens  # as the generative reward model's input is cut
-    encode = functools.partial(encode_scalar, tokenizer, objective=args.objective, max_len=args.max_len,
-                               max_prompt_tokens=max_prompt_tokens, step_unit=args.step_unit)
-    (train_set, counts), (val_set, _) = encode(train_items), encode(val_items)
-    if not train_set:
-        raise common.DataError(f"{args.data}: no training example fits in --max-len {args.max_len}")
-    log(f"{counts['too_long']} train examples longer than --max-len {args.max_len} dropped")
-
-    trainer, resume_from = make_trainer(args, model, train_set, val_set, functools.partial(
-        collate_scalar, pad_id=tokenizer.pad_token_id), log, rank0, loss_fn=scalar_loss)
-    result = trainer.train(resume_from_checkpoint=resume_from)
-    final_eval = trainer.evaluate() if val_set else {}
-    train_s = time.time() - t0
-    if not trainer.is_world_process_zero():
-        return {}
-
-    # ---- normalisation (Huang et al. 2024): the demonstrations' mean score becomes 0 (pairwise; 03 subtracts it) ----
-    model.eval()
-    if args.objective == "pairwise":
-        prompts, answers = (list(x) for x in zip(*norm))
-        norm_scores = torch.tensor([s[0] for s in common.score_responses(
-            model, tokenizer, prompts, answers, max_prompt_tokens=max_prompt_tokens, batch_size=args.gen_batch_size)])
-    summary = {
-        "base_model": args.model, "adapter": "peft LoRA" if args.lora_r > 0 else None, "task": args.task,
-        "data": str(args.data), "objective": args.objective, "input_format": "common.scalar_rm_input(tokenizer, "
-        "prompt, response, max_prompt_tokens): score at the EOS" + (" and at each step's last token (split_steps)"
-                                                                  if args.objective == "prm" else ""),
-        "max_prompt_tokens": max_prompt_tokens, "max_len": args.max_len,
-        **({"score_bias": norm_scores.mean().item(), "norm_data": args.norm_data or "the training pairs' answers",
-            "norm_score_std": norm_scores.std().item()} if args.objective == "pairwise" else
-           {"step_unit": args.step_unit}),
-        "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
-                 "targets": args.lora_targets, "modules_to_save": args.modules_to_save},
-        "train": {"items": len(train_items), "examples": len(train_set), "val_items": len(val_items),
-                  "source": source, "too_long_dropped": counts["too_long"], "lr": args.lr,
-                  "lr_schedule": args.lr_schedule, "sampling": args.sampling, "epochs": args.epochs,
-                  "steps": trainer.state.global_step, "resumed_from": resume_from, "seed": args.seed,
-                  "batch_size": args.batch_size * args.grad_accum * trainer.args.world_size,
-                  "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
-                  "train_s": round(train_s, 1)}}
-    save_reward_model(model, args, out, summary)
-    log(f"saved the {args.objective} reward model to {out} (eval loss {final_eval.get('eval_loss', float('nan')):.4f})")
-    del trainer, model
-
-    # ---- held-out metrics of the saved reward model, loaded exactly as stage 3 loads it ----
-    rm, rm_tok = common.load_model(str(out), device=args.device, dtype=dtype, scalar_head=True)
-    metrics = evaluate_scalar(rm, rm_tok, val_items[: args.eval_limit], args.objective, max_prompt_tokens,
-                              args.step_unit, args.gen_batch_size)
-    metrics.update(objective=args.objective, eval_loss=final_eval.get("eval_loss"), train_loss=result.training_loss,
-                   steps=summary["train"]["steps"], train_s=round(train_s, 1), wall_s=round(time.time() - t0, 1),
-                   **{k: summary[k] for k in ("score_bias", "norm_score_std") if k in summary})
-    log("held-out: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()
-                                 if k not in ("objective",)))
-    common.write_json(out / "eval.json", metrics)
-    log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
     return metrics
 
 

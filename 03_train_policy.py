@@ -11,7 +11,8 @@ train() is Alg. 4's loop, one named step per line of it (the step numbers are ou
 The file reads top to bottom: the arguments; the pure tensor functions of steps 4-6 (copy them into your own project
 as they are); precision and torchrun; the policy (forward, reference_forward, build_policy); the critic (make_critic)
 and the demo's monitor (make_monitor); the steps; the run's setup (prompts, SFT warm start, checkpoints); train().
-Only common.py is needed beside it, and tasks/ for a task's program critic.
+Only common.py is needed beside it, tasks/ for a task's program critic, and baselines/ for the paper's scalar
+baselines (--critic scalar-rm, prm: baselines/scalar_rm.py).
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
@@ -102,7 +103,7 @@ def parse_args(argv=None):
     a("--critic", default="local", choices=["local", "program", "openai", "scalar-rm", "prm"], help="who writes "
       "critique + spans; or the paper's baselines (§4.3, App. N), a scalar reward\nmodel's scores instead: "
       "scalar-rm (02 --objective pairwise) scores the whole response,\nput on its last token (classic RLHF PPO); "
-      "prm (02 --objective prm) scores each step, put\non the step's last token (scalar_critic)")
+      "prm (02 --objective prm) scores each step, put\non the step's last token (baselines/scalar_rm.py)")
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
     a("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: mean subtracts the "
       "SFT demonstrations' mean score (Huang et al. 2024);\nmean-std also divides by their std (Ziegler et al. "
@@ -568,8 +569,9 @@ def make_critic(args):
     """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or a failed critique (_parse) when its
     output did not parse or its request failed.
     --critic local: the stage 2 reward model; openai: one behind an OpenAI-compatible server; program: the task's
-    programmatic critic (tasks/); scalar-rm, prm: a scalar reward model (scalar_critic)."""
+    programmatic critic (tasks/); scalar-rm, prm: a scalar reward model (baselines/scalar_rm.py: scalar_critic)."""
     if args.critic in SCALAR_CRITICS:
+        from baselines.scalar_rm import scalar_critic
         return scalar_critic(args)
     if args.critic == "program":
         if args.task == "demo":
@@ -595,35 +597,9 @@ def make_critic(args):
         args.critic_timeout, args.critic_retries)]
 
 
+# The paper's scalar baselines as critics (baselines/scalar_rm.py): what each needs of --reward-model (its objective,
+# checked by parse_args before any training) and its name in the refusal
 SCALAR_CRITICS = {"scalar-rm": ("pairwise", "--critic scalar-rm"), "prm": ("prm", "--critic prm")}
-
-
-def scalar_critic(args):
-    """The paper's scalar baselines as a critic: feedback with no spans and "step_rewards", [(character end, reward)]
-    that span_deltas puts on the token holding the character before that end (None: the last token).
-      scalar-rm  classic RLHF PPO (Ziegler et al. 2019; Huang et al. 2024): a Bradley-Terry reward model's score of
-                 the whole response, read at the EOS appended to it (common.scalar_rm_input), minus score_bias (its
-                 mean score on the SFT demonstrations, 02's normalisation; --score-norm mean-std: divided by
-                 their std too, norm_score_std): one reward, on the last token (the
-                 EOS if the policy sampled one). compute_rewards adds -beta * KL_t and the missing-EOS penalty; the
-                 paper's scalar PPO baseline is this with --reward-mode span or scalar alike (one non-zero delta).
-      prm        PRM-PPO (App. N): a process reward model's score s of each step (common.split_steps, as 02 cut its
-                 training responses), as 2 * sigmoid(s) - 1 in (-1, 1) (+1: surely right, -1: surely wrong, the
-                 range of delta), on the step's last token.
-    Its input is cut as stage 2 cut it (reward_model.json's max_prompt_tokens)."""
-    rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype, scalar_head=True)
-    info, prm = common.rm_settings(args.reward_model), args.critic == "prm"
-    scale = info["norm_score_std"] if args.score_norm == "mean-std" else 1.0
-
-    def critic(recs, texts):
-        steps = [common.split_steps(t, info["step_unit"] or "clause") for t in texts] if prm else None
-        scores = common.score_responses(rm, rm_tok, [r["prompt"] for r in recs], texts, steps,
-                                        info["max_prompt_tokens"])
-        rewards = [[(e, 2 * torch.sigmoid(torch.tensor(s)).item() - 1) for (_, e), s in zip(st, row)]
-                   for st, row in zip(steps, scores)] if prm else [[(None, (row[0] - info["score_bias"]) / scale)]
-                                                                    for row in scores]
-        return [{"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": r} for r in rewards]
-    return critic
 
 
 def make_monitor(args):
@@ -677,20 +653,11 @@ def dense_feedback(text: str, fb: dict) -> dict:
     return {**fb, "good_spans": fb["good_spans"] + ([text] if text.strip() else [])}
 
 
-def step_deltas(offsets, step_rewards) -> list[float]:
-    """The per-token rewards of a scalar critic (scalar_critic): each (end, r) of step_rewards adds r at the token
-    holding the character before `end` (common.token_at), or at the last token when end is None; 0 elsewhere."""
-    d = [0.0] * len(offsets)
-    for end, r in step_rewards:
-        if d:
-            d[len(d) - 1 if end is None else common.token_at(offsets, end)] += r
-    return d
-
-
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
     """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
     weighted within each span by --span-weighting (App. I); --labels dense labels every token (dense_feedback).
-    A scalar critic's feedback (--critic scalar-rm, prm) carries step_rewards instead: step_deltas puts them on tokens.
+    A scalar critic's feedback (--critic scalar-rm, prm) carries step_rewards instead: baselines/scalar_rm.py's
+    step_deltas puts them on tokens.
     Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
     of non-empty quotes and of quotes not found (the critic's own quotes)."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
@@ -698,7 +665,8 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
     for i, fb in enumerate(feedback):
         if critique_failed(fb):
             continue
-        if "step_rewards" in fb:  # a scalar critic (scalar_critic): its rewards on given tokens, no spans
+        if "step_rewards" in fb:  # a scalar critic (baselines/scalar_rm.py): its rewards on given tokens, no spans
+            from baselines.scalar_rm import step_deltas
             d = step_deltas(offsets[i], fb["step_rewards"])
             delta[i, :len(d)], rows[i] = torch.tensor(d), (d, [])
             continue

@@ -88,7 +88,7 @@ def parse_args(argv=None):
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
     # --- SFT + reflection (the paper's §4.3 baseline)
     a("--reflect", action="store_true", help="SFT + reflection: each policy's answer is revised once, with a critique "
-      "of it in the prompt\n(common.revision_prompt), by --reviser; adds the row NAME+reflect")
+      "of it in the prompt\n(baselines/reflection_data.py: revision_prompt), by --reviser; adds the row NAME+reflect")
     a("--reflect-critic", default="reward-model", choices=["reward-model", "program", "none"],
       help="--reflect: whose critique the reviser reads: --reward-model's (a generative one), the\ntask's "
            "programmatic critic (demo: the exact critic; code: the tests), or none (an empty\ncritique: what revision "
@@ -301,10 +301,12 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
 
 def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir) -> tuple[list[dict], str]:
     """SFT + reflection (§4.3): each answer of policy `name` revised once by --reviser (default: the policy itself),
-    from common.revision_prompt(prompt, answer, critique), sampled as the answers were (cached like them). The
-    critique: the reward model's (crits, already computed: its critique text, and its poor spans when it wrote no
-    text), the task's programmatic critic's, or none. Returns the revisions in generate_outputs' rows, and their
-    fingerprint."""
+    from revision_prompt(prompt, answer, critique) (baselines/reflection_data.py), sampled as the answers were
+    (cached like them). The critique: the reward model's (crits, already computed: its critique text, and its poor
+    spans when it wrote no text), the task's programmatic critic's, or none. Returns the revisions in
+    generate_outputs' rows, and their fingerprint."""
+    from baselines.reflection_data import revision_prompt
+
     reviser = args.reviser or path
 
     def critique(rec, gen, crit) -> str:
@@ -319,7 +321,7 @@ def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir) -
         fb = common.rm_scores(gen["response"], gen["offsets"], crit["critique_raw"])[0]
         return fb["critique"] or "poor: " + ", ".join(s.strip() for s in fb["poor_spans"])
 
-    revise = [{**rec, "prompt": common.revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
+    revise = [{**rec, "prompt": revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
               for rec, gen, crit in zip(records, gens, crits or [None] * len(records))]
     return generate_outputs(f"{name}+reflect", reviser, revise, args, cache_dir,
                             extra=(gen_fp, args.reflect_critic, "reflect-v1",

@@ -17,8 +17,7 @@ Contents: the core first (copy it as is), then what the stages share.
                                      step under torch.compile: generate()'s tokens at the model's speed)
         7. Training pieces           torch_dtype, add_lora, save_pretrained, share_files
         8. Reward-model metrics      rm_scores, rm_span_metrics (paper Tables 1 and 6)
-        9. The paper's baselines     preference_pairs, dataset_pairs (Bradley-Terry, DPO), split_steps, step_labels
-                                     (PRM), scalar_rm_input, scalar_rm_scores, score_responses, revision_prompt
+The paper's baselines (a Bradley-Terry or process reward model, DPO, SFT + reflection) live in baselines/.
 """
 from __future__ import annotations
 
@@ -602,6 +601,9 @@ RM_FORMATS = ("critique+spans", "spans-only")
 RM_OBJECTIVES = {"generative": "a generative one (02 without --objective: it writes critique + spans)",
                  "pairwise": "a scalar one trained on preference pairs (02 --objective pairwise)",
                  "prm": "a process reward model (02 --objective prm)"}
+# How a process reward model cuts a response into steps (02 --step-unit, reward_model.json "step_unit"):
+# baselines/scalar_rm.py's split_steps.
+STEP_UNITS = ("clause", "block")
 RM_INSTRUCTIONS = {"critique+spans": RM_INSTRUCTION,
                    "spans-only": "Give the good_spans and poor_spans of the response as JSON, each quoted exactly "
                                  "from the response."}
@@ -660,7 +662,7 @@ def rm_settings(reward_model_dir) -> dict:
                          TRL's RewardTrainer output) is "pairwise", score_bias 0; any other model "generative".
       score_bias         pairwise: its mean score on the normalisation responses, subtracted from every score (Huang
                          et al. 2024), and norm_score_std their std; step_unit: prm: how its responses are cut into
-                         steps (split_steps).
+                         steps (baselines/scalar_rm.py: split_steps).
     Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
     max_new_tokens 128 (demo) or 512 and the input cut to max_len minus that: those are returned. No file (a plain
     model directory; None for a served model): no cut, and max_new_tokens None."""
@@ -897,8 +899,8 @@ def first_line(e: Exception) -> str:
 def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", adapter: str | None = None,
                scalar_head: bool = False):
     """(model, tokenizer) in eval mode. A directory holding adapter_config.json loads its base model plus the adapter.
-    scalar_head: a sequence-classification model with one output (a scalar reward model, scalar_rm_scores reads it),
-    whose config's pad id is the tokenizer's; else a causal LM.
+    scalar_head: a sequence-classification model with one output (a scalar reward model; baselines/scalar_rm.py's
+    scalar_rm_scores reads it), whose config's pad id is the tokenizer's; else a causal LM.
 
     - Dropout is off in every module (disable_dropout; RLHF detail: dropout makes old and new log-probs disagree).
     - The hub's generation_config.json is dropped, all but its stop ids: every generate() here passes its complete
@@ -1466,144 +1468,3 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
     metrics["spans"] = spans
     metrics["critique_words"] = sum(words) / len(words) if words else 0.0
     return metrics
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# 9. The paper's baselines (§4.3, App. N): preference pairs (a Bradley-Terry reward model, DPO), steps and their labels
-#    (a process reward model), a scalar reward model's input and scores, the revision prompt of SFT + reflection
-# ----------------------------------------------------------------------------------------------------------------------
-
-def preference_pairs(records: list[dict]) -> list[dict]:
-    """Preference pairs from annotations (App. N): of the responses to one prompt, the best is chosen over the worst,
-    one pair per prompt, in the order the prompts first appear. Better means: tests passed over failed, where every
-    response of the prompt says ("passed", the code task), then fewer poor spans. A prompt whose responses all tie
-    gives no pair; records with status "failed" take no part. Each pair: {"id", "prompt", "chosen", "rejected",
-    "chosen_id", "rejected_id"}."""
-    groups: dict[str, list[dict]] = {}
-    for rec in records:
-        if rec.get("status", "ok") != "failed":
-            groups.setdefault(rec["prompt"], []).append(rec)
-    pairs = []
-    for prompt, recs in groups.items():
-        tests = all(isinstance(r.get("passed"), bool) for r in recs)
-        rank = lambda r: (tests and not r["passed"], len(r["poor_spans"]))  # noqa: E731 - lower is better
-        best, worst = min(recs, key=rank), max(recs, key=rank)
-        if rank(best) < rank(worst):
-            pairs.append({"id": f"{best.get('id')}>{worst.get('id')}", "prompt": prompt, "chosen": best["response"],
-                          "rejected": worst["response"], "chosen_id": best.get("id"), "rejected_id": worst.get("id")})
-    return pairs
-
-
-def _answer_text(value, where: str, field: str) -> str:
-    """A chosen / rejected value as text: a string, or a chat (a list of {"role", "content"} messages, as UltraFeedback
-    binarized stores them) whose last message is the answer."""
-    if isinstance(value, list) and value and isinstance(value[-1], dict):
-        value = value[-1].get("content")
-    if not isinstance(value, str):
-        raise DataError(f"{where}: field '{field}' must be a string or a chat whose last message is the answer")
-    return value
-
-
-def dataset_pairs(rows: list[tuple[str, dict]], prompt_field: str = "prompt", chosen_field: str = "chosen",
-                  rejected_field: str = "rejected") -> list[dict]:
-    """Preference pairs from a dataset's own fields ([(where, row)] of read_rows: a JSONL file or a hub dataset):
-    [{"id", "prompt", "chosen", "rejected"}]. DataError naming the record and field when one is missing or no text."""
-    pairs = []
-    for i, (where, row) in enumerate(rows):
-        for f in (prompt_field, chosen_field, rejected_field):
-            if f not in row:
-                raise DataError(f"{where}: missing field '{f}'")
-        if not isinstance(row[prompt_field], str):
-            raise DataError(f"{where}: field '{prompt_field}' must be a string")
-        pairs.append({"id": str(row.get("id", i)), "prompt": row[prompt_field],
-                      "chosen": _answer_text(row[chosen_field], where, chosen_field),
-                      "rejected": _answer_text(row[rejected_field], where, rejected_field)})
-    return pairs
-
-
-STEP_UNITS = ("clause", "block")
-_CLAUSE_WORDS = r"\b(?:and|but|that|which|who|while|because|so|then)\b"
-_BLOCK_CONTINUES = ("elif", "else", "except", "finally", ")", "]", "}")  # lines that carry on the block above them
-
-
-def split_steps(text: str, unit: str = "clause") -> list[tuple[int, int]]:
-    """The steps of a response (App. N) as character intervals [start, end), in order, from each step's first to its
-    last non-space character. "clause" (summaries): a step ends at , ; : . ! ? and before a conjunction or relative
-    pronoun (and, but, that, which, who, while, because, so, then); "block" (code): a line at column 0 with the
-    indented and blank lines after it (a statement, or a def / class / loop with its body; elif, else, except and
-    finally stay in their block)."""
-    if unit == "clause":
-        starts = {m.end() for m in re.finditer(r"[,;:.!?]\s+", text)} | {
-            m.start() for m in re.finditer(_CLAUSE_WORDS, text, re.IGNORECASE)}
-    elif unit == "block":
-        starts = {m.start() for m in re.finditer(r"^\S", text, re.MULTILINE)
-                  if not re.match(rf"(?:{'|'.join(map(re.escape, _BLOCK_CONTINUES))})", text[m.start():])}
-    else:
-        raise ValueError(f"unknown step unit {unit!r}: one of {', '.join(STEP_UNITS)}")
-    bounds, steps = sorted(starts | {0}), []
-    for a, b in zip(bounds, bounds[1:] + [len(text)]):
-        piece = text[a:b]
-        if piece.strip():
-            steps.append((a + len(piece) - len(piece.lstrip()), a + len(piece.rstrip())))
-    return steps
-
-
-def step_labels(text: str, steps: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]) -> list[int]:
-    """A process reward model's binary labels (App. N): 1 for a right step, 0 for a wrong one, a step that a poor span
-    overlaps (the spans located as stage 3 locates them: locate_spans)."""
-    poor = locate_spans(text, good_spans, poor_spans)[1]
-    return [int(not any(a < e and s < b for a, b in poor)) for s, e in steps]
-
-
-def token_at(offsets: list[tuple[int, int]], end: int) -> int:
-    """The index of the token that holds the character before `end`: the last token starting before it (0 if none)."""
-    return max((i for i, (s, _) in enumerate(offsets) if s < end), default=0)
-
-
-def scalar_rm_input(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None):
-    """A scalar reward model's input, the same in training (02) and in use (03): the prompt as a policy with this
-    tokenizer sees it (policy_prompt: its chat template if it has one, cut from the start to max_prompt_tokens), the
-    response's tokens, and an EOS, at which the response's score is read (Huang et al. 2024). Returns (ids, the index
-    of the response's first token, the response tokens' character intervals)."""
-    query = policy_prompt(tokenizer, prompt, "auto", max_prompt_tokens)
-    answer = tokenizer(response, add_special_tokens=False)["input_ids"]
-    return query + answer + [tokenizer.eos_token_id], len(query), decode_with_offsets(tokenizer, answer)[1]
-
-
-def scalar_rm_scores(model, input_ids, attention_mask):
-    """(B, T): a scalar reward model's score at every position of left-padded rows, its score head on the last hidden
-    state (post final norm). The caller reads the positions it needs: the EOS for a whole response, each step's last
-    token for a process reward model. (transformers' own pooling reads the last token that is not the pad id: the token
-    before the EOS when pad == EOS, as in SmolLM2.) Under DDP, the forward runs through the wrapper."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                output_hidden_states=True, use_cache=False)
-    return getattr(model, "module", model).score(out.hidden_states[-1]).squeeze(-1).float()
-
-
-def score_responses(model, tokenizer, prompts: list[str], responses: list[str], steps: list | None = None,
-                    max_prompt_tokens: int | None = None, batch_size: int = 32) -> list[list[float]]:
-    """A scalar reward model's raw scores of each response: [its score at the EOS] (steps None), or for a process
-    reward model one score per step (steps[i]: split_steps' intervals of responses[i]), read at the token that holds
-    the step's last character. Batched, left-padded, no grad."""
-    import torch
-    device, out = next(model.parameters()).device, []
-    for i in range(0, len(prompts), batch_size):
-        rows, where = [], []
-        for j in range(i, min(i + batch_size, len(prompts))):
-            ids, first, offsets = scalar_rm_input(tokenizer, prompts[j], responses[j], max_prompt_tokens)
-            rows.append(ids)
-            where.append([len(ids) - 1] if steps is None else [first + token_at(offsets, e) for _, e in steps[j]])
-        ids, mask = left_pad(rows, tokenizer.pad_token_id)
-        with torch.no_grad():
-            scores = scalar_rm_scores(model, ids.to(device), mask.to(device)).cpu()
-        for k, (row, positions) in enumerate(zip(rows, where)):
-            shift = ids.shape[1] - len(row)  # left padding
-            out.append([scores[k, shift + p].item() for p in positions])
-    return out
-
-
-def revision_prompt(prompt: str, response: str, critique: str) -> str:
-    """SFT + reflection (§4.3): what a policy revises its answer from, given a critique of it; the same in the
-    revision SFT data (baselines/reflection_data.py) and in 04 --reflect."""
-    return f"{prompt}{response}\ncritique: {critique.strip()}\nrevision:"

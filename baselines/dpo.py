@@ -7,9 +7,10 @@
 
 Why here and not in a stage: DPO has no reward model (stage 2's job) and no rollouts or critic (stage 3's); it turns
 the pairs that `02 --objective pairwise` trains a Bradley-Terry reward model on into a policy directly. So it reads
-the pairs exactly as 02 does (02's load_pairs: a dataset's chosen / rejected fields, or annotations, one pair per
-prompt, fewer poor spans winning) and writes a policy that 04 evaluates like any other. The policy is 03's: the same
-LoRA parametrisation and reference (the adapter switched off; build_policy), the same log-probs (03's forward).
+the pairs exactly as 02 does (scalar_rm.py's load_pairs: a dataset's chosen / rejected fields, or annotations, one
+pair per prompt, fewer poor spans winning) and writes a policy that 04 evaluates like any other. The policy is 03's:
+the same LoRA parametrisation and reference (the adapter switched off; build_policy), the same log-probs (03's
+forward).
 
 The loss, with pi's and the reference's summed log-probs of each response (its EOS included) given the prompt:
     L = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from baselines import scalar_rm  # noqa: E402
 
 stage2, stage3 = importlib.import_module("02_train_reward"), importlib.import_module("03_train_policy")
 
@@ -129,7 +131,8 @@ def main(argv=None) -> dict:
 
     args, t0 = parse_args(argv), time.time()
     out = Path(args.output_dir)
-    pairs, source = stage2.load_pairs(args.data, args.split, args.prompt_field, args.chosen_field, args.rejected_field)
+    pairs, source = scalar_rm.load_pairs(args.data, args.split, args.prompt_field, args.chosen_field,
+                                         args.rejected_field)
     train_pairs, val_pairs = stage2.split_records(pairs, args.val_frac, args.split_seed)
     print(f"{args.data}: {len(pairs)} pairs from {source} -> {len(train_pairs)} train, {len(val_pairs)} val")
     torch.manual_seed(args.seed)

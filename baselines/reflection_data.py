@@ -7,7 +7,7 @@
 
 The paper prompts an instruction-tuned LLM to revise its answer with the reward model's critique; the demo's toy
 policy cannot follow a critique it was never trained on, so it learns to: each annotated answer with a poor span
-(--all: every answer) becomes one SFT example whose prompt is common.revision_prompt(prompt, answer, critique), the
+(--all: every answer) becomes one SFT example whose prompt is revision_prompt(prompt, answer, critique), the
 text 04 --reflect builds, and whose target is the record's reference, laid out as the answer is (its leading
 whitespace). Annotations come from 01_annotate.py (the demo's carry its reference); records that failed or have no
 reference are skipped.
@@ -24,6 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
 
 
+def revision_prompt(prompt: str, response: str, critique: str) -> str:
+    """SFT + reflection (§4.3): what a policy revises its answer from, given a critique of it; the same in the
+    revision SFT data (revision_examples) and in 04 --reflect."""
+    return f"{prompt}{response}\ncritique: {critique.strip()}\nrevision:"
+
+
 def revision_examples(records: list[dict], reference_field: str = "reference", flawed_only: bool = True) -> list[dict]:
     """[{"id", "prompt", "response"}] for 03 --sft-data: the revision prompt of each usable record (status not
     failed, a string reference; with flawed_only, at least one poor span) and its reference as the target."""
@@ -34,8 +40,7 @@ def revision_examples(records: list[dict], reference_field: str = "reference", f
         if flawed_only and not rec["poor_spans"]:
             continue
         lead = rec["response"][:len(rec["response"]) - len(rec["response"].lstrip())]
-        out.append({"id": rec.get("id"), "prompt": common.revision_prompt(rec["prompt"], rec["response"],
-                                                                          rec["critique"]),
+        out.append({"id": rec.get("id"), "prompt": revision_prompt(rec["prompt"], rec["response"], rec["critique"]),
                     "response": lead + rec[reference_field].lstrip()})
     return out
 

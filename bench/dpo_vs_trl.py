@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "baselines"))
 
 import torch  # noqa: E402
 
-import common  # noqa: E402
+from baselines.scalar_rm import preference_pairs  # noqa: E402
 from tasks.demo import build_tiny_base, demo_critic, demo_dataset  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def main():
         for k, resp in (("a", ex["response"]), ("b", " " + ex["reference"])):
             recs.append({"id": f"{ex['id']}/{k}", "prompt": ex["prompt"], "response": resp,
                          **demo_critic(ex["prompt"], resp)})
-    pairs = common.preference_pairs(recs)[:args.pairs]
+    pairs = preference_pairs(recs)[:args.pairs]
     base = build_tiny_base(tmp / "ref", [r["prompt"] + r["response"] for r in recs], vocab_size=600, hidden_size=64,
                            num_layers=2, num_heads=4, intermediate_size=128)
     tok = AutoTokenizer.from_pretrained(base)

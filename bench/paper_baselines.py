@@ -8,8 +8,8 @@
 One start and one data budget for every method. The start: bench/span_vs_scalar.py's shared SFT checkpoint. The
 budget: the SFT policy answers each of --pool held-apart posts twice at T = 1 (01_annotate.py --generate-with), an
 annotator judges every answer (01's record format), and the first --pairs posts whose two answers differ in their
-poor spans are kept: N pairs, 2N annotated answers (common.preference_pairs: fewer poor spans wins). Every method
-learns from exactly those, and nothing else:
+poor spans are kept: N pairs, 2N annotated answers (baselines/scalar_rm.py's preference_pairs: fewer poor spans
+wins). Every method learns from exactly those, and nothing else:
     SFT                          the start itself
     SFT + reflection             04 --reflect: each answer revised once, the annotator's critique in the prompt, by a
                                  reviser: 03's SFT on the budget's flawed answers -> references (baselines/
@@ -137,17 +137,18 @@ def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 3
     import torch
     torch.set_num_threads(1)
     stage2 = importlib.import_module("02_train_reward")
+    from baselines import scalar_rm
     records = [r for r in common.read_jsonl(exact) if r["prompt"] not in used]
     posts = list(dict.fromkeys(r["prompt"] for r in records))[-n_posts:]
     held = [r for r in records if r["prompt"] in set(posts)]
     out = {"posts": len(posts), "answers": len(held)}
-    pairs = common.preference_pairs(held)
+    pairs = scalar_rm.preference_pairs(held)
     model, tok = common.load_model(str(rms["bt_rm"]), scalar_head=True)
     info = common.rm_settings(rms["bt_rm"])
-    out["bt_rm"] = stage2.evaluate_scalar(model, tok, pairs, "pairwise", info["max_prompt_tokens"], "clause")
+    out["bt_rm"] = scalar_rm.evaluate_scalar(model, tok, pairs, "pairwise", info["max_prompt_tokens"], "clause")
     model, tok = common.load_model(str(rms["prm"]), scalar_head=True)
     info = common.rm_settings(rms["prm"])
-    out["prm"] = stage2.evaluate_scalar(model, tok, held, "prm", info["max_prompt_tokens"], info["step_unit"])
+    out["prm"] = scalar_rm.evaluate_scalar(model, tok, held, "prm", info["max_prompt_tokens"], info["step_unit"])
     model, tok = common.load_model(str(rms["span_rm"]))
     info = common.rm_settings(rms["span_rm"])
     metrics, _ = stage2.evaluate_rm(model, tok, held, info["max_new_tokens"], 64, info["max_prompt_tokens"],
@@ -160,8 +161,9 @@ def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 3
 
 def budget(annotations: Path, n_pairs: int, folder: Path) -> Path:
     """The annotated answers of the first n_pairs posts that make a preference pair: the data of every method."""
+    from baselines.scalar_rm import preference_pairs  # (it imports torch: only where needed, as the bench does)
     records = common.read_jsonl(annotations)
-    pairs = common.preference_pairs(records)
+    pairs = preference_pairs(records)
     if len(pairs) < n_pairs:
         sys.exit(f"{annotations}: only {len(pairs)} posts give a pair; raise --pool or lower --pairs")
     keep = {i for p in pairs[:n_pairs] for i in (p["chosen_id"], p["rejected_id"])}
@@ -318,7 +320,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
            (("span_rm", span_rm), ("bt_rm", bt_rm), ("prm", prm))}
     used = {r["prompt"] for f in out.glob("*/budget-*.jsonl") for r in common.read_jsonl(f)}
     truth = rm_quality(folder, exact, used, {"span_rm": span_rm, "bt_rm": bt_rm, "prm": prm})
-    n_pairs = len(common.preference_pairs(common.read_jsonl(data)))
+    from baselines.scalar_rm import preference_pairs
+    n_pairs = len(preference_pairs(common.read_jsonl(data)))
     return {"rows": table, "reward_models": rms, "reward_models_vs_exact": truth, "budget": str(data), "pairs": n_pairs,
             "dirs": {"eval": str(ev["dir"]), "reflect": str(ev_reflect["dir"]), "no_critique": str(ev_plain["dir"])}}
 

@@ -1,5 +1,6 @@
 """The paper's baselines (§4.3, App. N): preference pairs and the Bradley-Terry reward model (02 --objective pairwise),
-the process reward model (02 --objective prm), their critics in 03 (--critic scalar-rm, prm), DPO (baselines/dpo.py)
+the process reward model (02 --objective prm), their critics in 03 (--critic scalar-rm, prm), all four in
+baselines/scalar_rm.py; DPO (baselines/dpo.py)
 and SFT + reflection (baselines/reflection_data.py, 04 --reflect). Losses against hand-computed values; the scalar
 reward model's scores against transformers' own pooling; bad input as one line."""
 import json
@@ -22,6 +23,7 @@ ppo = import_script("03_train_policy")
 sys.path.insert(0, str(ROOT / "baselines"))
 dpo = import_script("dpo")
 reflection = import_script("reflection_data")
+from baselines import scalar_rm  # noqa: E402
 
 
 def annotated(prompt, response, rid):
@@ -41,15 +43,15 @@ def pool(n: int) -> list[dict]:
 
 def test_bradley_terry_loss_matches_hand_values():
     # -log sigmoid(1 - 0) = log(1 + e^-1) = 0.313262; -log sigmoid(0 - 2) = log(1 + e^2) = 2.126928
-    loss = rm.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]))
+    loss = scalar_rm.bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]))
     assert loss.item() == pytest.approx((0.313262 + 2.126928) / 2, abs=1e-6)
-    assert rm.bradley_terry_loss(torch.tensor([3.0]), torch.tensor([3.0])).item() == pytest.approx(math.log(2))
+    assert scalar_rm.bradley_terry_loss(torch.tensor([3.0]), torch.tensor([3.0])).item() == pytest.approx(math.log(2))
 
 
 def test_prm_loss_matches_hand_values():
     # BCE with logits: label 1, s = 0 -> log 2; label 0, s = 2 -> log(1 + e^2) = 2.126928; the masked step counts not
     scores, labels = torch.tensor([[0.0, 2.0, 9.0]]), torch.tensor([[1.0, 0.0, 0.0]])
-    loss = rm.prm_loss(scores, labels, torch.tensor([[1.0, 1.0, 0.0]]))
+    loss = scalar_rm.prm_loss(scores, labels, torch.tensor([[1.0, 1.0, 0.0]]))
     assert loss.item() == pytest.approx((math.log(2) + 2.126928) / 2, abs=1e-6)
 
 
@@ -73,7 +75,7 @@ def test_preference_pairs_fewer_poor_spans_wins_and_ties_give_none():
     recs = [annotated(p, bad, "a"), annotated(p, good, "b"),                      # a pair: b is chosen
             annotated(p + " ", good, "c"), annotated(p + " ", good, "d"),         # a tie: no pair
             annotated(p + "  ", good, "e"), {**annotated(p + "  ", bad, "f"), "status": "failed"}]  # one usable answer
-    pairs = common.preference_pairs(recs)
+    pairs = scalar_rm.preference_pairs(recs)
     assert [(x["chosen_id"], x["rejected_id"]) for x in pairs] == [("b", "a")]
     assert pairs[0]["chosen"] == good and pairs[0]["rejected"] == bad
 
@@ -81,7 +83,7 @@ def test_preference_pairs_fewer_poor_spans_wins_and_ties_give_none():
 def test_preference_pairs_tests_passed_win_over_fewer_poor_spans():
     recs = [{"id": "x", "prompt": "q", "response": "a", "poor_spans": [], "passed": False},
             {"id": "y", "prompt": "q", "response": "b", "poor_spans": ["b"], "passed": True}]
-    assert [(x["chosen_id"], x["rejected_id"]) for x in common.preference_pairs(recs)] == [("y", "x")]
+    assert [(x["chosen_id"], x["rejected_id"]) for x in scalar_rm.preference_pairs(recs)] == [("y", "x")]
 
 
 def test_dataset_pairs_take_strings_and_chats(tmp_path):
@@ -91,17 +93,17 @@ def test_dataset_pairs_take_strings_and_chats(tmp_path):
                                                           {"role": "assistant", "content": "fine"}],
                                "rejected": [{"role": "user", "content": "yo"},
                                             {"role": "assistant", "content": "no"}]}])
-    pairs, source = rm.load_pairs(str(path))
+    pairs, source = scalar_rm.load_pairs(str(path))
     assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [("hi", "good", "bad"), ("yo", "fine", "no")]
     assert source == "the dataset's pairs"
 
 
 def test_split_steps_cuts_clauses_and_code_blocks():
     text = " tom has a red dog called rex that likes the park, and eats fish."
-    steps = common.split_steps(text)
+    steps = scalar_rm.split_steps(text)
     assert [text[a:b] for a, b in steps] == ["tom has a red dog called rex", "that likes the park,", "and eats fish."]
     code = "import os\n\ndef f(x):\n    if x:\n        return 1\n    else:\n        return 2\nprint(f(1))\n"
-    assert [code[a:b] for a, b in common.split_steps(code, "block")] == [
+    assert [code[a:b] for a, b in scalar_rm.split_steps(code, "block")] == [
         "import os", "def f(x):\n    if x:\n        return 1\n    else:\n        return 2", "print(f(1))"]
 
 
@@ -109,13 +111,13 @@ def test_step_labels_mark_the_steps_a_poor_span_falls_in():
     p = "post: tom has a red dog called rex. the dog likes the park. it eats fish.\nsummary:"
     text = " tom has a red dog called rex that likes the beach and eats fish fish."
     fb = demo_critic(p, text)  # poor: " beach" (wrong), the second " fish" (repeated)
-    assert common.step_labels(text, common.split_steps(text), fb["good_spans"], fb["poor_spans"]) == [1, 0, 0]
+    assert scalar_rm.step_labels(text, scalar_rm.split_steps(text), fb["good_spans"], fb["poor_spans"]) == [1, 0, 0]
 
 
 def test_step_deltas_put_each_reward_on_the_steps_last_token():
     offsets = [(0, 4), (4, 8), (8, 13), (13, 13)]  # " tom", " has", " fish", EOS
-    assert ppo.step_deltas(offsets, [(8, 0.5), (13, -0.25)]) == [0.0, 0.5, -0.25, 0.0]
-    assert ppo.step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]   # the scalar RM: the last token (EOS)
+    assert scalar_rm.step_deltas(offsets, [(8, 0.5), (13, -0.25)]) == [0.0, 0.5, -0.25, 0.0]
+    assert scalar_rm.step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]   # the scalar RM: the last token (EOS)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -129,9 +131,9 @@ def test_scores_are_read_at_the_eos_as_transformers_pools_them(tiny_model_dir):
     model, tok = common.load_model(tiny_model_dir, scalar_head=True)
     prompts = ["post: tom has a dog.\nsummary:", "post: a much longer post about anna and her cat.\nsummary:"]
     responses = [" tom has a dog.", " anna"]
-    ours = [s[0] for s in common.score_responses(model, tok, prompts, responses, batch_size=2)]
+    ours = [s[0] for s in scalar_rm.score_responses(model, tok, prompts, responses, batch_size=2)]
     for p, r, s in zip(prompts, responses, ours):
-        ids = common.scalar_rm_input(tok, p, r)[0]
+        ids = scalar_rm.scalar_rm_input(tok, p, r)[0]
         assert ids[-1] == tok.eos_token_id
         with torch.no_grad():
             assert s == pytest.approx(model(input_ids=torch.tensor([ids])).logits[0, 0].item(), abs=1e-5)
@@ -140,14 +142,14 @@ def test_scores_are_read_at_the_eos_as_transformers_pools_them(tiny_model_dir):
 def test_scores_ignore_a_pad_that_equals_eos(tiny_model_dir):
     """With pad == EOS (SmolLM2), transformers' pooling reads the token before the EOS; ours still reads the EOS."""
     model, tok = common.load_model(tiny_model_dir, scalar_head=True)
-    ids = common.scalar_rm_input(tok, "post: tom.\nsummary:", " tom")[0]
+    ids = scalar_rm.scalar_rm_input(tok, "post: tom.\nsummary:", " tom")[0]
     with torch.no_grad():
-        at = common.scalar_rm_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
+        at = scalar_rm.scalar_rm_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
         model.config.pad_token_id = tok.eos_token_id
         pooled = model(input_ids=torch.tensor([ids])).logits[0, 0].item()
     assert pooled == pytest.approx(at[-2].item(), abs=1e-5) and pooled != pytest.approx(at[-1].item(), abs=1e-3)
     tok.pad_token = tok.eos_token
-    assert common.score_responses(model, tok, ["post: tom.\nsummary:"], [" tom"])[0][0] == pytest.approx(
+    assert scalar_rm.score_responses(model, tok, ["post: tom.\nsummary:"], [" tom"])[0][0] == pytest.approx(
         at[-1].item(), abs=1e-5)
 
 
@@ -170,12 +172,12 @@ def test_pairwise_reward_model_trains_normalises_and_reports(bt_reward_model):
     path, metrics, tmp = bt_reward_model
     info = json.loads(Path(path, "reward_model.json").read_text())
     assert info["objective"] == "pairwise" and common.rm_settings(path)["objective"] == "pairwise"
-    assert metrics["n"] == round(0.2 * len(common.preference_pairs(pool(60))))  # the held-out pairs
+    assert metrics["n"] == round(0.2 * len(scalar_rm.preference_pairs(pool(60))))  # the held-out pairs
     assert metrics["bt_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
     assert metrics["pairwise_accuracy"] > 0.5  # 40 steps: the clean reference beats the noisy answer
     model, tok = common.load_model(path, scalar_head=True)
     demos = common.read_jsonl(tmp / "sft.jsonl")
-    scores = common.score_responses(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos])
+    scores = scalar_rm.score_responses(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos])
     assert info["score_bias"] == pytest.approx(sum(s[0] for s in scores) / len(scores), abs=1e-4)
 
 
@@ -189,7 +191,7 @@ def test_scalar_rm_critic_puts_the_normalised_score_on_the_last_token(bt_reward_
     bias = common.rm_settings(path)["score_bias"]
     for text, fb in zip(texts, fbs):
         with torch.no_grad():
-            raw = model(input_ids=torch.tensor([common.scalar_rm_input(tok, p, text)[0]])).logits[0, 0].item()
+            raw = model(input_ids=torch.tensor([scalar_rm.scalar_rm_input(tok, p, text)[0]])).logits[0, 0].item()
         assert fb["step_rewards"] == [(None, pytest.approx(raw - bias, abs=1e-5))]
         std = common.rm_settings(path)["norm_score_std"]
         assert std > 0 and ppo.make_critic(ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path,
@@ -211,7 +213,7 @@ def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
                                              "--device", "cpu"]))
     text = " tom has a red dog called rex that likes the park and eats fish."
     (fb,) = critic([{"prompt": "post: tom.\nsummary:"}], [text])
-    assert [e for e, _ in fb["step_rewards"]] == [e for _, e in common.split_steps(text)]
+    assert [e for e, _ in fb["step_rewards"]] == [e for _, e in scalar_rm.split_steps(text)]
     assert all(-1 < r < 1 for _, r in fb["step_rewards"])
 
 
@@ -250,7 +252,7 @@ def test_annotations_without_two_answers_per_prompt_give_no_pairs_in_one_line(tm
     path = tmp_path / "ann.jsonl"
     common.write_jsonl(path, [annotated(ex["prompt"], ex["response"], ex["id"]) for ex in demo_dataset("annotate", 3)])
     with pytest.raises(common.DataError, match=r"no preference pairs: no prompt has two responses"):
-        rm.load_pairs(str(path))
+        scalar_rm.load_pairs(str(path))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -278,7 +280,7 @@ def test_revision_examples_map_flawed_answers_and_their_critique_to_the_referenc
     flawed = [r for r in recs if r["poor_spans"]]
     assert len(examples) == len(flawed) > 0
     for ex, rec in zip(examples, flawed):
-        assert ex["prompt"] == common.revision_prompt(rec["prompt"], rec["response"], rec["critique"])
+        assert ex["prompt"] == reflection.revision_prompt(rec["prompt"], rec["response"], rec["critique"])
         assert rec["critique"] in ex["prompt"] and ex["response"] == " " + rec["reference"]
 
 
