@@ -1172,7 +1172,7 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, b
         new = [[] for _ in rows]
         for _ in range(max_new_tokens):
             with torch.no_grad():
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache,
                                use_cache=True, logits_to_keep=1).logits[:, -1]
             next_ids = logits.float().argmax(-1)
             running = []

@@ -112,6 +112,18 @@ def _reference_greedy(model, tok, prompts, max_new_tokens):
     return out
 
 
+def test_decoding_loops_pass_the_kv_cache_by_its_current_name(tiny_critic_dir):
+    """greedy_generate and static_decode hand the KV cache to the model as `cache`: transformers 5.24 renamed it from
+    `past_key_values`, which is deprecated (a FutureWarning) and goes in 5.40; before 5.24 `cache` was silently
+    ignored (static_decode then decoded without its cache: other tokens), hence requirements.txt's transformers>=5.24."""
+    import warnings
+    model, tok = common.load_model(tiny_critic_dir)
+    prompts = [r["response"] + "\n" for r in demo_dataset("eval", 4)]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        assert common.greedy_generate(model, tok, prompts, 8) == _reference_greedy(model, tok, prompts, 8)
+
+
 def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
     model, tok = common.load_model(tiny_critic_dir)
     prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(demo_dataset("eval", 36))]
