@@ -28,6 +28,8 @@ import argparse
 import contextlib
 import copy
 import datetime
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -87,7 +89,8 @@ def parse_args(argv=None):
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens (its chat template "
       "is kept whole);\nthe reward model's input is cut to what stage 2 trained it with (its reward_model.json)")
     # --- optional SFT warm start (the paper's SLF5K policy starts from SFT on reference summaries)
-    a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (skipped if --sft-output-dir exists)")
+    a("--sft-data", help="JSONL with 'prompt' and --sft-field; trains before PPO (reused where --sft-output-dir holds "
+      "the SFT\nthese settings made, its sft.json; other settings: refused, --overwrite retrains)")
     a("--sft-field", default="response", help="the SFT target field")
     a("--sft-steps", type=int, help="SFT optimizer steps")
     a("--sft-lr", type=float, help="SFT learning rate")
@@ -909,7 +912,11 @@ def sft_warm_start(args, rank: int) -> str:
 
     sft_dir, device, dtype = Path(args.sft_output_dir), args.device, args.dtype
     lora_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
-    if rank == 0 and not (sft_dir / "config.json").is_file():
+    settings = sft_settings(args, lora_r)
+    if reuse_sft(sft_dir, settings, args.overwrite, print if rank == 0 else (lambda *a: None)):
+        return str(sft_dir)
+    barrier()  # every rank has decided before rank 0 replaces the folder
+    if rank == 0:
         model, tokenizer = common.load_model(args.model, device=device,
                                              dtype=dtype if lora_r > 0 else "float32")  # full FT: fp32 master weights
         if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
@@ -941,9 +948,39 @@ def sft_warm_start(args, rank: int) -> str:
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item():.3f}")
         model.eval()
-        common.save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer)
+        common.save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer,
+                               files={"sft.json": settings})
     barrier(timeout_h=24)  # the other ranks wait for rank 0's SFT, however long it takes
     return str(sft_dir)
+
+
+def sft_settings(args, lora_r: int) -> dict:
+    """What an SFT start is made of (sft.json in --sft-output-dir): its flags and the SFT data's content hash."""
+    keys = ("model", "sft_field", "sft_steps", "sft_lr", "sft_batch_size", "lora_targets", "seed", "max_new_tokens",
+            "max_prompt_tokens", "chat_template", "dtype", "max_grad_norm")
+    return json.loads(json.dumps({**{k: getattr(args, k) for k in keys}, "sft_lora_r": lora_r,  # as sft.json reads
+                                  "sft_data_sha256": hashlib.sha256(Path(args.sft_data).read_bytes()).hexdigest()}))
+
+
+def reuse_sft(sft_dir: Path, settings: dict, overwrite: bool, log) -> bool:
+    """Whether the SFT start in sft_dir is used as it is (every rank decides the same, before anything is trained):
+    a model there made by these settings (sft.json), or made elsewhere (no sft.json). One made by other settings is
+    refused (DataError), unless --overwrite or the zero-flag demo's own runs/demo/sft, which are retrained. log: rank 0's
+    print."""
+    if not (sft_dir / "config.json").is_file():
+        return False
+    made = json.loads((sft_dir / "sft.json").read_text()) if (sft_dir / "sft.json").is_file() else None
+    if made is None or made == settings:
+        log(f"SFT start: {sft_dir}, reused" + ("" if made else " (no sft.json: a model made elsewhere, used as it is)"))
+        return True
+    diff = "; ".join("--sft-data: other content" if k == "sft_data_sha256" else
+                     f"--{k.replace('_', '-')}: {made.get(k)} there, {v} here" for k, v in settings.items()
+                     if made.get(k) != v)
+    if overwrite or sft_dir.resolve() == Path(PRESETS["demo"]["sft_output_dir"]).resolve():
+        log(f"SFT start: {sft_dir} was made with other settings ({diff}): trained again")
+        return False
+    raise common.DataError(f"--sft-output-dir {sft_dir} holds an SFT start made with other settings ({diff}): "
+                           "--overwrite retrains it, or name another --sft-output-dir")
 
 
 def make_optimizer(params, args):

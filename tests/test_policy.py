@@ -1244,6 +1244,36 @@ def test_the_scalar_baseline_starts_from_the_same_sft(tmp_path, tiny_model_dir):
     assert [c["reward_mode"] for c in configs] == ["span", "scalar"]
 
 
+def test_an_sft_start_is_reused_only_by_the_settings_that_made_it(tmp_path, tiny_model_dir):
+    """--sft-output-dir is reused only where the same settings made it (its sft.json): other settings (here
+    --sft-steps) are refused in one line before anything is trained, and nothing is touched; --overwrite retrains it.
+    A model folder without sft.json (an SFT model made elsewhere) is used as it is."""
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
+    sft = tmp_path / "sft"
+
+    def run(out, *extra):
+        ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
+                            "reference", "--sft-batch-size", "4", "--sft-output-dir", str(sft), "--output-dir",
+                            str(tmp_path / out), *extra))
+
+    run("a", "--sft-steps", "1")
+    assert json.loads((sft / "sft.json").read_text())["sft_steps"] == 1
+    weights = (sft / "model.safetensors").read_bytes()
+    run("b", "--sft-steps", "1")  # the same settings: reused, not retrained
+    assert (sft / "model.safetensors").read_bytes() == weights
+    with pytest.raises(common.DataError, match=rf"--sft-output-dir {sft} holds an SFT start made with other settings "
+                       r"\(--sft-steps: 1 there, 2 here\): --overwrite retrains it"):
+        run("c", "--sft-steps", "2")
+    assert (sft / "model.safetensors").read_bytes() == weights and not (tmp_path / "c").exists()
+    run("c", "--sft-steps", "2", "--overwrite")
+    assert json.loads((sft / "sft.json").read_text())["sft_steps"] == 2
+    assert (sft / "model.safetensors").read_bytes() != weights
+    (sft / "sft.json").unlink()  # made elsewhere: used as it is, whatever the flags say
+    weights = (sft / "model.safetensors").read_bytes()
+    run("d", "--sft-steps", "3")
+    assert (sft / "model.safetensors").read_bytes() == weights and not (sft / "sft.json").exists()
+
+
 def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model_dir, monkeypatch):
     """A folder holding a run: a fresh start refuses (one line, exit 2, nothing touched); --resume without a checkpoint
     refuses alike; --overwrite replaces it. The zero-flag demo's own folders are replaced by a rerun of the demo."""
