@@ -1244,6 +1244,32 @@ def test_the_scalar_baseline_starts_from_the_same_sft(tmp_path, tiny_model_dir):
     assert [c["reward_mode"] for c in configs] == ["span", "scalar"]
 
 
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_gradient_checkpointing_changes_no_result(tmp_path, tiny_model_dir, lora_r):
+    """--gradient-checkpointing (the 8B recipe's memory saver) recomputes activations in the backward pass: every
+    logged number of a 2-step run is the run's without it, within float rounding, with LoRA and full fine-tuning; and
+    it is switched on by transformers 5's own name (activation_checkpointing_enable: the old one goes in v6)."""
+    import warnings
+
+    def run(name, *extra):
+        ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--steps", "2", "--lora-r", lora_r,
+                            "--output-dir", str(tmp_path / name), *extra))
+        return [{k: v for k, v in r.items() if not k.startswith("time/")}
+                for r in common.read_jsonl(tmp_path / name / "metrics.jsonl")]
+
+    plain = run("plain")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*gradient_checkpointing_enable.*")
+        checkpointed = run("checkpointed", "--gradient-checkpointing")
+    args = ppo.parse_args(_main_argv(tmp_path, tiny_model_dir, "--lora-r", lora_r, "--gradient-checkpointing"))
+    policy = ppo.build_policy(args, common.load_model(tiny_model_dir)[0])[0]
+    assert any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())  # it is on
+    assert [r.keys() for r in checkpointed] == [r.keys() for r in plain]
+    for a, b in zip(checkpointed, plain):
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+
+
 def test_an_sft_start_is_reused_only_by_the_settings_that_made_it(tmp_path, tiny_model_dir):
     """--sft-output-dir is reused only where the same settings made it (its sft.json): other settings (here
     --sft-steps) are refused in one line before anything is trained, and nothing is touched; --overwrite retrains it.
