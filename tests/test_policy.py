@@ -1244,6 +1244,24 @@ def test_the_scalar_baseline_starts_from_the_same_sft(tmp_path, tiny_model_dir):
     assert [c["reward_mode"] for c in configs] == ["span", "scalar"]
 
 
+def test_a_ref_adapter_is_the_start_and_the_frozen_reference(tmp_path, tiny_model_dir):
+    """--ref-adapter A: the policy starts as A and pi_ref is A, so the first iteration's KL is 0 (up to float rounding);
+    training moves the policy's own copy of A (saved as the policy) and never pi_ref's (not among the trained
+    parameters, although every reference forward switches adapters)."""
+    from safetensors.torch import load_file
+    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--lr", "1e-2", "--output-dir",
+                        str(tmp_path / "a")))
+    start = load_file(tmp_path / "a" / "policy" / "adapter_model.safetensors")
+    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--steps", "2", "--ref-adapter",
+                        str(tmp_path / "a" / "policy"), "--output-dir", str(tmp_path / "b")))
+    kl = [r["objective/kl"] for r in common.read_jsonl(tmp_path / "b" / "metrics.jsonl")]
+    assert abs(kl[0]) < 1e-5 and kl[1] != 0, kl
+    trainable = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["trainable"]
+    assert trainable and all(".default." in n for n in trainable)           # pi_ref's adapter is never trained
+    trained = load_file(tmp_path / "b" / "policy" / "adapter_model.safetensors")  # the policy's own adapter
+    assert trained.keys() == start.keys() and any(not torch.equal(trained[k], start[k]) for k in start)
+
+
 @pytest.mark.parametrize("lora_r", ["4", "0"])
 def test_gradient_checkpointing_changes_no_result(tmp_path, tiny_model_dir, lora_r):
     """--gradient-checkpointing (the 8B recipe's memory saver) recomputes activations in the backward pass: every
