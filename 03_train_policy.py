@@ -545,14 +545,14 @@ def _parse(raw):
     """parse_feedback's dict for the critic's output `raw`; for one that does not parse, or a request that failed (an
     exception), a failed critique (critique_failed): delta = 0 for this rollout, counted in critic/parse_fail_rate,
     with the error and the critic's text kept for samples.jsonl."""
+    failed = lambda error, output: {"critique": None, "good_spans": [], "poor_spans": [],  # noqa: E731
+                                    "critic_error": error, "critic_output": output}
     if isinstance(raw, Exception):
-        return {"critique": None, "good_spans": [], "poor_spans": [], "critic_error": common.api_error(raw),
-                "critic_output": None}
+        return failed(common.api_error(raw), None)
     try:
         return common.parse_feedback(raw)
     except ValueError as e:
-        return {"critique": None, "good_spans": [], "poor_spans": [], "critic_error": str(e),
-                "critic_output": raw[:4000]}
+        return failed(str(e), raw[:4000])
 
 
 def critique_failed(fb) -> bool:
@@ -693,12 +693,19 @@ def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int 
     return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
 
 
+def scoring_rows(b, micro: int, model, args) -> int:
+    """Rows per no-grad forward of the batch b (steps 4 and the trace): --forward-batch-size, else forward_rows for
+    its shape (two logits tensors with --kl-estimator full)."""
+    (B, T) = b["mask"].shape
+    return args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
+                                                   2 if args.kl_estimator == "full" else 1)
+
+
 def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
     """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head: --advantage rloo), and
     KL_t to the reference, each (B, T), in as few forward calls as memory allows ((B, T, V) logits can be large)."""
     (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
-    rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
-                                                          2 if args.kl_estimator == "full" else 1)
+    rows = scoring_rows(b, micro, model, args)
     with torch.no_grad(), autocast(args.device, args.dtype):
         for s in range(0, B, rows):
             ids, attn = b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows]
@@ -781,8 +788,7 @@ def policy_logprobs(model, b, forbid, micro, args):
     """log pi(y_t | x, y_<t) of the batch's response tokens under the model as it is now, (B, T), no grad: in the
     same chunks as score_rollouts (the same shapes, so a token whose probability did not move gets Delta = 0)."""
     (B, T), out = b["mask"].shape, []
-    rows = args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
-                                                   2 if args.kl_estimator == "full" else 1)
+    rows = scoring_rows(b, micro, model, args)
     with torch.no_grad(), autocast(args.device, args.dtype):
         for s in range(0, B, rows):
             out.append(forward(model, None, b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows], T,
