@@ -528,8 +528,8 @@ def build_policy(args, model):
     else:  # full fine-tuning: the frozen reference needs no float32 master weights
         ref_model = copy.deepcopy(model).to(common.torch_dtype(args.dtype)).eval().requires_grad_(False)
     if args.gradient_checkpointing:
+        # (it also makes the embeddings' output require grad, by a hook: calling that again would add a second one)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
     value_head = torch.nn.Linear(model.get_input_embeddings().weight.shape[1], 1, device=args.device)
     torch.nn.init.zeros_(value_head.weight)  # zero-init: V = 0 at the start, so early advantages are the returns
     torch.nn.init.zeros_(value_head.bias)

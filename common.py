@@ -1247,6 +1247,21 @@ def static_cache(model, batch: int, length: int, device):
     return cache
 
 
+@contextmanager
+def input_grad_hooks_off(model):
+    """Activation checkpointing's forward hook on the embeddings (transformers' enable_input_require_grads: it calls
+    output.requires_grad_(True)) removed while the block runs, then put back: decoding needs no gradients, and torch
+    2.11's compiler cannot trace that call (the compiled decode step of a checkpointed policy failed on a GPU)."""
+    owners = [m for m in model.modules() if vars(m).get("_require_grads_hooks")]
+    for m in owners:
+        m.disable_input_require_grads()
+    try:
+        yield
+    finally:
+        for m in owners:
+            m.enable_input_require_grads()
+
+
 def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[int], pad_id: int, compile: bool = True,
                   finished=None):
     """generate()'s decoding loop without generate(): a static KV cache, and the one-token step compiled.
@@ -1272,7 +1287,7 @@ def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[in
     stop = torch.tensor(stop_ids, device=ids.device)
     step = _compiled_decode_forward(ids.device.type) if compile else decode_forward
     done, new = torch.zeros(len(ids), dtype=torch.bool, device=ids.device), []
-    with torch.no_grad():
+    with torch.no_grad(), input_grad_hooks_off(model):
         logits = decode_forward(model, ids, slots, position, cache)      # prefill: eager (its shape changes)
         position = position[:, -1:]
         for t in range(max_new_tokens):

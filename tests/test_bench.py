@@ -106,3 +106,26 @@ def test_ablations_show_a_run_that_reached_the_threshold_at_its_last_step():
     """A run that got there at exactly step N shows N; only one that never did shows "> N"."""
     assert ablations.steps_cell([150, 120, None], 150) == "150 [120, > 150]"
     assert ablations.steps_cell([None, None, None], 150) == "> 150 [> 150, > 150]"
+
+
+def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
+    """bench/gpu_recipe.py (the 8B recipe's measurement, issue 34) on its tiny shapes: stage 2's reward model is stage
+    3's critic, both built from a config without weight files, every phase timed, the responses forced to full
+    length, the first iteration's KL 0, and a decode step against its bound."""
+    import json
+    import subprocess
+    out = tmp_path / "gpu"
+    proc = subprocess.run([sys.executable, "bench/gpu_recipe.py", "--tiny", "--device", "cpu", "--no-compile",
+                           "--out", str(out), "--phases", "stage2,stage3,decode"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list((out / "base").glob("*.safetensors"))  # random weights, built on the spot
+    stage2, stage3, decode = (json.loads((out / f"{n}.json").read_text()) for n in ("stage2", "stage3", "decode"))
+    assert stage2["steps"] == 3 and all(s > 0 for s in stage2["s_per_step"])
+    assert json.loads((out / "rm" / "reward_model.json").read_text())["train"]["steps"] == 3
+    assert set(stage3["last_iteration"]) == {"rollout", "critic", "score_rollouts", "ppo_update"}
+    assert all(len(v) == 2 and all(x["s"] > 0 for x in v) for v in stage3["all_iterations"].values())
+    rows = [json.loads(x) for x in (out / "stage3" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["response/length"] for r in rows] == [8.0, 8.0] and rows[0]["objective/kl"] == 0.0
+    assert decode["bound_ms_weights"] > 0 and all(decode[h]["step_ms"] > 0 for h in ("eager", "eager-no-lora",
+                                                                                       "static"))

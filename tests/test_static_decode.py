@@ -123,3 +123,47 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
     finite = torch.isfinite(got)
     assert torch.equal(finite, want > torch.finfo(want.dtype).min / 2)  # the banned ids, and only those
     assert torch.allclose(got[finite], want[finite], atol=1e-5)
+
+
+def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypatch):
+    """The one-GPU 8B recipe's flags together: --gradient-checkpointing and --compile-generation. Checkpointing puts a
+    forward hook on the embeddings (output.requires_grad_(True)) that torch 2.11's compiler cannot trace: it stopped
+    the first GPU run's compiled decode (bench/README.md). The compiled step must run with that hook off, give
+    generate()'s tokens, and leave the hook on afterwards, once (build_policy registered it a second time, which
+    nothing could remove), so the update's gradients are those of a policy that never decoded."""
+    model, tok = common.load_model(tiny_model_dir)
+    argv = ["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--gradient-checkpointing"]
+    policy, _, head = ppo.build_policy(ppo.parse_args(argv), model)
+    embed_hooks = policy.get_input_embeddings()._forward_hooks
+    compiled, hooks_seen = common._compiled_decode_forward("cpu"), []
+
+    def step(*a, **k):  # what the compiled step would trace: the embeddings' hooks at that moment
+        hooks_seen.append(len(embed_hooks))
+        return compiled(*a, **k)
+    monkeypatch.setattr(common, "_compiled_decode_forward", lambda device_type: step)
+    queries = [common.encode_prompt(tok, r["prompt"]) for r in demo_dataset("train", 4)]
+    config = common.generation_config(policy, 8, 1.0, 1.0, 3)
+    stop = torch.tensor(common.stop_ids(policy))
+    b = {}
+    for flag in ("--no-compile-generation", "--compile-generation"):
+        torch.manual_seed(0)
+        b[flag] = ppo.rollout(policy, tok, queries, config, stop, ppo.parse_args([*argv, flag]))
+    assert torch.equal(b["--compile-generation"]["response"], b["--no-compile-generation"]["response"])
+    assert hooks_seen and set(hooks_seen) == {0}
+    assert len(embed_hooks) == 1
+    ids, attn = b["--compile-generation"]["input_ids"], b["--compile-generation"]["attention_mask"]
+
+    def grads():
+        policy.zero_grad()
+        policy.train()
+        logprobs, values, _ = ppo.forward(policy, head, ids, attn, 8, 1.0)
+        (logprobs.sum() + values.sum()).backward()
+        policy.eval()
+        return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+    before = grads()
+    assert all(g.abs().sum() > 0 for n, g in before.items() if "lora_B" in n)  # (A's get none while B = 0, at init)
+    torch.manual_seed(1)
+    ppo.rollout(policy, tok, queries, config, stop, ppo.parse_args([*argv, "--compile-generation"]))
+    assert len(embed_hooks) == 1
+    after = grads()
+    assert all(torch.equal(before[n], after[n]) for n in before)
