@@ -347,6 +347,7 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
     result = {"batch": sh["batch"], "prompt": sh["prompt"], "new_tokens_timed": n, "weight_bytes": weights,
               "kv_bytes_mean": kv, "bound_ms_weights": 1e3 * weights / bw,
               "bound_ms_weights_kv": 1e3 * (weights + kv) / bw}
+    reasons = cudagraph_skip_reasons()
     for how in ("eager", "eager-no-lora", "static"):
         first = run(1 + n, how)  # static: compiles here
         long = run(1 + n, how)
@@ -361,8 +362,25 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
         from torch._dynamo.utils import counters
         result["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
         result["graphs_compiled"] = int(counters["stats"]["unique_graphs"])  # 1: forward_only reused static's
+        result["cudagraph_skip_reasons"] = reasons[:5]
         write(out, "decode", result, args.device)
     return result
+
+
+def cudagraph_skip_reasons() -> list[str]:
+    """A list that fills with the compiler's "skipping cudagraphs due to ..." messages (torch's cudagraphs logs on)."""
+    import logging
+
+    import torch
+    reasons = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "cudagraph" in record.getMessage():
+                reasons.append(record.getMessage()[:500])
+    torch._logging.set_logs(cudagraphs=True)
+    logging.getLogger("torch._inductor").addHandler(Keep(level=logging.WARNING))
+    return reasons
 
 
 def forward_only(model, a, ids, n: int, args) -> float:
