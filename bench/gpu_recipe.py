@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402  (no torch at import: the orchestrating process stays light)
 
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -257,7 +258,7 @@ def phase_stage3(args, out: Path) -> dict:
     def make_critic_(a):
         before = held(args.device)
         critic = make_critic(a)
-        kept["critic_weights_gib"] = held(args.device) - before if cuda else None
+        kept["critic_weights_gib"] = round(held(args.device) - before, 2) if cuda else None
         return timed("critic", critic)
 
     def build_policy_(a, model):
@@ -287,7 +288,6 @@ def phase_name(args) -> str:
 
 def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
     """What stage 2 writes (its LoRA r16 q/v adapter, untrained; reward_model.json), for a run without stage2."""
-    import common
     model, tok = common.load_model(str(base), device=device, dtype="bf16" if device.startswith("cuda") else "float32")
     model = common.add_lora(model, 16, 32, "q_proj,v_proj")
     common.save_pretrained(rm_dir, model, tok, {"reward_model.json": {
@@ -300,7 +300,6 @@ def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
 def phase_decode(args, out: Path) -> dict:
     """The policy as 03 builds it at the recipe (LoRA r16 on all linear maps, activation checkpointing), then
     decode_step."""
-    import common
     ppo = importlib.import_module("03_train_policy")
     sh, base = SHAPES["tiny" if args.tiny else "8b"], out / "base"
     random_weights(base, args.device)
@@ -316,8 +315,6 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
     tokens, for generate() (LoRA on; and off: the base's own step) and static_decode (compiled once, then timed),
     against the HBM bound: the bytes of the weights (+ the mean KV cache over those steps) / the copy bandwidth."""
     import torch
-
-    import common
     ppo = importlib.import_module("03_train_policy")
     model, a = kept["policy"][0], kept["args"]
     cfg, n = model.config, 16 if args.tiny else 64
@@ -387,8 +384,6 @@ def forward_only(model, a, ids, n: int, args) -> float:
     """Milliseconds per call of the compiled decode step alone (no sampling, no loop bookkeeping), on the static
     cache that the last static_decode call left (the same shapes: no recompile), half of its new slots filled."""
     import torch
-
-    import common
     ppo = importlib.import_module("03_train_policy")
     width = common.prompt_bucket(ids.shape[1])
     cache = common.static_cache(model, len(ids), width + n + 1, ids.device)
@@ -416,7 +411,6 @@ def environment(device: str) -> dict:
 
 
 def write(out: Path, name: str, result: dict, device: str) -> None:
-    common = importlib.import_module("common")
     common.write_json(out / f"{name}.json", {**result, "env": environment(device)})
 
 
