@@ -12,9 +12,10 @@ Contents: the core first (copy it as is), then what the stages share.
         5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
                                      Sec. 3.4), rm_settings; OpenAI-compatible servers: api_error, retry_delay,
                                      send_with_retries, check_server (a preflight), rm_critique_served
-        6. Models                    load_model, check_reward_model, generation_config, policy_prompt, generate,
-                                     rm_critique; static_decode, generate_static (a static KV cache, the decode
-                                     step under torch.compile: generate()'s tokens at the model's speed)
+        6. Models                    load_model, check_transformers, check_reward_model, generation_config,
+                                     policy_prompt, generate, rm_critique; static_decode, generate_static (a
+                                     static KV cache, the decode step under torch.compile: generate()'s tokens at
+                                     the model's speed)
         7. Training pieces           torch_dtype, add_lora, save_pretrained, share_files
         8. Reward-model metrics      rm_scores, rm_span_metrics (paper Tables 1 and 6)
 The paper's baselines (a Bradley-Terry or process reward model, DPO, SFT + reflection) live in baselines/.
@@ -908,10 +909,12 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
       is sampled. Its EOS ids (a list for Llama-3.1: <|eot_id|>, <|end_of_text|>, ...) join the tokenizer's.
     - A tokenizer without a pad token gets a distinct one, never EOS, so padding can't be confused with a finished
       response.
-    A directory or hub id that cannot be loaded (no weights, no such model) is a DataError naming it.
+    A directory or hub id that cannot be loaded (no weights, no such model) is a DataError naming it; so is a
+    transformers older than 5.24 (check_transformers), whose models would ignore our decoding loops' KV cache.
     """
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
+    check_transformers()
     path = Path(name_or_path)
     if adapter is None and (path / "adapter_config.json").is_file():
         adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
@@ -939,6 +942,17 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
         model = PeftModel.from_pretrained(model, adapter)
     disable_dropout(model)
     return model.to(device).eval(), tokenizer
+
+
+def check_transformers() -> None:
+    """DataError unless transformers >= 5.24 (requirements.txt): from 5.24 a model takes its KV cache as `cache`, which
+    greedy_generate and static_decode pass; an older 5.x takes `past_key_values` and silently swallows `cache`, so
+    every token after the first would be decoded without its history (found on a GPU image with 5.17)."""
+    import transformers
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    if (major, minor) < (5, 24):
+        raise DataError(f"transformers {transformers.__version__} is installed; this code needs >= 5.24 (a model "
+                        f"takes its KV cache as `cache`): pip install 'transformers>=5.24,<6'")
 
 
 def looks_local(path: str) -> bool:

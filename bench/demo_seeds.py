@@ -35,6 +35,13 @@ def chain_settings(seed: int, threads: int, stages) -> dict:
     return {"stages": [[script, *extra] for script, extra in stages], "seed": seed, "threads": threads}
 
 
+def stage_env(threads: int) -> dict:
+    """A stage's environment: this one, OMP_NUM_THREADS=T, and the repo put in front of PYTHONPATH (kept: packages
+    installed with pip install --target DIR and PYTHONPATH=DIR, as on a GPU machine, must reach every stage)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
+
+
 def run_chain(work: Path, seed: int, threads: int, stages=STAGES, rm_dir: str = "runs/demo/reward_model") -> dict:
     """Run `stages` [(script, extra flags)] in `work`, each with --seed S and OMP_NUM_THREADS=T, unless results.json
     is there already; a stage that timing.json records as finished (an interrupted run) is not run again. A `work`
@@ -45,7 +52,7 @@ def run_chain(work: Path, seed: int, threads: int, stages=STAGES, rm_dir: str = 
     timing = work / "timing.json"
     if not results.is_file():
         work.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
+        env = stage_env(threads)
         times = json.loads(timing.read_text()) if timing.is_file() else {}  # stages done by an interrupted run
         for i, (script, extra) in enumerate(stages):
             key = f"{i + 1}. {script}"

@@ -1,6 +1,5 @@
 """bench/: a finished run is reused only when the settings that made it are the ones asked for (bench/run_cache.py);
 a folder made otherwise, or whose settings were never recorded, is refused in one line, never mixed into a result."""
-import argparse
 import sys
 
 import pytest
@@ -84,7 +83,8 @@ def test_a_continued_scalar_run_is_keyed_too(tmp_path, monkeypatch):
     _metrics(work / "runs/demo/scalar_to5", 5)
     monkeypatch.setattr(real_critic.subprocess, "run", _never)
     with pytest.raises(SystemExit, match="settings were not recorded"):
-        real_critic.extend_scalar(work, 1, "runs/demo/smol_rm", argparse.Namespace(scalar_steps=5, threads=1))
+        real_critic.extend_scalar(work, 1, "runs/demo/smol_rm",
+                                  real_critic.parse_args(["--scalar-steps", "5", "--threads", "1"]))
 
 
 def test_a_given_spans_only_reward_model_must_be_one(tmp_path, monkeypatch):
@@ -129,3 +129,43 @@ def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
     assert [r["response/length"] for r in rows] == [8.0, 8.0] and rows[0]["objective/kl"] == 0.0
     assert decode["bound_ms_weights"] > 0 and all(decode[h]["step_ms"] > 0 for h in ("eager", "eager-no-lora",
                                                                                        "static"))
+
+
+def test_real_critic_chains_keep_their_stages_and_pass_the_policy_flags(tmp_path):
+    """bench/real_critic.py: without the new flags a seed's stages are the ones its chains were made with (so their
+    folders stay valid); --policy-model and the GPU flags reach 03 (and its --scalar-steps continuation) and 04."""
+    smol, rm = tmp_path / "smollm2", str(tmp_path / "rm")
+    stages = real_critic.chain_stages(real_critic.parse_args(["--reward-model", rm]), smol, rm)
+    assert stages == [("01_annotate.py", []), ("02_train_reward.py", []),
+                      ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", "60"]),
+                      ("04_evaluate.py", ["--reward-model", rm, "--monitor-reward-model",
+                                          "toy=runs/demo/reward_model"])]
+    args = real_critic.parse_args(["--reward-model", rm, "--policy-model", str(smol), "--no-toy", "--dtype", "bf16",
+                                   "--compile-generation", "--gen-batch-size", "200", "--device", "cuda",
+                                   "--sft-steps", "50", "--eval-limit", "20"])
+    ppo = ["--model", str(smol), "--sft-lr", "0.0001", "--lr", "0.0002", "--sft-steps", "50", "--device", "cuda",
+           "--dtype", "bf16", "--compile-generation"]
+    assert real_critic.chain_stages(args, smol, rm) == [
+        ("01_annotate.py", []),
+        ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", "60", *ppo]),
+        ("04_evaluate.py", ["--reward-model", rm, "--device", "cuda", "--limit", "20", "--dtype", "bf16",
+                            "--batch-size", "200", "--rm-batch-size", "200"])]
+    assert real_critic.policy_flags(args) == ppo
+    train_rm = real_critic.chain_stages(real_critic.parse_args(["--gen-batch-size", "200"]), smol, "x")[2]
+    assert train_rm[0] == "02_train_reward.py" and train_rm[1][-2:] == ["--gen-batch-size", "200"]
+
+
+def test_a_chains_stages_keep_the_callers_pythonpath(tmp_path, monkeypatch):
+    """Issue 34, found on a GPU: run_chain (and real_critic's scalar continuation) replaced PYTHONPATH by the repo, so
+    packages installed with `pip install --target DIR` + PYTHONPATH=DIR (the GPU machine's newer transformers) were
+    gone in every stage: the stages ran another transformers than the one the chain was started with."""
+    import os
+    seen = []
+    monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, env, **k: seen.append(env["PYTHONPATH"]))
+    monkeypatch.setenv("PYTHONPATH", "/opt/site")
+    work = tmp_path / "seed1"
+    with pytest.raises(FileNotFoundError):  # the stub runs nothing, so there is no results.json to read
+        demo_seeds.run_chain(work, 1, 1, [("01_annotate.py", [])])
+    (tmp_path / "seed2/runs/demo/scalar").mkdir(parents=True)  # what the continuation copies
+    real_critic.extend_scalar(tmp_path / "seed2", 1, "rm", real_critic.parse_args(["--scalar-steps", "5"]))
+    assert seen == [f"{ROOT}{os.pathsep}/opt/site"] * 2

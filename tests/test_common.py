@@ -720,3 +720,16 @@ def test_rm_target_roundtrips_through_parse_feedback():
     target = common.format_rm_target("It gets tom right. ", ["tom"], ["the \"cat\""])
     assert parse_feedback(target) == {"critique": "It gets tom right.", "good_spans": ["tom"],
                                       "poor_spans": ['the "cat"']}
+
+
+def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
+    """Issue 34, found on a GPU: under transformers 5.17 (the GPU image's own) a model takes its KV cache as
+    `past_key_values` and swallows the `cache=` that greedy_generate and static_decode pass, so every token after the
+    first was decoded without its history: garbage critiques and rollouts, no error. load_model refuses it instead."""
+    import transformers
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(common.DataError, match=r"^transformers 5\.17\.0 is installed; this code needs >= 5\.24 "):
+        common.load_model("no/such-model")
+    monkeypatch.setattr(transformers, "__version__", "5.24.0.dev0")
+    with pytest.raises(common.DataError, match="cannot load the model"):  # past the check, to the missing model
+        common.load_model("/no/such/dir")
