@@ -5,6 +5,11 @@
     python bench/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 9 rows, ~45 min
     python bench/ablations.py --critic local --reward-model runs/demo/smol_rm --steps 60 \\
         --spans-only-reward-model runs/demo/smol_rm_spans_only    # the pretrained critic (bench/real_critic.py)
+    # on a GPU: every row and seed in its own process, side by side, then the table from the finished runs
+    A="--critic local --reward-model R --spans-only-reward-model R_SPANS_ONLY --steps 60"
+    python bench/ablations.py $A --start-only
+    for s in 1 2 3; do for r in span scalar ...; do python bench/ablations.py $A --rows "$r" --only $s & done; done
+    wait; python bench/ablations.py $A
 
 Every row starts from the same SFT checkpoint (bench/span_vs_scalar.py's shared start, built once in --out), with the
 same critic, seeds, iterations, batch of rollouts and hyperparameters; a row changes only its own flags:
@@ -92,7 +97,7 @@ def spans_only_reward_model(out: Path, given: str | None, reward_model: str | No
     return path.resolve()
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--critic", default="program", choices=["program", "local"],
                    help="program: the demo's exact critic; local: a stage-2 reward model (the zero-flag one, trained "
@@ -104,9 +109,16 @@ def main():
     p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
     p.add_argument("--rows", nargs="+", choices=list(ROWS), help="run only these rows (default: all that apply)")
     p.add_argument("--out", help="work dir; default bench/out/ablations[_local]")
+    p.add_argument("--start-only", action="store_true", help="build the shared start (toy base, SFT, reward models) "
+                   "and stop: once, before side-by-side --only calls")
+    p.add_argument("--only", type=int, metavar="S", help="run seed S's runs of the chosen rows and stop, no table (to "
+                   "run rows and seeds side by side, one process each; a later call without --only reads the runs)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every row")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out = Path(args.out or f"bench/out/ablations{'' if args.critic == 'program' else '_local'}")
+    if args.only is not None and not (out / "sft" / "config.json").is_file():
+        sys.exit(f"{out}: no shared start yet; build it once with --start-only (side-by-side --only calls would race "
+                 "to build it)")
     flags = shared_start(out, args.critic, args.reward_model, args.steps, args.ppo_args)
     rows = [r for r in (args.rows or ROWS) if args.critic == "local" or r != "spans-only RM"]
 
@@ -114,13 +126,19 @@ def main():
         spans_only = spans_only_reward_model(out, args.spans_only_reward_model, args.reward_model)
         i = flags.index("--reward-model")
         flags_without_rm = flags[:i] + flags[i + 2:]
+    if args.start_only:
+        print(f"the shared start is ready in {out}")
+        return 0
+    seeds = [args.only] if args.only is not None else range(1, args.seeds + 1)
     curves = {}
     for row in rows:
         row_flags = ["--reward-model", str(spans_only)] if row == "spans-only RM" else ROWS[row][0]
         base = flags_without_rm if row == "spans-only RM" else flags
         slug = row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
         curves[row] = [ppo_run(out, out / f"{slug}_seed{seed}", seed, args.steps, [*row_flags, *base])
-                       for seed in range(1, args.seeds + 1)]
+                       for seed in seeds]
+    if args.only is not None:
+        return 0
 
     start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)
     if start <= THRESHOLD:
@@ -154,6 +172,7 @@ def main():
                                                                          if bounds else ""))
     common.write_json(out / "results.json", result)
     print(json.dumps(result))
+    return 0
 
 
 if __name__ == "__main__":

@@ -169,3 +169,31 @@ def test_a_chains_stages_keep_the_callers_pythonpath(tmp_path, monkeypatch):
     (tmp_path / "seed2/runs/demo/scalar").mkdir(parents=True)  # what the continuation copies
     real_critic.extend_scalar(tmp_path / "seed2", 1, "rm", real_critic.parse_args(["--scalar-steps", "5"]))
     assert seen == [f"{ROOT}{os.pathsep}/opt/site"] * 2
+
+
+def test_ablations_run_one_seed_side_by_side_after_the_start(tmp_path, monkeypatch):
+    """bench/ablations.py --start-only builds the shared start (and reward models) and runs nothing; --only S runs seed
+    S's runs of the chosen rows and writes no table, and refuses before the shared start exists: side-by-side --only
+    calls would race to build it."""
+    out, built, ran = tmp_path / "out", [], []
+
+    def fake_start(o, critic, reward_model, steps, ppo_args):
+        built.append(o)
+        (o / "sft").mkdir(parents=True, exist_ok=True)
+        (o / "sft" / "config.json").write_text("{}")
+        return ["--critic", critic, "--reward-model", reward_model, "--steps", str(steps)]
+
+    monkeypatch.setattr(ablations, "shared_start", fake_start)
+    monkeypatch.setattr(ablations, "spans_only_reward_model", lambda o, given, rm: given)
+    monkeypatch.setattr(ablations, "ppo_run", lambda o, run_dir, seed, steps, flags: ran.append((run_dir.name, flags)))
+    argv = ["--critic", "local", "--reward-model", "rm", "--spans-only-reward-model", "so", "--steps", "4",
+            "--out", str(out)]
+    with pytest.raises(SystemExit, match=rf"^{out}: no shared start yet; build it once with --start-only"):
+        ablations.main([*argv, "--only", "2"])
+    assert built == [] and ran == []
+    assert ablations.main([*argv, "--start-only"]) == 0
+    assert built == [out] and ran == []
+    assert ablations.main([*argv, "--only", "2", "--rows", "span", "spans-only RM"]) == 0
+    assert ran == [("span_seed2", ["--critic", "local", "--reward-model", "rm", "--steps", "4"]),
+                   ("spans_only_RM_seed2", ["--reward-model", "so", "--critic", "local", "--steps", "4"])]
+    assert not (out / "results.json").exists()
