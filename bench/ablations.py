@@ -5,11 +5,8 @@
     python bench/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 9 rows, ~45 min
     python bench/ablations.py --critic local --reward-model runs/demo/smol_rm --steps 60 \\
         --spans-only-reward-model runs/demo/smol_rm_spans_only    # the pretrained critic (bench/real_critic.py)
-    # on a GPU: every row and seed in its own process, side by side, then the table from the finished runs
-    A="--critic local --reward-model R --spans-only-reward-model R_SPANS_ONLY --steps 60"
-    python bench/ablations.py $A --start-only
-    for s in 1 2 3; do for r in span scalar ...; do python bench/ablations.py $A --rows "$r" --only $s & done; done
-    wait; python bench/ablations.py $A
+    # on a GPU: the shared start, then all 27 (row, seed) runs side by side, one process each, then the table
+    python bench/ablations.py --critic local --reward-model R --spans-only-reward-model R_SPANS_ONLY --steps 60 --jobs 27
 
 Every row starts from the same SFT checkpoint (bench/span_vs_scalar.py's shared start, built once in --out), with the
 same critic, seeds, iterations, batch of rollouts and hyperparameters; a row changes only its own flags:
@@ -37,8 +34,11 @@ Nothing is tuned per row. Prints the table and one JSON line; writes OUT/results
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,6 +97,46 @@ def spans_only_reward_model(out: Path, given: str | None, reward_model: str | No
     return path.resolve()
 
 
+def launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    with open(log, "w") as f:  # the child holds its own copy of the handle
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+
+def side_by_side(args, rows: list[str], seeds, out: Path) -> None:
+    """Every (row, seed) run as its own `--rows R --only S` process, at most --jobs at a time, logs in OUT/logs; stops
+    with the failed runs' logs named. Run after the shared start exists, so the children only reuse it."""
+    common_argv = ["--critic", args.critic, "--steps", str(args.steps), "--out", str(out), "--jobs", "1"]
+    for flag, value in (("--reward-model", args.reward_model), ("--spans-only-reward-model",
+                                                                 args.spans_only_reward_model)):
+        common_argv += [flag, value] if value else []
+    # each process gets its share of the cores unless told: 27 torch processes with 16 threads each would thrash
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs)), **os.environ, "PYTHONUNBUFFERED": "1"}
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    todo, running, failed = [(row, seed) for seed in seeds for row in rows], {}, []
+    total = len(todo)
+    while todo or running:
+        while todo and len(running) < args.jobs:
+            row, seed = todo.pop(0)
+            log = out / "logs" / f"{slug(row)}_seed{seed}.log"
+            cmd = [sys.executable, __file__, *common_argv, "--rows", row, "--only", str(seed), "--", *args.ppo_args]
+            running[(row, seed, log)] = launch(cmd, log, env)
+        finished = [key for key, proc in running.items() if proc.poll() is not None]
+        for key in finished:
+            if running.pop(key).returncode != 0:
+                failed.append(key)
+            print(f"{total - len(todo) - len(running)}/{total} runs done: {key[0]} seed {key[1]}"
+                  f"{' FAILED' if key in failed else ''}", flush=True)
+        if not finished:
+            time.sleep(1)
+    if failed:
+        sys.exit(f"{len(failed)} of {total} runs failed: " +
+                 "; ".join(f"{row} seed {seed} (its log: {log})" for row, seed, log in failed))
+
+
+def slug(row: str) -> str:
+    return row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--critic", default="program", choices=["program", "local"],
@@ -113,6 +153,8 @@ def main(argv=None):
                    "and stop: once, before side-by-side --only calls")
     p.add_argument("--only", type=int, metavar="S", help="run seed S's runs of the chosen rows and stop, no table (to "
                    "run rows and seeds side by side, one process each; a later call without --only reads the runs)")
+    p.add_argument("--jobs", type=int, default=1, help="run this many (row, seed) runs at once, each in its own "
+                   "process (logs in OUT/logs), then the table; e.g. 27 on one GPU. 1: one after another, in this one")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every row")
     args = p.parse_args(argv)
     out = Path(args.out or f"bench/out/ablations{'' if args.critic == 'program' else '_local'}")
@@ -130,12 +172,13 @@ def main(argv=None):
         print(f"the shared start is ready in {out}")
         return 0
     seeds = [args.only] if args.only is not None else range(1, args.seeds + 1)
+    if args.jobs > 1 and args.only is None:
+        side_by_side(args, rows, seeds, out)  # the runs below are then read from disk, not run again
     curves = {}
     for row in rows:
         row_flags = ["--reward-model", str(spans_only)] if row == "spans-only RM" else ROWS[row][0]
         base = flags_without_rm if row == "spans-only RM" else flags
-        slug = row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
-        curves[row] = [ppo_run(out, out / f"{slug}_seed{seed}", seed, args.steps, [*row_flags, *base])
+        curves[row] = [ppo_run(out, out / f"{slug(row)}_seed{seed}", seed, args.steps, [*row_flags, *base])
                        for seed in seeds]
     if args.only is not None:
         return 0

@@ -14,6 +14,7 @@ from conftest import ROOT
 READMES = [p for p in (ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "baselines" / "README.md")
            if p.is_file()]
 PREFIXES = {"taskset": 2, "nice": 2, "nohup": 0, "time": 0, "env": 0}  # wrappers before the command: arguments skipped
+KEYWORDS = {"do", "then", "else", "{", "!"}  # shell words that may stand before a command
 
 # In a fresh interpreter, in the repo root: run each script as __main__ with its README arguments until its parser has
 # parsed them. Prints, per command, "ok" or what went wrong (argparse's own message).
@@ -46,10 +47,11 @@ print(json.dumps(out))
 
 def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
     """(script, arguments) of each python or torchrun command in the fenced code blocks of a markdown text: line
-    continuations joined, comments dropped, commands split at && ; & |, environment assignments and wrappers
-    (taskset -c N, nice -n N) skipped, `python -m MODULE` left out, and an optional part written [--flag VALUE]
-    taken as given."""
-    found = []
+    continuations joined, comments dropped, commands split at && ; & |, environment assignments, wrappers
+    (taskset -c N, nice -n N) and shell keywords (do, then) skipped, redirections (> FILE, 2>&1) dropped, a loop
+    variable ($s of `for s in 1 2 3`) read as its first value, `python -m MODULE` left out, and an optional part
+    written [--flag VALUE] taken as given."""
+    found, loop_values = [], {}
     for block in re.findall(r"^```[^\n]*\n(.*?)^```", markdown, re.S | re.M):
         for line in block.replace("\\\n", " ").splitlines():
             lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
@@ -59,7 +61,14 @@ def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
                 if token not in (";", "&", "&&", "|", "||"):
                     segment.append(token)
                     continue
-                while segment and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", segment[0]) or segment[0] in PREFIXES):
+                if segment[:1] == ["for"] and segment[2:3] == ["in"] and len(segment) > 3:
+                    loop_values[segment[1]] = segment[3]
+                segment = [re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: loop_values.get(m[1], m[0]), t)
+                           for t in segment]
+                redirect = next((i for i, t in enumerate(segment) if re.match(r"\d*[<>]", t)), len(segment))
+                segment = segment[:redirect]
+                while segment and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", segment[0]) or segment[0] in PREFIXES
+                                   or segment[0] in KEYWORDS):
                     segment = segment[1 + PREFIXES.get(segment[0], 0):]
                 if segment and re.fullmatch(r"python3?|torchrun", segment[0]) and "-m" not in segment[1:2]:
                     script = next((i for i, t in enumerate(segment) if t.endswith(".py")), None)
@@ -107,6 +116,7 @@ wait; python bench/real_critic.py --only 3
 python 01_annotate.py && python 02_train_reward.py --resume && torchrun --nproc_per_node 8 03_train_policy.py --steps 2
 python bench/sandbox_cost.py [--runs 40]
 python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --curves "a b=x.jsonl" --x ""
+for s in 7 8; do python bench/real_critic.py --only $s > "log_$s.txt" 2>&1 & done
 ```
 ```
 post: python is not a command here
@@ -117,7 +127,8 @@ post: python is not a command here
         ("bench/real_critic.py", ["--threads", "1", "--only", "1"]), ("bench/real_critic.py", ["--only", "3"]),
         ("01_annotate.py", []), ("02_train_reward.py", ["--resume"]), ("03_train_policy.py", ["--steps", "2"]),
         ("bench/sandbox_cost.py", ["--runs", "40"]),
-        ("04_evaluate.py", ["--judge-base-url", "https://api.openai.com/v1", "--curves", "a b=x.jsonl", "--x", ""])]
+        ("04_evaluate.py", ["--judge-base-url", "https://api.openai.com/v1", "--curves", "a b=x.jsonl", "--x", ""]),
+        ("bench/real_critic.py", ["--only", "7"])]
 
 
 def test_a_wrong_flag_or_script_is_caught():
