@@ -38,7 +38,7 @@ import os
 import statistics
 import subprocess
 import sys
-import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,9 +97,14 @@ def spans_only_reward_model(out: Path, given: str | None, reward_model: str | No
     return path.resolve()
 
 
-def launch(cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
-    with open(log, "w") as f:  # the child holds its own copy of the handle
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+def slug(row: str) -> str:
+    return row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
+
+
+def launch(cmd: list[str], log: Path, env: dict) -> int:
+    """Run one command to the end, its output in `log`; its exit code."""
+    with open(log, "w") as f:
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
 
 def side_by_side(args, rows: list[str], seeds, out: Path) -> None:
@@ -112,29 +117,21 @@ def side_by_side(args, rows: list[str], seeds, out: Path) -> None:
     # each process gets its share of the cores unless told: 27 torch processes with 16 threads each would thrash
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs)), **os.environ, "PYTHONUNBUFFERED": "1"}
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    todo, running, failed = [(row, seed) for seed in seeds for row in rows], {}, []
-    total = len(todo)
-    while todo or running:
-        while todo and len(running) < args.jobs:
-            row, seed = todo.pop(0)
-            log = out / "logs" / f"{slug(row)}_seed{seed}.log"
-            cmd = [sys.executable, __file__, *common_argv, "--rows", row, "--only", str(seed), "--", *args.ppo_args]
-            running[(row, seed, log)] = launch(cmd, log, env)
-        finished = [key for key, proc in running.items() if proc.poll() is not None]
-        for key in finished:
-            if running.pop(key).returncode != 0:
-                failed.append(key)
-            print(f"{total - len(todo) - len(running)}/{total} runs done: {key[0]} seed {key[1]}"
-                  f"{' FAILED' if key in failed else ''}", flush=True)
-        if not finished:
-            time.sleep(1)
+    failed, runs = [], {}
+    with ThreadPoolExecutor(args.jobs) as pool:  # threads only wait: each run is its own process
+        for seed in seeds:
+            for row in rows:
+                log = out / "logs" / f"{slug(row)}_seed{seed}.log"
+                cmd = [sys.executable, __file__, *common_argv, "--rows", row, "--only", str(seed), "--", *args.ppo_args]
+                runs[pool.submit(launch, cmd, log, env)] = (row, seed, log)
+        for done, future in enumerate(as_completed(runs), 1):
+            row, seed, log = runs[future]
+            if future.result() != 0:
+                failed.append((row, seed, log))
+            print(f"{done}/{len(runs)} runs done: {row} seed {seed}{' FAILED' if future.result() else ''}", flush=True)
     if failed:
-        sys.exit(f"{len(failed)} of {total} runs failed: " +
+        sys.exit(f"{len(failed)} of {len(runs)} runs failed: " +
                  "; ".join(f"{row} seed {seed} (its log: {log})" for row, seed, log in failed))
-
-
-def slug(row: str) -> str:
-    return row.replace(" + ", "_").replace(" ", "_").replace("-", "_")
 
 
 def main(argv=None):

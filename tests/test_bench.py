@@ -173,19 +173,23 @@ def test_a_chains_stages_keep_the_callers_pythonpath(tmp_path, monkeypatch):
     assert seen == [f"{ROOT}{os.pathsep}/opt/site"] * 2
 
 
+def _fake_shared_start(built: list):
+    """bench/ablations.py's shared_start without the training: it records its out dir, leaves the SFT start's marker
+    and returns the 03 flags every row shares."""
+    def fake_start(o, critic, reward_model, steps, ppo_args):
+        built.append(o)
+        (o / "sft").mkdir(parents=True, exist_ok=True)
+        (o / "sft" / "config.json").write_text("{}")
+        return ["--critic", critic, "--reward-model", reward_model, "--steps", str(steps), *ppo_args]
+    return fake_start
+
+
 def test_ablations_run_one_seed_side_by_side_after_the_start(tmp_path, monkeypatch):
     """bench/ablations.py --start-only builds the shared start (and reward models) and runs nothing; --only S runs seed
     S's runs of the chosen rows and writes no table, and refuses before the shared start exists: side-by-side --only
     calls would race to build it."""
     out, built, ran = tmp_path / "out", [], []
-
-    def fake_start(o, critic, reward_model, steps, ppo_args):
-        built.append(o)
-        (o / "sft").mkdir(parents=True, exist_ok=True)
-        (o / "sft" / "config.json").write_text("{}")
-        return ["--critic", critic, "--reward-model", reward_model, "--steps", str(steps)]
-
-    monkeypatch.setattr(ablations, "shared_start", fake_start)
+    monkeypatch.setattr(ablations, "shared_start", _fake_shared_start(built))
     monkeypatch.setattr(ablations, "spans_only_reward_model", lambda o, given, rm: given)
     monkeypatch.setattr(ablations, "ppo_run", lambda o, run_dir, seed, steps, flags: ran.append((run_dir.name, flags)))
     argv = ["--critic", "local", "--reward-model", "rm", "--spans-only-reward-model", "so", "--steps", "4",
@@ -207,24 +211,18 @@ def test_ablations_jobs_run_each_row_and_seed_in_its_own_process_then_the_table(
     that fails stops it with its log named, and no table is written."""
     out, built, ran, launched = tmp_path / "out", [], [], []
 
-    def fake_start(o, critic, reward_model, steps, ppo_args):
-        built.append(o)
-        (o / "sft").mkdir(parents=True, exist_ok=True)
-        (o / "sft" / "config.json").write_text("{}")
-        return ["--critic", critic, "--reward-model", reward_model, "--steps", str(steps), *ppo_args]
-
     def fake_run(o, run_dir, seed, steps, flags):
         ran.append((run_dir.name, flags))
         return {"mistakes": [0.5] * steps, "reward": [1.0] * steps, "kl": [0.0] * steps, "length": [9.0] * steps}
 
-    def fake_launch(cmd, log, env, fail=None):  # the child's own main, run here; the process only says how it ended
+    def fake_launch(cmd, log, env, fail=None):  # the child's own main, run here; a real process gives the exit code
         assert cmd[:2] == [sys.executable, ablations.__file__] and log.parent == out / "logs"
         launched.append(cmd[2:])
         assert ablations.main(cmd[2:]) == 0
         row_seed = (cmd[cmd.index("--rows") + 1], cmd[cmd.index("--only") + 1])
-        return subprocess.Popen([sys.executable, "-c", f"raise SystemExit({int(row_seed == fail)})"])
+        return subprocess.run([sys.executable, "-c", f"raise SystemExit({int(row_seed == fail)})"]).returncode
 
-    monkeypatch.setattr(ablations, "shared_start", fake_start)
+    monkeypatch.setattr(ablations, "shared_start", _fake_shared_start(built))
     monkeypatch.setattr(ablations, "spans_only_reward_model", lambda o, given, rm: given)
     monkeypatch.setattr(ablations, "ppo_run", fake_run)
     monkeypatch.setattr(ablations, "launch", fake_launch)
