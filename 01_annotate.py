@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 import common
+from tasks import plugin
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments
@@ -58,6 +58,11 @@ GPT4O_PRICES = (2.50, 10.0)  # USD per 1M prompt and completion tokens: OpenAI's
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Each flag's default after its help, and the presets' table as it is written."""
+
+    def _get_help_string(self, action):  # a help that states its default, or a None default, gets no second one
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parse_args(argv=None):
@@ -89,9 +94,11 @@ def parse_args(argv=None):
       help="--generate-with: wrap each prompt in the tokenizer's chat template when it has one")
     a("--device", default=None, help="--generate-with: cpu or cuda (default: cuda when available)")
     a("--dtype", default="float32", help="--generate-with: float32, bf16 or fp16")
-    a("--annotator", choices=["program", "openai"], default="program",
+    a("--annotator", type=plugin.choice("program", "openai"), default="program",
       help="program: offline critics (demo rules; code: unit tests in the sandbox); openai: any OpenAI-compatible "
-           "chat endpoint, key from OPENAI_API_KEY")
+           "chat endpoint, key from OPENAI_API_KEY; python:MODULE_OR_FILE:FUNCTION: your own critic, called on "
+           "chunks of records from --concurrency threads (trusted code, run in this process; README \"Your own "
+           "critic\"). program is python:tasks.demo:critic or python:tasks.code:critic")
     a("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (default: OpenAI)")
     a("--model", default="gpt-4o", help="critic model name at the endpoint")
     a("--concurrency", type=int, default=16, help="requests in flight (program critic for code: parallel sandboxes, "
@@ -100,7 +107,8 @@ def parse_args(argv=None):
       "not retried (the server may still be generating it: README \"Use a local server\"); --retry-failed redoes it")
     a("--max-retries", type=int, default=6, help="retries per request on 408/409/429/5xx and connection errors")
     a("--backoff-base", type=float, default=1.0, help="first backoff in seconds; doubles per retry, with jitter")
-    a("--backoff-max", type=float, default=60.0, help="longest backoff in seconds (a server's Retry-After wins)")
+    a("--backoff-max", type=float, default=60.0, help="longest wait before a retry in seconds (a longer "
+      "Retry-After of the server is cut to it, and a failed record says so)")
     a("--max-tokens", type=int, default=1024, help="completion token limit per request (0: the server's default)")
     a("--critic-temperature", type=float, default=0.0, help="critic sampling temperature")
     a("--use-human-feedback", action="store_true",
@@ -231,11 +239,21 @@ def prepare_demo(args) -> None:
         build_demo_base(base, seed=args.seed)
 
 
-def generate_responses(records: list[dict], args) -> None:
-    """Fill `response` by sampling the policy (Alg. 1 line 6): batched, left-padded generation."""
+def load_generator(args):
+    """(model, tokenizer) of --generate-with, loaded before anything is written: one that cannot load leaves no
+    folder behind."""
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = common.load_model(args.generate_with, device=device, dtype=args.dtype)
+    try:
+        return common.load_model(args.generate_with, device=device, dtype=args.dtype)
+    except common.DataError as e:
+        raise common.DataError(f"--generate-with {e}") from None
+
+
+def generate_responses(records: list[dict], args, generator) -> None:
+    """Fill `response` by sampling the policy `generator` (load_generator; Alg. 1 line 6): batched, left-padded."""
+    import torch
+    model, tok = generator
     prompts = [common.apply_template(tok, r["prompt"], "auto" if args.chat_template else "off") for r in records]
     torch.manual_seed(args.seed)
     ids = common.generate(model, tok, prompts, args.max_new_tokens, temperature=args.temperature,
@@ -356,13 +374,17 @@ class FatalAPIError(Exception):
 FATAL_REPEATS = 5  # the same 4xx for the first this many records, none ok: every record would get it (FatalAPIError)
 
 
+def sampling(args) -> dict:
+    """The parameters every critic request carries (the preflight, common.check_server, sends the same)."""
+    return {"temperature": args.critic_temperature, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
+
+
 async def chat(client, messages: list[dict], args, usage: Counter, rng: random.Random) -> str:
     """The critic's reply, sent again on 408/409/429/5xx and connection errors (common.retry_delay: Retry-After,
     else backoff with jitter), never on a timeout. 401/403/404: FatalAPIError; any other failure: RecordError."""
     import openai
     from openai.types.chat import ChatCompletion
-    body = {"model": args.model, "messages": messages, "temperature": args.critic_temperature,
-            **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
+    body = {"model": args.model, "messages": messages, **sampling(args)}
     try:
         # client.post, not client.chat.completions.create: the same request and typed response, minus the SDK's
         # per-request TypedDict transform (~2 ms of CPU here), which would cap throughput at 16 requests in flight
@@ -425,25 +447,25 @@ async def annotate_openai(todo: list[dict], args, sink) -> None:
         await client.close()
 
 
-def annotate_program(todo: list[dict], args, sink) -> None:
-    if args.task == "demo":
-        from tasks.demo import demo_critic
-        for rec in todo:  # ~0.3 ms per record: no need for threads
-            try:
-                sink(finish(rec, demo_critic(rec["prompt"], rec["response"])))
-            except ValueError as e:  # not a demo post
-                sink(finish(rec, reason=str(e)))
-        return
-    from concurrent.futures import ThreadPoolExecutor, as_completed
+def annotate_program(todo: list[dict], critic, args, sink) -> None:
+    """The task's program critic or a python: plug-in, critic = (function, label) (tasks/plugin.py), on chunks of
+    records from min(--concurrency, CPUs) threads (the code critic waits on its sandboxes), written in input order. A
+    record it raises on, or cannot judge, fails with a one-line reason; the run goes on."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.code import code_critic
-    critic = lambda r: code_critic(r["prompt"], r["response"], r["test"], args.code_timeout)  # noqa: E731
-    with ThreadPoolExecutor(max(1, min(args.concurrency, os.cpu_count() or 1))) as pool:
-        futures = {pool.submit(critic, rec): rec for rec in todo}
-        for fut in as_completed(futures):
-            fb = fut.result()  # a problem whose tests cannot run is no annotation
-            sink(finish(futures[fut], reason=f"the tests cannot run: {fb['error']}") if fb.get("error") else
-                 finish(futures[fut], fb))
+    workers = max(1, min(args.concurrency, os.cpu_count() or 1))
+    size = max(1, min(64, -(-len(todo) // (8 * workers))))  # chunks: few calls, yet every thread kept busy
+    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+    with ThreadPoolExecutor(workers) as pool:
+        futures = [pool.submit(plugin.call, *critic, chunk, [r["response"] for r in chunk]) for chunk in chunks]
+        for chunk, fut in zip(chunks, futures):
+            for rec, fb in zip(chunk, fut.result()):
+                if fb.get("critic_error"):
+                    sink(finish(rec, reason=fb["critic_error"]))
+                    continue
+                good, poor = plugin.quotes(rec["response"], fb)
+                out = finish(rec, {**fb, "good_spans": good, "poor_spans": poor})
+                sink({**out, "spans": fb["spans"]} if "spans" in fb else out)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -451,7 +473,7 @@ def annotate_program(todo: list[dict], args, sink) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def summarize(path: Path, args, this_run: Counter, elapsed_s: float) -> dict:
+def summarize(path: Path, args, this_run: Counter, elapsed_s: float, annotate_s: float) -> dict:
     recs = common.read_jsonl(path) if path.exists() else []
     ok = [r for r in recs if r.get("status") == "ok"]
     good, poor = sum(len(r["good_spans"]) for r in ok), sum(len(r["poor_spans"]) for r in ok)
@@ -469,7 +491,35 @@ def summarize(path: Path, args, this_run: Counter, elapsed_s: float) -> dict:
             "prompt_tokens": tokens["prompt_tokens"], "completion_tokens": tokens["completion_tokens"],
             "estimated_cost_usd": (None if cost is None else round(cost, 4)) if args.annotator == "openai" else 0.0,
             "this_run": {"annotated": this_run["ok"] + this_run["failed"], "failed": this_run["failed"],
-                         "timed_out": this_run["timed_out"], "elapsed_s": round(elapsed_s, 3)}}
+                         "timed_out": this_run["timed_out"], "elapsed_s": round(elapsed_s, 3),
+                         "annotate_s": round(annotate_s, 3)}}
+
+
+FAIL_WARN_SHARE = 0.10  # more failed records than this share is a loud warning; none ok is an error (exit 1)
+FAILURE_KINDS = {"unparseable": "the critic's outputs do not parse", "timed out": "requests timed out",
+                 "HTTP": "the server refused requests"}  # a reason's start -> what the summary line calls it
+
+
+def failure_note(path: Path, order: dict) -> str:
+    """Why the records of `path` failed, in one line: the most common kind of reason, and the first failure in the
+    input's order (`order`: id -> position; the file is in the order the critic answered, which varies run to run)."""
+    failed = sorted((r for r in common.read_jsonl(path) if r.get("status") == "failed"),
+                    key=lambda r: order.get(r.get("id"), len(order)))
+    kinds = Counter(next((v for k, v in FAILURE_KINDS.items() if r.get("reason", "").startswith(k)),
+                         "the critic failed") for r in failed)
+    first = " ".join(str(failed[0].get("reason", "")).split())
+    return f"{kinds.most_common(1)[0][0]}; first failure ({failed[0]['id']}): {first[:300]}"
+
+
+def report_failures(path: Path, summary: dict, ids: list) -> None:
+    """No failure stays quiet: none annotated is an error line (main's caller exits 1), a failed share above
+    FAIL_WARN_SHARE a warning; both say why (failure_note). ids: the input records' ids, in order."""
+    n, failed, order = summary["records"], summary["failed"], {i: k for k, i in enumerate(ids)}
+    if n and not summary["ok"]:
+        print(f"error: 0 of {n} records annotated: {failure_note(path, order)}", file=sys.stderr)
+    elif n and failed / n > FAIL_WARN_SHARE:
+        print(f"warning: {failed} of {n} records failed ({failed / n:.0%}): {failure_note(path, order)}. Stage 2 "
+              "skips them; --retry-failed redoes them", file=sys.stderr)
 
 
 def prices_usd(args) -> tuple[float, float] | None:
@@ -486,16 +536,21 @@ def prices_usd(args) -> tuple[float, float] | None:
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args, start = parse_args(argv), time.perf_counter()  # elapsed_s: the whole run
     output = Path(args.output)
-    if args.task == "demo" and args.dataset is None:
-        prepare_demo(args)
+    common.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
 
-    # 1. Load and validate everything before the output is touched: bad input never leaves a half-written file.
+    # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
     records = to_records(dataset_rows(args), args)
+    critic = None  # a program or python: critic (tasks/plugin.py), imported and called on one record before any work
+    if args.annotator != "openai":
+        critic = plugin.load_critic(args.annotator, args.task, "--annotator",
+                                    **({"timeout_s": args.code_timeout} if args.task == "code" else {}))
+        if records:
+            plugin.preflight(*critic, records[0], records[0]["response"], "--annotator")
 
     # 2. Resume: repair a torn last line, skip ids already done (or drop failed ones to redo them).
-    done = common.open_resumable_jsonl(output)
+    done = common.open_resumable_jsonl(output) if output.exists() else set()
     if args.retry_failed and done:
         kept = [r for r in common.read_jsonl(output) if r.get("status") == "ok"]
         common.write_jsonl(output, kept)  # atomic rewrite; the failed ids are then redone below
@@ -504,15 +559,18 @@ def main(argv=None) -> dict:
     print(f"{len(records)} records, {len(records) - len(todo)} already in {output}, {len(todo)} to annotate "
           f"with the {args.annotator} critic" + (f" ({args.model})" if args.annotator == "openai" else ""))
     if todo and args.annotator == "openai":  # one cheap request first: a wrong endpoint fails here, in one line
-        common.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2))
-    if todo and args.generate_with:
-        generate_responses(todo, args)
+        common.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2),
+                            params=sampling(args))
+    generator = load_generator(args) if todo and args.generate_with else None
+    if args.task == "demo" and args.dataset is None:  # the later stages' inputs, once the run can start
+        prepare_demo(args)
+    if generator:
+        generate_responses(todo, args, generator)
 
     # 3. Annotate; every record is appended and flushed as soon as it is done.
     from tqdm.auto import tqdm
-    if args.annotator == "openai":
-        importlib.import_module("openai")  # imported here so that elapsed_s below times the annotation alone
-    this_run, start = Counter(), time.perf_counter()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    this_run, annotate_start = Counter(), time.perf_counter()
     with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="annotate", disable=not todo) as bar:
         def sink(rec: dict) -> None:
             common.append_jsonl(f, rec)
@@ -522,11 +580,11 @@ def main(argv=None) -> dict:
         if args.annotator == "openai":
             asyncio.run(annotate_openai(todo, args, sink))
         else:
-            annotate_program(todo, args, sink)
-    elapsed = time.perf_counter() - start
+            annotate_program(todo, critic, args, sink)
+    annotate_s = time.perf_counter() - annotate_start
 
     # 4. Summary: records, failed, spans per record, unmatched-span rate (App. L), tokens and estimated cost.
-    summary = summarize(output, args, this_run, elapsed)
+    summary = summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
     common.write_json(output.with_suffix(".summary.json"), summary)
     print(f"{summary['records']} records ({summary['failed']} failed) in {output}; spans per record: "
           f"{summary['good_spans_per_record']} good, {summary['poor_spans_per_record']} poor; unmatched-span rate "
@@ -539,12 +597,14 @@ def main(argv=None) -> dict:
               f"{args.max_tokens} at once. Lower --concurrency (to what the server runs in parallel) or --max-tokens, "
               "or raise --timeout; --retry-failed redoes them", file=sys.stderr)
     print(json.dumps(summary))
+    report_failures(output, summary, [r["id"] for r in records])
     return summary
 
 
 if __name__ == "__main__":
     try:
-        main()
+        summary = main()
+        sys.exit(1 if summary["records"] and not summary["ok"] else 0)  # nothing annotated: report_failures says why
     except (common.DataError, FatalAPIError) as e:  # bad input, or an endpoint that refuses every request
         print(f"error: {common.redact(str(e))}", file=sys.stderr)
         sys.exit(2)

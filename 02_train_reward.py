@@ -117,7 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--logging-steps", type=int, help="log train loss every N steps")
     p.add_argument("--eval-steps", type=int, help="eval loss on the val split every N steps")
     p.add_argument("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints "
+                   "(a folder holding\na reward model without one: refused)")
+    p.add_argument("--overwrite", action="store_true", help="a fresh run replaces the reward model (and checkpoints) "
+                   "in --output-dir\n(without it: refused, but for the literal zero-flag demo's runs/demo/reward_model)"
+                   ". A folder holding\nfiles stage 2 did not write is always refused")
     # reward-model generation for the span metrics (the same call stage 3 makes: common.rm_critique)
     p.add_argument("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's "
                    "default (reward_model.json)")
@@ -147,6 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-unit", choices=common.STEP_UNITS, help="prm: how responses are cut into steps "
                    "(baselines/scalar_rm.py: split_steps;\ndefault: block for --task code, else clause)")
     args = p.parse_args(argv)
+    args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's model
     for key, value in PRESETS[args.task].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -279,8 +284,8 @@ def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batc
 def print_table(m: dict) -> None:
     fmt = lambda x: "  n/a" if x is None else f"{x:5.3f}"  # noqa: E731
     print(f"reward model on {m['n']} val examples: JSON parse rate {fmt(m['parse_rate'])}, unmatched-span rate "
-          f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words "
-          f"(annotations {m['gold_critique_words']:.1f})")
+          f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words where "
+          f"it parses, raw outputs {m['output_words']:.1f} words (annotations {m['gold_critique_words']:.1f})")
     print("  class        precision  recall     F1   spans gold/pred/exact/partial")
     for name, key, label in (("+1 (good)", "pos", "good"), ("-1 (poor)", "neg", "poor")):
         s = m["spans"][label]
@@ -304,8 +309,26 @@ def save_reward_model(model, args, out: Path, summary: dict) -> None:
     """
     from transformers import AutoTokenizer
     common.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
-                           keep=("checkpoints",), **({"save_embedding_layers": False} if hasattr(model, "peft_config")
-                                                     else {}))
+                           keep=("checkpoints",), owns=OWNS, **({"save_embedding_layers": False}
+                                                               if hasattr(model, "peft_config") else {}))
+
+
+OWNS = ("eval.json", "eval_samples.jsonl")  # what stage 2 writes beside the saved reward model
+
+
+def check_output_dir(args) -> None:
+    """Before anything is trained: --output-dir holds nothing stage 2 did not write (common.check_save_dir), and a
+    reward model there is continued or replaced only when asked (common.start_kind: --resume, --overwrite, or the
+    literal zero-flag demo). DataError otherwise."""
+    from transformers.trainer_utils import get_last_checkpoint
+    out = Path(args.output_dir)
+    common.check_save_dir(out, (*OWNS, "checkpoints"), "reward_model.json", "--output-dir ")
+    if args.merge:
+        common.check_save_dir(args.merge, marker="reward_model.json", flag="--merge ")
+    ckpt = out / "checkpoints"
+    resumable = ckpt.is_dir() and get_last_checkpoint(str(ckpt)) is not None  # (an empty checkpoints/ is no run)
+    held = ["reward_model.json"] * (out / "reward_model.json").is_file() + ["checkpoints"] * resumable
+    common.start_kind(out, args.resume, args.overwrite, held, "checkpoints/", resumable, args.zero_flag)
 
 
 def merge_untied(model):
@@ -339,9 +362,8 @@ def merge_reward_model(rm_dir, out_dir, dtype: str = "float32") -> Path:
         model = merge_untied(model)
     info = json.loads((Path(rm_dir) / "reward_model.json").read_text()) if (Path(rm_dir) / "reward_model.json"
                                                                             ).is_file() else {}
-    out = common.save_pretrained(out_dir, model, tokenizer)
-    common.write_json(out / "reward_model.json", {**info, "merged_from": str(rm_dir)})
-    return out
+    return common.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from":
+                                                                                    str(rm_dir)}})
 
 
 def replacement_sampler(trainer):
@@ -410,6 +432,8 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
 def main(args: argparse.Namespace) -> dict:
     from transformers import set_seed
 
+    common.check_model_path(args.model, "--model ")  # a typo'd folder: one line, at once
+    check_output_dir(args)
     if args.objective != "generative":  # a scalar reward model: the paper's PPO and PRM-PPO baselines
         from baselines.scalar_rm import main_scalar
         return main_scalar(args)
@@ -480,6 +504,9 @@ def main(args: argparse.Namespace) -> dict:
 
     # ---- span metrics of the saved reward model, loaded exactly as stage 3 loads it ----
     eval_recs = val_recs[: args.eval_limit]
+    if len(eval_recs) < args.eval_limit:  # say why fewer than asked
+        log(f"span metrics on {len(eval_recs)} val examples, not --eval-limit {args.eval_limit}: the val split holds "
+            f"{len(val_recs)} (--val-frac {args.val_frac:g} of {len(records)} usable records)")
     metrics = {"n": 0}
     if eval_recs:
         rm, rm_tok = common.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")

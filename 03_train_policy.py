@@ -11,8 +11,8 @@ train() is Alg. 4's loop, one named step per line of it (the step numbers are ou
 The file reads top to bottom: the arguments; the pure tensor functions of steps 4-6 (copy them into your own project
 as they are); precision and torchrun; the policy (forward, reference_forward, build_policy); the critic (make_critic)
 and the demo's monitor (make_monitor); the steps; the run's setup (prompts, SFT warm start, checkpoints); train().
-Only common.py is needed beside it, tasks/ for a task's program critic, and baselines/ for the paper's scalar
-baselines (--critic scalar-rm, prm: baselines/scalar_rm.py).
+Only common.py is needed beside it, tasks/ for the program and python: critics (tasks/plugin.py), and baselines/ for
+the paper's scalar baselines (--critic scalar-rm, prm: baselines/scalar_rm.py).
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import common
+from tasks import plugin
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
@@ -79,9 +80,11 @@ def parse_args(argv=None):
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
     a("--resume", action="store_true", help="continue from <output-dir>/checkpoint.pt (a folder holding a run "
-      "without one: refused)")
-    a("--overwrite", action="store_true", help="a fresh run replaces the run in --output-dir (without it: refused, "
-      "but for the\nzero-flag demo's own runs/demo/text2grad and runs/demo/scalar)")
+      "without one: refused),\non the SFT start it began from (one made with other settings, or gone: refused)")
+    a("--overwrite", action="store_true", help="a fresh run replaces the run in --output-dir, and an SFT start made "
+      "with other settings\n(without it: refused, but for the literal zero-flag demo's own runs/demo/text2grad, "
+      "runs/demo/scalar\nand runs/demo/sft). Not with --resume: a checkpoint is never continued on a retrained SFT "
+      "start")
     a("--scalar-baseline-dir", help="then train the --reward-mode scalar baseline here, same settings and SFT start "
       "('': skip;\ndefault: the demo's runs/demo/scalar when --output-dir is not given, else none)")
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the tokenizer's chat "
@@ -103,10 +106,17 @@ def parse_args(argv=None):
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
     # --- critic
-    a("--critic", default="local", choices=["local", "program", "openai", "scalar-rm", "prm"], help="who writes "
-      "critique + spans; or the paper's baselines (§4.3, App. N), a scalar reward\nmodel's scores instead: "
-      "scalar-rm (02 --objective pairwise) scores the whole response,\nput on its last token (classic RLHF PPO); "
-      "prm (02 --objective prm) scores each step, put\non the step's last token (baselines/scalar_rm.py)")
+    a("--critic", default="local", type=plugin.choice("local", "program", "openai", "scalar-rm", "prm"),
+      metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
+      help="who writes critique + spans: local (--reward-model), openai (a served one), program (the\ntask's own: "
+      "python:tasks.demo:critic or python:tasks.code:critic), or python:MODULE_OR_FILE:FUNCTION,\nyour own "
+      "function (records, responses) -> one item per response: {critique, good_spans,\npoor_spans} quotes, or "
+      "{spans: [{start, end, reward}]} character intervals with a reward in\n[-1, 1] (a token takes it when it lies "
+      "inside; overlap: the lowest reward wins; --labels dense\nand --span-weighting linear-decay need quotes), or "
+      "{error}; trusted code, run in this process,\nchecked on one record before any training (tasks/plugin.py; "
+      "README \"Your own critic\"). Or the\npaper's baselines (§4.3, App. N), a scalar reward model's scores "
+      "instead: scalar-rm (02\n--objective pairwise) scores the whole response, put on its last token (classic RLHF "
+      "PPO);\nprm (02 --objective prm) scores each step, put on the step's last token (baselines/scalar_rm.py)")
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
     a("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: mean subtracts the "
       "SFT demonstrations' mean score (Huang et al. 2024);\nmean-std also divides by their std (Ziegler et al. "
@@ -134,12 +144,14 @@ def parse_args(argv=None):
                                                "\ncome from the truncated distribution, PPO scores the full one")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
     a("--compile-generation", action=argparse.BooleanOptionalAction, default=False, help="rollouts and the local "
-      "critic's critiques by common.static_decode: a static KV cache and the\ndecode step under torch.compile, the "
-      "same tokens as generate() (compiled once per prompt-width\nbucket: seconds on a CPU, a minute for an 8B model); "
-      "--no-compile-generation: generate() and\ngreedy_generate as they were")
+      "critic's critiques by common.static_decode: a static KV cache and the\ndecode step under torch.compile; the "
+      "same tokens as generate() in every float32 CPU run measured,\nnot guaranteed (rounding may flip a sampled "
+      "token; bench/gpu_recipe.py --phases tokens\nmeasures it on a GPU); compiled once per prompt-width bucket: "
+      "seconds on a CPU, a minute\nfor an 8B model; --no-compile-generation: generate() and greedy_generate as they "
+      "were")
     a("--compile-update", action=argparse.BooleanOptionalAction, default=False, help="the policy and reference "
       "forwards of steps 4 and 6 (scoring; the update's forward and\nbackward) under torch.compile, and AdamW fused. "
-      "NOT bit for bit (--compile-generation is):\nlog-probs, losses and weights move within float rounding (~1e-6 "
+      "NOT bit for bit:\nlog-probs, losses and weights move within float rounding (~1e-6 "
       "relative; a later\nsampled token could flip); compiled per shape, dynamic after the first change (minutes\n"
       "on a CPU: more than the demo saves); --no-compile-update: eager, as it was")
     # --- rewards (§3.5) and advantages
@@ -190,6 +202,10 @@ def parse_args(argv=None):
       "under both\nreward modes, old and new log-probs, the batch's update locality: OUTPUT_DIR/trace.jsonl\n"
       "(0: off; costs one no-grad forward of the batch per iteration)")
     args = p.parse_args(argv)
+    args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
+    if args.resume and args.overwrite:
+        raise common.DataError("--resume and --overwrite: pick one (--resume continues a run on the SFT start it "
+                               "began from; --overwrite starts it again, and retrains a changed SFT start)")
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
     if args.output_dir is not None:  # the preset's folders are the preset's: no baseline, the SFT in OUTPUT_DIR/sft
         args.scalar_baseline_dir = "" if args.scalar_baseline_dir is None else args.scalar_baseline_dir
@@ -520,7 +536,8 @@ def build_policy(args, model):
     ref_model = None
     if args.ref_adapter:
         from peft import PeftModel
-        model = PeftModel.from_pretrained(model, args.ref_adapter, adapter_name="ref")
+        with common.peft_wraps_quietly():
+            model = PeftModel.from_pretrained(model, args.ref_adapter, adapter_name="ref")
         model.load_adapter(args.ref_adapter, adapter_name="default", is_trainable=True)
         model.set_adapter("default")
     elif args.lora_r > 0:
@@ -555,6 +572,30 @@ def _parse(raw):
         return failed(str(e), raw[:4000])
 
 
+def show_progress(bar, step: int, row: dict, feedback: list, args) -> None:
+    """Rank 0: the iteration's reward, KL, mistake and parse-fail rates in the progress bar, and a warning line above
+    it when most of its critiques failed: a critic that stops parsing gives delta = 0, which the reward and mistake
+    rate alone do not tell from a flawless batch."""
+    rate = row["critic/parse_fail_rate"]
+    bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
+                    mistakes=f"{row['critic/mistake_rate']:.2f}", parse_fail=f"{rate:.2f}")
+    if rate > 0.5:
+        first = next(((fb or {}).get("critic_error") for fb in feedback if critique_failed(fb)), None)
+        bar.write(f"warning: iteration {step}: {round(rate * args.batch_size)} of {args.batch_size} critiques failed "
+                  f"(no span JSON, or no answer): their rollouts get delta = 0; first: {first}", file=sys.stderr)
+
+
+def print_critic_summary(costs: list[tuple], args) -> None:
+    """The run's end, rank 0: what the critic cost next to the rollout it judges, and how many of its critiques
+    failed. costs: (time/generate_s, time/critic_s, critic/parse_fail_rate) per iteration."""
+    gen_s, critic_s = (float(np.median(c)) for c in list(zip(*costs))[:2])
+    print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
+          f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
+    failed, n = round(sum(c[2] for c in costs) * args.batch_size), len(costs) * args.batch_size
+    print(f"critic ({args.critic}): {failed} of {n} critiques failed in this run ({failed / n:.0%}), their rollouts "
+          "got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)")
+
+
 def critique_failed(fb) -> bool:
     """True for a critique that gives no delta: its output did not parse or its request failed (_parse), or None."""
     return fb is None or fb.get("critique") is None
@@ -562,28 +603,34 @@ def critique_failed(fb) -> bool:
 
 def check_critic(args) -> None:
     """--critic openai: one cheap request to the served critic before any training, so that a wrong model name, a
-    dead port, a 4xx or a missing key stops the run here in one line (common.check_server)."""
+    dead port, a 4xx or a missing key stops the run here in one line (common.check_server). --critic program or
+    python:...: the function is imported and called on the first prompt (tasks/plugin.py: preflight), so that a
+    module that does not import, a missing function or a wrong return stops it here in one line too."""
+    if args.critic == "program" or plugin.is_plugin(args.critic):
+        fn, label = plugin.load_critic(args.critic, args.task, "--critic")
+        rec = read_prompts(args.prompts, args.task, args.critic)[0]
+        item = plugin.preflight(fn, label, rec, plugin.probe_response(rec), "--critic")
+        if "spans" in item and (args.labels != "spans" or args.span_weighting != "uniform"):
+            raise common.DataError(f"--critic {label} returns located intervals with their own rewards: --labels "
+                                   "dense and --span-weighting relabel quotes")
     if args.critic == "openai":
         common.check_server(args.critic_base_url, args.critic_model, args.critic_api, args.critic_timeout,
-                            args.critic_retries, "--critic-base-url")
+                            args.critic_retries, "--critic-base-url",
+                            {"temperature": 0.0, "max_tokens": args.critic_max_new_tokens})  # as the critic sends
 
 
 def make_critic(args):
     """critic(records, texts) -> per (prompt, response), parse_feedback's dict, or a failed critique (_parse) when its
     output did not parse or its request failed.
     --critic local: the stage 2 reward model; openai: one behind an OpenAI-compatible server; program: the task's
-    programmatic critic (tasks/); scalar-rm, prm: a scalar reward model (baselines/scalar_rm.py: scalar_critic)."""
+    programmatic critic (tasks/); python:MODULE_OR_FILE:FUNCTION: the user's (its intervals kept as "spans");
+    scalar-rm, prm: a scalar reward model (baselines/scalar_rm.py: scalar_critic)."""
     if args.critic in SCALAR_CRITICS:
         from baselines.scalar_rm import scalar_critic
         return scalar_critic(args)
-    if args.critic == "program":
-        if args.task == "demo":
-            from tasks.demo import demo_critic
-            return lambda recs, texts: [demo_critic(r["prompt"], t) for r, t in zip(recs, texts)]
-        if args.task == "code":
-            from tasks.code import code_critic
-            return lambda recs, texts: [code_critic(r["prompt"], t, r["test"]) for r, t in zip(recs, texts)]
-        raise common.DataError(f"--critic program: no programmatic critic for --task {args.task}")
+    if args.critic == "program" or plugin.is_plugin(args.critic):  # the task's own or the user's (tasks/plugin.py)
+        fn, label = plugin.load_critic(args.critic, args.task, "--critic")
+        return lambda recs, texts: plugin.call(fn, label, recs, texts)  # a raise: that rollout's critic_error
     if args.critic == "local":
         rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
         return lambda recs, texts: [_parse(x) for x in common.rm_critique(
@@ -660,7 +707,8 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
     """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
     weighted within each span by --span-weighting (App. I); --labels dense labels every token (dense_feedback).
     A scalar critic's feedback (--critic scalar-rm, prm) carries step_rewards instead: baselines/scalar_rm.py's
-    step_deltas puts them on tokens.
+    step_deltas puts them on tokens; a python: critic's may carry located "spans" with real rewards in [-1, 1]
+    (common.interval_rewards: the same rule, the lowest reward wins where they overlap).
     Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
     of non-empty quotes and of quotes not found (the critic's own quotes)."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
@@ -672,6 +720,10 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
             from baselines.scalar_rm import step_deltas
             d = step_deltas(offsets[i], fb["step_rewards"])
             delta[i, :len(d)], rows[i] = torch.tensor(d), (d, [])
+            continue
+        if "spans" in fb:  # a python: critic's located intervals and their rewards (common.interval_rewards)
+            d = common.interval_rewards(texts[i], offsets[i], fb["spans"])
+            delta[i, :len(d)], rows[i], n_spans = torch.tensor(d), (d, []), n_spans + len(fb["spans"])
             continue
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         fb = dense_feedback(texts[i], fb) if labels == "dense" else fb
@@ -885,14 +937,23 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
 
 def read_prompts(path: str, task: str, critic: str) -> list[dict]:
     """The prompt records, read before anything is written: a JSONL file with a "prompt" field or, for --task code
-    --critic program, any benchmark layout (tasks.code.read_code_problems), whose tests the critic runs."""
-    if task == "code" and critic == "program":
+    --critic program or python:..., any benchmark layout (tasks.code.read_code_problems), whose tests the critic
+    runs."""
+    if task == "code" and (critic == "program" or plugin.is_plugin(critic)):
         from tasks.code import read_code_problems
         records = read_code_problems(path)
     else:
         records = common.read_jsonl(path, required=("prompt",))
     if not records:
         raise common.DataError(f"{path}: no prompts")
+    if task == "demo":  # its exact critic and monitor read the facts off each post: own prompts fail here, not mid-run
+        from tasks.demo import demo_post_facts
+        for lineno, rec in common.iter_jsonl(path, required=("prompt",)):
+            try:
+                demo_post_facts(rec["prompt"])
+            except ValueError:
+                raise common.DataError(f"{path}:{lineno}: prompt: not a demo post (--task demo reads the demo's facts "
+                                       "off each post; --task summarization or qa for your own prompts)") from None
     return records
 
 
@@ -909,17 +970,20 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
-def sft_warm_start(args, rank: int) -> str:
+def sft_warm_start(args, rank: int, resuming: bool = False) -> str:
     """Supervised fine-tuning of --model on (prompt, --sft-field) of --sft-data before PPO, the loss on the response
     and its EOS only: --sft-steps AdamW steps on batches drawn with replacement, left-padded as in generation; LoRA
     (--sft-lora-r > 0) is merged into the weights afterwards. Trained once, on rank 0 (the others wait), and saved to
-    --sft-output-dir as full weights that later runs (the scalar baseline among them) reuse. Returns that folder."""
+    --sft-output-dir as full weights that later runs (the scalar baseline among them) reuse (resuming: only reused,
+    never trained, reuse_sft). Returns that folder."""
     from tqdm.auto import tqdm
 
     sft_dir, device, dtype = Path(args.sft_output_dir), args.device, args.dtype
     lora_r = args.lora_r if args.sft_lora_r is None else args.sft_lora_r
     settings = sft_settings(args, lora_r)
-    if reuse_sft(sft_dir, settings, args.overwrite, print if rank == 0 else (lambda *a: None)):
+    retrain = args.overwrite or getattr(args, "zero_flag", False) and sft_dir.resolve() == Path(
+        PRESETS["demo"]["sft_output_dir"]).resolve()  # the literal zero-flag demo's own SFT start
+    if reuse_sft(sft_dir, settings, retrain, print if rank == 0 else (lambda *a: None), resuming):
         return str(sft_dir)
     barrier()  # every rank has decided before rank 0 replaces the folder
     if rank == 0:
@@ -961,32 +1025,42 @@ def sft_warm_start(args, rank: int) -> str:
 
 
 def sft_settings(args, lora_r: int) -> dict:
-    """What an SFT start is made of (sft.json in --sft-output-dir): its flags and the SFT data's content hash."""
+    """What an SFT start is made of (sft.json in --sft-output-dir): its flags, the SFT data's content hash and, for a
+    local --model, its content (common.content_fingerprint: a base rebuilt in the same folder is another start)."""
     keys = ("model", "sft_field", "sft_steps", "sft_lr", "sft_batch_size", "lora_targets", "seed", "max_new_tokens",
             "max_prompt_tokens", "chat_template", "dtype", "max_grad_norm")
+    content = common.content_fingerprint(args.model) if Path(args.model).exists() else None  # a hub id: its name
     return json.loads(json.dumps({**{k: getattr(args, k) for k in keys}, "sft_lora_r": lora_r,  # as sft.json reads
-                                  "sft_data_sha256": hashlib.sha256(Path(args.sft_data).read_bytes()).hexdigest()}))
+                                  "sft_data_sha256": hashlib.sha256(Path(args.sft_data).read_bytes()).hexdigest(),
+                                  "model_content": content}))
 
 
-def reuse_sft(sft_dir: Path, settings: dict, overwrite: bool, log) -> bool:
+def reuse_sft(sft_dir: Path, settings: dict, retrain: bool, log, resuming: bool = False) -> bool:
     """Whether the SFT start in sft_dir is used as it is (every rank decides the same, before anything is trained):
     a model there made by these settings (sft.json), or made elsewhere (no sft.json). One made by other settings is
-    refused (DataError), unless --overwrite or the zero-flag demo's own runs/demo/sft, which are retrained. log: rank 0's
-    print."""
+    refused (DataError), unless `retrain` (--overwrite, or the zero-flag demo's own runs/demo/sft): then trained again.
+    A folder without a model is trained into, unless it holds files an SFT save did not write (refused: a save
+    replaces only its own files). `resuming` (--resume from a checkpoint): never trained, since the checkpoint's
+    weights belong to the start it began from. log: rank 0's print."""
     if not (sft_dir / "config.json").is_file():
+        if resuming:
+            raise common.DataError(f"--resume: the run's SFT start {sft_dir} is gone: its checkpoint cannot continue "
+                                   "on another one (--overwrite starts the run again)")
+        common.check_save_dir(sft_dir, marker="sft.json", flag="--sft-output-dir ")
         return False
     made = json.loads((sft_dir / "sft.json").read_text()) if (sft_dir / "sft.json").is_file() else None
     if made is None or made == settings:
         log(f"SFT start: {sft_dir}, reused" + ("" if made else " (no sft.json: a model made elsewhere, used as it is)"))
         return True
-    diff = "; ".join("--sft-data: other content" if k == "sft_data_sha256" else
-                     f"--{k.replace('_', '-')}: {made.get(k)} there, {v} here" for k, v in settings.items()
-                     if made.get(k) != v)
-    if overwrite or sft_dir.resolve() == Path(PRESETS["demo"]["sft_output_dir"]).resolve():
+    diff = "; ".join("--sft-data: other content" if k == "sft_data_sha256" else "--model: other content"
+                     if k == "model_content" else f"--{k.replace('_', '-')}: {made.get(k)} there, {v} here"
+                     for k, v in settings.items() if made.get(k) != v)
+    if retrain and not resuming:
         log(f"SFT start: {sft_dir} was made with other settings ({diff}): trained again")
         return False
-    raise common.DataError(f"--sft-output-dir {sft_dir} holds an SFT start made with other settings ({diff}): "
-                           "--overwrite retrains it, or name another --sft-output-dir")
+    raise common.DataError(f"--sft-output-dir {sft_dir} holds an SFT start made with other settings ({diff}): " + (
+        "--resume continues a run only on the start it began from" if resuming else
+        "--overwrite retrains it, or name another --sft-output-dir"))
 
 
 def make_optimizer(params, args):
@@ -1055,25 +1129,16 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank:
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.jsonl", "checkpoint.pt", "policy")  # what a run writes
 
 
-def start_kind(out_dir, resume: bool, overwrite: bool) -> str:
-    """How a run starts in out_dir, decided before anything is trained: "resume" (--resume, and a checkpoint there),
-    "fresh" (no run there) or "replace" (a run there, which --overwrite gives up, or a rerun of the zero-flag demo in
-    its own two folders). Anything else is refused (DataError): a run is never lost to a start that did not ask for
-    it."""
+def start_kind(out_dir, resume: bool, overwrite: bool, zero_flag: bool = False) -> str:
+    """How a run starts in out_dir (common.start_kind): "resume" (--resume, and a checkpoint there), "fresh" (no run
+    there) or "replace" (a run there, which --overwrite gives up, or one of the zero-flag demo's own two folders on a
+    rerun of the literal zero-flag command, `zero_flag`: a command with any flag never replaces them). Anything else
+    is refused (DataError)."""
     out_dir = Path(out_dir)
-    held = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if resume and (out_dir / "checkpoint.pt").is_file():
-        return "resume"
-    if not held:
-        return "fresh"
     demo = [Path(PRESETS["demo"][key]).resolve() for key in ("output_dir", "scalar_baseline_dir")]
-    if overwrite or out_dir.resolve() in demo:
-        return "replace"
-    if resume:
-        raise common.DataError(f"--resume: no checkpoint.pt in {out_dir}, which holds a run ({', '.join(held)}): "
-                               "--overwrite replaces it")
-    raise common.DataError(f"{out_dir} holds a run ({', '.join(held)}): --resume continues it from its checkpoint, "
-                           "--overwrite replaces it")
+    return common.start_kind(out_dir, resume, overwrite, [name for name in RUN_FILES if (out_dir / name).exists()],
+                             "checkpoint.pt", (out_dir / "checkpoint.pt").is_file(),
+                             zero_flag and out_dir.resolve() in demo)
 
 
 def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, value_head, optimizer, scheduler, scaler,
@@ -1117,14 +1182,19 @@ def train(args):
     if args.critic == "local" or (args.critic == "openai" and args.reward_model):
         common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
     check_critic(args)  # so does a served critic that cannot answer
-    kind = start_kind(args.output_dir, args.resume, args.overwrite)  # a run there is never lost unasked for
+    for flag, path in (("--model ", args.model), ("--ref-adapter ", args.ref_adapter)):
+        common.check_model_path(path, flag)  # and a typo'd folder: one line, at once
+    if args.sft_data and args.sft_steps > 0 and not Path(args.sft_data).is_file():  # the demo preset's, without stage 1
+        raise common.DataError(f"--sft-data {args.sft_data}: no such file (stage 1 writes the demo's; --sft-steps 0 "
+                               "skips the warm start)")
+    kind = start_kind(args.output_dir, args.resume, args.overwrite, args.zero_flag)  # never lost unasked for
     rank, world, device = dist_init(args.device)
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     torch.manual_seed(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     random.seed(args.seed)
     np.random.seed(args.seed)
     records = read_prompts(args.prompts, args.task, args.critic)
-    start = sft_warm_start(args, rank) if args.sft_data and args.sft_steps > 0 else args.model  # trained once, reused
+    start = sft_warm_start(args, rank, kind == "resume") if args.sft_data and args.sft_steps > 0 else args.model
     model, tokenizer = common.load_model(start, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
     queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
@@ -1190,16 +1260,13 @@ def train(args):
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, row["objective/kl"], args.adaptive_kl_target, args.adaptive_kl_horizon,
                                      args.batch_size)
-        costs.append((row["time/generate_s"], row["time/critic_s"]))
+        costs.append((row["time/generate_s"], row["time/critic_s"], row["critic/parse_fail_rate"]))
         if rank == 0:
-            bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
-                            mistakes=f"{row['critic/mistake_rate']:.2f}")
+            show_progress(bar, step, row, feedback, args)
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank)
-    if rank == 0 and costs:  # what the critic costs next to the rollout it judges
-        gen_s, critic_s = (float(np.median(c)) for c in zip(*costs))
-        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
-              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
+    if rank == 0 and costs:
+        print_critic_summary(costs, args)
     if rank == 0:  # the policy: adapter (or full weights), tokenizer and value head, loadable by common.load_model
         common.save_pretrained(out_dir / "policy", model, tokenizer, {"value_head.pt": value_head.state_dict()},
                                **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
@@ -1211,7 +1278,7 @@ def main(argv=None):
     args = parse_args(argv)
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)  # torchrun: rank 0 speaks
     if args.scalar_baseline_dir:  # refused now, not after the first run, if its folder holds a run
-        start_kind(args.scalar_baseline_dir, args.resume, args.overwrite)
+        start_kind(args.scalar_baseline_dir, args.resume, args.overwrite, args.zero_flag)
     policy = train(args)
     log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
     if args.scalar_baseline_dir:  # the same run, from the same SFT start, with the information as one scalar (App. A)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import common
 from common import DataError
+from tasks import plugin
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
@@ -98,6 +99,10 @@ def parse_args(argv=None):
     a("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
       help="demo: another reward model whose spans the monitor also scores against the exact critic, next to\n"
            "--reward-model's (repeatable), e.g. toy=runs/demo/reward_model; it trains nothing")
+    a("--monitor", action="append", default=[], type=plugin.choice(), metavar="python:MODULE_OR_FILE:FUNCTION",
+      help="your own critic's judgement of each policy's answers (repeatable; tasks/plugin.py, as 03 --critic):\n"
+           "the share it flags (a token of delta < 0), its delta-sum per answer, the share it cannot judge;\n"
+           "trusted code, run in this process, checked on one record before any generation")
     a("--test-timeout", type=float, default=10.0, help="seconds per completion's tests (code task)")
     a("--test-workers", type=int, default=2, help="test runs in parallel")
     a("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")
@@ -170,7 +175,7 @@ def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: st
     Rows are appended per chunk (a killed run resumes); a cache written under another fingerprint is dropped."""
     from tqdm.auto import tqdm
 
-    done = common.open_resumable_jsonl(path)
+    done = common.open_resumable_jsonl(path) if path.exists() else set()
     if done:
         with open(path, encoding="utf-8") as f:
             stale = fresh or json.loads(f.readline()).get("fingerprint") != fp
@@ -181,6 +186,7 @@ def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: st
     with tqdm(total=len(todo), desc=desc, disable=not todo) as bar:
         for i in range(0, len(todo), chunk):
             rows = compute(todo[i:i + chunk])  # first, so bad input (a model that cannot load) leaves no file behind
+            path.parent.mkdir(parents=True, exist_ok=True)
             with open(path, "a", encoding="utf-8") as f:
                 for row in rows:
                     common.append_jsonl(f, {**row, "fingerprint": fp})
@@ -303,8 +309,9 @@ def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir) -
     """SFT + reflection (§4.3): each answer of policy `name` revised once by --reviser (default: the policy itself),
     from revision_prompt(prompt, answer, critique) (baselines/reflection_data.py), sampled as the answers were
     (cached like them). The critique: the reward model's (crits, already computed: its critique text, and its poor
-    spans when it wrote no text), the task's programmatic critic's, or none. Returns the revisions in
-    generate_outputs' rows, and their fingerprint."""
+    spans when it wrote no text), the task's programmatic critic's, or none. The cache is keyed by the revision
+    prompts themselves: whatever changes a critique (--rm-max-new-tokens, --test-timeout, the critic) makes the
+    revisions again. Returns the revisions in generate_outputs' rows, and their fingerprint."""
     from baselines.reflection_data import revision_prompt
 
     reviser = args.reviser or path
@@ -323,9 +330,8 @@ def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir) -
 
     revise = [{**rec, "prompt": revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
               for rec, gen, crit in zip(records, gens, crits or [None] * len(records))]
-    return generate_outputs(f"{name}+reflect", reviser, revise, args, cache_dir,
-                            extra=(gen_fp, args.reflect_critic, "reflect-v1",
-                                   args.reward_model if args.reflect_critic == "reward-model" else None))
+    prompts = hashlib.sha256(json.dumps([r["prompt"] for r in revise]).encode()).hexdigest()
+    return generate_outputs(f"{name}+reflect", reviser, revise, args, cache_dir, extra=(gen_fp, "reflect-v2", prompts))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -399,10 +405,14 @@ METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 l
     "rm_vs_critic/flagged_wrong": ("wrong facts the RM flags (only the post shows them)", 1),
     "rm_vs_critic/flagged_irrelevant": ("irrelevant asides the RM flags", 1),
     "rm_vs_critic/flagged_repeated": ("repeats the RM flags", 1),
-    "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1), "gen/tokens": ("response length (tokens)", 0)}
+    "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1),
+    "gen/tokens": ("response length (tokens)", 0),
+    "monitor/flagged_rate": ("answers it flags (a token of delta < 0)", -1),
+    "monitor/delta_sum": ("its delta-sum per answer", 1), "monitor/error_rate": ("answers it cannot judge", -1)}
 GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "gen": "generation",
           "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)"}
-# --monitor-reward-model NAME=DIR adds the monitor's rows for that reward model as rm_vs_critic[NAME]/...
+# --monitor-reward-model NAME=DIR adds the monitor's rows for that reward model as rm_vs_critic[NAME]/...; --monitor
+# python:FILE:FUNCTION adds that critic's rows as monitor[FILE:FUNCTION]/...
 
 
 def base_key(key: str) -> str:
@@ -412,6 +422,8 @@ def base_key(key: str) -> str:
 
 def group_label(group: str) -> str:
     name = re.search(r"\[([^\]]*)\]", group)
+    if name and group.startswith("monitor["):
+        return f"your critic {name[1]} (--monitor: its own judgement; nothing is trained on it)"
     return GROUPS.get(group) or (f"reward model '{name[1]}' vs the exact critic (monitor only)" if name else group)
 
 
@@ -472,7 +484,26 @@ def score_policy(records, gens, crits, task, monitors=None) -> tuple[dict[str, l
         good, poor, unmatched = common.locate_spans(text, show["good_spans"], show["poor_spans"])
         shown.append({"id": rec["id"], "response": text, "good": good, "poor": poor, "unmatched": unmatched,
                       "critique": show["critique"], "source": source, "delta_sum": None if d is None else sum(d)})
+        if fb and program:  # the exact critic's verdict beside the RM's spans: a wrong highlight is visibly wrong
+            g, p = common.locate_spans(text, program["good_spans"], program["poor_spans"])[:2]
+            shown[-1]["exact"] = {"good": g, "poor": p, "critique": program["critique"]}
     return rows, shown
+
+
+def monitor_rows(records, gens, monitors) -> dict[str, list]:
+    """--monitor python:...: each plug-in critic's own judgement of one policy's answers, per sample (numerator,
+    denominator) under monitor[FILE:FUNCTION]/: an answer it flags (a token of delta < 0, as 03's
+    critic/mistake_rate), its delta-sum (tasks/plugin.py: delta, as 03 trains on it), one it cannot judge."""
+    rows = defaultdict(list)
+    for fn, label in monitors:
+        key = f"monitor[{Path(label).name}]"  # no "/" in a metric's group
+        for gen, fb in zip(gens, plugin.call(fn, label, records, [g["response"] for g in gens])):
+            judged = not fb.get("critic_error")
+            d = plugin.delta(gen["response"], gen["offsets"], fb)
+            rows[f"{key}/flagged_rate"].append((float(min(d, default=0.0) < 0), 1) if judged else (0.0, 0))
+            rows[f"{key}/delta_sum"].append((sum(d), 1) if judged else (0.0, 0))
+            rows[f"{key}/error_rate"].append((float(not judged), 1))
+    return rows
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -513,7 +544,7 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
                         messages=[{"role": "user", "content": content}]), retries)
             except APIError as e:
                 raise DataError(f"judge request failed: {common.api_error(e)}") from None
-            raw = reply.choices[0].message.content or ""
+            raw = (reply.choices[0].message.content or "") if reply.choices else ""  # no choices: invalid
             verdict = parse_verdict(raw)
             winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
             return {"id": it["id"], "shown_first": first, "verdict": verdict, "winner": winner, "reply": raw[-2000:]}
@@ -550,6 +581,14 @@ CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (da
               "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
 EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
+
+
+def curve_specs(args) -> dict[str, str]:
+    """The stage 3 metrics.jsonl files to plot: --curves, else the demo's runs where the demo's policies are evaluated
+    (no --policy given), else none."""
+    if args.curves:
+        return parse_named(args.curves, "--curves")
+    return DEMO_CURVES if args.task == "demo" and not args.policy else {}
 
 
 def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
@@ -789,6 +828,7 @@ main{max-width:1100px;margin:0 auto;padding:36px 28px 72px}h1{font-size:26px;mar
 h2{font-size:18px;margin:40px 0 14px;padding-bottom:8px;border-bottom:1px solid var(--line)}
 .sub,.note{color:var(--muted);font-size:13.5px}.ci{display:block;color:var(--muted);font-size:11.5px;font-weight:400}
 table{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums;font-size:14px}td.best{font-weight:700}
+td.tie::before{content:"≈ ";color:var(--muted)}
 th,td{padding:7px 14px;border-bottom:1px solid var(--line);text-align:right;vertical-align:top}
 th{font-weight:600;background:var(--soft)}th:first-child,td:first-child{text-align:left}
 tr.group td{color:var(--muted);font-size:12px;text-transform:uppercase;letter-spacing:.05em;padding-top:16px}
@@ -801,7 +841,8 @@ mark.poor{background:var(--poor);box-shadow:inset 0 -2px var(--poor-b)}
 .sample-head{display:flex;justify-content:space-between;color:var(--muted);font-size:12.5px;margin-bottom:8px}
 .prompt{white-space:pre-wrap;background:var(--soft);border-radius:6px;padding:10px 12px;margin:0 0 6px;
 font:13px/1.5 var(--mono)}
-.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.pname{font-weight:600;font-size:14px}
+.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.exact{font-size:13px;margin-top:4px}
+.pname{font-weight:600;font-size:14px}
 .row{display:grid;grid-template-columns:110px 1fr;gap:14px;padding:12px 0 4px;border-top:1px solid #eaeef2;
 margin-top:8px}
 .pname .score{display:block;font-weight:400;color:var(--muted);font-size:12px;font-variant-numeric:tabular-nums}
@@ -813,6 +854,22 @@ table.tokens th{background:none;font:12.5px var(--mono);padding:2px 4px;white-sp
 table.tokens th.what{font:12px system-ui,sans-serif;color:var(--muted);text-align:right;padding-right:8px}
 table.tokens td.cell{height:18px;min-width:26px;padding:0;border:1px solid #eaeef2;border-radius:3px}
 """
+
+
+def best_marks(ms: list, direction: int) -> list[str]:
+    """Each metric cell's class: "best" for the best value when its 95% interval overlaps no other policy's; else
+    "tie" for it and every value whose interval overlaps its interval (a lead within the noise is no lead)."""
+    marks, vals = [""] * len(ms), [(i, m) for i, m in enumerate(ms) if m and m["value"] is not None]
+    if not direction or len(vals) < 2:
+        return marks
+    lead, best = (max if direction > 0 else min)(vals, key=lambda x: x[1]["value"])
+    lo, hi = best["ci95"]
+    tied = [i for i, m in vals if i != lead and (None in (lo, hi, *m["ci95"]) or (m["ci95"][0] <= hi and
+                                                                                   lo <= m["ci95"][1]))]
+    for i in tied + [lead] if tied else []:
+        marks[i] = "tie"
+    marks[lead] = marks[lead] or "best"
+    return marks
 
 
 def fmt(v) -> str:
@@ -829,30 +886,33 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
             group = g
             rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(group_label(g))}</td></tr>")
         ms = [pol[n]["metrics"].get(key) for n in names]
-        vals = {fmt(m["value"]) for m in ms if m and m["value"] is not None}  # compared as shown: ties get no bold
-        best = fmt((max if direction > 0 else min)(map(float, vals))) if direction and len(vals) > 1 else None
-        cells = "".join(f"<td class='{'best' if fmt(m['value']) == best else ''}'>{fmt(m['value'])}<span class='ci'>"
-                        f"[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span></td>" if m else "<td>–</td>" for m in ms)
+        cells = "".join(f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, "
+                        f"{fmt(m['ci95'][1])}]</span></td>" if m else "<td>–</td>"
+                        for m, mark in zip(ms, best_marks(ms, direction)))
         arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
         rows.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{cells}</tr>")
     head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
     parts = [f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Each "
-             "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better; best in "
-             "bold.</p>"]
+             "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better. The best is in "
+             "bold where its interval overlaps no other's; where it does, ≈ marks the values tied with it.</p>"]
     if results.get("judge"):
         jrows = "".join(f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td>" + "".join(
-            f"<td>{fmt(j[k]['value'])}</td>" for k in ("win", "tie", "loss")) + f"<td>{j['n']}</td></tr>"
+            f"<td>{fmt(j[k]['value'])}<span class='ci'>[{fmt(j[k]['ci95'][0])}, {fmt(j[k]['ci95'][1])}]</span></td>"
+            for k in ("win", "tie", "loss")) + f"<td>{j['n']}</td><td>{j['invalid']}</td></tr>"
             for j in results["judge"]["pairs"].values())
         parts.append(f"<h2>LLM judge: {esc(results['judge']['model'])}</h2><table><tr><th>pair</th><th>win</th><th>tie"
-                     f"</th><th>loss</th><th>n</th></tr>{jrows}</table><p class='note'>The answers' order was random "
-                     f"per prompt (seed {results['judge']['seed']}) and undone before scoring.</p>")
+                     f"</th><th>loss</th><th>n</th><th>invalid</th></tr>{jrows}</table><p class='note'>The answers' "
+                     f"order was random per prompt (seed {results['judge']['seed']}) and undone before scoring. Rates "
+                     "are over the n valid verdicts, with 95% bootstrap intervals; an invalid verdict (no 'Winner:' "
+                     "line) counts nowhere.</p>")
     parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' src='data:image/png;base64,"
                                                 f"{curves_png}'>" if curves_png else "<p class='note'>No stage 3 "
                                                 "metrics.jsonl found.</p>"))
     parts.append(render_update_section(traces or {}))
     parts.append("<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span><span>"
                  "<mark class='poor'>poor span</mark> δ = −1</span><span>quoted by the critique shown below each "
-                 "response (also on hover)</span></div>")
+                 "response (also on hover)" + ("; the exact critic's verdict under it" if task == "demo" else "")
+                 + "</span></div>")
     index = {r["id"]: i for i, r in enumerate(records)}
     for rid in sample_ids:
         rec, answers = records[index[rid]], []
@@ -863,6 +923,10 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
                       f"{', '.join('“' + esc(u) + '”' for u in s['unmatched'])}</span>" if s["unmatched"] else "")
             critique = (f"<div class='critique'>{esc(s['source'])}: {esc(s['critique'])}{missed}</div>"
                         if s["source"] else "")
+            if s.get("exact"):  # where the task has an exact critic, its verdict on the same answer
+                x = s["exact"]
+                critique += (f"<div class='exact'>exact critic: {highlight(s['response'], x['good'], x['poor'])}"
+                             f"<br>{esc(x['critique'])}</div>")
             answers.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
                            f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
                            f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
@@ -892,8 +956,13 @@ def print_table(results: dict) -> None:
     table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
     table += [[k, *[cell(p["metrics"].get(k)) for p in pol.values()]] for k in metric_keys(pol)]
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
-        table.append([f"judge {name} win/tie/loss",
-                      f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/{fmt(j['loss']['value'])} (n={j['n']})"])
+        invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
+        table.append([f"judge {name} win/tie/loss", f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"
+                                                   f"{fmt(j['loss']['value'])} (n={j['n']} valid{invalid})"])
+        if j["invalid"]:  # a judge that mostly does not answer in format must not read as a verdict
+            print(f"warning: judge {name}: {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid (no 'Winner: "
+                  f"A', 'B' or 'tie' line; the replies are in eval/judge.{name}.jsonl): the win rates rest on {j['n']}",
+                  file=sys.stderr)
     widths = [max(len(r[c]) for r in table if c < len(r)) for c in range(len(table[0]))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -911,8 +980,7 @@ def main(argv=None) -> dict:
     if args.threads or args.task == "demo":  # measured: 2 threads made demo generation 11x slower on shared cores
         torch.set_num_threads(args.threads or 1)
     out_dir = Path(args.output_dir)
-    cache_dir = out_dir / "eval"
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir = out_dir / "eval"  # made by the first row cached: a failed start leaves no folder behind
     if args.task == "code":  # any benchmark layout (tasks/code.py), each problem --num-samples times as "<id>#<j>"
         from tasks.code import read_code_problems, run_tests
         records = [{**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
@@ -921,13 +989,15 @@ def main(argv=None) -> dict:
     else:
         records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit)
     policies = resolve_policies(args.policy)
-    names = list(policies)
+    for name, path in [*policies.items(), ("", args.reviser)]:  # a typo'd folder: one line, before any generation
+        common.check_model_path(path, f"--policy {name}=" if name else "--reviser ")
+    names = list(policies) + [f"{n}+reflect" for n in policies if args.reflect]  # each row: judged, in samples
     pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
              [(names[j], names[i]) for j in range(len(names)) for i in range(j)])  # later policy vs earlier one
     for pair in pairs:
         if len(pair) != 2 or not set(pair) <= set(names) or pair[0] == pair[1]:
             raise DataError(f"--judge-pairs: {':'.join(pair)!r} is not A:B with two of {names}")
-    curve_specs = parse_named(args.curves, "--curves") if args.curves else DEMO_CURVES if args.task == "demo" else {}
+    specs = curve_specs(args)
     if args.reward_model in ("", "none"):
         args.reward_model = None
     elif not Path(args.reward_model).exists() and args.reward_model == DEMO_RM:
@@ -940,9 +1010,13 @@ def main(argv=None) -> dict:
     for rm_path, flag in [(args.reward_model, "--reward-model ")] * bool(args.reward_model) + [
             (p, f"--monitor-reward-model {n}=") for n, p in monitors.items()]:
         common.check_reward_model(rm_path, flag)  # before any generation
+    watchers = [plugin.load_critic(spec, args.task, "--monitor") for spec in args.monitor]  # so are the plug-ins,
+    for fn, label in watchers if records else ():  # each called on one record (tasks/plugin.py: preflight)
+        plugin.preflight(fn, label, records[0], plugin.probe_response(records[0]), "--monitor")
     if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
         common.check_server(args.judge_base_url, args.judge_model, "chat", args.judge_timeout,
-                            min(args.judge_retries, 2), "--judge-base-url")
+                            min(args.judge_retries, 2), "--judge-base-url",
+                            {"temperature": 0.0, "max_tokens": args.judge_max_tokens})  # as judge_pairs sends
 
     # 1. generation (cached per policy) and the reward model's critique of every output (one model for all)
     gens, fps, crits, rm_state = {}, {}, {}, []
@@ -973,12 +1047,13 @@ def main(argv=None) -> dict:
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
                    "chat_template": args.chat_template, "seed": args.seed,
                    **({"num_samples": args.num_samples} if args.task == "code" else {})},
-               "reward_model": args.reward_model, "monitor_reward_models": monitors,
+               "reward_model": args.reward_model, "monitor_reward_models": monitors, "monitors": args.monitor,
                "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
                "created": time.strftime("%Y-%m-%d %H:%M")}
     shown = {}
     for name, path in policies.items():
         rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task, monitor_crits[name])
+        rows.update(monitor_rows(records, gens[name], watchers))
         hyps, refs = [g["response"] for g in gens[name]], [r.get("reference") for r in records]
         if args.reference_field:
             rows.update(reference_stats(hyps, refs))
@@ -1012,10 +1087,10 @@ def main(argv=None) -> dict:
     results["wall_s"] = round(time.time() - t0, 1)
     common.write_json(out_dir / "results.json", results)
     print_table(results)
-    curves = plot_curves(read_curves(curve_specs))
+    curves = plot_curves(read_curves(specs))
     sample_ids = pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:
-        f.write(render_report(results, shown, records, curves, sample_ids, args.task, read_traces(curve_specs)))
+        f.write(render_report(results, shown, records, curves, sample_ids, args.task, read_traces(specs)))
     print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}  ({time.time() - t0:.1f} s)")
     return results
 

@@ -7,16 +7,17 @@ Contents: the core first (copy it as is), then what the stages share.
   core  1. Records                   DataError, iter_jsonl, read_jsonl, atomic_open, write_json, write_jsonl
         2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
         3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, Sec. 3.3),
-                                     span_tokens, unambiguous_quotes
+                                     span_tokens, unambiguous_quotes, interval_rewards (delta_t from located
+                                     intervals with real rewards: a python: critic's, tasks/plugin.py)
         4. Datasets, resumable I/O   read_rows, open_resumable_jsonl, append_jsonl
         5. Reward-model format       rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)],
                                      Sec. 3.4), rm_settings; OpenAI-compatible servers: api_error, retry_delay,
                                      send_with_retries, check_server (a preflight), rm_critique_served
-        6. Models                    load_model, check_transformers, check_reward_model, generation_config,
-                                     policy_prompt, generate, rm_critique; static_decode, generate_static (a
-                                     static KV cache, the decode step under torch.compile: generate()'s tokens at
-                                     the model's speed)
-        7. Training pieces           torch_dtype, add_lora, save_pretrained, share_files
+        6. Models                    load_model, check_transformers, check_model_path, check_reward_model,
+                                     generation_config, policy_prompt, generate, rm_critique; static_decode,
+                                     generate_static (a static KV cache, the decode step under torch.compile:
+                                     generate()'s tokens at the model's speed)
+        7. Training pieces           torch_dtype, add_lora, peft_wraps_quietly, save_pretrained, share_files
         8. Reward-model metrics      rm_scores, rm_span_metrics (paper Tables 1 and 6)
 The paper's baselines (a Bradley-Terry or process reward model, DPO, SFT + reflection) live in baselines/.
 """
@@ -29,6 +30,7 @@ import os
 import re
 import tempfile
 import unicodedata
+import warnings
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -101,6 +103,27 @@ def write_json(path, obj) -> None:
 def write_jsonl(path, records) -> None:
     with atomic_open(path) as f:
         f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+
+
+def content_fingerprint(path, head_bytes: int = 1 << 20) -> str:
+    """A short hash of what a file, or the files directly in a folder (a saved model: weights, config, tokenizer;
+    not its checkpoints/), hold: each one's name, size and first MiB. Caches key a model by it, not by its path, so
+    a model retrained or rebuilt in the same folder is a new key. An adapter's base model is hashed in too. Cheap: a
+    retrained model's weights differ in their first MiB (the safetensors header, then the first tensors)."""
+    import hashlib
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]:
+        with open(f, "rb") as fh:
+            h.update(f"{f.name}:{f.stat().st_size}:".encode() + fh.read(head_bytes))
+    base = path / "adapter_config.json"
+    if base.is_file():
+        base = json.loads(base.read_text()).get("base_model_name_or_path") or ""
+        h.update(content_fingerprint(base, head_bytes).encode() if Path(base).exists() else base.encode())
+    return h.hexdigest()[:12]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -446,16 +469,27 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
 
 
 def _token_labels(text: str, offsets: list[tuple[int, int]], good_iv, poor_iv) -> list[float]:
-    """span_rewards' delta_t, from the located intervals."""
+    """span_rewards' delta_t, from the located intervals: good ones reward +1, poor ones -1 (interval_rewards)."""
+    return interval_rewards(text, offsets, [(a, b, 1.0) for a, b in good_iv] + [(a, b, -1.0) for a, b in poor_iv])
+
+
+def interval_rewards(text: str, offsets: list[tuple[int, int]], spans) -> list[float]:
+    """delta_t from located character intervals [start, end) of `text` that carry a real reward, (start, end, reward)
+    or {"start", "end", "reward"} (a python: critic's, tasks/plugin.py), by span_rewards' rule: a token takes an
+    interval's reward when the non-whitespace part of its own interval lies inside it; one straddling its edge does
+    not (App. L). Overlap: the lowest reward wins (a poor span overrides a good one), and a token that straddles a
+    negative interval's edge is never above 0. An empty interval labels nothing. span_rewards is the case +1 / -1."""
+    spans = [(x["start"], x["end"], x["reward"]) if isinstance(x, dict) else tuple(x) for x in spans]
+    spans = [(a, b, float(r)) for a, b, r in spans if a < b]
     delta = []
     for s, e in offsets:
         s, e = _core(text, s, e)
         if e <= s:
             delta.append(0.0)
             continue
-        inside = lambda ivs: any(a <= s and e <= b for a, b in ivs)  # noqa: E731
-        touches_poor = any(a < e and s < b for a, b in poor_iv)
-        delta.append(-1.0 if inside(poor_iv) else 0.0 if touches_poor else 1.0 if inside(good_iv) else 0.0)
+        got = [r for a, b, r in spans if a <= s and e <= b]  # the intervals it lies inside
+        got += [0.0 for a, b, r in spans if r < 0 and a < e and s < b and not (a <= s and e <= b)]  # straddles
+        delta.append(min(got, default=0.0) + 0.0)  # + 0.0: no -0.0
     completing = (0.0, None)  # (label, start) of the next token with a non-empty interval
     for i in reversed(range(len(offsets))):
         s, e = offsets[i]
@@ -747,10 +781,11 @@ def api_error(e: Exception) -> str:
 
 
 def backoff_delay(attempt: int, retry_after: float | None, base: float, cap: float, rng) -> float:
-    """Wait before retry number attempt+1: the server's Retry-After (+0-10% so workers do not return in lockstep),
-    else exponential backoff with equal jitter, min(cap, base * 2^attempt) * U[0.5, 1]."""
+    """Wait before retry number attempt+1: the server's Retry-After, at most `cap` (a server asking for an hour must
+    not stall a worker an hour; send_with_retries says so in the error), +0-10% so workers do not return in
+    lockstep; else exponential backoff with equal jitter, min(cap, base * 2^attempt) * U[0.5, 1]."""
     if retry_after is not None:
-        return retry_after * (1 + 0.1 * rng.random())
+        return min(retry_after, cap) * (1 + 0.1 * rng.random())
     d = min(cap, base * 2 ** attempt)
     return d / 2 + rng.uniform(0, d / 2)
 
@@ -790,18 +825,24 @@ def retry_delay(e: Exception, attempt: int, retries: int, rng, base: float = 1.0
 
 async def send_with_retries(send, retries: int, rng=None, base: float = 1.0, cap: float = 60.0):
     """await send() (one OpenAI-compatible request), sent again while retry_delay allows; the last error is raised
-    with a note of the attempts it took (api_error shows it)."""
+    with a note of the attempts it took, and of a Retry-After longer than `cap` that was cut to it (api_error shows
+    them)."""
     import asyncio
     import random
 
     import openai
-    attempt = 0
+    attempt, capped = 0, None
     while True:
         try:
             return await send()
         except openai.APIError as e:
             wait = retry_delay(e, attempt, retries, rng or random, base, cap)
+            asked = retry_after_s(getattr(getattr(e, "response", None), "headers", None))
+            if wait is not None and asked is not None and asked > cap:
+                capped = asked
             if wait is None:
+                if capped is not None:
+                    e.add_note(f"the server's Retry-After ({capped:g} s) was capped at {cap:g} s")
                 if attempt:
                     e.add_note(f"gave up after {attempt + 1} attempts")
                 elif isinstance(e, openai.APITimeoutError):
@@ -824,20 +865,26 @@ def openai_client(base_url: str | None, timeout: float, flag: str = "--base-url"
 
 
 def check_server(base_url: str | None, model: str, api: str = "chat", timeout: float = 120.0, retries: int = 2,
-                 flag: str = "--base-url") -> None:
-    """One cheap request (PREFLIGHT, one token, greedy) to the endpoint and model a stage is about to use, through
-    the API it will use, before it spends any compute: DataError, one line with the server's own words, for a wrong
-    model name, a dead port, a 4xx (a missing or bad key: 401), or a timeout. 429 and 5xx are retried as any request
+                 flag: str = "--base-url", params: dict | None = None) -> None:
+    """One cheap request (PREFLIGHT) to the endpoint and model a stage is about to use, through the API it will use
+    and with the parameters its own requests carry (`params`: temperature, max_tokens if it sends one; default
+    greedy with a budget), before it spends any compute: an endpoint that refuses a parameter refuses it here. Only
+    max_tokens' value differs: 1, to stay cheap. DataError, one line with the server's own words, for a wrong model
+    name, a dead port, a 4xx (a missing or bad key: 401), or a timeout. 429 and 5xx are retried as any request
     (retry_delay)."""
     import asyncio
+
+    params = {"temperature": 0.0, "max_tokens": 1} if params is None else dict(params)
+    if "max_tokens" in params:
+        params["max_tokens"] = 1
 
     async def ping():
         async with openai_client(base_url, timeout, flag) as client:
             if api == "completions":
                 return await send_with_retries(lambda: client.completions.create(
-                    model=model, prompt=PREFLIGHT, max_tokens=1, temperature=0.0), retries)
+                    model=model, prompt=PREFLIGHT, **params), retries)
             return await send_with_retries(lambda: client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": PREFLIGHT}], max_tokens=1, temperature=0.0), retries)
+                model=model, messages=[{"role": "user", "content": PREFLIGHT}], **params), retries)
     import openai
     try:
         asyncio.run(ping())
@@ -846,6 +893,13 @@ def check_server(base_url: str | None, model: str, api: str = "chat", timeout: f
         hint = " (OPENAI_API_KEY is not set)" if getattr(e, "status_code", None) == 401 and not os.environ.get(
             "OPENAI_API_KEY") else ""
         raise DataError(f"{where}: {api_error(e)}{hint}") from None
+
+
+class NoChoices(Exception):
+    """A 200 reply with an empty `choices` list (a server that filtered its output): no text to use."""
+
+    def __init__(self):
+        super().__init__("HTTP 200 with no choices: the server returned no completion")
 
 
 def rm_critique_served(prompts: list[str], responses: list[str], base_url: str | None, model: str,
@@ -857,8 +911,8 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
     applies the chat template); "completions" sends rm_completions_prompt, the exact training text. Given the reward
     model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings); both ask
     for rm_format's output (its instruction). Each request times out after `timeout` s and is retried as retry_delay
-    says. Each entry is the critic's text or, for a request that failed, its exception (openai.APIError): one failed
-    critique never stops the batch."""
+    says. Each entry is the critic's text or, for a request that failed, its exception (openai.APIError; a reply
+    without choices: NoChoices): one failed critique never stops the batch."""
     import asyncio
 
     import openai
@@ -871,13 +925,13 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
                         model=model, temperature=0.0, max_tokens=max_new_tokens,
                         prompt=rm_completions_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)),
                         retries)
-                    return reply.choices[0].text or ""
+                    return (reply.choices[0].text or "") if reply.choices else NoChoices()
                 if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
                     prompt = rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
                 reply = await send_with_retries(lambda: client.chat.completions.create(
                     model=model, temperature=0.0, max_tokens=max_new_tokens,
                     messages=[{"role": "user", "content": rm_user_message(prompt, response, rm_format)}]), retries)
-                return reply.choices[0].message.content or ""
+                return (reply.choices[0].message.content or "") if reply.choices else NoChoices()
             except openai.APIError as e:
                 return e
 
@@ -915,6 +969,7 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
     check_transformers()
+    check_model_path(name_or_path)
     path = Path(name_or_path)
     if adapter is None and (path / "adapter_config.json").is_file():
         adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
@@ -939,7 +994,8 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
                                                pad_token_id=tokenizer.pad_token_id)
     if adapter:
         from peft import PeftModel
-        model = PeftModel.from_pretrained(model, adapter)
+        with peft_wraps_quietly():
+            model = PeftModel.from_pretrained(model, adapter)
     disable_dropout(model)
     return model.to(device).eval(), tokenizer
 
@@ -961,6 +1017,14 @@ def looks_local(path: str) -> bool:
     p = Path(path)
     return (p.exists() or p.is_absolute() or path.startswith(".") or len(p.parts) > 2
             or (bool(p.parts) and Path(p.parts[0]).is_dir()))
+
+
+def check_model_path(path: str | None, flag: str = "") -> None:
+    """DataError at once where `path` looks local (looks_local) and is not there: a typo'd folder (runs/smolm2) is
+    never sent to the hub as a model id, where it costs ten retries and ends in an error that does not say the folder
+    is missing. `flag` ("--model ") prefixes the message, as the user typed it."""
+    if path and looks_local(path) and not Path(path).exists():
+        raise DataError(f"{flag}{path}: no such directory")
 
 
 def check_reward_model(path: str, flag: str = "--reward-model ", objective: str = "generative",
@@ -1372,10 +1436,21 @@ def add_lora(model, r: int, alpha: int, targets: str = "all-linear", dropout: fl
     `modules_to_save` comma-separated modules trained in full and saved with the adapter. task_type "SEQ_CLS" (a
     scalar reward model): peft trains and saves the score head in full too."""
     from peft import LoraConfig, get_peft_model
-    return get_peft_model(model, LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
-        target_modules=targets if targets == "all-linear" else targets.split(","),
-        modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
+    with peft_wraps_quietly():
+        return get_peft_model(model, LoraConfig(
+            r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
+            target_modules=targets if targets == "all-linear" else targets.split(","),
+            modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
+
+
+@contextmanager
+def peft_wraps_quietly():
+    """peft (0.21) asks each model it wraps for `is_gradient_checkpointing`, which transformers 5.24 deprecated for
+    `is_activation_checkpointing`: a FutureWarning at every adapter added or loaded, about a line we cannot change.
+    That one warning is silenced while peft wraps a model (stages 2-4 enable checkpointing by the new names)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def share_files(folder) -> None:
@@ -1388,14 +1463,55 @@ def share_files(folder) -> None:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~_UMASK)
 
 
-def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: tuple[str, ...] = (), **kwargs) -> Path:
+SAVE_RECORD = "saved_files.json"  # in a folder save_pretrained wrote: the names it owns there
+# What a model folder saved before SAVE_RECORD existed holds (transformers', peft's and our own files): such a folder
+# counts as a save's own only where it also holds the save's marker file (foreign_files)
+_MODEL_FILE = re.compile(r"(config|generation_config|adapter_config|tokenizer(_config)?|special_tokens_map|"
+                         r"added_tokens|chat_template|vocab|reward_model|sft)\.json|.*\.safetensors(\.index\.json)?|"
+                         r"tokenizer\.model|merges\.txt|chat_template\.jinja|value_head\.pt|README\.md")
+
+
+def foreign_files(folder, owns=(), marker: str = "config.json") -> list[str]:
+    """The entries of `folder` that a save into it did not write, and so must never replace or delete: all but those
+    its previous save recorded (SAVE_RECORD) and `owns` (what the caller writes there itself: eval.json,
+    checkpoints/). A folder saved before saves kept a record counts as one when it holds `marker`, the file that
+    this kind of save writes (reward_model.json, sft.json): its model files (_MODEL_FILE) are then its own."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names, record = sorted(p.name for p in folder.iterdir()), folder / SAVE_RECORD
+    if record.is_file():
+        owned = {SAVE_RECORD, *json.loads(record.read_text())["files"]}
+    else:
+        owned = {n for n in names if _MODEL_FILE.fullmatch(n)} if (folder / marker).is_file() else set()
+    return [n for n in names if n not in owned and n not in owns]
+
+
+def check_save_dir(folder, owns=(), marker: str = "config.json", flag: str = "") -> None:
+    """DataError, one line, when a save into `folder` would replace files it did not write (foreign_files): called
+    by save_pretrained, and by a stage before it trains anything. `flag` prefixes the message, as the user typed."""
+    foreign = foreign_files(folder, owns, marker)
+    if foreign:
+        listed = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise DataError(f"{flag}{folder}: holds files that a save there did not write ({listed}); a save replaces "
+                        "only its own files: name another folder")
+
+
+def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: tuple[str, ...] = (),
+                    owns: tuple[str, ...] = (), **kwargs) -> Path:
     """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: a state dict, torch.save; or for a .json
     name, a dict}) into a temp dir that then replaces out_dir, whose entries named in `keep` it takes over: a reader
-    finds the old folder whole or the new one whole (for an instant, none), never half a model."""
+    finds the old folder whole or the new one whole (for an instant, none), never half a model. Only a save's own
+    files are replaced: out_dir holding anything else (check_save_dir; marker: the first of `files`, else the model's
+    config or adapter config) is refused,
+    before anything is written. SAVE_RECORD lists what it owns: what it wrote, `keep`, and `owns` (files the caller
+    writes there afterwards, e.g. eval.json: the next save drops them with the old model)."""
     import shutil
 
     import torch
     out_dir = Path(out_dir)
+    marker = next(iter(files or {}), "adapter_config.json" if hasattr(model, "peft_config") else "config.json")
+    check_save_dir(out_dir, (*keep, *owns), marker)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
     try:
@@ -1406,6 +1522,7 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: 
                 write_json(tmp / name, obj)
             else:
                 torch.save(obj, tmp / name)
+        write_json(tmp / SAVE_RECORD, {"files": sorted({*(p.name for p in tmp.iterdir()), *keep, *owns})})
         share_files(tmp)  # mkdtemp makes 0700 dirs, safetensors 0600 weights: the usual permissions
     except BaseException:
         shutil.rmtree(tmp)
@@ -1420,6 +1537,25 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: 
             os.replace(old / name, out_dir / name)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def start_kind(out_dir, resume: bool, overwrite: bool, held: list[str], checkpoint: str, resumable: bool,
+               replaceable: bool = False) -> str:
+    """How a training run starts in out_dir (02, 03), decided before anything is trained: "resume" (--resume, and
+    `resumable`: its `checkpoint` is there), "fresh" (`held`, the names of a run's files there, is empty) or "replace"
+    (a run there, which --overwrite gives up, or `replaceable`: the zero-flag demo rerun in its own folder). Anything
+    else is refused (DataError): a run is never lost to a start that did not ask for it."""
+    if resume and resumable:
+        return "resume"
+    if not held:
+        return "fresh"
+    if overwrite or replaceable:
+        return "replace"
+    if resume:
+        raise DataError(f"--resume: no {checkpoint} in {out_dir}, which holds a run ({', '.join(held)}): "
+                        "--overwrite replaces it")
+    raise DataError(f"{out_dir} holds a run ({', '.join(held)}): --resume continues it from its checkpoint, "
+                    "--overwrite replaces it")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1457,7 +1593,8 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
       found in the response); {pos,neg}_{precision,recall,f1} over tokens for delta = +1 / -1 (None if undefined) and
       {pos,neg}_tokens_{gold,pred,tp}; spans = {good|poor: {gold, pred, exact, partial}}, where a located predicted
       span is exact if it equals a gold interval of its polarity, partial if it only overlaps one;
-      critique_words = mean words of the parsed critiques.
+      critique_words = mean words of the parsed critiques; output_words = mean words of all raw outputs (a model
+      whose outputs do not parse still writes words).
     """
     if len(items) != len(outputs):
         raise ValueError(f"{len(items)} items but {len(outputs)} outputs")
@@ -1496,4 +1633,5 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
         metrics.update({f"{name}_tokens_{k}": v for k, v in t.items()})
     metrics["spans"] = spans
     metrics["critique_words"] = sum(words) / len(words) if words else 0.0
+    metrics["output_words"] = sum(len(o.split()) for o in outputs) / n if n else 0.0
     return metrics

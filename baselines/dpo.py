@@ -1,8 +1,8 @@
 """DPO (Rafailov et al. 2023) on preference pairs, from the same SFT start as stage 3: the paper's DPO baseline (§4.3).
 
     python baselines/dpo.py --model runs/demo/sft --data runs/demo/pairs_annotations.jsonl --output-dir runs/demo/dpo
-    python baselines/dpo.py --model runs/slf5k/sft --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs \\
-        --output-dir runs/uf/dpo --device cuda --dtype bf16
+    python baselines/dpo.py --task qa --model runs/slf5k/sft --data HuggingFaceH4/ultrafeedback_binarized \\
+        --split train_prefs --output-dir runs/uf/dpo --device cuda --dtype bf16 --gradient-checkpointing
     python 04_evaluate.py --policy sft=runs/demo/sft --policy dpo=runs/demo/dpo/policy
 
 Why here and not in a stage: DPO has no reward model (stage 2's job) and no rollouts or critic (stage 3's); it turns
@@ -16,8 +16,11 @@ The loss, with pi's and the reference's summed log-probs of each response (its E
     L = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
 and beta * (log pi - log ref) is each response's implicit reward. It is written out in dpo_loss (a few lines, tested
 against hand-computed values) rather than imported from TRL, which the project does not depend on for a baseline.
-Writes OUTPUT_DIR/policy (04 loads it), metrics.jsonl (per step: loss, implicit rewards, their margin and accuracy),
-eval.json (the same on the held-out pairs) and config.json.
+A batch runs as micro-batches (--micro-batch-size pairs per forward and backward, the gradient accumulated; run_pairs)
+and the held-out pairs are scored the same way, so that only a micro-batch's logits ever exist (a 128k vocabulary
+makes a row's float32 logits 128 MB per 256 tokens). Writes OUTPUT_DIR/config.json first, then policy/ (04 loads it),
+metrics.jsonl (per step: loss, implicit rewards, their margin and accuracy) and eval.json (the same on the held-out
+pairs: 02's split, by --task's preset).
 """
 from __future__ import annotations
 
@@ -56,11 +59,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--warmup-steps", type=int, default=10, help="linear learning-rate warmup")
     a("--epochs", type=float, default=3.0, help="passes over the training pairs")
     a("--batch-size", type=int, default=32, help="pairs per optimizer step")
+    a("--micro-batch-size", type=int, help="pairs per forward and backward, the batch's gradient accumulated over "
+      "them; the held-out\npairs are scored as many at a time (default: as many as 256 MB of float32 logits hold)")
+    a("--gradient-checkpointing", action="store_true", help="recompute activations in the backward pass (memory)")
     a("--lora-r", type=int, default=16, help="LoRA rank (as 03's demo preset); 0 = full fine-tuning (the reference "
       "is then a frozen copy)")
     a("--lora-alpha", type=int, default=32, help="LoRA alpha")
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
-    a("--val-frac", type=float, default=0.025, help="share of pairs held out for eval.json (02's split: same seed, "
+    a("--task", default="demo", choices=sorted(stage2.PRESETS), help="02's preset whose split DPO takes: --val-frac "
+      "by default, and with --split-seed, the pairs\n02 --objective pairwise holds out for that task")
+    a("--val-frac", type=float, help="share of pairs held out for eval.json (default: 02's preset for --task: the "
       "same pairs)")
     a("--seed", type=int, default=1, help="seed of the LoRA init and the pair order (the split uses --split-seed)")
     a("--split-seed", type=int, default=0, help="seed of the train / val split (02's --seed: the same held-out pairs)")
@@ -73,11 +81,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
     a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="as 03's --dtype")
     args = p.parse_args(argv)
+    if args.val_frac is None:  # one place for the split: 02's preset, so DPO never trains on pairs 02 holds out
+        args.val_frac = stage2.PRESETS[args.task]["val_frac"]
     for flag, value, ok in (("--beta", args.beta, args.beta > 0), ("--batch-size", args.batch_size,
-                                                                   args.batch_size >= 1)):
+                                                                   args.batch_size >= 1),
+                            ("--micro-batch-size", args.micro_batch_size, (args.micro_batch_size or 1) >= 1)):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be > 0")
     return args
+
+
+def policy_config(args) -> argparse.Namespace:
+    """What 03's build_policy reads, from DPO's flags: its LoRA (or full fine-tuning), no --ref-adapter, and
+    activation checkpointing where asked."""
+    return argparse.Namespace(**vars(args), ref_adapter=None)
 
 
 def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta: float):
@@ -116,14 +133,49 @@ def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[
     return (logprobs * mask).sum(1), (ref_logprobs * mask).sum(1)
 
 
-def pair_stats(model, ref_model, batch, pad_id, args) -> tuple:
-    """(loss, its stats) of a batch of encoded pairs: dpo_loss on sequence_logprobs, and TRL's names for the stats."""
+def pair_rewards(model, ref_model, batch, pad_id, args) -> tuple:
+    """dpo_loss of a batch of encoded pairs, all in one forward (sequence_logprobs): (mean loss, r_c, r_r)."""
     queries, answers = [q for q, _, _ in batch] * 2, [c for _, c, _ in batch] + [r for _, _, r in batch]
     pi, ref = sequence_logprobs(model, ref_model, queries, answers, pad_id, args.device, args.dtype)  # chosen, rejected
     B = len(batch)
-    loss, r_c, r_r = dpo_loss(pi[:B], pi[B:], ref[:B], ref[B:], args.beta)
-    return loss, {"loss": loss.item(), "rewards/chosen": r_c.mean().item(), "rewards/rejected": r_r.mean().item(),
-                  "rewards/margin": (r_c - r_r).mean().item(), "rewards/accuracy": (r_c > r_r).float().mean().item()}
+    return dpo_loss(pi[:B], pi[B:], ref[:B], ref[B:], args.beta)
+
+
+def stats_of(r_c, r_r) -> dict:
+    """The loss and TRL's statistics of a batch's implicit rewards (each (B,))."""
+    loss = -torch.nn.functional.logsigmoid(r_c - r_r).mean()
+    return {"loss": loss.item(), "rewards/chosen": r_c.mean().item(), "rewards/rejected": r_r.mean().item(),
+            "rewards/margin": (r_c - r_r).mean().item(), "rewards/accuracy": (r_c > r_r).float().mean().item()}
+
+
+def pair_stats(model, ref_model, batch, pad_id, args) -> tuple:
+    """(loss, its stats) of a batch of encoded pairs in one forward: the reference run_pairs' micro-batches equal."""
+    loss, r_c, r_r = pair_rewards(model, ref_model, batch, pad_id, args)
+    return loss, stats_of(r_c.detach(), r_r.detach())
+
+
+def micro_pairs(pairs, vocab: int, budget: int = 2 ** 26) -> int:
+    """Pairs per forward that keep its float32 logits (2 rows a pair, each its longest answer + 1 positions of the
+    vocabulary; log_softmax a second copy) within `budget` elements (256 MB), at least 1."""
+    longest = max((max(len(c), len(r)) for _, c, r in pairs), default=1)
+    return max(1, budget // (2 * 2 * (longest + 1) * vocab))
+
+
+def run_pairs(model, ref_model, pairs, pad_id, args, backward=None) -> dict:
+    """stats_of the pairs, scored --micro-batch-size pairs per forward (default: micro_pairs): of a micro-batch only
+    its pairs' summed log-probs outlive it. backward(loss): called on each micro-batch's loss weighted by its share
+    of the pairs, at once, so its activations go before the next one's forward: the gradients add up to those of one
+    forward over all the pairs (pair_stats; tested). Without it, wrap the call in torch.no_grad()."""
+    micro = args.micro_batch_size or micro_pairs(pairs, model.config.vocab_size)
+    r_c, r_r = [], []
+    for i in range(0, len(pairs), micro):
+        chunk = pairs[i:i + micro]
+        loss, c, r = pair_rewards(model, ref_model, chunk, pad_id, args)
+        if backward is not None:
+            backward(loss * len(chunk) / len(pairs))
+        r_c.append(c.detach())
+        r_r.append(r.detach())
+    return stats_of(torch.cat(r_c), torch.cat(r_r))
 
 
 def main(argv=None) -> dict:
@@ -139,8 +191,7 @@ def main(argv=None) -> dict:
     random.seed(args.seed)
     model, tokenizer = common.load_model(args.model, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 else "float32")
-    config = argparse.Namespace(**vars(args), ref_adapter=None, gradient_checkpointing=False)
-    model, ref_model, _ = stage3.build_policy(config, model)  # 03's policy: LoRA, the reference = the adapter off
+    model, ref_model, _ = stage3.build_policy(policy_config(args), model)  # 03's: LoRA, the reference = adapter off
     encode = lambda ps: encode_pairs(tokenizer, ps, args.chat_template, args.max_prompt_tokens,  # noqa: E731
                                      args.max_new_tokens)
     train_set, val_set = encode(train_pairs), encode(val_pairs)
@@ -150,14 +201,14 @@ def main(argv=None) -> dict:
     scaler = stage3.grad_scaler(args.device, args.dtype)
     steps = max(1, round(args.epochs * len(train_set) / args.batch_size))
     order, rows = [], []
-    out.mkdir(parents=True, exist_ok=True)
+    common.write_json(out / "config.json", {**vars(args), "pairs": len(pairs), "source": source})  # before any step
     model.train()
     for step in (bar := tqdm(range(1, steps + 1), desc="DPO")):
         if len(order) < args.batch_size:  # shuffled epochs, drawn in order
             order += random.sample(range(len(train_set)), len(train_set))
         batch, order = [train_set[i] for i in order[:args.batch_size]], order[args.batch_size:]
-        loss, stats = pair_stats(model, ref_model, batch, tokenizer.pad_token_id, args)
-        scaler.scale(loss).backward()
+        stats = run_pairs(model, ref_model, batch, tokenizer.pad_token_id, args,
+                          backward=lambda loss: scaler.scale(loss).backward())
         scaler.unscale_(optimizer)
         torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
         scaler.step(optimizer)
@@ -173,10 +224,8 @@ def main(argv=None) -> dict:
     metrics = {"n": len(val_set), "steps": steps, "train_s": round(time.time() - t0, 1)}
     if val_set:
         with torch.no_grad():
-            _, stats = pair_stats(model, ref_model, val_set, tokenizer.pad_token_id, args)
-        metrics.update(stats)
+            metrics.update(run_pairs(model, ref_model, val_set, tokenizer.pad_token_id, args))
     common.write_json(out / "eval.json", metrics)
-    common.write_json(out / "config.json", {**vars(args), "pairs": len(pairs), "source": source})
     print(f"policy saved to {out / 'policy'}; held-out pairs: " + ", ".join(
         f"{k} {v:.3f}" for k, v in metrics.items() if isinstance(v, float)))
     return metrics

@@ -5,6 +5,7 @@ the README's commands run them. Nothing is downloaded: the tokenizer is a word-l
     python bench/gpu_recipe.py --out /tmp/gpu                        # one 80 GB GPU, ~5 min (bench/README.md)
     python bench/gpu_recipe.py --out /tmp/gpu --phases bandwidth,decode,stage3 --compile-generation
     python bench/gpu_recipe.py --tiny --device cpu --out /tmp/gpu    # the same path with a 2-layer model (the test)
+    python bench/gpu_recipe.py --out /tmp/gpu --phases tokens         # --compile-generation's tokens, eager vs compiled
 
 Each phase runs in its own process (a clean peak-memory count; one failing does not stop the rest) and writes
 OUT/<phase>.json as soon as it ends:
@@ -20,6 +21,11 @@ OUT/<phase>.json as soon as it ends:
              With --compile-generation: stage3_compiled.json.
   decode     one decode step of the policy as 03 builds it, batch 64: eager generate() (LoRA on, and off) and
              static_decode compiled, against the HBM bound: the bytes of its weights (and of its KV cache) / bandwidth.
+  tokens     one rollout batch of the policy as 03 builds it (bf16 on CUDA, 64 x 256 sampled tokens at T = 1), from
+             the same seed and in the same dtype, by eager generate() and by static_decode compiled (03's
+             --compile-generation): the share of identical tokens, the rows identical throughout, and where each row
+             first differs (token_identity). The compiled kernels round the logits differently, so a token matches
+             only while no sampling boundary flips: a measurement, not a guarantee.
 Random weights rarely sample EOS, so every response runs to 256 tokens and every critique to its cap (the worst case),
 and no critique parses (delta = 0): the numbers are the recipe's cost, not its learning.
 """
@@ -172,7 +178,7 @@ def phase_stage2(args, out: Path) -> dict:
                                 "poor_spans": [response[-20:]]}) + "\n")
     argv = ["--task", "summarization", "--model", str(base), "--data", str(data), "--output-dir", str(out / "rm"),
             "--gradient-checkpointing", "--max-steps", str(args.rm_steps), "--val-frac", "0", "--logging-steps", "1",
-            "--save-steps", "100000", "--device", "cpu" if args.device == "cpu" else "cuda"]
+            "--save-steps", "100000", "--device", "cpu" if args.device == "cpu" else "cuda", "--overwrite"]
     if args.tiny:
         argv += ["--max-len", str(sh["rm_len"]), "--max-new-tokens", str(sh["rm_new"]), "--batch-size",
                  str(sh["rm_batch"]), "--grad-accum", str(sh["rm_accum"])]
@@ -297,9 +303,9 @@ def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
     del model
 
 
-def phase_decode(args, out: Path) -> dict:
-    """The policy as 03 builds it at the recipe (LoRA r16 on all linear maps, activation checkpointing), then
-    decode_step."""
+def recipe_policy(args, out: Path):
+    """(03's module, its args, the policy as 03 builds it at the recipe: LoRA r16 on all linear maps, activation
+    checkpointing; the shapes) on random weights in OUT/base."""
     ppo = importlib.import_module("03_train_policy")
     sh, base = SHAPES["tiny" if args.tiny else "8b"], out / "base"
     random_weights(base, args.device)
@@ -307,7 +313,52 @@ def phase_decode(args, out: Path) -> dict:
                         args.device, "--dtype", "bf16" if args.device.startswith("cuda") else "float32",
                         "--gradient-checkpointing"])
     model, _ = common.load_model(str(base), device=a.device, dtype=a.dtype)
-    return decode_step(args, out, {"policy": ppo.build_policy(a, model), "args": a}, sh)
+    return ppo, a, ppo.build_policy(a, model), sh
+
+
+def phase_decode(args, out: Path) -> dict:
+    """The policy as 03 builds it at the recipe, then decode_step."""
+    _, a, policy, sh = recipe_policy(args, out)
+    return decode_step(args, out, {"policy": policy, "args": a}, sh)
+
+
+def token_identity(a, b) -> dict:
+    """How far two decoders' tokens (B, T) and (B, T') agree: over max(T, T') positions per row (the shorter padded
+    with -1, so a row that ended early differs there), the identical tokens and their share, the rows identical
+    throughout, and each row's first differing position (None: identical). A flipped sample changes the rest of its
+    row, so the first difference says more than the share."""
+    import torch
+    width = max(a.shape[1], b.shape[1])
+    a, b = (torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1) for x in (a, b))
+    same = (a == b).cpu()
+    first = [None if bool(row.all()) else int((~row).int().argmax()) for row in same]
+    return {"tokens": same.numel(), "identical": int(same.sum()), "identical_share": int(same.sum()) / same.numel(),
+            "rows": len(same), "rows_identical": first.count(None), "first_difference": first}
+
+
+def phase_tokens(args, out: Path) -> dict:
+    """One rollout batch of the policy as 03 builds it (phase_decode's), sampled as 03's rollout() samples it (its
+    generation_config, under its autocast) from the same seed: eager generate(), then static_decode (compiled unless
+    --no-compile); token_identity of the two."""
+    import torch
+    ppo, a, (policy, *_), sh = recipe_policy(args, out)
+    policy = policy.eval()
+    ids = torch.randint(100, 500, (sh["batch"], sh["prompt"]), device=args.device,
+                        generator=torch.Generator(args.device).manual_seed(0))
+    mask = torch.ones_like(ids)
+    config = common.generation_config(policy, sh["new"], a.temperature, a.top_p, sh["new"])  # stage 3's recipe
+
+    def sample(static: bool):
+        torch.manual_seed(1)  # the same random numbers for both (every device's generator)
+        with torch.no_grad(), ppo.autocast(a.device, a.dtype):
+            if static:
+                return common.generate_static(policy, ids, mask, config, compile=args.compile)
+            return policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    eager = sample(False)
+    t = time.perf_counter()
+    static = sample(True)
+    return {**token_identity(eager, static), "compiled": args.compile, "dtype": a.dtype,
+            "static_s_with_compile": time.perf_counter() - t}
 
 
 def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
@@ -419,7 +470,7 @@ def main(argv=None):
     out = Path(args.out)
     if args.phase:
         result = {"bandwidth": phase_bandwidth, "stage2": phase_stage2, "stage3": phase_stage3,
-                  "decode": phase_decode}[args.phase](args, out)
+                  "decode": phase_decode, "tokens": phase_tokens}[args.phase](args, out)
         write(out, phase_name(args) if args.phase == "stage3" else args.phase, result, args.device)
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -435,7 +486,7 @@ def main(argv=None):
         print(f"== {phase}: exit {code} in {time.perf_counter() - t:.0f} s", flush=True)
         if code:
             failed.append(phase)
-    for name in ("bandwidth", "stage2", "stage3", "stage3_compiled", "decode"):
+    for name in ("bandwidth", "stage2", "stage3", "stage3_compiled", "decode", "tokens"):
         if (out / f"{name}.json").is_file():
             print(name, (out / f"{name}.json").read_text(), flush=True)
     if failed:

@@ -20,7 +20,8 @@ Critics: the demo's exact program critic (program) and the reward model that sta
 settings (local), each with bench/span_vs_scalar.py's settings and shared start. States: --iterations of the seed's
 Text2Grad run. Reported over seeds x states: median [min, max]. Goals (issue 36): span mode's locality ratio >= 3x
 scalar mode's; span mode's mean Delta inside poor spans < 0 in every state.
-Prints the tables and one JSON line; writes OUT/results.json and bench/locality.png.
+Prints the tables and one JSON line; writes OUT/results.json (after each critic: a later one that stops leaves the
+earlier ones' measurements) and bench/locality.png.
 """
 import argparse
 import importlib
@@ -191,7 +192,7 @@ def plot(results: dict, png: str) -> None:
     fig.savefig(png, dpi=120)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--critics", nargs="+", default=["program", "local"], choices=["program", "local"],
                    help="program: the demo's exact critic; local: the stage-2 reward model (trained once in --out)")
@@ -206,7 +207,7 @@ def main():
     p.add_argument("--tables-only", action="store_true", help="print the tables and draw the picture from "
                    "OUT/results.json, running nothing")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     out = Path(args.out)
     results = {"seeds": args.seeds, "iterations": args.iterations, "critics": {}}
     if args.tables_only:
@@ -226,6 +227,7 @@ def main():
         for setting, rows in measured.items():
             results["critics"][critic][setting] = {**summarize(rows), "measured": rows}
             print_tables(f"{critic}, measured update's GAE {setting}", results["critics"][critic][setting], rows)
+        common.write_json(out / "results.json", results)  # now: a later critic that stops must not lose this one
     for critic, by in results["critics"].items() if args.tables_only else ():
         for setting, s in by.items():
             by[setting] = {**summarize(s["measured"]), "measured": s["measured"]}

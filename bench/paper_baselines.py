@@ -4,6 +4,10 @@
     python bench/paper_baselines.py --annotators exact       # the programmatic-critique setting only
     python bench/paper_baselines.py --annotators smol --annotator-rm smol=runs/demo/smol_rm   # SmolLM2's critic (GPU)
     python bench/paper_baselines.py --seeds 1 --steps 20 --pool 300 --pairs 100 --out bench/out/pb_smoke  # a look
+    # every reward model from SmolLM2-135M-Instruct (tools/smollm2.py), one recipe (issue 44's capable-critic table):
+    python bench/paper_baselines.py --annotators exact --rm-base runs/smollm2 --out bench/out/pb_smol \
+        -- --compile-generation
+    #   the same command with --rm-only, then --ppo-only ROW... --jobs 2, runs the parts side by side (one per core)
 
 One start and one data budget for every method. The start: bench/span_vs_scalar.py's shared SFT checkpoint. The
 budget: the SFT policy answers each of --pool held-apart posts twice at T = 1 (01_annotate.py --generate-with), an
@@ -26,7 +30,10 @@ Annotators (--annotators): exact, the demo's exact critic (the programmatic-crit
 stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
 and located as 01 does; --annotator-rm NAME=DIR adds another such annotator (e.g. bench/real_critic.py's SmolLM2
 reward model). Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
-full fine-tuning; --rm-steps changes the length of all three); every PPO run uses 03's demo preset (beta 0.2,
+full fine-tuning; --rm-steps changes the length of all three), or with --rm-base DIR from that pretrained model with
+one recipe for all three (bench/real_critic.py's RECIPE: LoRA r 16 on all linear layers, lr 1e-3, 600 steps of 8
+answers, i.e. 4 pairs for the BT model), and then "SFT + reflection, RM critique" revises with the span reward
+model's critique (the oracle row keeps the annotator's); every PPO run uses 03's demo preset (beta 0.2,
 batch 32, LoRA r 16, lr 1e-3) with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over
 the pairs (and a row at a tenth of that learning rate). Nothing is tuned per method.
 
@@ -34,7 +41,8 @@ Judged by the exact critic always, never trained on: on 200 held-out posts sampl
 mistake rate, Σδ, exact match; ROUGE-L and BLEU against the reference; length in tokens), the KL to the SFT start on
 those samples (sum over tokens of log pi - log pi_SFT, y ~ pi), and for PPO rows on the training rollouts (03's
 exact/mistake_rate): steps to a smoothed mistake rate <= 0.15 and the final one (last 10 iterations), as
-bench/span_vs_scalar.py measures them. Median [min, max] over seeds. Every artefact is cached under --out in a folder
+bench/span_vs_scalar.py measures them. Median [min, max] over seeds; Text2Grad against the best baseline
+(versus_best): the paired per-seed difference in held-out mistakes with its 95% bootstrap interval over posts. Every artefact is cached under --out in a folder
 named by a hash of the settings that made it, so a rerun (or a killed run) redoes only what is missing or changed.
 Prints the tables, then one JSON line; writes OUT/results.json.
 """
@@ -51,13 +59,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
-from span_vs_scalar import THRESHOLD, WINDOW, run, shared_start, steps_to_threshold  # noqa: E402
+from real_critic import RECIPE  # noqa: E402
+from span_vs_scalar import THRESHOLD, WINDOW, run, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
 from tasks.demo import demo_dataset  # noqa: E402
 
 ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its abstract: Text2Grad "consistently
     # surpasses scalar-reward RL and prompt-only baselines")
     "SFT": "Text2Grad better (§4.3)",
-    "SFT + reflection": "Text2Grad better (§4.3)",
+    "SFT + reflection, oracle critique": "Text2Grad better (§4.3)",
+    "SFT + reflection, RM critique": "Text2Grad better (§4.3)",
     "SFT + revision, no critique": "not in the paper (our control)",
     "DPO": "Text2Grad better (§4.3, App. N)",
     "DPO, lr 1e-4": "as DPO: not in the paper, our variant",
@@ -68,6 +78,8 @@ ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its a
     "Text2Grad, annotator online": "not in the paper (no budget: the annotator as critic)",
 }
 PPO_ROWS = ["PPO (BT RM)", "PPO (BT RM, unit std)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
+# the SmolLM2 reward-model recipe without its batch size, which rm_flags sets per objective
+RECIPE_SHARED = [x for i, x in enumerate(RECIPE) if "--batch-size" not in RECIPE[max(i - 1, 0):i + 1]]
 DPO_ROWS = {"DPO": ["--lr", "1e-3", "--epochs", "3"],  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
             "DPO, lr 1e-4": ["--lr", "1e-4", "--epochs", "3"]}  # a tenth of it: DPO has no clip and no KL per token
 
@@ -77,9 +89,16 @@ def slug(row: str) -> str:
 
 
 def keyed(parent: Path, name: str, settings) -> Path:
-    """The folder of an artefact made with `settings`: its name carries their hash."""
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return parent / f"{name}-{digest}"
+    """The folder of an artefact made with `settings`: its name carries their hash. Paths inside the repository are
+    hashed relative to it, so an artefact made in another checkout (a lent GPU's) is found under the same name."""
+    text = json.dumps(settings, sort_keys=True, default=str).replace(str(ROOT) + "/", "")
+    return parent / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+
+def made_of(flags: list[str]) -> dict:
+    """The content fingerprint of every file or folder a command line names (models, data): a run is keyed by what
+    it starts from, so a reward model retrained in the same folder is a new run, never a stale one reused."""
+    return {f: common.content_fingerprint(f) for f in map(str, flags) if f and Path(f).exists()}  # "": no path
 
 
 def pool_annotations(out: Path, sft: Path, n_posts: int) -> Path:
@@ -130,17 +149,17 @@ def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 3
     """Each reward model against the truth, on n_posts pool posts no budget used, judged by the exact critic: the
     Bradley-Terry model's pairwise accuracy on their pairs, the PRM's step accuracy and wrong-step recall, the span
     reward model's poor-token precision and recall (common.rm_span_metrics, as 02 reports them). Cached."""
-    cache = keyed(folder, "rm_quality", [str(exact), sorted(str(v) for v in rms.values()), n_posts]).with_suffix(
-        ".json")
+    records = [r for r in common.read_jsonl(exact) if r["prompt"] not in used]
+    posts = list(dict.fromkeys(r["prompt"] for r in records))[-n_posts:]
+    held = [r for r in records if r["prompt"] in set(posts)]
+    cache = keyed(folder, "rm_quality", [made_of([exact]), {k: made_of([v]) for k, v in sorted(rms.items())},
+                                         sorted(r["id"] for r in held)]).with_suffix(".json")
     if cache.is_file():
         return json.loads(cache.read_text())
     import torch
     torch.set_num_threads(1)
     stage2 = importlib.import_module("02_train_reward")
     from baselines import scalar_rm
-    records = [r for r in common.read_jsonl(exact) if r["prompt"] not in used]
-    posts = list(dict.fromkeys(r["prompt"] for r in records))[-n_posts:]
-    held = [r for r in records if r["prompt"] in set(posts)]
     out = {"posts": len(posts), "answers": len(held)}
     pairs = scalar_rm.preference_pairs(held)
     model, tok = common.load_model(str(rms["bt_rm"]), scalar_head=True)
@@ -173,22 +192,44 @@ def budget(annotations: Path, n_pairs: int, folder: Path) -> Path:
     return path
 
 
-def reward_model(folder: Path, name: str, flags: list[str]) -> Path:
-    """02_train_reward.py with these flags, once (resumable from its checkpoints)."""
+def reward_model(folder: Path, name: str, flags: list[str]) -> tuple[Path, list[str] | None]:
+    """02_train_reward.py with these flags: (its folder, 02's argv, or None when it is finished). Resumable from its
+    checkpoints."""
     rm = keyed(folder, name, flags)
-    if not ((rm / "reward_model.json").is_file() and (rm / "eval.json").is_file()):
-        run(["02_train_reward.py", *flags, "--output-dir", str(rm), "--resume"])
-    return rm
+    if (rm / "reward_model.json").is_file() and (rm / "eval.json").is_file():
+        return rm, None
+    return rm, ["02_train_reward.py", *flags, "--output-dir", str(rm), "--resume"]
 
 
-def ppo(folder: Path, name: str, seed: int, steps: int, flags: list[str]) -> Path:
-    """One 03 run from the SFT start (resumed where a killed one stopped); its folder."""
-    run_dir = keyed(folder, f"{name}_seed{seed}", [*flags, seed, steps])
+def rm_flags(args, data: Path, sft_data: Path, base: Path) -> dict[str, list[str]]:
+    """02's flags of the three reward models, one recipe: the same base, data, steps and answers per step. Without
+    --rm-base: 02's demo preset on the bench's toy base (600 steps of 32, full fine-tuning). With it (a pretrained
+    chat model, SmolLM2-135M-Instruct): bench/real_critic.py's SmolLM2 recipe for all three (LoRA r 16 on every
+    linear layer, lr 1e-3, linear decay, 600 steps, float32), each step 8 annotated answers: 8 for the span RM and the
+    PRM, 4 pairs of 2 for the Bradley-Terry RM, so every model sees the budget the same number of times."""
+    steps = ["--max-steps", str(args.rm_steps)] if args.rm_steps else []
+    shared = ["--model", str(base), "--data", str(data), *steps]
+    if args.rm_base:
+        shared = ["--model", str(Path(args.rm_base).resolve()), "--data", str(data), *RECIPE_SHARED, "--max-steps",
+                  str(args.rm_steps or 600), "--save-steps", "100", "--no-bf16"]  # float32 on any device, as on a CPU
+    batch = {"span_rm": ["--batch-size", "8"], "bt_rm": ["--batch-size", "4"], "prm": ["--batch-size", "8"]} \
+        if args.rm_base else {"span_rm": [], "bt_rm": [], "prm": []}
+    return {"span_rm": [*shared, *batch["span_rm"]],
+            "bt_rm": [*shared, "--objective", "pairwise", "--norm-data", str(sft_data), *batch["bt_rm"]],
+            "prm": [*shared, "--objective", "prm", *batch["prm"]]}
+
+
+def ppo(folder: Path, name: str, seed: int, steps: int, flags: list[str]) -> tuple[Path, list[str] | None]:
+    """One 03 run from the SFT start: (its folder, 03's argv, or None when it is finished). Keyed by its flags and
+    the content of what they name; a killed run resumes from its checkpoint, or starts again when it was killed
+    before its first one (03 refuses to resume a run without one)."""
+    run_dir = keyed(folder, f"{name}_seed{seed}", [*flags, seed, steps, made_of(flags)])
     metrics = run_dir / "metrics.jsonl"
-    if not ((run_dir / "policy").is_dir() and metrics.is_file() and len(common.read_jsonl(metrics)) >= steps):
-        run(["03_train_policy.py", *flags, "--seed", str(seed), "--steps", str(steps), "--save-every", "25",
-             "--output-dir", str(run_dir), "--resume"])
-    return run_dir
+    if (run_dir / "policy").is_dir() and metrics.is_file() and len(common.read_jsonl(metrics)) >= steps:
+        return run_dir, None
+    again = metrics.is_file() and not (run_dir / "checkpoint.pt").is_file()
+    return run_dir, ["03_train_policy.py", *flags, "--seed", str(seed), "--steps", str(steps), "--save-every", "25",
+                     "--output-dir", str(run_dir), "--overwrite" if again else "--resume"]
 
 
 def curve_stats(run_dir: Path, steps: int) -> dict:
@@ -238,20 +279,40 @@ def spread(xs, fmt) -> str:
     return fmt(xs[0]) if len(xs) == 1 else f"{fmt(statistics.median(xs))} [{fmt(min(xs))}, {fmt(max(xs))}]"
 
 
-def setting(out: Path, annotator: str, flags: dict, args) -> dict:
+def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
     """Every row for one annotator: the budget, the reward models, DPO, the reviser, the PPO runs, then 04 and the
-    KL; returns {row: {metric: [value per seed]}} and the reward models' own held-out metrics."""
+    KL; returns {row: {metric: [value per seed]}} and the reward models' own held-out metrics. --ppo-only ROW: only
+    those rows' PPO runs (and the reward models they need), then None."""
     folder = out / annotator
     folder.mkdir(parents=True, exist_ok=True)
     exact = pool_annotations(out, flags["sft"], args.pool)
     annotator_rm = flags["annotator_rms"].get(annotator)  # None: the exact critic
     annotations = exact if annotator_rm is None else annotate_with_rm(exact, annotator_rm, annotator)
     data = budget(annotations, args.pairs, folder)
-    base = ["--model", str(flags["base"]), "--data", str(data), *(["--max-steps", str(args.rm_steps)]
-                                                                  if args.rm_steps else [])]
-    span_rm = reward_model(folder, "span_rm", base)
-    bt_rm = reward_model(folder, "bt_rm", [*base, "--objective", "pairwise", "--norm-data", str(flags["sft_data"])])
-    prm = reward_model(folder, "prm", [*base, "--objective", "prm"])
+    rms = {name: reward_model(folder, name, f) for name, f in rm_flags(args, data, flags["sft_data"],
+                                                                      flags["base"]).items()}
+    span_rm, bt_rm, prm = (rms[n][0] for n in ("span_rm", "bt_rm", "prm"))
+    critics = {"PPO (BT RM)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm)],
+               "PPO (BT RM, unit std)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm), "--score-norm",
+                                         "mean-std"],
+               "PRM-PPO": ["--critic", "prm", "--reward-model", str(prm)],
+               "Text2Grad": ["--critic", "local", "--reward-model", str(span_rm)],
+               "Text2Grad, annotator online": ["--critic", "program"] if annotator_rm is None else
+               ["--critic", "local", "--reward-model", str(annotator_rm)]}
+    needed = {n for row in args.ppo_only or critics for n, (d, _) in rms.items() if str(d) in critics[row]}
+    run_side_by_side({n: cmd for n, (_, cmd) in rms.items() if n in needed and cmd}, args.jobs, folder / "logs")
+    if args.rm_only:
+        return None
+
+    start = ["--model", str(flags["sft"]), "--sft-steps", "0", "--prompts", str(flags["prompts"]),
+             "--scalar-baseline-dir", "", *args.ppo_args]
+    seeds = range(1, args.seeds + 1)
+    runs = {(row, s): ppo(folder, slug(row), s, args.steps, [*start, *critic]) for row, critic in critics.items()
+            for s in seeds if not args.ppo_only or row in args.ppo_only}
+    todo = {f"{slug(row)}_seed{s}": cmd for (row, s), (_, cmd) in runs.items() if cmd}
+    if args.ppo_only:
+        run_side_by_side(todo, args.jobs, folder / "logs")
+        return None
     revisions = keyed(folder, "revisions", [str(data)]).with_suffix(".jsonl")
     if not revisions.is_file():
         run(["baselines/reflection_data.py", "--data", str(data), "--output", str(revisions)])
@@ -260,36 +321,30 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
         run(["03_train_policy.py", "--model", str(flags["sft"]), "--sft-data", str(revisions), "--sft-output-dir",
              str(reviser), "--steps", "0", "--critic", "program", "--prompts", str(flags["prompts"]),
              "--scalar-baseline-dir", "", "--output-dir", str(folder / "reviser_run")])
-
-    start = ["--model", str(flags["sft"]), "--sft-steps", "0", "--prompts", str(flags["prompts"]),
-             "--scalar-baseline-dir", "", *args.ppo_args]
-    critics = {"PPO (BT RM)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm)],
-               "PPO (BT RM, unit std)": ["--critic", "scalar-rm", "--reward-model", str(bt_rm), "--score-norm",
-                                         "mean-std"],
-               "PRM-PPO": ["--critic", "prm", "--reward-model", str(prm)],
-               "Text2Grad": ["--critic", "local", "--reward-model", str(span_rm)],
-               "Text2Grad, annotator online": ["--critic", "program"] if annotator_rm is None else
-               ["--critic", "local", "--reward-model", str(annotator_rm)]}
-    seeds = range(1, args.seeds + 1)
     dpo = {}
     for row, dpo_flags in DPO_ROWS.items():
         for seed in seeds:
             dpo[row, seed] = keyed(folder, f"{slug(row)}_seed{seed}", [str(flags["sft"]), str(data), seed, *dpo_flags])
             if not (dpo[row, seed] / "eval.json").is_file():
-                run(["baselines/dpo.py", "--model", str(flags["sft"]), "--data", str(data), "--seed", str(seed),
-                     *dpo_flags, "--output-dir", str(dpo[row, seed])])
-    runs = {row: {s: ppo(folder, slug(row), s, args.steps, [*start, *critic]) for s in seeds}
-            for row, critic in critics.items()}
+                todo[f"{slug(row)}_seed{seed}"] = [
+                    "baselines/dpo.py", "--model", str(flags["sft"]), "--data", str(data), "--seed", str(seed),
+                    *dpo_flags, "--output-dir", str(dpo[row, seed])]
+    run_side_by_side(todo, args.jobs, folder / "logs")
+    runs = {key: run_dir for key, (run_dir, _) in runs.items()}
 
     # ---- evaluation: 04 on the held-out posts (exact critic, ROUGE-L, BLEU), the KL to SFT, the training curves
     policies = {"sft": str(flags["sft"]), **{f"{slug(row)}_{s}": str(d / "policy") for (row, s), d in dpo.items()},
-                **{f"{slug(row)}_{s}": str(runs[row][s] / "policy") for row in PPO_ROWS for s in seeds}}
+                **{f"{slug(row)}_{s}": str(runs[row, s] / "policy") for row in PPO_ROWS for s in seeds}}
     ev = evaluate(folder, policies, flags["eval"])
-    reflect = ["--reflect", "--reviser", str(reviser)] + (["--reflect-critic", "program"] if annotator_rm is None
-                                                          else ["--reward-model", str(annotator_rm)])
-    ev_reflect = evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"], reflect)
-    ev_plain = evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"],
-                        ["--reflect", "--reviser", str(reviser), "--reflect-critic", "none"])
+    oracle = ["--reflect-critic", "program"] if annotator_rm is None else ["--reward-model", str(annotator_rm)]
+    reflect = {"SFT + reflection, oracle critique": evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"],
+                                                              ["--reflect", "--reviser", str(reviser), *oracle]),
+               "SFT + reflection, RM critique": evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"],
+                                                         ["--reflect", "--reviser", str(reviser), "--reward-model",
+                                                          str(span_rm)]),
+               "SFT + revision, no critique": evaluate(folder, {"sft": str(flags["sft"])}, flags["eval"],
+                                                       ["--reflect", "--reviser", str(reviser), "--reflect-critic",
+                                                        "none"])}
     max_new_tokens = json.loads((ev["dir"] / "results.json").read_text())["generation"]["max_new_tokens"]
     records = common.read_jsonl(flags["eval"])
     kl_cache = ev["dir"] / "kl.json"
@@ -308,22 +363,64 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict:
                 "length": m["gen/tokens"]}
 
     table = {"SFT": [metrics(ev["table"], "sft", 0.0)],
-             "SFT + reflection": [metrics(ev_reflect["table"], "sft+reflect", None)],
-             "SFT + revision, no critique": [metrics(ev_plain["table"], "sft+reflect", None)],
+             **{row: [metrics(e["table"], "sft+reflect", None)] for row, e in reflect.items()},
              **{row: [metrics(ev["table"], f"{slug(row)}_{s}", kl[f"{slug(row)}_{s}"]) for s in seeds]
                 for row in DPO_ROWS}}
     for row in PPO_ROWS:
         names = [f"{slug(row)}_{s}" for s in seeds]
-        table[row] = [{**metrics(ev["table"], n, kl[n]), **curve_stats(runs[row][s], args.steps)}
+        table[row] = [{**metrics(ev["table"], n, kl[n]), **curve_stats(runs[row, s], args.steps)}
                       for n, s in zip(names, seeds)]
-    rms = {name: json.loads((d / "eval.json").read_text()) for name, d in
-           (("span_rm", span_rm), ("bt_rm", bt_rm), ("prm", prm))}
+    # per held-out post, 1.0 where the answer has a poor span (exact critic): the paired comparison's samples
+    answers = {"SFT": [("sft", ev["dir"])], **{row: [("sft+reflect", e["dir"])] for row, e in reflect.items()},
+               **{row: [(f"{slug(row)}_{s}", ev["dir"]) for s in seeds] for row in [*DPO_ROWS, *PPO_ROWS]}}
+    per_post = {row: [post_mistakes(d / "eval" / f"{n}.generations.jsonl", records) for n, d in names]
+                for row, names in answers.items()}
+    rm_eval = {name: json.loads((d / "eval.json").read_text()) for name, (d, _) in rms.items()}
     used = {r["prompt"] for f in out.glob("*/budget-*.jsonl") for r in common.read_jsonl(f)}
     truth = rm_quality(folder, exact, used, {"span_rm": span_rm, "bt_rm": bt_rm, "prm": prm})
     from baselines.scalar_rm import preference_pairs
     n_pairs = len(preference_pairs(common.read_jsonl(data)))
-    return {"rows": table, "reward_models": rms, "reward_models_vs_exact": truth, "budget": str(data), "pairs": n_pairs,
-            "dirs": {"eval": str(ev["dir"]), "reflect": str(ev_reflect["dir"]), "no_critique": str(ev_plain["dir"])}}
+    return {"rows": table, "reward_models": rm_eval, "reward_models_vs_exact": truth, "budget": str(data),
+            "pairs": n_pairs, "rm_recipe": {n: f for n, f in rm_flags(args, data, flags["sft_data"], flags["base"])
+                                            .items()},
+            "versus_best": versus_best(table, per_post, args.bootstrap_seed),
+            "dirs": {"eval": str(ev["dir"]), **{row: str(e["dir"]) for row, e in reflect.items()}}}
+
+
+def post_mistakes(generations: Path, records: list[dict]) -> list[float]:
+    """1.0 / 0.0 per held-out post, in the eval split's order: does the answer (04's cached generation) have a poor
+    span by the exact critic. Two policies' lists pair up post by post."""
+    from tasks.demo import demo_critic
+    by_id = {g["id"]: g["response"] for g in common.read_jsonl(generations)}
+    return [float(bool(demo_critic(r["prompt"], by_id[r["id"]])["poor_spans"])) for r in records]
+
+
+BASELINES = ["SFT", "SFT + reflection, RM critique", "SFT + revision, no critique", *DPO_ROWS, "PPO (BT RM)",
+             "PPO (BT RM, unit std)", "PRM-PPO"]  # what a deployed system could run on the budget: not the oracle
+
+
+def versus_best(table: dict, per_post: dict, seed: int, resamples: int = 10_000) -> dict:
+    """Text2Grad against the best baseline (the lowest median held-out mistake rate of BASELINES): per seed, the
+    difference of mistake rates (Text2Grad - baseline; negative: Text2Grad better) on the same held-out posts with
+    its 95% paired bootstrap interval over posts; and over all seeds, the mean difference with an interval that
+    resamples seeds and posts both (a baseline without seeds, e.g. SFT + reflection, pairs with every seed)."""
+    import numpy as np
+
+    best = min(BASELINES, key=lambda row: statistics.median(v["mistake_rate"] for v in table[row]))
+    t2g = np.array(per_post["Text2Grad"])                                         # (S, P)
+    base = np.array(per_post[best])
+    base = np.broadcast_to(base, t2g.shape) if len(base) == 1 else base           # (S, P)
+    diff = t2g - base                                                             # (S, P)
+    rng = np.random.default_rng(seed)
+    posts = rng.integers(0, diff.shape[1], (resamples, diff.shape[1]))            # (R, P)
+    per_seed = diff[:, posts].mean(-1)                                            # (S, R)
+    seeds = rng.integers(0, diff.shape[0], (resamples, diff.shape[0]))            # (R, S)
+    pooled = np.take_along_axis(per_seed.T, seeds, 1).mean(-1)                    # (R,)
+    interval = lambda xs: [float(np.quantile(xs, 0.025)), float(np.quantile(xs, 0.975))]  # noqa: E731
+    return {"best_baseline": best, "posts": int(diff.shape[1]),
+            "per_seed": [{"seed": i + 1, "difference": float(diff[i].mean()), "interval": interval(per_seed[i])}
+                         for i in range(diff.shape[0])],
+            "mean_difference": float(diff.mean()), "interval": interval(pooled)}
 
 
 def print_setting(annotator: str, res: dict, steps: int) -> dict:
@@ -331,7 +428,7 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
     against PPO with the Bradley-Terry reward model, seed by seed."""
     rows, t2g = res["rows"], res["rows"]["Text2Grad"]
     print(f"\nannotator: {annotator}; {res['pairs']} pairs ({2 * res['pairs']} annotated answers) for every method; "
-          f"judged by the exact critic on 200 held-out posts at T = 1\n")
+          f"judged by the exact critic on {res['versus_best']['posts']} held-out posts at T = 1\n")
     cols = [("mistake_rate", "mistakes ↓", "{:.3f}"), ("rougeL", "ROUGE-L", "{:.3f}"), ("bleu", "BLEU", "{:.1f}"),
             ("delta_sum", "Σδ", "{:.2f}"), ("exact_match", "exact match", "{:.3f}"), ("kl", "KL to SFT", "{:.2f}"),
             ("length", "length", "{:.1f}"), ("steps", f"steps to ≤ {THRESHOLD}", None), ("final", "final train "
@@ -348,7 +445,8 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
                                     lambda x: f"{x:g}" if x < steps else f"> {steps}") if "steps" in vals[0] else "–")
             else:
                 cells.append(spread(xs, lambda x, f=fmt: f.format(x)) if any(x is not None for x in xs) else "–")
-        if row in ("Text2Grad", "Text2Grad, annotator online", "SFT + revision, no critique"):
+        if row in ("Text2Grad", "Text2Grad, annotator online", "SFT + revision, no critique",
+                   "SFT + reflection, oracle critique"):
             ours = "—" if row == "Text2Grad" else ""
         else:  # the paper: Text2Grad beats every baseline; ours on the held-out mistake rate and ROUGE-L (medians)
             med = lambda vs, k: statistics.median(v[k] for v in vs)  # noqa: E731
@@ -371,6 +469,12 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
               f"{[round(b['final'], 3) for b in bt]}; final training length / KL "
               f"{[(round(m['final_train_length'], 1), round(m['final_train_kl'], 1)) for m in mine]} vs "
               f"{[(round(b['final_train_length'], 1), round(b['final_train_kl'], 1)) for b in bt]})")
+    vs = res["versus_best"]
+    print(f"Text2Grad - {vs['best_baseline']} (the best baseline by median held-out mistake rate; negative: "
+          f"Text2Grad makes fewer), on the same {vs['posts']} held-out posts, 95% paired bootstrap: " + "; ".join(
+              f"seed {r['seed']} {r['difference']:+.3f} [{r['interval'][0]:+.3f}, {r['interval'][1]:+.3f}]"
+              for r in vs["per_seed"]) + f"; over seeds {vs['mean_difference']:+.3f} "
+          f"[{vs['interval'][0]:+.3f}, {vs['interval'][1]:+.3f}]")
     truth = res["reward_models_vs_exact"]
     print(f"reward models against the exact critic on {truth['posts']} pool posts no budget used "
           f"({truth['answers']} answers): BT pairwise accuracy {truth['bt_rm']['pairwise_accuracy']:.3f} on "
@@ -397,15 +501,26 @@ def main():
     p.add_argument("--steps", type=int, default=100, help="PPO iterations per run")
     p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
     p.add_argument("--pairs", type=int, default=1000, help="the data budget: preference pairs (2x answers) per method")
-    p.add_argument("--rm-steps", type=int, default=0, help="02 --max-steps of every reward model (0: 02's demo "
-                   "preset, 600)")
+    p.add_argument("--eval-posts", type=int, default=200, help="held-out posts every policy is judged on")
+    p.add_argument("--rm-steps", type=int, default=0, help="02 --max-steps of every reward model (0: 600, 02's demo "
+                   "preset's length and the --rm-base recipe's)")
+    p.add_argument("--rm-base", help="a pretrained model (e.g. SmolLM2-135M-Instruct from tools/smollm2.py) that all "
+                   "three reward models start from, with one LoRA recipe (rm_flags); default: the bench's toy base")
+    p.add_argument("--jobs", type=int, default=1, help="reward models, PPO runs and DPO runs side by side, this many "
+                   "at a time (logs in OUT/ANNOTATOR/logs)")
+    p.add_argument("--ppo-only", nargs="+", choices=PPO_ROWS, metavar="ROW",
+                   help=f"only these rows' PPO runs and the reward models they need, then stop (no table): to run "
+                        f"the costly rows on another machine. Rows: {', '.join(PPO_ROWS)}")
+    p.add_argument("--rm-only", action="store_true", help="train the reward models (those the --ppo-only rows need, "
+                   "or all three), then stop")
+    p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the paired bootstrap")
     p.add_argument("--out", default="bench/out/paper_baselines", help="work dir (base, SFT, pool, every run)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every PPO run")
     args = p.parse_args()
     out = Path(args.out)
     shared_start(out, "local" if "toy" in args.annotators else "program", None, args.steps, [])
     eval_data = out / "eval.jsonl"
-    common.write_jsonl(eval_data, demo_dataset("eval", 200))
+    common.write_jsonl(eval_data, demo_dataset("eval", args.eval_posts))
     annotator_rms = {"toy": (out / "reward_model").resolve()}
     for spec in args.annotator_rm:
         name, _, path = spec.partition("=")
@@ -423,12 +538,19 @@ def main():
               "pairs": args.pairs, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                 "peft": peft.__version__, "python": sys.version.split()[0]},
               "command": " ".join(sys.argv), "settings": {}}
+    result["rm_base"] = args.rm_base
     for annotator in args.annotators:
         res = setting(out, annotator, flags, args)
+        if res is None:  # --ppo-only, --rm-only
+            continue
         res.update(print_setting(annotator, res, args.steps))
         result["settings"][annotator] = res
         common.write_json(out / "results.json", result)
-    summary = {a: {"claim": r["claim"], "verdicts": r["verdicts"]} for a, r in result["settings"].items()}
+    if args.ppo_only or args.rm_only:
+        print(f"done: {'the reward models' if args.rm_only else ', '.join(args.ppo_only)} ({args.seeds} seeds)")
+        return
+    summary = {a: {"claim": r["claim"], "verdicts": r["verdicts"], "versus_best": r["versus_best"]}
+               for a, r in result["settings"].items()}
     print(json.dumps({"steps": args.steps, "seeds": args.seeds, "pairs": args.pairs, **summary}))
 
 

@@ -31,7 +31,6 @@ the same held-out posts with its standard error; steps to threshold; seconds per
 """
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -230,7 +229,7 @@ def extend_scalar(work: Path, seed: int, rm: str, args) -> str:
     cmd = ["03_train_policy.py", "--seed", str(seed), "--critic", "local", "--reward-model", rm, *policy_flags(args),
            "--reward-mode", "scalar", "--output-dir", f"runs/demo/{name}", "--scalar-baseline-dir", "", "--steps",
            str(n), "--resume"]
-    check_settings(dst, {"copy_of": "runs/demo/scalar", "argv": cmd, "threads": args.threads})
+    check_settings(dst, {"copy_of": "runs/demo/scalar", "argv": cmd, "threads": args.threads}, cwd=work)
     if not (metrics.is_file() and len(metrics.read_text().splitlines()) >= n):
         shutil.rmtree(dst, ignore_errors=True)
         shutil.copytree(work / "runs/demo/scalar", dst)

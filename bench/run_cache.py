@@ -4,7 +4,9 @@ A bench that skips a run already on disk (a PPO run, an SFT start, a reward mode
 check_settings(folder, settings) first: the settings (the exact command lines, seeds, ...) are recorded next to the
 folder, in FOLDER.settings.json, and a folder holding output made with other settings, or whose settings were never
 recorded, stops the bench with one line. So a cached run is reused only for the very command that made it, and two
-benches (or one bench with two critics) pointed at one --out never mix their runs.
+benches (or one bench with two critics) pointed at one --out never mix their runs. A command line ("argv") is keyed
+also by the content of the models and data it reads (inputs_content): a reward model retrained in the same folder
+makes the runs made from the old one stale, refused like any other change.
 """
 import json
 import sys
@@ -32,10 +34,25 @@ def difference(there, now, where: str = "") -> str:
     return f"{where}: {there!r} there, {now!r} now"
 
 
-def check_settings(folder, settings: dict) -> None:
+INPUTS = ("--model", "--reward-model", "--ref-adapter", "--sft-data", "--prompts", "--data", "--norm-data")
+
+
+def inputs_content(argv: list[str], cwd=None) -> dict:
+    """{path: common.content_fingerprint(path)} of each model or data file or folder that a command line names after
+    an input flag (INPUTS), relative paths read from `cwd` (the command's own working directory; default this
+    process's). Outputs (--output-dir, ...) are left out: they change as the command runs."""
+    base = Path(cwd or ".")
+    return {value: common.content_fingerprint(base / value) for flag, value in zip(argv, argv[1:])
+            if flag in INPUTS and value and (base / value).exists()}
+
+
+def check_settings(folder, settings: dict, cwd=None) -> None:
     """Exit with one line if `folder` holds output made with other settings than `settings`, or with none recorded;
-    otherwise record them (the caller then reuses what is finished there, and runs what is not)."""
+    otherwise record them (the caller then reuses what is finished there, and runs what is not). A command line in
+    settings["argv"] adds its "inputs" (inputs_content; `cwd`: where the command runs)."""
     folder, path = Path(folder), settings_path(folder)
+    if "argv" in settings:
+        settings = {**settings, "inputs": inputs_content(list(settings["argv"]), cwd)}
     settings = json.loads(json.dumps(settings))  # as the file holds them: tuples are lists
     there = json.loads(path.read_text()) if path.is_file() else None
     if folder.is_dir() and any(folder.iterdir()) and there != settings:

@@ -37,6 +37,36 @@ def run(cmd):
     subprocess.run([sys.executable, "-u", *cmd], cwd=ROOT, check=True)
 
 
+def run_side_by_side(cmds: dict, jobs: int, logs: Path) -> None:
+    """{name: a script's argv} run like run(), at most `jobs` at a time, each one's output in LOGS/NAME.log; exits
+    naming the failed ones' logs. Each process gets its share of the cores (OMP_NUM_THREADS) unless the environment
+    sets it: N torch processes with a thread per core each would thrash."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    if jobs <= 1:
+        for cmd in cmds.values():
+            run(cmd)
+        return
+    import os
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs)), **os.environ, "PYTHONUNBUFFERED": "1"}
+    logs.mkdir(parents=True, exist_ok=True)
+
+    def launch(name, cmd):
+        print(f"+ {' '.join(cmd)}  (log: {logs / name}.log)", flush=True)
+        with open(logs / f"{name}.log", "w") as f:
+            return subprocess.run([sys.executable, "-u", *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                  env=env).returncode
+
+    with ThreadPoolExecutor(jobs) as pool:  # threads only wait: each command is its own process
+        futures = {pool.submit(launch, name, cmd): name for name, cmd in cmds.items()}
+        failed = []
+        for done, future in enumerate(as_completed(futures), 1):
+            failed += [futures[future]] if future.result() else []
+            print(f"{done}/{len(futures)} done: {futures[future]}{' FAILED' if future.result() else ''}", flush=True)
+    if failed:
+        sys.exit(f"{len(failed)} of {len(cmds)} failed: " + "; ".join(f"{n} (its log: {logs / n}.log)" for n in failed))
+
+
 def smoothed(xs, w=WINDOW):
     return [statistics.fmean(xs[max(0, i - w + 1): i + 1]) for i in range(len(xs))]
 
@@ -70,9 +100,11 @@ def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, p
                 run(cmd)
         flags = ["--critic", "local", "--reward-model", str(rm_dir)]  # and the demo's own KL setting
     flags += ["--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", ""]
+    # the SFT start depends on neither the critic nor --steps: both critics of one --out share it
     sft = ["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"), "--sft-output-dir",
-           str(out / "sft"), *flags, *ppo_args, "--steps", "0", "--output-dir", str(out / "sft_only")]
-    check_settings(out / "sft", {"argv": sft})  # the SFT start does not depend on --steps
+           str(out / "sft"), "--critic", "program", "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
+           *ppo_args, "--steps", "0", "--output-dir", str(out / "sft_only")]
+    check_settings(out / "sft", {"argv": sft})
     if not (out / "sft" / "config.json").is_file():
         run([*sft, "--overwrite"])
     return [*flags, "--steps", str(steps), "--save-every", str(steps), *ppo_args]

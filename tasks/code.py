@@ -11,7 +11,7 @@ import os
 import re
 
 from common import DataError, read_rows, unambiguous_quotes
-from tasks.sandbox import TRACEBACK_FRAME, run_tests_sandboxed
+from tasks.sandbox import TRACEBACK_FRAME, parse_python, run_tests_sandboxed
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Benchmark layouts, completion post-processing and pass@k (01 annotates, 03 trains on, 04 evaluates)
@@ -145,7 +145,8 @@ def _run_one_test(item: dict, timeout_s: float) -> dict:
 
 def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
     """04's test runs: each {"id", "response", "test"} through run_completion, `workers` at a time. Processes, not
-    threads: the sandbox's ast.parse is not thread-safe on CPython 3.11 ("AST constructor recursion depth mismatch")."""
+    threads: the parse before each run is CPU work under one lock (sandbox.parse_python: CPython 3.11's ast.parse is
+    not thread-safe), so threads would take turns."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -168,6 +169,17 @@ def run_completion(response: str, test, timeout_s: float = 10.0, trace: bool = F
     prefix (build_program): what 04 scores and the critic judges. run_tests_sandboxed's dict plus "program"."""
     program = build_program(test, extract_code(response, test)[0])[0]
     return {**run_tests_sandboxed(program, test, timeout_s=timeout_s, trace=trace), "program": program}
+
+
+def critic(records: list[dict], responses: list[str], timeout_s: float = 10.0) -> list[dict]:
+    """code_critic as a plug-in critic (tasks/plugin.py): --critic program, or python:tasks.code:critic; each record
+    holds its problem's "test" (code_problem). A problem whose tests cannot run is an error item: no annotation, and
+    no delta for that response."""
+    out = []
+    for rec, response in zip(records, responses):
+        fb = code_critic(rec["prompt"], response, rec["test"], timeout_s)
+        out.append({"error": f"the tests cannot run: {fb['error']}"} if fb.get("error") else fb)
+    return out
 
 
 def _test_failure(output: str) -> dict:
@@ -288,7 +300,7 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
         "critique": critique, **dict(zip(("good_spans", "poor_spans"), _quote_lines(response, units, good, poor))),
         "passed": status == "passed", "status": status}
     try:
-        tree = ast.parse(program)
+        tree = parse_python(program)  # one thread at a time: 01 runs the critic from a thread pool
     except SyntaxError as e:
         return verdict(f"The code does not compile: {e.msg} at {show(e.lineno or 1)}.", poor=[(e.lineno or 1,) * 2])
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}

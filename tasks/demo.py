@@ -38,7 +38,8 @@ _CATEGORY = {w: cat for cat, words in DEMO_FACTS.items() for w in words}
 
 def demo_post_facts(prompt: str) -> tuple[dict, set]:
     """(facts by category, irrelevant words) read off a demo post. Raises ValueError if it is not one."""
-    post = prompt.split("post:", 1)[-1].split("summary:", 1)[0]
+    # letter case is no fact: a real model's "Luna" is the post's "luna" (demo_labels compares words lower-cased too)
+    post = prompt.split("post:", 1)[-1].split("summary:", 1)[0].lower()
     facts = {}
     for pattern in _FACT_PATTERNS:
         m = re.search(pattern, post)
@@ -64,7 +65,7 @@ def demo_labels(prompt: str, response: str) -> list[tuple[str, int, int, str | N
     # ("Ġred") into the JSON instead of having to map them to the space-less tokens that '["red' would need.
     words = [(m.group(), m.start() - (response[m.start() - 1:m.start()] == " "), m.end())
              for m in re.finditer(r"\w+", response)]
-    seq = [w for w, _, _ in words]
+    seq = [w.lower() for w, _, _ in words]  # compared ignoring case; quoted as written
     repeated = [False] * len(seq)  # the second copy of an immediately repeated 1-3 word phrase
     for i in range(len(seq)):
         for n in (3, 2, 1):
@@ -93,11 +94,11 @@ def demo_critic(prompt: str, response: str) -> dict:
     labelled = demo_labels(prompt, response)
     words = [(w, a, b) for w, a, b, _ in labelled]
     labels = [None if kind is None else "good" if kind == "good" else "poor" for *_, kind in labelled]
-    seen = {_CATEGORY[w] for w, *_, kind in labelled if kind == "good"}
+    seen = {_CATEGORY[w.lower()] for w, *_, kind in labelled if kind == "good"}
     notes = []
     for w, _, _, kind in labelled:
         note = {"irrelevant": f"It adds {w}, which is irrelevant.", "repeated": f"It repeats {w}.",
-                "wrong": f"It says {w} where the post says {facts.get(_CATEGORY.get(w))}."}.get(kind)
+                "wrong": f"It says {w} where the post says {facts.get(_CATEGORY.get(w.lower()))}."}.get(kind)
         if note and note not in notes:
             notes.append(note)
     # Spans: runs of adjacent same-polarity words ("red dog"). Bridging over an unlabelled word ("called") would pay
@@ -119,6 +120,18 @@ def demo_critic(prompt: str, response: str) -> dict:
     if missing and right:
         parts.append(f"It leaves out the {_join(missing)}.")
     return {"critique": " ".join(parts), "good_spans": good, "poor_spans": poor}
+
+
+def critic(records: list[dict], responses: list[str]) -> list[dict]:
+    """demo_critic as a plug-in critic (tasks/plugin.py): --critic program, or python:tasks.demo:critic. A prompt that
+    is not a demo post is an error item: that response gets no delta, the others are judged."""
+    out = []
+    for rec, response in zip(records, responses):
+        try:
+            out.append(demo_critic(rec["prompt"], response))
+        except ValueError as e:
+            out.append({"error": str(e)})
+    return out
 
 
 def demo_delta(prompt: str, response: str, offsets) -> tuple[dict, list[float]]:
@@ -145,7 +158,7 @@ def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], 
     """04's per-sample (numerator, denominator) rows of the demo's ground truth (demo_delta's feedback and delta):
     delta-sum, a mistake (any poor span), the share of the post's facts stated, exact match with the reference."""
     facts, _ = demo_post_facts(prompt)
-    words = set(re.findall(r"\w+", response))
+    words = set(re.findall(r"\w+", response.lower()))
     return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(bool(feedback["poor_spans"])), 1),
             "demo/facts_right": (sum(v in words for v in facts.values()), len(facts)),
             "demo/exact_match": (float(response.strip() == reference.strip()), 1)}

@@ -339,10 +339,22 @@ _PYTEST_HOOKS = {"setup", "teardown", "setup_module", "teardown_module", "setup_
                  "setup_method", "teardown_method", "setup_class", "teardown_class", "__init__"}
 
 
+# CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread: two threads inside
+# ast.parse at once (01's thread pool, under load) end in "SystemError: AST constructor recursion depth mismatch".
+# Re-entrant: a collection inside ast.parse may run a finalizer that parses on the same thread.
+_AST_LOCK = threading.RLock()
+
+
+def parse_python(source: str) -> ast.Module:
+    """ast.parse, one thread at a time (_AST_LOCK): what the critic and the sandbox parse, from any thread."""
+    with _AST_LOCK:
+        return ast.parse(source)
+
+
 def _plain_tests(test: str) -> bool:
     """True when `test` needs nothing from pytest but collection: no pytest/unittest import, fixtures, marks, hooks."""
     try:
-        tree = ast.parse(test)
+        tree = parse_python(test)
     except SyntaxError:
         return False  # let pytest report it
     for node in ast.walk(tree):

@@ -243,8 +243,8 @@ def smollm2_server(smollm2_dir, tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def is_preflight(body: dict) -> bool:
-    return body.get("max_tokens") == 1 and common.PREFLIGHT in (
+def is_preflight(body: dict) -> bool:  # max_tokens 1, or none where the stage itself sends none
+    return body.get("max_tokens", 1) == 1 and common.PREFLIGHT in (
         body.get("prompt"), *(m.get("content") for m in body.get("messages") or []))
 
 

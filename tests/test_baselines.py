@@ -210,7 +210,15 @@ def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
     assert metrics["n"] == 12 and metrics["n_steps"] >= 12 and 0.0 <= metrics["step_accuracy"] <= 1.0
     assert common.rm_settings(tmp_path / "prm")["step_unit"] == "clause"
     critic = ppo.make_critic(ppo.parse_args(["--critic", "prm", "--reward-model", str(tmp_path / "prm"),
-                                             "--device", "cpu"]))
+                                             "--model", tiny_model_dir, "--device", "cpu"]))
+    # the held-out step accuracy, recomputed from 03's critic on the same held-out answers: a step is predicted
+    # right where its reward 2 sigmoid(s) - 1 > 0, and is right where no poor span of the annotation falls in it
+    _, val = rm.split_records(rm.load_annotations(tmp_path / "ann.jsonl")[0], 0.2, 0)
+    pred = [r > 0 for fb in critic(val, [v["response"] for v in val]) for _, r in fb["step_rewards"]]
+    gold = [not any(a < e and s < b for a, b in common.locate_spans(v["response"], [], v["poor_spans"])[1])
+            for v in val for s, e in scalar_rm.split_steps(v["response"])]
+    assert metrics["n_steps"] == len(gold) == len(pred) and metrics["wrong_steps_gold"] == gold.count(False)
+    assert metrics["step_accuracy"] == pytest.approx(sum(p == g for p, g in zip(pred, gold)) / len(gold))
     text = " tom has a red dog called rex that likes the park and eats fish."
     (fb,) = critic([{"prompt": "post: tom.\nsummary:"}], [text])
     assert [e for e, _ in fb["step_rewards"]] == [e for _, e in scalar_rm.split_steps(text)]
@@ -274,6 +282,75 @@ def test_dpo_raises_the_chosen_answers_implicit_reward_over_the_rejected(tmp_pat
     assert metrics["n"] == 0 and (tmp_path / "dpo" / "policy" / "adapter_config.json").is_file()
 
 
+def _dpo_policy(tiny_model_dir, *flags):
+    """(policy, reference, tokenizer, args) as baselines/dpo.py builds them, the same LoRA init every call."""
+    args = dpo.parse_args(["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", "4",
+                           "--lora-alpha", "8", *flags])
+    model, tok = common.load_model(tiny_model_dir)
+    torch.manual_seed(0)
+    policy, ref, _ = ppo.build_policy(dpo.policy_config(args), model)
+    with torch.no_grad():  # move the adapter off zero, so that pi != ref and every gradient is non-trivial
+        for name, w in policy.named_parameters():
+            if "lora_B" in name:
+                w.normal_(0, 0.05)
+    policy.train()
+    return policy, ref, tok, args
+
+
+def test_micro_batched_dpo_equals_one_batch(tiny_model_dir):
+    """DPO's batch accumulated over micro-batches of one pair (each its own forward and backward, nothing of it kept
+    but its two summed log-probs), with activation checkpointing, gives the one-forward batch's loss, statistics and
+    gradients (pair_stats: all pairs in one forward); so do the held-out statistics, scored a pair at a time."""
+    pairs = scalar_rm.preference_pairs(pool(12))[:4]
+    one, ref, tok, args = _dpo_policy(tiny_model_dir)
+    batch = dpo.encode_pairs(tok, pairs, "auto", 1024, 64)
+    assert len(batch) == 4 and len({len(q) for q, _, _ in batch}) > 1  # the prompts' left padding differs by batch
+    loss, want = dpo.pair_stats(one, ref, batch, tok.pad_token_id, args)
+    loss.backward()
+    micro, ref2, _, args2 = _dpo_policy(tiny_model_dir, "--micro-batch-size", "1", "--gradient-checkpointing")
+    assert any(getattr(m, "gradient_checkpointing", False) for m in micro.modules())
+    got = dpo.run_pairs(micro, ref2, batch, tok.pad_token_id, args2, backward=lambda x: x.backward())
+    assert got.keys() == want.keys() and got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    grads = {n: p.grad for n, p in micro.named_parameters() if p.requires_grad}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values())
+    for name, p in one.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():
+        held_out = dpo.run_pairs(micro, ref2, batch, tok.pad_token_id, args2)
+    assert held_out == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_dpo_takes_its_split_from_stage2s_preset(tmp_path):
+    """DPO holds out exactly the pairs that 02 --objective pairwise holds out: the same --val-frac by --task preset
+    (0.05 outside the demo, where DPO once defaulted to the demo's 0.025) and the same seed."""
+    for task in ("demo", "qa", "summarization"):
+        assert dpo.parse_args(["--data", "x", "--task", task]).val_frac == rm.parse_args(
+            ["--task", task, "--objective", "pairwise"]).val_frac
+    assert dpo.parse_args(["--data", "x", "--task", "qa", "--val-frac", "0.3"]).val_frac == 0.3
+    assert dpo.parse_args(["--data", "x"]).split_seed == rm.parse_args([]).seed
+
+
+def test_dpo_writes_its_config_before_training_and_its_held_out_metrics(tmp_path, tiny_model_dir):
+    """config.json is written before the first step (a run that dies still says what it was), eval.json after the
+    held-out pairs are scored in micro-batches."""
+    common.write_jsonl(tmp_path / "ann.jsonl", pool(16))
+    seen = {}
+    step = dpo.run_pairs
+
+    def spy(*a, **k):
+        seen.setdefault("config", (tmp_path / "dpo" / "config.json").is_file())
+        return step(*a, **k)
+    import unittest.mock
+    with unittest.mock.patch.object(dpo, "run_pairs", spy):
+        metrics = dpo.main(["--model", tiny_model_dir, "--data", str(tmp_path / "ann.jsonl"), "--output-dir",
+                            str(tmp_path / "dpo"), "--epochs", "1", "--batch-size", "8", "--micro-batch-size", "3",
+                            "--val-frac", "0.25", "--device", "cpu"])
+    assert seen["config"] and json.loads((tmp_path / "dpo" / "config.json").read_text())["micro_batch_size"] == 3
+    held_out = rm.split_records(scalar_rm.preference_pairs(pool(16)), 0.25, 0)[1]
+    assert metrics["n"] == len(held_out) > 1 and json.loads((tmp_path / "dpo" / "eval.json").read_text()) == metrics
+
+
 def test_revision_examples_map_flawed_answers_and_their_critique_to_the_reference():
     recs = pool(5)
     examples = reflection.revision_examples(recs)
@@ -284,17 +361,72 @@ def test_revision_examples_map_flawed_answers_and_their_critique_to_the_referenc
         assert rec["critique"] in ex["prompt"] and ex["response"] == " " + rec["reference"]
 
 
-def test_reflect_adds_a_revised_row_and_needs_a_critic(tmp_path, tiny_model_dir):
+def _spy_generate(monkeypatch) -> list[list[str]]:
+    """The prompts of each common.generate call (04's generations) as text, the real generate still doing the work."""
+    calls, generate = [], common.generate
+
+    def spy(model, tok, prompts, *a, **k):
+        calls.append([p if isinstance(p, str) else tok.decode(p, skip_special_tokens=True) for p in prompts])
+        return generate(model, tok, prompts, *a, **k)
+    monkeypatch.setattr(common, "generate", spy)
+    return calls
+
+
+def test_reflect_adds_a_revised_row_from_the_critique_and_needs_a_critic(tmp_path, tiny_model_dir, monkeypatch,
+                                                                         fake_openai):
+    """04 --reflect: each answer is revised from a prompt holding the prompt, the answer and the critic's critique of
+    that very answer (here the demo's exact critic); the revised row is a policy like any other: judged by default
+    against the others, nameable in --judge-pairs, and among the report's sample answers."""
     ev = import_script("04_evaluate")
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
-    results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
-                       "--reflect-critic", "program", "--reward-model", "none", "--output-dir", str(tmp_path / "ev"),
-                       "--max-new-tokens", "8", "--bootstrap", "10"])
+    calls = _spy_generate(monkeypatch)
+    with fake_openai(lambda body, n: "Winner: A") as judge:
+        results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
+                           "--reflect-critic", "program", "--reward-model", "none", "--output-dir",
+                           str(tmp_path / "ev"), "--max-new-tokens", "8", "--bootstrap", "10", "--judge-base-url",
+                           judge.base_url, "--judge-model", "j"])
     assert list(results["policies"]) == ["sft", "sft+reflect"]
-    assert (tmp_path / "ev" / "eval" / "sft+reflect.generations.jsonl").is_file()
+    answers = [g["response"] for g in common.read_jsonl(tmp_path / "ev" / "eval" / "sft.generations.jsonl")]
+    revised = [p for call in calls for p in call if p.endswith("\nrevision:")]
+    assert len(revised) == 3
+    for rec, answer, prompt in zip(demo_dataset("eval", 3), answers, revised):
+        critique = demo_critic(rec["prompt"], answer)["critique"].strip()
+        assert critique and prompt.startswith(rec["prompt"] + answer) and f"critique: {critique}\n" in prompt
+    assert list(results["judge"]["pairs"]) == ["sft+reflect_vs_sft"]  # the default pairs hold the revised row
+    assert "data-policy='sft+reflect'" in (tmp_path / "ev" / "report.html").read_text()
+    with fake_openai(lambda body, n: "Winner: B") as judge:
+        results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
+                           "--reflect-critic", "program", "--reward-model", "none", "--output-dir",
+                           str(tmp_path / "ev"), "--max-new-tokens", "8", "--bootstrap", "10", "--judge-base-url",
+                           judge.base_url, "--judge-model", "j2", "--judge-pairs", "sft:sft+reflect"])
+    assert results["judge"]["pairs"]["sft_vs_sft+reflect"]["n"] == 3
     with pytest.raises(common.DataError, match="--reflect-critic reward-model: no --reward-model"):
         ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
                  "--reward-model", "none", "--output-dir", str(tmp_path / "ev2")])
+
+
+def test_reflect_revisions_are_keyed_by_the_critiques_they_read(tmp_path, tiny_model_dir, monkeypatch):
+    """The revisions' cache is keyed by the revision prompts themselves: another critique budget
+    (--rm-max-new-tokens) gives other critiques, so the revisions are made again from them, never reused stale."""
+    ev = import_script("04_evaluate")
+    model, tok = common.load_model(tiny_model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights jolted: its greedy critiques are text up to the budget's end, not blank lines
+        for w in model.parameters():
+            w.add_(torch.randn_like(w) * 0.5)
+    rm_dir = str(common.save_pretrained(tmp_path / "rm", model, tok, {"reward_model.json": {"base_model": "tiny"}}))
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
+    calls = _spy_generate(monkeypatch)
+    fps, revised = [], []
+    for budget in ("3", "12"):
+        results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
+                           "--reward-model", rm_dir, "--rm-max-new-tokens", budget, "--output-dir",
+                           str(tmp_path / "ev"), "--max-new-tokens", "8", "--bootstrap", "10"])
+        fps.append(results["policies"]["sft+reflect"]["fingerprint"])
+        revised.append([p for call in calls for p in call if p.endswith("\nrevision:")])
+        calls.clear()
+    assert len(revised[0]) == len(revised[1]) == 2  # the second run generated its revisions: none was reused
+    assert revised[0] != revised[1] and fps[0] != fps[1]
 
 
 def test_a_plain_sequence_classifier_is_a_scalar_reward_model(tmp_path, tiny_model_dir):

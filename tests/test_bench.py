@@ -3,6 +3,7 @@ a folder made otherwise, or whose settings were never recorded, is refused in on
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -53,8 +54,9 @@ def test_a_cached_ppo_run_is_reused_only_with_its_own_flags(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="settings were not recorded"):
         span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "local", "--reward-model", "smol_rm"])
     import run_cache
+    made = span_vs_scalar.ppo_command(out, run_dir, 1, ["--critic", "program"])
     common.write_json(run_cache.settings_path(run_dir),  # as if this bench had made it
-                      {"argv": span_vs_scalar.ppo_command(out, run_dir, 1, ["--critic", "program"])})
+                      {"argv": made, "inputs": run_cache.inputs_content(made)})
     with pytest.raises(SystemExit, match="made with other settings"):
         span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "local", "--reward-model", "smol_rm"])
     curves = span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "program"])
@@ -245,3 +247,180 @@ def test_ablations_jobs_run_each_row_and_seed_in_its_own_process_then_the_table(
     with pytest.raises(SystemExit, match=r"^1 of 4 runs failed: scalar seed 2 \(its log: .*scalar_seed2\.log\)"):
         ablations.main(argv)
     assert not (out / "results.json").exists()
+
+
+def test_versus_best_pairs_text2grad_with_the_best_baseline_post_by_post():
+    """bench/paper_baselines.py's decisive comparison, against a plain loop: the best baseline is the one with the
+    lowest median held-out mistake rate (the oracle row never counts); each seed's difference is the mean over posts of
+    Text2Grad's mistake minus the baseline's on the same post (an unseeded baseline pairs with every seed); the
+    intervals hold their estimate, and one clearly below 0 excludes 0."""
+    import paper_baselines
+    rows = {r: [{"mistake_rate": m}] for r, m in [("SFT", 0.5), ("SFT + reflection, RM critique", 0.3),
+                                                     ("SFT + reflection, oracle critique", 0.0),
+                                                     ("SFT + revision, no critique", 0.4)]}
+    rows.update({r: [{"mistake_rate": 0.6}] * 2 for r in [*paper_baselines.DPO_ROWS, "PPO (BT RM)",
+                                                          "PPO (BT RM, unit std)", "PRM-PPO"]})
+    base = [1.0] * 30 + [0.0] * 70                                     # the reflection row: no seeds
+    t2g = [[0.0] * 100, [1.0] * 10 + [0.0] * 90]                        # two seeds
+    per_post = {"SFT + reflection, RM critique": [base], "Text2Grad": t2g}
+    res = paper_baselines.versus_best(rows, per_post, seed=0, resamples=2000)
+    assert res["best_baseline"] == "SFT + reflection, RM critique"
+    for i, seed in enumerate(res["per_seed"]):
+        expected = sum(a - b for a, b in zip(t2g[i], base)) / len(base)
+        assert seed["difference"] == pytest.approx(expected)
+        assert seed["interval"][0] <= seed["difference"] <= seed["interval"][1] < 0
+    assert res["mean_difference"] == pytest.approx((-0.30 - 0.20) / 2)
+    assert res["interval"][0] <= res["mean_difference"] <= res["interval"][1] < 0
+
+
+def test_a_ppo_run_killed_before_its_first_checkpoint_starts_again(tmp_path):
+    """paper_baselines.ppo always passed --resume; a run killed before its first checkpoint (every 25 iterations)
+    left metrics.jsonl and no checkpoint.pt, which 03 refuses to resume: the bench stopped there on every rerun.
+    Such a run starts again (--overwrite); one with a checkpoint resumes; a finished one is not run."""
+    import paper_baselines
+    flags = ["--critic", "program"]
+    run_dir, argv = paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)
+    assert argv[-1] == "--resume" and not run_dir.exists()  # nothing there: 03 starts it fresh
+    _metrics(run_dir, 2)  # killed at iteration 2, before any checkpoint
+    assert paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)[1][-1] == "--overwrite"
+    (run_dir / "checkpoint.pt").write_bytes(b"")
+    assert paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)[1][-1] == "--resume"
+    _metrics(run_dir, 4)
+    (run_dir / "policy").mkdir()
+    assert paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)[1] is None
+
+
+@pytest.mark.slow
+def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tmp_path, tiny_chat_model_dir):
+    """`bench/paper_baselines.py --rm-base DIR` at tiny shapes, end to end: the span, Bradley-Terry and PRM reward
+    models all start from DIR with one recipe (the same adapter, lr, steps, answers per step); the reflection row that
+    reads the span reward model's critique runs beside the oracle one; the JSON carries every row per seed, the reward
+    models' quality and Text2Grad against the best baseline with its interval."""
+    from pathlib import Path
+
+    from tasks.demo import build_demo_base
+    rm_base = Path(tiny_chat_model_dir)  # a chat model that is not the policy's base
+    out = tmp_path / "pb"
+    build_demo_base(out / "base", pretrain_steps=5, n_texts=200)  # the bench's own base, pretrained briefly
+    subprocess.run([sys.executable, "bench/paper_baselines.py", "--annotators", "exact", "--rm-base", str(rm_base),
+                    "--seeds", "1", "--steps", "2", "--pool", "40", "--pairs", "6", "--rm-steps", "2",
+                    "--eval-posts", "8", "--jobs", "2", "--out", str(out), "--", "--batch-size", "8"],
+                   cwd=ROOT, check=True, capture_output=True, text=True)
+    res = json.loads((out / "results.json").read_text())["settings"]["exact"]
+    recipe = res["rm_recipe"]
+    for name, flags in recipe.items():
+        info = json.loads((ROOT / [d for d in (out / "exact").glob(f"{name}-*") if d.is_dir()][0]
+                           / "reward_model.json").read_text())
+        assert info["base_model"] == str(rm_base.resolve()), name
+        assert info["lora"]["r"] == 16 and info["train"]["steps"] == 2, name
+        value = lambda f: flags[flags.index(f) + 1]  # noqa: E731
+        assert [value(f) for f in ("--model", "--lr", "--lora-r", "--max-steps")] == [
+            str(rm_base.resolve()), "1e-3", "16", "2"], name
+    answers_per_step = {n: int(recipe[n][recipe[n].index("--batch-size") + 1]) * (2 if n == "bt_rm" else 1)
+                        for n in recipe}
+    assert set(answers_per_step.values()) == {8}
+    assert set(res["rows"]) == set(__import__("paper_baselines").ROWS)
+    assert all(len(v) == 1 for v in res["rows"].values())
+    reflect = json.loads((ROOT / res["dirs"]["SFT + reflection, RM critique"] / "results.json").read_text())
+    span_rm = [d for d in (out / "exact").glob("span_rm-*") if d.is_dir()][0]
+    assert reflect["reward_model"] == str(span_rm) and "sft+reflect" in reflect["policies"]
+    quality = res["reward_models_vs_exact"]
+    assert {"pairwise_accuracy", "wrong_step_recall", "neg_recall"} <= {*quality["bt_rm"], *quality["prm"],
+                                                                        *quality["span_rm"]}
+    vs = res["versus_best"]
+    assert vs["best_baseline"] in __import__("paper_baselines").BASELINES and vs["posts"] == 8
+    assert vs["interval"][0] <= vs["mean_difference"] <= vs["interval"][1]
+
+
+def test_a_cached_ppo_run_is_keyed_by_the_content_of_its_models(tmp_path, monkeypatch):
+    """run_cache keys a run also by the content of the model and data its command line reads (--model,
+    --reward-model, ...): a reward model retrained in the same folder makes a finished run there one of other
+    settings (refused), never silently reused. Its output folders are not part of the key (they change as it runs)."""
+    out, run_dir, rm = tmp_path / "out", tmp_path / "out" / "span_seed1", tmp_path / "rm"
+    rm.mkdir()
+    (rm / "model.safetensors").write_bytes(b"weights v1")
+    flags = ["--critic", "local", "--reward-model", str(rm)]
+
+    def fake_run(cmd):
+        _metrics(run_dir, 3)
+    monkeypatch.setattr(span_vs_scalar, "run", fake_run)
+    span_vs_scalar.ppo_run(out, run_dir, 1, 3, flags)
+    monkeypatch.setattr(span_vs_scalar, "run", _never)
+    assert span_vs_scalar.ppo_run(out, run_dir, 1, 3, flags)["mistakes"] == [0.5] * 3  # the same model: reused
+    (rm / "model.safetensors").write_bytes(b"weights v2")  # retrained in place
+    with pytest.raises(SystemExit, match=rf"made with other settings \(inputs\.{rm}: '\w+' there, '\w+' now\)"):
+        span_vs_scalar.ppo_run(out, run_dir, 1, 3, flags)
+
+
+def _fake_locality(ratio: float) -> dict:
+    """03's locality_summary of one update, every group alike (what bench/locality.py's tables read)."""
+    import locality
+    return {**{g: {"mean": -0.1, "mean_abs": 0.1, "down": 0.5, "tokens": 3} for g in locality.GROUPS}, "ratio": ratio}
+
+
+def test_locality_runs_both_critics_from_one_shared_sft_start(tmp_path, monkeypatch, tiny_model_dir):
+    """bench/locality.py --lams 0.95 0 (both critics, one --out): the SFT start does not depend on the critic, so the
+    local critic reuses the program critic's start instead of being refused ('made with other settings')."""
+    import locality
+    from conftest import as_reward_model
+    out, ran = tmp_path / "out", []
+    (out / "base").mkdir(parents=True)
+    (out / "base" / "config.json").write_text("{}")  # the demo base, as if built
+
+    def fake_run(cmd):
+        ran.append(cmd)
+        (out / "sft").mkdir(exist_ok=True)
+        (out / "sft" / "config.json").write_text("{}")
+    monkeypatch.setattr(span_vs_scalar, "run", fake_run)
+    rm = as_reward_model(tiny_model_dir, tmp_path / "rm")
+    flags = {c: locality.shared_start(out, c, rm, 61, []) for c in ("program", "local")}
+    assert len(ran) == 1 and "--sft-output-dir" in ran[0]  # one SFT start, trained once, for both critics
+    assert flags["local"][:4] == ["--critic", "local", "--reward-model", str(Path(rm).resolve())]
+
+
+def test_locality_writes_each_critics_results_as_it_finishes(tmp_path, monkeypatch):
+    """A second critic that stops (here: refused) leaves the first one's measurements in OUT/results.json."""
+    import locality
+
+    def fake_start(out, critic, reward_model, steps, ppo_args):
+        if critic == "local":
+            raise SystemExit("the local critic stopped")
+        return ["--critic", critic]
+    monkeypatch.setattr(locality, "shared_start", fake_start)
+    monkeypatch.setattr(locality, "states", lambda flags, seed, iterations, run_dir: {k: None for k in iterations})
+    monkeypatch.setattr(locality, "one_update", lambda flags, seed, k, ckpt, work: {
+        m: {"locality": _fake_locality(2.0 if m == "span" else 1.0),
+            "advantage_locality": {"span": _fake_locality(1.5), "scalar": _fake_locality(1.0)}}
+        for m in ("span", "scalar")})
+    with pytest.raises(SystemExit, match="the local critic stopped"):
+        locality.main(["--out", str(tmp_path / "out"), "--seeds", "1", "--iterations", "0", "--png",
+                       str(tmp_path / "l.png")])
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(results["critics"]) == ["program"]
+    assert results["critics"]["program"]["lam 0.95"]["span_over_scalar_ratio"]["median"] == 2.0
+
+
+def test_token_identity_counts_the_tokens_two_decoders_share():
+    """bench/gpu_recipe.py's token_identity against counts by hand: the share of identical tokens over both widths,
+    the rows identical throughout, and where each row first differs (a flipped sample changes the rest of its row)."""
+    import gpu_recipe
+    import torch
+    a = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    b = torch.tensor([[1, 2, 3, 0], [4, 9, 6, 0], [7, 8, 9, 5]])  # one token flipped; one row one step longer
+    assert gpu_recipe.token_identity(a, b) == {"tokens": 12, "identical": 8, "identical_share": 8 / 12, "rows": 3,
+                                               "rows_identical": 0, "first_difference": [3, 1, 3]}
+    assert gpu_recipe.token_identity(a, a)["identical_share"] == 1.0
+    assert gpu_recipe.token_identity(a, a)["first_difference"] == [None] * 3
+
+
+def test_gpu_recipe_tokens_phase_compares_eager_and_static_rollouts_on_a_cpu(tmp_path):
+    """The tokens phase on its tiny shapes, the static decode not compiled (--no-compile: no C++ compiler needed):
+    eager generate() and static_decode sample the same rollout tokens from the same seed, every one of them."""
+    out = tmp_path / "gpu"
+    proc = subprocess.run([sys.executable, "bench/gpu_recipe.py", "--tiny", "--device", "cpu", "--no-compile",
+                           "--out", str(out), "--phases", "tokens"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tokens = json.loads((out / "tokens.json").read_text())
+    assert tokens["compiled"] is False and tokens["dtype"] == "float32" and tokens["rows"] == 8
+    assert tokens["tokens"] == 8 * 8 and tokens["identical_share"] == 1.0 and tokens["rows_identical"] == 8

@@ -731,5 +731,53 @@ def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
     with pytest.raises(common.DataError, match=r"^transformers 5\.17\.0 is installed; this code needs >= 5\.24 "):
         common.load_model("no/such-model")
     monkeypatch.setattr(transformers, "__version__", "5.24.0.dev0")
-    with pytest.raises(common.DataError, match="cannot load the model"):  # past the check, to the missing model
-        common.load_model("/no/such/dir")
+    with pytest.raises(common.DataError, match="^/no/such/dir: no such directory$"):  # past the check, to the
+        common.load_model("/no/such/dir")                                               # missing folder (issue 46)
+
+
+def test_attaching_an_adapter_raises_no_deprecation_warning(tmp_path, tiny_model_dir):
+    """peft 0.21 asks every model it wraps for `is_gradient_checkpointing`, which transformers 5.24 deprecated for
+    `is_activation_checkpointing`: a FutureWarning in stages 2-4 each time a LoRA adapter is added or loaded (issue
+    46). common.add_lora and common.load_model(adapter dir) raise none."""
+    import warnings
+    model, tok = common.load_model(tiny_model_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        lora = common.add_lora(model, 4, 8)
+        lora.save_pretrained(tmp_path / "adapter")
+        common.load_model(str(tmp_path / "adapter"))
+    assert not lora.get_base_model().is_activation_checkpointing  # the non-deprecated name answers the same question
+
+
+def test_a_save_replaces_only_the_files_it_wrote(tmp_path, tiny_model_dir):
+    """save_pretrained into a folder that holds files it did not write (the training data beside --output-dir) is
+    refused in one line, the folder untouched and no temp folder left; its own earlier save is replaced, the files
+    the caller keeps (checkpoints/) moved over, those it owns (an eval.json of the old model) dropped; a folder saved
+    before saves kept a record (no saved_files.json) counts as saved when it holds the save's own marker file."""
+    model, tok = common.load_model(tiny_model_dir)
+    out = tmp_path / "x"
+    common.write_jsonl(out / "annotations.jsonl", [{"id": "a"}])
+    with pytest.raises(common.DataError, match=rf"^{out}: holds files that a save there did not write "
+                                               r"\(annotations\.jsonl\); a save replaces only its own files: name "
+                                               r"another folder$"):
+        common.save_pretrained(out, model, tok, {"reward_model.json": {}}, keep=("checkpoints",), owns=("eval.json",))
+    assert [p.name for p in out.iterdir()] == ["annotations.jsonl"] and [p.name for p in tmp_path.iterdir()] == ["x"]
+
+    rm = tmp_path / "rm"
+    common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 1}}, keep=("checkpoints",), owns=("eval.json",))
+    (rm / "checkpoints").mkdir()
+    common.write_json(rm / "eval.json", {})
+    common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 2}}, keep=("checkpoints",), owns=("eval.json",))
+    assert json.loads((rm / "reward_model.json").read_text()) == {"v": 2} and (rm / "checkpoints").is_dir()
+    assert not (rm / "eval.json").exists()
+    (rm / "notes.txt").write_text("mine")
+    with pytest.raises(common.DataError, match=r"did not write \(notes\.txt\)"):
+        common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 3}}, keep=("checkpoints",))
+    (rm / "notes.txt").unlink()
+    (rm / common.SAVE_RECORD).unlink()  # as an older version saved it
+    common.write_json(rm / "eval.json", {})
+    common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 4}}, keep=("checkpoints",), owns=("eval.json",))
+    assert json.loads((rm / "reward_model.json").read_text()) == {"v": 4}
+    (rm / common.SAVE_RECORD).unlink()
+    with pytest.raises(common.DataError, match="did not write"):  # without its marker: a model made elsewhere
+        common.save_pretrained(rm, model, tok, {"sft.json": {}})

@@ -83,6 +83,23 @@ def test_demo_critic_finds_each_mistake_kind():
         demo_critic("not a demo post", "x")
 
 
+def test_demo_critic_ignores_letter_case():
+    """A real model capitalises ("Emma has a green pony called Luna"): a capitalised fact is still right, a
+    capitalised wrong fact still wrong, and the share of facts right counts them alike (issue 46)."""
+    from tasks.demo import demo_scores
+    post = ("post: Tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    lower = " tom has a red dog called luna that likes the park on monday and eats fish."
+    upper = " Tom has a Red dog called Luna that likes the Park on Monday and eats Fish."
+    assert [k for *_, k in demo_labels(post, upper)] == [k for *_, k in demo_labels(post, lower)]
+    fb_low, fb_up = demo_critic(post, lower), demo_critic(post, upper)
+    assert len(fb_up["poor_spans"]) == len(fb_low["poor_spans"]) == 2                        # Luna and Monday
+    assert "Luna where the post says rex" in fb_up["critique"]
+    assert fb_up["critique"].lower() == fb_low["critique"].lower()                # "It leaves out the pet name."
+    assert (demo_scores(post, upper, fb_up, [0.0])["demo/facts_right"]
+            == demo_scores(post, lower, fb_low, [0.0])["demo/facts_right"] == (5, 6))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The zero-flag chain
 # ---------------------------------------------------------------------------------------------------------------------

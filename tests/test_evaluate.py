@@ -393,10 +393,8 @@ def test_cache_resumes_after_a_kill_and_drops_stale_rows(tmp_path):
 def adapter_dir(tiny_model_dir, tmp_path_factory):
     """A LoRA adapter over the tiny model, with nonzero B so it changes the outputs."""
     import torch
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir),
-                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = common.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -600,3 +598,109 @@ def test_a_spans_only_reward_model_is_asked_for_spans_only(tiny_model_dir, tiny_
     assert inputs == [trained["input_ids"][:-target]]
     assert common.RM_INSTRUCTIONS["spans-only"] in rm_tok.decode(inputs[0])
     assert common.RM_INSTRUCTION not in rm_tok.decode(inputs[0])
+
+
+def test_a_judge_reply_without_choices_is_an_invalid_verdict(tmp_path, fake_openai):
+    """A 200 reply with empty `choices` is an invalid verdict, counted as such; it never raises (IndexError)."""
+    records = [{"id": str(i), "prompt": f"p{i}"} for i in range(3)]
+    with fake_openai(lambda body, n: (200, {"id": "x", "object": "chat.completion", "created": 0, "model": "j",
+                                            "choices": []}, {})) as server:
+        out = ev.judge_pairs(records, {"a": ["x"] * 3, "b": ["y"] * 3}, [("b", "a")], server.base_url, "j", 0, 2,
+                             tmp_path, {"a": "fa", "b": "fb"})
+    assert out["b_vs_a"]["invalid"] == 3 and out["b_vs_a"]["n"] == 0
+    assert all(r["verdict"] == "invalid" for r in common.read_jsonl(tmp_path / "judge.b_vs_a.jsonl"))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A new user's first day (issue 46): invalid verdicts, ties, the exact critic beside the reward model, quiet starts
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _judge_results(tmp_path, fake_openai):
+    records = [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(4)]
+    outputs = {"t2g": [f"answer {i}" for i in range(4)], "sft": [f"other {i}" for i in range(4)]}
+    with fake_openai(lambda body, n: "Winner: A" if "prompt 0" in str(body) else "I cannot tell.") as server:
+        pairs = ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
+    return {"task": "qa", "data": "x.jsonl", "n_prompts": 4, "created": "now", "reward_model": None,
+            "generation": {"temperature": 0.0, "max_new_tokens": 8},
+            "policies": {n: {"n": 4, "metrics": {}} for n in outputs},
+            "judge": {"model": "judge", "seed": 0, "pairs": pairs}}
+
+
+def test_invalid_verdicts_are_printed_and_reported_with_the_win_rates_intervals(tmp_path, fake_openai, capsys):
+    """3 of 4 verdicts invalid printed "win/tie/loss 0.000/0.000/1.000 (n=1)": the console and the report now give the
+    invalid count, the report the intervals of the win rates too."""
+    results = _judge_results(tmp_path, fake_openai)
+    assert results["judge"]["pairs"]["t2g_vs_sft"]["invalid"] == 3
+    ev.print_table(results)
+    out, err = capsys.readouterr()
+    assert "(n=1 valid; 3 of 4 verdicts invalid)" in out
+    assert "warning: judge t2g_vs_sft: 3 of 4 verdicts invalid (no 'Winner: A', 'B' or 'tie' line; " in err
+    page = ev.render_report(results, {}, [], None, [], "qa")
+    judge = page.split("LLM judge", 1)[1].split("</table>", 1)[0]
+    assert "<th>invalid</th>" in judge and "<td>3</td>" in judge and judge.count("<span class='ci'>[") == 3
+
+
+def test_best_is_bold_only_where_its_interval_stands_apart():
+    m = lambda v, lo, hi: {"value": v, "ci95": [lo, hi], "n": 200}  # noqa: E731
+    results = {"task": "demo", "data": "x.jsonl", "n_prompts": 200, "created": "now", "reward_model": None,
+               "generation": {"temperature": 1.0, "max_new_tokens": 32}, "policies": {
+                   "sft": {"n": 200, "metrics": {"demo/mistake_rate": m(0.45, 0.38, 0.52),
+                                                 "demo/facts_right": m(0.80, 0.75, 0.85)}},
+                   "scalar": {"n": 200, "metrics": {"demo/mistake_rate": m(0.30, 0.24, 0.36),
+                                                    "demo/facts_right": m(0.82, 0.78, 0.86)}},
+                   "text2grad": {"n": 200, "metrics": {"demo/mistake_rate": m(0.20, 0.15, 0.26),
+                                                       "demo/facts_right": m(0.84, 0.80, 0.88)}}}}
+    page = ev.render_report(results, {}, [], None, [], "demo")
+    rows = {label: re.findall(r"<td class='([^']*)'>", row) for label, row in re.findall(
+        r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)}
+    # mistakes: text2grad 0.20 [0.15, 0.26] overlaps scalar 0.30 [0.24, 0.36]: a tie, no bold
+    assert rows["demo/mistake_rate"] == ["", "tie", "tie"]
+    assert rows["demo/facts_right"] == ["tie", "tie", "tie"]
+    results["policies"]["scalar"]["metrics"]["demo/mistake_rate"] = m(0.35, 0.28, 0.42)  # apart from the best
+    page = ev.render_report(results, {}, [], None, [], "demo")
+    assert "<td class='best'>0.200" in page and "class='tie'>0.200" not in page
+
+
+def test_the_exact_critic_shows_beside_the_reward_models_spans():
+    """An SFT answer "called otto" (the post says daisy) that the reward model highlights as good: the report shows
+    the exact critic's verdict under it, where " otto" is a poor span."""
+    prompt = ("post: tom has a red dog called daisy. it rained on monday. the dog likes the park. it eats fish."
+              "\nsummary:")
+    response = " tom has a red dog called otto that likes the park and eats fish."
+    offsets = [(m.start(), m.end()) for m in re.finditer(r" ?\S+", response)]
+    records = [{"id": "r1", "prompt": prompt, "reference": "tom has a red dog called daisy."}]
+    raw = json.dumps({"critique": "All right.", "good_spans": [" otto"], "poor_spans": []})
+    _, shown = ev.score_policy(records, [{"response": response, "offsets": offsets}], [{"critique_raw": raw}], "demo")
+    page = ev.render_report({"task": "demo", "data": "x", "n_prompts": 1, "created": "now", "reward_model": "rm",
+                             "generation": {"temperature": 1.0, "max_new_tokens": 32},
+                             "policies": {"sft": {"n": 1, "metrics": {}}}}, {"sft": shown}, records, None, ["r1"],
+                            "demo")
+    parser = ReportParser()
+    parser.feed(page)
+    rm_view = parser.responses[("sft", "r1")]
+    assert [response[a:b] for a, b in rm_view["good"]] == [" otto"]                  # the reward model's view ...
+    exact = page.split("class='exact'", 1)[1].split("</div>", 1)[0]
+    assert '<mark class="poor"> otto</mark>' in exact and "otto where the post says daisy" in exact  # ... and the truth
+
+
+def test_policies_alone_look_for_no_demo_curves():
+    assert ev.curve_specs(ev.parse_args(["--policy", "mine=some/dir"])) == {}
+    assert ev.curve_specs(ev.parse_args([])) == ev.DEMO_CURVES
+    assert ev.curve_specs(ev.parse_args(["--policy", "a=b", "--curves", "a=m.jsonl"])) == {"a": "m.jsonl"}
+
+
+@pytest.mark.parametrize("policy", ["runs/smolm2", "no-such-org/no-such-model"])
+def test_a_failed_start_leaves_no_folder_and_checks_every_policy_first(tmp_path, tiny_model_dir, policy):
+    """A typo'd local path is one line before any policy generates; a hub id that cannot load leaves no ev/eval/."""
+    (tmp_path / "runs").mkdir()
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
+    first = ["--policy", f"ok={tiny_model_dir}"] if policy.startswith("runs/") else []  # a hub id fails as it loads
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", "eval.jsonl", *first,
+                           "--policy", f"typo={policy}", "--reward-model", "none",
+                           "--output-dir", "ev", "--max-new-tokens", "4"], capture_output=True, text=True,
+                          cwd=tmp_path, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --policy typo={policy}: " + (
+        "no such directory" if policy.startswith("runs/") else "cannot load the model"))
+    assert not (tmp_path / "ev").exists()  # the local typo: checked before the first policy generated anything

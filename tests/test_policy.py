@@ -1,9 +1,11 @@
 """03_train_policy.py: the PPO math against independent references, and short runs of the real loop."""
 import json
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -1343,10 +1345,11 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model
     for d in ("runs/demo/text2grad", "runs/demo/scalar", "runs/demo/other"):
         (tmp_path / d).mkdir(parents=True)
         (tmp_path / d / "metrics.jsonl").write_text("{}\n")
-    assert [ppo.start_kind(d, resume=False, overwrite=False) for d in ("runs/demo/text2grad", "runs/demo/scalar")] \
-        == ["replace", "replace"]  # the zero-flag demo's own folders: a rerun of the demo replaces them
-    with pytest.raises(common.DataError, match="holds a run"):
-        ppo.start_kind("runs/demo/other", resume=False, overwrite=False)
+    assert [ppo.start_kind(d, resume=False, overwrite=False, zero_flag=True) for d in ("runs/demo/text2grad",
+            "runs/demo/scalar")] == ["replace", "replace"]  # the zero-flag demo's own folders: its rerun replaces them
+    for d in ("runs/demo/text2grad", "runs/demo/other"):  # any command with a flag does not
+        with pytest.raises(common.DataError, match="holds a run"):
+            ppo.start_kind(d, resume=False, overwrite=False, zero_flag=d.endswith("other"))
     assert ppo.start_kind(str(tmp_path / "empty"), resume=True, overwrite=False) == "fresh"
 
 
@@ -1478,3 +1481,146 @@ def test_mean_reward_baseline_is_not_primes_masked_rloo(capsys):
     with pytest.raises(SystemExit):
         ppo.parse_args(["--help"])
     assert "PRIME" not in capsys.readouterr().out and "PRIME" not in ppo.compute_rloo.__doc__
+
+
+def test_a_served_reply_without_choices_is_a_failed_critique(tmp_path, fake_openai):
+    """A 200 reply whose `choices` is empty (a server that filtered its output) is a failed critique of that rollout,
+    delta = 0 with its critic_error, for either API; it never raises out of the critic (an IndexError killed the run)."""
+    def reply(body, n):
+        return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "rm", "choices": []}, {}
+
+    for api in ("chat", "completions"):
+        with fake_openai(reply) as server:
+            critic = ppo.make_critic(ppo.parse_args(["--task", "qa", "--model", "m", "--critic", "openai",
+                                                     "--critic-base-url", server.base_url, "--critic-model", "rm",
+                                                     "--critic-api", api]))
+            fbs = critic([{"prompt": "Say a."}] * 2, [" a", " b"])
+        assert all(ppo.critique_failed(fb) and "no choices" in fb["critic_error"] for fb in fbs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A new user's first day (issue 46): critic failures are shown, a typo'd model path is one line at once
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path, tiny_model_dir, fake_openai, capsys):
+    """At iteration 2 every critique stops parsing: the bar showed mistakes=0.00, reward=0.00 and nothing else. Now
+    the bar shows the parse-fail rate, a warning line names the iteration, and the run ends with its total."""
+    def reply(body, n):  # iteration 1 (requests 1-4) parses; iteration 2 (5-8) is prose without span JSON
+        word = body["messages"][0]["content"].split("### Response\n", 1)[1].split()[0]
+        return json.dumps({"critique": "c", "good_spans": [], "poor_spans": [word]}) if n <= 4 else "It is fine."
+
+    with fake_openai(reply) as server:
+        ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
+                        "--critic-model", "rm", "--critic-concurrency", "4"))
+    out, err = capsys.readouterr()
+    assert [r["critic/parse_fail_rate"] for r in _rows(tmp_path / "run")] == [0.0, 1.0]
+    assert "parse_fail=0.00" in err and "parse_fail=1.00" in err
+    assert ("warning: iteration 2: 4 of 4 critiques failed (no span JSON, or no answer): their rollouts get delta = "
+            "0; first: ") in err
+    assert "warning: iteration 1" not in err
+    assert "critic (openai): 4 of 8 critiques failed in this run (50%), their rollouts got delta = 0" in out
+
+
+def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
+    (tmp_path / "runs").mkdir()
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", "runs/smolm2", "--prompts",
+                           "prompts.jsonl", "--critic", "program", "--output-dir", "runs/t2g", "--steps", "1",
+                           "--sft-steps", "0"],
+                          capture_output=True, text=True, cwd=tmp_path, env={**__import__("os").environ,
+                                                                             "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --model runs/smolm2: no such directory"
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == []
+
+
+def test_a_missing_sft_data_file_is_one_line_not_a_traceback(tmp_path, tiny_model_dir):
+    """Own --model and --prompts, no stage 1: the demo preset's --sft-data (runs/demo/data/sft.jsonl) is not there.
+    That raised FileNotFoundError from deep in the SFT setup; it is one line naming the file and the flag, exit 2."""
+    (tmp_path / "runs").mkdir()
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", str(tiny_model_dir),
+                           "--prompts", "prompts.jsonl", "--critic", "program", "--output-dir", "runs/t2g",
+                           "--steps", "1"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --sft-data runs/demo/data/sft.jsonl: no such file")
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == []
+
+
+def test_own_prompts_under_the_demo_task_are_refused_at_once_not_mid_run(tmp_path, tiny_model_dir):
+    """--task demo (the default) reads the demo's facts off each post for its exact critic and its reward-hacking
+    monitor. Own prompts crashed with a ValueError traceback after the first rollouts; now the prompts file is
+    checked first: its line, the reason, and the flag that fits (--task summarization), exit 2, nothing written."""
+    (tmp_path / "runs").mkdir()
+    common.write_jsonl(tmp_path / "prompts.jsonl",
+                       demo_dataset("train", 2) + [{"prompt": "Summarize: the order is late."}])
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", str(tiny_model_dir),
+                           "--prompts", "prompts.jsonl", "--critic", "program", "--output-dir", "runs/t2g",
+                           "--steps", "1", "--sft-steps", "0"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: prompts.jsonl:3: prompt: not a demo post")
+    assert "--task" in proc.stderr.strip().splitlines()[-1]
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == []
+
+
+def test_only_the_zero_flag_command_replaces_the_demos_runs(tmp_path, tiny_model_dir, monkeypatch):
+    """A command with flags but no --output-dir inherits the demo preset's folders (README's served-critic command
+    did): it must refuse the demo's finished runs there, not replace them. Only the literal zero-flag command may."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/demo").mkdir(parents=True)
+    (tmp_path / "runs/demo/base").symlink_to(tiny_model_dir)  # the demo preset's base model
+    assert ppo.parse_args([]).zero_flag and not ppo.parse_args(["--critic", "program"]).zero_flag
+    run = tmp_path / "runs/demo/text2grad"
+    common.write_jsonl(run / "metrics.jsonl", [{"step": 1}])
+    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0")
+    with pytest.raises(common.DataError, match=r"runs/demo/text2grad holds a run \(metrics\.jsonl\)"):
+        ppo.main(argv)
+    assert common.read_jsonl(run / "metrics.jsonl") == [{"step": 1}] and not (tmp_path / "runs/demo/scalar").exists()
+
+
+def test_resume_never_continues_on_another_sft_start(tmp_path, tiny_model_dir):
+    """--resume --overwrite is refused (--overwrite would retrain the SFT start, and the checkpoint's adapter would
+    be loaded onto the new one); so is --resume of a run whose SFT start is gone or was made with other settings."""
+    with pytest.raises(common.DataError, match=r"^--resume and --overwrite: pick one"):
+        ppo.parse_args(["--resume", "--overwrite"])
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
+    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field", "reference",
+                      "--sft-batch-size", "4", "--sft-steps", "1", "--output-dir", str(tmp_path / "run"))
+    ppo.main(argv)
+    with pytest.raises(common.DataError, match=r"--resume continues a run only on the start it began from"):
+        ppo.main(argv[:-2] + ["--sft-steps", "2", "--steps", "2", "--resume"] + argv[-2:])
+    shutil.rmtree(tmp_path / "run" / "sft")
+    with pytest.raises(common.DataError, match=r"^--resume: the run's SFT start .*sft is gone"):
+        ppo.main(argv + ["--steps", "2", "--resume"])
+
+
+def test_an_sft_start_is_keyed_by_its_base_models_content(tmp_path, tiny_model_dir):
+    """sft.json records the base model's content, not only its path: a base rebuilt in the same folder makes the SFT
+    start there one of other settings (refused; --overwrite retrains it), never silently reused."""
+    base = Path(model_variant(tiny_model_dir, tmp_path / "base"))
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
+    argv = _main_argv(tmp_path, str(base), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field", "reference",
+                      "--sft-batch-size", "4", "--sft-steps", "1", "--sft-output-dir", str(tmp_path / "sft"))
+    ppo.main(argv + ["--output-dir", str(tmp_path / "a")])
+    model, tok = common.load_model(str(base))
+    with torch.no_grad():
+        for w in model.parameters():
+            w.add_(0.01)
+    (base / "model.safetensors").unlink()  # a symlink to the original's weights: rebuilt in place
+    model.save_pretrained(base)
+    with pytest.raises(common.DataError, match=r"holds an SFT start made with other settings \(--model: other "
+                                               r"content\)"):
+        ppo.main(argv + ["--output-dir", str(tmp_path / "b")])
+
+
+def test_an_sft_folder_holding_other_files_is_refused_before_training(tmp_path, tiny_model_dir):
+    """--sft-output-dir that holds no model but files an SFT save did not write: refused in one line, untouched."""
+    common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "notes.txt").write_text("mine")
+    with pytest.raises(common.DataError, match=rf"^--sft-output-dir {tmp_path / 'sft'}: holds files that a save "
+                                               r"there did not write \(notes\.txt\)"):
+        ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
+                            "reference", "--sft-steps", "1", "--sft-output-dir", str(tmp_path / "sft"),
+                            "--output-dir", str(tmp_path / "run")))
+    assert [p.name for p in (tmp_path / "sft").iterdir()] == ["notes.txt"]

@@ -1,7 +1,9 @@
 """Every command in the README still runs as written: each `python SCRIPT ...` or `torchrun ... SCRIPT ...` in a fenced
-block of README.md (and bench/README.md, baselines/README.md) names a script that exists and accepts its flags. The
-flags are parsed by the script's own argparse parser and nothing runs: parse_args is patched to stop the script
-once it has parsed them."""
+block of README.md (and bench/README.md, baselines/README.md) names a script that exists and accepts its flags, and
+passes the checks its script makes of them once parsed. Nothing runs: a script with a parse_args(argv) of its own is
+imported (not run as __main__) and that function called, every check in it made but those of the files the command
+names (a missing model folder or data file: the README's data is not here); any other script is run as __main__
+with argparse patched to stop it once its parser has parsed the flags."""
 import json
 import re
 import shlex
@@ -16,10 +18,12 @@ READMES = [p for p in (ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / 
 PREFIXES = {"taskset": 2, "nice": 2, "nohup": 0, "time": 0, "env": 0}  # wrappers before the command: arguments skipped
 KEYWORDS = {"do", "then", "else", "{", "!"}  # shell words that may stand before a command
 
-# In a fresh interpreter, in the repo root: run each script as __main__ with its README arguments until its parser has
-# parsed them. Prints, per command, "ok" or what went wrong (argparse's own message).
+# In a fresh interpreter, in the repo root: call each script's own parse_args(argv) with its README arguments (the
+# checks of the files it names stubbed out, a missing file tolerated), or run it as __main__ until its parser has
+# parsed them. Prints, per command, "ok" or what went wrong (argparse's message, or the check's one line).
 RUNNER = r"""
-import argparse, contextlib, io, json, runpy, sys
+import argparse, contextlib, inspect, io, json, runpy, sys
+import common
 
 class Parsed(BaseException):
     pass
@@ -28,21 +32,41 @@ parse = argparse.ArgumentParser.parse_args
 def parse_and_stop(self, args=None, namespace=None):
     parse(self, args, namespace)
     raise Parsed
-argparse.ArgumentParser.parse_args = parse_and_stop
 
-out = []
+common.check_model_path = common.check_reward_model = lambda *a, **k: None  # the README's files are not here
+MISSING = ("no such file", "no such directory")  # any other check of a file it names: the same
+modules, out = {}, []
 for script, args in json.loads(sys.argv[1]):
     sys.argv, err = [script, *args], io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            if script not in modules:
+                argparse.ArgumentParser.parse_args = parse
+                modules[script] = runpy.run_path(script, run_name="readme_check")  # imported: main() does not run
+            own = modules[script].get("parse_args")
+            if callable(own) and inspect.signature(own).parameters:
+                own(args)
+                out.append("ok")
+                continue
+            argparse.ArgumentParser.parse_args = parse_and_stop
             runpy.run_path(script, run_name="__main__")
         out.append("it ran to the end without parsing its arguments")
     except Parsed:
         out.append("ok")
+    except common.DataError as e:
+        out.append("ok" if any(m in str(e) for m in MISSING) else f"error: {e}")
     except SystemExit as e:
-        out.append(f"exit {e.code}: {err.getvalue().strip()[-600:]}")
+        out.append(f"exit {e.code}: {err.getvalue().strip()[-600:] or e.code}")
 print(json.dumps(out))
 """
+
+
+def shell_blocks(markdown: str) -> list[tuple[str, str]]:
+    """(the prose just before it, its text) of each fenced code block that is not Python source (```python: code to
+    read, not commands to run)."""
+    return [(before.strip().rsplit("\n\n", 1)[-1], block) for before, info, block in
+            re.findall(r"((?:(?!^```).)*?)^```([^\n]*)\n(.*?)^```", markdown, re.S | re.M)
+            if info.strip() not in ("python", "py")]
 
 
 def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
@@ -52,7 +76,7 @@ def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
     variable ($s of `for s in 1 2 3`) read as its first value, `python -m MODULE` left out, and an optional part
     written [--flag VALUE] taken as given."""
     found, loop_values = [], {}
-    for block in re.findall(r"^```[^\n]*\n(.*?)^```", markdown, re.S | re.M):
+    for _, block in shell_blocks(markdown):
         for line in block.replace("\\\n", " ").splitlines():
             lexer = shlex.shlex(line, posix=True, punctuation_chars=";&|")
             lexer.whitespace_split, lexer.commenters = True, "#"
@@ -143,10 +167,93 @@ def test_a_wrong_flag_or_script_is_caught():
     assert "no flags" in verdicts[5]
 
 
+def test_a_check_after_parsing_is_made_too():
+    """A command whose flags parse but that its script then refuses (here 02's budget rule) is caught; one that only
+    needs files the README's reader has not made yet passes."""
+    verdicts = check([("02_train_reward.py", ["--max-len", "64", "--max-new-tokens", "96"]),
+                      ("03_train_policy.py", ["--model", "runs/not_here", "--critic", "program", "--batch-size", "5"]),
+                      ("03_train_policy.py", ["--model", "runs/not_here", "--critic", "program", "--output-dir", "x"]),
+                      ("04_evaluate.py", ["--data", "runs/not_here.jsonl"])])
+    assert verdicts[0] == "error: --max-new-tokens 96: must be below --max-len 64 (the reward model's input gets the rest)"
+    assert verdicts[1].startswith("error: --batch-size 5 must divide by world size")
+    assert verdicts[2:] == ["ok", "ok"]
+
+
 @pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
 def test_every_readme_command_accepts_its_flags(readme):
     commands = readme_commands(readme.read_text(encoding="utf-8"))
     assert len(commands) >= 3  # the extraction found the README's commands
     wrong = [f"{script} {shlex.join(args)}: {verdict}" for (script, args), verdict in zip(commands, check(commands))
              if verdict != "ok"]
+    assert not wrong, "\n".join(wrong)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Where a command writes, and how long it runs (issue 46)
+# ---------------------------------------------------------------------------------------------------------------------
+
+WRITES = {"01_annotate.py": "--output", "02_train_reward.py": "--output-dir", "03_train_policy.py": "--output-dir",
+          "baselines/dpo.py": "--output-dir"}  # a script that annotates or trains -> the flag naming where
+DURATION = re.compile(r"\d[\d.,–-]*\s*(s|min|minutes?|h|hours?|days?|weeks?)\b|\b(a|about a) (week|day)\b")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
+def test_every_command_that_trains_names_a_folder_of_its_own(readme):
+    """A README command that annotates or trains names where it writes. Without it, it writes into the zero-flag
+    demo's folders, over the demo's own runs (the served-critic stage-3 command did). The zero-flag commands, and
+    `--resume` alone (the demo continued), are the demo itself."""
+    wrong = [f"{script} {shlex.join(args)}" for script, args in readme_commands(readme.read_text(encoding="utf-8"))
+             if script in WRITES and args and args != ["--resume"] and WRITES[script] not in args]
+    assert not wrong, "\n".join(wrong)
+
+
+def demo_annotations_without_limit(markdown: str) -> list[tuple[str, str]]:
+    """(command line, what the README says next to it: its comment, the comment line above, the prose above its
+    block) of each stage-1 command over the demo's 16,000-record default: no --dataset, no --limit."""
+    found = []
+    for before, block in shell_blocks(markdown):
+        above = ""
+        for line in block.replace("\\\n", " ").splitlines():
+            for script, args in readme_commands(f"```\n{line}\n```\n"):
+                if script == "01_annotate.py" and "--dataset" not in args and "--limit" not in args:
+                    found.append((line, " ".join((line.partition(" #")[2], above, before))))
+            above = line.strip() if line.strip().startswith("#") else ""
+    return found
+
+
+def test_the_16000_record_check_reads_comments_and_prose():
+    markdown = ("Slow, this (about 4.5 minutes):\n\n```bash\npython 01_annotate.py && python 02_train_reward.py\n"
+                "```\n\nText.\n\n```bash\npython 01_annotate.py --annotator openai   # the critic\n# 8 of them\n"
+                "python 01_annotate.py --limit 8\n```\n")
+    assert [(line.split()[1], bool(DURATION.search(said))) for line, said in demo_annotations_without_limit(
+        markdown)] == [("01_annotate.py", True), ("01_annotate.py", False)]
+
+
+@pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
+def test_a_command_over_the_16000_record_default_has_a_limit_or_says_how_long(readme):
+    """Stage 1 without --dataset annotates the demo's 16,000 records: seconds with the program critic, about a week
+    with a served SmolLM2 (the local-server command had no --limit). Such a command carries --limit, or the README
+    says how long it takes, next to it."""
+    wrong = [line for line, said in demo_annotations_without_limit(readme.read_text(encoding="utf-8"))
+             if not DURATION.search(said)]
+    assert not wrong, "\n".join(wrong)
+
+
+def writes_a_demo_folder(script: str, args: list[str]) -> bool:
+    """A stage 2 or 3 command on the demo task that inherits the demo preset's output folder: neither the literal
+    zero-flag command nor --resume (which continues the demo's runs), and no --output-dir of its own."""
+    task = args[args.index("--task") + 1] if "--task" in args[:-1] else "demo"
+    return (script in ("02_train_reward.py", "03_train_policy.py") and task == "demo" and "--output-dir" not in args
+            and args not in ([], ["--resume"]))
+
+
+@pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
+def test_every_readme_training_command_writes_to_its_own_folder(readme):
+    """Only the literal zero-flag command (and --resume, which continues it) writes the demo's runs: every other README
+    command of stage 2 or 3 on the demo task names its own --output-dir (one that inherited the demo preset's
+    folders replaced the demo's finished runs; now it would be refused where they exist)."""
+    assert writes_a_demo_folder("03_train_policy.py", ["--critic", "openai"])
+    assert not writes_a_demo_folder("03_train_policy.py", ["--critic", "openai", "--output-dir", "runs/demo/served"])
+    wrong = [f"{script} {shlex.join(args)}" for script, args in readme_commands(readme.read_text(encoding="utf-8"))
+             if writes_a_demo_folder(script, args)]
     assert not wrong, "\n".join(wrong)

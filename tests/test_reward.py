@@ -428,7 +428,7 @@ def test_a_crash_while_saving_leaves_the_previous_reward_model_whole(tmp_path, t
         raise KeyboardInterrupt
     monkeypatch.setattr(type(tokenizer_of(tiny_model_dir)), "save_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
-        rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--max-steps", "2", "--eval-limit", "0"))
+        rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--max-steps", "2", "--eval-limit", "0", "--overwrite"))
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ann.jsonl", "rm"]
 
@@ -444,3 +444,74 @@ def test_a_stage2_output_is_required_where_one_is_expected(tmp_path, tiny_model_
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "no reward_model.json" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run").exists()
+
+
+def test_stage2_never_deletes_what_it_did_not_write(tmp_path, tiny_model_dir):
+    """--output-dir holding files stage 2 did not write (its own --data, beside it) is refused in one line, exit 2,
+    before any training, and nothing there is touched (the save used to replace the whole folder). A folder holding a
+    reward model follows 03's rule: a fresh run is refused, --resume continues it (refused without a checkpoint),
+    --overwrite replaces it."""
+    x = tmp_path / "x"
+    common.write_jsonl(x / "annotations.jsonl", annotations(8))
+    data = (x / "annotations.jsonl").read_bytes()
+    proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
+                           str(x / "annotations.jsonl"), "--output-dir", str(x), "--max-steps", "1", "--eval-limit",
+                           "0"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --output-dir {x}: holds files that a save there did not write (annotations.jsonl); a save replaces "
+        "only its own files: name another folder"]
+    assert [p.name for p in x.iterdir()] == ["annotations.jsonl"] and (x / "annotations.jsonl").read_bytes() == data
+
+    out, flags = tmp_path / "rm", ("--max-steps", "2", "--save-steps", "1", "--eval-limit", "0")
+    rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags))
+    weights = (out / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(common.DataError, match=rf"^{out} holds a run \(reward_model\.json, checkpoints\): --resume "
+                                               r"continues it from its checkpoint, --overwrite replaces it$"):
+        rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags))
+    assert (out / "adapter_model.safetensors").read_bytes() == weights and (out / "checkpoints").is_dir()
+    rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags, "--resume"))  # at its last step
+    assert json.loads((out / "reward_model.json").read_text())["train"]["resumed_from"].endswith("checkpoint-2")
+    shutil.rmtree(out / "checkpoints")
+    with pytest.raises(common.DataError, match=r"^--resume: no checkpoints/ in .*rm, which holds a run"):
+        rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags, "--resume"))
+    rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, "--max-steps", "1", "--eval-limit", "0",
+                     "--overwrite"))
+    assert json.loads((out / "reward_model.json").read_text())["train"]["steps"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A new user's first day (issue 46): the evaluation says what it measured
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_raw_outputs_count_their_words_where_nothing_parses(capsys):
+    """A reward model that writes ~40 words that do not parse reported "critique 0.0 words": the words of its raw
+    outputs are counted and shown beside the parsed critiques'."""
+    t, o = word_tokens("tom has a red dog")
+    items = [{"text": t, "offsets": o, "good_spans": ["tom"], "poor_spans": []}] * 2
+    m = common.rm_span_metrics(items, ["the response is fine and it is " * 5, "one two three"])
+    assert m["critique_words"] == 0.0 and m["output_words"] == (35 + 3) / 2
+    rm.print_table({**m, "gold_critique_words": 4.0})
+    assert "raw outputs 19.0 words" in capsys.readouterr().out
+
+
+def test_fewer_examples_than_eval_limit_say_why(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(40))
+    metrics = rm.main(rm.parse_args(["--model", tiny_model_dir, "--data", str(data), "--output-dir",
+                                     str(tmp_path / "rm"), "--max-steps", "1", "--batch-size", "4", "--val-frac",
+                                     "0.05", "--eval-limit", "8", "--max-new-tokens", "8", "--device", "cpu"]))
+    assert metrics["n"] == 2
+    assert ("span metrics on 2 val examples, not --eval-limit 8: the val split holds 2 (--val-frac 0.05 of 40 "
+            "usable records)") in capsys.readouterr().out
+
+
+def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
+    (tmp_path / "runs").mkdir()
+    common.write_jsonl(tmp_path / "ann.jsonl", annotations(4))
+    proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--model", "runs/smolm2", "--data",
+                           "ann.jsonl", "--output-dir", "runs/rm"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --model runs/smolm2: no such directory"
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == []

@@ -192,6 +192,46 @@ def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
     assert got == [want] * 4
 
 
+def test_plain_tests_is_safe_from_two_threads():
+    # 01 runs the code critic from a thread pool. CPython 3.11 keeps the AST constructor's recursion depth per
+    # interpreter, so two threads inside ast.parse at once end in "SystemError: AST constructor recursion depth
+    # mismatch" (3 of 6 HumanEval runs under load). A thread switch inside ast.parse needs Python code to run there:
+    # a collection that calls a finalizer which gives up the GIL makes it happen every few calls, not now and then.
+    import gc
+
+    class GivesUpTheGil:
+        def __del__(self):
+            time.sleep(0)
+
+    source = "from solution import f\n" + "".join(f"def test_{i}():\n    assert f({i}) == [{i}, ({i}, {{'k': {i}}})]\n"
+                                                for i in range(40))
+    errors, threshold, interval = [], gc.get_threshold(), sys.getswitchinterval()
+
+    def hammer():
+        for _ in range(200):
+            for _ in range(20):
+                cycle = GivesUpTheGil()
+                cycle.me = cycle  # garbage only a collection frees, finalizer included
+            try:
+                assert sandbox._plain_tests(source)
+            except SystemError as e:
+                errors.append(str(e))
+                return
+    gc.set_threshold(50)
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=hammer) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        gc.set_threshold(*threshold)
+        sys.setswitchinterval(interval)
+        gc.collect()
+    assert errors == []
+
+
 def test_without_landlock_it_still_runs_with_the_other_limits(monkeypatch):
     monkeypatch.setattr(sandbox, "_LANDLOCK_ABI", 0)
     with pytest.warns(RuntimeWarning, match="Landlock is unavailable"):

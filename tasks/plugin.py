@@ -1,0 +1,206 @@
+"""Bring your own critic: 03 --critic, 01 --annotator and 04 --monitor python:MODULE_OR_FILE:FUNCTION.
+
+FUNCTION(records, responses) gets a list of records (dicts with at least "prompt"; 01's also "id" and "response",
+the code task's "test") and the responses to judge, and returns one item per response, either
+  {"critique": str, "good_spans": [str], "poor_spans": [str]}   quotes of the response, located as 01 locates a
+                                                                  critic's (common.span_rewards: delta +1 / -1), or
+  {"critique": str, "spans": [{"start": int, "end": int, "reward": float}]}   character intervals [start, end) of
+                                                                  the response, each with a reward in [-1, 1]
+                                                                  (common.interval_rewards; overlap: the lowest
+                                                                  reward wins), or
+  {"error": str}                                                  this response cannot be judged (delta = 0 for it).
+"critique" may be left out. The task's own critics are instances: --critic program is python:tasks.demo:critic or
+python:tasks.code:critic. A plug-in is trusted code the user chose: it runs in this process, with this process's
+rights (model-written code is what the sandbox is for), and 01 calls it from several threads at once.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import importlib.util
+import math
+import numbers
+import os
+import re
+import sys
+from pathlib import Path
+
+from common import DataError, first_line, interval_rewards, span_rewards, unambiguous_quotes
+
+PREFIX = "python:"
+PROGRAM = {"demo": "python:tasks.demo:critic", "code": "python:tasks.code:critic"}  # `program`: the task's own
+
+
+def choice(*names: str):
+    """An argparse type: one of `names`, or python:MODULE_OR_FILE:FUNCTION."""
+    def parse(value: str) -> str:
+        if value in names or (value.startswith(PREFIX) and value.count(":") >= 2):
+            return value
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from " + "".join(
+            f"{n!r}, " for n in names) + ("or " if names else "") + "python:MODULE_OR_FILE:FUNCTION)")
+    return parse
+
+
+def is_plugin(name: str | None) -> bool:
+    return bool(name) and name.startswith(PREFIX)
+
+
+def load_critic(name: str, task: str, flag: str, **options):
+    """(function, label) for --critic / --annotator NAME: `program` is the task's own critic, called with `options`
+    (01's --code-timeout); python:MODULE_OR_FILE:FUNCTION is imported here. DataError, one line naming
+    MODULE:FUNCTION, for a module that does not import or a function it does not have."""
+    if name == "program":
+        if task not in PROGRAM:
+            raise DataError(f"{flag} program: no programmatic critic for --task {task}")
+        fn, label = load_critic(PROGRAM[task], task, flag)
+        return functools.partial(fn, **options), label
+    target, _, func = name[len(PREFIX):].rpartition(":")
+    label = f"{target}:{func}"
+    if not target or not func.isidentifier():
+        raise DataError(f"{flag} {name}: expected python:MODULE_OR_FILE:FUNCTION")
+    try:
+        module = _import(target)
+    except DataError:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - whatever importing it raised, in one line
+        raise DataError(f"{flag} {label}: {target} does not import ({type(e).__name__}: {first_line(e)})") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise DataError(f"{flag} {label}: {target} has no function {func!r}" +
+                        (f" ({type(fn).__name__})" if fn is not None else ""))
+    return fn, label
+
+
+def _import(target: str):
+    """A .py file (a path), or a dotted module name importable from sys.path or the current folder."""
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = Path(target)
+        if not path.is_file():
+            raise DataError(f"{target}: no such file")
+        name = "t2g_critic_" + re.sub(r"\W", "_", str(path.resolve()))  # one module per file, however it is named
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # dataclasses and pickle look modules up by name
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        return sys.modules[name]
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    return importlib.import_module(target)
+
+
+class ShapeError(ValueError):
+    """What a plug-in returned is not one item per response."""
+
+
+def _items(fn, records: list[dict], responses: list[str]) -> list:
+    """fn's return value as a list of one item per response; ShapeError (one line) for any other shape."""
+    out = fn(records, responses)
+    if not isinstance(out, (list, tuple)):
+        raise ShapeError(f"returned a {type(out).__name__}, not a list of one item per response")
+    if len(out) != len(responses):
+        raise ShapeError(f"returned {len(out)} items for {len(responses)} responses (one per response)")
+    return list(out)
+
+
+def check_item(item, response: str) -> dict:
+    """One item, checked and put in the form the stages read: quotes {"critique", "good_spans", "poor_spans"};
+    intervals the same with empty quote lists and "spans"; an error item {"critique": None, ..., "critic_error"}
+    (03's failed critique: delta = 0). ValueError, one line, for any other shape."""
+    if not isinstance(item, dict):
+        raise ValueError(f"an item is a {type(item).__name__}, not a dict")
+    if item.get("error"):
+        return {"critique": None, "good_spans": [], "poor_spans": [], "critic_error": str(item["error"])}
+    critique = item.get("critique") or ""
+    if not isinstance(critique, str):
+        raise ValueError(f"'critique' is a {type(critique).__name__}, not a string")
+    if "spans" in item:
+        if not isinstance(item["spans"], (list, tuple)):
+            raise ValueError(f"'spans' is a {type(item['spans']).__name__}, not a list")
+        return {"critique": critique, "good_spans": [], "poor_spans": [],
+                "spans": [_interval(x, len(response)) for x in item["spans"]]}
+    if "good_spans" not in item and "poor_spans" not in item:
+        raise ValueError(f"an item needs 'good_spans' / 'poor_spans' (quotes) or 'spans' (intervals), got keys "
+                         f"{sorted(map(str, item))}")
+    quotes = {k: item.get(k) or [] for k in ("good_spans", "poor_spans")}
+    for k, v in quotes.items():
+        if not isinstance(v, (list, tuple)) or not all(isinstance(q, str) for q in v):
+            raise ValueError(f"'{k}' must be a list of strings (quotes of the response)")
+    return {"critique": critique, **{k: list(v) for k, v in quotes.items()}}
+
+
+def _interval(x, n: int) -> dict:
+    """{"start", "end", "reward"} checked: integer offsets with 0 <= start <= end <= n, a reward in [-1, 1]."""
+    if not isinstance(x, dict) or not {"start", "end", "reward"} <= set(x):
+        raise ValueError(f"a span must be {{'start', 'end', 'reward'}}, got {str(x)[:80]}")
+    a, b, r = x["start"], x["end"], x["reward"]
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (a, b)) or not 0 <= a <= b <= n:
+        raise ValueError(f"span [{a}, {b}) is not a character interval of the response (0 <= start <= end <= {n})")
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not (math.isfinite(r) and -1 <= r <= 1):
+        raise ValueError(f"span [{a}, {b}) has reward {r!r}: a number in [-1, 1] is needed")
+    return {"start": int(a), "end": int(b), "reward": float(r)}
+
+
+def call(fn, label: str, records: list[dict], responses: list[str]) -> list[dict]:
+    """fn on a batch, one checked item per response (check_item). A record fn raises on never ends the run: when the
+    batch call raises, or returns the wrong number of items, each record is called alone, and those that still fail
+    get an error item, "<label> raised TypeError: ..." (one line). A wrong-shaped item is an error item too."""
+    try:
+        items = _items(fn, records, responses)
+    except Exception as e:  # noqa: BLE001 - a user's function: anything it raises is this batch's failure
+        if len(records) > 1:
+            return [item for r, t in zip(records, responses) for item in call(fn, label, [r], [t])]
+        why = f"{label}: {e}" if isinstance(e, ShapeError) else f"{label} raised {type(e).__name__}: {first_line(e)}"
+        return [check_item({"error": why}, responses[0])]
+    out = []
+    for item, response in zip(items, responses):
+        try:
+            out.append(check_item(item, response))
+        except ValueError as e:
+            out.append(check_item({"error": f"{label} returned a bad item: {e}"}, response))
+    return out
+
+
+def preflight(fn, label: str, record: dict, response: str, flag: str) -> dict:
+    """One call on one record before any work (as common.check_server does for a server): DataError, one line naming
+    MODULE:FUNCTION, when fn raises or returns the wrong length or shape. Returns the checked item."""
+    try:
+        items = _items(fn, [record], [response])
+    except ShapeError as e:
+        raise DataError(f"{flag} {label}: {e}") from None
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{flag} {label} raised on the first record: {type(e).__name__}: {first_line(e)}") from None
+    try:
+        return check_item(items[0], response)
+    except ValueError as e:
+        raise DataError(f"{flag} {label}: {e}") from None
+
+
+def delta(response: str, offsets, fb: dict) -> list[float]:
+    """delta_t of a checked item on a response's tokens, as 03 puts it there (no delta for an error item)."""
+    if fb.get("critic_error"):
+        return [0.0] * len(offsets)
+    if "spans" in fb:
+        return interval_rewards(response, offsets, fb["spans"])
+    return span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])[0]
+
+
+def probe_response(record: dict) -> str:
+    """The response a preflight call judges, before any is generated: the record's own, else its reference."""
+    return next((record[k] for k in ("response", "reference") if isinstance(record.get(k), str)), "")
+
+
+def quotes(response: str, fb: dict) -> tuple[list[str], list[str]]:
+    """(good, poor) quotes of a checked item: its own, or for intervals the quotes that locate to exactly them
+    (common.unambiguous_quotes; reward > 0 good, < 0 poor), so that 01's records always hold quotes."""
+    if "spans" not in fb:
+        return fb["good_spans"], fb["poor_spans"]
+    words = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\S+", response)]
+    ivs = {sign: [(x["start"], x["end"]) for x in fb["spans"] if x["start"] < x["end"] and sign * x["reward"] > 0]
+           for sign in (1, -1)}
+    return unambiguous_quotes(response, ivs[1], ivs[-1], words)
