@@ -194,11 +194,13 @@ def budget(annotations: Path, n_pairs: int, folder: Path) -> Path:
 
 def reward_model(folder: Path, name: str, flags: list[str]) -> tuple[Path, list[str] | None]:
     """02_train_reward.py with these flags: (its folder, 02's argv, or None when it is finished). Resumable from its
-    checkpoints."""
+    checkpoints; one saved but killed before its eval.json with none to resume from is trained again (02 refuses to
+    resume it)."""
     rm = keyed(folder, name, flags)
     if (rm / "reward_model.json").is_file() and (rm / "eval.json").is_file():
         return rm, None
-    return rm, ["02_train_reward.py", *flags, "--output-dir", str(rm), "--resume"]
+    again = (rm / "reward_model.json").is_file() and not any((rm / "checkpoints").glob("checkpoint-*"))
+    return rm, ["02_train_reward.py", *flags, "--output-dir", str(rm), "--overwrite" if again else "--resume"]
 
 
 def rm_flags(args, data: Path, sft_data: Path, base: Path) -> dict[str, list[str]]:

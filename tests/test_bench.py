@@ -290,6 +290,21 @@ def test_a_ppo_run_killed_before_its_first_checkpoint_starts_again(tmp_path):
     assert paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)[1] is None
 
 
+def test_a_reward_model_killed_before_its_eval_without_a_checkpoint_is_trained_again(tmp_path):
+    """The same for 02: a reward model saved (reward_model.json) but killed before eval.json, with no checkpoint to
+    resume from (--rm-steps below 02's save interval), was passed --resume, which 02 refuses. It is trained again; one with a
+    checkpoint resumes; a finished one is not run."""
+    import paper_baselines
+    rm, argv = paper_baselines.reward_model(tmp_path, "span_rm", ["--max-steps", "2"])
+    assert argv[-1] == "--resume" and not rm.exists()
+    common.write_json(rm / "reward_model.json", {})
+    assert paper_baselines.reward_model(tmp_path, "span_rm", ["--max-steps", "2"])[1][-1] == "--overwrite"
+    (rm / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    assert paper_baselines.reward_model(tmp_path, "span_rm", ["--max-steps", "2"])[1][-1] == "--resume"
+    common.write_json(rm / "eval.json", {})
+    assert paper_baselines.reward_model(tmp_path, "span_rm", ["--max-steps", "2"])[1] is None
+
+
 @pytest.mark.slow
 def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tmp_path, tiny_chat_model_dir):
     """`bench/paper_baselines.py --rm-base DIR` at tiny shapes, end to end: the span, Bradley-Terry and PRM reward
