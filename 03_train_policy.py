@@ -941,14 +941,15 @@ def read_prompts(path: str, task: str, critic: str) -> list[dict]:
     runs."""
     if task == "code" and (critic == "program" or plugin.is_plugin(critic)):
         from tasks.code import read_code_problems
-        records = read_code_problems(path)
+        numbered = list(enumerate(read_code_problems(path), 1))
     else:
-        records = common.read_jsonl(path, required=("prompt",))
+        numbered = list(common.iter_jsonl(path, required=("prompt",)))  # (line number, record)
+    records = [rec for _, rec in numbered]
     if not records:
         raise common.DataError(f"{path}: no prompts")
     if task == "demo":  # its exact critic and monitor read the facts off each post: own prompts fail here, not mid-run
         from tasks.demo import demo_post_facts
-        for lineno, rec in common.iter_jsonl(path, required=("prompt",)):
+        for lineno, rec in numbered:
             try:
                 demo_post_facts(rec["prompt"])
             except ValueError:

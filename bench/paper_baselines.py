@@ -240,7 +240,15 @@ def curve_stats(run_dir: Path, steps: int) -> dict:
     hit = steps_to_threshold(mistakes)
     return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
             "start": mistakes[0], "final_train_length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
-            "final_train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:])}
+            "final_train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
+            "device": json.loads((run_dir / "config.json").read_text()).get("device", "cpu")}  # 03's --device
+
+
+def devices_line(rows: dict) -> str:
+    """The PPO runs a table holds that were not trained on a CPU (a lent GPU, float32 as here), or ''."""
+    off = [f"{row} seed {i + 1} ({v['device']})" for row, vals in rows.items() for i, v in enumerate(vals)
+           if v.get("device", "cpu") != "cpu"]
+    return f"not on a CPU: {'; '.join(off)}" if off else ""
 
 
 def sequence_kl(policy: str, sft: str, prompts: list[str], gens: list[dict], max_new_tokens: int) -> float:
@@ -459,6 +467,8 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
             verdicts[row] = ours
         lines.append(f"| {row} | " + " | ".join(cells) + f" | {ROWS[row]} | {ours} |")
     print("\n".join(lines))
+    if devices_line(rows):
+        print(devices_line(rows))
     claim = {}
     for name in ("Text2Grad", "Text2Grad, annotator online"):
         mine, bt = rows[name], rows["PPO (BT RM)"]

@@ -177,7 +177,9 @@ def main():
         model = AutoModelForCausalLM.from_config(model.config)
     if args.lora:
         from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear"))
+        with common.peft_wraps_quietly():
+            model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
+                                                     target_modules="all-linear"))
     model.to(args.device)
     if args.json_first:  # encode_example and rm_critique read this module attribute at call time
         common.format_rm_target = lambda critique, good, poor, rm_format="critique+spans": (

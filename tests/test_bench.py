@@ -290,6 +290,22 @@ def test_a_ppo_run_killed_before_its_first_checkpoint_starts_again(tmp_path):
     assert paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)[1] is None
 
 
+def test_each_ppo_run_says_which_device_trained_it(tmp_path):
+    """A table may mix runs trained on this CPU with runs trained on a lent GPU (issue 44's were): each PPO row's
+    values carry the device 03 recorded in the run's config.json, and the printed table says which runs were not
+    on a CPU."""
+    import paper_baselines
+    for seed, device in ((1, "cpu"), (2, "cuda")):
+        run_dir = tmp_path / f"run{seed}"
+        _metrics(run_dir, 4)
+        common.write_json(run_dir / "config.json", {"device": device})
+        assert paper_baselines.curve_stats(run_dir, 4)["device"] == device
+    rows = {"Text2Grad": [{"device": "cpu"}, {"device": "cuda:0"}], "PRM-PPO": [{"device": "cuda"}, {"device": "cpu"}],
+            "SFT": [{}]}
+    assert paper_baselines.devices_line(rows) == "not on a CPU: Text2Grad seed 2 (cuda:0); PRM-PPO seed 1 (cuda)"
+    assert paper_baselines.devices_line({"Text2Grad": [{"device": "cpu"}]}) == ""
+
+
 def test_a_reward_model_killed_before_its_eval_without_a_checkpoint_is_trained_again(tmp_path):
     """The same for 02: a reward model saved (reward_model.json) but killed before eval.json, with no checkpoint to
     resume from (--rm-steps below 02's save interval), was passed --resume, which 02 refuses. It is trained again; one with a
