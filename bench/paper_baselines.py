@@ -394,6 +394,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
             "pairs": n_pairs, "rm_recipe": {n: f for n, f in rm_flags(args, data, flags["sft_data"], flags["base"])
                                             .items()},
             "versus_best": versus_best(table, per_post, args.bootstrap_seed),
+            "versus_best_on_task": versus_best(table, per_post, args.bootstrap_seed,
+                                               baselines=on_task_baselines(table)),
             "dirs": {"eval": str(ev["dir"]), **{row: str(e["dir"]) for row, e in reflect.items()}}}
 
 
@@ -409,14 +411,22 @@ BASELINES = ["SFT", "SFT + reflection, RM critique", "SFT + revision, no critiqu
              "PPO (BT RM, unit std)", "PRM-PPO"]  # what a deployed system could run on the budget: not the oracle
 
 
-def versus_best(table: dict, per_post: dict, seed: int, resamples: int = 10_000) -> dict:
+def on_task_baselines(table: dict) -> list[str]:
+    """The BASELINES still doing the task: a median held-out ROUGE-L at least the SFT start's. Added after the
+    SmolLM2 table's first three seeds, where the best baseline by mistake rate was BT-PPO at ROUGE-L 0.11 (KL 122):
+    answers that leave the post behind make few mistakes the exact critic can name."""
+    sft = table["SFT"][0]["rougeL"]
+    return [row for row in BASELINES if statistics.median(v["rougeL"] for v in table[row]) >= sft]
+
+
+def versus_best(table: dict, per_post: dict, seed: int, resamples: int = 10_000, baselines=BASELINES) -> dict:
     """Text2Grad against the best baseline (the lowest median held-out mistake rate of BASELINES): per seed, the
     difference of mistake rates (Text2Grad - baseline; negative: Text2Grad better) on the same held-out posts with
     its 95% paired bootstrap interval over posts; and over all seeds, the mean difference with an interval that
     resamples seeds and posts both (a baseline without seeds, e.g. SFT + reflection, pairs with every seed)."""
     import numpy as np
 
-    best = min(BASELINES, key=lambda row: statistics.median(v["mistake_rate"] for v in table[row]))
+    best = min(baselines, key=lambda row: statistics.median(v["mistake_rate"] for v in table[row]))
     t2g = np.array(per_post["Text2Grad"])                                         # (S, P)
     base = np.array(per_post[best])
     base = np.broadcast_to(base, t2g.shape) if len(base) == 1 else base           # (S, P)
@@ -481,12 +491,14 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
               f"{[round(b['final'], 3) for b in bt]}; final training length / KL "
               f"{[(round(m['final_train_length'], 1), round(m['final_train_kl'], 1)) for m in mine]} vs "
               f"{[(round(b['final_train_length'], 1), round(b['final_train_kl'], 1)) for b in bt]})")
-    vs = res["versus_best"]
-    print(f"Text2Grad - {vs['best_baseline']} (the best baseline by median held-out mistake rate; negative: "
-          f"Text2Grad makes fewer), on the same {vs['posts']} held-out posts, 95% paired bootstrap: " + "; ".join(
-              f"seed {r['seed']} {r['difference']:+.3f} [{r['interval'][0]:+.3f}, {r['interval'][1]:+.3f}]"
-              for r in vs["per_seed"]) + f"; over seeds {vs['mean_difference']:+.3f} "
-          f"[{vs['interval'][0]:+.3f}, {vs['interval'][1]:+.3f}]")
+    for key, which in (("versus_best", "the best baseline by median held-out mistake rate"),
+                       ("versus_best_on_task", "the best of the baselines whose ROUGE-L is at least SFT's")):
+        vs = res[key]
+        print(f"Text2Grad - {vs['best_baseline']} ({which}; negative: Text2Grad makes fewer), on the same "
+              f"{vs['posts']} held-out posts, 95% paired bootstrap: " + "; ".join(
+                  f"seed {r['seed']} {r['difference']:+.3f} [{r['interval'][0]:+.3f}, {r['interval'][1]:+.3f}]"
+                  for r in vs["per_seed"]) + f"; over seeds {vs['mean_difference']:+.3f} "
+              f"[{vs['interval'][0]:+.3f}, {vs['interval'][1]:+.3f}]")
     truth = res["reward_models_vs_exact"]
     print(f"reward models against the exact critic on {truth['posts']} pool posts no budget used "
           f"({truth['answers']} answers): BT pairwise accuracy {truth['bt_rm']['pairwise_accuracy']:.3f} on "
@@ -561,7 +573,8 @@ def main():
     if args.ppo_only or args.rm_only:
         print(f"done: {'the reward models' if args.rm_only else ', '.join(args.ppo_only)} ({args.seeds} seeds)")
         return
-    summary = {a: {"claim": r["claim"], "verdicts": r["verdicts"], "versus_best": r["versus_best"]}
+    summary = {a: {"claim": r["claim"], "verdicts": r["verdicts"], "versus_best": r["versus_best"],
+                   "versus_best_on_task": r["versus_best_on_task"]}
                for a, r in result["settings"].items()}
     print(json.dumps({"steps": args.steps, "seeds": args.seeds, "pairs": args.pairs, **summary}))
 

@@ -273,6 +273,26 @@ def test_versus_best_pairs_text2grad_with_the_best_baseline_post_by_post():
     assert res["interval"][0] <= res["mean_difference"] <= res["interval"][1] < 0
 
 
+def test_the_on_task_comparison_skips_a_baseline_that_left_the_task():
+    """A baseline can win the mistake rate by leaving the task (issue 44's BT-PPO: ROUGE-L 0.11 against SFT's 0.94,
+    KL 122): on_task_baselines keeps the rows whose median ROUGE-L is at least the SFT start's, and versus_best
+    among those picks the best of them."""
+    import paper_baselines
+    rows = {"SFT": [{"mistake_rate": 0.5, "rougeL": 0.90}],
+            "SFT + reflection, RM critique": [{"mistake_rate": 0.3, "rougeL": 0.95}],
+            "SFT + revision, no critique": [{"mistake_rate": 0.4, "rougeL": 0.92}],
+            "PPO (BT RM)": [{"mistake_rate": 0.05, "rougeL": 0.1}, {"mistake_rate": 0.1, "rougeL": 0.2}],
+            "PPO (BT RM, unit std)": [{"mistake_rate": 0.2, "rougeL": 0.91}, {"mistake_rate": 0.2, "rougeL": 0.89}],
+            "PRM-PPO": [{"mistake_rate": 0.6, "rougeL": 0.97}] * 2}
+    rows.update({r: [{"mistake_rate": 0.6, "rougeL": 0.5}] * 2 for r in paper_baselines.DPO_ROWS})
+    kept = paper_baselines.on_task_baselines(rows)
+    assert "PPO (BT RM)" not in kept and "PPO (BT RM, unit std)" in kept and "PRM-PPO" in kept
+    assert not set(paper_baselines.DPO_ROWS) & set(kept)
+    per_post = {r: [[0.0] * 10] * 2 for r in ("Text2Grad", "PPO (BT RM)", "PPO (BT RM, unit std)")}
+    assert paper_baselines.versus_best(rows, per_post, 0, 200)["best_baseline"] == "PPO (BT RM)"
+    assert paper_baselines.versus_best(rows, per_post, 0, 200, kept)["best_baseline"] == "PPO (BT RM, unit std)"
+
+
 def test_a_ppo_run_killed_before_its_first_checkpoint_starts_again(tmp_path):
     """paper_baselines.ppo always passed --resume; a run killed before its first checkpoint (every 25 iterations)
     left metrics.jsonl and no checkpoint.pt, which 03 refuses to resume: the bench stopped there on every rerun.
@@ -360,6 +380,7 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
                                                                         *quality["span_rm"]}
     vs = res["versus_best"]
     assert vs["best_baseline"] in __import__("paper_baselines").BASELINES and vs["posts"] == 8
+    assert res["versus_best_on_task"]["best_baseline"] in __import__("paper_baselines").on_task_baselines(res["rows"])
     assert vs["interval"][0] <= vs["mean_difference"] <= vs["interval"][1]
 
 
