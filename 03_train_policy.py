@@ -1146,7 +1146,8 @@ def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, val
                     rank: int, world: int) -> tuple[int, float]:
     """The run dir: (first step, beta). kind (start_kind) "resume" restores the checkpoint (load_checkpoint) and cuts
     metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh start removes the run it replaces and has
-    beta = kl_coef. Rank 0 writes config.json: config, the run's settings, and the world size."""
+    beta = kl_coef. Rank 0 writes config.json: config, the run's settings, the world size, and one segment per
+    invocation (first step, device, world size; a resume carries the earlier ones over)."""
     out_dir, last = Path(out_dir), 0
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -1166,8 +1167,13 @@ def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, val
         print(f"resumed from {out_dir / 'checkpoint.pt'} at step {last}")
     elif rank == 0 and kind == "replace":
         print(f"{out_dir}: the run there is replaced (--overwrite, or a rerun of the zero-flag demo)", file=sys.stderr)
-    if rank == 0:
-        common.write_json(out_dir / "config.json", {**config, "world_size": world})
+    if rank == 0:  # one segment per invocation, so a run resumed elsewhere still says where its iterations ran
+        old = json.loads((out_dir / "config.json").read_text()) if kind == "resume" and \
+            (out_dir / "config.json").is_file() else {}
+        earlier = old.get("segments", [{"from_step": 1, "device": old["device"], "world_size": old.get(
+            "world_size", 1)}] if "device" in old else [])
+        segments = [*earlier, {"from_step": last + 1, "device": config.get("device"), "world_size": world}]
+        common.write_json(out_dir / "config.json", {**config, "world_size": world, "segments": segments})
     return last + 1, kl_coef
 
 

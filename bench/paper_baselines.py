@@ -241,7 +241,15 @@ def curve_stats(run_dir: Path, steps: int) -> dict:
     return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
             "start": mistakes[0], "final_train_length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
             "final_train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
-            "device": json.loads((run_dir / "config.json").read_text()).get("device", "cpu")}  # 03's --device
+            "device": run_device(run_dir, steps)}
+
+
+def run_device(run_dir: Path, steps: int) -> str:
+    """Where a run's first `steps` iterations ran, from 03's config.json: its segments (one per invocation) that
+    began within them, e.g. "cuda" or "cpu+cuda"; a run from before segments: its last --device."""
+    config = json.loads((run_dir / "config.json").read_text())
+    segments = config.get("segments") or [{"from_step": 1, "device": config.get("device", "cpu")}]
+    return "+".join(dict.fromkeys(g["device"] for g in segments if g["from_step"] <= steps)) or segments[0]["device"]
 
 
 def devices_line(rows: dict) -> str:

@@ -320,6 +320,13 @@ def test_each_ppo_run_says_which_device_trained_it(tmp_path):
         _metrics(run_dir, 4)
         common.write_json(run_dir / "config.json", {"device": device})
         assert paper_baselines.curve_stats(run_dir, 4)["device"] == device
+    run_dir = tmp_path / "run2"  # 03's segments: where each invocation's iterations ran
+    segments = [{"from_step": 1, "device": "cuda"}, {"from_step": 5, "device": "cpu"}]  # resumed when finished
+    common.write_json(run_dir / "config.json", {"device": "cpu", "segments": segments})
+    assert paper_baselines.run_device(run_dir, 4) == "cuda"
+    common.write_json(run_dir / "config.json", {"device": "cuda", "segments": [{"from_step": 1, "device": "cpu"},
+                                                                                 {"from_step": 3, "device": "cuda"}]})
+    assert paper_baselines.run_device(run_dir, 4) == "cpu+cuda"
     rows = {"Text2Grad": [{"device": "cpu"}, {"device": "cuda:0"}], "PRM-PPO": [{"device": "cuda"}, {"device": "cpu"}],
             "SFT": [{}]}
     assert paper_baselines.devices_line(rows) == "not on a CPU: Text2Grad seed 2 (cuda:0); PRM-PPO seed 1 (cuda)"

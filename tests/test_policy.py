@@ -1594,6 +1594,25 @@ def test_resume_never_continues_on_another_sft_start(tmp_path, tiny_model_dir):
         ppo.main(argv + ["--steps", "2", "--resume"])
 
 
+def test_a_resumed_run_keeps_where_its_earlier_iterations_ran(tmp_path, tiny_model_dir):
+    """config.json said only the last invocation's --device: issue 44's Text2Grad seed 3, trained on a GPU, was
+    "resumed" on a CPU with nothing left to do and then read as a CPU run. It keeps one segment per invocation
+    (first step, device, world size), earlier ones carried over on --resume; a fresh start begins a new list."""
+    run = tmp_path / "run"
+    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--save-every", "1", "--output-dir", str(run))
+    ppo.main(argv[:])
+    config = json.loads((run / "config.json").read_text())
+    assert config["segments"] == [{"from_step": 1, "device": "cpu", "world_size": 1}]
+    config["segments"][0]["device"] = "cuda"  # as if its first iteration had run on a GPU
+    common.write_json(run / "config.json", config)
+    ppo.main(argv + ["--steps", "2", "--resume"])
+    ppo.main(argv + ["--steps", "2", "--resume"])  # finished: nothing left to run
+    segments = json.loads((run / "config.json").read_text())["segments"]
+    assert [(g["from_step"], g["device"]) for g in segments] == [(1, "cuda"), (2, "cpu"), (3, "cpu")]
+    ppo.main(argv + ["--overwrite"])
+    assert [g["from_step"] for g in json.loads((run / "config.json").read_text())["segments"]] == [1]
+
+
 def test_an_sft_start_is_keyed_by_its_base_models_content(tmp_path, tiny_model_dir):
     """sft.json records the base model's content, not only its path: a base rebuilt in the same folder makes the SFT
     start there one of other settings (refused; --overwrite retrains it), never silently reused."""
