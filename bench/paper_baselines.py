@@ -485,8 +485,8 @@ def print_setting(annotator: str, res: dict, steps: int) -> dict:
             verdicts[row] = ours
         lines.append(f"| {row} | " + " | ".join(cells) + f" | {ROWS[row]} | {ours} |")
     print("\n".join(lines))
-    if devices_line(rows):
-        print(devices_line(rows))
+    if where := devices_line(rows):
+        print(where)
     claim = {}
     for name in ("Text2Grad", "Text2Grad, annotator online"):
         mine, bt = rows[name], rows["PPO (BT RM)"]
