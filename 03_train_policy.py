@@ -1168,12 +1168,12 @@ def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, val
     elif rank == 0 and kind == "replace":
         print(f"{out_dir}: the run there is replaced (--overwrite, or a rerun of the zero-flag demo)", file=sys.stderr)
     if rank == 0:  # one segment per invocation, so a run resumed elsewhere still says where its iterations ran
-        old = json.loads((out_dir / "config.json").read_text()) if kind == "resume" and \
-            (out_dir / "config.json").is_file() else {}
-        earlier = old.get("segments", [{"from_step": 1, "device": old["device"], "world_size": old.get(
-            "world_size", 1)}] if "device" in old else [])
-        segments = [*earlier, {"from_step": last + 1, "device": config.get("device"), "world_size": world}]
-        common.write_json(out_dir / "config.json", {**config, "world_size": world, "segments": segments})
+        config_file = out_dir / "config.json"
+        old = json.loads(config_file.read_text()) if kind == "resume" and config_file.is_file() else {}
+        if "device" in old and "segments" not in old:  # a run from before segments: its one invocation
+            old["segments"] = [{"from_step": 1, "device": old["device"], "world_size": old.get("world_size", 1)}]
+        this = {"from_step": last + 1, "device": config.get("device"), "world_size": world}
+        common.write_json(config_file, {**config, "world_size": world, "segments": [*old.get("segments", []), this]})
     return last + 1, kl_coef
 
 

@@ -1609,6 +1609,11 @@ def test_a_resumed_run_keeps_where_its_earlier_iterations_ran(tmp_path, tiny_mod
     ppo.main(argv + ["--steps", "2", "--resume"])  # finished: nothing left to run
     segments = json.loads((run / "config.json").read_text())["segments"]
     assert [(g["from_step"], g["device"]) for g in segments] == [(1, "cuda"), (2, "cpu"), (3, "cpu")]
+    del config["segments"]  # a run from before segments: config.json has only its --device
+    common.write_json(run / "config.json", {**config, "device": "cuda"})
+    ppo.main(argv + ["--steps", "2", "--resume"])
+    segments = json.loads((run / "config.json").read_text())["segments"]
+    assert [(g["from_step"], g["device"]) for g in segments] == [(1, "cuda"), (3, "cpu")]
     ppo.main(argv + ["--overwrite"])
     assert [g["from_step"] for g in json.loads((run / "config.json").read_text())["segments"]] == [1]
 
