@@ -39,6 +39,8 @@ from collections import Counter
 from pathlib import Path
 
 import common
+from infra import models, serving
+from tasks.data import DATA_FILE_SUFFIXES, read_rows
 from tasks import plugin
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mista
 
 def dataset_rows(args) -> list[tuple[str, dict]]:
     """[(where, row)] of --dataset, or of the demo's records without it: `where` names the file and line (or record)
-    for error messages (common.read_rows)."""
+    for error messages (tasks.data.read_rows)."""
     if args.dataset is None:
         from tasks.demo import demo_dataset
         split, n, mistakes = DEMO_ANNOTATE
@@ -157,16 +159,16 @@ def dataset_rows(args) -> list[tuple[str, dict]]:
         path = next((f for f in found if f.is_file()), None)
         if path is None:
             raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
-        return common.read_rows(str(path))
-    if args.task == "summarization" and not path.name.endswith(common.DATA_FILE_SUFFIXES):
+        return read_rows(str(path))
+    if args.task == "summarization" and not path.name.endswith(DATA_FILE_SUFFIXES):
         try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
             from huggingface_hub import hf_hub_download
             local = hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")
         except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
             raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: "
                                    f"{common.first_line(e)})") from None
-        return common.read_rows(local)
-    return common.read_rows(args.dataset, args.split if args.limit is None else f"{args.split}[:{args.limit}]")
+        return read_rows(local)
+    return read_rows(args.dataset, args.split if args.limit is None else f"{args.split}[:{args.limit}]")
 
 
 def field(row: dict, name: str, where: str) -> str:
@@ -245,7 +247,7 @@ def load_generator(args):
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return common.load_model(args.generate_with, device=device, dtype=args.dtype)
+        return models.load_model(args.generate_with, device=device, dtype=args.dtype)
     except common.DataError as e:
         raise common.DataError(f"--generate-with {e}") from None
 
@@ -254,9 +256,9 @@ def generate_responses(records: list[dict], args, generator) -> None:
     """Fill `response` by sampling the policy `generator` (load_generator; Alg. 1 line 6): batched, left-padded."""
     import torch
     model, tok = generator
-    prompts = [common.apply_template(tok, r["prompt"], "auto" if args.chat_template else "off") for r in records]
+    prompts = [models.apply_template(tok, r["prompt"], "auto" if args.chat_template else "off") for r in records]
     torch.manual_seed(args.seed)
-    ids = common.generate(model, tok, prompts, args.max_new_tokens, temperature=args.temperature,
+    ids = models.generate(model, tok, prompts, args.max_new_tokens, temperature=args.temperature,
                           batch_size=args.gen_batch_size, desc="generate")
     for rec, seq in zip(records, ids):
         rec["response"] = tok.decode(seq, skip_special_tokens=True)
@@ -375,12 +377,12 @@ FATAL_REPEATS = 5  # the same 4xx for the first this many records, none ok: ever
 
 
 def sampling(args) -> dict:
-    """The parameters every critic request carries (the preflight, common.check_server, sends the same)."""
+    """The parameters every critic request carries (the preflight, infra.serving.check_server, sends the same)."""
     return {"temperature": args.critic_temperature, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
 
 
 async def chat(client, messages: list[dict], args, usage: Counter, rng: random.Random) -> str:
-    """The critic's reply, sent again on 408/409/429/5xx and connection errors (common.retry_delay: Retry-After,
+    """The critic's reply, sent again on 408/409/429/5xx and connection errors (infra.serving.retry_delay: Retry-After,
     else backoff with jitter), never on a timeout. 401/403/404: FatalAPIError; any other failure: RecordError."""
     import openai
     from openai.types.chat import ChatCompletion
@@ -388,23 +390,23 @@ async def chat(client, messages: list[dict], args, usage: Counter, rng: random.R
     try:
         # client.post, not client.chat.completions.create: the same request and typed response, minus the SDK's
         # per-request TypedDict transform (~2 ms of CPU here), which would cap throughput at 16 requests in flight
-        resp = await common.send_with_retries(lambda: client.post("/chat/completions", body=body,
+        resp = await serving.send_with_retries(lambda: client.post("/chat/completions", body=body,
                                                                    cast_to=ChatCompletion),
                                               args.max_retries, rng, args.backoff_base, args.backoff_max)
     except openai.APIStatusError as e:
         if e.status_code in (401, 403, 404):
-            raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: {common.api_error(e)}") from None
-        raise RecordError(common.api_error(e)) from None
+            raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: {serving.api_error(e)}") from None
+        raise RecordError(serving.api_error(e)) from None
     except openai.APIError as e:  # connection errors and timeouts
-        raise RecordError(common.api_error(e)) from None
+        raise RecordError(serving.api_error(e)) from None
     if resp.usage is not None:
         usage["prompt_tokens"] += resp.usage.prompt_tokens or 0
         usage["completion_tokens"] += resp.usage.completion_tokens or 0
-    return common.redact(resp.choices[0].message.content or "") if resp.choices else ""  # a server may echo the key
+    return serving.redact(resp.choices[0].message.content or "") if resp.choices else ""  # a server may echo the key
 
 
 async def annotate_openai(todo: list[dict], args, sink) -> None:
-    client = common.openai_client(args.base_url, args.timeout)  # no SDK retries: ours (chat) are explicit and tested
+    client = serving.openai_client(args.base_url, args.timeout)  # no SDK retries: ours (chat) are explicit and tested
     rng, queue = random.Random(args.seed), list(reversed(todo))
     if args.task == "code":  # the critic sees the tests' verdict (the sandbox's, tasks/code.py)
         from tasks.code import run_completion
@@ -538,7 +540,7 @@ def prices_usd(args) -> tuple[float, float] | None:
 def main(argv=None) -> dict:
     args, start = parse_args(argv), time.perf_counter()  # elapsed_s: the whole run
     output = Path(args.output)
-    common.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
+    models.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
 
     # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
     records = to_records(dataset_rows(args), args)
@@ -559,7 +561,7 @@ def main(argv=None) -> dict:
     print(f"{len(records)} records, {len(records) - len(todo)} already in {output}, {len(todo)} to annotate "
           f"with the {args.annotator} critic" + (f" ({args.model})" if args.annotator == "openai" else ""))
     if todo and args.annotator == "openai":  # one cheap request first: a wrong endpoint fails here, in one line
-        common.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2),
+        serving.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2),
                             params=sampling(args))
     generator = load_generator(args) if todo and args.generate_with else None
     if args.task == "demo" and args.dataset is None:  # the later stages' inputs, once the run can start
@@ -606,5 +608,5 @@ if __name__ == "__main__":
         summary = main()
         sys.exit(1 if summary["records"] and not summary["ok"] else 0)  # nothing annotated: report_failures says why
     except (common.DataError, FatalAPIError) as e:  # bad input, or an endpoint that refuses every request
-        print(f"error: {common.redact(str(e))}", file=sys.stderr)
+        print(f"error: {serving.redact(str(e))}", file=sys.stderr)
         sys.exit(2)

@@ -32,7 +32,7 @@ objective).
 
 The output directory holds the LoRA adapter (adapter_config.json + weights), the tokenizer, reward_model.json (base
 model, format, the input and critique budgets that 03 and 04 use it with, training summary), eval.json,
-eval_samples.jsonl and checkpoints/; common.load_model(DIR) and `03_train_policy.py --reward-model DIR` need nothing
+eval_samples.jsonl and checkpoints/; infra.models.load_model(DIR) and `03_train_policy.py --reward-model DIR` need nothing
 else.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 import common
+from infra import models, reward_models, runs
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments. Every training default comes from the --task preset below; any flag overrides its preset value.
@@ -122,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="a fresh run replaces the reward model (and checkpoints) "
                    "in --output-dir\n(without it: refused, but for the literal zero-flag demo's runs/demo/reward_model)"
                    ". A folder holding\nfiles stage 2 did not write is always refused")
-    # reward-model generation for the span metrics (the same call stage 3 makes: common.rm_critique)
+    # reward-model generation for the span metrics (the same call stage 3 makes: infra.reward_models.rm_critique)
     p.add_argument("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's "
                    "default (reward_model.json)")
     p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
@@ -209,7 +210,7 @@ def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | 
     input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4), or
     the span JSON alone with rm_format "spans-only" (w/o CoT).
     Prompt and target are tokenized separately, exactly as the model sees them at inference (it generates z after the
-    prompt's last token). The input is cut as 03 and 04 cut it (common.rm_prompt) to max_prompt_tokens, main()'s
+    prompt's last token). The input is cut as 03 and 04 cut it (infra.reward_models.rm_prompt) to max_prompt_tokens, main()'s
     --max-len minus --max-new-tokens (reward_model.json), and further where a longer target would not fit in max_len
     beside it. Cutting loses the start of the task prompt: never the instruction, the response or the target, which
     the spans are quoted from. If even an empty task prompt does not fit, the example is dropped.
@@ -217,7 +218,7 @@ def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | 
     target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"], rm_format),
                        add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     budget = min(max_prompt_tokens or max_len, max_len - len(target))
-    prompt_ids, _, status = common.rm_prompt(tokenizer, rec["prompt"], rec["response"], budget, rm_format)
+    prompt_ids, _, status = reward_models.rm_prompt(tokenizer, rec["prompt"], rec["response"], budget, rm_format)
     if status == "too_long":
         return None, status
     return {"input_ids": prompt_ids + target, "labels": [-100] * len(prompt_ids) + target}, status
@@ -256,19 +257,19 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluation: greedy critiques of the val split (common.rm_critique, as in stage 3) scored against the annotations
+# Evaluation: greedy critiques of the val split (infra.reward_models.rm_critique, as in stage 3) scored against the annotations
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32,
                 max_prompt_tokens: int | None = None, rm_format: str = "critique+spans"):
-    """(metrics, raw outputs) of the reward model on `records` (common.rm_span_metrics, paper Tables 1 and 6).
-    Its input is cut as in training and in 03 and 04 (common.rm_prompt) to max_prompt_tokens.
+    """(metrics, raw outputs) of the reward model on `records` (infra.reward_models.rm_span_metrics, paper Tables 1 and 6).
+    Its input is cut as in training and in 03 and 04 (infra.reward_models.rm_prompt) to max_prompt_tokens.
 
     Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
     gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
     """
-    outputs = common.rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
+    outputs = reward_models.rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
                                  max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split",
                                  max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
     items = []
@@ -276,7 +277,7 @@ def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batc
         text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
             "input_ids"])
         items.append({"text": text, "offsets": offsets, **{k: rec[k] for k in ("good_spans", "poor_spans")}})
-    metrics = common.rm_span_metrics(items, outputs)
+    metrics = reward_models.rm_span_metrics(items, outputs)
     metrics["gold_critique_words"] = sum(len(r["critique"].split()) for r in records) / max(1, len(records))
     return metrics, outputs
 
@@ -300,15 +301,15 @@ def print_table(m: dict) -> None:
 
 def save_reward_model(model, args, out: Path, summary: dict) -> None:
     """Adapter weights and config (full fine-tuning: the whole model, loadable like any model directory), the base
-    tokenizer and reward_model.json, written to a temp folder that then replaces `out` (common.save_pretrained; the
+    tokenizer and reward_model.json, written to a temp folder that then replaces `out` (infra.runs.save_pretrained; the
     Trainer's checkpoints/ move over, for --resume): killed while saving, `out` still holds the previous reward model
-    whole. A folder with reward_model.json is a complete stage-2 output (common.check_reward_model).
+    whole. A folder with reward_model.json is a complete stage-2 output (infra.reward_models.check_reward_model).
 
-    The tokenizer is saved as the base model ships it: common.load_model adds the same pad token (and resizes the
+    The tokenizer is saved as the base model ships it: infra.models.load_model adds the same pad token (and resizes the
     embeddings the same way) when it loads the reward model, so the adapter never needs to carry embedding rows.
     """
     from transformers import AutoTokenizer
-    common.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
+    runs.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
                            keep=("checkpoints",), owns=OWNS, **({"save_embedding_layers": False}
                                                                if hasattr(model, "peft_config") else {}))
 
@@ -317,18 +318,18 @@ OWNS = ("eval.json", "eval_samples.jsonl")  # what stage 2 writes beside the sav
 
 
 def check_output_dir(args) -> None:
-    """Before anything is trained: --output-dir holds nothing stage 2 did not write (common.check_save_dir), and a
-    reward model there is continued or replaced only when asked (common.start_kind: --resume, --overwrite, or the
+    """Before anything is trained: --output-dir holds nothing stage 2 did not write (infra.runs.check_save_dir), and a
+    reward model there is continued or replaced only when asked (infra.runs.start_kind: --resume, --overwrite, or the
     literal zero-flag demo). DataError otherwise."""
     from transformers.trainer_utils import get_last_checkpoint
     out = Path(args.output_dir)
-    common.check_save_dir(out, (*OWNS, "checkpoints"), "reward_model.json", "--output-dir ")
+    runs.check_save_dir(out, (*OWNS, "checkpoints"), "reward_model.json", "--output-dir ")
     if args.merge:
-        common.check_save_dir(args.merge, marker="reward_model.json", flag="--merge ")
+        runs.check_save_dir(args.merge, marker="reward_model.json", flag="--merge ")
     ckpt = out / "checkpoints"
     resumable = ckpt.is_dir() and get_last_checkpoint(str(ckpt)) is not None  # (an empty checkpoints/ is no run)
     held = ["reward_model.json"] * (out / "reward_model.json").is_file() + ["checkpoints"] * resumable
-    common.start_kind(out, args.resume, args.overwrite, held, "checkpoints/", resumable, args.zero_flag)
+    runs.start_kind(out, args.resume, args.overwrite, held, "checkpoints/", resumable, args.zero_flag)
 
 
 def merge_untied(model):
@@ -354,15 +355,15 @@ def merge_untied(model):
 def merge_reward_model(rm_dir, out_dir, dtype: str = "float32") -> Path:
     """The reward model at rm_dir (stage 2's output) as a plain model folder at out_dir that any OpenAI-compatible
     server can serve: its LoRA adapter merged into the base weights (full fine-tuning: the weights as they are), in
-    `dtype`, loaded as stage 3 loads it (common.load_model: the same pad token, a generation_config of stop ids only,
+    `dtype`, loaded as stage 3 loads it (infra.models.load_model: the same pad token, a generation_config of stop ids only,
     so a server adds no sampling settings of the hub's); its tokenizer; and its reward_model.json with "merged_from",
     so that --reward-model out_dir cuts the input and budgets critiques as stage 2 trained it. Returns out_dir."""
-    model, tokenizer = common.load_model(str(rm_dir), dtype=dtype)
+    model, tokenizer = models.load_model(str(rm_dir), dtype=dtype)
     if hasattr(model, "peft_config"):
         model = merge_untied(model)
     info = json.loads((Path(rm_dir) / "reward_model.json").read_text()) if (Path(rm_dir) / "reward_model.json"
                                                                             ).is_file() else {}
-    return common.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from":
+    return runs.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from":
                                                                                     str(rm_dir)}})
 
 
@@ -432,7 +433,7 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
 def main(args: argparse.Namespace) -> dict:
     from transformers import set_seed
 
-    common.check_model_path(args.model, "--model ")  # a typo'd folder: one line, at once
+    models.check_model_path(args.model, "--model ")  # a typo'd folder: one line, at once
     check_output_dir(args)
     if args.objective != "generative":  # a scalar reward model: the paper's PPO and PRM-PPO baselines
         from baselines.scalar_rm import main_scalar
@@ -450,10 +451,10 @@ def main(args: argparse.Namespace) -> dict:
 
     # ---- model: base causal LM + LoRA adapter (Alg. 3: only the adapter is trained) ----
     set_seed(args.seed)
-    model, tokenizer = common.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
+    model, tokenizer = models.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
     model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
     if args.lora_r > 0:
-        model = common.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save)
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"model {args.model}: " + (f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
@@ -483,7 +484,7 @@ def main(args: argparse.Namespace) -> dict:
         "data": str(data), "objective": "generative", "rm_format": args.rm_format,
         "prompt_format": common.RM_PROMPT_FORMAT,
         "target_format": common.RM_TARGET_FORMAT,
-        # how 03 and 04 use it (common.rm_settings): the input cut to this many tokens, as in training; critiques
+        # how 03 and 04 use it (infra.reward_models.rm_settings): the input cut to this many tokens, as in training; critiques
         # of up to max_new_tokens, as in the evaluation below
         "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
@@ -509,7 +510,7 @@ def main(args: argparse.Namespace) -> dict:
             f"{len(val_recs)} (--val-frac {args.val_frac:g} of {len(records)} usable records)")
     metrics = {"n": 0}
     if eval_recs:
-        rm, rm_tok = common.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
+        rm, rm_tok = models.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
         t1 = time.time()
         metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size,
                                        max_prompt_tokens, args.rm_format)

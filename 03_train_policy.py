@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 import common
+from infra import decoding, models, reward_models, runs, serving
 from tasks import plugin
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
@@ -51,11 +52,11 @@ PRESETS = {
                  reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
                  scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32, max_new_tokens=32, lr=1e-3,
                  lora_r=16, lora_alpha=32, kl_coef=0.2, ppo_epochs=2, num_minibatches=2,
-                 critic_max_new_tokens=common.critique_tokens("demo"), warmup_steps=0, trace_samples=3),
+                 critic_max_new_tokens=reward_models.critique_tokens("demo"), warmup_steps=0, trace_samples=3),
     "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
                     sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
                     steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
-                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=common.critique_tokens("qa"),
+                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=reward_models.critique_tokens("qa"),
                     warmup_steps=0, trace_samples=0)}
 
 
@@ -124,7 +125,7 @@ def parse_args(argv=None):
     a("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     a("--critic-model", default="gpt-4o", help="model name at that endpoint")
     a("--critic-api", default="chat", choices=["chat", "completions"], help="chat: one user message (the server "
-      "applies the chat template);\ncompletions: the exact text of common.rm_prompt (--reward-model's tokenizer if "
+      "applies the chat template);\ncompletions: the exact text of infra.reward_models.rm_prompt (--reward-model's tokenizer if "
       "given,\nelse the plain template), less a leading BOS the server adds itself. Either API: with\n"
       "--reward-model, the task prompt is cut as stage 2 cut it (reward_model.json)")
     a("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai (a local server: "
@@ -144,7 +145,7 @@ def parse_args(argv=None):
                                                "\ncome from the truncated distribution, PPO scores the full one")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
     a("--compile-generation", action=argparse.BooleanOptionalAction, default=False, help="rollouts and the local "
-      "critic's critiques by common.static_decode: a static KV cache and the\ndecode step under torch.compile; the "
+      "critic's critiques by infra.decoding.static_decode: a static KV cache and the\ndecode step under torch.compile; the "
       "same tokens as generate() in every float32 CPU run measured,\nnot guaranteed (rounding may flip a sampled "
       "token; bench/gpu_recipe.py --phases tokens\nmeasures it on a GPU); compiled once per prompt-width bucket: "
       "seconds on a CPU, a minute\nfor an 8B model; --no-compile-generation: generate() and greedy_generate as they "
@@ -220,7 +221,7 @@ def parse_args(argv=None):
         args.reward_model = None
     # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
     # unless given, critiques as long as those stage 2 evaluated (a shorter limit cuts them before their span JSON)
-    settings = common.rm_settings(args.reward_model if args.critic != "program" else None)
+    settings = reward_models.rm_settings(args.reward_model if args.critic != "program" else None)
     args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
     args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
@@ -239,7 +240,7 @@ def parse_args(argv=None):
                                f"--grad-accum = {shards}")
     if args.critic in SCALAR_CRITICS:  # before any training: a generative reward model here (or none) is refused
         objective, use = SCALAR_CRITICS[args.critic]
-        common.check_reward_model(args.reward_model, objective=objective, use=use)
+        reward_models.check_reward_model(args.reward_model, objective=objective, use=use)
         if args.labels == "dense" or args.span_weighting != "uniform":
             raise common.DataError(f"--critic {args.critic}: --labels and --span-weighting relabel spans, it has none")
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
@@ -430,7 +431,7 @@ def autocast(device: str, dtype: str):
     step); for LoRA the frozen base is stored in `dtype` and autocast only matches the adapter's float32 to it."""
     if dtype == "float32":
         return contextlib.nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=common.torch_dtype(dtype))
+    return torch.autocast(torch.device(device).type, dtype=models.torch_dtype(dtype))
 
 
 def grad_scaler(device: str, dtype: str):
@@ -536,14 +537,14 @@ def build_policy(args, model):
     ref_model = None
     if args.ref_adapter:
         from peft import PeftModel
-        with common.peft_wraps_quietly():
+        with models.peft_wraps_quietly():
             model = PeftModel.from_pretrained(model, args.ref_adapter, adapter_name="ref")
         model.load_adapter(args.ref_adapter, adapter_name="default", is_trainable=True)
         model.set_adapter("default")
     elif args.lora_r > 0:
-        model = common.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
     else:  # full fine-tuning: the frozen reference needs no float32 master weights
-        ref_model = copy.deepcopy(model).to(common.torch_dtype(args.dtype)).eval().requires_grad_(False)
+        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
     if args.gradient_checkpointing:
         # (it also makes the embeddings' output require grad, by a hook: calling that again would add a second one)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -565,7 +566,7 @@ def _parse(raw):
     failed = lambda error, output: {"critique": None, "good_spans": [], "poor_spans": [],  # noqa: E731
                                     "critic_error": error, "critic_output": output}
     if isinstance(raw, Exception):
-        return failed(common.api_error(raw), None)
+        return failed(serving.api_error(raw), None)
     try:
         return common.parse_feedback(raw)
     except ValueError as e:
@@ -603,7 +604,7 @@ def critique_failed(fb) -> bool:
 
 def check_critic(args) -> None:
     """--critic openai: one cheap request to the served critic before any training, so that a wrong model name, a
-    dead port, a 4xx or a missing key stops the run here in one line (common.check_server). --critic program or
+    dead port, a 4xx or a missing key stops the run here in one line (infra.serving.check_server). --critic program or
     python:...: the function is imported and called on the first prompt (tasks/plugin.py: preflight), so that a
     module that does not import, a missing function or a wrong return stops it here in one line too."""
     if args.critic == "program" or plugin.is_plugin(args.critic):
@@ -614,7 +615,7 @@ def check_critic(args) -> None:
             raise common.DataError(f"--critic {label} returns located intervals with their own rewards: --labels "
                                    "dense and --span-weighting relabel quotes")
     if args.critic == "openai":
-        common.check_server(args.critic_base_url, args.critic_model, args.critic_api, args.critic_timeout,
+        serving.check_server(args.critic_base_url, args.critic_model, args.critic_api, args.critic_timeout,
                             args.critic_retries, "--critic-base-url",
                             {"temperature": 0.0, "max_tokens": args.critic_max_new_tokens})  # as the critic sends
 
@@ -632,16 +633,16 @@ def make_critic(args):
         fn, label = plugin.load_critic(args.critic, args.task, "--critic")
         return lambda recs, texts: plugin.call(fn, label, recs, texts)  # a raise: that rollout's critic_error
     if args.critic == "local":
-        rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype)
-        return lambda recs, texts: [_parse(x) for x in common.rm_critique(
+        rm, rm_tok = models.load_model(args.reward_model, device=args.device, dtype=args.dtype)
+        return lambda recs, texts: [_parse(x) for x in reward_models.rm_critique(
             rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
             max_prompt_tokens=args.critic_max_prompt_tokens, rm_format=args.critic_rm_format,
             compile=args.compile_generation)]
     rm_tok = None  # with --reward-model, the served reward model gets its training input, cut alike (either API)
-    if args.reward_model:  # a stage-2 output (train() checked it: common.check_reward_model)
+    if args.reward_model:  # a stage-2 output (train() checked it: infra.reward_models.check_reward_model)
         from transformers import AutoTokenizer
         rm_tok = AutoTokenizer.from_pretrained(args.reward_model)
-    return lambda recs, texts: [_parse(x) for x in common.rm_critique_served(
+    return lambda recs, texts: [_parse(x) for x in serving.rm_critique_served(
         [r["prompt"] for r in recs], texts, args.critic_base_url, args.critic_model, args.critic_max_new_tokens,
         args.critic_concurrency, args.critic_api, rm_tok, args.critic_max_prompt_tokens, args.critic_rm_format,
         args.critic_timeout, args.critic_retries)]
@@ -673,11 +674,11 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
     """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
     settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
     Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
-    query, query_mask = (x.to(args.device) for x in common.left_pad(queries, tokenizer.pad_token_id))
+    query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
     with torch.no_grad(), autocast(args.device, args.dtype):
         if args.compile_generation:  # the same tokens from the same random numbers, at the compiled model's speed
-            response = common.generate_static(model, query, query_mask, gen_config)                          # (B, T)
+            response = decoding.generate_static(model, query, query_mask, gen_config)                          # (B, T)
         else:
             response = model.generate(input_ids=query, attention_mask=query_mask,
                                       generation_config=gen_config)[:, query.shape[1]:]                      # (B, T)
@@ -988,14 +989,14 @@ def sft_warm_start(args, rank: int, resuming: bool = False) -> str:
         return str(sft_dir)
     barrier()  # every rank has decided before rank 0 replaces the folder
     if rank == 0:
-        model, tokenizer = common.load_model(args.model, device=device,
+        model, tokenizer = models.load_model(args.model, device=device,
                                              dtype=dtype if lora_r > 0 else "float32")  # full FT: fp32 master weights
         if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
-            model = common.add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
+            model = models.add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
         records = common.read_jsonl(args.sft_data, required=("prompt", args.sft_field))
         if not records:
             raise common.DataError(f"{args.sft_data}: no records")
-        examples = [(common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens),
+        examples = [(models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens),
                      tokenizer(r[args.sft_field], add_special_tokens=False)["input_ids"][:args.max_new_tokens]
                      + [tokenizer.eos_token_id]) for r in records]
         model.train()
@@ -1003,7 +1004,7 @@ def sft_warm_start(args, rank: int, resuming: bool = False) -> str:
         scaler, gen = grad_scaler(device, dtype), torch.Generator().manual_seed(args.seed)
         for _ in (bar := tqdm(range(args.sft_steps), desc="SFT warm start")):
             batch = [examples[i] for i in torch.randint(len(examples), (args.sft_batch_size,), generator=gen).tolist()]
-            ids, attn = common.left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
+            ids, attn = models.left_pad([p + y for p, y in batch], tokenizer.pad_token_id)
             labels = ids.masked_fill(attn == 0, -100)
             for i, (p, y) in enumerate(batch):
                 labels[i, : ids.shape[1] - len(y)] = -100                          # no loss on the prompt
@@ -1019,7 +1020,7 @@ def sft_warm_start(args, rank: int, resuming: bool = False) -> str:
             opt.zero_grad(set_to_none=True)
             bar.set_postfix(loss=f"{loss.item():.3f}")
         model.eval()
-        common.save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer,
+        runs.save_pretrained(sft_dir, model.merge_and_unload() if lora_r > 0 else model, tokenizer,
                                files={"sft.json": settings})
     barrier(timeout_h=24)  # the other ranks wait for rank 0's SFT, however long it takes
     return str(sft_dir)
@@ -1027,10 +1028,10 @@ def sft_warm_start(args, rank: int, resuming: bool = False) -> str:
 
 def sft_settings(args, lora_r: int) -> dict:
     """What an SFT start is made of (sft.json in --sft-output-dir): its flags, the SFT data's content hash and, for a
-    local --model, its content (common.content_fingerprint: a base rebuilt in the same folder is another start)."""
+    local --model, its content (infra.runs.content_fingerprint: a base rebuilt in the same folder is another start)."""
     keys = ("model", "sft_field", "sft_steps", "sft_lr", "sft_batch_size", "lora_targets", "seed", "max_new_tokens",
             "max_prompt_tokens", "chat_template", "dtype", "max_grad_norm")
-    content = common.content_fingerprint(args.model) if Path(args.model).exists() else None  # a hub id: its name
+    content = runs.content_fingerprint(args.model) if Path(args.model).exists() else None  # a hub id: its name
     return json.loads(json.dumps({**{k: getattr(args, k) for k in keys}, "sft_lora_r": lora_r,  # as sft.json reads
                                   "sft_data_sha256": hashlib.sha256(Path(args.sft_data).read_bytes()).hexdigest(),
                                   "model_content": content}))
@@ -1047,7 +1048,7 @@ def reuse_sft(sft_dir: Path, settings: dict, retrain: bool, log, resuming: bool 
         if resuming:
             raise common.DataError(f"--resume: the run's SFT start {sft_dir} is gone: its checkpoint cannot continue "
                                    "on another one (--overwrite starts the run again)")
-        common.check_save_dir(sft_dir, marker="sft.json", flag="--sft-output-dir ")
+        runs.check_save_dir(sft_dir, marker="sft.json", flag="--sft-output-dir ")
         return False
     made = json.loads((sft_dir / "sft.json").read_text()) if (sft_dir / "sft.json").is_file() else None
     if made is None or made == settings:
@@ -1131,13 +1132,13 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.jsonl", "checkpoint.pt", "
 
 
 def start_kind(out_dir, resume: bool, overwrite: bool, zero_flag: bool = False) -> str:
-    """How a run starts in out_dir (common.start_kind): "resume" (--resume, and a checkpoint there), "fresh" (no run
+    """How a run starts in out_dir (infra.runs.start_kind): "resume" (--resume, and a checkpoint there), "fresh" (no run
     there) or "replace" (a run there, which --overwrite gives up, or one of the zero-flag demo's own two folders on a
     rerun of the literal zero-flag command, `zero_flag`: a command with any flag never replaces them). Anything else
     is refused (DataError)."""
     out_dir = Path(out_dir)
     demo = [Path(PRESETS["demo"][key]).resolve() for key in ("output_dir", "scalar_baseline_dir")]
-    return common.start_kind(out_dir, resume, overwrite, [name for name in RUN_FILES if (out_dir / name).exists()],
+    return runs.start_kind(out_dir, resume, overwrite, [name for name in RUN_FILES if (out_dir / name).exists()],
                              "checkpoint.pt", (out_dir / "checkpoint.pt").is_file(),
                              zero_flag and out_dir.resolve() in demo)
 
@@ -1187,10 +1188,10 @@ def train(args):
     from tqdm.auto import tqdm
 
     if args.critic == "local" or (args.critic == "openai" and args.reward_model):
-        common.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
+        reward_models.check_reward_model(args.reward_model)  # a broken reward model fails here, before any training
     check_critic(args)  # so does a served critic that cannot answer
     for flag, path in (("--model ", args.model), ("--ref-adapter ", args.ref_adapter)):
-        common.check_model_path(path, flag)  # and a typo'd folder: one line, at once
+        models.check_model_path(path, flag)  # and a typo'd folder: one line, at once
     if args.sft_data and args.sft_steps > 0 and not Path(args.sft_data).is_file():  # the demo preset's, without stage 1
         raise common.DataError(f"--sft-data {args.sft_data}: no such file (stage 1 writes the demo's; --sft-steps 0 "
                                "skips the warm start)")
@@ -1202,9 +1203,9 @@ def train(args):
     np.random.seed(args.seed)
     records = read_prompts(args.prompts, args.task, args.critic)
     start = sft_warm_start(args, rank, kind == "resume") if args.sft_data and args.sft_steps > 0 else args.model
-    model, tokenizer = common.load_model(start, device=args.device,
+    model, tokenizer = models.load_model(start, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
-    queries = [common.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
+    queries = [models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
                for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
     scorer, ref_scorer = compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
@@ -1220,8 +1221,8 @@ def train(args):
     local_bs = args.batch_size // world                                   # rollouts of this rank
     micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
-    gen_config = common.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
-    stop = torch.tensor(common.stop_ids(model), device=args.device)
+    gen_config = models.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
+    stop = torch.tensor(models.stop_ids(model), device=args.device)
     forbid = (stop.tolist(), args.min_new_tokens)
     if args.top_p < 1 and rank == 0:
         print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
@@ -1274,8 +1275,8 @@ def train(args):
             save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank)
     if rank == 0 and costs:
         print_critic_summary(costs, args)
-    if rank == 0:  # the policy: adapter (or full weights), tokenizer and value head, loadable by common.load_model
-        common.save_pretrained(out_dir / "policy", model, tokenizer, {"value_head.pt": value_head.state_dict()},
+    if rank == 0:  # the policy: adapter (or full weights), tokenizer and value head, loadable by infra.models.load_model
+        runs.save_pretrained(out_dir / "policy", model, tokenizer, {"value_head.pt": value_head.state_dict()},
                                **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
     barrier()
     return out_dir / "policy"

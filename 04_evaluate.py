@@ -35,6 +35,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import common
+from infra import models, reward_models, serving
+from tasks.data import read_rows
 from common import DataError
 from tasks import plugin
 
@@ -85,7 +87,7 @@ def parse_args(argv=None):
     # --- reward model and task metrics
     a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
     a("--rm-max-new-tokens", type=int, default=None, help="critique length limit (default: what stage 2 evaluated "
-      "the reward model with, else stage 2's preset: 96 for the demo, 512 (common.critique_tokens))")
+      "the reward model with, else stage 2's preset: 96 for the demo, 512 (infra.reward_models.critique_tokens))")
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
     # --- SFT + reflection (the paper's §4.3 baseline)
     a("--reflect", action="store_true", help="SFT + reflection: each policy's answer is revised once, with a critique "
@@ -141,9 +143,9 @@ def parse_args(argv=None):
 
 def rm_budgets(rm_path, args) -> tuple[int, int | None, str]:
     """(critique budget, input cut, output format) for the reward model at rm_path: as stage 2 trained and evaluated
-    it (common.rm_settings); --rm-max-new-tokens, when given, for every reward model."""
-    settings = common.rm_settings(rm_path)
-    max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or common.critique_tokens(args.task)
+    it (infra.reward_models.rm_settings); --rm-max-new-tokens, when given, for every reward model."""
+    settings = reward_models.rm_settings(rm_path)
+    max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or reward_models.critique_tokens(args.task)
     return max_new_tokens, settings["max_prompt_tokens"], settings["rm_format"]
 
 
@@ -201,9 +203,9 @@ def cached(path: Path, fp: str, items: list[dict], compute, chunk: int, desc: st
 
 
 def load_split(data: str, prompt_field: str, reference_field=None, split="test", limit=None):
-    """[{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet file or a hub dataset (common.read_rows):
+    """[{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet file or a hub dataset (tasks.data.read_rows):
     errors name the file, line and field."""
-    raw = [rec for _, rec in common.read_rows(data, split, tuple(f for f in (prompt_field, reference_field) if f))]
+    raw = [rec for _, rec in read_rows(data, split, tuple(f for f in (prompt_field, reference_field) if f))]
     raw = raw[:limit] if limit is not None else raw
     if not raw:
         raise DataError(f"{data}: no records to evaluate (empty split)")
@@ -247,11 +249,11 @@ def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES)
 
 
 def load(path: str, args, flag: str):
-    """common.load_model, with a missing dir or unknown hub id reported in one line instead of a traceback."""
-    if common.looks_local(path) and not Path(path).exists():  # a local path, not a hub id: don't ask the hub
+    """infra.models.load_model, with a missing dir or unknown hub id reported in one line instead of a traceback."""
+    if models.looks_local(path) and not Path(path).exists():  # a local path, not a hub id: don't ask the hub
         raise DataError(f"{flag}{path}: no such directory")
     try:
-        return list(common.load_model(path, device=args.device, dtype=args.dtype))
+        return list(models.load_model(path, device=args.device, dtype=args.dtype))
     except DataError as e:  # "PATH: cannot load the model: ..." -> "--policy NAME=PATH: cannot load the model: ..."
         raise DataError(f"{flag}{e}") from None
 
@@ -269,8 +271,8 @@ def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[li
             loaded.extend(load(path, args, f"--policy {name}="))
             torch.manual_seed(args.seed)
         model, tok = loaded
-        prompts = [common.policy_prompt(tok, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in chunk]
-        ids = common.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
+        prompts = [models.policy_prompt(tok, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in chunk]
+        ids = models.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
         rows = []
         for rec, x in zip(chunk, ids):
             text, offsets = common.decode_with_offsets(tok, x)  # delta is scored on the policy's own tokens
@@ -296,7 +298,7 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
             # one on embed_tokens would both be merged into the one shared matrix.
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
-        raw = common.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
+        raw = reward_models.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
                                  max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
                                  max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
@@ -325,7 +327,7 @@ def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir) -
                 return demo_critic(rec["prompt"], gen["response"])["critique"]
             from tasks.code import code_critic
             return code_critic(rec["prompt"], gen["response"], rec["test"], args.test_timeout)["critique"]
-        fb = common.rm_scores(gen["response"], gen["offsets"], crit["critique_raw"])[0]
+        fb = reward_models.rm_scores(gen["response"], gen["offsets"], crit["critique_raw"])[0]
         return fb["critique"] or "poor: " + ", ".join(s.strip() for s in fb["poor_spans"])
 
     revise = [{**rec, "prompt": revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
@@ -468,12 +470,12 @@ def score_policy(records, gens, crits, task, monitors=None) -> tuple[dict[str, l
                 raise DataError(f"record {rec['id']}: {e}") from None
             sample.update(demo_scores(rec["prompt"], text, program, d_prog, rec.get("reference", "")))
         if crit is not None:  # the reward model's critique, scored on the policy's tokens as in stage 3
-            fb, delta, rm_rows = common.rm_scores(text, offsets, crit["critique_raw"])
+            fb, delta, rm_rows = reward_models.rm_scores(text, offsets, crit["critique_raw"])
             sample.update(rm_rows)
             if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
                 sample.update(demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
         for name, mon in monitors.items() if program is not None else ():  # other reward models, the same monitor
-            m_fb, m_delta, _ = common.rm_scores(text, offsets, mon[i]["critique_raw"])
+            m_fb, m_delta, _ = reward_models.rm_scores(text, offsets, mon[i]["critique_raw"])
             sample.update({k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v for k, v in
                            demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()})
         for key, row in sample.items():
@@ -529,7 +531,7 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
                 timeout: float = 120.0, retries: int = 6) -> dict:
     """Win/tie/loss of A against B for each pair. Per prompt, a seeded coin decides which answer is shown first; the
     order is recorded with each verdict and undone before scoring, so position bias cancels out. Requests are retried
-    as common.retry_delay says (never after a timeout); one that still fails stops the judge in one line (DataError),
+    as infra.serving.retry_delay says (never after a timeout); one that still fails stops the judge in one line (DataError),
     the verdicts so far cached."""
     from openai import APIError
     results = {}
@@ -539,11 +541,11 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
             content = JUDGE_PROMPT.format(prompt=it["prompt"], a=it["answers"][first], b=it["answers"][second])
             try:
                 async with sem:
-                    reply = await common.send_with_retries(lambda: client.chat.completions.create(
+                    reply = await serving.send_with_retries(lambda: client.chat.completions.create(
                         model=model, temperature=0.0, max_tokens=max_tokens,
                         messages=[{"role": "user", "content": content}]), retries)
             except APIError as e:
-                raise DataError(f"judge request failed: {common.api_error(e)}") from None
+                raise DataError(f"judge request failed: {serving.api_error(e)}") from None
             raw = (reply.choices[0].message.content or "") if reply.choices else ""  # no choices: invalid
             verdict = parse_verdict(raw)
             winner = {"A": first, "B": second, "tie": "tie"}.get(verdict)  # undo the order
@@ -555,7 +557,7 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
         def compute(chunk):
             async def ask_all():
                 sem = asyncio.Semaphore(max(1, concurrency))
-                async with common.openai_client(base_url, timeout, "--judge-base-url") as client:
+                async with serving.openai_client(base_url, timeout, "--judge-base-url") as client:
                     return await asyncio.gather(*[ask(client, sem, it) for it in chunk])
             return asyncio.run(ask_all())
 
@@ -990,7 +992,7 @@ def main(argv=None) -> dict:
         records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit)
     policies = resolve_policies(args.policy)
     for name, path in [*policies.items(), ("", args.reviser)]:  # a typo'd folder: one line, before any generation
-        common.check_model_path(path, f"--policy {name}=" if name else "--reviser ")
+        models.check_model_path(path, f"--policy {name}=" if name else "--reviser ")
     names = list(policies) + [f"{n}+reflect" for n in policies if args.reflect]  # each row: judged, in samples
     pairs = ([tuple(p.split(":", 1)) for p in args.judge_pairs.split(",")] if args.judge_pairs else
              [(names[j], names[i]) for j in range(len(names)) for i in range(j)])  # later policy vs earlier one
@@ -1009,12 +1011,12 @@ def main(argv=None) -> dict:
     monitors = parse_named(args.monitor_reward_model, "--monitor-reward-model")
     for rm_path, flag in [(args.reward_model, "--reward-model ")] * bool(args.reward_model) + [
             (p, f"--monitor-reward-model {n}=") for n, p in monitors.items()]:
-        common.check_reward_model(rm_path, flag)  # before any generation
+        reward_models.check_reward_model(rm_path, flag)  # before any generation
     watchers = [plugin.load_critic(spec, args.task, "--monitor") for spec in args.monitor]  # so are the plug-ins,
     for fn, label in watchers if records else ():  # each called on one record (tasks/plugin.py: preflight)
         plugin.preflight(fn, label, records[0], plugin.probe_response(records[0]), "--monitor")
     if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
-        common.check_server(args.judge_base_url, args.judge_model, "chat", args.judge_timeout,
+        serving.check_server(args.judge_base_url, args.judge_model, "chat", args.judge_timeout,
                             min(args.judge_retries, 2), "--judge-base-url",
                             {"temperature": 0.0, "max_tokens": args.judge_max_tokens})  # as judge_pairs sends
 

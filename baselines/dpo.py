@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from infra import models, runs  # noqa: E402
 from baselines import scalar_rm  # noqa: E402
 
 stage2, stage3 = importlib.import_module("02_train_reward"), importlib.import_module("03_train_policy")
@@ -110,7 +111,7 @@ def encode_pairs(tokenizer, pairs: list[dict], chat_template: str, max_prompt_to
     def answer(text):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         return ids[:max_new_tokens] if len(ids) >= max_new_tokens else ids + [tokenizer.eos_token_id]
-    return [(common.policy_prompt(tokenizer, p["prompt"], chat_template, max_prompt_tokens), answer(p["chosen"]),
+    return [(models.policy_prompt(tokenizer, p["prompt"], chat_template, max_prompt_tokens), answer(p["chosen"]),
              answer(p["rejected"])) for p in pairs]
 
 
@@ -118,7 +119,7 @@ def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[
                       dtype: str):
     """(policy, reference) summed log-probs of each answer given its query, each (N,), laid out as 03 lays out
     rollouts (queries left-padded, answers right-padded) and scored by 03's forward and reference_forward."""
-    query, query_mask = common.left_pad(queries, pad_id)
+    query, query_mask = models.left_pad(queries, pad_id)
     T = max(len(y) for y in answers)
     response = torch.full((len(answers), T), pad_id, dtype=torch.long)
     mask = torch.zeros(len(answers), T)
@@ -189,7 +190,7 @@ def main(argv=None) -> dict:
     print(f"{args.data}: {len(pairs)} pairs from {source} -> {len(train_pairs)} train, {len(val_pairs)} val")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    model, tokenizer = common.load_model(args.model, device=args.device,
+    model, tokenizer = models.load_model(args.model, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 else "float32")
     model, ref_model, _ = stage3.build_policy(policy_config(args), model)  # 03's: LoRA, the reference = adapter off
     encode = lambda ps: encode_pairs(tokenizer, ps, args.chat_template, args.max_prompt_tokens,  # noqa: E731
@@ -219,7 +220,7 @@ def main(argv=None) -> dict:
         bar.set_postfix(loss=f"{stats['loss']:.3f}", margin=f"{stats['rewards/margin']:.2f}")
     model.eval()
     common.write_jsonl(out / "metrics.jsonl", rows)
-    common.save_pretrained(out / "policy", model, tokenizer,
+    runs.save_pretrained(out / "policy", model, tokenizer,
                            **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
     metrics = {"n": len(val_set), "steps": steps, "train_s": round(time.time() - t0, 1)}
     if val_set:

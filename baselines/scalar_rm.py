@@ -14,7 +14,7 @@ pairwise: -log sigmoid(r_c - r_r) on chosen / rejected pairs, a dataset's own fi
 with fewer poor spans chosen over the other answer to the same prompt; the held-out pairwise accuracy goes to
 eval.json, and reward_model.json gets score_bias, the mean score of --norm-data's demonstrations (Huang et al. 2024).
 prm: binary cross-entropy of each step's score (clauses; code: blocks) against "no poor span falls in it". Stage 3
-refuses each where the other kind is needed (reward_model.json's objective, common.check_reward_model).
+refuses each where the other kind is needed (reward_model.json's objective, infra.reward_models.check_reward_model).
 
 The file reads top to bottom: the losses; the pairs (DPO's too: baselines/dpo.py); the steps and their labels; the
 model's input and scores, the same in training and in use; training (main_scalar, 02's --objective pairwise | prm);
@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 
 import common
+from infra import models, reward_models
+from tasks.data import read_rows
 
 stage2 = importlib.import_module("02_train_reward")  # its annotations, split, Trainer set-up and saving are shared
 
@@ -113,7 +115,7 @@ def load_pairs(path: str, split: str = "train", prompt_field: str = "prompt", ch
     .json or .parquet file, or a hub id such as HuggingFaceH4/ultrafeedback_binarized) gives its own pairs
     (dataset_pairs); annotations of 01_annotate.py give one pair per prompt, fewer poor spans (tests passed)
     winning (preference_pairs, App. N). DataError naming the file, line and field on a bad record."""
-    rows = common.read_rows(path, split)
+    rows = read_rows(path, split)
     if not rows:
         raise common.DataError(f"{path}: no records")
     where, first = rows[0]
@@ -179,10 +181,10 @@ def token_at(offsets: list[tuple[int, int]], end: int) -> int:
 
 def scalar_rm_input(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None):
     """A scalar reward model's input, the same in training (02) and in use (03): the prompt as a policy with this
-    tokenizer sees it (common.policy_prompt: its chat template if it has one, cut from the start to
+    tokenizer sees it (infra.models.policy_prompt: its chat template if it has one, cut from the start to
     max_prompt_tokens), the response's tokens, and an EOS, at which the response's score is read (Huang et al. 2024).
     Returns (ids, the index of the response's first token, the response tokens' character intervals)."""
-    query = common.policy_prompt(tokenizer, prompt, "auto", max_prompt_tokens)
+    query = models.policy_prompt(tokenizer, prompt, "auto", max_prompt_tokens)
     answer = tokenizer(response, add_special_tokens=False)["input_ids"]
     return query + answer + [tokenizer.eos_token_id], len(query), common.decode_with_offsets(tokenizer, answer)[1]
 
@@ -210,7 +212,7 @@ def score_responses(model, tokenizer, prompts: list[str], responses: list[str], 
             ids, first, offsets = scalar_rm_input(tokenizer, prompts[j], responses[j], max_prompt_tokens)
             rows.append(ids)
             where.append([len(ids) - 1] if steps is None else [first + token_at(offsets, e) for _, e in steps[j]])
-        ids, mask = common.left_pad(rows, tokenizer.pad_token_id)
+        ids, mask = models.left_pad(rows, tokenizer.pad_token_id)
         with torch.no_grad():
             scores = scalar_rm_scores(model, ids.to(device), mask.to(device)).cpu()
         for k, (row, positions) in enumerate(zip(rows, where)):
@@ -255,9 +257,9 @@ def collate_scalar(features: list[dict], pad_id: int) -> dict:
     the B rejected rows (input_ids, attention_mask (2B, T)), labels (B,) = 1 (the first is preferred); prm:
     input_ids, attention_mask (B, T) and positions, labels, step_mask (B, S), S the most steps of a row."""
     if "chosen" in features[0]:
-        ids, mask = common.left_pad([f["chosen"] for f in features] + [f["rejected"] for f in features], pad_id)
+        ids, mask = models.left_pad([f["chosen"] for f in features] + [f["rejected"] for f in features], pad_id)
         return {"input_ids": ids, "attention_mask": mask, "labels": torch.ones(len(features))}
-    ids, mask = common.left_pad([f["input_ids"] for f in features], pad_id)
+    ids, mask = models.left_pad([f["input_ids"] for f in features], pad_id)
     S = max(len(f["positions"]) for f in features)
     positions, labels, step_mask = (torch.zeros(len(features), S, dtype=dt) for dt in (torch.long, torch.float,
                                                                                          torch.float))
@@ -299,7 +301,7 @@ def evaluate_scalar(model, tokenizer, items: list[dict], objective: str, max_pro
                                                                   it["poor_spans"])]
     pred = [int(s > 0) for row in scores for s in row]                                  # sigmoid(s) > 0.5: right
     wrong_tp = sum(p == 0 and g == 0 for p, g in zip(pred, gold))
-    precision, recall, f1 = common._prf(wrong_tp, pred.count(0), gold.count(0))
+    precision, recall, f1 = reward_models._prf(wrong_tp, pred.count(0), gold.count(0))
     return {"n": len(items), "n_steps": len(gold), "step_accuracy": sum(p == g for p, g in zip(pred, gold)) / max(
         len(gold), 1), "wrong_step_precision": precision, "wrong_step_recall": recall, "wrong_step_f1": f1,
         "wrong_steps_gold": gold.count(0)}
@@ -330,11 +332,11 @@ def main_scalar(args: argparse.Namespace) -> dict:
             ) if args.objective == "pairwise" else []  # read before training: a bad file fails first
 
     set_seed(args.seed)
-    model, tokenizer = common.load_model(args.model, dtype=dtype, scalar_head=True)
+    model, tokenizer = models.load_model(args.model, dtype=dtype, scalar_head=True)
     model.config.use_cache = False
     torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))  # Huang et al. 2024
     if args.lora_r > 0:  # peft's SEQ_CLS trains and saves the score head in full
-        model = common.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save, task_type="SEQ_CLS")
     max_prompt_tokens = args.max_len - args.max_new_tokens  # as the generative reward model's input is cut
     encode = functools.partial(encode_scalar, tokenizer, objective=args.objective, max_len=args.max_len,
@@ -381,7 +383,7 @@ def main_scalar(args: argparse.Namespace) -> dict:
     del trainer, model
 
     # ---- held-out metrics of the saved reward model, loaded exactly as stage 3 loads it ----
-    rm, rm_tok = common.load_model(str(out), device=args.device, dtype=dtype, scalar_head=True)
+    rm, rm_tok = models.load_model(str(out), device=args.device, dtype=dtype, scalar_head=True)
     metrics = evaluate_scalar(rm, rm_tok, val_items[: args.eval_limit], args.objective, max_prompt_tokens,
                               args.step_unit, args.gen_batch_size)
     metrics.update(objective=args.objective, eval_loss=final_eval.get("eval_loss"), train_loss=result.training_loss,
@@ -411,8 +413,8 @@ def scalar_critic(args):
                  training responses), as 2 * sigmoid(s) - 1 in (-1, 1) (+1: surely right, -1: surely wrong, the
                  range of delta), on the step's last token.
     Its input is cut as stage 2 cut it (reward_model.json's max_prompt_tokens)."""
-    rm, rm_tok = common.load_model(args.reward_model, device=args.device, dtype=args.dtype, scalar_head=True)
-    info, prm = common.rm_settings(args.reward_model), args.critic == "prm"
+    rm, rm_tok = models.load_model(args.reward_model, device=args.device, dtype=args.dtype, scalar_head=True)
+    info, prm = reward_models.rm_settings(args.reward_model), args.critic == "prm"
     scale = info["norm_score_std"] if args.score_norm == "mean-std" else 1.0
 
     def critic(recs, texts):

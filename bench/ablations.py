@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from span_vs_scalar import THRESHOLD, WINDOW, ppo_run, run, shared_start, steps_to_threshold  # noqa: E402
 
 import common  # noqa: E402  (on the path from span_vs_scalar)
+from infra import reward_models  # noqa: E402
 from run_cache import check_settings  # noqa: E402
 
 ROWS = {  # row -> (03 flags, the paper's direction against "span")
@@ -82,7 +83,7 @@ def spans_only_reward_model(out: Path, given: str | None, reward_model: str | No
         if not (path / "reward_model.json").is_file():
             sys.exit(f"--spans-only-reward-model {given}: no reward_model.json (a stage-2 output of 02_train_reward.py "
                      "--rm-format spans-only, with --reward-model's recipe)")
-        if (fmt := common.rm_settings(path)["rm_format"]) != "spans-only":
+        if (fmt := reward_models.rm_settings(path)["rm_format"]) != "spans-only":
             sys.exit(f"--spans-only-reward-model {given}: rm_format {fmt!r}, not spans-only (its reward_model.json)")
         return path
     if reward_model:

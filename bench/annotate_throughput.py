@@ -8,7 +8,7 @@ Phase 1 sends 1000 records to a clean server (a fast asyncio HTTP server in its 
 the client for the GIL) and compares the annotation wall time with the ideal records * delay / concurrency; the goal
 is ratio <= 1.1 at 200 ms and concurrency 16 (the paper's code sends one request at a time: ratio ~16). Phase 2
 repeats the run against a fault-injecting server (429 with Retry-After, 500, replies slower than the client timeout,
-which fail and are not retried (common.retry_delay), fenced JSON, reasoning before the JSON, invalid JSON once or always, quotes that are not in the response or differ in
+which fail and are not retried (infra.serving.retry_delay), fenced JSON, reasoning before the JSON, invalid JSON once or always, quotes that are not in the response or differ in
 case and quote marks) and reports the unmatched-span rate and failures. The last line is one JSON object:
 wall_s, ideal_s, ratio, and the fault run's numbers.
 """
@@ -67,7 +67,7 @@ async def serve(delay: float, faults: bool) -> None:
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 body = json.loads(await reader.readexactly(length))
-                if body.get("max_tokens") == 1:  # 01's preflight (common.check_server): one token
+                if body.get("max_tokens") == 1:  # 01's preflight (infra.serving.check_server): one token
                     body["messages"] = [{"role": "system", "content": ""}, {"role": "user", "content": "OK"}]
                 user = body["messages"][-1]["content"] if body["messages"][-1]["role"] == "user" else ""
                 response = body["messages"][1]["content"].split("### Response\n", 1)[-1].split("\n\n###", 1)[0]

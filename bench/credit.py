@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paper_baselines import evaluate, keyed, post_mistakes, ppo, sequence_kl  # noqa: E402
+from paper_baselines import evaluate, post_mistakes, ppo, sequence_kl  # noqa: E402
 from span_vs_scalar import ROOT, THRESHOLD, WINDOW, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
 
 import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)

@@ -5,7 +5,7 @@
 
 For each of --batches batches of 32 demo prompts, interleaved: the rollout exactly as 03 samples it (the SFT policy with
 a fresh LoRA adapter, temperature 1, up to 32 new tokens), then the reward model's critiques of those rollouts twice:
-with common.rm_critique (a finished row leaves the batch, a row ends where its span JSON closes) and with plain
+with infra.reward_models.rm_critique (a finished row leaves the batch, a row ends where its span JSON closes) and with plain
 model.generate, greedy, up to EOS (the code before issue 17). The two must give the same text for every rollout
 (checked; the demo's results depend on nothing else). A reward model that writes its span JSON first
 (bench/rm_levers.py --json-first --save DIR) stops there, while plain generate goes on to write the critique after it.
@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from infra import models, reward_models  # noqa: E402
 
 
 def main():
@@ -38,16 +39,16 @@ def main():
     torch.set_num_threads(args.threads)
     ppo = importlib.import_module("03_train_policy")
     run_args = ppo.parse_args(["--output-dir", "bench/out/critic_cost"])  # the demo preset: batch 32, LoRA r=16
-    model, tok = common.load_model(args.policy)
+    model, tok = models.load_model(args.policy)
     model, _, _ = ppo.build_policy(run_args, model)
-    rm, rm_tok = common.load_model(args.reward_model)
+    rm, rm_tok = models.load_model(args.reward_model)
     records = common.read_jsonl(args.prompts)
     bs, n_new, n_critic = run_args.batch_size, run_args.max_new_tokens, run_args.critic_max_new_tokens
     torch.manual_seed(0)
     rows, same = [], 0
     for b in range(args.batches):
         batch = records[b * bs % len(records):][:bs]
-        query, query_mask = common.left_pad([common.encode_prompt(tok, r["prompt"]) for r in batch], tok.pad_token_id)
+        query, query_mask = models.left_pad([models.encode_prompt(tok, r["prompt"]) for r in batch], tok.pad_token_id)
         t0 = time.perf_counter()
         with torch.no_grad():
             seqs = model.generate(input_ids=query, attention_mask=query_mask, max_new_tokens=n_new, do_sample=True,
@@ -60,9 +61,9 @@ def main():
             texts.append(common.decode_with_offsets(tok, row[:cut])[0])
         prompts = [r["prompt"] for r in batch]
         t2 = time.perf_counter()
-        new = common.rm_critique(rm, rm_tok, prompts, texts, n_critic)
+        new = reward_models.rm_critique(rm, rm_tok, prompts, texts, n_critic)
         t3 = time.perf_counter()
-        plain = rm_tok.batch_decode(common.generate(rm, rm_tok, [common.build_rm_prompt(rm_tok, p, t) for p, t in
+        plain = rm_tok.batch_decode(models.generate(rm, rm_tok, [common.build_rm_prompt(rm_tok, p, t) for p, t in
                                                                  zip(prompts, texts)], n_critic, batch_size=bs),
                                     skip_special_tokens=True)
         t4 = time.perf_counter()

@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402  (no torch at import: the orchestrating process stays light)
+from infra import decoding, models, runs  # noqa: E402
 
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -294,9 +295,9 @@ def phase_name(args) -> str:
 
 def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
     """What stage 2 writes (its LoRA r16 q/v adapter, untrained; reward_model.json), for a run without stage2."""
-    model, tok = common.load_model(str(base), device=device, dtype="bf16" if device.startswith("cuda") else "float32")
-    model = common.add_lora(model, 16, 32, "q_proj,v_proj")
-    common.save_pretrained(rm_dir, model, tok, {"reward_model.json": {
+    model, tok = models.load_model(str(base), device=device, dtype="bf16" if device.startswith("cuda") else "float32")
+    model = models.add_lora(model, 16, 32, "q_proj,v_proj")
+    runs.save_pretrained(rm_dir, model, tok, {"reward_model.json": {
         "base_model": str(base), "objective": "generative", "rm_format": "critique+spans",
         "max_prompt_tokens": sh["rm_len"] - sh["rm_new"], "max_new_tokens": sh["rm_new"]}},
         save_embedding_layers=False)
@@ -312,7 +313,7 @@ def recipe_policy(args, out: Path):
     a = ppo.parse_args(["--task", "summarization", "--model", str(base), "--critic", "program", "--device",
                         args.device, "--dtype", "bf16" if args.device.startswith("cuda") else "float32",
                         "--gradient-checkpointing"])
-    model, _ = common.load_model(str(base), device=a.device, dtype=a.dtype)
+    model, _ = models.load_model(str(base), device=a.device, dtype=a.dtype)
     return ppo, a, ppo.build_policy(a, model), sh
 
 
@@ -346,13 +347,13 @@ def phase_tokens(args, out: Path) -> dict:
     ids = torch.randint(100, 500, (sh["batch"], sh["prompt"]), device=args.device,
                         generator=torch.Generator(args.device).manual_seed(0))
     mask = torch.ones_like(ids)
-    config = common.generation_config(policy, sh["new"], a.temperature, a.top_p, sh["new"])  # stage 3's recipe
+    config = models.generation_config(policy, sh["new"], a.temperature, a.top_p, sh["new"])  # stage 3's recipe
 
     def sample(static: bool):
         torch.manual_seed(1)  # the same random numbers for both (every device's generator)
         with torch.no_grad(), ppo.autocast(a.device, a.dtype):
             if static:
-                return common.generate_static(policy, ids, mask, config, compile=args.compile)
+                return decoding.generate_static(policy, ids, mask, config, compile=args.compile)
             return policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
     eager = sample(False)
     t = time.perf_counter()
@@ -373,12 +374,12 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
     mask = torch.ones_like(ids)
 
     def run(new: int, how: str) -> float:
-        config = common.generation_config(model, new, a.temperature, 1.0, new)  # forced: no EOS before `new`
+        config = models.generation_config(model, new, a.temperature, 1.0, new)  # forced: no EOS before `new`
         sync(args.device)
         t = time.perf_counter()
         with torch.no_grad(), ppo.autocast(a.device, a.dtype):
             if how == "static":
-                common.generate_static(model, ids, mask, config, compile=args.compile)
+                decoding.generate_static(model, ids, mask, config, compile=args.compile)
             elif how == "eager-no-lora":
                 with model.disable_adapter():
                     model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
@@ -436,13 +437,13 @@ def forward_only(model, a, ids, n: int, args) -> float:
     cache that the last static_decode call left (the same shapes: no recompile), half of its new slots filled."""
     import torch
     ppo = importlib.import_module("03_train_policy")
-    width = common.prompt_bucket(ids.shape[1])
-    cache = common.static_cache(model, len(ids), width + n + 1, ids.device)
+    width = decoding.prompt_bucket(ids.shape[1])
+    cache = decoding.static_cache(model, len(ids), width + n + 1, ids.device)
     slots = torch.ones(len(ids), width + n + 1, dtype=torch.long, device=ids.device)
     slots[:, width + n // 2:] = 0
     position = torch.full((len(ids), 1), ids.shape[1] + n // 2, device=ids.device)
-    step = common._compiled_decode_forward(ids.device.type)
-    with torch.no_grad(), ppo.autocast(a.device, a.dtype), common.input_grad_hooks_off(model):
+    step = decoding._compiled_decode_forward(ids.device.type)
+    with torch.no_grad(), ppo.autocast(a.device, a.dtype), decoding.input_grad_hooks_off(model):
         for k in range(n + 3):
             if k == 3:  # after three warm-up calls
                 sync(args.device)

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
+from infra import models, reward_models, runs  # noqa: E402
 from real_critic import RECIPE  # noqa: E402
 from span_vs_scalar import THRESHOLD, WINDOW, run, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
 from tasks.demo import demo_dataset  # noqa: E402
@@ -98,7 +99,7 @@ def keyed(parent: Path, name: str, settings) -> Path:
 def made_of(flags: list[str]) -> dict:
     """The content fingerprint of every file or folder a command line names (models, data): a run is keyed by what
     it starts from, so a reward model retrained in the same folder is a new run, never a stale one reused."""
-    return {f: common.content_fingerprint(f) for f in map(str, flags) if f and Path(f).exists()}  # "": no path
+    return {f: runs.content_fingerprint(f) for f in map(str, flags) if f and Path(f).exists()}  # "": no path
 
 
 def pool_annotations(out: Path, sft: Path, n_posts: int) -> Path:
@@ -127,12 +128,12 @@ def annotate_with_rm(exact: Path, rm_dir: Path, name: str) -> Path:
     if todo:
         import torch
         torch.set_num_threads(1)
-        rm, tok = common.load_model(str(rm_dir))
-        settings = common.rm_settings(rm_dir)
+        rm, tok = models.load_model(str(rm_dir))
+        settings = reward_models.rm_settings(rm_dir)
         print(f"annotating {len(todo)} answers with {rm_dir}", flush=True)
         for i in range(0, len(todo), 256):
             chunk = todo[i:i + 256]
-            raw = common.rm_critique(rm, tok, [r["prompt"] for r in chunk], [r["response"] for r in chunk],
+            raw = reward_models.rm_critique(rm, tok, [r["prompt"] for r in chunk], [r["response"] for r in chunk],
                                      settings["max_new_tokens"] or 96, batch_size=64,
                                      max_prompt_tokens=settings["max_prompt_tokens"], rm_format=settings["rm_format"])
             with open(dst, "a", encoding="utf-8") as f:
@@ -148,7 +149,7 @@ def annotate_with_rm(exact: Path, rm_dir: Path, name: str) -> Path:
 def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 300) -> dict:
     """Each reward model against the truth, on n_posts pool posts no budget used, judged by the exact critic: the
     Bradley-Terry model's pairwise accuracy on their pairs, the PRM's step accuracy and wrong-step recall, the span
-    reward model's poor-token precision and recall (common.rm_span_metrics, as 02 reports them). Cached."""
+    reward model's poor-token precision and recall (infra.reward_models.rm_span_metrics, as 02 reports them). Cached."""
     records = [r for r in common.read_jsonl(exact) if r["prompt"] not in used]
     posts = list(dict.fromkeys(r["prompt"] for r in records))[-n_posts:]
     held = [r for r in records if r["prompt"] in set(posts)]
@@ -162,14 +163,14 @@ def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 3
     from baselines import scalar_rm
     out = {"posts": len(posts), "answers": len(held)}
     pairs = scalar_rm.preference_pairs(held)
-    model, tok = common.load_model(str(rms["bt_rm"]), scalar_head=True)
-    info = common.rm_settings(rms["bt_rm"])
+    model, tok = models.load_model(str(rms["bt_rm"]), scalar_head=True)
+    info = reward_models.rm_settings(rms["bt_rm"])
     out["bt_rm"] = scalar_rm.evaluate_scalar(model, tok, pairs, "pairwise", info["max_prompt_tokens"], "clause")
-    model, tok = common.load_model(str(rms["prm"]), scalar_head=True)
-    info = common.rm_settings(rms["prm"])
+    model, tok = models.load_model(str(rms["prm"]), scalar_head=True)
+    info = reward_models.rm_settings(rms["prm"])
     out["prm"] = scalar_rm.evaluate_scalar(model, tok, held, "prm", info["max_prompt_tokens"], info["step_unit"])
-    model, tok = common.load_model(str(rms["span_rm"]))
-    info = common.rm_settings(rms["span_rm"])
+    model, tok = models.load_model(str(rms["span_rm"]))
+    info = reward_models.rm_settings(rms["span_rm"])
     metrics, _ = stage2.evaluate_rm(model, tok, held, info["max_new_tokens"], 64, info["max_prompt_tokens"],
                                     info["rm_format"])
     out["span_rm"] = {k: metrics[k] for k in ("parse_rate", "neg_precision", "neg_recall", "pos_precision",
@@ -266,11 +267,11 @@ def sequence_kl(policy: str, sft: str, prompts: list[str], gens: list[dict], max
     import torch
     sys.path.insert(0, str(ROOT / "baselines"))
     dpo = importlib.import_module("dpo")
-    model, tok = common.load_model(policy)
-    ref = None if hasattr(model, "peft_config") else common.load_model(sft)[0]
+    model, tok = models.load_model(policy)
+    ref = None if hasattr(model, "peft_config") else models.load_model(sft)[0]
     total = []
     for i in range(0, len(gens), 64):
-        queries = [common.policy_prompt(tok, p) for p in prompts[i:i + 64]]
+        queries = [models.policy_prompt(tok, p) for p in prompts[i:i + 64]]
         answers = [g["response_ids"] + ([tok.eos_token_id] if len(g["response_ids"]) < max_new_tokens else [])
                    for g in gens[i:i + 64]]
         with torch.no_grad():
@@ -557,7 +558,7 @@ def main():
     for spec in args.annotator_rm:
         name, _, path = spec.partition("=")
         annotator_rms[name] = Path(path).resolve()
-        common.check_reward_model(str(annotator_rms[name]), "--annotator-rm ")
+        reward_models.check_reward_model(str(annotator_rms[name]), "--annotator-rm ")
     unknown = [a for a in args.annotators if a != "exact" and a not in annotator_rms]
     if unknown:
         p.error(f"--annotators {' '.join(unknown)}: not exact, toy or a NAME given by --annotator-rm NAME=DIR")

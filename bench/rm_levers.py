@@ -36,6 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from infra import models, runs  # noqa: E402
 from tasks import demo  # noqa: E402
 from importlib import import_module  # noqa: E402
 
@@ -109,7 +110,7 @@ def policy_records(model, tok, split: str, n: int, fmt: str) -> list[dict]:
     """The policy's own answers to n demo posts, sampled at temperature 1 as in PPO, with the exact critic's spans."""
     torch.manual_seed(0)
     posts = demo.demo_dataset(split, n)
-    ids = common.generate(model, tok, [p["prompt"] for p in posts], 32, temperature=1.0, batch_size=64)
+    ids = models.generate(model, tok, [p["prompt"] for p in posts], 32, temperature=1.0, batch_size=64)
     return [annotated({**ex, "response": tok.decode(row, skip_special_tokens=True)}, fmt)
             for ex, row in zip(posts, ids)]
 
@@ -142,7 +143,7 @@ def main():
     a("--steps", type=int, default=2000, help="training length: optimizer steps")
     a("--evals", default="500,1000,1500,2000", help="steps at which the held-out posts are critiqued")
     a("--seed", type=int, default=0, help="seed of the data order")
-    a("--save", help="save the trained reward model here (loadable by common.load_model, e.g. for "
+    a("--save", help="save the trained reward model here (loadable by infra.models.load_model, e.g. for "
       "bench/critic_cost.py)")
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     args = p.parse_args()
@@ -167,17 +168,17 @@ def main():
     held_out = records("rmval", 200, 0.55, args.fmt)
     on_policy = []
     if args.policy:  # the policy's answers: in training (a share) and as a second held-out set
-        policy, policy_tok = common.load_model(args.policy)
+        policy, policy_tok = models.load_model(args.policy)
         k = round(args.policy_share * args.n)
         train = train[:args.n - k] + (policy_records(policy, policy_tok, "annotate", k, args.fmt) if k else [])
         on_policy = policy_records(policy, policy_tok, "rmval", 200, args.fmt)
-    model, tok = common.load_model(str(base))
+    model, tok = models.load_model(str(base))
     if args.scratch:
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_config(model.config)
     if args.lora:
         from peft import LoraConfig, get_peft_model
-        with common.peft_wraps_quietly():
+        with models.peft_wraps_quietly():
             model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
                                                      target_modules="all-linear"))
     model.to(args.device)
@@ -226,7 +227,7 @@ def main():
             print(json.dumps(results[-1]), flush=True)
     print(json.dumps(results))
     if args.save:
-        common.save_pretrained(args.save, model, tok)
+        runs.save_pretrained(args.save, model, tok)
 
 
 if __name__ == "__main__":

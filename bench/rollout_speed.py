@@ -7,7 +7,7 @@ Sections, each measured interleaved (the two sides alternate rep by rep, or iter
 same machine load; read the ratios, the seconds move with the load):
   decode  seconds per decoding step, at the demo's shape (the demo base, 32 rows, its ~33-token prompts) and at
           SmolLM2-135M-Instruct's (16 rows, chat-templated demo prompts): model.generate (what 03 ran before, and
-          runs with --no-compile-generation), common.generate_static eager (the static cache alone) and compiled.
+          runs with --no-compile-generation), infra.decoding.generate_static eager (the static cache alone) and compiled.
           A step is the slope between N1 and N2 forced new tokens (min = max new tokens): prefill and setup cancel.
           The tokens of the three must be identical (checked, same seed). compile_s: the first call of the compiled
           path, less a warm one (the inductor caches are off in this process, so it is the cold price, paid once per
@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
+from infra import decoding, models, reward_models  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "rollout_speed"
 HOW = ("generate", "static_eager", "static_compiled")
@@ -76,14 +77,14 @@ def demo_base() -> str:
 def new_tokens(model, ids, mask, n, how, seed=0):
     """n forced new tokens (min = max = n, temperature 1, no top-k) by `how`; (ids (B, n), seconds)."""
     import torch
-    config = common.generation_config(model, n, 1.0, 1.0, min_new_tokens=n)
+    config = models.generation_config(model, n, 1.0, 1.0, min_new_tokens=n)
     torch.manual_seed(seed)
     t = time.perf_counter()
     with torch.no_grad():
         if how == "generate":
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
         else:
-            out = common.generate_static(model, ids, mask, config, compile=how == "static_compiled")
+            out = decoding.generate_static(model, ids, mask, config, compile=how == "static_compiled")
     return out, time.perf_counter() - t
 
 
@@ -157,7 +158,7 @@ def decode_section(name, model, ids, mask, n1, n2, reps, profile_arith):
 
 def demo_prompts(tok, n, chat: bool):
     from tasks.demo import demo_dataset
-    return common.left_pad([common.policy_prompt(tok, r["prompt"], "auto" if chat else "off")
+    return models.left_pad([models.policy_prompt(tok, r["prompt"], "auto" if chat else "off")
                             for r in demo_dataset("train", n)], tok.pad_token_id)
 
 
@@ -166,7 +167,7 @@ def run_decode(args):
     rows = []
     for name in args.shapes:
         path, n_rows = (demo_base(), 32) if name == "demo" else (smollm2_dir(), 16)
-        model, tok = common.load_model(path, device=args.device,
+        model, tok = models.load_model(path, device=args.device,
                                        dtype="bf16" if args.device.startswith("cuda") else "float32")
         ids, mask = (x.to(args.device) for x in demo_prompts(tok, n_rows, chat=name == "smollm2"))
         rows.append(decode_section(name, model, ids, mask, 8, 32 if name == "demo" else 24, args.reps,
@@ -186,14 +187,14 @@ def run_critic(args):
     if not (rm_dir / "reward_model.json").is_file():
         print(f"critic: skipped, no reward model at {rm_dir} (python 01_annotate.py && python 02_train_reward.py)")
         return None
-    rm, tok = common.load_model(str(rm_dir), device=args.device)
-    settings = common.rm_settings(str(rm_dir))
+    rm, tok = models.load_model(str(rm_dir), device=args.device)
+    settings = reward_models.rm_settings(str(rm_dir))
     records = common.read_jsonl(args.sft_data)
     batches = [records[i * 32:(i + 1) * 32] for i in range(args.critic_batches + 1)]
 
     def critique(batch, compile):
         t = time.perf_counter()
-        out = common.rm_critique(rm, tok, [r["prompt"] for r in batch], [r["response"] for r in batch],
+        out = reward_models.rm_critique(rm, tok, [r["prompt"] for r in batch], [r["response"] for r in batch],
                                  settings["max_new_tokens"] or 96, max_prompt_tokens=settings["max_prompt_tokens"],
                                  rm_format=settings["rm_format"], compile=compile)
         return out, time.perf_counter() - t

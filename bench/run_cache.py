@@ -14,6 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402
+from infra import runs  # noqa: E402
 
 
 def settings_path(folder) -> Path:
@@ -38,11 +39,11 @@ INPUTS = ("--model", "--reward-model", "--ref-adapter", "--sft-data", "--prompts
 
 
 def inputs_content(argv: list[str], cwd=None) -> dict:
-    """{path: common.content_fingerprint(path)} of each model or data file or folder that a command line names after
+    """{path: infra.runs.content_fingerprint(path)} of each model or data file or folder that a command line names after
     an input flag (INPUTS), relative paths read from `cwd` (the command's own working directory; default this
     process's). Outputs (--output-dir, ...) are left out: they change as the command runs."""
     base = Path(cwd or ".")
-    return {value: common.content_fingerprint(base / value) for flag, value in zip(argv, argv[1:])
+    return {value: runs.content_fingerprint(base / value) for flag, value in zip(argv, argv[1:])
             if flag in INPUTS and value and (base / value).exists()}
 
 

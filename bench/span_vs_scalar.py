@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from infra import reward_models  # noqa: E402
 from run_cache import check_settings  # noqa: E402
 from tasks.demo import build_demo_base, demo_dataset  # noqa: E402
 
@@ -92,7 +93,7 @@ def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, p
     if critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model (or --reward-model)
         rm_dir = Path(reward_model).resolve() if reward_model else out / "reward_model"
         if reward_model:
-            common.check_reward_model(str(rm_dir))
+            reward_models.check_reward_model(str(rm_dir))
         else:
             stages = [["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)],
                       ["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),

@@ -120,12 +120,13 @@ def write_prompts(base: str, out: Path) -> Path:
     from transformers import AutoTokenizer
 
     import common
+    from infra import models
     from tasks.demo import demo_dataset
     records = demo_dataset("train", 256)
     common.write_jsonl(Path(out) / "prompts.jsonl", records)
     tok = AutoTokenizer.from_pretrained(base)
     common.write_jsonl(Path(out) / "trl_prompts.jsonl", [
-        {"prompt": r["prompt"], "ids": common.encode_prompt(tok, r["prompt"])[-PROMPT_TOKENS:]} for r in records])
+        {"prompt": r["prompt"], "ids": models.encode_prompt(tok, r["prompt"])[-PROMPT_TOKENS:]} for r in records])
     return Path(out) / "prompts.jsonl"
 
 

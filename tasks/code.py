@@ -10,7 +10,8 @@ import functools
 import os
 import re
 
-from common import DataError, read_rows, unambiguous_quotes
+from common import DataError, unambiguous_quotes
+from tasks.data import read_rows
 from tasks.sandbox import TRACEBACK_FRAME, parse_python, run_tests_sandboxed
 
 # ----------------------------------------------------------------------------------------------------------------------

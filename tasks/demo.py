@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import re
 
-from common import format_rm_target, locate_spans, rm_user_message, save_pretrained, span_rewards, unambiguous_quotes
+from common import format_rm_target, locate_spans, rm_user_message, span_rewards, unambiguous_quotes
+from infra.runs import save_pretrained
 
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
 #   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."

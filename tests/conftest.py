@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+from infra import serving  # noqa: E402
 from tasks.demo import build_tiny_base, demo_critic, demo_dataset, make_demo_example  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -238,13 +239,13 @@ def smollm2_server(smollm2_dir, tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------------------------
 # A fake OpenAI-compatible server on 127.0.0.1, for faults. Tests pass a `reply(request_json, n)` function that
 # returns either the assistant's text, or a (status, body_dict, headers) tuple to inject errors; n counts requests from
-# 1. The stages' preflight request (common.check_server) is answered "OK" and kept apart, in `preflights`, unless
+# 1. The stages' preflight request (infra.serving.check_server) is answered "OK" and kept apart, in `preflights`, unless
 # answer_preflight=False hands it to `reply` like any request.
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def is_preflight(body: dict) -> bool:  # max_tokens 1, or none where the stage itself sends none
-    return body.get("max_tokens", 1) == 1 and common.PREFLIGHT in (
+    return body.get("max_tokens", 1) == 1 and serving.PREFLIGHT in (
         body.get("prompt"), *(m.get("content") for m in body.get("messages") or []))
 
 

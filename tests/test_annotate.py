@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import common
+from infra import serving
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script, write_jsonl_gz
 
@@ -254,14 +255,14 @@ def test_backoff_and_retry_after():
     rng = random.Random(0)
     for attempt in range(8):
         d = min(60.0, 1.0 * 2 ** attempt)
-        assert all(d / 2 <= common.backoff_delay(attempt, None, 1.0, 60.0, rng) <= d for _ in range(50))
-    assert 2.0 <= common.backoff_delay(0, 5.0, 1.0, 2.0, rng) <= 2.2  # the server's Retry-After, cut to the cap
-    assert 1.5 <= common.backoff_delay(0, 1.5, 1.0, 2.0, rng) <= 1.65  # a shorter one as it is
-    assert common.retry_after_s({"retry-after": "2"}) == 2.0
-    assert common.retry_after_s({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
-    assert 8 < common.retry_after_s({"retry-after": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
+        assert all(d / 2 <= serving.backoff_delay(attempt, None, 1.0, 60.0, rng) <= d for _ in range(50))
+    assert 2.0 <= serving.backoff_delay(0, 5.0, 1.0, 2.0, rng) <= 2.2  # the server's Retry-After, cut to the cap
+    assert 1.5 <= serving.backoff_delay(0, 1.5, 1.0, 2.0, rng) <= 1.65  # a shorter one as it is
+    assert serving.retry_after_s({"retry-after": "2"}) == 2.0
+    assert serving.retry_after_s({"retry-after-ms": "250", "retry-after": "9"}) == 0.25
+    assert 8 < serving.retry_after_s({"retry-after": time.strftime("%a, %d %b %Y %H:%M:%S GMT",
                                                                  time.gmtime(time.time() + 10))}) <= 10
-    assert common.retry_after_s({}) is None and common.retry_after_s({"retry-after": "soon"}) is None
+    assert serving.retry_after_s({}) is None and serving.retry_after_s({"retry-after": "soon"}) is None
 
 
 def test_split_spans_moves_only_the_missing_copies():
@@ -488,8 +489,8 @@ def test_a_servers_retry_after_is_capped():
     """A server's Retry-After of an hour must not stall a worker an hour: the wait is capped at `cap` (+10% jitter);
     a shorter Retry-After is honoured as it is."""
     rng = random.Random(0)
-    assert common.retry_delay(_rate_limited("3600"), 0, 3, rng, cap=60.0) <= 66.0
-    assert 0.4 <= common.retry_delay(_rate_limited("0.4"), 0, 3, rng, cap=60.0) <= 0.44
+    assert serving.retry_delay(_rate_limited("3600"), 0, 3, rng, cap=60.0) <= 66.0
+    assert 0.4 <= serving.retry_delay(_rate_limited("0.4"), 0, 3, rng, cap=60.0) <= 0.44
 
 
 def test_a_request_that_fails_after_a_capped_retry_after_says_so(fake_openai):
@@ -497,14 +498,14 @@ def test_a_request_that_fails_after_a_capped_retry_after_says_so(fake_openai):
     import asyncio
     with fake_openai(lambda body, n: (429, {"error": {"message": "slow down"}}, {"Retry-After": "3600"})) as server:
         async def ask():
-            async with common.openai_client(server.base_url, 10.0) as client:
-                return await common.send_with_retries(lambda: client.chat.completions.create(
+            async with serving.openai_client(server.base_url, 10.0) as client:
+                return await serving.send_with_retries(lambda: client.chat.completions.create(
                     model="m", messages=[{"role": "user", "content": "hi"}]), 1, random.Random(0), cap=0.05)
         import openai
         with pytest.raises(openai.RateLimitError) as err:
             asyncio.run(asyncio.wait_for(ask(), 30))  # uncapped, it would sleep an hour: wait_for fails it instead
     assert len(server.requests) == 2
-    assert common.api_error(err.value) == ("HTTP 429: slow down; the server's Retry-After (3600 s) was capped at "
+    assert serving.api_error(err.value) == ("HTTP 429: slow down; the server's Retry-After (3600 s) was capped at "
                                            "0.05 s; gave up after 2 attempts")
 
 
@@ -515,7 +516,7 @@ def test_the_preflight_sends_the_stages_own_parameters(tmp_path, fake_openai):
     def reply(body, n):
         if "max_tokens" in body:
             return 400, {"error": {"message": "Unsupported parameter: 'max_tokens'"}}, {}
-        return "OK" if common.PREFLIGHT in body["messages"][-1]["content"] else feedback(response_of(body))
+        return "OK" if serving.PREFLIGHT in body["messages"][-1]["content"] else feedback(response_of(body))
 
     data = write_jsonl(tmp_path / "qa.jsonl", [{"id": "a", "instruction": "Say a.",
                                                 "completions": [{"response": "a is the answer here"}]}])
@@ -523,7 +524,7 @@ def test_the_preflight_sends_the_stages_own_parameters(tmp_path, fake_openai):
         annotate.main(openai_args(server.base_url, data, tmp_path / "out.jsonl", "--max-tokens", "0",
                                   "--critic-temperature", "0.7"))
     preflight, request = (r["body"] for r in server.requests)
-    assert common.PREFLIGHT in preflight["messages"][0]["content"]
+    assert serving.PREFLIGHT in preflight["messages"][0]["content"]
     assert set(preflight) == set(request) and preflight["temperature"] == request["temperature"] == 0.7
     assert lines(tmp_path / "out.jsonl")[0]["status"] == "ok"
 

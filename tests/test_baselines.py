@@ -15,6 +15,7 @@ import torch
 from conftest import import_script
 
 import common
+from infra import models, reward_models, runs
 from tasks.demo import demo_critic, demo_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +129,7 @@ def test_step_deltas_put_each_reward_on_the_steps_last_token():
 def test_scores_are_read_at_the_eos_as_transformers_pools_them(tiny_model_dir):
     """score_responses (left-padded batches, the score at each row's EOS) against transformers' own pooled logits of
     each input alone (the last token, the EOS: the tiny tokenizer's pad is a distinct token)."""
-    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
+    model, tok = models.load_model(tiny_model_dir, scalar_head=True)
     prompts = ["post: tom has a dog.\nsummary:", "post: a much longer post about anna and her cat.\nsummary:"]
     responses = [" tom has a dog.", " anna"]
     ours = [s[0] for s in scalar_rm.score_responses(model, tok, prompts, responses, batch_size=2)]
@@ -141,7 +142,7 @@ def test_scores_are_read_at_the_eos_as_transformers_pools_them(tiny_model_dir):
 
 def test_scores_ignore_a_pad_that_equals_eos(tiny_model_dir):
     """With pad == EOS (SmolLM2), transformers' pooling reads the token before the EOS; ours still reads the EOS."""
-    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
+    model, tok = models.load_model(tiny_model_dir, scalar_head=True)
     ids = scalar_rm.scalar_rm_input(tok, "post: tom.\nsummary:", " tom")[0]
     with torch.no_grad():
         at = scalar_rm.scalar_rm_scores(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[0]
@@ -171,11 +172,11 @@ def test_pairwise_reward_model_trains_normalises_and_reports(bt_reward_model):
     demonstrations' mean score is what 03 subtracts."""
     path, metrics, tmp = bt_reward_model
     info = json.loads(Path(path, "reward_model.json").read_text())
-    assert info["objective"] == "pairwise" and common.rm_settings(path)["objective"] == "pairwise"
+    assert info["objective"] == "pairwise" and reward_models.rm_settings(path)["objective"] == "pairwise"
     assert metrics["n"] == round(0.2 * len(scalar_rm.preference_pairs(pool(60))))  # the held-out pairs
     assert metrics["bt_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-4)
     assert metrics["pairwise_accuracy"] > 0.5  # 40 steps: the clean reference beats the noisy answer
-    model, tok = common.load_model(path, scalar_head=True)
+    model, tok = models.load_model(path, scalar_head=True)
     demos = common.read_jsonl(tmp / "sft.jsonl")
     scores = scalar_rm.score_responses(model, tok, [d["prompt"] for d in demos], [d["response"] for d in demos])
     assert info["score_bias"] == pytest.approx(sum(s[0] for s in scores) / len(scores), abs=1e-4)
@@ -185,15 +186,15 @@ def test_scalar_rm_critic_puts_the_normalised_score_on_the_last_token(bt_reward_
     path, _, _ = bt_reward_model
     args = ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path, "--device", "cpu"])
     critic = ppo.make_critic(args)
-    model, tok = common.load_model(path, scalar_head=True)
+    model, tok = models.load_model(path, scalar_head=True)
     p, texts = "post: tom has a red dog called rex.\nsummary:", [" tom has a red dog.", " rex"]
     fbs = critic([{"prompt": p}] * 2, texts)
-    bias = common.rm_settings(path)["score_bias"]
+    bias = reward_models.rm_settings(path)["score_bias"]
     for text, fb in zip(texts, fbs):
         with torch.no_grad():
             raw = model(input_ids=torch.tensor([scalar_rm.scalar_rm_input(tok, p, text)[0]])).logits[0, 0].item()
         assert fb["step_rewards"] == [(None, pytest.approx(raw - bias, abs=1e-5))]
-        std = common.rm_settings(path)["norm_score_std"]
+        std = reward_models.rm_settings(path)["norm_score_std"]
         assert std > 0 and ppo.make_critic(ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path,
                                                            "--score-norm", "mean-std", "--device", "cpu"]))(
             [{"prompt": p}], [text])[0]["step_rewards"] == [(None, pytest.approx((raw - bias) / std, abs=1e-5))]
@@ -208,7 +209,7 @@ def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
                                      str(tmp_path / "ann.jsonl"), "--output-dir", str(tmp_path / "prm"),
                                      "--max-steps", "10", "--batch-size", "8", "--val-frac", "0.2", "--device", "cpu"]))
     assert metrics["n"] == 12 and metrics["n_steps"] >= 12 and 0.0 <= metrics["step_accuracy"] <= 1.0
-    assert common.rm_settings(tmp_path / "prm")["step_unit"] == "clause"
+    assert reward_models.rm_settings(tmp_path / "prm")["step_unit"] == "clause"
     critic = ppo.make_critic(ppo.parse_args(["--critic", "prm", "--reward-model", str(tmp_path / "prm"),
                                              "--model", tiny_model_dir, "--device", "cpu"]))
     # the held-out step accuracy, recomputed from 03's critic on the same held-out answers: a step is predicted
@@ -286,7 +287,7 @@ def _dpo_policy(tiny_model_dir, *flags):
     """(policy, reference, tokenizer, args) as baselines/dpo.py builds them, the same LoRA init every call."""
     args = dpo.parse_args(["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", "4",
                            "--lora-alpha", "8", *flags])
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     torch.manual_seed(0)
     policy, ref, _ = ppo.build_policy(dpo.policy_config(args), model)
     with torch.no_grad():  # move the adapter off zero, so that pi != ref and every gradient is non-trivial
@@ -362,13 +363,13 @@ def test_revision_examples_map_flawed_answers_and_their_critique_to_the_referenc
 
 
 def _spy_generate(monkeypatch) -> list[list[str]]:
-    """The prompts of each common.generate call (04's generations) as text, the real generate still doing the work."""
-    calls, generate = [], common.generate
+    """The prompts of each infra.models.generate call (04's generations) as text, the real generate still doing the work."""
+    calls, generate = [], models.generate
 
     def spy(model, tok, prompts, *a, **k):
         calls.append([p if isinstance(p, str) else tok.decode(p, skip_special_tokens=True) for p in prompts])
         return generate(model, tok, prompts, *a, **k)
-    monkeypatch.setattr(common, "generate", spy)
+    monkeypatch.setattr(models, "generate", spy)
     return calls
 
 
@@ -409,12 +410,12 @@ def test_reflect_revisions_are_keyed_by_the_critiques_they_read(tmp_path, tiny_m
     """The revisions' cache is keyed by the revision prompts themselves: another critique budget
     (--rm-max-new-tokens) gives other critiques, so the revisions are made again from them, never reused stale."""
     ev = import_script("04_evaluate")
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     torch.manual_seed(0)
     with torch.no_grad():  # weights jolted: its greedy critiques are text up to the budget's end, not blank lines
         for w in model.parameters():
             w.add_(torch.randn_like(w) * 0.5)
-    rm_dir = str(common.save_pretrained(tmp_path / "rm", model, tok, {"reward_model.json": {"base_model": "tiny"}}))
+    rm_dir = str(runs.save_pretrained(tmp_path / "rm", model, tok, {"reward_model.json": {"base_model": "tiny"}}))
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     calls = _spy_generate(monkeypatch)
     fps, revised = [], []
@@ -432,11 +433,11 @@ def test_reflect_revisions_are_keyed_by_the_critiques_they_read(tmp_path, tiny_m
 def test_a_plain_sequence_classifier_is_a_scalar_reward_model(tmp_path, tiny_model_dir):
     """A reward model trained elsewhere (TRL's RewardTrainer saves a sequence classifier, no reward_model.json) is
     taken by --critic scalar-rm, unnormalised, and refused where critiques are needed."""
-    model, tok = common.load_model(tiny_model_dir, scalar_head=True)
-    common.save_pretrained(tmp_path / "trl_rm", model, tok)
-    settings = common.rm_settings(tmp_path / "trl_rm")
+    model, tok = models.load_model(tiny_model_dir, scalar_head=True)
+    runs.save_pretrained(tmp_path / "trl_rm", model, tok)
+    settings = reward_models.rm_settings(tmp_path / "trl_rm")
     assert settings["objective"] == "pairwise" and settings["score_bias"] == 0.0
-    assert common.rm_settings(tiny_model_dir)["objective"] == "generative"  # a causal LM
+    assert reward_models.rm_settings(tiny_model_dir)["objective"] == "generative"  # a causal LM
     ppo.parse_args(["--critic", "scalar-rm", "--reward-model", str(tmp_path / "trl_rm")])
     with pytest.raises(common.DataError, match="needs a generative one"):
-        common.check_reward_model(str(tmp_path / "trl_rm"))
+        reward_models.check_reward_model(str(tmp_path / "trl_rm"))

@@ -9,6 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import common
+from infra import models, reward_models, runs
+from tasks.data import read_rows
 from common import decode_with_offsets, find_span, locate_spans, parse_feedback, span_rewards
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -84,7 +86,7 @@ def test_parse_without_a_span_list_is_a_failure(text):
     as an unparsed output and rm/parse_rate counts it as a failure, never as "parsed, no spans"."""
     with pytest.raises(ValueError, match="good_spans"):
         parse_feedback(text)
-    assert common.rm_scores("tom", [(0, 3)], text)[2]["rm/parse_rate"] == (0.0, 1)
+    assert reward_models.rm_scores("tom", [(0, 3)], text)[2]["rm/parse_rate"] == (0.0, 1)
 
 
 def test_parse_finds_spans_nested_under_a_critique():
@@ -616,22 +618,22 @@ def test_read_jsonl_line_numbers_count_newlines_only(tmp_path):
 
 
 def test_read_rows_reads_local_json_and_parquet_like_stage_1(tmp_path):
-    # 03 and 04 read their data through common.read_rows, stage 1 too: a local .json names its file and line when it
+    # 03 and 04 read their data through tasks.data.read_rows, stage 1 too: a local .json names its file and line when it
     # is broken, and the paper's own layout ({id: record}) is a list of records, wherever it is read.
     p = tmp_path / "problems.json"
     p.write_text('[\n  {"prompt": "a"},\n  {"prompt": }\n]\n')
     with pytest.raises(common.DataError, match=r"problems\.json:3: not valid JSON"):
-        common.read_rows(str(p))
+        read_rows(str(p))
     p.write_text(json.dumps({"t1": {"prompt": "a"}, "t2": {"prompt": "b"}}))
-    assert [r for _, r in common.read_rows(str(p), required=("prompt",))] == [{"id": "t1", "prompt": "a"},
+    assert [r for _, r in read_rows(str(p), required=("prompt",))] == [{"id": "t1", "prompt": "a"},
                                                                               {"id": "t2", "prompt": "b"}]
     p.write_text(json.dumps([{"prompt": "a"}, {"prompt": 3}]))
     with pytest.raises(common.DataError, match=r"problems\.json: record 1: field 'prompt' must be a string"):
-        common.read_rows(str(p), required=("prompt",))
+        read_rows(str(p), required=("prompt",))
     p.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')  # JSON Lines under a .json name, as some hub files are
-    assert [r["prompt"] for _, r in common.read_rows(str(p))] == ["a", "b"]
+    assert [r["prompt"] for _, r in read_rows(str(p))] == ["a", "b"]
     with pytest.raises(common.DataError, match=r"missing\.parquet: no such file"):
-        common.read_rows(str(tmp_path / "missing.parquet"))
+        read_rows(str(tmp_path / "missing.parquet"))
 
 
 def test_resumable_jsonl_repairs_torn_line(tmp_path):
@@ -661,8 +663,8 @@ def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
     """safetensors writes its weights 0600: a model folder saved here must be readable as the umask allows (a server
     run as another user, a container, a colleague), like the config next to it."""
     import os
-    model, tok = common.load_model(tiny_model_dir)
-    out = common.save_pretrained(tmp_path / "m", model, tok)
+    model, tok = models.load_model(tiny_model_dir)
+    out = runs.save_pretrained(tmp_path / "m", model, tok)
     want = 0o666 & ~common._UMASK
     modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {want}, modes
@@ -681,25 +683,25 @@ def test_rm_prompt_plain_and_chat(tiny_tokenizer, tiny_chat_model_dir):
     chat_tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     chat = common.build_rm_prompt(chat_tok, "P", "R")
     assert chat.startswith("<s>user: " + common.RM_INSTRUCTION) and chat.endswith("<s>assistant: ")
-    assert common.encode_prompt(chat_tok, chat).count(chat_tok.bos_token_id) == 2  # no extra BOS added
+    assert models.encode_prompt(chat_tok, chat).count(chat_tok.bos_token_id) == 2  # no extra BOS added
 
 
 def test_rm_settings_defaults(tmp_path):
-    """What 03 and 04 read about a reward model (common.rm_settings): the stored budgets; an older reward_model.json's
+    """What 03 and 04 read about a reward model (infra.reward_models.rm_settings): the stored budgets; an older reward_model.json's
     (stage 2 evaluated with max_new_tokens 128 on the demo, else 512, and the rest of max_len for the input); none
     without a file."""
     formats = {"rm_format": "critique+spans", "prompt_format": common.RM_PROMPT_FORMAT,
                "target_format": common.RM_TARGET_FORMAT, "objective": "generative", "score_bias": 0.0,
                "norm_score_std": 1.0, "step_unit": None}  # older files: a generative reward model
-    assert common.rm_settings(None) == common.rm_settings(tmp_path) == {"max_prompt_tokens": None,
+    assert reward_models.rm_settings(None) == reward_models.rm_settings(tmp_path) == {"max_prompt_tokens": None,
                                                                         "max_new_tokens": None, **formats}
     common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})
-    assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 1536, "max_new_tokens": 512, **formats}
+    assert reward_models.rm_settings(tmp_path) == {"max_prompt_tokens": 1536, "max_new_tokens": 512, **formats}
     common.write_json(tmp_path / "reward_model.json", {"task": "demo", "train": {"max_len": 256}})
-    assert common.rm_settings(str(tmp_path))["max_prompt_tokens"] == 128
+    assert reward_models.rm_settings(str(tmp_path))["max_prompt_tokens"] == 128
     common.write_json(tmp_path / "reward_model.json", {"task": "qa", "max_prompt_tokens": 900, "max_new_tokens": 100,
                                                        "train": {"max_len": 1000}})
-    assert common.rm_settings(tmp_path) == {"max_prompt_tokens": 900, "max_new_tokens": 100, **formats}
+    assert reward_models.rm_settings(tmp_path) == {"max_prompt_tokens": 900, "max_new_tokens": 100, **formats}
 
 
 def test_spans_only_format_is_read_and_a_bad_one_names_the_file(tmp_path):
@@ -709,11 +711,11 @@ def test_spans_only_format_is_read_and_a_bad_one_names_the_file(tmp_path):
     assert target == '{"good_spans": ["tom"], "poor_spans": ["cat"]}' and common.feedback_complete(target)
     assert parse_feedback(target) == {"critique": "", "good_spans": ["tom"], "poor_spans": ["cat"]}
     common.write_json(tmp_path / "reward_model.json", {"rm_format": "spans-only"})
-    assert common.rm_settings(tmp_path)["rm_format"] == "spans-only"
+    assert reward_models.rm_settings(tmp_path)["rm_format"] == "spans-only"
     assert common.build_rm_prompt(None, "P", "R", "spans-only").startswith(common.RM_INSTRUCTIONS["spans-only"])
     common.write_json(tmp_path / "reward_model.json", {"rm_format": "json-first"})
     with pytest.raises(common.DataError, match=r"reward_model.json: rm_format 'json-first': must be one of"):
-        common.rm_settings(tmp_path)
+        reward_models.rm_settings(tmp_path)
 
 
 def test_rm_target_roundtrips_through_parse_feedback():
@@ -729,23 +731,23 @@ def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
     import transformers
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     with pytest.raises(common.DataError, match=r"^transformers 5\.17\.0 is installed; this code needs >= 5\.24 "):
-        common.load_model("no/such-model")
+        models.load_model("no/such-model")
     monkeypatch.setattr(transformers, "__version__", "5.24.0.dev0")
     with pytest.raises(common.DataError, match="^/no/such/dir: no such directory$"):  # past the check, to the
-        common.load_model("/no/such/dir")                                               # missing folder (issue 46)
+        models.load_model("/no/such/dir")                                               # missing folder (issue 46)
 
 
 def test_attaching_an_adapter_raises_no_deprecation_warning(tmp_path, tiny_model_dir):
     """peft 0.21 asks every model it wraps for `is_gradient_checkpointing`, which transformers 5.24 deprecated for
     `is_activation_checkpointing`: a FutureWarning in stages 2-4 each time a LoRA adapter is added or loaded (issue
-    46). common.add_lora and common.load_model(adapter dir) raise none."""
+    46). infra.models.add_lora and infra.models.load_model(adapter dir) raise none."""
     import warnings
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        lora = common.add_lora(model, 4, 8)
+        lora = models.add_lora(model, 4, 8)
         lora.save_pretrained(tmp_path / "adapter")
-        common.load_model(str(tmp_path / "adapter"))
+        models.load_model(str(tmp_path / "adapter"))
     assert not lora.get_base_model().is_activation_checkpointing  # the non-deprecated name answers the same question
 
 
@@ -754,30 +756,30 @@ def test_a_save_replaces_only_the_files_it_wrote(tmp_path, tiny_model_dir):
     refused in one line, the folder untouched and no temp folder left; its own earlier save is replaced, the files
     the caller keeps (checkpoints/) moved over, those it owns (an eval.json of the old model) dropped; a folder saved
     before saves kept a record (no saved_files.json) counts as saved when it holds the save's own marker file."""
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     out = tmp_path / "x"
     common.write_jsonl(out / "annotations.jsonl", [{"id": "a"}])
     with pytest.raises(common.DataError, match=rf"^{out}: holds files that a save there did not write "
                                                r"\(annotations\.jsonl\); a save replaces only its own files: name "
                                                r"another folder$"):
-        common.save_pretrained(out, model, tok, {"reward_model.json": {}}, keep=("checkpoints",), owns=("eval.json",))
+        runs.save_pretrained(out, model, tok, {"reward_model.json": {}}, keep=("checkpoints",), owns=("eval.json",))
     assert [p.name for p in out.iterdir()] == ["annotations.jsonl"] and [p.name for p in tmp_path.iterdir()] == ["x"]
 
     rm = tmp_path / "rm"
-    common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 1}}, keep=("checkpoints",), owns=("eval.json",))
+    runs.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 1}}, keep=("checkpoints",), owns=("eval.json",))
     (rm / "checkpoints").mkdir()
     common.write_json(rm / "eval.json", {})
-    common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 2}}, keep=("checkpoints",), owns=("eval.json",))
+    runs.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 2}}, keep=("checkpoints",), owns=("eval.json",))
     assert json.loads((rm / "reward_model.json").read_text()) == {"v": 2} and (rm / "checkpoints").is_dir()
     assert not (rm / "eval.json").exists()
     (rm / "notes.txt").write_text("mine")
     with pytest.raises(common.DataError, match=r"did not write \(notes\.txt\)"):
-        common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 3}}, keep=("checkpoints",))
+        runs.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 3}}, keep=("checkpoints",))
     (rm / "notes.txt").unlink()
-    (rm / common.SAVE_RECORD).unlink()  # as an older version saved it
+    (rm / runs.SAVE_RECORD).unlink()  # as an older version saved it
     common.write_json(rm / "eval.json", {})
-    common.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 4}}, keep=("checkpoints",), owns=("eval.json",))
+    runs.save_pretrained(rm, model, tok, {"reward_model.json": {"v": 4}}, keep=("checkpoints",), owns=("eval.json",))
     assert json.loads((rm / "reward_model.json").read_text()) == {"v": 4}
-    (rm / common.SAVE_RECORD).unlink()
+    (rm / runs.SAVE_RECORD).unlink()
     with pytest.raises(common.DataError, match="did not write"):  # without its marker: a model made elsewhere
-        common.save_pretrained(rm, model, tok, {"sft.json": {}})
+        runs.save_pretrained(rm, model, tok, {"sft.json": {}})

@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, as_reward_model, import_script, write_jsonl_gz
 
 import common
+from infra import decoding, models, reward_models
 from tasks.demo import demo_dataset
 
 ev = import_script("04_evaluate")
@@ -394,7 +395,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory):
     """A LoRA adapter over the tiny model, with nonzero B so it changes the outputs."""
     import torch
     from transformers import AutoModelForCausalLM
-    model = common.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
+    model = models.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:
@@ -445,8 +446,8 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
 
     def boom(*a, **k):
         raise AssertionError("a rerun must not generate")
-    monkeypatch.setattr(common, "generate", boom)
-    monkeypatch.setattr(common, "load_model", boom)
+    monkeypatch.setattr(models, "generate", boom)
+    monkeypatch.setattr(models, "load_model", boom)
     again = ev.main(argv)  # everything served from the eval/ caches
     strip = lambda r: {k: v for k, v in r.items() if k not in ("wall_s", "created")}  # noqa: E731
     assert strip(again) == strip(results)
@@ -481,13 +482,13 @@ def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
 def test_reward_model_gets_its_training_input_and_budget_with_every_default(tiny_model_dir, tiny_reward_model,
                                                                               tmp_path, monkeypatch):
     """--max-prompt-tokens cuts the policy's prompt (its last tokens kept, as in stage 3); the reward model gets exactly
-    the input stage 2 trained on, the task prompt cut to reward_model.json's max_prompt_tokens (common.rm_settings),
+    the input stage 2 trained on, the task prompt cut to reward_model.json's max_prompt_tokens (infra.reward_models.rm_settings),
     and may write as many critique tokens as stage 2 evaluated it with (--rm-max-new-tokens' default)."""
     from transformers import AutoTokenizer
     rm = import_script("02_train_reward")
     rm_dir, rm_args = tiny_reward_model
     tok, rm_tok, settings = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(rm_dir), \
-        common.rm_settings(rm_dir)
+        reward_models.rm_settings(rm_dir)
     ex = demo_dataset("eval", 1)[0]
     long = {**ex, "prompt": ex["prompt"].replace("post: ", "post: " + "it rained on monday. " * 80)}
     common.write_jsonl(tmp_path / "eval.jsonl", [long])
@@ -498,8 +499,8 @@ def test_reward_model_gets_its_training_input_and_budget_with_every_default(tiny
             inputs.append((prompts, max_new_tokens))
             return real(model, tokenizer, prompts, max_new_tokens, *a, **k)
         return record
-    monkeypatch.setattr(common, "generate", spy(common.generate))
-    monkeypatch.setattr(common, "greedy_generate", spy(common.greedy_generate))
+    monkeypatch.setattr(models, "generate", spy(models.generate))
+    monkeypatch.setattr(decoding, "greedy_generate", spy(decoding.greedy_generate))
     ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model", rm_dir,
              "--max-new-tokens", "6", "--max-prompt-tokens", "250", "--output-dir", str(tmp_path / "out"),
              "--bootstrap", "10", "--device", "cpu"])
@@ -531,12 +532,12 @@ def test_rm_max_new_tokens_defaults_to_the_reward_model_then_the_preset(tiny_rew
 
 def test_the_fallback_critique_budget_is_defined_once(monkeypatch):
     """Without a budget from reward_model.json, 04 gives a critique the budget 03's critic has by its preset: one
-    number per task, common.critique_tokens, not a second copy of it."""
+    number per task, infra.reward_models.critique_tokens, not a second copy of it."""
     ppo = import_script("03_train_policy")
     for task, preset in (("demo", "demo"), ("qa", "default"), ("summarization", "default")):
         args = ev.parse_args(["--task", task, "--reward-model", "none"])
         assert ev.rm_budgets(None, args)[0] == ppo.PRESETS[preset]["critic_max_new_tokens"]
-    monkeypatch.setattr(common, "critique_tokens", lambda task: 7)
+    monkeypatch.setattr(reward_models, "critique_tokens", lambda task: 7)
     assert ev.rm_budgets(None, ev.parse_args(["--reward-model", "none"]))[0] == 7
 
 
@@ -579,16 +580,16 @@ def test_a_spans_only_reward_model_is_asked_for_spans_only(tiny_model_dir, tiny_
     from transformers import AutoTokenizer
     rm = import_script("02_train_reward")
     rm_dir, rm_args = tiny_spans_only_reward_model
-    rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
+    rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), reward_models.rm_settings(rm_dir)
     assert settings["rm_format"] == "spans-only"
     ex = demo_dataset("eval", 1)[0]
     common.write_jsonl(tmp_path / "eval.jsonl", [ex])
-    inputs, real = [], common.greedy_generate
+    inputs, real = [], decoding.greedy_generate
 
     def record(model, tokenizer, prompts, *a, **k):
         inputs.extend(prompts)
         return real(model, tokenizer, prompts, *a, **k)
-    monkeypatch.setattr(common, "greedy_generate", record)
+    monkeypatch.setattr(decoding, "greedy_generate", record)
     ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model", rm_dir,
              "--max-new-tokens", "6", "--output-dir", str(tmp_path / "out"), "--bootstrap", "10", "--device", "cpu"])
     response = common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")[0]["response"]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import common
+from infra import decoding, models, reward_models
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
 
@@ -223,10 +224,10 @@ def _args(tmp_path, tiny_model_dir, *extra):
 @pytest.mark.parametrize("lora_r", [4, 0])
 def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_r):
     args = _args(tmp_path, tiny_model_dir, "--lora-r", str(lora_r))
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     model, ref_model, value_head = ppo.build_policy(args, model)
     assert (ref_model is None) == (lora_r > 0)  # LoRA: no second copy of the weights
-    ids, mask = common.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
+    ids, mask = models.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
                                 tok.pad_token_id)
     with torch.no_grad():
         lp, values, logits = ppo.forward(model, value_head, ids, mask, 3, 1.0)
@@ -244,8 +245,8 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
 
 
 def test_forward_logprobs_match_generate_scores(tiny_model_dir):
-    model, tok = common.load_model(tiny_model_dir)
-    ids, mask = common.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
+    model, tok = models.load_model(tiny_model_dir)
+    ids, mask = models.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
                                 tok.pad_token_id)
     torch.manual_seed(0)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
@@ -280,7 +281,7 @@ def test_smoke_program_critic_span_and_scalar(tmp_path, tiny_model_dir):
     assert rows[0]["critic/parse_fail_rate"] == 0.0
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and {"prompt", "response", "critique", "good_spans", "poor_spans"} <= set(samples[0])
-    policy, tok = common.load_model(str(tmp_path / "run" / "policy"))  # the saved adapter loads on its own
+    policy, tok = models.load_model(str(tmp_path / "run" / "policy"))  # the saved adapter loads on its own
     assert (tmp_path / "run" / "policy" / "value_head.pt").is_file()
 
     scalar = _args(tmp_path, tiny_model_dir, "--reward-mode", "scalar", "--output-dir", str(tmp_path / "scalar"))
@@ -395,19 +396,19 @@ def test_local_critic_asks_a_spans_only_reward_model_for_spans_only(tmp_path, ti
     every critique request is its training input (the spans-only instruction, rm_prompt cut as in 02)."""
     from transformers import AutoTokenizer
     rm_dir, _ = tiny_spans_only_reward_model
-    rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
-    inputs, real = [], common.greedy_generate
+    rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), reward_models.rm_settings(rm_dir)
+    inputs, real = [], decoding.greedy_generate
 
     def record(model, tokenizer, prompts, *a, **k):
         inputs.extend(prompts)
         return real(model, tokenizer, prompts, *a, **k)
-    monkeypatch.setattr(common, "greedy_generate", record)
+    monkeypatch.setattr(decoding, "greedy_generate", record)
     ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", rm_dir, "--steps", "1",
                     "--log-every", "1"))
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert len(inputs) == 4
     for s in samples:
-        want = common.rm_prompt(rm_tok, s["prompt"], s["response"], settings["max_prompt_tokens"], "spans-only")[0]
+        want = reward_models.rm_prompt(rm_tok, s["prompt"], s["response"], settings["max_prompt_tokens"], "spans-only")[0]
         assert want in inputs
     assert all(common.RM_INSTRUCTIONS["spans-only"] in rm_tok.decode(x) for x in inputs)
 
@@ -552,7 +553,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
     # (one minibatch, so the order of the rows does not matter) ends with the parameters the two ranks saved
     args = ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:])
     torch.manual_seed(args.seed)
-    model, tok = common.load_model(str(tmp_path / "sft"))
+    model, tok = models.load_model(str(tmp_path / "sft"))
     model, _, value_head = ppo.build_policy(args, model)
     params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5)
@@ -670,11 +671,11 @@ def test_grad_accum_gives_the_same_update(tmp_path, tiny_model_dir):
 def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
     """--ent-coef > 0 is a bonus (loss - ent_coef * H): with no advantage and no value loss, the update makes the policy
     more uncertain on the batch (and a negative coefficient, less); with --ent-coef 0 it moves nothing."""
-    tok = common.load_model(tiny_model_dir)[1]
+    tok = models.load_model(tiny_model_dir)[1]
     recs = demo_dataset("eval", 4)
     responses = [tok(r["response"], add_special_tokens=False)["input_ids"][:8] for r in recs]
     T = max(map(len, responses))
-    ids, attn = common.left_pad([tok(r["prompt"])["input_ids"] + y + [tok.pad_token_id] * (T - len(y))
+    ids, attn = models.left_pad([tok(r["prompt"])["input_ids"] + y + [tok.pad_token_id] * (T - len(y))
                                  for r, y in zip(recs, responses)], tok.pad_token_id)
     mask = torch.tensor([[1.0] * len(y) + [0.0] * (T - len(y)) for y in responses])
     attn[:, -T:] = mask.long()
@@ -683,7 +684,7 @@ def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
         args = _args(tmp_path, tiny_model_dir, "--ent-coef", coef, "--vf-coef", "0", "--num-minibatches", "1",
                      "--ppo-epochs", "3")
         torch.manual_seed(0)
-        model, _, value_head = ppo.build_policy(args, common.load_model(tiny_model_dir)[0])
+        model, _, value_head = ppo.build_policy(args, models.load_model(tiny_model_dir)[0])
         params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
         before = [p.detach().clone() for p in params]
         H = lambda: ppo.masked_mean(ppo.entropy_from_logits(ppo.forward(model, None, ids, attn, T, 1.0)[2]),  # noqa
@@ -747,7 +748,7 @@ def test_kl_estimator_in_a_run(tmp_path, tiny_model_dir, estimator):
                     *flags))
     d = torch.load(tmp_path / "dump" / "step2_rank0.pt", weights_only=False)
     args = _args(tmp_path, tiny_model_dir, *flags)
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     model, _, _ = ppo.build_policy(args, model)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -811,7 +812,7 @@ def _traced(tmp_path, model_dir, name, *extra):
 
 def _policy_logprobs(args, model_dir, trainable, d):
     """log pi(y_t) of a dump's rollouts under the policy with these trainable parameters (none: the start), float64."""
-    model, tok = common.load_model(model_dir)
+    model, tok = models.load_model(model_dir)
     model, _, _ = ppo.build_policy(args, model)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -954,7 +955,7 @@ def test_locality_bench_summary_and_its_same_batch_check():
 
 def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_model_dir):
     """generation_config.json's sampling extras reach neither the rollouts nor any other generate() (01, 02, 04 and
-    the local critic all go through common.generate)."""
+    the local critic all go through infra.models.generate)."""
     leaky = model_variant(tiny_model_dir, tmp_path / "leaky", generation=HUB_EXTRAS)
     plain, _ = _dump(tmp_path, tiny_model_dir, "plain", "--max-new-tokens", "12")
     extras, _ = _dump(tmp_path, leaky, "extras", "--max-new-tokens", "12")
@@ -963,9 +964,9 @@ def test_hub_generation_settings_do_not_change_what_is_sampled(tmp_path, tiny_mo
     for temperature in (0.0, 1.0):
         outs = []
         for d in (tiny_model_dir, leaky):
-            model, tok = common.load_model(d)
+            model, tok = models.load_model(d)
             torch.manual_seed(0)
-            outs.append(common.generate(model, tok, prompts, 12, temperature=temperature))
+            outs.append(models.generate(model, tok, prompts, 12, temperature=temperature))
         assert outs[0] == outs[1]
 
 
@@ -982,8 +983,8 @@ def test_every_eos_id_stops_generation_and_cuts_the_mask(tmp_path, tiny_model_di
         assert has_eos == (first is not None) and n == (first + 1 if has_eos else len(ids))
         ended_elsewhere += has_eos and ids[first] != tiny_tokenizer.eos_token_id
     assert ended_elsewhere > 0 and row["response/eos_rate"] > 0
-    model, tok = common.load_model(multi)
-    out = common.generate(model, tok, [r["prompt"] for r in demo_dataset("eval", 8)], 16, temperature=1.0)
+    model, tok = models.load_model(multi)
+    out = models.generate(model, tok, [r["prompt"] for r in demo_dataset("eval", 8)], 16, temperature=1.0)
     assert all(not set(x) & set(stops) for x in out) and min(map(len, out)) < 16
 
 
@@ -996,15 +997,15 @@ def test_a_tokenizer_without_pad_gets_a_distinct_one(tmp_path, tiny_model_dir):
     tok.pad_token = None
     tok.save_pretrained(d)
     assert AutoTokenizer.from_pretrained(d).pad_token is None
-    model, tok = common.load_model(d)
-    assert tok.pad_token == "<|pad|>" and tok.pad_token_id not in common.stop_ids(model)
+    model, tok = models.load_model(d)
+    assert tok.pad_token == "<|pad|>" and tok.pad_token_id not in models.stop_ids(model)
     assert model.get_input_embeddings().weight.shape[0] == len(tok) and model.generation_config.pad_token_id == \
         tok.pad_token_id
     same = model_variant(tiny_model_dir, tmp_path / "padeos")
     tok = AutoTokenizer.from_pretrained(same)
     tok.pad_token = tok.eos_token
     tok.save_pretrained(same)
-    assert common.load_model(same)[1].pad_token_id == tok.eos_token_id  # kept as shipped
+    assert models.load_model(same)[1].pad_token_id == tok.eos_token_id  # kept as shipped
 
 
 def dropout_models(tmp_path, tiny_model_dir):
@@ -1031,8 +1032,8 @@ def test_dropout_is_off_in_the_update(tmp_path, tiny_model_dir, arch, lora_r):
     _, row = _dump(tmp_path, model_dir, "run", "--ppo-epochs", "1", "--num-minibatches", "1", "--lora-r", lora_r,
                    "--lr", "1e-2")
     assert row["policy/approx_kl"] == 0.0 and row["policy/clipfrac"] == 0.0
-    model, tok = common.load_model(model_dir)
-    ids, mask = common.left_pad([tok("post: tom has a red dog")["input_ids"], tok("it eats")["input_ids"]],
+    model, tok = models.load_model(model_dir)
+    ids, mask = models.left_pad([tok("post: tom has a red dog")["input_ids"], tok("it eats")["input_ids"]],
                                 tok.pad_token_id)
     with torch.no_grad():
         eval_lp = ppo.forward(model, None, ids, mask, 3, 1.0)[0]
@@ -1066,17 +1067,17 @@ def test_target_kl_stops_on_the_current_epochs_kl(tmp_path, tiny_model_dir):
 
 def test_min_new_tokens_is_scored_as_it_was_sampled(tiny_model_dir):
     """With --min-new-tokens, generate() forbids EOS at the first positions; forward() scores that same distribution."""
-    model, tok = common.load_model(tiny_model_dir)
-    ids, mask = common.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
+    model, tok = models.load_model(tiny_model_dir)
+    ids, mask = models.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
                                 tok.pad_token_id)
     torch.manual_seed(0)
-    config = common.generation_config(model, 6, temperature=0.7, min_new_tokens=4)
+    config = models.generation_config(model, 6, temperature=0.7, min_new_tokens=4)
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_scores=True,
                          return_dict_in_generate=True)
     R = out.sequences.shape[1] - ids.shape[1]
     want = torch.stack(out.scores, 1).log_softmax(-1).gather(2, out.sequences[:, -R:, None]).squeeze(-1)
     full_mask = torch.cat([mask, torch.ones(2, R, dtype=torch.long)], 1)
-    lp, _, logits = ppo.forward(model, None, out.sequences, full_mask, R, 0.7, (common.stop_ids(model), 4))
+    lp, _, logits = ppo.forward(model, None, out.sequences, full_mask, R, 0.7, (models.stop_ids(model), 4))
     assert torch.allclose(lp, want, atol=1e-4)
     assert torch.isfinite(ppo.entropy_from_logits(logits)).all()
 
@@ -1100,7 +1101,7 @@ def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny
     from transformers import AutoTokenizer
     rm = import_script("02_train_reward")
     rm_dir, rm_args = tiny_reward_model
-    tok, settings = AutoTokenizer.from_pretrained(rm_dir), common.rm_settings(rm_dir)
+    tok, settings = AutoTokenizer.from_pretrained(rm_dir), reward_models.rm_settings(rm_dir)
     assert settings["max_prompt_tokens"] == rm_args.max_len - rm_args.max_new_tokens < 1024
     long = [{"prompt": "post: " + " ".join(["ben has a grey horse called coco."] * 30) + "\nsummary:"}] * 4
     common.write_jsonl(tmp_path / "long.jsonl", long)
@@ -1119,7 +1120,7 @@ def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny
         else:
             sent = next(b["messages"][0]["content"] for b in bodies if b["messages"][0]["content"].endswith(
                 "### Response\n" + s["response"]))
-            server_ids = common.encode_prompt(tok, tok.apply_chat_template(
+            server_ids = models.encode_prompt(tok, tok.apply_chat_template(
                 [{"role": "user", "content": sent}], tokenize=False, add_generation_prompt=True))
         assert server_ids[:2] != [tok.bos_token_id] * 2
         rec = {**s, "critique": "c", "good_spans": [], "poor_spans": []}
@@ -1282,7 +1283,7 @@ def test_gradient_checkpointing_changes_no_result(tmp_path, tiny_model_dir, lora
         warnings.filterwarnings("error", message=".*gradient_checkpointing_enable.*")
         checkpointed = run("checkpointed", "--gradient-checkpointing")
     args = ppo.parse_args(_main_argv(tmp_path, tiny_model_dir, "--lora-r", lora_r, "--gradient-checkpointing"))
-    policy = ppo.build_policy(args, common.load_model(tiny_model_dir)[0])[0]
+    policy = ppo.build_policy(args, models.load_model(tiny_model_dir)[0])[0]
     assert any(getattr(m, "gradient_checkpointing", False) for m in policy.modules())  # it is on
     assert [r.keys() for r in checkpointed] == [r.keys() for r in plain]
     for a, b in zip(checkpointed, plain):
@@ -1389,7 +1390,7 @@ def test_the_checkpoint_holds_the_grad_scaler(tmp_path, tiny_model_dir):
     """--dtype fp16's loss scale is part of the state a resumed run continues from."""
     args = _args(tmp_path, tiny_model_dir)
     torch.manual_seed(0)
-    model, _, value_head = ppo.build_policy(args, common.load_model(tiny_model_dir)[0])
+    model, _, value_head = ppo.build_policy(args, models.load_model(tiny_model_dir)[0])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = ppo.make_optimizer(params, args)
     scaler = torch.amp.GradScaler("cpu", init_scale=512.0)  # where a run's scale got to (it started at 2^16)
@@ -1626,7 +1627,7 @@ def test_an_sft_start_is_keyed_by_its_base_models_content(tmp_path, tiny_model_d
     argv = _main_argv(tmp_path, str(base), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field", "reference",
                       "--sft-batch-size", "4", "--sft-steps", "1", "--sft-output-dir", str(tmp_path / "sft"))
     ppo.main(argv + ["--output-dir", str(tmp_path / "a")])
-    model, tok = common.load_model(str(base))
+    model, tok = models.load_model(str(base))
     with torch.no_grad():
         for w in model.parameters():
             w.add_(0.01)

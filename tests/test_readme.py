@@ -24,6 +24,7 @@ KEYWORDS = {"do", "then", "else", "{", "!"}  # shell words that may stand before
 RUNNER = r"""
 import argparse, contextlib, inspect, io, json, runpy, sys
 import common
+import infra.models, infra.reward_models
 
 class Parsed(BaseException):
     pass
@@ -33,7 +34,7 @@ def parse_and_stop(self, args=None, namespace=None):
     parse(self, args, namespace)
     raise Parsed
 
-common.check_model_path = common.check_reward_model = lambda *a, **k: None  # the README's files are not here
+infra.models.check_model_path = infra.reward_models.check_reward_model = lambda *a, **k: None  # the README's files are not here
 MISSING = ("no such file", "no such directory")  # any other check of a file it names: the same
 modules, out = {}, []
 for script, args in json.loads(sys.argv[1]):

@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, import_script, model_variant
 
 import common
+from infra import models
 from tasks.demo import demo_critic, demo_dataset
 
 pytestmark = pytest.mark.slow  # ~100 s on 2 cores, plus the one-off conversion (~30 s)
@@ -72,7 +73,7 @@ def dumps(run, name="ppo"):
 
 def test_the_real_tokenizer_and_template(tok):
     assert tok.eos_token == tok.pad_token == "<|im_end|>" and tok.bos_token == "<|im_start|>"
-    ids = common.encode_prompt(tok, common.apply_template(tok, "hi"))
+    ids = models.encode_prompt(tok, models.apply_template(tok, "hi"))
     assert tok.decode(ids).startswith("<|im_start|>system\n") and tok.decode(ids).endswith("<|im_start|>assistant\n")
     assert ids.count(tok.bos_token_id) == 3  # system, user, assistant: no BOS added in front of the template's own
 
@@ -82,7 +83,7 @@ def test_chat_template_wraps_the_prompts_ppo_samples_from(run, tok):
     query = dumps(run)[0]["query"].tolist()
     assert len(samples) == 4
     for row, s in zip(query, samples):
-        want = common.encode_prompt(tok, common.apply_template(tok, s["prompt"]))
+        want = models.encode_prompt(tok, models.apply_template(tok, s["prompt"]))
         assert row[-len(want):] == want and set(row[:-len(want)]) <= {tok.pad_token_id}  # left padding only
 
 
@@ -151,8 +152,8 @@ def test_a_smollm2_critic_labels_the_tiny_policys_own_tokens(smollm2_dir, tiny_t
     rm02, ppo = import_script("02_train_reward"), import_script("03_train_policy")
     rec = demo_dataset("annotate", 1)[0]  # "... called luna with owen that likes the river ... with owen."
     rec.update(demo_critic(rec["prompt"], rec["response"]))
-    model, tok = common.load_model(smollm2_dir)
-    model = common.add_lora(model, 8, 16, "all-linear")
+    model, tok = models.load_model(smollm2_dir)
+    model = models.add_lora(model, 8, 16, "all-linear")
     batch = rm02.collate([rm02.encode_example(tok, rec, 512)[0]], tok.pad_token_id)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     torch.manual_seed(0)

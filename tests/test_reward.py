@@ -10,6 +10,7 @@ import torch
 from conftest import ROOT, import_script
 
 import common
+from infra import models, reward_models
 from tasks.demo import demo_critic, demo_dataset
 
 rm = import_script("02_train_reward")
@@ -36,7 +37,7 @@ def test_labels_mask_exactly_the_prompt(chat, tiny_model_dir, tiny_chat_model_di
     tok = tokenizer_of(tiny_chat_model_dir if chat else tiny_model_dir)
     rec = annotations(1)[0]
     ex, status = rm.encode_example(tok, rec, max_len=1024)
-    prompt_ids = common.encode_prompt(tok, common.build_rm_prompt(tok, rec["prompt"], rec["response"]))
+    prompt_ids = models.encode_prompt(tok, common.build_rm_prompt(tok, rec["prompt"], rec["response"]))
     n = len(prompt_ids)
     assert status == "ok"
     assert ex["input_ids"][:n] == prompt_ids
@@ -59,7 +60,7 @@ def test_labels_mask_exactly_the_prompt(chat, tiny_model_dir, tiny_chat_model_di
 
 
 def test_prompt_builder_is_the_shared_one(tiny_model_dir, monkeypatch):
-    """Training serialises through common.build_rm_prompt, the function stage 3 calls (via common.rm_critique)."""
+    """Training serialises through common.build_rm_prompt, the function stage 3 calls (via infra.reward_models.rm_critique)."""
     tok = tokenizer_of(tiny_model_dir)
     rec = annotations(1)[0]
     shared, calls = common.build_rm_prompt, []
@@ -99,7 +100,7 @@ def test_long_prompt_is_cut_from_its_start_and_counted(tiny_model_dir):
 
 @pytest.mark.parametrize("preset", ["demo", "summarization"])
 def test_training_input_is_cut_as_the_input_in_use(tiny_model_dir, preset):
-    """With a preset's defaults, the reward model's training input is cut by the rule 03 and 04 use (common.rm_prompt
+    """With a preset's defaults, the reward model's training input is cut by the rule 03 and 04 use (infra.reward_models.rm_prompt
     at reward_model.json's max_prompt_tokens, max_len minus max_new_tokens), never to max_len minus the target's own
     length: an input a little over that budget, which would fit beside its target, is cut in training as in use. A
     target longer than max_new_tokens cuts its own input further, so that the example still fits max_len."""
@@ -107,7 +108,7 @@ def test_training_input_is_cut_as_the_input_in_use(tiny_model_dir, preset):
     args = rm.parse_args(["--task", preset, "--device", "cpu"])
     budget, rec = args.max_len - args.max_new_tokens, annotations(1)[0]
     prompt_of = lambda k: "post: " + " ".join(f"w{i}" for i in range(k)) + "\nsummary:"  # noqa: E731
-    size = lambda k: len(common.rm_prompt(tok, prompt_of(k), rec["response"])[0])  # noqa: E731
+    size = lambda k: len(reward_models.rm_prompt(tok, prompt_of(k), rec["response"])[0])  # noqa: E731
     lo, hi = 0, 4 * args.max_len  # the fewest words whose whole input is over the budget by 10 tokens or more
     while lo < hi:
         lo, hi = (lo, (lo + hi) // 2) if size((lo + hi) // 2) >= budget + 10 else ((lo + hi) // 2 + 1, hi)
@@ -116,7 +117,7 @@ def test_training_input_is_cut_as_the_input_in_use(tiny_model_dir, preset):
     assert budget < size(lo) <= args.max_len - n_target  # it would fit beside its target: the old rule kept it whole
     for k, want in ((3, "ok"), (lo, "truncated")):
         ex, status = rm.encode_example(tok, {**rec, "prompt": prompt_of(k)}, args.max_len, budget)
-        assert (ex["input_ids"][:-n_target], status) == (common.rm_prompt(tok, prompt_of(k), rec["response"],
+        assert (ex["input_ids"][:-n_target], status) == (reward_models.rm_prompt(tok, prompt_of(k), rec["response"],
                                                                           budget)[::2]) and status == want
     long = {**rec, "prompt": prompt_of(lo), "critique": "long"}
     while len(tok(common.format_rm_target(long["critique"], rec["good_spans"], rec["poor_spans"]))["input_ids"]) <= \
@@ -156,7 +157,7 @@ def test_metrics_match_hand_computed_precision_and_recall():
     outputs = ['It gets tom right but not the dog.\n{"good_spans": ["tom", "york has"], "poor_spans": '
                '["dog called rex", "cow"]}',
                "no JSON here at all"]
-    m = common.rm_span_metrics(items, outputs)
+    m = reward_models.rm_span_metrics(items, outputs)
     # item 1 gold: +1 on tom from york red dog (5 tokens), -1 on rex (1)
     #        pred: +1 on tom york has (3; tp 2), -1 on dog called rex (3; tp 1); "cow" unmatched
     # item 2 gold: +1 on ann (1), -1 on the first "a cat" (2); pred: nothing (unparseable)
@@ -173,11 +174,11 @@ def test_metrics_match_hand_computed_precision_and_recall():
                           "poor": {"gold": 2, "pred": 1, "exact": 0, "partial": 1}}
     assert m["critique_words"] == 8
 
-    perfect = common.rm_span_metrics(items[:1], [common.format_rm_target("ok", items[0]["good_spans"],
+    perfect = reward_models.rm_span_metrics(items[:1], [common.format_rm_target("ok", items[0]["good_spans"],
                                                                           items[0]["poor_spans"])])
     assert perfect["pos_precision"] == perfect["pos_recall"] == perfect["neg_f1"] == 1.0
     assert perfect["spans"]["good"]["exact"] == 2 and perfect["unmatched_span_rate"] == 0.0
-    empty = common.rm_span_metrics(items[:1], ['{"good_spans": [], "poor_spans": []}'])
+    empty = reward_models.rm_span_metrics(items[:1], ['{"good_spans": [], "poor_spans": []}'])
     assert empty["pos_precision"] is None and empty["pos_recall"] == 0.0 and empty["unmatched_span_rate"] is None
 
 
@@ -248,7 +249,7 @@ def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
     args = run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--max-steps", "120", "--val-frac", "0.1",
                     "--eval-limit", "16", "--max-new-tokens", "40")
     _, val = rm.split_records(rm.load_annotations(data)[0], args.val_frac, args.seed)
-    model, tok = common.load_model(tiny_model_dir)  # step 0: LoRA starts as the identity (B = 0)
+    model, tok = models.load_model(tiny_model_dir)  # step 0: LoRA starts as the identity (B = 0)
     before, _ = rm.evaluate_rm(model, tok, val[:16], max_new_tokens=40)
     after = rm.main(args)
     assert after["parse_rate"] > before["parse_rate"] and after["parse_rate"] >= 0.5
@@ -260,9 +261,9 @@ def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
     assert info["train"]["records"] == 179 and info["train"]["val_records"] == 20
     assert json.loads((out / "eval.json").read_text())["parse_rate"] == after["parse_rate"]
     assert len(common.read_jsonl(out / "eval_samples.jsonl")) == 16
-    model, tok = common.load_model(str(out))  # what `03_train_policy.py --reward-model DIR` does
+    model, tok = models.load_model(str(out))  # what `03_train_policy.py --reward-model DIR` does
     assert type(model).__name__ == "PeftModelForCausalLM"
-    assert len(common.rm_critique(model, tok, [val[0]["prompt"]], [val[0]["response"]], max_new_tokens=8)) == 1
+    assert len(reward_models.rm_critique(model, tok, [val[0]["prompt"]], [val[0]["response"]], max_new_tokens=8)) == 1
 
 
 def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
@@ -278,14 +279,14 @@ def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
     assert info["adapter"] is None and info["lora"]["r"] == 0
     # the budgets 03 and 04 use it with: the input cut to max_len (the preset's) minus the critique budget
     assert (info["max_prompt_tokens"], info["max_new_tokens"]) == (rm.DEMO["max_len"] - 8, 8)
-    assert common.rm_settings(out)["max_prompt_tokens"] == rm.DEMO["max_len"] - 8
-    model, tok = common.load_model(str(out))
-    base, _ = common.load_model(tiny_model_dir)
+    assert reward_models.rm_settings(out)["max_prompt_tokens"] == rm.DEMO["max_len"] - 8
+    model, tok = models.load_model(str(out))
+    base, _ = models.load_model(tiny_model_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
     trained, before = dict(model.named_parameters()), dict(base.named_parameters())
     assert trained.keys() == before.keys()
     assert all(not torch.equal(trained[k], before[k]) for k in trained)  # every weight moved
-    assert len(common.rm_critique(model, tok, ["post: x"], [" y"], max_new_tokens=4)) == 1
+    assert len(reward_models.rm_critique(model, tok, ["post: x"], [" y"], max_new_tokens=4)) == 1
 
 
 def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_model_dir):
@@ -302,16 +303,16 @@ def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_mod
     assert {f.stat().st_mode & 0o777 for f in merged.iterdir()} == {0o666 & ~common._UMASK}
     info, src = (json.loads((d / "reward_model.json").read_text()) for d in (merged, tmp_path / "rm"))
     assert info == {**src, "merged_from": str(tmp_path / "rm")}
-    assert common.rm_settings(merged) == common.rm_settings(tmp_path / "rm")
+    assert reward_models.rm_settings(merged) == reward_models.rm_settings(tmp_path / "rm")
     assert json.loads((merged / "generation_config.json").read_text()).keys() <= {
         "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config"}
-    adapter, tok = common.load_model(str(tmp_path / "rm"))
-    plain, plain_tok = common.load_model(str(merged))
+    adapter, tok = models.load_model(str(tmp_path / "rm"))
+    plain, plain_tok = models.load_model(str(merged))
     assert type(plain).__name__ == "LlamaForCausalLM" and plain_tok.get_vocab() == tok.get_vocab()
-    ids = torch.tensor([common.rm_prompt(tok, "post: ann has a cat.\nsummary:", " ann has a dog.")[0]])
+    ids = torch.tensor([reward_models.rm_prompt(tok, "post: ann has a cat.\nsummary:", " ann has a dog.")[0]])
     with torch.no_grad():
         want, got = adapter(input_ids=ids).logits, plain(input_ids=ids).logits
-    assert not torch.allclose(want, common.load_model(tiny_model_dir)[0](input_ids=ids).logits)  # it trained
+    assert not torch.allclose(want, models.load_model(tiny_model_dir)[0](input_ids=ids).logits)  # it trained
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
@@ -372,7 +373,7 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     info = json.loads((out / "reward_model.json").read_text())
     assert info["train"]["steps"] == 4 and info["train"]["batch_size"] == 8  # 2 processes x 4 examples
     assert json.loads((out / "eval.json").read_text())["n"] == 3  # round(0.05 x 64) val records
-    model, tok = common.load_model(str(out))
+    model, tok = models.load_model(str(out))
     assert type(model).__name__ == "PeftModelForCausalLM"
 
 
@@ -409,8 +410,8 @@ def test_a_reward_model_trained_from_a_relative_path_loads_from_any_directory(tm
                            "--batch-size", "4", "--eval-limit", "0", "--device", "cpu", *LORA]))
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
-    common.check_reward_model(str(tmp_path / "work" / "rm"))  # raised: "base ... no such directory"
-    model, _ = common.load_model(str(tmp_path / "work" / "rm"))
+    reward_models.check_reward_model(str(tmp_path / "work" / "rm"))  # raised: "base ... no such directory"
+    model, _ = models.load_model(str(tmp_path / "work" / "rm"))
     assert model is not None
 
 
@@ -438,7 +439,7 @@ def test_a_stage2_output_is_required_where_one_is_expected(tmp_path, tiny_model_
     --critic local and 04 refuse it in one line, before anything is trained or generated."""
     with pytest.raises(common.DataError, match=rf"--reward-model {tiny_model_dir}: no reward_model\.json \(not a "
                                                r"stage-2 output; run 02_train_reward\.py\)"):
-        common.check_reward_model(tiny_model_dir)
+        reward_models.check_reward_model(tiny_model_dir)
     proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--critic",
                            "local", "--reward-model", tiny_model_dir, "--output-dir", str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=ROOT)
@@ -490,7 +491,7 @@ def test_raw_outputs_count_their_words_where_nothing_parses(capsys):
     outputs are counted and shown beside the parsed critiques'."""
     t, o = word_tokens("tom has a red dog")
     items = [{"text": t, "offsets": o, "good_spans": ["tom"], "poor_spans": []}] * 2
-    m = common.rm_span_metrics(items, ["the response is fine and it is " * 5, "one two three"])
+    m = reward_models.rm_span_metrics(items, ["the response is fine and it is " * 5, "one two three"])
     assert m["critique_words"] == 0.0 and m["output_words"] == (35 + 3) / 2
     rm.print_table({**m, "gold_critique_words": 4.0})
     assert "raw outputs 19.0 words" in capsys.readouterr().out

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+from infra import models, reward_models, serving
 from conftest import ROOT, bos_adding_copy, import_script, start_server, stop_server
 from tasks.demo import demo_critic, demo_dataset
 
@@ -242,13 +243,13 @@ def test_a_served_reward_model_critiques_as_the_local_one_token_for_token(served
     local_args = ppo.parse_args(["--critic", "local", "--reward-model", rm_dir, "--device", "cpu"])
     served_args = ppo.parse_args(["--critic", "openai", "--critic-api", "completions", "--critic-base-url", url,
                                   "--critic-model", rm_dir, "--reward-model", rm_dir, "--device", "cpu"])
-    model, tok = common.load_model(rm_dir)
+    model, tok = models.load_model(rm_dir)
     texts, offsets = zip(*[common.decode_with_offsets(tok, tok(r["response"], add_special_tokens=False)["input_ids"])
                            for r in recs])  # the rollouts, as 03 decodes them
     budget, cut = local_args.critic_max_new_tokens, local_args.critic_max_prompt_tokens
     assert (budget, cut) == (served_args.critic_max_new_tokens, served_args.critic_max_prompt_tokens) == (40, 216)
-    local_raw = common.rm_critique(model, tok, prompts, list(texts), budget, max_prompt_tokens=cut)
-    served_raw = common.rm_critique_served(prompts, list(texts), url, rm_dir, budget, api="completions",
+    local_raw = reward_models.rm_critique(model, tok, prompts, list(texts), budget, max_prompt_tokens=cut)
+    served_raw = serving.rm_critique_served(prompts, list(texts), url, rm_dir, budget, api="completions",
                                            tokenizer=tok, max_prompt_tokens=cut)
     assert served_raw == local_raw
     local, served = (ppo.make_critic(a)(recs, list(texts)) for a in (local_args, served_args))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+from infra import decoding, models, reward_models
 from tasks.demo import build_tiny_base, demo_dataset, make_demo_example
 from conftest import import_script
 
@@ -40,7 +41,7 @@ def _ppo_run(tmp_path, model_dir, lora_r, *extra):
 
 @pytest.mark.parametrize("lora_r,extra", [(0, ()), (4, ()), (4, ("--compile-generation",))])
 def test_ppo_run_matches_the_recorded_one(tmp_path, tiny_model_dir, lora_r, extra):
-    """(--compile-generation: the rollouts of common.static_decode, which must leave the run exactly as it was.)"""
+    """(--compile-generation: the rollouts of infra.decoding.static_decode, which must leave the run exactly as it was.)"""
     got = _ppo_run(tmp_path, tiny_model_dir, lora_r, *extra)
     pins = json.loads(PINS.read_text()) if PINS.is_file() else {}
     if os.environ.get("T2G_RECORD_PINS") and not extra:
@@ -100,7 +101,7 @@ def tiny_critic_dir(tmp_path_factory):
 
 def _reference_greedy(model, tok, prompts, max_new_tokens):
     """The code before issue 17: model.generate, greedy, whole left-padded batch, cut at the first EOS."""
-    ids, mask = common.left_pad([common.encode_prompt(tok, p) for p in prompts], tok.pad_token_id)
+    ids, mask = models.left_pad([models.encode_prompt(tok, p) for p in prompts], tok.pad_token_id)
     with torch.no_grad():
         seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                               temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
@@ -117,25 +118,25 @@ def test_decoding_loops_pass_the_kv_cache_by_its_current_name(tiny_critic_dir):
     `past_key_values`, which is deprecated (a FutureWarning) and goes in 5.40; before 5.24 `cache` was silently
     ignored (static_decode then decoded without its cache: other tokens), hence requirements.txt's transformers>=5.24."""
     import warnings
-    model, tok = common.load_model(tiny_critic_dir)
+    model, tok = models.load_model(tiny_critic_dir)
     prompts = [r["response"] + "\n" for r in demo_dataset("eval", 4)]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*past_key_values.*")
-        assert common.greedy_generate(model, tok, prompts, 8) == _reference_greedy(model, tok, prompts, 8)
+        assert decoding.greedy_generate(model, tok, prompts, 8) == _reference_greedy(model, tok, prompts, 8)
 
 
 def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
-    model, tok = common.load_model(tiny_critic_dir)
+    model, tok = models.load_model(tiny_critic_dir)
     prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(demo_dataset("eval", 36))]
     prompts += ["zz", "post: it rained on monday.", "{"]  # off the task: no JSON, or JSON the model never closes
     want = _reference_greedy(model, tok, prompts, 40)
     assert len({len(w) for w in want}) > 3  # rows end at different steps: finished rows leave the batch
-    assert common.greedy_generate(model, tok, prompts, 40, batch_size=32) == want
-    assert common.greedy_generate(model, tok, prompts, 40, batch_size=7) == want  # ragged last chunk
+    assert decoding.greedy_generate(model, tok, prompts, 40, batch_size=32) == want
+    assert decoding.greedy_generate(model, tok, prompts, 40, batch_size=7) == want  # ragged last chunk
 
     # stop=feedback_complete: a row also ends where its span JSON closes; the text is the same whenever the JSON was
     # the end of the output (EOS next), else it is the output up to the JSON's end
-    got = common.greedy_generate(model, tok, prompts, 40, stop=common.feedback_complete)
+    got = decoding.greedy_generate(model, tok, prompts, 40, stop=common.feedback_complete)
     texts = [tok.decode(x, skip_special_tokens=True) for x in want]
     got_texts = [tok.decode(x, skip_special_tokens=True) for x in got]
     kinds = set()
@@ -156,24 +157,24 @@ def test_greedy_generate_gives_model_generate_tokens(tiny_critic_dir):
 def test_compiled_greedy_generate_gives_the_same_critiques(tiny_critic_dir):
     """compile=True (static_decode: a static KV cache, the step compiled, ended rows kept in the batch, masked): the
     tokens of plain greedy decoding, and with stop=feedback_complete those of the eager loop, row for row."""
-    model, tok = common.load_model(tiny_critic_dir)
+    model, tok = models.load_model(tiny_critic_dir)
     prompts = [r["response"] + ("!\n" if i % 3 else "\n") for i, r in enumerate(demo_dataset("eval", 36))]
     prompts += ["zz", "post: it rained on monday.", "{"]
     want = _reference_greedy(model, tok, prompts, 40)
     n = len(prompts)  # one chunk: one shape to compile (the eager test above covers a ragged last chunk)
-    assert common.greedy_generate(model, tok, prompts, 40, batch_size=n, compile=True) == want
-    eager = common.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete)
-    got = common.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete, compile=True)
+    assert decoding.greedy_generate(model, tok, prompts, 40, batch_size=n, compile=True) == want
+    eager = decoding.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete)
+    got = decoding.greedy_generate(model, tok, prompts, 40, batch_size=n, stop=common.feedback_complete, compile=True)
     assert got == eager and got != want  # the stop ended some rows early, in both
 
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_dir, chat):
-    model, tok = common.load_model(tiny_chat_model_dir if chat else tiny_model_dir)
+    model, tok = models.load_model(tiny_chat_model_dir if chat else tiny_model_dir)
     recs = demo_dataset("eval", 6)
     want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
                                                            for r in recs], 12), skip_special_tokens=True)
-    assert common.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
+    assert reward_models.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
 
 
 def test_feedback_complete():
@@ -190,8 +191,8 @@ def test_feedback_complete():
 def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_dir):
     """The no-grad forwards of the rollout phase take the whole batch in one call instead of micro-batches: the same
     numbers (bit for bit here with micro-batches of 4; an odd batch size can take a GEMM path that rounds otherwise)."""
-    model, tok = common.load_model(tiny_model_dir)
-    ids, mask = common.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in demo_dataset("eval", 8)],
+    model, tok = models.load_model(tiny_model_dir)
+    ids, mask = models.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in demo_dataset("eval", 8)],
                                 tok.pad_token_id)
     value_head = torch.nn.Linear(model.config.hidden_size, 1)
     with torch.no_grad():

@@ -1,10 +1,10 @@
-"""Static-cache decoding (common.static_decode, issue 37): generate()'s tokens, from the same random numbers, with a
+"""Static-cache decoding (infra.decoding.static_decode, issue 37): generate()'s tokens, from the same random numbers, with a
 static KV cache and the decode step under torch.compile; 03's --compile-generation rollouts scored as they were
 sampled. The critic's greedy path and a whole PPO run against the recorded one are pinned in test_speed_pins.py."""
 import pytest
 import torch
 
-import common
+from infra import decoding, models
 from tasks.demo import demo_dataset
 from conftest import import_script
 
@@ -12,9 +12,9 @@ ppo = import_script("03_train_policy")
 
 
 def test_prompt_bucket_pads_by_at_most_a_third():
-    assert [common.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 97, 129, 1000)] == \
+    assert [decoding.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 97, 129, 1000)] == \
         [16, 16, 24, 24, 32, 48, 48, 64, 96, 128, 192, 1024]
-    assert all(n <= common.prompt_bucket(n) < max(16, n * 1.5) + 1 for n in range(1, 3000))
+    assert all(n <= decoding.prompt_bucket(n) < max(16, n * 1.5) + 1 for n in range(1, 3000))
 
 
 def _generate(model, ids, mask, config, seed, how):
@@ -24,7 +24,7 @@ def _generate(model, ids, mask, config, seed, how):
         if how == "generate":
             new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
         else:
-            new = common.generate_static(model, ids, mask, config, compile=how == "compiled")
+            new = decoding.generate_static(model, ids, mask, config, compile=how == "compiled")
     return new, torch.rand(1).item()
 
 
@@ -37,14 +37,14 @@ def test_generate_static_gives_generates_tokens_and_random_stream(tiny_model_dir
     top-p with min_new_tokens, greedy: eager and compiled static decoding give model.generate's tokens, and draw the
     same random numbers (the next draw after it agrees), so every later draw of a run (the next rollout, the
     minibatch order) is unchanged too."""
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     prompts = [r["prompt"] for r in demo_dataset("eval", 12)] + ["post: it", "post: tom"]
-    ids, mask = common.left_pad([common.encode_prompt(tok, p)[-22:] for p in prompts], tok.pad_token_id)
-    assert common.prompt_bucket(ids.shape[1]) > ids.shape[1] and (mask == 0).any()
-    stop = common.stop_ids(model) + list(range(100, 160))  # this untrained model seldom says EOS: more stop ids
+    ids, mask = models.left_pad([models.encode_prompt(tok, p)[-22:] for p in prompts], tok.pad_token_id)
+    assert decoding.prompt_bucket(ids.shape[1]) > ids.shape[1] and (mask == 0).any()
+    stop = models.stop_ids(model) + list(range(100, 160))  # this untrained model seldom says EOS: more stop ids
     lengths = set()
     for seed, settings in enumerate(SETTINGS):
-        config = common.generation_config(model, 20, **settings)
+        config = models.generation_config(model, 20, **settings)
         config.eos_token_id = stop
         want, want_next = _generate(model, ids, mask, config, seed, "generate")
         for how in ("eager", "compiled"):
@@ -59,12 +59,12 @@ def test_generate_static_gives_generates_tokens_and_random_stream(tiny_model_dir
 def test_generate_static_gives_generates_tokens_on_smollm2(smollm2_dir):
     """The real model (30 layers, grouped-query attention, ChatML, eos = pad): eager and compiled static decoding
     give model.generate's sampled and greedy tokens for chat-templated prompts of different lengths."""
-    model, tok = common.load_model(smollm2_dir)
+    model, tok = models.load_model(smollm2_dir)
     prompts = ["Summarize: tom lives in york and likes tea.", "Say hi.", "What is 2 + 2? Answer in one word.",
                "Name three colours."]
-    ids, mask = common.left_pad([common.policy_prompt(tok, p) for p in prompts], tok.pad_token_id)
+    ids, mask = models.left_pad([models.policy_prompt(tok, p) for p in prompts], tok.pad_token_id)
     for seed, settings in enumerate([dict(temperature=1.0), dict(temperature=0.0)]):
-        config = common.generation_config(model, 12, **settings)
+        config = models.generation_config(model, 12, **settings)
         want, want_next = _generate(model, ids, mask, config, seed, "generate")
         for how in ("eager", "compiled"):
             got, got_next = _generate(model, ids, mask, config, seed, how)
@@ -72,14 +72,14 @@ def test_generate_static_gives_generates_tokens_on_smollm2(smollm2_dir):
 
 
 def test_sampler_refuses_what_it_does_not_implement(tiny_model_dir):
-    model, _ = common.load_model(tiny_model_dir)
-    config = common.generation_config(model, 8, temperature=1.0)
+    model, _ = models.load_model(tiny_model_dir)
+    config = models.generation_config(model, 8, temperature=1.0)
     config.top_k = 50  # generate() would cut to the top 50: static decoding would sample another distribution
     with pytest.raises(ValueError, match="top_k"):
-        common.sampler(config)
+        decoding.sampler(config)
     config.top_k, config.repetition_penalty = 0, 1.3
     with pytest.raises(ValueError, match="repetition_penalty"):
-        common.sampler(config)
+        decoding.sampler(config)
 
 
 def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(tiny_model_dir, monkeypatch):
@@ -87,13 +87,13 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
     distribution the compiled step sampled from (its logits, after the min-new-tokens ban and / T) is forward()'s
     logits / T (within float rounding: another kernel, another summation order), and the rollout's tokens are those
     of generate()."""
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     prompts = [r["prompt"] for r in demo_dataset("train", 6)]
-    queries = [common.encode_prompt(tok, p) for p in prompts]
+    queries = [models.encode_prompt(tok, p) for p in prompts]
     T, min_new = 0.7, 3
-    config = common.generation_config(model, 10, T, 1.0, min_new)
-    stop = torch.tensor(common.stop_ids(model))
-    sampled, real_sampler = [], common.sampler
+    config = models.generation_config(model, 10, T, 1.0, min_new)
+    stop = torch.tensor(models.stop_ids(model))
+    sampled, real_sampler = [], decoding.sampler
 
     def recording_sampler(cfg):
         pick = real_sampler(cfg)
@@ -102,7 +102,7 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
             sampled.append(logits.clone())
             return pick(logits, t)
         return record
-    monkeypatch.setattr(common, "sampler", recording_sampler)
+    monkeypatch.setattr(decoding, "sampler", recording_sampler)
     b = {}
     for flag in ("--no-compile-generation", "--compile-generation"):
         args = ppo.parse_args(["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--temperature",
@@ -131,19 +131,19 @@ def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypa
     the first GPU run's compiled decode (bench/README.md). The compiled step must run with that hook off, give
     generate()'s tokens, and leave the hook on afterwards, once (build_policy registered it a second time, which
     nothing could remove), so the update's gradients are those of a policy that never decoded."""
-    model, tok = common.load_model(tiny_model_dir)
+    model, tok = models.load_model(tiny_model_dir)
     argv = ["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--gradient-checkpointing"]
     policy, _, head = ppo.build_policy(ppo.parse_args(argv), model)
     embed_hooks = policy.get_input_embeddings()._forward_hooks
-    compiled, hooks_seen = common._compiled_decode_forward("cpu"), []
+    compiled, hooks_seen = decoding._compiled_decode_forward("cpu"), []
 
     def step(*a, **k):  # what the compiled step would trace: the embeddings' hooks at that moment
         hooks_seen.append(len(embed_hooks))
         return compiled(*a, **k)
-    monkeypatch.setattr(common, "_compiled_decode_forward", lambda device_type: step)
-    queries = [common.encode_prompt(tok, r["prompt"]) for r in demo_dataset("train", 4)]
-    config = common.generation_config(policy, 8, 1.0, 1.0, 3)
-    stop = torch.tensor(common.stop_ids(policy))
+    monkeypatch.setattr(decoding, "_compiled_decode_forward", lambda device_type: step)
+    queries = [models.encode_prompt(tok, r["prompt"]) for r in demo_dataset("train", 4)]
+    config = models.generation_config(policy, 8, 1.0, 1.0, 3)
+    stop = torch.tensor(models.stop_ids(policy))
     b = {}
     for flag in ("--no-compile-generation", "--compile-generation"):
         torch.manual_seed(0)

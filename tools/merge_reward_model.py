@@ -17,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from infra import reward_models  # noqa: E402
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -25,7 +26,7 @@ if __name__ == "__main__":
     p.add_argument("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="the merged weights' dtype")
     args = p.parse_args()
     try:
-        common.check_reward_model(args.reward_model, "")
+        reward_models.check_reward_model(args.reward_model, "")
         print(importlib.import_module("02_train_reward").merge_reward_model(args.reward_model, args.out_dir,
                                                                              args.dtype))
     except common.DataError as e:  # bad input: one line, exit code 2

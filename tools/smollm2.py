@@ -18,7 +18,7 @@ from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import common  # noqa: E402
+from infra import runs  # noqa: E402
 
 
 def gguf_path() -> str:
@@ -39,7 +39,7 @@ def export(out_dir) -> str:
     """Save SmolLM2-135M-Instruct as a transformers directory at `out_dir` (kept if it is already there)."""
     out = Path(out_dir)
     if (out / "model.safetensors").is_file():
-        common.share_files(out)  # an export by an older version of this tool left its weights 0600
+        runs.share_files(out)  # an export by an older version of this tool left its weights 0600
         return str(out)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -53,7 +53,7 @@ def export(out_dir) -> str:
     tmp = tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    common.share_files(tmp)  # mkdtemp and safetensors make them private; the result is an ordinary model directory
+    runs.share_files(tmp)  # mkdtemp and safetensors make them private; the result is an ordinary model directory
     if not (out / "model.safetensors").is_file():
         shutil.rmtree(out, ignore_errors=True)  # whatever an interrupted export left
     try:

@@ -1,0 +1,194 @@
+"""A stage-2 reward model in use: how it was trained (rm_settings: reward_model.json), the checks before a run
+(check_reward_model), its critiques (rm_critique) and how well they recover spans (rm_span_metrics, paper Tables 1
+and 6). 03 --reward-model, 04 --reward-model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import common
+from infra import decoding, models
+
+
+def critique_tokens(task: str) -> int:
+    """The critique budget where neither a flag nor reward_model.json gives one (03's critic, 04): stage 2's preset
+    --max-new-tokens for the task, 96 for the demo (02 DEMO) and 512 otherwise (02 PAPER)."""
+    return 96 if task == "demo" else 512
+
+
+def rm_settings(reward_model_dir) -> dict:
+    """How stage 2 trained and evaluated the reward model in `reward_model_dir`: what 03 and 04 must repeat to use it.
+      max_prompt_tokens  the most tokens of its input, rm_prompt (the task prompt is cut from its start to fit), the
+                         same in training (02) and in use (03, 04, a served model too); None: no cut. Stage 2 sets it
+                         to --max-len minus --max-new-tokens, so that an input and its critique fit in --max-len.
+      max_new_tokens     the critique budget stage 2 evaluated it with: 03's and 04's default; None: the caller's.
+      rm_format          its output: "critique+spans" (z = [c ; A(y)]) or "spans-only" (w/o CoT); and its input's
+                         instruction (RM_INSTRUCTIONS). Older files: "critique+spans".
+      prompt_format, target_format   its input and output (build_rm_prompt; format_rm_target, then EOS).
+      objective          what it was trained for (02 --objective, RM_OBJECTIVES); older files: "generative". Without
+                         a file, a sequence classifier (its config.json's architecture, or a SEQ_CLS adapter: e.g.
+                         TRL's RewardTrainer output) is "pairwise", score_bias 0; any other model "generative".
+      score_bias         pairwise: its mean score on the normalisation responses, subtracted from every score (Huang
+                         et al. 2024), and norm_score_std their std; step_unit: prm: how its responses are cut into
+                         steps (baselines/scalar_rm.py: split_steps).
+    Read from DIR/reward_model.json (02 writes it). An older file lacks both budgets; its stage 2 evaluated with
+    max_new_tokens 128 (demo) or 512 and the input cut to max_len minus that: those are returned. No file (a plain
+    model directory; None for a served model): no cut, and max_new_tokens None."""
+    path = Path(reward_model_dir) / "reward_model.json" if reward_model_dir else None
+    try:
+        info = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    except json.JSONDecodeError as e:
+        raise common.DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    out = {"max_prompt_tokens": None, "max_new_tokens": None, "rm_format": "critique+spans",
+           "prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT, "objective": "generative",
+           "score_bias": 0.0, "norm_score_std": 1.0, "step_unit": None}
+    if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
+        out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
+        out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)
+    out.update({k: info[k] for k in out if k in info})
+    if path is not None and not info and _is_sequence_classifier(Path(reward_model_dir)):
+        out["objective"] = "pairwise"
+    if out["rm_format"] not in common.RM_FORMATS:
+        raise common.DataError(f"{path}: rm_format {out['rm_format']!r}: must be one of {', '.join(common.RM_FORMATS)}")
+    if out["objective"] not in common.RM_OBJECTIVES:
+        raise common.DataError(f"{path}: objective {out['objective']!r}: must be one of {', '.join(common.RM_OBJECTIVES)}")
+    return out
+
+
+def _is_sequence_classifier(model_dir: Path) -> bool:
+    """True for a model directory (or LoRA adapter) with a sequence-classification head, read from its config files."""
+    for name, test in (("adapter_config.json", lambda c: c.get("task_type") == "SEQ_CLS"),
+                       ("config.json", lambda c: any(a.endswith("ForSequenceClassification")
+                                                     for a in c.get("architectures") or []))):
+        try:
+            if test(json.loads((model_dir / name).read_text())):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def check_reward_model(path: str, flag: str = "--reward-model ", objective: str = "generative",
+                       use: str = "a critic that writes critiques (03 --critic local or openai, 04 --reward-model)"
+                       ) -> None:
+    """Fail fast, before any training: DataError (one line) unless load_model could load the reward model at `path`
+    and stage 2 trained it for `objective` (its reward_model.json; RM_OBJECTIVES): a scalar reward model where
+    critiques are needed, or the reverse, is refused, naming `use`. Checks, without loading weights: the directory
+    exists; an adapter's base model is there when it is a local path (a hub id is left to load_model); the tokenizer
+    loads. `flag` prefixes the message, as the user typed it."""
+    from transformers import AutoTokenizer
+    rm = Path(path or "")
+    if not path or not rm.is_dir():
+        raise common.DataError(f"{flag}{path or '(not given)'}: no such directory (run 02_train_reward.py first)")
+    have = rm_settings(path)["objective"]
+    if not (rm / "reward_model.json").is_file() and have != "pairwise":  # 02 writes it into the folder it renames
+        raise common.DataError(f"{flag}{path}: no reward_model.json (not a stage-2 output; run 02_train_reward.py)")  # last
+    if have != objective:  # (a plain sequence classifier, e.g. TRL's RewardTrainer output, is a pairwise one as it is)
+        raise common.DataError(f"{flag}{path}: {common.RM_OBJECTIVES[have]}; {use} needs {common.RM_OBJECTIVES[objective]}")
+    tokenizer_dir = path
+    if (rm / "adapter_config.json").is_file():  # a LoRA adapter: load_model loads the base it names, then the adapter
+        base = json.loads((rm / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        if not base or (models.looks_local(base) and not Path(base).is_dir()):
+            raise common.DataError(f"{flag}{path}: its base model {base!r} (reward_model.json, adapter_config.json) is not "
+                            f"there; put it back at that path, or train the reward model again")
+        if not (rm / "tokenizer_config.json").is_file():
+            tokenizer_dir = base
+    try:
+        AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 -- whatever the tokenizer files hold, the user needs one line
+        raise common.DataError(f"{flag}{path}: cannot load its tokenizer: {common.first_line(e)}") from None
+
+
+def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = None, rm_format: str = "critique+spans"):
+    """The reward model's input, the same in 02 (training), 03 and 04 (critiquing): (ids, task prompt kept, status) of
+    build_rm_prompt, the task prompt cut from its start when the whole would not fit in max_tokens (fit_prompt)."""
+    return models.fit_prompt(tokenizer, lambda p: common.build_rm_prompt(tokenizer, p, response, rm_format), prompt, max_tokens)
+
+
+def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,
+                batch_size: int = 32, desc: str | None = None, max_prompt_tokens: int | None = None,
+                rm_format: str = "critique+spans", compile: bool = False) -> list[str]:
+    """The local reward model's raw critic output for each (prompt, response): batched greedy generation on rm_prompt
+    (the task prompt cut from its start to fit max_prompt_tokens, as in training), in which a row stops as soon as
+    its span JSON is complete (greedy_generate). The text is what plain greedy decoding up to a stop id gives whenever
+    the model ends its output with that JSON, as it is trained to (format_rm_target, in its rm_format)."""
+    inputs = [rm_prompt(tokenizer, p, r, max_prompt_tokens, rm_format)[0] for p, r in zip(prompts, responses)]
+    ids = decoding.greedy_generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc,
+                          stop=common.feedback_complete, compile=compile)
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def rm_scores(response: str, offsets, raw: str) -> tuple[dict, list[float], dict]:
+    """A reward model's raw critique of one response, scored on its tokens as stage 3 scores it: (feedback, delta,
+    04's per-sample (numerator, denominator) rows). A critique that does not parse keeps its text and quotes nothing."""
+    try:
+        fb, parsed = common.parse_feedback(raw), 1.0
+    except ValueError:
+        fb, parsed = {"critique": raw.strip(), "good_spans": [], "poor_spans": []}, 0.0
+    delta, unmatched = common.span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])
+    n, quotes = len(offsets), sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
+    return fb, delta, {"rm/delta_sum": (sum(delta), 1), "rm/delta_mean": (sum(delta), n),
+                       "rm/poor_token_frac": (delta.count(-1.0), n), "rm/good_token_frac": (delta.count(1.0), n),
+                       "rm/parse_rate": (parsed, 1), "rm/unmatched_span_rate": (len(unmatched), quotes)}
+
+
+def _prf(tp: int, n_pred: int, n_gold: int):
+    """(precision, recall, F1); None where a denominator is 0 (no predicted / no gold tokens of the class)."""
+    p, r = (tp / n_pred if n_pred else None), (tp / n_gold if n_gold else None)
+    return p, r, (None if p is None or r is None else 2 * p * r / (p + r) if p + r else 0.0)
+
+
+def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
+    """How well reward-model critiques recover the annotated spans. Pure: no model or tokenizer involved.
+
+    items[i] = {"text", "offsets", "good_spans", "poor_spans"}: a response as decode_with_offsets returns it (text and
+    its tokens' character intervals) with the annotated quotes; outputs[i] is the reward model's raw text for it.
+    Gold and predicted delta both come from span_rewards on the same tokens; an output that does not parse predicts
+    delta = 0 everywhere (what the policy would get). Returns a flat dict:
+      n, parse_rate; quotes (non-empty predicted quotes of parsed outputs), unmatched_span_rate (share of them not
+      found in the response); {pos,neg}_{precision,recall,f1} over tokens for delta = +1 / -1 (None if undefined) and
+      {pos,neg}_tokens_{gold,pred,tp}; spans = {good|poor: {gold, pred, exact, partial}}, where a located predicted
+      span is exact if it equals a gold interval of its polarity, partial if it only overlaps one;
+      critique_words = mean words of the parsed critiques; output_words = mean words of all raw outputs (a model
+      whose outputs do not parse still writes words).
+    """
+    if len(items) != len(outputs):
+        raise ValueError(f"{len(items)} items but {len(outputs)} outputs")
+    tok = {c: {"gold": 0, "pred": 0, "tp": 0} for c in (1.0, -1.0)}
+    spans = {k: {"gold": 0, "pred": 0, "exact": 0, "partial": 0} for k in ("good", "poor")}
+    parsed, quotes, unmatched, words = 0, 0, 0, []
+    for item, out in zip(items, outputs):
+        text, offsets = item["text"], item["offsets"]
+        gold, _ = common.span_rewards(text, offsets, item["good_spans"], item["poor_spans"])
+        fb, pred, rows = rm_scores(text, offsets, out)
+        if rows["rm/parse_rate"][0]:
+            parsed += 1
+            words.append(len(fb["critique"].split()))
+        unmatched, quotes = unmatched + rows["rm/unmatched_span_rate"][0], quotes + rows["rm/unmatched_span_rate"][1]
+        for g, p in zip(gold, pred):
+            for c in tok:
+                tok[c]["gold"] += g == c
+                tok[c]["pred"] += p == c
+                tok[c]["tp"] += g == c and p == c
+        gold_iv = dict(zip(("good", "poor"), common.locate_spans(text, item["good_spans"], item["poor_spans"])))
+        pred_iv = dict(zip(("good", "poor"), common.locate_spans(text, fb["good_spans"], fb["poor_spans"])))
+        for k, s in spans.items():
+            s["gold"] += len(gold_iv[k])
+            s["pred"] += len(pred_iv[k])
+            for a, b in pred_iv[k]:
+                if (a, b) in gold_iv[k]:
+                    s["exact"] += 1
+                elif any(a < d and c < b for c, d in gold_iv[k]):
+                    s["partial"] += 1
+    n = len(items)
+    metrics = {"n": n, "parse_rate": parsed / n if n else None, "quotes": quotes,
+               "unmatched_span_rate": unmatched / quotes if quotes else None}
+    for name, c in (("pos", 1.0), ("neg", -1.0)):
+        t = tok[c]
+        metrics.update(zip((f"{name}_precision", f"{name}_recall", f"{name}_f1"), _prf(t["tp"], t["pred"], t["gold"])))
+        metrics.update({f"{name}_tokens_{k}": v for k, v in t.items()})
+    metrics["spans"] = spans
+    metrics["critique_words"] = sum(words) / len(words) if words else 0.0
+    metrics["output_words"] = sum(len(o.split()) for o in outputs) / n if n else 0.0
+    return metrics

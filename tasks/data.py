@@ -1,0 +1,55 @@
+"""Dataset layouts: records from a local .jsonl / .json / .parquet file or a hub id (read_rows), each error naming
+the file and line. 01 --dataset, 04 --data.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import common
+
+
+DATA_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # read_rows reads these locally; else: a hub id
+
+
+def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+    """[(where, record)] from a local .jsonl / .jsonl.gz / .json / .parquet file or, through `datasets`, a hub
+    dataset id; each `required` field a string. `where` names the file and line (or record) for error messages; a
+    failure is a one-line DataError. A .json may hold a list of records, the paper's {id: record}, or JSON Lines."""
+    path = Path(data)
+    if path.name.endswith((".jsonl", ".jsonl.gz")):
+        return [(f"{path}:{n}", r) for n, r in common.iter_jsonl(path, required)]
+    if path.name.endswith(DATA_FILE_SUFFIXES):
+        if not path.is_file():
+            raise common.DataError(f"{path}: no such file")
+        rows = _read_json_or_parquet(path)
+    else:
+        try:
+            from datasets import load_dataset
+            rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(load_dataset(data, split=split))]
+        except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated: one line, not a traceback
+            raise common.DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {common.first_line(e)})") from None
+    for where, row in rows:
+        for f in required:
+            if f not in row:
+                raise common.DataError(f"{where}: missing field '{f}'")
+            if not isinstance(row[f], str):
+                raise common.DataError(f"{where}: field '{f}' must be a string")
+    return rows
+
+
+def _read_json_or_parquet(path: Path) -> list[tuple[str, dict]]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # JSON Lines under a .json name
+            return [(f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]
+        raise common.DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if isinstance(data, dict) and data and all(isinstance(v, dict) for v in data.values()):
+        data = [{"id": k, **v} for k, v in data.items()]  # {id: record}, as the paper's own files are laid out
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise common.DataError(f"{path}: expected a list of JSON objects or an object of objects keyed by id")
+    return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
