@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from infra import models, runs  # noqa: E402
+from infra import distributed, models, runs  # noqa: E402
 from baselines import scalar_rm  # noqa: E402
 
 stage2, stage3 = importlib.import_module("02_train_reward"), importlib.import_module("03_train_policy")
@@ -127,7 +127,7 @@ def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[
         response[i, :len(y)], mask[i, :len(y)] = torch.tensor(y), 1.0
     ids, attn = torch.cat([query, response], 1).to(device), torch.cat([query_mask, mask.long()], 1).to(device)
     mask = mask.to(device)
-    with stage3.autocast(device, dtype):
+    with distributed.autocast(device, dtype):
         logprobs = stage3.forward(model, None, ids, attn, T, 1.0)[0]                              # (2B, T)
         with torch.no_grad():
             ref_logprobs = stage3.reference_forward(model, ref_model, ids, attn, T, 1.0)[0]
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)))
-    scaler = stage3.grad_scaler(args.device, args.dtype)
+    scaler = distributed.grad_scaler(args.device, args.dtype)
     steps = max(1, round(args.epochs * len(train_set) / args.batch_size))
     order, rows = [], []
     common.write_json(out / "config.json", {**vars(args), "pairs": len(pairs), "source": source})  # before any step

@@ -400,6 +400,26 @@ def main_scalar(args: argparse.Namespace) -> dict:
 # The critic (03_train_policy.py --critic scalar-rm | prm): the scores as rewards on the response's tokens
 # ----------------------------------------------------------------------------------------------------------------------
 
+# What each critic needs of 03's --reward-model (its objective, checked before any training) and its name in a refusal
+CRITICS = {"scalar-rm": ("pairwise", "--critic scalar-rm"), "prm": ("prm", "--critic prm")}
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("the paper's scalar baselines: --critic scalar-rm, prm (baselines/scalar_rm.py)")
+    g.add_argument("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: subtract "
+                   "the SFT demonstrations' mean score (mean-std: and divide by their std)")
+
+
+def check_args(args) -> None:
+    """03's parse_args: --critic scalar-rm | prm needs a reward model of its objective, and has no spans to relabel."""
+    if args.critic not in CRITICS:
+        return
+    objective, use = CRITICS[args.critic]
+    reward_models.check_reward_model(args.reward_model, objective=objective, use=use)
+    if args.labels == "dense" or args.span_weighting != "uniform":
+        raise common.DataError(f"--critic {args.critic}: --labels and --span-weighting relabel spans, it has none")
+
+
 def scalar_critic(args):
     """The paper's scalar baselines as a critic: feedback with no spans and "step_rewards", [(character end, reward)]
     that span_deltas puts on the token holding the character before that end (None: the last token).

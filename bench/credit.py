@@ -25,7 +25,8 @@ Phases (--stop-after ends after one):
  3. confirm  --confirm-seeds fresh seeds of each arm's chosen setting, each policy judged by 04_evaluate.py on
              --eval-posts held-out posts at T = 1 (exact critic): mistake rate, ROUGE-L, KL to the SFT start.
  4. sweep    K pets per post (tasks/demo.py --pets): the tuned span, poor_span and best scalar arms on --ks, with
-             --sweep-seeds seeds, --max-new-tokens 32 K (the world is in the posts: 03's critic reads K off each); steps to threshold as a ratio to the scalar arm per K.
+             --sweep-seeds seeds, --max-new-tokens 32 K (the world is in the posts: 03's critic reads K off
+             each); steps to threshold as a ratio to the scalar arm per K.
 Writes OUT/results.json, bench/credit_results.json (the tables' numbers) and bench/credit_per_post.json (each
 evaluated run's 0/1 mistake per held-out post, so every interval recomputes from the repository), prints the tables
 and one JSON line last.

@@ -342,6 +342,8 @@ def phase_tokens(args, out: Path) -> dict:
     generation_config, under its autocast) from the same seed: eager generate(), then static_decode (compiled unless
     --no-compile); token_identity of the two."""
     import torch
+
+    from infra import distributed
     ppo, a, (policy, *_), sh = recipe_policy(args, out)
     policy = policy.eval()
     ids = torch.randint(100, 500, (sh["batch"], sh["prompt"]), device=args.device,
@@ -351,7 +353,7 @@ def phase_tokens(args, out: Path) -> dict:
 
     def sample(static: bool):
         torch.manual_seed(1)  # the same random numbers for both (every device's generator)
-        with torch.no_grad(), ppo.autocast(a.device, a.dtype):
+        with torch.no_grad(), distributed.autocast(a.device, a.dtype):
             if static:
                 return decoding.generate_static(policy, ids, mask, config, compile=args.compile)
             return policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
@@ -367,7 +369,8 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
     tokens, for generate() (LoRA on; and off: the base's own step) and static_decode (compiled once, then timed),
     against the HBM bound: the bytes of the weights (+ the mean KV cache over those steps) / the copy bandwidth."""
     import torch
-    ppo = importlib.import_module("03_train_policy")
+
+    from infra import distributed
     model, a = kept["policy"][0], kept["args"]
     cfg, n = model.config, 16 if args.tiny else 64
     ids = torch.randint(100, 500, (sh["batch"], sh["prompt"]), device=args.device)
@@ -377,7 +380,7 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
         config = models.generation_config(model, new, a.temperature, 1.0, new)  # forced: no EOS before `new`
         sync(args.device)
         t = time.perf_counter()
-        with torch.no_grad(), ppo.autocast(a.device, a.dtype):
+        with torch.no_grad(), distributed.autocast(a.device, a.dtype):
             if how == "static":
                 decoding.generate_static(model, ids, mask, config, compile=args.compile)
             elif how == "eager-no-lora":
@@ -436,14 +439,15 @@ def forward_only(model, a, ids, n: int, args) -> float:
     """Milliseconds per call of the compiled decode step alone (no sampling, no loop bookkeeping), on the static
     cache that the last static_decode call left (the same shapes: no recompile), half of its new slots filled."""
     import torch
-    ppo = importlib.import_module("03_train_policy")
+
+    from infra import distributed
     width = decoding.prompt_bucket(ids.shape[1])
     cache = decoding.static_cache(model, len(ids), width + n + 1, ids.device)
     slots = torch.ones(len(ids), width + n + 1, dtype=torch.long, device=ids.device)
     slots[:, width + n // 2:] = 0
     position = torch.full((len(ids), 1), ids.shape[1] + n // 2, device=ids.device)
     step = decoding._compiled_decode_forward(ids.device.type)
-    with torch.no_grad(), ppo.autocast(a.device, a.dtype), decoding.input_grad_hooks_off(model):
+    with torch.no_grad(), distributed.autocast(a.device, a.dtype), decoding.input_grad_hooks_off(model):
         for k in range(n + 3):
             if k == 3:  # after three warm-up calls
                 sync(args.device)

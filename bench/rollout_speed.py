@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
-from infra import decoding, models, reward_models  # noqa: E402
+from infra import decoding, models, reward_models, runs  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "rollout_speed"
 HOW = ("generate", "static_eager", "static_compiled")
@@ -234,7 +234,7 @@ def ppo_worker(argv: list[str]) -> None:
         print(json.dumps(common.read_jsonl(metrics)[-1]), flush=True)
         if sys.stdin.readline().strip() != "step":
             sys.exit(0)
-    ppo.save_checkpoint = hook
+    runs.save_checkpoint = hook
     if sys.stdin.readline().strip() == "step":
         ppo.train(run_args)
 

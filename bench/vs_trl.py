@@ -164,6 +164,7 @@ def main():
     import torch
 
     import common
+    from infra import runs
     from tasks.demo import build_demo_base
     ppo = importlib.import_module("03_train_policy")
     torch.set_num_threads(args.threads)
@@ -191,14 +192,14 @@ def main():
     try:
         if not json.loads(worker.stdout.readline() or "{}").get("ready"):
             sys.exit(f"the TRL worker did not start; see {out / 'trl_worker.log'}")
-        real_save = ppo.save_checkpoint
+        real_save = runs.save_checkpoint
         # 03 calls save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
         # the TRL iteration runs there, while 03 waits, so the two alternate without timing each other
-        ppo.save_checkpoint = lambda *a, **k: trl_step()
+        runs.save_checkpoint = lambda *a, **k: trl_step()
         run_args = ppo.parse_args(ours_argv(args.base, out / "prompts.jsonl", args.iterations, args.seed,
                                             out / "ours"))
         ppo.train(run_args)
-        ppo.save_checkpoint = real_save
+        runs.save_checkpoint = real_save
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)

@@ -10,6 +10,16 @@ from contextlib import contextmanager
 from infra import models
 
 
+def add_args(p) -> None:
+    """03's speed flags: --compile-generation (static_decode) and --compile-update (models.compile_update)."""
+    import argparse
+    g = p.add_argument_group("compiled decoding and update (infra/decoding.py, infra/models.py: compile_update)")
+    g.add_argument("--compile-generation", action=argparse.BooleanOptionalAction, default=False,
+                   help="rollouts and the local critic's critiques by static_decode (a static KV cache, torch.compile)")
+    g.add_argument("--compile-update", action=argparse.BooleanOptionalAction, default=False,
+                   help="steps 4 and 6's forwards under torch.compile, AdamW fused (not bit for bit)")
+
+
 @functools.lru_cache(maxsize=8)
 def _ids_with(tokenizer, char: str) -> frozenset:
     """Ids of the vocabulary entries whose text contains `char` (byte-level BPE keeps ASCII as is)."""

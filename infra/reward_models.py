@@ -41,7 +41,8 @@ def rm_settings(reward_model_dir) -> dict:
     except json.JSONDecodeError as e:
         raise common.DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
     out = {"max_prompt_tokens": None, "max_new_tokens": None, "rm_format": "critique+spans",
-           "prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT, "objective": "generative",
+           "prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT,
+           "objective": "generative",
            "score_bias": 0.0, "norm_score_std": 1.0, "step_unit": None}
     if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
         out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
@@ -52,7 +53,8 @@ def rm_settings(reward_model_dir) -> dict:
     if out["rm_format"] not in common.RM_FORMATS:
         raise common.DataError(f"{path}: rm_format {out['rm_format']!r}: must be one of {', '.join(common.RM_FORMATS)}")
     if out["objective"] not in common.RM_OBJECTIVES:
-        raise common.DataError(f"{path}: objective {out['objective']!r}: must be one of {', '.join(common.RM_OBJECTIVES)}")
+        raise common.DataError(f"{path}: objective {out['objective']!r}: must be one of "
+                               f"{', '.join(common.RM_OBJECTIVES)}")
     return out
 
 
@@ -83,15 +85,17 @@ def check_reward_model(path: str, flag: str = "--reward-model ", objective: str 
         raise common.DataError(f"{flag}{path or '(not given)'}: no such directory (run 02_train_reward.py first)")
     have = rm_settings(path)["objective"]
     if not (rm / "reward_model.json").is_file() and have != "pairwise":  # 02 writes it into the folder it renames
-        raise common.DataError(f"{flag}{path}: no reward_model.json (not a stage-2 output; run 02_train_reward.py)")  # last
+        raise common.DataError(f"{flag}{path}: no reward_model.json (not a stage-2 output; run "
+                               "02_train_reward.py)")  # 02 writes it last
     if have != objective:  # (a plain sequence classifier, e.g. TRL's RewardTrainer output, is a pairwise one as it is)
-        raise common.DataError(f"{flag}{path}: {common.RM_OBJECTIVES[have]}; {use} needs {common.RM_OBJECTIVES[objective]}")
+        raise common.DataError(f"{flag}{path}: {common.RM_OBJECTIVES[have]}; {use} needs "
+                               f"{common.RM_OBJECTIVES[objective]}")
     tokenizer_dir = path
     if (rm / "adapter_config.json").is_file():  # a LoRA adapter: load_model loads the base it names, then the adapter
         base = json.loads((rm / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
         if not base or (models.looks_local(base) and not Path(base).is_dir()):
-            raise common.DataError(f"{flag}{path}: its base model {base!r} (reward_model.json, adapter_config.json) is not "
-                            f"there; put it back at that path, or train the reward model again")
+            raise common.DataError(f"{flag}{path}: its base model {base!r} (reward_model.json, adapter_config.json) "
+                                   "is not there; put it back at that path, or train the reward model again")
         if not (rm / "tokenizer_config.json").is_file():
             tokenizer_dir = base
     try:
@@ -103,7 +107,8 @@ def check_reward_model(path: str, flag: str = "--reward-model ", objective: str 
 def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = None, rm_format: str = "critique+spans"):
     """The reward model's input, the same in 02 (training), 03 and 04 (critiquing): (ids, task prompt kept, status) of
     build_rm_prompt, the task prompt cut from its start when the whole would not fit in max_tokens (fit_prompt)."""
-    return models.fit_prompt(tokenizer, lambda p: common.build_rm_prompt(tokenizer, p, response, rm_format), prompt, max_tokens)
+    return models.fit_prompt(tokenizer, lambda p: common.build_rm_prompt(tokenizer, p, response, rm_format), prompt,
+                             max_tokens)
 
 
 def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,

@@ -1,15 +1,26 @@
 """Run folders: saves that never leave half a model and never replace files they did not write (save_pretrained,
-check_save_dir), how a run starts (start_kind: --resume, --overwrite), content fingerprints of models and data.
+check_save_dir), how a run starts (start_kind: --resume, --overwrite), content fingerprints of models and data; and
+stage 3's run folder: its checkpoint (save_checkpoint, load_checkpoint: everything a run needs to continue
+bit-exactly, every rank's random states included), how it starts or resumes (policy_run_kind, start_or_resume), and
+which prompts each iteration draws (batch_indices, prompt_indices: the same after a resume).
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
 import common
+from infra import distributed
 
 
 def content_fingerprint(path, head_bytes: int = 1 << 20) -> str:
@@ -75,8 +86,8 @@ def check_save_dir(folder, owns=(), marker: str = "config.json", flag: str = "")
     foreign = foreign_files(folder, owns, marker)
     if foreign:
         listed = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise common.DataError(f"{flag}{folder}: holds files that a save there did not write ({listed}); a save replaces "
-                        "only its own files: name another folder")
+        raise common.DataError(f"{flag}{folder}: holds files that a save there did not write ({listed}); a save "
+                               "replaces only its own files: name another folder")
 
 
 def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: tuple[str, ...] = (),
@@ -138,3 +149,119 @@ def start_kind(out_dir, resume: bool, overwrite: bool, held: list[str], checkpoi
                         "--overwrite replaces it")
     raise common.DataError(f"{out_dir} holds a run ({', '.join(held)}): --resume continues it from its checkpoint, "
                     "--overwrite replaces it")
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """The prompt indices of an iteration: consecutive slices of a fresh permutation per pass over the data, derived
+    from (seed, step) alone so a resumed run draws exactly the same prompts."""
+    out, pos = [], step * batch_size
+    while len(out) < batch_size:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        take = perm[offset: offset + batch_size - len(out)]
+        out += take
+        pos += len(take)
+    return out
+
+
+def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
+    """This rank's share of iteration `step`'s prompts (batch_indices): --batch-size of them, or for --advantage rloo
+    --batch-size / --rloo-k of them, each --rloo-k times in a row (the k samples of a prompt, one group)."""
+    k = 1 if args.advantage == "gae" else args.rloo_k
+    idx = [i for i in batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
+    local = args.batch_size // world
+    return idx[rank * local:(rank + 1) * local]
+
+
+def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, scaler, kl_coef: float, config: dict,
+                    rank: int = 0):
+    """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, loss scaler (fp16), beta,
+    its settings (config) and every rank's RNG states, all a run needs to continue bit-exactly. Called on every rank
+    (their RNG states are gathered); rank 0 writes it, atomically. The parameters are the same on every rank."""
+    rngs = [{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}]
+    if dist.is_initialized():
+        rngs, rng = [None] * dist.get_world_size(), rngs[0]
+        dist.all_gather_object(rngs, rng)
+    if rank == 0:
+        state = {"step": step, "kl_coef": kl_coef, "args": config, "rng": rngs,
+                 "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
+                 "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}
+        with common.atomic_open(path, "wb") as f:
+            torch.save(state, f)
+
+
+def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank: int = 0,
+                    world: int = 1) -> tuple[int, float]:
+    """Restore what save_checkpoint saved, this rank's RNG states included: (step, beta). Another world size cannot
+    continue exactly (each rank's sampler state is saved): DataError."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if len(state["rng"]) != world:
+        raise common.DataError(f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with "
+                               f"the same world size (torchrun --nproc_per_node {len(state['rng'])})")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in state["trainable"].items():
+            params[name].copy_(tensor)
+    value_head.load_state_dict(state["value_head"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):  # {} when loss scaling is off (not fp16)
+        scaler.load_state_dict(state["scaler"])
+    rng = state["rng"][rank]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state["step"], state["kl_coef"]
+
+
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.jsonl", "checkpoint.pt", "policy")  # what a run writes
+
+
+def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str:
+    """How a stage-3 run starts in out_dir (start_kind): "resume" (--resume, and a checkpoint there), "fresh" (no run
+    there) or "replace" (a run there, which --overwrite gives up, or one of `demo_dirs`: the zero-flag demo's own two
+    folders, given only on a rerun of the literal zero-flag command; a command with any flag never replaces them).
+    Anything else is refused (DataError)."""
+    out_dir = Path(out_dir)
+    return start_kind(out_dir, resume, overwrite, [name for name in RUN_FILES if (out_dir / name).exists()],
+                      "checkpoint.pt", (out_dir / "checkpoint.pt").is_file(),
+                      out_dir.resolve() in [Path(d).resolve() for d in demo_dirs])
+
+
+def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, value_head, optimizer, scheduler, scaler,
+                    rank: int, world: int) -> tuple[int, float]:
+    """The run dir: (first step, beta). kind (policy_run_kind) "resume" restores the checkpoint (load_checkpoint)
+    and cuts metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh start removes the run it replaces and has
+    beta = kl_coef. Rank 0 writes config.json: config, the run's settings, the world size, and one segment per
+    invocation (first step, device, world size; a resume carries the earlier ones over)."""
+    out_dir, last = Path(out_dir), 0
+    if rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    distributed.barrier()
+    if kind == "resume":
+        last, kl_coef = load_checkpoint(out_dir / "checkpoint.pt", model, value_head, optimizer, scheduler, scaler,
+                                        rank, world)
+    for path in [out_dir / name for name in RUN_FILES] if rank == 0 else ():
+        if last and path.suffix == ".jsonl":  # drop the rows logged after the checkpoint
+            common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file()
+                               else [])
+        elif not last and path.is_dir():
+            shutil.rmtree(path)
+        elif not last:
+            path.unlink(missing_ok=True)
+    if rank == 0 and last:
+        print(f"resumed from {out_dir / 'checkpoint.pt'} at step {last}")
+    elif rank == 0 and kind == "replace":
+        print(f"{out_dir}: the run there is replaced (--overwrite, or a rerun of the zero-flag demo)", file=sys.stderr)
+    if rank == 0:  # one segment per invocation, so a run resumed elsewhere still says where its iterations ran
+        config_file = out_dir / "config.json"
+        old = json.loads(config_file.read_text()) if kind == "resume" and config_file.is_file() else {}
+        if "device" in old and "segments" not in old:  # a run from before segments: its one invocation
+            old["segments"] = [{"from_step": 1, "device": old["device"], "world_size": old.get("world_size", 1)}]
+        this = {"from_step": last + 1, "device": config.get("device"), "world_size": world}
+        common.write_json(config_file, {**config, "world_size": world, "segments": [*old.get("segments", []), this]})
+    return last + 1, kl_coef

@@ -17,7 +17,8 @@ def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_toke
     template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
     if tokenizer is None:
         return common.build_rm_prompt(None, prompt, response, rm_format)
-    text = common.build_rm_prompt(tokenizer, reward_models.rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1], response,
+    kept = reward_models.rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
+    text = common.build_rm_prompt(tokenizer, kept, response,
                            rm_format)
     bos, adds_bos = tokenizer.bos_token, tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
     return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
@@ -203,7 +204,8 @@ def rm_critique_served(prompts: list[str], responses: list[str], base_url: str |
                     prompt = reward_models.rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
                 reply = await send_with_retries(lambda: client.chat.completions.create(
                     model=model, temperature=0.0, max_tokens=max_new_tokens,
-                    messages=[{"role": "user", "content": common.rm_user_message(prompt, response, rm_format)}]), retries)
+                    messages=[{"role": "user", "content": common.rm_user_message(prompt, response, rm_format)}]),
+                    retries)
                 return (reply.choices[0].message.content or "") if reply.choices else NoChoices()
             except openai.APIError as e:
                 return e

@@ -1,5 +1,5 @@
 """Dataset layouts: records from a local .jsonl / .json / .parquet file or a hub id (read_rows), each error naming
-the file and line. 01 --dataset, 04 --data.
+the file and line (01 --dataset, 04 --data); stage 3's prompts (read_prompts: 03 --prompts).
 """
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import common
+from tasks import plugin
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # read_rows reads these locally; else: a hub id
@@ -28,7 +29,8 @@ def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) ->
             from datasets import load_dataset
             rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(load_dataset(data, split=split))]
         except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated: one line, not a traceback
-            raise common.DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: {common.first_line(e)})") from None
+            raise common.DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: "
+                                   f"{common.first_line(e)})") from None
     for where, row in rows:
         for f in required:
             if f not in row:
@@ -53,3 +55,26 @@ def _read_json_or_parquet(path: Path) -> list[tuple[str, dict]]:
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise common.DataError(f"{path}: expected a list of JSON objects or an object of objects keyed by id")
     return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
+
+
+def read_prompts(path: str, task: str, critic: str) -> list[dict]:
+    """The prompt records, read before anything is written: a JSONL file with a "prompt" field or, for --task code
+    --critic program or python:..., any benchmark layout (tasks.code.read_code_problems), whose tests the critic
+    runs."""
+    if task == "code" and (critic == "program" or plugin.is_plugin(critic)):
+        from tasks.code import read_code_problems
+        numbered = list(enumerate(read_code_problems(path), 1))
+    else:
+        numbered = list(common.iter_jsonl(path, required=("prompt",)))  # (line number, record)
+    records = [rec for _, rec in numbered]
+    if not records:
+        raise common.DataError(f"{path}: no prompts")
+    if task == "demo":  # its exact critic and monitor read the facts off each post: own prompts fail here, not mid-run
+        from tasks.demo import demo_post_facts
+        for lineno, rec in numbered:
+            try:
+                demo_post_facts(rec["prompt"])
+            except ValueError:
+                raise common.DataError(f"{path}:{lineno}: prompt: not a demo post (--task demo reads the demo's facts "
+                                       "off each post; --task summarization or qa for your own prompts)") from None
+    return records

@@ -167,7 +167,7 @@ def call(fn, label: str, records: list[dict], responses: list[str]) -> list[dict
 
 
 def preflight(fn, label: str, record: dict, response: str, flag: str) -> dict:
-    """One call on one record before any work (as infra.serving.check_server does for a server): DataError, one line naming
+    """One call on one record before any work (as serving.check_server does for a server): DataError, one line naming
     MODULE:FUNCTION, when fn raises or returns the wrong length or shape. Returns the checked item."""
     try:
         items = _items(fn, [record], [response])

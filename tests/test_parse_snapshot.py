@@ -23,8 +23,8 @@ RUNNER = r"""
 import importlib, json, sys
 sys.path.insert(0, sys.argv[1])
 import common
-for home in ("common", "infra.models", "infra.reward_models"):  # where check_model_path and check_reward_model live (the README's files
-    try:                                 # are not here)
+for home in ("common", "infra.models", "infra.reward_models"):  # check_model_path, check_reward_model: the
+    try:                                                           # README's files are not here
         mod = importlib.import_module(home)
     except ImportError:
         continue

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import common
+from infra import critics
 from tasks import plugin
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script
@@ -159,7 +160,7 @@ def test_a_critic_outside_the_project_drives_ppo_annotates_and_monitors(tmp_path
                            "--num-minibatches", "2", "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0",
                            "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8", "--log-every", "1",
                            "--trace-samples", "4"])
-    ppo.check_critic(args)
+    critics.check_critic(args)
     ppo.train(args)
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     traced = [s for row in common.read_jsonl(tmp_path / "run" / "trace.jsonl") for s in row["samples"]]
