@@ -1,11 +1,12 @@
 """What the four Text2Grad stages share about the method itself, so that it cannot drift apart between them:
   1. Records                   DataError, iter_jsonl, read_jsonl, atomic_open, write_json(l), open_resumable_jsonl,
-                               append_jsonl: one JSON object per line, an error naming the file and line
+                               append_jsonl: one JSON object per line, an error naming the file and line; append-only
+                               outputs keyed by id that a rerun resumes
   2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
   3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, paper Sec. 3.3),
-                               interval_rewards, span_tokens, unambiguous_quotes
-  4. The reward model's text   rm_user_message, build_rm_prompt, rm_prompt, format_rm_target (z = [c ; A(y)], Sec. 3.4):
-                               what 02 trains on and 03 / 04 parse
+                               interval_rewards, span_tokens
+  4. The reward model's text   rm_user_message, build_rm_prompt, format_rm_target (z = [c ; A(y)], Sec. 3.4): what 02
+                               trains on and 03 / 04 parse
 No torch or transformers at module level: parsing and alignment work without them. Copy it as it is. The machinery a
 run needs (loading models, decoding, servers, run folders) is in infra/, the tasks in tasks/, the baselines in
 baselines/.
@@ -95,6 +96,38 @@ def write_json(path, obj) -> None:
 def write_jsonl(path, records) -> None:
     with atomic_open(path) as f:
         f.writelines(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records)
+
+
+def open_resumable_jsonl(path) -> set[str]:
+    """Prepare an append-only JSONL output for resuming; returns the ids it already holds.
+
+    A torn last line (a crash mid-write) is cut off, so a rerun redoes that record instead of keeping half of it.
+    """
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return set()
+    done, good_bytes = set(), 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                if not raw.endswith(b"\n"):
+                    raise ValueError("torn line")
+                rec = json.loads(raw)
+                done.add(str(rec["id"]))
+            except (ValueError, KeyError, TypeError):
+                break  # everything from the first broken line on is redone
+            good_bytes += len(raw)
+    if good_bytes != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good_bytes)
+    return done
+
+
+def append_jsonl(f, record: dict) -> None:
+    """Append one record to an open text file and flush it, so a kill loses at most the line being written."""
+    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    f.flush()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -498,67 +531,6 @@ def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str]
     cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
     return delta, unmatched, [(label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
                               for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)) for a, b in ivs]
-
-
-def unambiguous_quotes(text, good_iv, poor_iv, words):
-    """Quote strings that locate_spans resolves to exactly the intended intervals, for a critic that knows the
-    intervals it means (tasks/: the demo's and the code task's program critics). words: (word, start, end) of `text`.
-    A quote that would land on an earlier occurrence is widened by a word, right first, until it is unique (or dropped
-    if it cannot be)."""
-    ivs = {"good": list(good_iv), "poor": list(poor_iv)}
-    starts, ends = [s for _, s, _ in words], [e for _, _, e in words]
-    for _ in range(8):
-        quotes = {k: [text[a:b] for a, b in v] for k, v in ivs.items()}
-        got_good, got_poor, _ = locate_spans(text, quotes["good"], quotes["poor"])
-        wrong = [(k, i) for k, got in (("good", got_good), ("poor", got_poor))
-                 for i, iv in enumerate(ivs[k]) if i >= len(got) or got[i] != iv]
-        if not wrong:
-            return quotes["good"], quotes["poor"]
-        k, i = wrong[0]
-        a, b = ivs[k][i]
-        later, earlier = [e for e in ends if e > b], [s for s in starts if s < a]
-        if later or earlier:
-            ivs[k][i] = (a, later[0]) if later else (earlier[-1], b)
-        else:
-            del ivs[k][i]
-    return [], []
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# 1b. Resumable records (01, 04): an append-only JSONL output keyed by id
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def open_resumable_jsonl(path) -> set[str]:
-    """Prepare an append-only JSONL output for resuming; returns the ids it already holds.
-
-    A torn last line (a crash mid-write) is cut off, so a rerun redoes that record instead of keeping half of it.
-    """
-    path = Path(path)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return set()
-    done, good_bytes = set(), 0
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                if not raw.endswith(b"\n"):
-                    raise ValueError("torn line")
-                rec = json.loads(raw)
-                done.add(str(rec["id"]))
-            except (ValueError, KeyError, TypeError):
-                break  # everything from the first broken line on is redone
-            good_bytes += len(raw)
-    if good_bytes != path.stat().st_size:
-        with open(path, "r+b") as f:
-            f.truncate(good_bytes)
-    return done
-
-
-def append_jsonl(f, record: dict) -> None:
-    """Append one record to an open text file and flush it, so a kill loses at most the line being written."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    f.flush()
 
 
 # ----------------------------------------------------------------------------------------------------------------------

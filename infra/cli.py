@@ -1,6 +1,6 @@
-"""The stage scripts' command lines: one parser shape for all four (parser: the docstring's first paragraph as the
-description, each flag's default after its one-line help) and one renderer of their --task presets (presets_table),
-printed under --help. A flag given explicitly always wins over its preset.
+"""--help and --task: the stage scripts' command lines, one parser shape for all four (parser: the docstring's first
+paragraph as the description, each flag's default after its one-line help) and one renderer of their --task presets
+(presets_table), printed under --help. A flag given explicitly always wins over its preset.
 """
 from __future__ import annotations
 

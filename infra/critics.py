@@ -1,8 +1,8 @@
-"""Stage 3's critics beside the learned one: the check before any training (check_critic: a served critic answers, a
-plug-in imports and returns the right shape), a reward model behind an OpenAI-compatible server (served_critic:
-03 --critic openai and its --critic-* flags) and the demo's exact monitor (make_monitor). 03's make_critic
-dispatches here; the function critics (--critic program, python:...) are tasks/plugin.py's, the scalar baselines
-(--critic scalar-rm, prm) baselines/scalar_rm.py's.
+"""03 --critic openai (and its --critic-* flags): stage 3's critics beside the learned one: the check before any
+training (check_critic: a served critic answers, a plug-in imports and returns the right shape), a reward model behind
+an OpenAI-compatible server (served_critic: 03 --critic openai and its --critic-* flags) and the demo's exact monitor
+(make_monitor). 03's make_critic dispatches here; the function critics (--critic program, python:...) are
+tasks/plugin.py's, the scalar baselines (--critic scalar-rm, prm) baselines/scalar_rm.py's.
 
 --critic openai asks the served model for critique + spans of each (prompt, response): --critic-api chat sends one
 user message (the server applies the chat template); completions sends the exact text of the reward model's input

@@ -1,5 +1,6 @@
-"""Decoding loops of our own: greedy_generate (the reward model's critiques: a row stops once its span JSON is
-complete) and static_decode (a static KV cache, the one-token step under torch.compile): 03 --compile-generation.
+"""--compile-generation, and how the reward model's critiques are decoded: our own decoding loops. greedy_generate (a
+row stops once its span JSON is complete) and static_decode (a static KV cache, the one-token step under torch.compile:
+the same tokens as generate(), at the compiled model's speed).
 """
 from __future__ import annotations
 

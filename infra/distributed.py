@@ -1,6 +1,6 @@
-"""torchrun and precision: the process group (dist_init), the collectives stage 3 needs (gather_rows, all_sum, barrier),
-bf16 / fp16 compute (autocast, grad_scaler). `torchrun --nproc_per_node N 03_train_policy.py` and --dtype send a
-reader here: with one process every collective is the identity, so the single-process code path is the same.
+"""torchrun and --dtype: the process group (dist_init), the collectives stage 3 needs (gather_rows, all_sum, barrier),
+bf16 / fp16 compute (autocast, grad_scaler). `torchrun --nproc_per_node N 03_train_policy.py` and --dtype send a reader
+here: with one process every collective is the identity, so the single-process code path is the same.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Models: loading (a hub id, a local folder, a LoRA adapter folder), prompts, batched generation, LoRA.
-Every stage loads through load_model; --model, --reward-model and --policy send a reader here.
+"""--model, --policy, --lora-r, --compile-update: loading a model (a hub id, a local folder, a LoRA adapter folder), its
+prompts (chat template, the prompt cut from its start to fit), batched generation, LoRA, and stage 3's no-grad forwards
+in chunks (forward_rows). Every stage loads through load_model.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A stage-2 reward model in use: how it was trained (rm_settings: reward_model.json), the checks before a run
-(check_reward_model), its critiques (rm_critique) and how well they recover spans (rm_span_metrics, paper Tables 1
+"""--reward-model: a stage-2 reward model in use: how it was trained (rm_settings: reward_model.json), the checks before
+a run (check_reward_model), its critiques (rm_critique) and how well they recover spans (rm_span_metrics, paper Tables 1
 and 6). 03 --reward-model, 04 --reward-model.
 """
 from __future__ import annotations

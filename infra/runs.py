@@ -1,8 +1,8 @@
-"""Run folders: saves that never leave half a model and never replace files they did not write (save_pretrained,
-check_save_dir), how a run starts (start_kind: --resume, --overwrite), content fingerprints of models and data; and
-stage 3's run folder: its checkpoint (save_checkpoint, load_checkpoint: everything a run needs to continue
-bit-exactly, every rank's random states included), how it starts or resumes (policy_run_kind, start_or_resume), and
-which prompts each iteration draws (batch_indices, prompt_indices: the same after a resume).
+"""--output-dir, --resume, --overwrite: run folders. Saves that never leave half a model and never replace files they
+did not write (save_pretrained, check_save_dir), how a run starts (start_kind: --resume, --overwrite), content
+fingerprints of models and data; and stage 3's run folder: its checkpoint (save_checkpoint, load_checkpoint: everything
+a run needs to continue bit-exactly, every rank's random states included), how it starts or resumes (policy_run_kind,
+start_or_resume), and which prompts each iteration draws (batch_indices, prompt_indices: the same after a resume).
 """
 from __future__ import annotations
 
@@ -235,9 +235,9 @@ def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str
 def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, value_head, optimizer, scheduler, scaler,
                     rank: int, world: int) -> tuple[int, float]:
     """The run dir: (first step, beta). kind (policy_run_kind) "resume" restores the checkpoint (load_checkpoint)
-    and cuts metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh start removes the run it replaces and has
-    beta = kl_coef. Rank 0 writes config.json: config, the run's settings, the world size, and one segment per
-    invocation (first step, device, world size; a resume carries the earlier ones over)."""
+    and cuts metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh start removes the run it replaces
+    and has beta = kl_coef. Rank 0 writes config.json: config, the run's settings, the world size, and one segment
+    per invocation (first step, device, world size; a resume carries the earlier ones over)."""
     out_dir, last = Path(out_dir), 0
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)

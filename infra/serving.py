@@ -1,6 +1,6 @@
-"""OpenAI-compatible servers: 01 --annotator openai, 03 --critic openai, 04 --judge-base-url. The server's own error
-text (api_error), one retry policy (retry_delay, send_with_retries), one cheap request before any work
-(check_server), and a reward model served (rm_critique_served).
+"""--base-url, --critic-base-url, --judge-base-url: OpenAI-compatible servers (01 --annotator openai, 03 --critic
+openai, 04's judge). The server's own error text (api_error), one retry policy (retry_delay, send_with_retries), one
+cheap request before any work (check_server), and a reward model served (rm_critique_served).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The SFT warm start before PPO (03 --sft-data): supervised fine-tuning of --model on (prompt, --sft-field) pairs, the
+"""03 --sft-data: the SFT warm start before PPO, supervised fine-tuning of --model on (prompt, --sft-field) pairs, the
 paper's SLF5K policy start. The loss is on the response and its EOS only; batches are drawn with replacement and
 left-padded as in generation; LoRA (--sft-lora-r > 0, default --lora-r) is merged into the weights afterwards.
 

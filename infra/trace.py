@@ -1,8 +1,8 @@
-"""What a stage-3 run writes about itself, and what it shows while it runs: step 7 of Alg. 4 (log_iteration:
-metrics.jsonl on the global batch, samples.jsonl every --log-every iterations), the progress bar and its warnings
-(show_progress), the critic's cost at the end (print_critic_summary); --trace-samples (trace_iteration: where each
-update went, token by token, in trace.jsonl, which 04's report draws as "Where the update went" and
-bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
+"""--trace-samples, --dump-rollouts, --log-every: what a stage-3 run writes about itself, and what it shows while it
+runs: step 7 of Alg. 4 (log_iteration: metrics.jsonl on the global batch, samples.jsonl every --log-every iterations),
+the progress bar and its warnings (show_progress), the critic's cost at the end (print_critic_summary); --trace-samples
+(trace_iteration: where each update went, token by token, in trace.jsonl, which 04's report draws as "Where the update
+went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ import functools
 import os
 import re
 
-from common import DataError, unambiguous_quotes
+from common import DataError
+from tasks import plugin
 from tasks.data import read_rows
 from tasks.sandbox import TRACEBACK_FRAME, parse_python, run_tests_sandboxed
 
@@ -239,7 +240,7 @@ def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[li
         return out
     poor_iv = intervals(poor)[:3]
     good_iv = [iv for iv in intervals(good) if not any(a < iv[1] and iv[0] < b for a, b in poor_iv)][:3]
-    return unambiguous_quotes(response, good_iv, poor_iv, sorted(units.values(), key=lambda u: u[1]))
+    return plugin.unambiguous_quotes(response, good_iv, poor_iv, sorted(units.values(), key=lambda u: u[1]))
 
 
 def _suspicious_lines(cases: list[dict], tree, quotable, limit: int = 2) -> list[int]:

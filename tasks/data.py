@@ -1,5 +1,6 @@
-"""Dataset layouts: records from a local .jsonl / .json / .parquet file or a hub id (read_rows), each error naming
-the file and line (01 --dataset, 04 --data); stage 3's prompts (read_prompts: 03 --prompts).
+"""--dataset, --data, --prompts: dataset layouts. Records from a local .jsonl / .json / .parquet file or a hub id
+(read_rows), each error naming the file and line (01 --dataset, 04 --data); stage 3's prompts (read_prompts: 03
+--prompts).
 """
 from __future__ import annotations
 

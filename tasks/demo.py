@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 
-from common import format_rm_target, locate_spans, rm_user_message, span_rewards, unambiguous_quotes
+from common import format_rm_target, locate_spans, rm_user_message, span_rewards
 from infra.runs import save_pretrained
+from tasks import plugin
 
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
 #   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
@@ -114,7 +115,7 @@ def demo_critic(prompt: str, response: str) -> dict:
         else:
             run.append([i, i])
     intervals = {k: [(words[a][1], words[b][2]) for a, b in v] for k, v in spans.items()}
-    good, poor = unambiguous_quotes(response, intervals["good"], intervals["poor"], words)
+    good, poor = plugin.unambiguous_quotes(response, intervals["good"], intervals["poor"], words)
     right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
     missing = [cat.replace("_", " ") for cat in DEMO_FACTS if cat not in seen]
     parts = ([f"It gets {_join(right)} right."] if right else ["It states none of the post's facts."]) + notes

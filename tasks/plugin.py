@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from common import DataError, first_line, interval_rewards, span_rewards, unambiguous_quotes
+from common import DataError, first_line, interval_rewards, locate_spans, span_rewards
 
 PREFIX = "python:"
 PROGRAM = {"demo": "python:tasks.demo:critic", "code": "python:tasks.code:critic"}  # `program`: the task's own
@@ -197,10 +197,34 @@ def probe_response(record: dict) -> str:
 
 def quotes(response: str, fb: dict) -> tuple[list[str], list[str]]:
     """(good, poor) quotes of a checked item: its own, or for intervals the quotes that locate to exactly them
-    (common.unambiguous_quotes; reward > 0 good, < 0 poor), so that 01's records always hold quotes."""
+    (unambiguous_quotes; reward > 0 good, < 0 poor), so that 01's records always hold quotes."""
     if "spans" not in fb:
         return fb["good_spans"], fb["poor_spans"]
     words = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\S+", response)]
     ivs = {sign: [(x["start"], x["end"]) for x in fb["spans"] if x["start"] < x["end"] and sign * x["reward"] > 0]
            for sign in (1, -1)}
     return unambiguous_quotes(response, ivs[1], ivs[-1], words)
+
+
+def unambiguous_quotes(text, good_iv, poor_iv, words):
+    """Quote strings that locate_spans resolves to exactly the intended intervals, for a critic that knows the
+    intervals it means (tasks/: the demo's and the code task's program critics). words: (word, start, end) of `text`.
+    A quote that would land on an earlier occurrence is widened by a word, right first, until it is unique (or dropped
+    if it cannot be)."""
+    ivs = {"good": list(good_iv), "poor": list(poor_iv)}
+    starts, ends = [s for _, s, _ in words], [e for _, _, e in words]
+    for _ in range(8):
+        quotes = {k: [text[a:b] for a, b in v] for k, v in ivs.items()}
+        got_good, got_poor, _ = locate_spans(text, quotes["good"], quotes["poor"])
+        wrong = [(k, i) for k, got in (("good", got_good), ("poor", got_poor))
+                 for i, iv in enumerate(ivs[k]) if i >= len(got) or got[i] != iv]
+        if not wrong:
+            return quotes["good"], quotes["poor"]
+        k, i = wrong[0]
+        a, b = ivs[k][i]
+        later, earlier = [e for e in ends if e > b], [s for s in starts if s < a]
+        if later or earlier:
+            ivs[k][i] = (a, later[0]) if later else (earlier[-1], b)
+        else:
+            del ivs[k][i]
+    return [], []
