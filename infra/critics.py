@@ -44,9 +44,9 @@ def check_critic(args) -> None:
         fn, label = plugin.load_critic(args.critic, args.task, "--critic")
         rec = read_prompts(args.prompts, args.task, args.critic)[0]
         item = plugin.preflight(fn, label, rec, plugin.probe_response(rec), "--critic")
-        if "spans" in item and (args.labels != "spans" or args.span_weighting != "uniform"):
-            raise common.DataError(f"--critic {label} returns located intervals with their own rewards: --labels "
-                                   "dense and --span-weighting relabel quotes")
+        if ("spans" in item or "step_rewards" in item) and (args.labels != "spans" or args.span_weighting != "uniform"):
+            raise common.DataError(f"--critic {label} returns " + ("located intervals with their own rewards" if "spans"
+                                   in item else "a score") + ": --labels dense and --span-weighting relabel quotes")
     if args.critic == "openai":
         serving.check_server(args.critic_base_url, args.critic_model, args.critic_api, args.critic_timeout,
                             args.critic_retries, "--critic-base-url",

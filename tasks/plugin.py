@@ -8,6 +8,9 @@ the code task's "test") and the responses to judge, and returns one item per res
                                                                   the response, each with a reward in [-1, 1]
                                                                   (common.interval_rewards; overlap: the lowest
                                                                   reward wins), or
+  {"critique": str, "score": float}                               one number for the whole response, put on its
+                                                                  last token (a reward function's, as TRL's
+                                                                  PPOTrainer took it: docs/from_trl.md), or
   {"error": str}                                                  this response cannot be judged (delta = 0 for it).
 "critique" may be left out. The task's own critics are instances: --critic program is python:tasks.demo:critic or
 python:tasks.code:critic. A plug-in is trusted code the user chose: it runs in this process, with this process's
@@ -119,14 +122,19 @@ def check_item(item, response: str) -> dict:
     critique = item.get("critique") or ""
     if not isinstance(critique, str):
         raise ValueError(f"'critique' is a {type(critique).__name__}, not a string")
+    if "score" in item:  # one reward on the last token, as a scalar reward model's (03: step_rewards)
+        s = item["score"]
+        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s):
+            raise ValueError(f"'score' is {s!r}: a finite number is needed")
+        return {"critique": critique, "good_spans": [], "poor_spans": [], "step_rewards": [(None, float(s))]}
     if "spans" in item:
         if not isinstance(item["spans"], (list, tuple)):
             raise ValueError(f"'spans' is a {type(item['spans']).__name__}, not a list")
         return {"critique": critique, "good_spans": [], "poor_spans": [],
                 "spans": [_interval(x, len(response)) for x in item["spans"]]}
     if "good_spans" not in item and "poor_spans" not in item:
-        raise ValueError(f"an item needs 'good_spans' / 'poor_spans' (quotes) or 'spans' (intervals), got keys "
-                         f"{sorted(map(str, item))}")
+        raise ValueError("an item needs 'good_spans' / 'poor_spans' (quotes), 'spans' (intervals) or 'score', got "
+                         f"keys {sorted(map(str, item))}")
     quotes = {k: item.get(k) or [] for k in ("good_spans", "poor_spans")}
     for k, v in quotes.items():
         if not isinstance(v, (list, tuple)) or not all(isinstance(q, str) for q in v):
@@ -187,6 +195,8 @@ def delta(response: str, offsets, fb: dict) -> list[float]:
         return [0.0] * len(offsets)
     if "spans" in fb:
         return interval_rewards(response, offsets, fb["spans"])
+    if "step_rewards" in fb:  # a score: on the last token
+        return [0.0] * (len(offsets) - 1) + [fb["step_rewards"][0][1]] if offsets else []
     return span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])[0]
 
 

@@ -17,7 +17,8 @@ from test_readme import readme_commands  # noqa: E402
 
 SNAPSHOT = Path(__file__).with_name("parse_snapshot.json")
 STAGES = ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py")
-DOCS = ["README.md", "bench/README.md", "baselines/README.md"]
+DOCS = ["README.md", "bench/README.md", "baselines/README.md",
+        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 
 RUNNER = r"""
 import importlib, json, sys

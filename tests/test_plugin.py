@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import common
 from infra import critics
@@ -218,3 +219,28 @@ def test_the_readme_critic_flags_a_repeated_word(tmp_path):
     response = " tom has a red dog called rex rex."
     item = plugin.preflight(fn, label, {"prompt": "post: ..."}, response, "--critic")
     assert item["spans"] == [{"start": 30, "end": 33, "reward": -1.0}]  # the second "rex", the word only
+
+
+def test_a_score_per_response_lands_on_its_last_token(tmp_path, tiny_model_dir):
+    """docs/from_trl.md: a per-completion reward function ({"score": float}, TRL's one float per completion) is a critic:
+    its score is delta on the response's last token only, as a scalar reward model's (baselines/scalar_rm.py:
+    step_deltas), and 03 trains on it; a score that is not a finite number is a bad item."""
+    item = plugin.check_item({"score": -2.5}, "a b c")
+    assert plugin.delta("a b c", [(0, 1), (1, 3), (3, 5)], item) == [0.0, 0.0, -2.5]
+    for bad in (float("nan"), "1", True, None):
+        with pytest.raises(ValueError, match="score"):
+            plugin.check_item({"score": bad}, "a b c")
+    (tmp_path / "my_reward.py").write_text("def critic(records, responses):\n"
+                                           "    return [{'score': -float(len(y.split()) > 4)} for y in responses]\n")
+    prompts = tmp_path / "prompts.jsonl"
+    common.write_jsonl(prompts, demo_dataset("train", 8))
+    args = ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(prompts), "--critic",
+                           f"python:{tmp_path / 'my_reward.py'}:critic", "--output-dir", str(tmp_path / "run"),
+                           "--steps", "1", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
+                           "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
+                           "--lora-alpha", "8", "--dump-rollouts", str(tmp_path / "dump")])
+    ppo.train(args)
+    dump = torch.load(tmp_path / "dump" / "step1_rank0.pt", weights_only=False)
+    for text, d, m in zip(dump["texts"], dump["delta"], dump["mask"]):
+        n = int(m.sum())
+        assert d[:n - 1].abs().sum() == 0 and d[n - 1] == -float(len(text.split()) > 4)
