@@ -56,8 +56,7 @@ DEMO_RUNS = (PRESETS["demo"]["output_dir"], PRESETS["demo"]["scalar_baseline_dir
 
 def parse_args(argv=None):
     p = cli.parser(__doc__, {"summarization, code, qa": PRESETS["default"], "demo": PRESETS["demo"]},
-                   "  what the defaults of --sft-lora-r, --sft-output-dir, --scalar-baseline-dir and "
-                   "--critic-max-new-tokens mean: README, stage 3")
+                   "  none and '' explained, and every flag in full: docs/stages.md (stage 3)")
     a = p.add_argument
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
@@ -125,6 +124,7 @@ def parse_args(argv=None):
     g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
     g.add_argument("--labels", default="spans", choices=["spans", "dense"],
                    help="dense: every token outside a poor span +1 (App. I.1)")
+    g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
     for variant in (sft, critics, scalar_rm, decoding, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
@@ -508,10 +508,12 @@ def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
 
 def rewards_and_advantages(g, kl_coef: float, reward_mode: str, args):
     """Steps 4-5 on the global batch g (its delta, kl, mask, values, has_eos): the rewards r_t = delta_t - beta*KL_t
-    of reward_mode (compute_rewards, the missing-EOS penalty at the last token; --whiten-rewards), then A_t by GAE
-    (or --advantage rloo), whitened. Returns (rewards, advantages, returns), each (B, T)."""
+    of reward_mode (compute_rewards, the missing-EOS penalty at the last token; --whiten-rewards; --center-delta:
+    delta less its mean over the batch's response tokens), then A_t by GAE (or --advantage rloo), whitened. Returns
+    (rewards, advantages, returns), each (B, T)."""
     seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                      # (B,)
-    rewards = compute_rewards(g["delta"], g["kl"], g["mask"], kl_coef, reward_mode, seq_bonus)
+    delta = g["delta"] - masked_mean(g["delta"], g["mask"]) if args.center_delta else g["delta"]  # no reward mean
+    rewards = compute_rewards(delta, g["kl"], g["mask"], kl_coef, reward_mode, seq_bonus)
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, g["mask"], shift_mean=False)
     advantages, returns = compute_gae(rewards, g["values"], g["mask"], args.gamma, args.lam) \

@@ -1,4 +1,5 @@
 """03_train_policy.py: the PPO math against independent references, and short runs of the real loop."""
+import argparse
 import json
 import shutil
 import subprocess
@@ -1651,3 +1652,23 @@ def test_an_sft_folder_holding_other_files_is_refused_before_training(tmp_path, 
                             "reference", "--sft-steps", "1", "--sft-output-dir", str(tmp_path / "sft"),
                             "--output-dir", str(tmp_path / "run")))
     assert [p.name for p in (tmp_path / "sft").iterdir()] == ["notes.txt"]
+
+
+def test_center_delta_takes_the_batch_mean_per_token_out_of_the_rewards():
+    """--center-delta (bench/credit.py's span_centred arm): r_t = (delta_t - mean delta over the batch's response
+    tokens) - beta * KL_t, against a plain loop; without it, the paper's r_t = delta_t - beta * KL_t."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    g = {"delta": torch.tensor([[1.0, 1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0]]), "kl": torch.rand(2, 4) * mask,
+         "mask": mask, "values": torch.zeros(2, 4), "has_eos": torch.tensor([True, True])}
+    args = argparse.Namespace(missing_eos_penalty=1.0, whiten_rewards=False, advantage="gae", gamma=1.0, lam=0.95,
+                              center_delta=True)
+    rewards, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)
+    cells = [(b, t) for b in range(2) for t in range(4) if mask[b, t]]
+    mean = sum(g["delta"][b, t].item() for b, t in cells) / len(cells)  # 2 / 5
+    for b, t in cells:
+        assert rewards[b, t].item() == pytest.approx(g["delta"][b, t].item() - mean - 0.1 * g["kl"][b, t].item())
+    assert rewards[mask == 0].abs().sum() == 0
+    args.center_delta = False
+    plain, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)
+    assert torch.allclose(plain, (g["delta"] - 0.1 * g["kl"]) * mask)
