@@ -6,10 +6,11 @@
     python bench/credit.py --steps 3 --lrs 1e-3 --kl-coefs 0.05 --grid-seeds 1 --confirm-seeds 1 --sweep-seeds 1 \
         --eval-posts 8 --ks 1 --out /tmp/credit           # every arm end to end at tiny shapes
 
-Only the form of the reward differs between arms. Every arm's critic is the demo's exact critic (tasks/demo.py), so
-the spans are right and the same for all; what changes is how they become per-token rewards delta_t (03 step 3):
-    span           the paper's delta in {-1, 0, +1} on every token (03 --critic program)
-    poor_span      -1 inside poor spans only, no +1 for good ones (bench/credit_arms.py: poor_only)
+Only the form of the reward differs between arms. Every arm's critic is the demo's exact critic (tasks/demo.py), its
+flagged intervals exactly (bench/credit_arms.py: no quote widened), so the spans are right and the same for all; what
+changes is how they become per-token rewards delta_t (03 step 3):
+    span           the paper's delta in {-1, 0, +1} on every token (credit_arms: span)
+    poor_span      -1 inside poor spans only, no +1 for good ones (credit_arms: poor_only)
     span_centred   the paper's delta minus its batch mean per response token (03 --center-delta): no reward mean left
     poor_scalar    -(poor tokens) at EOS: a mistake-only terminal score (poor_only + 03 --reward-mode scalar)
     summed_scalar  the paper's delta summed at EOS through GAE (App. A; README's "scalar PPO" until this bench)
@@ -48,11 +49,11 @@ import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)
 from tasks.demo import demo_dataset  # noqa: E402
 
 PLUGIN = "python:bench/credit_arms.py:"
-ARMS = {"span": ["--critic", "program"],
+ARMS = {"span": ["--critic", PLUGIN + "span"],
         "poor_span": ["--critic", PLUGIN + "poor_only"],
-        "span_centred": ["--critic", "program", "--center-delta"],
+        "span_centred": ["--critic", PLUGIN + "span", "--center-delta"],
         "poor_scalar": ["--critic", PLUGIN + "poor_only", "--reward-mode", "scalar"],
-        "summed_scalar": ["--critic", "program", "--reward-mode", "scalar"],
+        "summed_scalar": ["--critic", PLUGIN + "span", "--reward-mode", "scalar"],
         "clause": ["--critic", PLUGIN + "clause_scores"]}
 SCALAR_ARMS = ("poor_scalar", "summed_scalar")
 SWEEP_ARMS = ("span", "poor_span")  # and the best scalar arm
@@ -175,7 +176,7 @@ def judge(out: Path, name: str, policy: Path, sft: Path, eval_data: Path, record
 
 
 def eval_records(out: Path, pets: int, n: int) -> tuple[Path, list[dict]]:
-    records = demo_dataset("eval", n, **({"pets": pets} if pets != 1 else {}))
+    records = demo_dataset("eval", n, pets=pets)
     path = out / f"k{pets}" / f"eval{n}.jsonl"
     common.write_jsonl(path, records)
     train = {r["prompt"] for r in common.read_jsonl(out / f"k{pets}" / "prompts.jsonl")}

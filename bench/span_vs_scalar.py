@@ -84,11 +84,10 @@ def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, p
     --steps 0 trains and saves it) and, for critic "local" without reward_model, stages 1 and 2 at their zero-flag
     settings on this base. Each is keyed by the commands that made it (run_cache). Returns 03's flags for every run
     (critic, prompts, steps). pets: the demo world's K (tasks/demo.py), 1 as the demo is."""
-    world = {"pets": pets} if pets != 1 else {}
     if not (out / "base" / "config.json").is_file():
-        build_demo_base(out / "base", **world)
-    common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 1000, **world))
-    common.write_jsonl(out / "sft.jsonl", demo_dataset("sft", 2000, **world))
+        build_demo_base(out / "base", pets=pets)
+    common.write_jsonl(out / "prompts.jsonl", demo_dataset("train", 1000, pets=pets))
+    common.write_jsonl(out / "sft.jsonl", demo_dataset("sft", 2000, pets=pets))
     flags = ["--critic", "program", "--kl-coef", "0.05"]  # the exact critic cannot be gamed: a looser KL leash
     if critic == "local":  # stages 1 and 2 at their zero-flag settings, on this base model (or --reward-model)
         rm_dir = Path(reward_model).resolve() if reward_model else out / "reward_model"

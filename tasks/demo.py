@@ -38,20 +38,34 @@ _FACT_PATTERNS = [r"(?P<owner>\w+) has an? (?P<color>\w+) (?P<animal>\w+) called
 _CATEGORY = {w: cat for cat, words in DEMO_FACTS.items() for w in words}
 
 
-def demo_post_facts(prompt: str) -> tuple[dict, set]:
-    """(facts by category, irrelevant words) read off a demo post. Raises ValueError if it is not one."""
+def demo_post_pets(prompt: str) -> tuple[list[dict], set]:
+    """([facts by category, one per pet, in the post's order], irrelevant words) read off a demo post of K >= 1 pets
+    (demo_dataset's `pets`): each pet's block runs from its "<owner> has a ..." sentence to the next one's. Raises
+    ValueError if it is not a demo post."""
     # letter case is no fact: a real model's "Luna" is the post's "luna" (demo_labels compares words lower-cased too)
     post = prompt.split("post:", 1)[-1].split("summary:", 1)[0].lower()
-    facts = {}
-    for pattern in _FACT_PATTERNS:
-        m = re.search(pattern, post)
-        if not m:
-            raise ValueError(f"not a demo post (no match for {pattern!r}): {prompt[:60]!r}")
-        facts.update(m.groupdict())
-    fact_words = set(facts.values())
+    starts, pets = list(re.finditer(_FACT_PATTERNS[0], post)), []
+    if not starts:
+        raise ValueError(f"not a demo post (no match for {_FACT_PATTERNS[0]!r}): {prompt[:60]!r}")
+    for i, first in enumerate(starts):
+        block, facts = post[first.start():starts[i + 1].start() if i + 1 < len(starts) else len(post)], first.groupdict()
+        for pattern in _FACT_PATTERNS[1:]:
+            m = re.search(pattern, block)
+            if not m:
+                raise ValueError(f"not a demo post (no match for {pattern!r}): {prompt[:60]!r}")
+            facts.update(m.groupdict())
+        pets.append(facts)
+    fact_words = {w for facts in pets for w in facts.values()}
     irrelevant = {w for w in re.findall(r"\w+", post) if w not in fact_words and
                   (w in _CATEGORY or any(w in v for v in DEMO_DISTRACTORS.values()))}
-    return facts, irrelevant
+    return pets, irrelevant
+
+
+def demo_post_facts(prompt: str) -> tuple[dict, set]:
+    """(facts by category, irrelevant words) of a demo post: its first pet's facts (the demo has one pet per post).
+    Raises ValueError if it is not one."""
+    pets, irrelevant = demo_post_pets(prompt)
+    return pets[0], irrelevant
 
 
 def _join(words: list[str]) -> str:
@@ -61,8 +75,9 @@ def _join(words: list[str]) -> str:
 def demo_labels(prompt: str, response: str) -> list[tuple[str, int, int, str | None]]:
     """The demo critic's verdict on each word of `response`: (word, start, end, kind), kind "good" (a fact of the
     post, first time), "wrong" (another value of a fact's kind), "irrelevant" (from the post's asides), "repeated" (a
-    fact again, or the second copy of an immediately repeated 1-3 word phrase) or None (a connective)."""
-    facts, irrelevant = demo_post_facts(prompt)
+    fact again, or the second copy of an immediately repeated 1-3 word phrase) or None (a connective). With K pets,
+    the answer's k-th sentence is judged against the k-th pet (sentences past the K-th against the last)."""
+    pets, irrelevant = demo_post_pets(prompt)
     # Quotes keep a word's leading space (" red dog"): still exact, and a small model copies the response's own tokens
     # ("Ġred") into the JSON instead of having to map them to the space-less tokens that '["red' would need.
     words = [(m.group(), m.start() - (response[m.start() - 1:m.start()] == " "), m.end())
@@ -75,49 +90,60 @@ def demo_labels(prompt: str, response: str) -> list[tuple[str, int, int, str | N
                 repeated[i:i + n] = [True] * n
     kinds, seen = [], set()
     for i, w in enumerate(seq):
+        pet = min(response[:words[i][1]].count("."), len(pets) - 1)  # the sentence's pet
         cat = _CATEGORY.get(w)
         if w in irrelevant:
             kinds.append("irrelevant")
-        elif cat and facts[cat] != w:
+        elif cat and pets[pet][cat] != w:
             kinds.append("wrong")
-        elif repeated[i] or (cat and cat in seen):
+        elif repeated[i] or (cat and (pet, cat) in seen):
             kinds.append("repeated")
         elif cat:
             kinds.append("good")
-            seen.add(cat)
+            seen.add((pet, cat))
         else:
             kinds.append(None)
     return [(w, a, b, kind) for (w, a, b), kind in zip(words, kinds)]
 
 
-def demo_critic(prompt: str, response: str) -> dict:
-    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
-    facts, _ = demo_post_facts(prompt)
-    labelled = demo_labels(prompt, response)
-    words = [(w, a, b) for w, a, b, _ in labelled]
+def demo_intervals(response: str, labelled) -> dict:
+    """{"good": [(start, end)], "poor": [...]}: the character intervals the demo critic flags, runs of adjacent
+    same-polarity words of demo_labels' verdicts ("red dog"), a run never crossing a sentence's end. Bridging over an
+    unlabelled word ("called") would pay a policy for deleting connectives so that more words fall inside a run: PPO
+    found exactly that."""
     labels = [None if kind is None else "good" if kind == "good" else "poor" for *_, kind in labelled]
-    seen = {_CATEGORY[w.lower()] for w, *_, kind in labelled if kind == "good"}
-    notes = []
-    for w, _, _, kind in labelled:
-        note = {"irrelevant": f"It adds {w}, which is irrelevant.", "repeated": f"It repeats {w}.",
-                "wrong": f"It says {w} where the post says {facts.get(_CATEGORY.get(w.lower()))}."}.get(kind)
-        if note and note not in notes:
-            notes.append(note)
-    # Spans: runs of adjacent same-polarity words ("red dog"). Bridging over an unlabelled word ("called") would pay
-    # a policy for deleting connectives so that more words fall inside a run: PPO found exactly that.
     spans = {"good": [], "poor": []}
     for i, lab in enumerate(labels):
         if lab is None:
             continue
         run = spans[lab]
-        if run and run[-1][1] == i - 1 and labels[i - 1] == lab:
+        if run and run[-1][1] == i - 1 and labels[i - 1] == lab and "." not in response[labelled[i - 1][2]:
+                                                                                        labelled[i][1]]:
             run[-1][1] = i
         else:
             run.append([i, i])
-    intervals = {k: [(words[a][1], words[b][2]) for a, b in v] for k, v in spans.items()}
+    return {k: [(labelled[a][1], labelled[b][2]) for a, b in v] for k, v in spans.items()}
+
+
+def demo_critic(prompt: str, response: str) -> dict:
+    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
+    pets, _ = demo_post_pets(prompt)
+    labelled = demo_labels(prompt, response)
+    pet = lambda start: min(response[:start].count("."), len(pets) - 1)  # noqa: E731  (as demo_labels judges)
+    words = [(w, a, b) for w, a, b, _ in labelled]
+    labels = [None if kind is None else "good" if kind == "good" else "poor" for *_, kind in labelled]
+    seen = {(pet(a), _CATEGORY[w.lower()]) for w, a, _, kind in labelled if kind == "good"}
+    notes = []
+    for w, a, _, kind in labelled:
+        note = {"irrelevant": f"It adds {w}, which is irrelevant.", "repeated": f"It repeats {w}.",
+                "wrong": f"It says {w} where the post says {pets[pet(a)].get(_CATEGORY.get(w.lower()))}."}.get(kind)
+        if note and note not in notes:
+            notes.append(note)
+    intervals = demo_intervals(response, labelled)
     good, poor = plugin.unambiguous_quotes(response, intervals["good"], intervals["poor"], words)
     right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
-    missing = [cat.replace("_", " ") for cat in DEMO_FACTS if cat not in seen]
+    missing = [cat.replace("_", " ") + (f" of pet {k + 1}" if len(pets) > 1 else "") for k in range(len(pets))
+               for cat in DEMO_FACTS if (k, cat) not in seen]
     parts = ([f"It gets {_join(right)} right."] if right else ["It states none of the post's facts."]) + notes
     if missing and right:
         parts.append(f"It leaves out the {_join(missing)}.")
@@ -159,10 +185,10 @@ def demo_monitor(records: list[dict], texts: list[str], offsets: list, deltas=No
 def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], reference: str = "") -> dict:
     """04's per-sample (numerator, denominator) rows of the demo's ground truth (demo_delta's feedback and delta):
     delta-sum, a mistake (any poor span), the share of the post's facts stated, exact match with the reference."""
-    facts, _ = demo_post_facts(prompt)
+    facts = [v for pet in demo_post_pets(prompt)[0] for v in pet.values()]
     words = set(re.findall(r"\w+", response.lower()))
     return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(bool(feedback["poor_spans"])), 1),
-            "demo/facts_right": (sum(v in words for v in facts.values()), len(facts)),
+            "demo/facts_right": (sum(v in words for v in facts), len(facts)),
             "demo/exact_match": (float(response.strip() == reference.strip()), 1)}
 
 
@@ -196,9 +222,12 @@ def demo_flagged(prompt: str, response: str, critic: dict, rm: dict) -> dict:
     rows["rm_vs_critic/poor_invented"] = (sum(not hits(iv, true_poor) for iv in rm_poor), len(rm_poor))
     return rows
 
-def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
+def make_demo_example(rng, mistake_rate: float = 0.55, pets: int = 1) -> dict:
     """One demo example: a post (prompt), its ideal summary (reference), and a noisy summary (response) with 0-2
-    local mistakes (a wrong fact, an irrelevant detail, a repetition) at random positions."""
+    local mistakes (a wrong fact, an irrelevant detail, a repetition) at random positions. pets > 1: the credit
+    bench's K knob (make_pets_example); 1 is the demo as it always was."""
+    if pets > 1:
+        return make_pets_example(rng, mistake_rate, pets)
     facts = {cat: rng.choice(words) for cat, words in DEMO_FACTS.items()}
     other = rng.choice([n for n in DEMO_FACTS["owner"] if n != facts["owner"]])
     dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
@@ -225,22 +254,56 @@ def make_demo_example(rng, mistake_rate: float = 0.55) -> dict:
     return {"prompt": prompt, "reference": reference, "response": " " + " ".join(words) + "."}
 
 
-def demo_dataset(split: str, n: int, mistake_rate: float = 0.55) -> list[dict]:
+def make_pets_example(rng, mistake_rate: float, k: int) -> dict:
+    """A demo example about k pets (bench/credit.py's K sweep): k owners and pet names, each pet's three sentences in
+    turn with 1-2 asides anywhere; the ideal summary one demo sentence per pet, about 16 k tokens. As in the demo, a
+    share `mistake_rate` of the noisy summaries holds 1-2 mistakes, now anywhere in the k sentences: the same mistakes
+    in a k times longer answer, so a scalar reward points at one of k times more tokens."""
+    pets = [{cat: rng.choice(words) for cat, words in DEMO_FACTS.items()} for _ in range(k)]
+    for pet, owner, name in zip(pets, rng.sample(DEMO_FACTS["owner"], k), rng.sample(DEMO_FACTS["pet_name"], k)):
+        pet.update(owner=owner, pet_name=name)  # a pet per owner and name: each sentence says whose it is
+    other = rng.choice([n for n in DEMO_FACTS["owner"] if n not in {p["owner"] for p in pets}])
+    dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
+    asides = {"it rained on {day}.": "on {day}", "the {thing} was {adj}.": "and a {adj} {thing}",
+              "{other} lost a {thing}.": "with {other}"}
+    sentences = [s.format(**p) for p in pets for s in ("{owner} has a {color} {animal} called {pet_name}.",
+                                                       "the {animal} likes the {place}.", "it eats {food}.")]
+    extra = rng.sample(list(asides), rng.randint(1, 2))
+    for s in extra:
+        sentences.insert(rng.randint(0, len(sentences)), s.format(**dis, other=other))
+    summary = [DEMO_SUMMARY.format(**p)[:-1].split() for p in pets]  # the words of each sentence, without its "."
+    for _ in range(rng.choice([1, 1, 2]) if rng.random() < mistake_rate else 0):
+        words = rng.choice(summary)
+        kind, slots = rng.choice(["wrong", "irrelevant", "repeat"]), [i for i, w in enumerate(words) if w in _CATEGORY]
+        if kind == "wrong" and slots:
+            i = rng.choice(slots)
+            words[i] = rng.choice([w for w in DEMO_FACTS[_CATEGORY[words[i]]] if w != words[i]])
+        elif kind == "irrelevant":
+            words.insert(rng.choice([1, 5, 7, 11, len(words)]), asides[rng.choice(extra)].format(**dis, other=other))
+        elif slots:
+            i = rng.choice(slots)
+            words.insert(i + 1, words[i])
+    return {"prompt": "post: " + " ".join(sentences) + "\nsummary:",
+            "reference": " ".join(DEMO_SUMMARY.format(**p) for p in pets),
+            "response": " " + " ".join(" ".join(words) + "." for words in summary)}
+
+
+def demo_dataset(split: str, n: int, mistake_rate: float = 0.55, pets: int = 1) -> list[dict]:
     """`n` deterministic demo records of a named split ("pretrain", "annotate", "sft", "train", "eval"); a share
-    `mistake_rate` of their responses has 1-2 mistakes."""
+    `mistake_rate` of their responses has 1-2 mistakes. pets: K pets per post (make_pets_example; the demo: 1)."""
     import random
-    rng = random.Random(f"text2grad-demo-{split}")
-    return [{"id": f"demo-{split}-{i}", **make_demo_example(rng, mistake_rate)} for i in range(n)]
+    rng = random.Random(f"text2grad-demo-{split}" + (f"-pets{pets}" if pets > 1 else ""))
+    return [{"id": f"demo-{split}-{i}", **make_demo_example(rng, mistake_rate, pets)} for i in range(n)]
 
 
-def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, seed: int = 0) -> str:
+def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, seed: int = 0, pets: int = 1) -> str:
     """The demo's stand-in for a pretrained LLM: a tokenizer and a 2-layer, 0.6M-parameter Llama trained to continue
     demo posts with their correct summary (loss on the summary only). That gives it the skill a real LLM brings,
     copying facts from its context (an induction-head skill a model this small needs a few hundred focused steps for;
     plain LM loss over whole posts, or a 4-layer model, takes far longer). It never sees critiques or reward-model
     prompts (stage 2 teaches those) nor the noisy SFT targets (stage 3), only their words in the tokenizer corpus."""
     texts, pretrain = [], []
-    for ex in demo_dataset("pretrain", n_texts):
+    for ex in demo_dataset("pretrain", n_texts, pets=pets):
         critique = " " + format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
         pretrain.append((ex["prompt"], " " + ex["reference"]))
         texts += [ex["prompt"] + ex["response"], critique]
