@@ -413,14 +413,9 @@ def make_critic(args):
     if args.critic == "program" or plugin.is_plugin(args.critic):  # the task's own or the user's (tasks/plugin.py)
         fn, label = plugin.load_critic(args.critic, args.task, "--critic")
         return lambda recs, texts: plugin.call(fn, label, recs, texts)  # a raise: that rollout's critic_error
-    if args.critic == "local":
-        rm, rm_tok = models.load_model(args.reward_model, device=args.device, dtype=args.dtype)
-        return lambda recs, texts: [critics.parsed(x) for x in reward_models.rm_critique(
-            rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
-            max_prompt_tokens=args.critic_max_prompt_tokens, rm_format=args.critic_rm_format,
-            compile=args.compile_generation)]
-    served = critics.served_critic(args)
-    return lambda recs, texts: [critics.parsed(x) for x in served(recs, texts)]
+    # the learned critic writes its critique and span JSON (§3.4): in this process (local) or behind a server (openai)
+    write = reward_models.local_critic(args) if args.critic == "local" else critics.served_critic(args)
+    return lambda recs, texts: [critics.parsed(x) for x in write(recs, texts)]
 
 
 def critique_failed(fb) -> bool:
@@ -683,13 +678,14 @@ def main(argv=None):
     log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a: None)  # torchrun: rank 0 speaks
     if args.scalar_baseline_dir:  # refused now, not after the first run, if its folder holds a run
         runs.policy_run_kind(args.scalar_baseline_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
-    policy = train(args)
-    log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})")
-    if args.scalar_baseline_dir:  # the same run, from the same SFT start, with the information as one scalar (App. A)
-        base = copy.copy(args)
-        base.reward_mode, base.output_dir, base.scalar_baseline_dir = "scalar", args.scalar_baseline_dir, ""
-        policy = train(base)
-        log(f"scalar baseline saved to {policy}")
+    # then the scalar baseline: the same run, from the same SFT start, with the information as one scalar (App. A)
+    baseline = argparse.Namespace(**{**vars(args), "reward_mode": "scalar", "output_dir": args.scalar_baseline_dir,
+                                     "scalar_baseline_dir": ""})
+    for run in [args, baseline][:1 + bool(args.scalar_baseline_dir)]:
+        runs.on_interrupt(run, sys.argv[1:] if argv is None else argv)  # Ctrl-C: one line, the command to continue
+        policy = train(run)
+        log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})" if run is args
+            else f"scalar baseline saved to {policy}")
 
 
 if __name__ == "__main__":
@@ -698,3 +694,6 @@ if __name__ == "__main__":
     except common.DataError as e:  # bad input: one line, exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to continue it, one line
+        print(runs.interrupted(), file=sys.stderr)
+        sys.exit(130)

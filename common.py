@@ -45,8 +45,9 @@ def iter_jsonl(path, required: tuple[str, ...] = ()):
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8", newline="\n") as f:
-        for lineno, line in enumerate(f, 1):
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:  # lines end at b"\n" only
+        for lineno, raw in enumerate(f, 1):
+            line = decode_utf8(raw, path, lineno)
             if not line.strip():
                 continue
             try:
@@ -61,6 +62,15 @@ def iter_jsonl(path, required: tuple[str, ...] = ()):
                 if not isinstance(rec[field], str):
                     raise DataError(f"{path}:{lineno}: field '{field}' must be a string")
             yield lineno, rec
+
+
+def decode_utf8(raw: bytes, path, lineno: int) -> str:
+    """A line's bytes as text; DataError naming the file, line and byte where they are not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        column = len(raw[:e.start].decode("utf-8", "replace")) + 1
+        raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column})") from None
 
 
 def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:

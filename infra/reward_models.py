@@ -124,6 +124,15 @@ def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
+def local_critic(args):
+    """03 --critic local: critic(records, texts) -> the stage-2 reward model's raw text per rollout (rm_critique,
+    greedy, its input cut and its critique capped as stage 2 trained it; --compile-generation: static_decode)."""
+    rm, rm_tok = models.load_model(args.reward_model, device=args.device, dtype=args.dtype)
+    return lambda recs, texts: rm_critique(rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
+                                           max_prompt_tokens=args.critic_max_prompt_tokens,
+                                           rm_format=args.critic_rm_format, compile=args.compile_generation)
+
+
 def rm_scores(response: str, offsets, raw: str) -> tuple[dict, list[float], dict]:
     """A reward model's raw critique of one response, scored on its tokens as stage 3 scores it: (feedback, delta,
     04's per-sample (numerator, denominator) rows). A critique that does not parse keeps its text and quotes nothing."""

@@ -265,3 +265,25 @@ def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, val
         this = {"from_step": last + 1, "device": config.get("device"), "world_size": world}
         common.write_json(config_file, {**config, "world_size": world, "segments": [*old.get("segments", []), this]})
     return last + 1, kl_coef
+
+
+_RUN = {}  # the stage-3 run a Ctrl-C would stop (its settings) and the command line that started it
+
+
+def on_interrupt(args, argv: list[str]) -> None:
+    """Remember the run main() is about to train, for interrupted()."""
+    _RUN.update(args=args, argv=list(argv))
+
+
+def interrupted() -> str:
+    """The one line a Ctrl-C of stage 3 prints: the iterations metrics.jsonl holds, the last checkpoint, and the
+    command that continues the run (--resume; --overwrite dropped, since the two are refused together)."""
+    import shlex
+    out_dir, steps = (Path(_RUN["args"].output_dir), _RUN["args"].steps) if _RUN else (Path("."), 0)
+    metrics, ckpt = out_dir / "metrics.jsonl", out_dir / "checkpoint.pt"
+    done = len(common.read_jsonl(metrics)) if metrics.is_file() else 0
+    saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["step"] if ckpt.is_file() else None
+    argv = [a for a in _RUN.get("argv", []) if a not in ("--overwrite", "--resume")]
+    again = shlex.join(["python", "03_train_policy.py", *argv, "--resume" if saved else "--overwrite"])
+    return (f"interrupted after iteration {done} of {steps}; last checkpoint: " +
+            (f"iteration {saved} ({ckpt})" if saved else "none yet (--save-every)") + f"; continue with: {again}")

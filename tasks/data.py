@@ -45,8 +45,9 @@ def _read_json_or_parquet(path: Path) -> list[tuple[str, dict]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
         return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
+    text = "\n".join(common.decode_utf8(line, path, n) for n, line in enumerate(path.read_bytes().split(b"\n"), 1))
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # JSON Lines under a .json name
             return [(f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]

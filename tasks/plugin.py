@@ -19,6 +19,7 @@ rights (model-written code is what the sandbox is for), and 01 calls it from sev
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import importlib
 import importlib.util
@@ -156,15 +157,22 @@ def _interval(x, n: int) -> dict:
 
 def call(fn, label: str, records: list[dict], responses: list[str]) -> list[dict]:
     """fn on a batch, one checked item per response (check_item). A record fn raises on never ends the run: when the
-    batch call raises, or returns the wrong number of items, each record is called alone, and those that still fail
-    get an error item, "<label> raised TypeError: ..." (one line). A wrong-shaped item is an error item too."""
+    batch call raises, each record is called alone, and those that still fail get an error item, "<label> raised
+    TypeError: ..." (one line). A wrong-shaped item is an error item too. A return of the wrong length or type is no
+    failed record but a broken plug-in: DataError naming the call and the lengths (one item for a batch of 8 would
+    otherwise pass the one-record preflight and train on delta = 0)."""
+    CALLS[label] += 1
     try:
-        items = _items(fn, records, responses)
+        items = fn(records, responses)
     except Exception as e:  # noqa: BLE001 - a user's function: anything it raises is this batch's failure
         if len(records) > 1:
             return [item for r, t in zip(records, responses) for item in call(fn, label, [r], [t])]
-        why = f"{label}: {e}" if isinstance(e, ShapeError) else f"{label} raised {type(e).__name__}: {first_line(e)}"
-        return [check_item({"error": why}, responses[0])]
+        return [check_item({"error": f"{label} raised {type(e).__name__}: {first_line(e)}"}, responses[0])]
+    got = f"{len(items)} items for {len(responses)} responses" if isinstance(items, (list, tuple)) else \
+        f"a {type(items).__name__}, not a list,"
+    if not isinstance(items, (list, tuple)) or len(items) != len(responses):
+        raise DataError(f"{label}: returned {got} on its call {CALLS[label]} (one item per response): a plug-in "
+                        "error, not a failed record")
     out = []
     for item, response in zip(items, responses):
         try:
@@ -172,6 +180,9 @@ def call(fn, label: str, records: list[dict], responses: list[str]) -> list[dict
         except ValueError as e:
             out.append(check_item({"error": f"{label} returned a bad item: {e}"}, response))
     return out
+
+
+CALLS = collections.Counter()  # calls of each plug-in (its label) in this process, for call()'s errors
 
 
 def preflight(fn, label: str, record: dict, response: str, flag: str) -> dict:

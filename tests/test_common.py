@@ -783,3 +783,20 @@ def test_a_save_replaces_only_the_files_it_wrote(tmp_path, tiny_model_dir):
     (rm / runs.SAVE_RECORD).unlink()
     with pytest.raises(common.DataError, match="did not write"):  # without its marker: a model made elsewhere
         runs.save_pretrained(rm, model, tok, {"sft.json": {}})
+
+
+def test_a_byte_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
+    """Issue 56, item 6: a JSONL input with a non-UTF-8 byte (a Latin-1 file) is a DataError naming the file, the
+    line and the byte, not a UnicodeDecodeError traceback; plain and gzipped alike, and a .json file too."""
+    import gzip
+    body = b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'
+    (tmp_path / "bad.jsonl").write_bytes(body)
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wb") as f:
+        f.write(body)
+    for name in ("bad.jsonl", "bad.jsonl.gz"):
+        with pytest.raises(common.DataError, match=rf"{name}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
+            common.read_jsonl(tmp_path / name)
+    (tmp_path / "bad.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
+    from tasks.data import read_rows
+    with pytest.raises(common.DataError, match=r"bad.json:1: not UTF-8 \(byte 0xe9"):
+        read_rows(str(tmp_path / "bad.json"))

@@ -244,3 +244,23 @@ def test_a_score_per_response_lands_on_its_last_token(tmp_path, tiny_model_dir):
     for text, d, m in zip(dump["texts"], dump["delta"], dump["mask"]):
         n = int(m.sum())
         assert d[:n - 1].abs().sum() == 0 and d[n - 1] == -float(len(text.split()) > 4)
+
+
+def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(tmp_path, tiny_model_dir):
+    """Issue 56, item 2: a plug-in that returns one item whatever the batch passes the one-record preflight; on the
+    first real batch it is a plug-in error (exit 2, one line naming MODULE:FUNCTION, the call and the lengths), not
+    a run with every delta zero and "0 of 16 critiques failed"."""
+    path = tmp_path / "short.py"
+    path.write_text("def short(records, responses):\n    return [{'good_spans': [], 'poor_spans': []}]\n")
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
+    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
+                           str(tmp_path / "prompts.jsonl"), "--sft-steps", "0", "--critic", f"python:{path}:short",
+                           "--output-dir", str(tmp_path / "run"), "--steps", "2", "--batch-size", "8",
+                           "--max-new-tokens", "8", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (f"error: {path}:short: returned 1 items for 8 responses on its "
+                                                   "call 1 (one item per response): a plug-in error, not a failed "
+                                                   "record")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    with pytest.raises(common.DataError, match="returned a dict, not a list"):
+        plugin.call(lambda recs, texts: {"spans": []}, "m:f", [{}] * 2, ["a", "b"])

@@ -1672,3 +1672,35 @@ def test_center_delta_takes_the_batch_mean_per_token_out_of_the_rewards():
     args.center_delta = False
     plain, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)
     assert torch.allclose(plain, (g["delta"] - 0.1 * g["kl"]) * mask)
+
+
+def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tmp_path, tiny_model_dir):
+    """Issue 56, item 8: Ctrl-C in stage 3 is one line (the iterations done, the last checkpoint, the --resume command
+    that continues), no KeyboardInterrupt traceback, exit 130; and that command continues the run."""
+    import signal
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
+    argv = ["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program",
+            "--output-dir", str(tmp_path / "run"), "--steps", "400", "--batch-size", "4", "--num-minibatches", "2",
+            "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
+            "--lora-alpha", "8", "--save-every", "2", "--overwrite"]
+    proc = subprocess.Popen([sys.executable, "03_train_policy.py", *argv], cwd=ROOT, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    done = len(metrics.read_text().splitlines())
+    assert line.startswith(f"interrupted after iteration {done} of 400; last checkpoint: iteration ")
+    command = line.split("continue with: ", 1)[1]
+    assert command.startswith("python 03_train_policy.py ") and command.endswith(" --resume")
+    assert "--overwrite" not in command
+    import shlex
+    resumed = subprocess.run([sys.executable, *shlex.split(command)[1:], "--steps", str(done + 1)], cwd=ROOT,
+                             capture_output=True, text=True)  # the printed command, one iteration further
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout
