@@ -65,7 +65,7 @@ def parse_args(argv=None):
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
-    a("--resume", action="store_true", help="continue from <output-dir>/checkpoint.pt, on the SFT start it began from")
+    a("--resume", action="store_true", help="continue from checkpoint.pt; only --steps and logging flags may differ")
     a("--overwrite", action="store_true", help="a fresh run replaces the run in --output-dir (and a changed SFT start)")
     a("--scalar-baseline-dir", help="then train the --reward-mode scalar baseline here ('': skip)")
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the chat template")

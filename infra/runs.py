@@ -232,6 +232,26 @@ def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str
                       out_dir.resolve() in [Path(d).resolve() for d in demo_dirs])
 
 
+MAY_DIFFER = ("steps", "log_every", "save_every", "trace_samples", "dump_rollouts", "critic_concurrency", "resume",
+              "overwrite", "zero_flag", "scalar_baseline_dir",  # what a resumed run may change: no result depends on it
+              "device")  # and where it runs (config.json's segments record each invocation's device)
+
+
+def check_same_run(config_file: Path, config: dict) -> None:
+    """--resume continues the run it finds with the settings that run was trained with: DataError, one line naming the
+    first flag whose value differs (config.json's against `config`), unless it is in MAY_DIFFER: --steps, the flags
+    that change no result (logging, saving, tracing, how many critic requests are in flight) and --device (a run may
+    continue on another machine). A setting the run's config.json lacks (a flag added since) is not compared."""
+    if not config_file.is_file():
+        return
+    there, now = json.loads(config_file.read_text()), json.loads(json.dumps(config, default=str))
+    for key, value in now.items():
+        if key in there and key not in MAY_DIFFER and there[key] != value:
+            raise common.DataError(f"--resume: --{key.replace('_', '-')} was {there[key]} in this run, {value} now: a "
+                                   "resumed run keeps every setting that shapes training (only --steps and logging, "
+                                   "saving and tracing flags may differ); --overwrite starts it again")
+
+
 def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, value_head, optimizer, scheduler, scaler,
                     rank: int, world: int) -> tuple[int, float]:
     """The run dir: (first step, beta). kind (policy_run_kind) "resume" restores the checkpoint (load_checkpoint)
@@ -239,6 +259,8 @@ def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, val
     and has beta = kl_coef. Rank 0 writes config.json: config, the run's settings, the world size, and one segment
     per invocation (first step, device, world size; a resume carries the earlier ones over)."""
     out_dir, last = Path(out_dir), 0
+    if kind == "resume":  # refused before anything is written
+        check_same_run(out_dir / "config.json", config)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()

@@ -1704,3 +1704,24 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tm
                              capture_output=True, text=True)  # the printed command, one iteration further
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
+
+
+def test_resume_refuses_a_setting_that_shapes_training(tmp_path, tiny_model_dir):
+    """Issue 56, item 3: --resume with another critic, learning rate or beta is refused in one line naming the flag
+    and both values, before anything is written; --steps and the flags that change no result (logging, saving,
+    tracing) may differ; config.json keeps the run's own settings."""
+    args = _args(tmp_path, tiny_model_dir, "--save-every", "1")
+    ppo.train(args)
+    before = (tmp_path / "run" / "config.json").read_text()
+    for extra, flag, there, here in ((("--lr", "0.5"), "--lr", "0.001", "0.5"),
+                                     (("--kl-coef", "0.3"), "--kl-coef", "0.2", "0.3"),
+                                     (("--critic", "python:tasks.demo:critic"), "--critic", "program",
+                                      "python:tasks.demo:critic")):
+        with pytest.raises(common.DataError, match=rf"--resume: {flag} was {there} in this run, {here} now"):
+            ppo.train(_args(tmp_path, tiny_model_dir, "--resume", "--steps", "3", *extra))
+        assert (tmp_path / "run" / "config.json").read_text() == before
+        assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
+    ppo.train(_args(tmp_path, tiny_model_dir, "--resume", "--steps", "3", "--log-every", "5", "--save-every", "7",
+                    "--trace-samples", "2"))
+    assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.001
