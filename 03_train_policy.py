@@ -125,7 +125,7 @@ def parse_args(argv=None):
     g.add_argument("--labels", default="spans", choices=["spans", "dense"],
                    help="dense: every token outside a poor span +1 (App. I.1)")
     g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
-    for variant in (sft, critics, scalar_rm, decoding, trace):
+    for variant in (sft, critics, scalar_rm, decoding, distributed, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
@@ -434,7 +434,7 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
     Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
-    with torch.no_grad(), distributed.autocast(args.device, args.dtype):
+    with torch.no_grad(), distributed.autocast(args.device, args.dtype), distributed.gathered(model):
         if args.compile_generation:  # the same tokens from the same random numbers, at the compiled model's speed
             response = decoding.generate_static(model, query, query_mask, gen_config)                          # (B, T)
         else:
@@ -544,11 +544,9 @@ def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, wo
                 scaler.scale(loss * b["mask"][m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
                 stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/entropy": entropy.item(),
                               **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {})})
-            for p in params:  # torchrun: sum the ranks' gradients (identity for one process)
-                if p.grad is not None:
-                    distributed.all_sum(p.grad)
+            distributed.reduce_grads(params)  # torchrun: sum the ranks' gradients (identity for one process)
             scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            distributed.clip_grad_norm(params, args.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -596,6 +594,7 @@ def train(args):
     queries = [models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
                for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
+    model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
     scorer, ref_scorer = models.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
     head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
@@ -666,9 +665,7 @@ def train(args):
                                  rank)
     if rank == 0 and costs:
         trace.print_critic_summary(costs, args)
-    if rank == 0:  # the policy: adapter (or full weights), tokenizer and value head, loadable by models.load_model
-        runs.save_pretrained(out_dir / "policy", model, tokenizer, {"value_head.pt": value_head.state_dict()},
-                             **({"selected_adapters": ["default"]} if hasattr(model, "peft_config") else {}))
+    runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
     distributed.barrier()
     return out_dir / "policy"
 

@@ -1,6 +1,19 @@
-"""torchrun and --dtype: the process group (dist_init), the collectives stage 3 needs (gather_rows, all_sum, barrier),
-bf16 / fp16 compute (autocast, grad_scaler). `torchrun --nproc_per_node N 03_train_policy.py` and --dtype send a reader
-here: with one process every collective is the identity, so the single-process code path is the same.
+"""torchrun, --shard and --dtype: the process group (dist_init), the collectives stage 3 needs (gather_rows, all_sum,
+barrier), bf16 / fp16 compute (autocast, grad_scaler), and FSDP2 sharding (shard). `torchrun --nproc_per_node N
+03_train_policy.py` and --dtype send a reader here: with one process every collective is the identity, so the
+single-process code path is the same.
+
+--shard ddp (the default) keeps a whole copy of the model on every rank and sums the ranks' gradients (all_sum), as
+PyTorch's DistributedDataParallel does; --shard fsdp shards every parameter, gradient and Adam state over the ranks
+with PyTorch's own FSDP2 (torch.distributed.fsdp.fully_shard): each decoder layer one group, then the root (the
+embeddings, the final norm and the output head: one group, so tied embeddings stay one weight, kept gathered after
+the forward, whose output the loss needs at once). The reduce-scatter sums, as all_sum does (03 scales each rank's
+loss by its share of the global batch's tokens). With LoRA the frozen base is sharded too; with full fine-tuning the
+frozen reference copy is. --dtype bf16 / fp16: a MixedPrecisionPolicy computes in it and reduces in float32.
+A rollout gathers the policy whole once (gathered) and decodes as one process does: faster than FSDP's per-layer
+gather on every decode step (bench/README.md, FSDP), at the cost of one whole copy of the weights during the rollout.
+Checkpoints gather full state dicts (runs.save_checkpoint: the same file a single process writes, one per run), and
+the saved policy is a plain adapter or model folder that one process loads.
 """
 from __future__ import annotations
 
@@ -11,7 +24,14 @@ import os
 import torch
 import torch.distributed as dist
 
+import common
 from infra import models
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("torchrun (infra/distributed.py)")
+    g.add_argument("--shard", default="ddp", choices=["ddp", "fsdp"], help="ddp: a whole model per rank; fsdp: "
+                   "parameters, gradients and optimizer states sharded (FSDP2)")
 
 
 def seed_everything(seed: int) -> None:
@@ -77,3 +97,107 @@ def barrier(timeout_h: float | None = None) -> None:
         dist.barrier(group=group)
         if group is not None:
             dist.destroy_process_group(group)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# --shard fsdp: FSDP2 over the decoder layers, then the root
+# ----------------------------------------------------------------------------------------------------------------------
+
+def decoder_layers(model) -> list:
+    """The model's repeated blocks: the longest ModuleList whose modules are all of one class (Llama's, Qwen's,
+    Mistral's model.layers), or []."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
+             and len({type(x) for x in m}) == 1]
+    return list(max(lists, key=len)) if lists else []
+
+
+def shard(model, ref_model, args):
+    """(model, ref_model) for 03: as they are (--shard ddp, or one process), or fully_shard-ed (--shard fsdp, the
+    module docstring): the policy, and the frozen reference copy of full fine-tuning. DataError, one line, where it
+    cannot shard: not under torchrun, fp16 (its loss scaler does not unscale sharded gradients), or no repeated
+    layers."""
+    if args.shard != "fsdp":
+        return model, ref_model
+    if not dist.is_initialized():
+        raise common.DataError("--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
+                               "03_train_policy.py --shard fsdp ... (N = 1 runs it on one GPU)")
+    if args.dtype == "fp16":
+        raise common.DataError("--shard fsdp with --dtype fp16: use bf16 (fp16's loss scaling does not reach sharded "
+                               "gradients)")
+    for m in [model] + [ref_model] * (ref_model is not None):
+        fully_shard_model(m, args.dtype)
+    return model, ref_model
+
+
+def fully_shard_model(model, dtype: str = "float32"):
+    """fully_shard every decoder layer, then the root (kept gathered after its forward); summed reductions."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    layers = decoder_layers(model)
+    if not layers:
+        raise common.DataError(f"--shard fsdp: {type(model).__name__} has no repeated layers to shard one by one")
+    mp = MixedPrecisionPolicy(param_dtype=models.torch_dtype(dtype), reduce_dtype=torch.float32) \
+        if dtype != "float32" else MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+    if hasattr(model, "generate"):  # generate() enters through the root as forward() does (FSDP's lazy init, gather)
+        register_fsdp_forward_method(model, "generate")
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # a sum, as all_sum's: 03's loss is already each rank's share of the mean
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # (gloo has no pre-multiplied sum)
+    return model
+
+
+def is_sharded(x) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(x, DTensor)
+
+
+def full(x):
+    """A tensor whole: a sharded one gathered from every rank (every rank must call it, in the same order)."""
+    return x.detach().full_tensor() if is_sharded(x) else x.detach()
+
+
+def shard_like(value, like):
+    """`value`, a whole tensor, sharded as the sharded tensor `like` is (or as it is, where `like` is not sharded)."""
+    if not is_sharded(like):
+        return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.detach().to(like.device_mesh.device_type), like.device_mesh, like.placements)
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """A sharded model gathered whole for the block (a rollout: generate() then runs as in one process), resharded
+    after; anything else as it is."""
+    from torch.distributed.fsdp import FSDPModule
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in groups:
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in groups:
+            m.reshard()
+
+
+def reduce_grads(params) -> None:
+    """The ranks' gradients summed (all_sum), but for sharded ones: FSDP's reduce-scatter has summed those."""
+    for p in params:
+        if p.grad is not None and not is_sharded(p.grad):
+            all_sum(p.grad)
+
+
+def clip_grad_norm(params, max_norm: float):
+    """torch.nn.utils.clip_grad_norm_, also over a mix of sharded and whole gradients (the sharded policy and the
+    value head): the global norm from each rank's shards, every gradient scaled by min(1, max_norm / (norm + 1e-6))."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(map(is_sharded, grads)):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    shards = torch.stack([g.to_local().float().pow(2).sum() for g in grads if is_sharded(g)]).sum()
+    total = (all_sum(shards) + sum(g.float().pow(2).sum() for g in grads if not is_sharded(g))).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        (g.to_local() if is_sharded(g) else g).mul_(coef)
+    return total

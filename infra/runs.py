@@ -183,11 +183,16 @@ def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, sc
     if dist.is_initialized():
         rngs, rng = [None] * dist.get_world_size(), rngs[0]
         dist.all_gather_object(rngs, rng)
+    sharded = any(distributed.is_sharded(p) for p in model.parameters())  # --shard fsdp: gathered on every rank
+    if rank == 0 or sharded:                                                # (in one order), whole
+        trainable = {n: distributed.full(p).cpu() for n, p in model.named_parameters() if p.requires_grad}
+        optim = optimizer.state_dict()
+        optim["state"] = {i: {k: distributed.full(v).cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+                          for i, st in optim["state"].items()}
     if rank == 0:
-        state = {"step": step, "kl_coef": kl_coef, "args": config, "rng": rngs,
-                 "trainable": {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad},
-                 "value_head": value_head.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}
+        state = {"step": step, "kl_coef": kl_coef, "args": config, "rng": rngs, "trainable": trainable,
+                 "value_head": value_head.state_dict(), "optimizer": optim, "scheduler": scheduler.state_dict(),
+                 "scaler": scaler.state_dict()}
         with common.atomic_open(path, "wb") as f:
             torch.save(state, f)
 
@@ -203,9 +208,13 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank:
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in state["trainable"].items():
-            params[name].copy_(tensor)
+            params[name].copy_(distributed.shard_like(tensor, params[name]))
     value_head.load_state_dict(state["value_head"])
-    optimizer.load_state_dict(state["optimizer"])
+    order = [p for group in optimizer.param_groups for p in group["params"]]  # the state's indices (sharded: as saved)
+    optim = state["optimizer"]
+    optim["state"] = {i: {k: distributed.shard_like(v, order[int(i)]) if torch.is_tensor(v) and v.dim() else v
+                          for k, v in st.items()} for i, st in optim["state"].items()}
+    optimizer.load_state_dict(optim)
     scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # {} when loss scaling is off (not fp16)
         scaler.load_state_dict(state["scaler"])
@@ -219,6 +228,19 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank:
 
 
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "trace.jsonl", "checkpoint.pt", "policy")  # what a run writes
+
+
+def save_policy(folder, model, tokenizer, value_head, rank: int = 0) -> None:
+    """The trained policy (03's policy/): its adapter (or full weights), tokenizer and value head, a folder that
+    models.load_model loads in one process. A sharded model (--shard fsdp) is gathered whole first, on every rank
+    (only rank 0's slice would be saved otherwise: accelerate #4206); rank 0 writes."""
+    peft = hasattr(model, "peft_config")  # an adapter: its own weights alone are gathered
+    state = {n: distributed.full(x).cpu() for n, x in model.state_dict().items() if not peft or "lora_" in n
+             or "modules_to_save" in n} if any(distributed.is_sharded(p) for p in model.parameters()) else None
+    if rank == 0:
+        save_pretrained(folder, model, tokenizer, {"value_head.pt": value_head.state_dict()},
+                        **({"selected_adapters": ["default"]} if peft else {}),
+                        **({"state_dict": state} if state is not None else {}))
 
 
 def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str:

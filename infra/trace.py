@@ -104,7 +104,7 @@ def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     torch.save({"texts": b["texts"], "delta": b["delta"], "kl_coef": kl_coef, **{k: b[k] for k in (
         "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
-        "param_checksum": sum(p.detach().double().sum().item() for p in params)},
+        "param_checksum": sum(distributed.full(p).double().sum().item() for p in params)},
         Path(out_dir) / f"step{step}_rank{rank}.pt")
 
 

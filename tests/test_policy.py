@@ -512,7 +512,10 @@ def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tin
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("shard", ["ddp", "fsdp"])
+def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, shard):
+    """2 gloo ranks against one process replaying their concatenated batches: the same advantages, the same updated
+    weights; with --shard fsdp (issue 57) too, the checkpoint holding the gathered weights and optimizer state."""
     import socket
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 16))
@@ -525,7 +528,8 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
            "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "1",
            "--ppo-epochs", "1", "--max-new-tokens", "8", "--device", "cpu", "--lora-r", "4",
            "--dump-rollouts", str(tmp_path / "dump"), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
-           "reference", "--sft-steps", "2", "--sft-batch-size", "4", "--sft-output-dir", str(tmp_path / "sft")]
+           "reference", "--sft-steps", "2", "--sft-batch-size", "4", "--sft-output-dir", str(tmp_path / "sft"),
+           "--shard", shard]
     # rank 0 trains the SFT warm start alone while rank 1 waits for it (a gloo group with a long timeout)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
@@ -581,8 +585,9 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir):
         torch.testing.assert_close(p, saved["value_head"][n], rtol=1e-4, atol=1e-6)
     # one process cannot continue what two sampled: refused in one line, the run left as it was
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    with pytest.raises(common.DataError, match=r"checkpoint\.pt: saved by 2 process\(es\), resumed with 1; resume with "
-                                                r"the same world size \(torchrun --nproc_per_node 2\)"):
+    refusal = r"checkpoint\.pt: saved by 2 process\(es\), resumed with 1; resume with the same world size " \
+        r"\(torchrun --nproc_per_node 2\)" if shard == "ddp" else "--shard fsdp shards over torchrun's processes"
+    with pytest.raises(common.DataError, match=refusal):
         ppo.train(ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:] + ["--resume", "--steps", "3"]))
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
@@ -1725,3 +1730,82 @@ def test_resume_refuses_a_setting_that_shapes_training(tmp_path, tiny_model_dir)
                     "--trace-samples", "2"))
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.001
+
+
+def _torchrun(tmp_path, argv, nproc=2):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                           "--master_addr", "127.0.0.1", "--master_port", str(port), str(ROOT / "03_train_policy.py"),
+                           *argv], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_fsdp_resume_is_exact_and_the_saved_policy_loads_whole_in_one_process(tmp_path, tiny_model_dir, lora_r):
+    """Issue 57, --shard fsdp on 2 gloo ranks: 2 iterations, a resume and 2 more are the 4 of one run, to the bit
+    (metrics and the gathered weights); the saved policy loads in one process and holds exactly the weights the
+    sharded run trained, all of them (a LoRA adapter: not rank 0's slice, accelerate #4206; full fine-tuning of the
+    tiny model with tied embeddings: one matrix, embed_tokens = lm_head)."""
+    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--shard", "fsdp", "--batch-size", "8",
+                      "--save-every", "2", "--lora-r", lora_r)
+    _torchrun(tmp_path, [*argv, "--steps", "4", "--output-dir", str(tmp_path / "straight")])
+    _torchrun(tmp_path, [*argv, "--steps", "2", "--output-dir", str(tmp_path / "resumed")])
+    _torchrun(tmp_path, [*argv, "--steps", "4", "--output-dir", str(tmp_path / "resumed"), "--resume"])
+    drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
+    assert drop(_rows(tmp_path / "straight")) == drop(_rows(tmp_path / "resumed"))
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=False) for d in ("straight", "resumed"))
+    assert a["trainable"].keys() == b["trainable"].keys() and a["step"] == b["step"] == 4
+    assert all(torch.equal(a["trainable"][n], b["trainable"][n]) for n in a["trainable"])
+    model, _ = models.load_model(str(tmp_path / "straight" / "policy"))
+    trained = {n: p for n, p in model.named_parameters() if n in a["trainable"]}
+    assert trained.keys() == a["trainable"].keys()  # every trained weight is in the saved policy
+    assert all(torch.equal(p.detach(), a["trainable"][n]) for n, p in trained.items())
+    if lora_r == "0":
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+FSDP_BYTES = r"""
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from infra import distributed, models
+dist.init_process_group("gloo")
+model, _ = models.load_model(sys.argv[2])
+full = sum(p.numel() for p in model.parameters())
+if sys.argv[3] == "fsdp":
+    distributed.fully_shard_model(model)
+params = [p for p in model.parameters()]
+opt = torch.optim.AdamW(params, lr=1e-3)
+model(input_ids=torch.randint(5, 90, (2, 9)), labels=torch.randint(5, 90, (2, 9))).loss.backward()
+opt.step()
+local = lambda t: t.to_local() if distributed.is_sharded(t) else t
+held = {"params": sum(local(p).numel() for p in params),
+        "adam": sum(local(v).numel() for st in opt.state.values() for k, v in st.items() if k != "step"),
+        "full": full}
+print(json.dumps(held))
+"""
+
+
+def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path, tiny_model_dir):
+    """Issue 57: what each of 2 ranks holds, read off the DTensor local shards after one AdamW step: about half of
+    the parameters and of the two Adam moments (DDP: all of them on every rank)."""
+    import socket
+    (tmp_path / "probe.py").write_text(FSDP_BYTES)
+    held = {}
+    for shard in ("ddp", "fsdp"):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                               "127.0.0.1", "--master_port", str(port), str(tmp_path / "probe.py"), str(ROOT),
+                               tiny_model_dir, shard], capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        held[shard] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    full = held["ddp"][0]["full"]
+    assert all(r["params"] == full and r["adam"] == 2 * full for r in held["ddp"])
+    assert sum(r["params"] for r in held["fsdp"]) == full and sum(r["adam"] for r in held["fsdp"]) == 2 * full
+    assert all(0.45 * full <= r["params"] <= 0.55 * full for r in held["fsdp"])
