@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from infra import models
 
@@ -166,6 +166,45 @@ def input_grad_hooks_off(model):
             m.enable_input_require_grads()
 
 
+PACKED = "t2g_packed_sdpa"  # the attention static_decode's compiled step runs (packed_sdpa)
+
+
+def packed_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' sdpa attention, except for one query token with grouped key/value heads (GQA: Llama-3.1-8B has 8
+    key/value heads for 32 query heads): its query heads are packed onto their key/value head (transformers'
+    pack_gqa) also under torch.compile. transformers' sdpa packs only in eager mode; compiled, with a mask (a static
+    cache always has one) it copies the whole cache once per query head (repeat_kv) in every layer of every step:
+    4x the cache's bytes written and read again, at 8B x 64 rows x 768 slots some 25 GB a step."""
+    from transformers.integrations.sdpa_attention import pack_gqa, sdpa_attention_forward
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups == 1 or query.shape[2] != 1 or kwargs.get("position_bias") is not None or kwargs.get("dropout", 0.0):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    import torch
+    out = torch.nn.functional.scaled_dot_product_attention(pack_gqa(query, groups), key, value,
+                                                           attn_mask=pack_gqa(attention_mask, groups),
+                                                           scale=kwargs.get("scaling"))      # (B, H_kv, groups, D)
+    return out.reshape(out.shape[0], -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # (B, 1, H, D)
+
+
+@contextmanager
+def packed_attention(model):
+    """The model's layers attend through packed_sdpa inside the block (a model on sdpa; any other left as it is)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    before = config._attn_implementation
+    if before != "sdpa":
+        yield
+        return
+    AttentionInterface.register(PACKED, packed_sdpa)
+    AttentionMaskInterface.register(PACKED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    config._attn_implementation = PACKED
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
 def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[int], pad_id: int, compile: bool = True,
                   finished=None):
     """generate()'s decoding loop without generate(): a static KV cache, and the one-token step compiled.
@@ -191,7 +230,7 @@ def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[in
     stop = torch.tensor(stop_ids, device=ids.device)
     step = _compiled_decode_forward(ids.device.type) if compile else decode_forward
     done, new = torch.zeros(len(ids), dtype=torch.bool, device=ids.device), []
-    with torch.no_grad(), input_grad_hooks_off(model):
+    with torch.no_grad(), input_grad_hooks_off(model), packed_attention(model) if compile else nullcontext():
         logits = decode_forward(model, ids, slots, position, cache)      # prefill: eager (its shape changes)
         position = position[:, -1:]
         for t in range(max_new_tokens):

@@ -187,3 +187,29 @@ def test_a_smollm2_critic_labels_the_tiny_policys_own_tokens(smollm2_dir, tiny_t
                 if core and a <= start and start + len(core) <= a + len(q):
                     want[i] = label if want[i] != -1.0 else -1.0
     assert delta[0].tolist() == want and -1.0 in want and 1.0 in want
+
+
+def test_smollm2_with_tied_embeddings_trains_sharded_and_saves_whole(smollm2_dir, tmp_path):
+    """Issue 57: SmolLM2 ties lm_head to embed_tokens; under --shard fsdp on 2 gloo ranks the two stay one matrix
+    (both in the root's group), full fine-tuning trains it, and the saved policy loads in one process with that one
+    matrix, equal to the gathered weights of the checkpoint."""
+    import socket
+    common.write_jsonl(tmp_path / "questions.jsonl", [{"prompt": q} for q in QUESTIONS])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                           "127.0.0.1", "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model",
+                           smollm2_dir, "--task", "qa", "--prompts", tmp_path / "questions.jsonl", "--critic",
+                           "python:tasks.demo:critic", "--shard", "fsdp", "--lora-r", "0", "--steps", "1",
+                           "--batch-size", "2", "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "4",
+                           "--sft-steps", "0", "--scalar-baseline-dir", "", "--output-dir", tmp_path / "run"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["trainable"]
+    model, _ = models.load_model(str(tmp_path / "run" / "policy"))
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert torch.equal(model.get_input_embeddings().weight.detach(), saved["model.embed_tokens.weight"])
+    base, _ = models.load_model(smollm2_dir)
+    assert not torch.equal(base.get_input_embeddings().weight, saved["model.embed_tokens.weight"])  # it trained

@@ -4,7 +4,7 @@ sampled. The critic's greedy path and a whole PPO run against the recorded one a
 import pytest
 import torch
 
-from infra import decoding, models
+from infra import decoding, models, runs
 from tasks.demo import demo_dataset
 from conftest import import_script
 
@@ -167,3 +167,39 @@ def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypa
     assert len(embed_hooks) == 1
     after = grads()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_packed_attention_is_sdpa_with_the_cache_read_once(monkeypatch, tmp_path, tiny_model_dir):
+    """Issue 58 part 2: for one query token of a grouped-query model, packed_sdpa attends on the key/value heads as
+    they are (transformers' pack_gqa) and equals sdpa on the cache repeated per query head (repeat_kv, what
+    transformers' sdpa does under torch.compile), masked rows included; more query tokens are transformers' sdpa.
+    The compiled decode step of a grouped-query model goes through it (traced with one query token) and still gives
+    generate()'s tokens."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    class Attention:
+        num_key_value_groups = 4
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
+    mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
+    mask[0, ..., :4], mask[2, ..., -3:] = False, False
+    out, _ = decoding.packed_sdpa(Attention(), q, k, v, mask, scaling=0.25)
+    want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask,
+                                                            scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    config.num_key_value_heads = 2  # 4 query heads share 2 key/value heads
+    torch.manual_seed(0)
+    runs.save_pretrained(tmp_path / "gqa", AutoModelForCausalLM.from_config(config),
+                         AutoTokenizer.from_pretrained(tiny_model_dir))
+    model, tok = models.load_model(str(tmp_path / "gqa"))
+    ids, mask = models.left_pad([models.encode_prompt(tok, r["prompt"])[-20:] for r in demo_dataset("eval", 6)],
+                                tok.pad_token_id)
+    seen, real = [], decoding.packed_sdpa
+    monkeypatch.setattr(decoding, "packed_sdpa", lambda module, query, *a, **k: seen.append(query.shape[2])
+                        or real(module, query, *a, **k))
+    config = models.generation_config(model, 10)
+    want, _ = _generate(model, ids, mask, config, 0, "generate")
+    got, _ = _generate(model, ids, mask, config, 0, "compiled")
+    assert torch.equal(got, want) and 1 in seen
