@@ -48,6 +48,7 @@ TASK_FIELDS = {
 
 
 def parse_args(argv=None):
+    """The command line (argparse): the core flags here, each variant's an argument group of its own module."""
     columns = {t: dict(zip(("prompt_field", "reference_field", "max_new_tokens", "temperature"), f))
                for t, f in TASK_FIELDS.items()}
     columns["code"]["prompt_field"] = "(layout's)"
@@ -106,7 +107,8 @@ def parse_args(argv=None):
 
 
 def parse_named(specs: list[str], flag: str) -> dict[str, str]:
-    """NAME=PATH flags (--policy, --curves, --monitor-reward-model) as {NAME: PATH}; a bad or repeated NAME: one line."""
+    """NAME=PATH flags (--policy, --curves, --monitor-reward-model) as {NAME: PATH}; a bad or repeated NAME: one
+    line."""
     out = {}
     for spec in specs:
         name, sep, path = spec.partition("=")

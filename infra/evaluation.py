@@ -2,11 +2,11 @@
 
 The cache under OUTPUT_DIR/eval/ (cached): append-only JSONL keyed by id, one file per policy and step (generations,
 critiques, test runs, verdicts), each row stamped with a fingerprint of the settings and of the model files behind it
-(fingerprint), so a rerun computes only what is missing or stale and a killed run resumes. The metrics are per-sample
-sufficient statistics, summed and then divided, so that a corpus metric (BLEU, a pooled ratio) is the statistic of the
-summed rows and its 95% interval comes from resampling the samples (bootstrap, ratio_stat, bleu_stat): ROUGE and BLEU
-against the references (reference_stats), BERTScore from a local model (bertscore_f1), and the code task's pass@k from
-the benchmark's tests run in the sandbox (code_test_rows, pass_at_k_rows).
+(fingerprint), so a rerun computes only what is missing or stale and a killed run resumes. Each metric is kept as
+per-sample sufficient statistics: its value is the statistic of their sum (a pooled ratio, corpus BLEU) and its 95%
+interval the percentiles of that statistic over resamples of the samples (bootstrap, ratio_stat, bleu_stat). They
+are ROUGE and BLEU against the references (reference_stats), BERTScore from a local model (bertscore_f1), and the
+code task's pass@k from the benchmark's tests run in the sandbox (code_test_rows, pass_at_k_rows).
 """
 from __future__ import annotations
 

@@ -2,15 +2,16 @@
 
 Each pair A:B (--judge-pairs; default: each policy against each policy listed before it, judge_pair_list) is judged on
 every prompt (the first --judge-limit): the judge reads the prompt and both answers (JUDGE_PROMPT), reasons, and ends
-with "Winner: A", "B" or "tie" (parse_verdict). A seeded coin per prompt and pair decides which answer is shown
-first; the order is recorded with each verdict and undone before scoring, so the judge's position bias cancels out.
-Rates are over the valid verdicts, with 95% bootstrap intervals; a reply without a "Winner:" line is invalid and
-counts nowhere (its count is reported beside the rates).
+with "Winner: A", "B" or "tie" (parse_verdict), all within --judge-max-tokens. A seeded coin per prompt and pair
+decides which answer is shown first; the order is recorded with each verdict and undone before scoring, so the
+judge's position bias cancels out. Rates are over the valid verdicts, with 95% bootstrap intervals; a reply without a
+"Winner:" line is invalid and counts nowhere (its count is reported beside the rates).
 
-Requests go --judge-concurrency at a time, each retried as infra.serving.retry_delay says (--judge-retries; never
-after --judge-timeout: the server may still be generating it); one that still fails stops the judge in one line, the
-verdicts so far cached in OUTPUT_DIR/eval/judge.A_vs_B.jsonl. Before any generation, check_judge sends the endpoint
-one cheap request, so a wrong model name, a dead port or a missing key stops the run at once (infra.serving).
+Requests go --judge-concurrency at a time (a local server: what it runs at once), each retried as
+infra.serving.retry_delay says (--judge-retries; never after --judge-timeout: the server may still be generating it);
+one that still fails stops the judge in one line, the verdicts so far cached in OUTPUT_DIR/eval/judge.A_vs_B.jsonl.
+Before any generation, check_judge sends the endpoint one cheap request, so a wrong model name, a dead port or a
+missing key stops the run at once (infra.serving).
 """
 from __future__ import annotations
 
