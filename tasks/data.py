@@ -80,3 +80,21 @@ def read_prompts(path: str, task: str, critic: str) -> list[dict]:
                 raise common.DataError(f"{path}:{lineno}: prompt: not a demo post (--task demo reads the demo's facts "
                                        "off each post; --task summarization or qa for your own prompts)") from None
     return records
+
+
+def load_split(data: str, prompt_field: str, reference_field=None, split="test", limit=None):
+    """Stage 4's held-out split (04 --data): [{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet
+    file or a hub dataset (read_rows); errors name the file, line and field."""
+    raw = [rec for _, rec in read_rows(data, split, tuple(f for f in (prompt_field, reference_field) if f))]
+    raw = raw[:limit] if limit is not None else raw
+    if not raw:
+        raise common.DataError(f"{data}: no records to evaluate (empty split)")
+    records, seen = [], set()
+    for i, rec in enumerate(raw):
+        rid = str(rec.get("id", i))
+        if rid in seen:
+            raise common.DataError(f"{data}: duplicate id {rid!r}")
+        seen.add(rid)
+        records.append({"id": rid, "prompt": rec[prompt_field],
+                        **({"reference": rec[reference_field]} if reference_field else {})})
+    return records

@@ -13,7 +13,8 @@ import pytest
 from conftest import ROOT, as_reward_model, import_script, write_jsonl_gz
 
 import common
-from infra import decoding, models, reward_models
+from infra import decoding, evaluation, judge, models, report, reward_models
+from tasks.data import load_split
 from tasks.demo import demo_dataset
 
 ev = import_script("04_evaluate")
@@ -31,28 +32,29 @@ def test_rouge_and_bleu_agree_with_reference_libraries():
     from rouge_score import rouge_scorer
     import sacrebleu
 
-    rows = ev.reference_stats(HYPS, REFS)
+    rows = evaluation.reference_stats(HYPS, REFS)
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     for key in ("rouge1", "rouge2", "rougeL"):
         want = [scorer.score(r, h)[key].fmeasure for h, r in zip(HYPS, REFS)]
-        got = ev.bootstrap(rows[key], n_boot=200)
+        got = evaluation.bootstrap(rows[key], n_boot=200)
         assert [f for f, _ in rows[key]] == pytest.approx(want)
         assert got["value"] == pytest.approx(np.mean(want)) and got["n"] == len(HYPS)
-    bleu = ev.bootstrap(rows["bleu"], ev.bleu_stat, n_boot=200)
+    bleu = evaluation.bootstrap(rows["bleu"], evaluation.bleu_stat, n_boot=200)
     assert bleu["value"] == pytest.approx(sacrebleu.corpus_bleu(HYPS, [REFS]).score)
     assert bleu["ci95"][0] <= bleu["value"] <= bleu["ci95"][1]
     assert 0 < bleu["value"] < 100
 
 
 def test_bootstrap_interval():
-    const = ev.bootstrap([(2.0, 1)] * 50, n_boot=100)
+    const = evaluation.bootstrap([(2.0, 1)] * 50, n_boot=100)
     assert const == {"value": 2.0, "ci95": [2.0, 2.0], "n": 50}
-    ratio = ev.bootstrap([(1, 4), (3, 4), (0, 0)], n_boot=300, seed=1)
+    ratio = evaluation.bootstrap([(1, 4), (3, 4), (0, 0)], n_boot=300, seed=1)
     assert ratio["value"] == pytest.approx(0.5)  # a pooled ratio: 4 / 8, the empty sample adds nothing
-    assert ratio == ev.bootstrap([(1, 4), (3, 4), (0, 0)], n_boot=300, seed=1)  # seeded
-    coin = ev.bootstrap([(float(i % 2), 1) for i in range(400)], n_boot=500)
+    assert ratio == evaluation.bootstrap([(1, 4), (3, 4), (0, 0)], n_boot=300, seed=1)  # seeded
+    coin = evaluation.bootstrap([(float(i % 2), 1) for i in range(400)], n_boot=500)
     assert coin["ci95"][0] < 0.5 < coin["ci95"][1] and coin["ci95"][1] - coin["ci95"][0] < 0.15
-    assert ev.bootstrap([(0, 0)], n_boot=10)["value"] is None  # undefined, not 0 (e.g. precision with no predictions)
+    # undefined, not 0 (e.g. precision with no predictions)
+    assert evaluation.bootstrap([(0, 0)], n_boot=10)["value"] is None
 
 
 def test_bertscore_with_a_local_model(tmp_path):
@@ -69,23 +71,24 @@ def test_bertscore_with_a_local_model(tmp_path):
                       mask_token="[MASK]", model_max_length=128).save_pretrained(tmp_path)
     BertModel(BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64)).save_pretrained(tmp_path)
-    got = ev.bertscore_f1(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], str(tmp_path), None, "cpu")
+    got = evaluation.bertscore_f1(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], str(tmp_path), None, "cpu")
     _, _, want = bert_score.score(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], model_type=str(tmp_path), num_layers=2,
                                   use_fast_tokenizer=True)
     assert got == pytest.approx(want.tolist()) and got[3] == pytest.approx(1.0)
     with pytest.raises(common.DataError, match="local model directory"):
-        ev.bertscore_f1(HYPS, REFS, str(tmp_path / "nope"), None, "cpu")
+        evaluation.bertscore_f1(HYPS, REFS, str(tmp_path / "nope"), None, "cpu")
 
 
 def test_pass_at_k_per_problem_over_its_samples_without_broken_problems():
     records = [{"id": f"{p}#{j}", "problem": p} for p in ("a", "b", "c") for j in range(10)]
     runs = [{"passed": p == "a" or (p == "b" and j < 3), "status": "error" if p == "c" else "x"}
             for p in ("a", "b", "c") for j in range(10)]
-    rows, broken = ev.pass_at_k_rows(runs, records)
+    rows, broken = evaluation.pass_at_k_rows(runs, records)
     assert broken == ["c"] and set(rows) == {"pass@1", "pass@10"}
     assert rows["pass@1"] == [(1.0, 1), (pytest.approx(0.3), 1)] and rows["pass@10"] == [(1.0, 1), (1.0, 1)]
-    assert ev.bootstrap(rows["pass@1"], n_boot=50)["value"] == pytest.approx(0.65)  # the mean over problems
-    assert set(ev.pass_at_k_rows(runs[:2] + runs[10:12], records[:2] + records[10:12])[0]) == {"pass@1"}  # n = 2 < 10
+    assert evaluation.bootstrap(rows["pass@1"], n_boot=50)["value"] == pytest.approx(0.65)  # the mean over problems
+    few = evaluation.pass_at_k_rows(runs[:2] + runs[10:12], records[:2] + records[10:12])[0]
+    assert set(few) == {"pass@1"}  # n = 2 < 10
 
 
 def test_feedback_stats_on_policy_tokens(tiny_tokenizer):
@@ -130,7 +133,7 @@ def test_judge_randomises_order_records_it_and_undoes_it(fake_openai, tmp_path):
         return "A is accurate.\nWinner: A" if a.startswith("GOOD") else "B is better.\n**Winner:** B"
 
     with fake_openai(smart) as server:
-        res = ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-x", 7, 4, tmp_path, FPS)
+        res = judge.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-x", 7, 4, tmp_path, FPS)
     pair = res["t2g_vs_sft"]
     assert pair["win"]["value"] == 1.0 and pair["loss"]["value"] == 0.0 and pair["n"] == 24
     order = pair["order"]
@@ -141,13 +144,13 @@ def test_judge_randomises_order_records_it_and_undoes_it(fake_openai, tmp_path):
     assert {r["id"]: r["shown_first"] for r in cache} == order
 
     with fake_openai(lambda body, n: "Winner: A") as server:  # pure position bias: the undo must expose it
-        res = ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-y", 7, 4,
+        res = judge.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-y", 7, 4,
                              tmp_path / "y", FPS)
     pair, first = res["t2g_vs_sft"], sum(v == "t2g" for v in order.values())
     assert pair["order"] == order  # same seed, same coin per prompt
     assert pair["win"]["value"] == pytest.approx(first / 24) and pair["loss"]["value"] == pytest.approx(1 - first / 24)
     assert pair["a_shown_first"] == first and 0 < first < 24
-    res = ev.judge_pairs(records, outputs, [("t2g", "sft")], "http://127.0.0.1:9/v1", "judge-y", 7, 4,
+    res = judge.judge_pairs(records, outputs, [("t2g", "sft")], "http://127.0.0.1:9/v1", "judge-y", 7, 4,
                          tmp_path / "y", FPS)  # all cached: no request is made (port 9 would refuse)
     assert res["t2g_vs_sft"]["order"] == order
 
@@ -157,16 +160,16 @@ def test_judge_failure_is_one_clear_line_without_the_key(fake_openai, tmp_path, 
     records, outputs = [{"id": "p0", "prompt": "q"}], {"t2g": ["x"], "sft": ["y"]}
     denied = lambda body, n: (401, {"error": {"message": "invalid api key", "type": "auth"}}, {})  # noqa: E731
     with fake_openai(denied) as server, pytest.raises(common.DataError, match="judge request failed") as err:
-        ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
+        judge.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
     assert "sk-secret-123" not in str(err.value) and "\n" not in str(err.value)
     headers = {k.lower(): v for k, v in server.requests[0]["headers"].items()}
     assert headers["authorization"] == "Bearer sk-secret-123"  # the key was used, not shown
 
 
 def test_parse_verdict():
-    assert ev.parse_verdict("Winner: A") == "A" and ev.parse_verdict("blah\n**Winner**: tie") == "tie"
-    assert ev.parse_verdict("Winner: A ... on reflection, Winner: B") == "B" and ev.parse_verdict("B") == "B"
-    assert ev.parse_verdict("I cannot decide") == "invalid" and ev.parse_verdict("Answer: Bob") == "invalid"
+    assert judge.parse_verdict("Winner: A") == "A" and judge.parse_verdict("blah\n**Winner**: tie") == "tie"
+    assert judge.parse_verdict("Winner: A ... on reflection, Winner: B") == "B" and judge.parse_verdict("B") == "B"
+    assert judge.parse_verdict("I cannot decide") == "invalid" and judge.parse_verdict("Answer: Bob") == "invalid"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -218,7 +221,7 @@ def test_report_highlights_spans_at_their_character_positions():
     results = {"task": "demo", "data": "x.jsonl", "n_prompts": 1, "created": "now", "reward_model": "rm",
                "generation": {"temperature": 0.0, "max_new_tokens": 32},
                "policies": {"sft": {"n": 1, "metrics": {"rouge1": {"value": 0.5, "ci95": [0.4, 0.6], "n": 1}}}}}
-    page = ev.render_report(results, shown, records, "AAAA", ["r&1"], "demo")
+    page = report.render_report(results, shown, records, "AAAA", ["r&1"], "demo")
     parser = ReportParser()
     parser.feed(page)
     got = parser.responses[("sft", "r&1")]
@@ -246,12 +249,12 @@ def test_curves_plot_what_is_present(tmp_path):
     a.write_text("".join(json.dumps({"step": i, "objective/kl": i / 10, "objective/entropy": 1.0}) + "\n"
                          for i in range(30)) + '{"step": 30, "objective/k')  # a run still writing: torn last line
     b.write_text("".join(json.dumps({"step": i, "loss": 1 / (i + 1)}) + "\n" for i in range(5)))
-    runs = ev.read_curves({"a": str(a), "missing": str(tmp_path / "nope.jsonl")})
+    runs = report.read_curves({"a": str(a), "missing": str(tmp_path / "nope.jsonl")})
     assert list(runs) == ["a"] and len(runs["a"]) == 30
-    png = ev.plot_curves(runs)
+    png = report.plot_curves(runs)
     assert __import__("base64").b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
-    assert ev.plot_curves(ev.read_curves({"b": str(b)})) is not None  # no known key: plots what is there
-    assert ev.plot_curves({}) is None
+    assert report.plot_curves(report.read_curves({"b": str(b)})) is not None  # no known key: plots what is there
+    assert report.plot_curves({}) is None
 
 
 class StripParser(HTMLParser):
@@ -311,9 +314,9 @@ def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
         (tmp_path / name / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
     (tmp_path / "none").mkdir()
     specs = {n: str(tmp_path / n / "metrics.jsonl") for n in ("t2g", "base", "none")}
-    traces = ev.read_traces(specs)
+    traces = report.read_traces(specs)
     assert list(traces) == ["t2g", "base"] and [r["step"] for r in traces["t2g"]] == [1, 2, 3]  # torn line skipped
-    section = ev.render_update_section(traces)
+    section = report.render_update_section(traces)
     parser = StripParser()
     parser.feed(section)
     (strip,) = parser.strips
@@ -334,13 +337,13 @@ def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
     other = [_trace_row(1, "scalar", [" ann", " dog", " <b>", ""], delta, old, new_span, new_scalar, adv_span,
                         adv_scalar, 1.0)]
     parser = StripParser()
-    parser.feed(ev.render_update_section({"t2g": traces["t2g"], "base": other}))
+    parser.feed(report.render_update_section({"t2g": traces["t2g"], "base": other}))
     assert set(parser.strips[0]["rows"]) == {"πold(yt)", "δt", "At span", "At scalar", "Δt span"}
-    assert ev.render_update_section({}) == ""
+    assert report.render_update_section({}) == ""
     results = {"task": "demo", "data": "x", "n_prompts": 0, "created": "now", "reward_model": None,
                "generation": {"temperature": 1.0, "max_new_tokens": 4}, "policies": {}}
-    assert "Where the update went" in ev.render_report(results, {}, [], None, [], "demo", traces)
-    assert "Where the update went" not in ev.render_report(results, {}, [], None, [], "demo")
+    assert "Where the update went" in report.render_report(results, {}, [], None, [], "demo", traces)
+    assert "Where the update went" not in report.render_report(results, {}, [], None, [], "demo")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -352,13 +355,13 @@ def test_missing_reference_and_empty_split_are_clear_errors(tmp_path):
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "a", "prompt": "p", "reference": "r"}, {"id": "b", "prompt": "x"}])
     with pytest.raises(common.DataError, match=r"eval\.jsonl:2: missing field 'reference'"):
-        ev.load_split(str(data), "prompt", "reference")
+        load_split(str(data), "prompt", "reference")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     with pytest.raises(common.DataError, match=r"empty\.jsonl: no records to evaluate \(empty split\)"):
-        ev.load_split(str(empty), "prompt", "reference")
+        load_split(str(empty), "prompt", "reference")
     with pytest.raises(common.DataError, match="no records"):
-        ev.load_split(str(data), "prompt", None, limit=0)
+        load_split(str(data), "prompt", None, limit=0)
     with pytest.raises(common.DataError, match="NAME=PATH"):
         ev.parse_named(["justapath"], "--policy")
 
@@ -380,13 +383,13 @@ def test_cache_resumes_after_a_kill_and_drops_stale_rows(tmp_path):
         calls.extend(it["id"] for it in chunk)
         return [{"id": it["id"], "v": 2 * int(it["id"])} for it in chunk]
 
-    ev.cached(path, "fp1", items[:3], compute, 2, "t")
+    evaluation.cached(path, "fp1", items[:3], compute, 2, "t")
     with open(path, "a") as f:
         f.write('{"id": "3", "v"')  # killed mid-write
-    rows = ev.cached(path, "fp1", items, compute, 2, "t")
+    rows = evaluation.cached(path, "fp1", items, compute, 2, "t")
     assert calls == ["0", "1", "2", "3", "4"] and [r["v"] for r in rows] == [0, 2, 4, 6, 8]
     assert len(common.read_jsonl(path)) == 5  # the torn line is gone, nothing duplicated
-    ev.cached(path, "fp2", items, compute, 2, "t")  # another policy or setting: everything is recomputed
+    evaluation.cached(path, "fp2", items, compute, 2, "t")  # another policy or setting: everything is recomputed
     assert calls[5:] == ["0", "1", "2", "3", "4"] and len(common.read_jsonl(path)) == 5
 
 
@@ -606,7 +609,7 @@ def test_a_judge_reply_without_choices_is_an_invalid_verdict(tmp_path, fake_open
     records = [{"id": str(i), "prompt": f"p{i}"} for i in range(3)]
     with fake_openai(lambda body, n: (200, {"id": "x", "object": "chat.completion", "created": 0, "model": "j",
                                             "choices": []}, {})) as server:
-        out = ev.judge_pairs(records, {"a": ["x"] * 3, "b": ["y"] * 3}, [("b", "a")], server.base_url, "j", 0, 2,
+        out = judge.judge_pairs(records, {"a": ["x"] * 3, "b": ["y"] * 3}, [("b", "a")], server.base_url, "j", 0, 2,
                              tmp_path, {"a": "fa", "b": "fb"})
     assert out["b_vs_a"]["invalid"] == 3 and out["b_vs_a"]["n"] == 0
     assert all(r["verdict"] == "invalid" for r in common.read_jsonl(tmp_path / "judge.b_vs_a.jsonl"))
@@ -621,7 +624,7 @@ def _judge_results(tmp_path, fake_openai):
     records = [{"id": f"p{i}", "prompt": f"prompt {i}"} for i in range(4)]
     outputs = {"t2g": [f"answer {i}" for i in range(4)], "sft": [f"other {i}" for i in range(4)]}
     with fake_openai(lambda body, n: "Winner: A" if "prompt 0" in str(body) else "I cannot tell.") as server:
-        pairs = ev.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
+        pairs = judge.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
     return {"task": "qa", "data": "x.jsonl", "n_prompts": 4, "created": "now", "reward_model": None,
             "generation": {"temperature": 0.0, "max_new_tokens": 8},
             "policies": {n: {"n": 4, "metrics": {}} for n in outputs},
@@ -633,11 +636,11 @@ def test_invalid_verdicts_are_printed_and_reported_with_the_win_rates_intervals(
     invalid count, the report the intervals of the win rates too."""
     results = _judge_results(tmp_path, fake_openai)
     assert results["judge"]["pairs"]["t2g_vs_sft"]["invalid"] == 3
-    ev.print_table(results)
+    report.print_table(results)
     out, err = capsys.readouterr()
     assert "(n=1 valid; 3 of 4 verdicts invalid)" in out
     assert "warning: judge t2g_vs_sft: 3 of 4 verdicts invalid (no 'Winner: A', 'B' or 'tie' line; " in err
-    page = ev.render_report(results, {}, [], None, [], "qa")
+    page = report.render_report(results, {}, [], None, [], "qa")
     judge = page.split("LLM judge", 1)[1].split("</table>", 1)[0]
     assert "<th>invalid</th>" in judge and "<td>3</td>" in judge and judge.count("<span class='ci'>[") == 3
 
@@ -652,14 +655,14 @@ def test_best_is_bold_only_where_its_interval_stands_apart():
                                                     "demo/facts_right": m(0.82, 0.78, 0.86)}},
                    "text2grad": {"n": 200, "metrics": {"demo/mistake_rate": m(0.20, 0.15, 0.26),
                                                        "demo/facts_right": m(0.84, 0.80, 0.88)}}}}
-    page = ev.render_report(results, {}, [], None, [], "demo")
+    page = report.render_report(results, {}, [], None, [], "demo")
     rows = {label: re.findall(r"<td class='([^']*)'>", row) for label, row in re.findall(
         r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)}
     # mistakes: text2grad 0.20 [0.15, 0.26] overlaps scalar 0.30 [0.24, 0.36]: a tie, no bold
     assert rows["demo/mistake_rate"] == ["", "tie", "tie"]
     assert rows["demo/facts_right"] == ["tie", "tie", "tie"]
     results["policies"]["scalar"]["metrics"]["demo/mistake_rate"] = m(0.35, 0.28, 0.42)  # apart from the best
-    page = ev.render_report(results, {}, [], None, [], "demo")
+    page = report.render_report(results, {}, [], None, [], "demo")
     assert "<td class='best'>0.200" in page and "class='tie'>0.200" not in page
 
 
@@ -673,7 +676,7 @@ def test_the_exact_critic_shows_beside_the_reward_models_spans():
     records = [{"id": "r1", "prompt": prompt, "reference": "tom has a red dog called daisy."}]
     raw = json.dumps({"critique": "All right.", "good_spans": [" otto"], "poor_spans": []})
     _, shown = ev.score_policy(records, [{"response": response, "offsets": offsets}], [{"critique_raw": raw}], "demo")
-    page = ev.render_report({"task": "demo", "data": "x", "n_prompts": 1, "created": "now", "reward_model": "rm",
+    page = report.render_report({"task": "demo", "data": "x", "n_prompts": 1, "created": "now", "reward_model": "rm",
                              "generation": {"temperature": 1.0, "max_new_tokens": 32},
                              "policies": {"sft": {"n": 1, "metrics": {}}}}, {"sft": shown}, records, None, ["r1"],
                             "demo")

@@ -1,0 +1,51 @@
+"""--monitor, --monitor-reward-model: judges of 04's policies beside --reward-model, which train nothing.
+
+--monitor-reward-model NAME=DIR (demo): another reward model whose critiques of every answer the demo's monitor also
+scores against the exact critic (tasks.demo.demo_rm_agreement), as it scores --reward-model's: its rows are
+rm_vs_critic[NAME]/..., e.g. toy=runs/demo/reward_model beside a real reward model, to see which one is gamed.
+
+--monitor python:MODULE_OR_FILE:FUNCTION: your own critic (tasks/plugin.py, as 03 --critic takes it) judges each
+policy's answers: the share it flags (a token of delta < 0, as 03's critic/mistake_rate), its delta-sum per answer
+(as 03 trains on it) and the share it cannot judge, under monitor[FILE:FUNCTION]/ (monitor_rows). It is trusted code,
+run in this process, and checked on one record before any generation (load_monitors), so a module that does not
+import, a missing function or a wrong return stops the run in one line.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from tasks import plugin
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("monitors that train nothing (infra/monitors.py)")
+    g.add_argument("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
+                   help="demo: another reward model the exact critic's monitor also scores (repeatable)")
+    g.add_argument("--monitor", action="append", default=[], type=plugin.choice(),
+                   metavar="python:MODULE_OR_FILE:FUNCTION", help="your own critic's judgement of the answers "
+                   "(repeatable; tasks/plugin.py)")
+
+
+def load_monitors(specs: list[str], task: str, records: list[dict]) -> list[tuple]:
+    """--monitor's plug-ins as (function, label), each called on the first record (tasks/plugin.py: preflight)."""
+    watchers = [plugin.load_critic(spec, task, "--monitor") for spec in specs]
+    for fn, label in watchers if records else ():
+        plugin.preflight(fn, label, records[0], plugin.probe_response(records[0]), "--monitor")
+    return watchers
+
+
+def monitor_rows(records, gens, monitors) -> dict[str, list]:
+    """--monitor python:...: each plug-in critic's own judgement of one policy's answers, per sample (numerator,
+    denominator) under monitor[FILE:FUNCTION]/: an answer it flags (a token of delta < 0, as 03's
+    critic/mistake_rate), its delta-sum (tasks/plugin.py: delta, as 03 trains on it), one it cannot judge."""
+    rows = defaultdict(list)
+    for fn, label in monitors:
+        key = f"monitor[{Path(label).name}]"  # no "/" in a metric's group
+        for gen, fb in zip(gens, plugin.call(fn, label, records, [g["response"] for g in gens])):
+            judged = not fb.get("critic_error")
+            d = plugin.delta(gen["response"], gen["offsets"], fb)
+            rows[f"{key}/flagged_rate"].append((float(min(d, default=0.0) < 0), 1) if judged else (0.0, 0))
+            rows[f"{key}/delta_sum"].append((sum(d), 1) if judged else (0.0, 0))
+            rows[f"{key}/error_rate"].append((float(not judged), 1))
+    return rows
