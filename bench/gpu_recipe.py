@@ -18,9 +18,13 @@ OUT/<phase>.json as soon as it ends:
              --grad-accum 2, 4 PPO epochs) for --steps iterations, the reward model a second copy of the base with its
              adapter, critiques capped at --critic-max-new-tokens: per phase (rollout, critic, scoring, update) the
              seconds, tokens per second and peak memory (each phase's own, measured by wrapping 03's step functions).
-             With --compile-generation: stage3_compiled.json.
+             With --compile-generation: stage3_compiled.json; with --shard fsdp: stage3_fsdp.json, run under
+             torchrun with one process (FSDP2's overhead on one GPU, before sharding pays back).
   decode     one decode step of the policy as 03 builds it, batch 64: eager generate() (LoRA on, and off) and
              static_decode compiled, against the HBM bound: the bytes of its weights (and of its KV cache) / bandwidth.
+             The compiled step twice: with transformers' sdpa (static_unpacked: under compile it copies the KV cache
+             once per query head) and with packed_sdpa (static: 03's); for each the step alone (forward_only), whether
+             it replayed as a CUDA graph, and its 12 costliest GPU kernels (torch.profiler).
   tokens     one rollout batch of the policy as 03 builds it (bf16 on CUDA, 64 x 256 sampled tokens at T = 1), from
              the same seed and in the same dtype, by eager generate() and by static_decode compiled (03's
              --compile-generation): the share of identical tokens, the rows identical throughout, and where each row
@@ -30,6 +34,7 @@ Random weights rarely sample EOS, so every response runs to 256 tokens and every
 and no critique parses (delta = 0): the numbers are the recipe's cost, not its learning.
 """
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -71,6 +76,8 @@ def parse_args(argv=None):
                    help="also time static_decode compiled (the first call compiles: a minute for 8B)")
     p.add_argument("--compile-generation", action="store_true", help="stage3 with 03's --compile-generation "
                    "(rollouts and critiques by static_decode), written to stage3_compiled.json")
+    p.add_argument("--shard", default="ddp", choices=["ddp", "fsdp"], help="stage3 with 03's --shard (fsdp: under "
+                   "torchrun, one process), written to stage3_fsdp.json")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
     return p.parse_args(argv)
 
@@ -245,7 +252,7 @@ def phase_stage3(args, out: Path) -> dict:
             str(sh["accum"]), "--max-new-tokens", str(sh["new"]), "--min-new-tokens", str(sh["new"]),
             "--max-prompt-tokens", str(sh["prompt"]), "--critic-max-new-tokens", str(critic_tokens),
             "--steps", str(args.steps), "--chat-template", "off", "--output-dir", str(run_dir), "--overwrite",
-            *(["--compile-generation"] if args.compile_generation else [])]
+            *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard]
     phases, kept = {}, {}
 
     def timed(name, fn):
@@ -290,7 +297,7 @@ def phase_stage3(args, out: Path) -> dict:
 
 
 def phase_name(args) -> str:
-    return "stage3_compiled" if args.compile_generation else "stage3"
+    return "stage3" + ("_compiled" if args.compile_generation else "") + ("_fsdp" if args.shard == "fsdp" else "")
 
 
 def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
@@ -381,7 +388,7 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
         sync(args.device)
         t = time.perf_counter()
         with torch.no_grad(), distributed.autocast(a.device, a.dtype):
-            if how == "static":
+            if how.startswith("static"):
                 decoding.generate_static(model, ids, mask, config, compile=args.compile)
             elif how == "eager-no-lora":
                 with model.disable_adapter():
@@ -400,23 +407,42 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
               "kv_bytes_mean": kv, "bound_ms_weights": 1e3 * weights / bw,
               "bound_ms_weights_kv": 1e3 * (weights + kv) / bw}
     reasons = cudagraph_skip_reasons()
-    for how in ("eager", "eager-no-lora", "static"):
+    real_packed = decoding.packed_attention
+    for how in ("eager", "eager-no-lora", "static_unpacked", "static"):
+        # static_unpacked: the compiled step with transformers' own sdpa (packed_attention off), as before issue 58
+        decoding.packed_attention = real_packed if how != "static_unpacked" else lambda m: contextlib.nullcontext()
+        attention = decoding.packed_attention if how == "static" else lambda m: contextlib.nullcontext()
         first = run(1 + n, how)  # static: compiles here
         long = run(1 + n, how)
-        if how == "static" and args.compile:
-            result["static_forward_only_ms"] = forward_only(model, a, ids, n, args)
         step = (long - run(1, how)) / n
         result[how] = {"step_ms": 1e3 * step, "first_call_s": first,
                        "over_bound": 1e3 * step / result["bound_ms_weights"],
                        "over_bound_with_kv": 1e3 * step / result["bound_ms_weights_kv"]}
+        if how.startswith("static") and args.compile:
+            with attention(model):
+                result[how]["forward_only_ms"] = forward_only(model, a, ids, n, args)
+            result[how]["top_kernels"] = top_kernels(lambda: run(1 + n, how), args.device)  # the shapes timed
+            from torch._dynamo.utils import counters  # did the compiled step replay as a CUDA graph (torch says why not)
+            result[how]["cudagraph_skips_so_far"] = int(counters["inductor"]["cudagraph_skips"])
+            result[how]["graphs_compiled_so_far"] = int(counters["stats"]["unique_graphs"])
         write(out, "decode", result, args.device)  # as far as it got
-    if args.compile:  # did the compiled step replay as a CUDA graph (torch logs why not, as a warning)
-        from torch._dynamo.utils import counters
-        result["cudagraph_skips"] = int(counters["inductor"]["cudagraph_skips"])
-        result["graphs_compiled"] = int(counters["stats"]["unique_graphs"])  # 1: forward_only reused static's
-        result["cudagraph_skip_reasons"] = reasons[:5]
-        write(out, "decode", result, args.device)
+    decoding.packed_attention = real_packed
+    result["static_forward_only_ms"] = result.get("static", {}).get("forward_only_ms")
+    result["cudagraph_skip_reasons"] = reasons[:5]
+    write(out, "decode", result, args.device)
     return result
+
+
+def top_kernels(fn, device: str, k: int = 12) -> list[dict]:
+    """The k kernels (and CPU ops, on a CPU) that took the most time while fn() ran, by torch.profiler: name, calls
+    and milliseconds in all."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        fn()
+    time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted(prof.key_averages(), key=time_of, reverse=True)[:k]
+    return [{"name": e.key[:120], "calls": e.count, "ms": round(time_of(e) / 1e3, 3)} for e in events]
 
 
 def cudagraph_skip_reasons() -> list[str]:
@@ -482,16 +508,18 @@ def main(argv=None):
     write_base(out, args.tiny)
     flags = ["--out", str(out), "--device", args.device, "--steps", str(args.steps), "--rm-steps", str(args.rm_steps),
              *(["--tiny"] if args.tiny else []), *(["--no-compile"] if not args.compile else []),
-             *(["--compile-generation"] if args.compile_generation else []),
+             *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard,
              *(["--critic-max-new-tokens", str(args.critic_max_new_tokens)] if args.critic_max_new_tokens else [])]
     failed = []
     for phase in args.phases.split(","):
         t = time.perf_counter()
-        code = subprocess.run([sys.executable, __file__, *flags, "--phase", phase], cwd=ROOT).returncode
+        launch = ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29511"] \
+            if phase == "stage3" and args.shard == "fsdp" else []  # 03 --shard fsdp runs under torchrun
+        code = subprocess.run([sys.executable, *launch, __file__, *flags, "--phase", phase], cwd=ROOT).returncode
         print(f"== {phase}: exit {code} in {time.perf_counter() - t:.0f} s", flush=True)
         if code:
             failed.append(phase)
-    for name in ("bandwidth", "stage2", "stage3", "stage3_compiled", "decode", "tokens"):
+    for name in ("bandwidth", "stage2", "stage3", "stage3_compiled", "stage3_fsdp", "decode", "tokens"):
         if (out / f"{name}.json").is_file():
             print(name, (out / f"{name}.json").read_text(), flush=True)
     if failed:

@@ -145,7 +145,8 @@ def fully_shard_model(model, dtype: str = "float32"):
     for m in model.modules():
         if isinstance(m, FSDPModule):  # a sum, as all_sum's: 03's loss is already each rank's share of the mean
             m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # (gloo has no pre-multiplied sum)
+            if hasattr(m, "set_force_sum_reduction_for_comms"):  # (gloo has no pre-multiplied sum; torch >= 2.9)
+                m.set_force_sum_reduction_for_comms(True)
     return model
 
 
