@@ -17,7 +17,8 @@ FLAGS=${TINY:+--tiny --device cpu}
   python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__)"
 } > "$OUT/env_$1.txt"
 case "$1" in
-  decode) timeout 400 python3 bench/gpu_recipe.py $FLAGS --out $G --phases bandwidth,decode,tokens > "$OUT/decode.log" 2>&1 ;;
+  decode) timeout ${LIMIT:-400} python3 bench/gpu_recipe.py $FLAGS --out $G --phases ${PHASES:-bandwidth,decode,tokens} \
+            ${VARIANTS:+--variants $VARIANTS} > "$OUT/decode.log" 2>&1 ;;
   fsdp) timeout 190 python3 bench/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 > "$OUT/stage3.log" 2>&1
         timeout 190 python3 bench/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 --shard fsdp \
           > "$OUT/stage3_fsdp.log" 2>&1 ;;

@@ -23,8 +23,9 @@ OUT/<phase>.json as soon as it ends:
   decode     one decode step of the policy as 03 builds it, batch 64: eager generate() (LoRA on, and off) and
              static_decode compiled, against the HBM bound: the bytes of its weights (and of its KV cache) / bandwidth.
              The compiled step twice: with transformers' sdpa (static_unpacked: under compile it copies the KV cache
-             once per query head) and with packed_sdpa (static: 03's); for each the step alone (forward_only), whether
-             it replayed as a CUDA graph, and its 12 costliest GPU kernels (torch.profiler).
+             once per query head) and with packed_sdpa (static: 03's); for each the GPU's busy time per step (the
+             step's kernels, against the wall clock's step), whether it replayed as a CUDA graph, and its 12 costliest
+             GPU kernels (torch.profiler).
   tokens     one rollout batch of the policy as 03 builds it (bf16 on CUDA, 64 x 256 sampled tokens at T = 1), from
              the same seed and in the same dtype, by eager generate() and by static_decode compiled (03's
              --compile-generation): the share of identical tokens, the rows identical throughout, and where each row
@@ -76,6 +77,8 @@ def parse_args(argv=None):
                    help="also time static_decode compiled (the first call compiles: a minute for 8B)")
     p.add_argument("--compile-generation", action="store_true", help="stage3 with 03's --compile-generation "
                    "(rollouts and critiques by static_decode), written to stage3_compiled.json")
+    p.add_argument("--variants", default="eager,eager-no-lora,static_unpacked,static",
+                   help="the decode phase's decoders, comma-separated")
     p.add_argument("--shard", default="ddp", choices=["ddp", "fsdp"], help="stage3 with 03's --shard (fsdp: under "
                    "torchrun, one process), written to stage3_fsdp.json")
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
@@ -408,41 +411,42 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
               "bound_ms_weights_kv": 1e3 * (weights + kv) / bw}
     reasons = cudagraph_skip_reasons()
     real_packed = decoding.packed_attention
-    for how in ("eager", "eager-no-lora", "static_unpacked", "static"):
+    for how in args.variants.split(","):
         # static_unpacked: the compiled step with transformers' own sdpa (packed_attention off), as before issue 58
         decoding.packed_attention = real_packed if how != "static_unpacked" else lambda m: contextlib.nullcontext()
-        attention = decoding.packed_attention if how == "static" else lambda m: contextlib.nullcontext()
         first = run(1 + n, how)  # static: compiles here
         long = run(1 + n, how)
         step = (long - run(1, how)) / n
         result[how] = {"step_ms": 1e3 * step, "first_call_s": first,
                        "over_bound": 1e3 * step / result["bound_ms_weights"],
                        "over_bound_with_kv": 1e3 * step / result["bound_ms_weights_kv"]}
+        write(out, "decode", result, args.device)  # at once: what follows is diagnosis, and may fail
         if how.startswith("static") and args.compile:
-            with attention(model):
-                result[how]["forward_only_ms"] = forward_only(model, a, ids, n, args)
-            result[how]["top_kernels"] = top_kernels(lambda: run(1 + n, how), args.device)  # the shapes timed
+            kernels, busy_ms = top_kernels(lambda: run(1 + n, how), args.device)  # the shapes timed: no recompile
+            result[how].update(top_kernels=kernels, busy_ms_per_step=busy_ms / (1 + n))
             from torch._dynamo.utils import counters  # did the compiled step replay as a CUDA graph (torch says why not)
             result[how]["cudagraph_skips_so_far"] = int(counters["inductor"]["cudagraph_skips"])
             result[how]["graphs_compiled_so_far"] = int(counters["stats"]["unique_graphs"])
-        write(out, "decode", result, args.device)  # as far as it got
+            write(out, "decode", result, args.device)
     decoding.packed_attention = real_packed
-    result["static_forward_only_ms"] = result.get("static", {}).get("forward_only_ms")
+    result["static_busy_ms_per_step"] = result.get("static", {}).get("busy_ms_per_step")
     result["cudagraph_skip_reasons"] = reasons[:5]
     write(out, "decode", result, args.device)
     return result
 
 
-def top_kernels(fn, device: str, k: int = 12) -> list[dict]:
-    """The k kernels (and CPU ops, on a CPU) that took the most time while fn() ran, by torch.profiler: name, calls
-    and milliseconds in all."""
+def top_kernels(fn, device: str, k: int = 12) -> tuple[list[dict], float]:
+    """The k kernels (and CPU ops, on a CPU) that took the most time while fn() ran, by torch.profiler (name, calls
+    and milliseconds in all), and the milliseconds of them all: on a GPU the time it was busy, which set against the
+    wall clock says how much of a step is the step itself and how much the host's loop around it."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         fn()
     time_of = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
     events = sorted(prof.key_averages(), key=time_of, reverse=True)[:k]
-    return [{"name": e.key[:120], "calls": e.count, "ms": round(time_of(e) / 1e3, 3)} for e in events]
+    busy = sum(time_of(e) for e in prof.key_averages()) / 1e3
+    return [{"name": e.key[:120], "calls": e.count, "ms": round(time_of(e) / 1e3, 3)} for e in events], busy
 
 
 def cudagraph_skip_reasons() -> list[str]:
@@ -459,28 +463,6 @@ def cudagraph_skip_reasons() -> list[str]:
     torch._logging.set_logs(cudagraphs=True)
     logging.getLogger("torch._inductor").addHandler(Keep(level=logging.WARNING))
     return reasons
-
-
-def forward_only(model, a, ids, n: int, args) -> float:
-    """Milliseconds per call of the compiled decode step alone (no sampling, no loop bookkeeping), on the static
-    cache that the last static_decode call left (the same shapes: no recompile), half of its new slots filled."""
-    import torch
-
-    from infra import distributed
-    width = decoding.prompt_bucket(ids.shape[1])
-    cache = decoding.static_cache(model, len(ids), width + n + 1, ids.device)
-    slots = torch.ones(len(ids), width + n + 1, dtype=torch.long, device=ids.device)
-    slots[:, width + n // 2:] = 0
-    position = torch.full((len(ids), 1), ids.shape[1] + n // 2, device=ids.device)
-    step = decoding._compiled_decode_forward(ids.device.type)
-    with torch.no_grad(), distributed.autocast(a.device, a.dtype), decoding.input_grad_hooks_off(model):
-        for k in range(n + 3):
-            if k == 3:  # after three warm-up calls
-                sync(args.device)
-                t = time.perf_counter()
-            step(model, ids[:, :1].contiguous(), slots, position, cache)  # (B, 1) as static_decode's
-        sync(args.device)
-    return 1e3 * (time.perf_counter() - t) / n
 
 
 # ---- running the phases ----
@@ -509,6 +491,7 @@ def main(argv=None):
     flags = ["--out", str(out), "--device", args.device, "--steps", str(args.steps), "--rm-steps", str(args.rm_steps),
              *(["--tiny"] if args.tiny else []), *(["--no-compile"] if not args.compile else []),
              *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard,
+             "--variants", args.variants,
              *(["--critic-max-new-tokens", str(args.critic_max_new_tokens)] if args.critic_max_new_tokens else [])]
     failed = []
     for phase in args.phases.split(","):
