@@ -24,6 +24,11 @@ same command, and every id ends up there exactly once.
         --model Qwen/Qwen2.5-72B-Instruct --output runs/uf/annotations.jsonl
 
 Rerunning a command skips the ids already in --output; --retry-failed redoes the records that failed.
+
+It reads top to bottom: the arguments; the critic's prompts (App. B) and its reply; the quotes located in the response
+(App. L); the two ways a critic runs (a program or plug-in; a served model); main(). The dataset layouts are
+tasks/data.py's, --generate-with infra/generation.py's, the served critic's requests infra/annotator.py's and the
+summary infra/annotation_report.py's.
 """
 from __future__ import annotations
 
@@ -31,237 +36,51 @@ import argparse
 import asyncio
 import json
 import os
-import random
-import shutil
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import common
-from infra import models, serving
-from tasks.data import DATA_FILE_SUFFIXES, read_rows
-from tasks import plugin
+from infra import annotation_report, annotator, cli, generation, models, serving
+from tasks import data, plugin
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-FIELDS = {  # --task -> what --prompt-field, --response-field and --id-field default to (to_records applies them)
-    "demo": ("prompt", "response", "id"),
-    "summarization": ("subreddit, title, post: TL;DR", "generated_summary_for_feedback", "id"),
-    "code": ("the layout's", "the layout's solution", "question_id, task_id"),
-    "qa": ("instruction", "completions (a record each)", "id")}
-
-
-GPT4O_PRICES = (2.50, 10.0)  # USD per 1M prompt and completion tokens: OpenAI's list price of gpt-4o (the paper's)
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Each flag's default after its help, and the presets' table as it is written."""
-
-    def _get_help_string(self, action):  # a help that states its default, or a None default, gets no second one
-        if "default:" in (action.help or "") or action.default is None:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def parse_args(argv=None):
-    rows = [["", *FIELDS]] + [[flag, *(f[i] for f in FIELDS.values())]
-                              for i, flag in enumerate(("--prompt-field", "--response-field", "--id-field"))]
-    widths = [max(len(r[c]) for r in rows) + 2 for c in range(len(rows[0]))]
-    table = "\n".join("  " + "".join(f"{cell:{w}s}" for cell, w in zip(r, widths)).rstrip() for r in rows)
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter,
-                                epilog=f"presets (--task picks a column; a flag given explicitly wins):\n{table}")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = cli.parser(__doc__, data.FIELDS)
     a = p.add_argument
     a("--task", choices=["demo", "summarization", "code", "qa"], default="demo",
-      help="field preset and critic prompt: demo (embedded task), summarization (SLF5K), code (KodCode), "
-           "qa (UltraFeedback)")
-    a("--dataset", default=None, help="hub dataset id, local .jsonl/.json/.parquet file, or a folder holding "
-                                      "<split>.jsonl; default: the embedded demo (--task demo only)")
+      help="field preset and critic prompt: demo, summarization (SLF5K), code (KodCode), qa (UltraFeedback)")
+    a("--dataset", default=None, help="hub id, local .jsonl/.json/.parquet or a folder of <split>.jsonl (default: the "
+                                      "demo's)")
     a("--split", default="train", help="dataset split (SLF5K: train, development, validation, test)")
-    a("--limit", type=int, default=None, help="annotate only the first N records (UltraFeedback: one record per "
-                                              "completion)")
+    a("--limit", type=int, default=None, help="annotate only the first N records (UltraFeedback: one per completion)")
     a("--prompt-field", default=None, help="take the prompt from this field instead of the task's preset")
     a("--response-field", default=None, help="take the response from this field instead of the task's preset")
     a("--id-field", default=None, help="take the record id from this field (default: the preset's, else the index)")
-    a("--generate-with", default=None, metavar="MODEL",
-      help="generate the responses with this policy (hub id or local dir, batched, left-padded; Alg. 1 line 6) "
-           "instead of taking them from the dataset")
-    a("--max-new-tokens", type=int, default=256, help="--generate-with: response length limit")
-    a("--temperature", type=float, default=0.0, help="--generate-with: sampling temperature (0 = greedy)")
-    a("--gen-batch-size", type=int, default=16, help="--generate-with: prompts per generate() call")
-    a("--chat-template", action=argparse.BooleanOptionalAction, default=True,
-      help="--generate-with: wrap each prompt in the tokenizer's chat template when it has one")
-    a("--device", default=None, help="--generate-with: cpu or cuda (default: cuda when available)")
-    a("--dtype", default="float32", help="--generate-with: float32, bf16 or fp16")
     a("--annotator", type=plugin.choice("program", "openai"), default="program",
-      help="program: offline critics (demo rules; code: unit tests in the sandbox); openai: any OpenAI-compatible "
-           "chat endpoint, key from OPENAI_API_KEY; python:MODULE_OR_FILE:FUNCTION: your own critic, called on "
-           "chunks of records from --concurrency threads (trusted code, run in this process; README \"Your own "
-           "critic\"). program is python:tasks.demo:critic or python:tasks.code:critic")
-    a("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (default: OpenAI)")
-    a("--model", default="gpt-4o", help="critic model name at the endpoint")
-    a("--concurrency", type=int, default=16, help="requests in flight (program critic for code: parallel sandboxes, "
-                                                  "at most the CPU count)")
-    a("--timeout", type=float, default=120.0, help="seconds before a request is abandoned; the record fails and is "
-      "not retried (the server may still be generating it: README \"Use a local server\"); --retry-failed redoes it")
-    a("--max-retries", type=int, default=6, help="retries per request on 408/409/429/5xx and connection errors")
-    a("--backoff-base", type=float, default=1.0, help="first backoff in seconds; doubles per retry, with jitter")
-    a("--backoff-max", type=float, default=60.0, help="longest wait before a retry in seconds (a longer "
-      "Retry-After of the server is cut to it, and a failed record says so)")
-    a("--max-tokens", type=int, default=1024, help="completion token limit per request (0: the server's default)")
-    a("--critic-temperature", type=float, default=0.0, help="critic sampling temperature")
-    a("--use-human-feedback", action="store_true",
-      help="summarization: show the SLF5K human feedback and ask for spans grounded in it (the paper's path)")
+      help="program: the task's own (demo rules; code: unit tests); openai: a served model; python:...: yours "
+           "(tasks/plugin.py)")
+    a("--concurrency", type=int, default=16, help="records in flight (requests; code: sandboxes, at most the CPUs)")
+    a("--use-human-feedback", action="store_true", help="summarization: spans grounded in SLF5K's human feedback "
+                                                        "(the paper's)")
     a("--code-timeout", type=float, default=10.0, help="code: seconds the unit tests may run in the sandbox")
-    a("--price-input", type=float, default=None, help="USD per 1M prompt tokens, for the cost estimate (default: "
-      f"gpt-4o's {GPT4O_PRICES[0]} at OpenAI's endpoint with --model gpt-4o; else no estimate)")
-    a("--price-output", type=float, default=None, help="USD per 1M completion tokens, for the cost estimate "
-      f"(default: gpt-4o's {GPT4O_PRICES[1]}, as --price-input)")
     a("--output", default="runs/demo/annotations.jsonl", help="annotations JSONL (append-only, resumable)")
     a("--retry-failed", action="store_true", help="redo the records of --output whose status is failed")
-    a("--demo-dir", default=None, help="--task demo without --dataset: where base/ and data/ go (default: the "
-                                       "folder of --output)")
-    a("--build-base", action=argparse.BooleanOptionalAction, default=True,
-      help="--task demo without --dataset: build <demo-dir>/base (the tiny pretrained model) if it is missing")
     a("--seed", type=int, default=0, help="seed for backoff jitter, sampling and the demo base model")
+    for variant in (annotator, generation):
+        variant.add_args(p)
+    data.add_demo_args(p)
     args = p.parse_args(argv)
     if args.dataset is None and args.task != "demo":
         p.error(f"--task {args.task} needs --dataset")
     if args.annotator == "program" and args.task not in ("demo", "code"):
         p.error(f"there is no program critic for --task {args.task}; use --annotator openai")
     return args
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Data: rows from a hub id or a local file, then the task's field preset -> {"id", "prompt", "response", ...}
-# ----------------------------------------------------------------------------------------------------------------------
-
-DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval", 200)}  # name: (demo split, size)
-# The reward model's data: 16000 summaries. On 2000 the demo's reward model memorised its examples and found 1 mistake
-# in 5: the rule "is this word in the post?" needs many fresh examples (bench/README.md, "What the demo's reward model
-# needed").
-DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mistakes)
-
-
-def dataset_rows(args) -> list[tuple[str, dict]]:
-    """[(where, row)] of --dataset, or of the demo's records without it: `where` names the file and line (or record)
-    for error messages (tasks.data.read_rows)."""
-    if args.dataset is None:
-        from tasks.demo import demo_dataset
-        split, n, mistakes = DEMO_ANNOTATE
-        return [(f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n, mistakes))]
-    path = Path(args.dataset)
-    if path.is_dir():
-        found = [path / f"{args.split}{ext}" for ext in (".jsonl", ".json", ".parquet")]
-        path = next((f for f in found if f.is_file()), None)
-        if path is None:
-            raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
-        return read_rows(str(path))
-    if args.task == "summarization" and not path.name.endswith(DATA_FILE_SUFFIXES):
-        try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
-            from huggingface_hub import hf_hub_download
-            local = hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")
-        except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
-            raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: "
-                                   f"{common.first_line(e)})") from None
-        return read_rows(local)
-    return read_rows(args.dataset, args.split if args.limit is None else f"{args.split}[:{args.limit}]")
-
-
-def field(row: dict, name: str, where: str) -> str:
-    if name not in row:
-        raise common.DataError(f"{where}: missing field '{name}'")
-    if not isinstance(row[name], str):
-        raise common.DataError(f"{where}: field '{name}' must be a string, got {type(row[name]).__name__}")
-    return row[name]
-
-
-def to_records(rows, args) -> list[dict]:
-    """Apply the task's field preset (overridable with --prompt-field/--response-field/--id-field)."""
-    need_response = args.generate_with is None
-    if args.task == "code":
-        from tasks.code import code_layout, code_problem
-    layout = code_layout(rows[0][1]) if args.task == "code" and rows else None  # kodcode, humaneval, mbpp
-    id_field = args.id_field or {"code": "question_id" if layout == "kodcode" else "task_id"}.get(args.task, "id")
-    records, seen = [], {}
-    for i, (where, row) in enumerate(rows):
-        rid = str(row[id_field]) if id_field in row else f"{args.split}-{i}"
-        problem = layout and code_problem(row, where, layout, need_reference=need_response and not
-                                          args.response_field, prompt_field=args.prompt_field)
-        if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
-            prompt = problem["prompt"]
-        elif args.prompt_field:
-            prompt = field(row, args.prompt_field, where)
-        elif args.task == "summarization":  # the TL;DR prompt of "Learning to summarize from human feedback"
-            prompt = (f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where)}\n"
-                      f"POST: {field(row, 'post', where)}\nTL;DR:")
-        else:
-            prompt = field(row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where)
-        if problem and not args.response_field:
-            out = [(rid, problem["reference"] if need_response else "")]
-        elif args.response_field or args.task != "qa" or not need_response:
-            name = args.response_field or {"summarization": "generated_summary_for_feedback"}.get(args.task,
-                                                                                                   "response")
-            out = [(rid, field(row, name, where) if need_response else "")]
-        else:  # UltraFeedback: one record per completion
-            completions = row.get("completions")
-            if not isinstance(completions, list) or not completions:
-                raise common.DataError(f"{where}: field 'completions' must be a non-empty list")
-            out = [(f"{rid}-{k}", field(c if isinstance(c, dict) else {}, "response", f"{where} completions[{k}]"))
-                   for k, c in enumerate(completions)]
-        extra = {"test": problem["test"]} if problem else {}
-        if args.task == "summarization":
-            extra = {k: row[src] for k, src in (("reference", "ideal_human_summary"), ("human_feedback", "feedback"))
-                     if isinstance(row.get(src), str)}
-            if args.use_human_feedback and "human_feedback" not in extra:
-                raise common.DataError(f"{where}: missing field 'feedback' (needed by --use-human-feedback)")
-        if isinstance(row.get("reference"), str):
-            extra["reference"] = row["reference"]
-        for key, response in out:
-            if key in seen:
-                raise common.DataError(f"{where}: duplicate id {key!r} (first at {seen[key]}); pass --id-field")
-            seen[key] = where
-            records.append({"id": key, "prompt": prompt, "response": response, **extra})
-    return records[:args.limit] if args.limit is not None else records
-
-
-def prepare_demo(args) -> None:
-    """The zero-flag demo's inputs for later stages: the tiny base model and the SFT/prompt/eval files."""
-    from tasks.demo import build_demo_base, demo_dataset
-    demo_dir = Path(args.demo_dir or Path(args.output).parent)
-    for name, (split, n) in DEMO_FILES.items():
-        common.write_jsonl(demo_dir / "data" / f"{name}.jsonl", demo_dataset(split, n))
-    base = demo_dir / "base"
-    if args.build_base and not ((base / "config.json").is_file() and (base / "tokenizer.json").is_file()):
-        print(f"building the demo base model in {base} (tokenizer + 0.6M-parameter Llama, ~25 s on CPU)")
-        shutil.rmtree(base, ignore_errors=True)  # what an interrupted build left (the tokenizer is saved last)
-        build_demo_base(base, seed=args.seed)
-
-
-def load_generator(args):
-    """(model, tokenizer) of --generate-with, loaded before anything is written: one that cannot load leaves no
-    folder behind."""
-    import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return models.load_model(args.generate_with, device=device, dtype=args.dtype)
-    except common.DataError as e:
-        raise common.DataError(f"--generate-with {e}") from None
-
-
-def generate_responses(records: list[dict], args, generator) -> None:
-    """Fill `response` by sampling the policy `generator` (load_generator; Alg. 1 line 6): batched, left-padded."""
-    import torch
-    model, tok = generator
-    prompts = [models.apply_template(tok, r["prompt"], "auto" if args.chat_template else "off") for r in records]
-    torch.manual_seed(args.seed)
-    ids = models.generate(model, tok, prompts, args.max_new_tokens, temperature=args.temperature,
-                          batch_size=args.gen_batch_size, desc="generate")
-    for rec, seq in zip(records, ids):
-        rec["response"] = tok.decode(seq, skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -361,92 +180,8 @@ def finish(rec: dict, fb: dict | None = None, reason: str | None = None, raw: st
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The OpenAI-compatible annotator: N workers, explicit retries (429/5xx, Retry-After; never a timeout), one repair
+# The critics: a program or python: plug-in on threads, or a served model (infra/annotator.py: the requests)
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-class RecordError(Exception):
-    """This record cannot be annotated (retries exhausted, a timeout, or a 4xx that retrying cannot fix): failed."""
-
-
-class FatalAPIError(Exception):
-    """Every request would fail the same way (bad key, no such model or endpoint): stop the run."""
-
-
-FATAL_REPEATS = 5  # the same 4xx for the first this many records, none ok: every record would get it (FatalAPIError)
-
-
-def sampling(args) -> dict:
-    """The parameters every critic request carries (the preflight, infra.serving.check_server, sends the same)."""
-    return {"temperature": args.critic_temperature, **({"max_tokens": args.max_tokens} if args.max_tokens else {})}
-
-
-async def chat(client, messages: list[dict], args, usage: Counter, rng: random.Random) -> str:
-    """The critic's reply, sent again on 408/409/429/5xx and connection errors (infra.serving.retry_delay: Retry-After,
-    else backoff with jitter), never on a timeout. 401/403/404: FatalAPIError; any other failure: RecordError."""
-    import openai
-    from openai.types.chat import ChatCompletion
-    body = {"model": args.model, "messages": messages, **sampling(args)}
-    try:
-        # client.post, not client.chat.completions.create: the same request and typed response, minus the SDK's
-        # per-request TypedDict transform (~2 ms of CPU here), which would cap throughput at 16 requests in flight
-        resp = await serving.send_with_retries(lambda: client.post("/chat/completions", body=body,
-                                                                   cast_to=ChatCompletion),
-                                              args.max_retries, rng, args.backoff_base, args.backoff_max)
-    except openai.APIStatusError as e:
-        if e.status_code in (401, 403, 404):
-            raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: {serving.api_error(e)}") from None
-        raise RecordError(serving.api_error(e)) from None
-    except openai.APIError as e:  # connection errors and timeouts
-        raise RecordError(serving.api_error(e)) from None
-    if resp.usage is not None:
-        usage["prompt_tokens"] += resp.usage.prompt_tokens or 0
-        usage["completion_tokens"] += resp.usage.completion_tokens or 0
-    return serving.redact(resp.choices[0].message.content or "") if resp.choices else ""  # a server may echo the key
-
-
-async def annotate_openai(todo: list[dict], args, sink) -> None:
-    client = serving.openai_client(args.base_url, args.timeout)  # no SDK retries: ours (chat) are explicit and tested
-    rng, queue = random.Random(args.seed), list(reversed(todo))
-    if args.task == "code":  # the critic sees the tests' verdict (the sandbox's, tasks/code.py)
-        from tasks.code import run_completion
-
-    async def one(rec: dict) -> dict:
-        tests = None
-        if args.task == "code" and rec.get("test"):
-            tests = await asyncio.to_thread(run_completion, rec["response"], rec["test"], args.code_timeout)
-            if tests["status"] == "error":  # a broken problem: nothing to critique
-                return finish(rec, reason=f"the tests cannot run: {tests['problem_error']}")
-        messages, usage, raw = build_messages(args.task, rec, tests, args.use_human_feedback), Counter(), None
-        try:
-            for _ in range(2):  # the reply, then at most one repair request
-                raw = await chat(client, messages, args, usage, rng)
-                try:
-                    return finish(rec, parse_critic(raw), usage=usage)
-                except ValueError as e:
-                    error = str(e)
-                    messages = messages + [{"role": "assistant", "content": raw or ""},
-                                           {"role": "user", "content": REPAIR.format(error=error)}]
-            return finish(rec, reason=f"unparseable critic output after one repair: {error}", raw=raw, usage=usage)
-        except RecordError as e:
-            return finish(rec, reason=str(e), raw=raw, usage=usage)
-
-    seen = Counter()  # outcomes so far: "ok", or a 4xx's reason
-
-    async def worker():
-        while queue:
-            rec = await one(queue.pop())
-            sink(rec)
-            seen[rec["status"] if rec["status"] == "ok" else rec.get("reason", "")] += 1
-            reason = rec.get("reason", "")
-            if reason.startswith("HTTP 4") and not seen["ok"] and seen[reason] >= FATAL_REPEATS:
-                raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: the first {FATAL_REPEATS} records all "
-                                    f"got {reason}")
-
-    try:
-        await asyncio.gather(*[worker() for _ in range(max(1, min(args.concurrency, len(todo))))])
-    finally:
-        await client.close()
 
 
 def annotate_program(todo: list[dict], critic, args, sink) -> None:
@@ -470,66 +205,29 @@ def annotate_program(todo: list[dict], critic, args, sink) -> None:
                 sink({**out, "spans": fb["spans"]} if "spans" in fb else out)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Summary
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def summarize(path: Path, args, this_run: Counter, elapsed_s: float, annotate_s: float) -> dict:
-    recs = common.read_jsonl(path) if path.exists() else []
-    ok = [r for r in recs if r.get("status") == "ok"]
-    good, poor = sum(len(r["good_spans"]) for r in ok), sum(len(r["poor_spans"]) for r in ok)
-    unmatched = sum(len(r["unmatched_spans"]) for r in ok)
-    tokens = Counter()
-    for r in recs:
-        tokens.update(r.get("usage", {}))
-    prices = prices_usd(args)
-    cost = None if prices is None else (tokens["prompt_tokens"] * prices[0] + tokens["completion_tokens"] * prices[1]
-                                        ) / 1e6
-    return {"records": len(recs), "ok": len(ok), "failed": len(recs) - len(ok),
-            "good_spans_per_record": round(good / max(1, len(ok)), 3),
-            "poor_spans_per_record": round(poor / max(1, len(ok)), 3),
-            "unmatched_span_rate": round(unmatched / max(1, good + poor + unmatched), 4),
-            "prompt_tokens": tokens["prompt_tokens"], "completion_tokens": tokens["completion_tokens"],
-            "estimated_cost_usd": (None if cost is None else round(cost, 4)) if args.annotator == "openai" else 0.0,
-            "this_run": {"annotated": this_run["ok"] + this_run["failed"], "failed": this_run["failed"],
-                         "timed_out": this_run["timed_out"], "elapsed_s": round(elapsed_s, 3),
-                         "annotate_s": round(annotate_s, 3)}}
-
-
-FAIL_WARN_SHARE = 0.10  # more failed records than this share is a loud warning; none ok is an error (exit 1)
-FAILURE_KINDS = {"unparseable": "the critic's outputs do not parse", "timed out": "requests timed out",
-                 "HTTP": "the server refused requests"}  # a reason's start -> what the summary line calls it
-
-
-def failure_note(path: Path, order: dict) -> str:
-    """Why the records of `path` failed, in one line: the most common kind of reason, and the first failure in the
-    input's order (`order`: id -> position; the file is in the order the critic answered, which varies run to run)."""
-    failed = sorted((r for r in common.read_jsonl(path) if r.get("status") == "failed"),
-                    key=lambda r: order.get(r.get("id"), len(order)))
-    kinds = Counter(next((v for k, v in FAILURE_KINDS.items() if r.get("reason", "").startswith(k)),
-                         "the critic failed") for r in failed)
-    first = " ".join(str(failed[0].get("reason", "")).split())
-    return f"{kinds.most_common(1)[0][0]}; first failure ({failed[0]['id']}): {first[:300]}"
-
-
-def report_failures(path: Path, summary: dict, ids: list) -> None:
-    """No failure stays quiet: none annotated is an error line (main's caller exits 1), a failed share above
-    FAIL_WARN_SHARE a warning; both say why (failure_note). ids: the input records' ids, in order."""
-    n, failed, order = summary["records"], summary["failed"], {i: k for k, i in enumerate(ids)}
-    if n and not summary["ok"]:
-        print(f"error: 0 of {n} records annotated: {failure_note(path, order)}", file=sys.stderr)
-    elif n and failed / n > FAIL_WARN_SHARE:
-        print(f"warning: {failed} of {n} records failed ({failed / n:.0%}): {failure_note(path, order)}. Stage 2 "
-              "skips them; --retry-failed redoes them", file=sys.stderr)
-
-
-def prices_usd(args) -> tuple[float, float] | None:
-    """(input, output) USD per 1M tokens for the cost estimate: the ones given, else gpt-4o's at OpenAI's endpoint;
-    None (no estimate) for any other model or endpoint, a local server's above all."""
-    if args.price_input is not None or args.price_output is not None:
-        return args.price_input or 0.0, args.price_output or 0.0
-    return GPT4O_PRICES if args.base_url is None and args.model == "gpt-4o" else None
+async def critique_served(rec: dict, ask, args) -> dict:
+    """One record through the served critic (--annotator openai; infra/annotator.py sends the requests, retries them
+    and stops a run that cannot succeed): for code, the unit tests run first and the critic sees their verdict (the
+    paper's KodCode prompt); then the critic's reply, parsed, with at most one repair request (REPAIR)."""
+    tests = None
+    if args.task == "code" and rec.get("test"):  # the sandbox's verdict (tasks/code.py)
+        from tasks.code import run_completion
+        tests = await asyncio.to_thread(run_completion, rec["response"], rec["test"], args.code_timeout)
+        if tests["status"] == "error":  # a broken problem: nothing to critique
+            return finish(rec, reason=f"the tests cannot run: {tests['problem_error']}")
+    messages, usage, raw = build_messages(args.task, rec, tests, args.use_human_feedback), Counter(), None
+    try:
+        for _ in range(2):  # the reply, then at most one repair request
+            raw = await ask(messages, usage)
+            try:
+                return finish(rec, parse_critic(raw), usage=usage)
+            except ValueError as e:
+                error = str(e)
+                messages = messages + [{"role": "assistant", "content": raw or ""},
+                                       {"role": "user", "content": REPAIR.format(error=error)}]
+        return finish(rec, reason=f"unparseable critic output after one repair: {error}", raw=raw, usage=usage)
+    except annotator.RecordError as e:
+        return finish(rec, reason=str(e), raw=raw, usage=usage)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -543,7 +241,7 @@ def main(argv=None) -> dict:
     models.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
 
     # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
-    records = to_records(dataset_rows(args), args)
+    records = data.to_records(data.dataset_rows(args), args)
     critic = None  # a program or python: critic (tasks/plugin.py), imported and called on one record before any work
     if args.annotator != "openai":
         critic = plugin.load_critic(args.annotator, args.task, "--annotator",
@@ -562,12 +260,12 @@ def main(argv=None) -> dict:
           f"with the {args.annotator} critic" + (f" ({args.model})" if args.annotator == "openai" else ""))
     if todo and args.annotator == "openai":  # one cheap request first: a wrong endpoint fails here, in one line
         serving.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2),
-                            params=sampling(args))
-    generator = load_generator(args) if todo and args.generate_with else None
+                             params=annotator.sampling(args))
+    generator = generation.load_generator(args) if todo and args.generate_with else None
     if args.task == "demo" and args.dataset is None:  # the later stages' inputs, once the run can start
-        prepare_demo(args)
+        data.prepare_demo(args)
     if generator:
-        generate_responses(todo, args, generator)
+        generation.generate_responses(todo, args, generator)
 
     # 3. Annotate; every record is appended and flushed as soon as it is done.
     from tqdm.auto import tqdm
@@ -580,26 +278,17 @@ def main(argv=None) -> dict:
             this_run["timed_out"] += rec.get("reason", "").startswith("timed out")
             bar.update()
         if args.annotator == "openai":
-            asyncio.run(annotate_openai(todo, args, sink))
+            asyncio.run(annotator.annotate_openai(todo, args, sink, lambda rec, ask: critique_served(rec, ask, args)))
         else:
             annotate_program(todo, critic, args, sink)
     annotate_s = time.perf_counter() - annotate_start
 
     # 4. Summary: records, failed, spans per record, unmatched-span rate (App. L), tokens and estimated cost.
-    summary = summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
+    summary = annotation_report.summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
     common.write_json(output.with_suffix(".summary.json"), summary)
-    print(f"{summary['records']} records ({summary['failed']} failed) in {output}; spans per record: "
-          f"{summary['good_spans_per_record']} good, {summary['poor_spans_per_record']} poor; unmatched-span rate "
-          f"{summary['unmatched_span_rate']:.2%}; tokens {summary['prompt_tokens']} in / "
-          f"{summary['completion_tokens']} out" + ("" if summary["estimated_cost_usd"] is None else
-                                                    f", ~${summary['estimated_cost_usd']:.2f}"))
-    if this_run["timed_out"]:
-        print(f"warning: {this_run['timed_out']} requests timed out after --timeout {args.timeout:g} s: the server "
-              f"takes longer than that for --concurrency {args.concurrency} requests of up to --max-tokens "
-              f"{args.max_tokens} at once. Lower --concurrency (to what the server runs in parallel) or --max-tokens, "
-              "or raise --timeout; --retry-failed redoes them", file=sys.stderr)
+    annotation_report.print_summary(output, summary, this_run, args)
     print(json.dumps(summary))
-    report_failures(output, summary, [r["id"] for r in records])
+    annotation_report.report_failures(output, summary, [r["id"] for r in records])
     return summary
 
 
@@ -607,6 +296,6 @@ if __name__ == "__main__":
     try:
         summary = main()
         sys.exit(1 if summary["records"] and not summary["ok"] else 0)  # nothing annotated: report_failures says why
-    except (common.DataError, FatalAPIError) as e:  # bad input, or an endpoint that refuses every request
+    except (common.DataError, annotator.FatalAPIError) as e:  # bad input, or an endpoint that refuses every request
         print(f"error: {serving.redact(str(e))}", file=sys.stderr)
         sys.exit(2)

@@ -22,7 +22,8 @@ GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 i
     torchrun --nproc_per_node 8 02_train_reward.py --task code --model Qwen/Qwen2.5-7B-Instruct --batch-size 2
 
 The paper's scalar baselines (§4.3, App. N) train here too, on a scalar head (sequence classification) of the same LM,
-with this file's Trainer set-up (make_trainer) and saving; their code is in baselines/scalar_rm.py (main_scalar):
+with the same Trainer set-up (infra/training.py) and saving (infra/reward_models.py); their code and flags are in
+baselines/scalar_rm.py (main_scalar):
     python 02_train_reward.py --objective pairwise --data pairs.jsonl --output-dir runs/demo/bt_rm   # PPO's RM
     python 02_train_reward.py --objective pairwise --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs
     python 02_train_reward.py --objective prm --data runs/demo/annotations.jsonl --output-dir runs/demo/prm  # PRM-PPO's
@@ -32,17 +33,15 @@ objective).
 
 The output directory holds the LoRA adapter (adapter_config.json + weights), the tokenizer, reward_model.json (base
 model, format, the input and critique budgets that 03 and 04 use it with, training summary), eval.json,
-eval_samples.jsonl and checkpoints/; infra.models.load_model(DIR) and `03_train_policy.py --reward-model DIR` need nothing
-else.
+eval_samples.jsonl and checkpoints/; infra.models.load_model(DIR) and `03_train_policy.py --reward-model DIR` need
+nothing else. It reads top to bottom: the presets and arguments; the data, encoded with the loss on the critique and
+spans only; the evaluation of span recovery; main().
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,9 @@ from pathlib import Path
 import torch
 
 import common
-from infra import models, reward_models, runs
+from baselines import scalar_rm
+from infra import cli, models, reward_models, training
+from tasks.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments. Every training default comes from the --task preset below; any flag overrides its preset value.
@@ -76,81 +77,53 @@ PRESETS = {"demo": DEMO, "summarization": PAPER, "code": PAPER, "qa": PAPER}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    table = "\n".join(f"  --{k.replace('_', '-'):16s} {str(PAPER[k]):33s} {v}" for k, v in DEMO.items())
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter,
-                                epilog=f"presets (--task picks a column; a flag given explicitly wins):\n"
-                                       f"  {'':18s} {'summarization, code, qa (paper)':33s} demo\n{table}")
-    p.add_argument("--task", default="demo", choices=sorted(PRESETS), help="preset of defaults (table below)")
-    p.add_argument("--data", help="annotations JSONL from 01_annotate.py (default runs/<task>/annotations.jsonl)")
-    p.add_argument("--model", help="base causal LM: hub id or local path (preset)")
-    p.add_argument("--output-dir", help="adapter, tokenizer, eval.json, checkpoints (default runs/<task>/reward_model)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the train/val split, LoRA init and data order")
-    p.add_argument("--val-frac", type=float, help="share of records held out for eval loss and span metrics (preset)")
-    p.add_argument("--eval-limit", type=int, help="at most this many val records are critiqued for span metrics")
-    p.add_argument("--max-len", type=int, help="max tokens of input + target; the input (reward_model.json's "
-                   "max_prompt_tokens,\nin 03 and 04 too) gets --max-len minus --max-new-tokens, longer task prompts "
-                   "lose their start")
-    # LoRA (peft)
-    p.add_argument("--lora-r", type=int, help="LoRA rank (paper: 16); 0 = full fine-tuning (the demo's small model)")
-    p.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 32)")
-    p.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
-    p.add_argument("--lora-targets", help="comma-separated module names, or 'all-linear' (paper: q_proj,v_proj)")
-    p.add_argument("--modules-to-save", help="comma-separated modules trained in full and saved with "
-                   "the adapter (peft modules_to_save), e.g. 'norm' for every RMSNorm")
-    # optimisation
-    p.add_argument("--lr", type=float, help="peak learning rate (paper: 1e-5)")
-    p.add_argument("--loraplus-ratio", type=float, help="LoRA+ (Hayou et al. 2024): the B matrices learn this many "
-                   "times faster than A; 0 = plain LoRA (paper)")
-    p.add_argument("--lr-schedule", choices=["cosine", "linear", "constant"],
-                   help="decay after the linear warmup")
-    p.add_argument("--epochs", type=float, help="passes over the train split (paper: 3)")
-    p.add_argument("--max-steps", type=int, help="optimizer steps; overrides --epochs when > 0 (-1: use --epochs)")
-    p.add_argument("--batch-size", type=int, help="examples per device per micro-batch")
-    p.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
-    p.add_argument("--warmup", type=float, help="linear warmup, as a fraction of all steps")
-    p.add_argument("--sampling", choices=["epochs", "replacement"], help="draw training examples in shuffled epochs, "
-                   "or independently with replacement")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
-    p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 (default: on with CUDA)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to train")
-    # bookkeeping
-    p.add_argument("--logging-steps", type=int, help="log train loss every N steps")
-    p.add_argument("--eval-steps", type=int, help="eval loss on the val split every N steps")
-    p.add_argument("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
-    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints "
-                   "(a folder holding\na reward model without one: refused)")
-    p.add_argument("--overwrite", action="store_true", help="a fresh run replaces the reward model (and checkpoints) "
-                   "in --output-dir\n(without it: refused, but for the literal zero-flag demo's runs/demo/reward_model)"
-                   ". A folder holding\nfiles stage 2 did not write is always refused")
-    # reward-model generation for the span metrics (the same call stage 3 makes: infra.reward_models.rm_critique)
-    p.add_argument("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's "
-                   "default (reward_model.json)")
-    p.add_argument("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
-    p.add_argument("--merge", metavar="DIR", help="then also write the reward model as a plain model folder at DIR, "
-                   "its LoRA adapter merged\ninto the weights, for an OpenAI-compatible server (transformers serve "
-                   "DIR, vllm serve DIR;\nthen 03 --critic openai --critic-api completions --reward-model DIR); "
-                   "tools/merge_reward_model.py\ndoes it for a reward model already trained")
-    p.add_argument("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="what the reward model "
-                   "learns to write: critique+spans is the paper's z = [c ; A(y)];\nspans-only is its w/o-CoT "
-                   "ablation (Table 2), the span JSON alone. 03 and 04 read it from reward_model.json")
-    # the paper's baselines (§4.3, App. N): a scalar reward model instead of the generative one
-    p.add_argument("--objective", default="generative", choices=list(common.RM_OBJECTIVES), help="generative: the "
-                   "span reward model (critique + spans, Sec. 3.4); pairwise: a scalar head\n(sequence "
-                   "classification) trained on chosen / rejected pairs with -log sigmoid(r_c - r_r)\n(Bradley-Terry; "
-                   "03 --critic scalar-rm); prm: a scalar head scoring each step of a response,\nbinary cross-entropy "
-                   "on App. N's step labels (03 --critic prm)")
-    p.add_argument("--split", default="train", help="pairwise, --data a hub dataset: its split")
-    p.add_argument("--prompt-field", default="prompt", help="pairwise, a preference dataset: the prompt field")
-    p.add_argument("--chosen-field", default="chosen", help="pairwise: the preferred answer's field; without it in "
-                   "--data's records,\npairs come from annotations: of two responses to one prompt, fewer poor spans "
-                   "wins\n(baselines/scalar_rm.py: preference_pairs)")
-    p.add_argument("--rejected-field", default="rejected", help="pairwise: the other answer's field")
-    p.add_argument("--norm-data", help="pairwise: JSONL of demonstrations (prompt + --norm-field, e.g. the SFT data) "
-                   "whose mean score\nbecomes 0 (Huang et al. 2024); default: the training pairs' answers")
-    p.add_argument("--norm-field", default="response", help="pairwise: the demonstration field of --norm-data")
-    p.add_argument("--step-unit", choices=common.STEP_UNITS, help="prm: how responses are cut into steps "
-                   "(baselines/scalar_rm.py: split_steps;\ndefault: block for --task code, else clause)")
+    p = cli.parser(__doc__, {"summarization, code, qa (paper)": PAPER, "demo": DEMO})
+    a = p.add_argument
+    a("--task", default="demo", choices=sorted(PRESETS), help="preset of defaults (table below)")
+    a("--data", help="annotations JSONL from 01_annotate.py (default runs/<task>/annotations.jsonl)")
+    a("--model", help="base causal LM: hub id or local path (preset)")
+    a("--output-dir", help="adapter, tokenizer, eval.json, checkpoints (default runs/<task>/reward_model)")
+    a("--seed", type=int, default=0, help="seed of the train/val split, LoRA init and data order")
+    a("--val-frac", type=float, help="share of records held out for eval loss and span metrics (preset)")
+    a("--eval-limit", type=int, help="at most this many val records are critiqued for span metrics")
+    a("--max-len", type=int, help="max tokens of input + target; the input gets --max-len minus --max-new-tokens "
+      "(encode_example)")
+    a("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="critique+spans: the paper's z = "
+      "[c ; A(y)]; spans-only: its w/o-CoT ablation (Table 2)")
+    a("--objective", default="generative", choices=list(common.RM_OBJECTIVES), help="generative: the span reward "
+      "model (Sec. 3.4); pairwise, prm: the scalar baselines (baselines/scalar_rm.py)")
+    # --- LoRA (peft)
+    a("--lora-r", type=int, help="LoRA rank (paper: 16); 0 = full fine-tuning (the demo's small model)")
+    a("--lora-alpha", type=int, help="LoRA alpha (paper: 32)")
+    a("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
+    a("--lora-targets", help="comma-separated module names, or 'all-linear' (paper: q_proj,v_proj)")
+    a("--modules-to-save", help="comma-separated modules trained in full and saved with the adapter, e.g. 'norm'")
+    # --- optimisation (transformers.Trainer: infra/training.py)
+    a("--lr", type=float, help="peak learning rate (paper: 1e-5)")
+    a("--lr-schedule", choices=["cosine", "linear", "constant"], help="decay after the linear warmup")
+    a("--epochs", type=float, help="passes over the train split (paper: 3)")
+    a("--max-steps", type=int, help="optimizer steps; overrides --epochs when > 0 (-1: use --epochs)")
+    a("--batch-size", type=int, help="examples per device per micro-batch")
+    a("--grad-accum", type=int, help="micro-batches per optimizer step")
+    a("--warmup", type=float, help="linear warmup, as a fraction of all steps")
+    a("--sampling", choices=["epochs", "replacement"], help="draw training examples in shuffled epochs, or "
+      "independently with replacement")
+    a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    a("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
+    a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 (default: on with CUDA)")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to train")
+    # --- bookkeeping
+    a("--logging-steps", type=int, help="log train loss every N steps")
+    a("--eval-steps", type=int, help="eval loss on the val split every N steps")
+    a("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
+    a("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
+    a("--overwrite", action="store_true", help="a fresh run replaces the reward model in --output-dir "
+      "(infra/reward_models.py: check_output_dir)")
+    # --- the span metrics: the reward model's critiques of the val split (infra.reward_models.rm_critique, as in 03)
+    a("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's default")
+    a("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
+    for add_args in (training.add_args, reward_models.add_args, scalar_rm.add_train_args):  # the variants' groups
+        add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's model
     for key, value in PRESETS[args.task].items():
@@ -164,7 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.bf16 is None:
         args.bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
-    args.step_unit = args.step_unit or ("block" if args.task == "code" else "clause")
+    scalar_rm.check_train_args(args)
     if args.max_new_tokens >= args.max_len:
         raise common.DataError(f"--max-new-tokens {args.max_new_tokens}: must be below --max-len {args.max_len} (the "
                                "reward model's input gets the rest)")
@@ -172,35 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: annotations -> deterministic train/val split -> (input_ids, labels) with the loss on the target z only
+# Data: annotations (tasks.data.load_annotations, split_records) -> (input_ids, labels), the loss on the target z only
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def load_annotations(path) -> tuple[list[dict], int]:
-    """(usable records, number of status == "failed" records). DataError 'file:line: ...' on a malformed record."""
-    records = list(common.iter_jsonl(path, required=("prompt", "response")))
-    usable, failed = [], 0
-    for lineno, rec in records:
-        if rec.get("status", "ok") == "failed":
-            failed += 1
-            continue
-        if not isinstance(rec.get("critique"), str):
-            raise common.DataError(f"{path}:{lineno}: field 'critique' must be a string")
-        for field in ("good_spans", "poor_spans"):
-            if not isinstance(rec.get(field), list) or not all(isinstance(s, str) for s in rec[field]):
-                raise common.DataError(f"{path}:{lineno}: field '{field}' must be a list of strings")
-        usable.append(rec)
-    if not usable:
-        raise common.DataError(f"{path}: no usable records ({len(records)} read, {failed} with status 'failed')")
-    return usable, failed
-
-
-def split_records(records: list[dict], val_frac: float, seed: int) -> tuple[list[dict], list[dict]]:
-    """(train, val): a seeded shuffle, then the first round(val_frac * n) records (at least 1) are held out."""
-    order = list(range(len(records)))
-    random.Random(seed).shuffle(order)
-    n_val = min(max(1, round(val_frac * len(records))), len(records) - 1) if val_frac > 0 and len(records) > 1 else 0
-    return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]
 
 
 def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None,
@@ -210,10 +156,11 @@ def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | 
     input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4), or
     the span JSON alone with rm_format "spans-only" (w/o CoT).
     Prompt and target are tokenized separately, exactly as the model sees them at inference (it generates z after the
-    prompt's last token). The input is cut as 03 and 04 cut it (infra.reward_models.rm_prompt) to max_prompt_tokens, main()'s
-    --max-len minus --max-new-tokens (reward_model.json), and further where a longer target would not fit in max_len
-    beside it. Cutting loses the start of the task prompt: never the instruction, the response or the target, which
-    the spans are quoted from. If even an empty task prompt does not fit, the example is dropped.
+    prompt's last token). The input is cut as 03 and 04 cut it (infra.reward_models.rm_prompt) to max_prompt_tokens,
+    main()'s --max-len minus --max-new-tokens (reward_model.json; 03 and 04 cut it there too), and further where a
+    longer target would not fit in max_len beside it. Cutting loses the start of the task prompt: never the
+    instruction, the response or the target, which the spans are quoted from. If even an empty task prompt does not
+    fit, the example is dropped.
     """
     target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"], rm_format),
                        add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -257,21 +204,22 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluation: greedy critiques of the val split (infra.reward_models.rm_critique, as in stage 3) scored against the annotations
+# Evaluation: greedy critiques of the val split (infra.reward_models.rm_critique, as in stage 3) against the annotations
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32,
                 max_prompt_tokens: int | None = None, rm_format: str = "critique+spans"):
-    """(metrics, raw outputs) of the reward model on `records` (infra.reward_models.rm_span_metrics, paper Tables 1 and 6).
-    Its input is cut as in training and in 03 and 04 (infra.reward_models.rm_prompt) to max_prompt_tokens.
+    """(metrics, raw outputs) of the reward model on `records` (infra.reward_models.rm_span_metrics, paper Tables 1
+    and 6). Its input is cut as in training and in 03 and 04 (infra.reward_models.rm_prompt) to max_prompt_tokens.
 
     Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
     gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
     """
-    outputs = reward_models.rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
-                                 max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split",
-                                 max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
+    outputs = reward_models.rm_critique(model, tokenizer, [r["prompt"] for r in records],
+                                        [r["response"] for r in records], max_new_tokens=max_new_tokens,
+                                        batch_size=batch_size, desc="critique val split",
+                                        max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
     items = []
     for rec in records:
         text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
@@ -282,162 +230,18 @@ def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batc
     return metrics, outputs
 
 
-def print_table(m: dict) -> None:
-    fmt = lambda x: "  n/a" if x is None else f"{x:5.3f}"  # noqa: E731
-    print(f"reward model on {m['n']} val examples: JSON parse rate {fmt(m['parse_rate'])}, unmatched-span rate "
-          f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words where "
-          f"it parses, raw outputs {m['output_words']:.1f} words (annotations {m['gold_critique_words']:.1f})")
-    print("  class        precision  recall     F1   spans gold/pred/exact/partial")
-    for name, key, label in (("+1 (good)", "pos", "good"), ("-1 (poor)", "neg", "poor")):
-        s = m["spans"][label]
-        print(f"  {name:11s}    {fmt(m[key + '_precision'])}   {fmt(m[key + '_recall'])}  {fmt(m[key + '_f1'])}"
-              f"   {s['gold']}/{s['pred']}/{s['exact']}/{s['partial']}")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Saving: adapter + tokenizer + reward_model.json, written so that a crash never leaves a half-written reward model
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def save_reward_model(model, args, out: Path, summary: dict) -> None:
-    """Adapter weights and config (full fine-tuning: the whole model, loadable like any model directory), the base
-    tokenizer and reward_model.json, written to a temp folder that then replaces `out` (infra.runs.save_pretrained; the
-    Trainer's checkpoints/ move over, for --resume): killed while saving, `out` still holds the previous reward model
-    whole. A folder with reward_model.json is a complete stage-2 output (infra.reward_models.check_reward_model).
-
-    The tokenizer is saved as the base model ships it: infra.models.load_model adds the same pad token (and resizes the
-    embeddings the same way) when it loads the reward model, so the adapter never needs to carry embedding rows.
-    """
-    from transformers import AutoTokenizer
-    runs.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
-                           keep=("checkpoints",), owns=OWNS, **({"save_embedding_layers": False}
-                                                               if hasattr(model, "peft_config") else {}))
-
-
-OWNS = ("eval.json", "eval_samples.jsonl")  # what stage 2 writes beside the saved reward model
-
-
-def check_output_dir(args) -> None:
-    """Before anything is trained: --output-dir holds nothing stage 2 did not write (infra.runs.check_save_dir), and a
-    reward model there is continued or replaced only when asked (infra.runs.start_kind: --resume, --overwrite, or the
-    literal zero-flag demo). DataError otherwise."""
-    from transformers.trainer_utils import get_last_checkpoint
-    out = Path(args.output_dir)
-    runs.check_save_dir(out, (*OWNS, "checkpoints"), "reward_model.json", "--output-dir ")
-    if args.merge:
-        runs.check_save_dir(args.merge, marker="reward_model.json", flag="--merge ")
-    ckpt = out / "checkpoints"
-    resumable = ckpt.is_dir() and get_last_checkpoint(str(ckpt)) is not None  # (an empty checkpoints/ is no run)
-    held = ["reward_model.json"] * (out / "reward_model.json").is_file() + ["checkpoints"] * resumable
-    runs.start_kind(out, args.resume, args.overwrite, held, "checkpoints/", resumable, args.zero_flag)
-
-
-def merge_untied(model):
-    """model.merge_and_unload() for a LoRA model, right also when the base ties lm_head to embed_tokens (SmolLM2,
-    Llama-3.2, Qwen2.5-0.5B) and the adapter changes either: merged into the one shared matrix, lm_head's delta would
-    reach the embeddings and embed_tokens' the logits. lm_head gets its own copy of the matrix first; the two are tied
-    again afterwards when no delta touched them."""
-    import torch
-    base = model.get_base_model()
-    tied = getattr(base.config, "tie_word_embeddings", False)
-    if tied:
-        head = base.get_output_embeddings()
-        head = getattr(head, "base_layer", head)  # under LoRA, the layer it wraps
-        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        base.config.tie_word_embeddings = False
-    model = model.merge_and_unload()
-    if tied and torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight):
-        model.config.tie_word_embeddings = True
-        model.tie_weights()
-    return model
-
-
-def merge_reward_model(rm_dir, out_dir, dtype: str = "float32") -> Path:
-    """The reward model at rm_dir (stage 2's output) as a plain model folder at out_dir that any OpenAI-compatible
-    server can serve: its LoRA adapter merged into the base weights (full fine-tuning: the weights as they are), in
-    `dtype`, loaded as stage 3 loads it (infra.models.load_model: the same pad token, a generation_config of stop ids only,
-    so a server adds no sampling settings of the hub's); its tokenizer; and its reward_model.json with "merged_from",
-    so that --reward-model out_dir cuts the input and budgets critiques as stage 2 trained it. Returns out_dir."""
-    model, tokenizer = models.load_model(str(rm_dir), dtype=dtype)
-    if hasattr(model, "peft_config"):
-        model = merge_untied(model)
-    info = json.loads((Path(rm_dir) / "reward_model.json").read_text()) if (Path(rm_dir) / "reward_model.json"
-                                                                            ).is_file() else {}
-    return runs.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from":
-                                                                                    str(rm_dir)}})
-
-
-def replacement_sampler(trainer):
-    """--sampling replacement: every training example drawn independently (a Trainer draws shuffled epochs)."""
-    args = trainer.args
-    n = (args.max_steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size
-         if args.max_steps > 0 else int(args.num_train_epochs * len(trainer.train_dataset)))
-    return torch.utils.data.RandomSampler(trainer.train_dataset, replacement=True, num_samples=n,
-                                          generator=torch.Generator().manual_seed(args.seed))
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Main: data -> LoRA model -> Trainer (train, eval loss, checkpoints) -> save -> reload as stage 3 does -> span metrics
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, loss_fn=None):
-    """(transformers.Trainer of this run, the checkpoint it resumes from or None): checkpoints in
-    OUTPUT_DIR/checkpoints (a fresh run clears them; --resume continues from the last), the eval loss on val_set,
-    --sampling, LoRA+ (--loraplus-ratio). loss_fn(model, inputs) -> mean loss replaces the model's own loss (the
-    scalar objectives: baselines/scalar_rm.py)."""
-    from transformers import Trainer, TrainingArguments
-    from transformers.trainer_utils import get_last_checkpoint
-
-    ckpt_dir = Path(args.output_dir) / "checkpoints"
-    resume_from = get_last_checkpoint(str(ckpt_dir)) if args.resume and ckpt_dir.is_dir() else None
-    if args.resume and resume_from is None:
-        log(f"--resume: no checkpoint in {ckpt_dir}, starting from scratch")
-    if not args.resume and ckpt_dir.is_dir() and rank0:
-        shutil.rmtree(ckpt_dir)  # a fresh run: old checkpoints would otherwise be mixed with the new ones
-    targs = TrainingArguments(
-        output_dir=str(ckpt_dir), seed=args.seed, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.lr, warmup_steps=args.warmup,
-        lr_scheduler_type={"constant": "constant_with_warmup"}.get(args.lr_schedule, args.lr_schedule),
-        weight_decay=args.weight_decay,
-        num_train_epochs=args.epochs, max_steps=args.max_steps, bf16=args.bf16, use_cpu=args.device == "cpu",
-        activation_checkpointing=args.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
-        logging_steps=args.logging_steps, eval_strategy="steps" if val_set else "no", eval_steps=args.eval_steps,
-        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, report_to="none",
-        remove_unused_columns=False, dataloader_num_workers=0, ddp_find_unused_parameters=False)
-    optimizer = None  # None: Trainer's AdamW
-    if args.loraplus_ratio and args.lora_r > 0:
-        from peft.optimizers import create_loraplus_optimizer
-        optimizer = create_loraplus_optimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
-                                              loraplus_lr_ratio=args.loraplus_ratio)
-
-    class SamplingTrainer(Trainer):
-        def _get_train_sampler(self, *a, **k):
-            return replacement_sampler(self) if args.sampling == "replacement" else super()._get_train_sampler(*a, **k)
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            if loss_fn is None:
-                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            loss = loss_fn(model, inputs)
-            return (loss, {}) if return_outputs else loss
-
-    trainer = SamplingTrainer(model=model, args=targs, optimizers=(optimizer, None), train_dataset=train_set,
-                              eval_dataset=val_set or None, data_collator=collator)
-    if loss_fn is not None:  # loss_fn's loss is a mean: Trainer then divides it by the micro-batches it accumulates
-        trainer.model_accepts_loss_kwargs = False
-    return trainer, resume_from
 
 
 def main(args: argparse.Namespace) -> dict:
     from transformers import set_seed
 
     models.check_model_path(args.model, "--model ")  # a typo'd folder: one line, at once
-    check_output_dir(args)
+    reward_models.check_output_dir(args)
     if args.objective != "generative":  # a scalar reward model: the paper's PPO and PRM-PPO baselines
-        from baselines.scalar_rm import main_scalar
-        return main_scalar(args)
+        return scalar_rm.main_scalar(args)
     t0 = time.time()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     log = print if rank0 else (lambda *a, **k: None)
@@ -470,7 +274,7 @@ def main(args: argparse.Namespace) -> dict:
         f"at the prompt's start, {train_counts['too_long']} dropped (response + target alone too long)")
 
     # ---- training (teacher forcing; the loss is the mean NLL of the target tokens, labels -100 elsewhere) ----
-    trainer, resume_from = make_trainer(args, model, train_set, val_set, functools.partial(
+    trainer, resume_from = training.make_trainer(args, model, train_set, val_set, functools.partial(
         collate, pad_id=tokenizer.pad_token_id, targets_only=True), log, rank0)
     result = trainer.train(resume_from_checkpoint=resume_from)
     final_eval = trainer.evaluate() if val_set else {}
@@ -484,8 +288,8 @@ def main(args: argparse.Namespace) -> dict:
         "data": str(data), "objective": "generative", "rm_format": args.rm_format,
         "prompt_format": common.RM_PROMPT_FORMAT,
         "target_format": common.RM_TARGET_FORMAT,
-        # how 03 and 04 use it (infra.reward_models.rm_settings): the input cut to this many tokens, as in training; critiques
-        # of up to max_new_tokens, as in the evaluation below
+        # how 03 and 04 use it (infra.reward_models.rm_settings): the input cut to this many tokens, as in training;
+        # critiques of up to max_new_tokens, as in the evaluation below
         "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
         "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
                  "targets": args.lora_targets, "modules_to_save": args.modules_to_save,
@@ -499,7 +303,7 @@ def main(args: argparse.Namespace) -> dict:
                   "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
                   "train_s": round(train_s, 1)},
     }
-    save_reward_model(model, args, out, summary)
+    reward_models.save_reward_model(model, args, out, summary)
     log(f"saved reward model to {out} (eval loss {final_eval.get('eval_loss', float('nan')):.4f})")
     del trainer, model
 
@@ -519,13 +323,14 @@ def main(args: argparse.Namespace) -> dict:
             {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o,
              "gold_good_spans": r["good_spans"], "gold_poor_spans": r["poor_spans"]}
             for r, o in zip(eval_recs, outputs)])
-        print_table(metrics)
+        reward_models.print_table(metrics)
     metrics.update(eval_loss=final_eval.get("eval_loss"), train_loss=result.training_loss,
                    steps=summary["train"]["steps"], train_s=round(train_s, 1), wall_s=round(time.time() - t0, 1))
     common.write_json(out / "eval.json", metrics)
     log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
     if args.merge:
-        log(f"merged for serving: {merge_reward_model(out, args.merge, 'bf16' if args.bf16 else 'float32')}")
+        merged = reward_models.merge_reward_model(out, args.merge, "bf16" if args.bf16 else "float32")
+        log(f"merged for serving: {merged}")
     return metrics
 
 

@@ -9,8 +9,9 @@ Why here and not in a stage: DPO has no reward model (stage 2's job) and no roll
 the pairs that `02 --objective pairwise` trains a Bradley-Terry reward model on into a policy directly. So it reads
 the pairs exactly as 02 does (scalar_rm.py's load_pairs: a dataset's chosen / rejected fields, or annotations, one
 pair per prompt, fewer poor spans winning) and writes a policy that 04 evaluates like any other. The policy is 03's:
-the same LoRA parametrisation and reference (the adapter switched off; build_policy), the same log-probs (03's
-forward).
+the same LoRA parametrisation and reference (the adapter switched off) and the same log-probs, from short copies of
+03's build_policy and forward (build_policy, token_logprobs, reference_logprobs) that tests/test_baselines.py pins
+equal to 03's.
 
 The loss, with pi's and the reference's summed log-probs of each response (its EOS included) given the prompt:
     L = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
@@ -25,7 +26,7 @@ pairs: 02's split, by --task's preset).
 from __future__ import annotations
 
 import argparse
-import importlib
+import copy
 import random
 import sys
 import time
@@ -39,8 +40,11 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from infra import distributed, models, runs  # noqa: E402
 from baselines import scalar_rm  # noqa: E402
+from tasks.data import split_records  # noqa: E402
 
-stage2, stage3 = importlib.import_module("02_train_reward"), importlib.import_module("03_train_policy")
+# 02's --val-frac by --task preset (02_train_reward.PRESETS; tests/test_baselines.py pins the two equal): DPO holds out
+# the pairs that 02 --objective pairwise holds out
+VAL_FRAC = {"code": 0.05, "demo": 0.025, "qa": 0.05, "summarization": 0.05}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -67,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       "is then a frozen copy)")
     a("--lora-alpha", type=int, default=32, help="LoRA alpha")
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
-    a("--task", default="demo", choices=sorted(stage2.PRESETS), help="02's preset whose split DPO takes: --val-frac "
+    a("--task", default="demo", choices=sorted(VAL_FRAC), help="02's preset whose split DPO takes: --val-frac "
       "by default, and with --split-seed, the pairs\n02 --objective pairwise holds out for that task")
     a("--val-frac", type=float, help="share of pairs held out for eval.json (default: 02's preset for --task: the "
       "same pairs)")
@@ -82,8 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
     a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="as 03's --dtype")
     args = p.parse_args(argv)
-    if args.val_frac is None:  # one place for the split: 02's preset, so DPO never trains on pairs 02 holds out
-        args.val_frac = stage2.PRESETS[args.task]["val_frac"]
+    if args.val_frac is None:  # 02's preset (VAL_FRAC), so DPO never trains on pairs 02 holds out
+        args.val_frac = VAL_FRAC[args.task]
     for flag, value, ok in (("--beta", args.beta, args.beta > 0), ("--batch-size", args.batch_size,
                                                                    args.batch_size >= 1),
                             ("--micro-batch-size", args.micro_batch_size, (args.micro_batch_size or 1) >= 1)):
@@ -92,10 +96,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def policy_config(args) -> argparse.Namespace:
-    """What 03's build_policy reads, from DPO's flags: its LoRA (or full fine-tuning), no --ref-adapter, and
-    activation checkpointing where asked."""
-    return argparse.Namespace(**vars(args), ref_adapter=None)
+def build_policy(args, model):
+    """(policy, frozen reference or None): 03's build_policy for DPO's flags (no --ref-adapter, no value head). LoRA
+    (--lora-r > 0): the reference is the same weights with the adapter switched off; full fine-tuning: a frozen copy.
+    Activation checkpointing where asked."""
+    ref_model = None
+    if args.lora_r > 0:
+        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+    else:  # full fine-tuning: the frozen reference needs no float32 master weights
+        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model, ref_model
+
+
+def token_logprobs(model, input_ids, attention_mask, n_resp: int):
+    """(B, n_resp) log-probs of the last n_resp tokens, at temperature 1: 03's forward without a value head. Only the
+    last n_resp + 1 positions' logits are computed; left padding: positions start at each row's first token."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                logits_to_keep=n_resp + 1)
+    logits = out.logits[:, :-1].float()                                        # (B, T, V): position t predicts t+1
+    return torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)
+
+
+def reference_logprobs(model, ref_model, input_ids, attention_mask, n_resp: int):
+    """token_logprobs of the reference: the frozen copy `ref_model` (full fine-tuning), else the same weights with
+    the LoRA adapter switched off (03's reference_forward)."""
+    if ref_model is not None:
+        return token_logprobs(ref_model, input_ids, attention_mask, n_resp)
+    with model.disable_adapter():
+        return token_logprobs(model, input_ids, attention_mask, n_resp)
 
 
 def dpo_loss(pi_chosen, pi_rejected, ref_chosen, ref_rejected, beta: float):
@@ -118,7 +149,8 @@ def encode_pairs(tokenizer, pairs: list[dict], chat_template: str, max_prompt_to
 def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[list[int]], pad_id: int, device: str,
                       dtype: str):
     """(policy, reference) summed log-probs of each answer given its query, each (N,), laid out as 03 lays out
-    rollouts (queries left-padded, answers right-padded) and scored by 03's forward and reference_forward."""
+    rollouts (queries left-padded, answers right-padded) and scored as 03 scores them (token_logprobs,
+    reference_logprobs)."""
     query, query_mask = models.left_pad(queries, pad_id)
     T = max(len(y) for y in answers)
     response = torch.full((len(answers), T), pad_id, dtype=torch.long)
@@ -128,9 +160,9 @@ def sequence_logprobs(model, ref_model, queries: list[list[int]], answers: list[
     ids, attn = torch.cat([query, response], 1).to(device), torch.cat([query_mask, mask.long()], 1).to(device)
     mask = mask.to(device)
     with distributed.autocast(device, dtype):
-        logprobs = stage3.forward(model, None, ids, attn, T, 1.0)[0]                              # (2B, T)
+        logprobs = token_logprobs(model, ids, attn, T)                                           # (2B, T)
         with torch.no_grad():
-            ref_logprobs = stage3.reference_forward(model, ref_model, ids, attn, T, 1.0)[0]
+            ref_logprobs = reference_logprobs(model, ref_model, ids, attn, T)
     return (logprobs * mask).sum(1), (ref_logprobs * mask).sum(1)
 
 
@@ -186,13 +218,13 @@ def main(argv=None) -> dict:
     out = Path(args.output_dir)
     pairs, source = scalar_rm.load_pairs(args.data, args.split, args.prompt_field, args.chosen_field,
                                          args.rejected_field)
-    train_pairs, val_pairs = stage2.split_records(pairs, args.val_frac, args.split_seed)
+    train_pairs, val_pairs = split_records(pairs, args.val_frac, args.split_seed)
     print(f"{args.data}: {len(pairs)} pairs from {source} -> {len(train_pairs)} train, {len(val_pairs)} val")
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     model, tokenizer = models.load_model(args.model, device=args.device,
                                          dtype=args.dtype if args.lora_r > 0 else "float32")
-    model, ref_model, _ = stage3.build_policy(policy_config(args), model)  # 03's: LoRA, the reference = adapter off
+    model, ref_model = build_policy(args, model)  # 03's: LoRA, the reference = adapter off
     encode = lambda ps: encode_pairs(tokenizer, ps, args.chat_template, args.max_prompt_tokens,  # noqa: E731
                                      args.max_new_tokens)
     train_set, val_set = encode(train_pairs), encode(val_pairs)

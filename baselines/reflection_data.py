@@ -15,13 +15,13 @@ reference are skipped.
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
+from tasks.data import load_annotations  # noqa: E402
 
 
 def revision_prompt(prompt: str, response: str, critique: str) -> str:
@@ -52,8 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--all", action="store_true", help="every annotated answer, not only those with a poor span")
     p.add_argument("--output", required=True, help="revision SFT data JSONL (prompt, response), for 03 --sft-data")
     args = p.parse_args(argv)
-    stage2 = importlib.import_module("02_train_reward")
-    records, _ = stage2.load_annotations(args.data)  # the same checks as stage 2's: file, line and field named
+    records, _ = load_annotations(args.data)  # the same checks as stage 2's: file, line and field named
     examples = revision_examples(records, args.reference_field, not args.all)
     if not examples:
         raise common.DataError(f"{args.data}: no record with a '{args.reference_field}' field"

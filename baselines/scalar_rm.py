@@ -9,12 +9,19 @@ uses them as its critic (03_train_policy.py --critic scalar-rm | prm); both stag
     python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo     # PRM-PPO
 
 Both are the same LM as the generative reward model with a scalar head (sequence classification), trained by stage
-2's Trainer set-up (make_trainer: checkpoints, --resume, DDP) and saved as stage 2 saves (save_reward_model).
+2's Trainer set-up (infra/training.py: make_trainer: checkpoints, --resume, DDP) and saved as stage 2 saves
+(infra/reward_models.py: save_reward_model).
 pairwise: -log sigmoid(r_c - r_r) on chosen / rejected pairs, a dataset's own fields or, from annotations, the answer
 with fewer poor spans chosen over the other answer to the same prompt; the held-out pairwise accuracy goes to
 eval.json, and reward_model.json gets score_bias, the mean score of --norm-data's demonstrations (Huang et al. 2024).
 prm: binary cross-entropy of each step's score (clauses; code: blocks) against "no poor span falls in it". Stage 3
 refuses each where the other kind is needed (reward_model.json's objective, infra.reward_models.check_reward_model).
+
+02's flags for them (add_train_args): pairwise reads --data's --prompt-field, --chosen-field and --rejected-field
+(a hub dataset's --split); a dataset without the chosen field is read as annotations of 01_annotate.py, of whose
+responses to one prompt the one with fewer poor spans is chosen (preference_pairs). --norm-data (--norm-field) are the
+demonstrations whose mean score becomes 0, by default the training pairs' answers. prm cuts responses into steps by
+--step-unit (split_steps: clauses, or blocks for --task code).
 
 The file reads top to bottom: the losses; the pairs (DPO's too: baselines/dpo.py); the steps and their labels; the
 model's input and scores, the same in training and in use; training (main_scalar, 02's --objective pairwise | prm);
@@ -24,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import math
 import os
 import re
@@ -34,10 +40,8 @@ from pathlib import Path
 import torch
 
 import common
-from infra import models, reward_models
-from tasks.data import read_rows
-
-stage2 = importlib.import_module("02_train_reward")  # its annotations, split, Trainer set-up and saving are shared
+from infra import models, reward_models, training
+from tasks.data import load_annotations, read_rows, split_records
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -124,7 +128,7 @@ def load_pairs(path: str, split: str = "train", prompt_field: str = "prompt", ch
     if "response" not in first or "poor_spans" not in first:
         raise common.DataError(f"{where}: missing field '{chosen_field}' (a preference dataset: --chosen-field, "
                                f"--rejected-field) or 'response' and 'poor_spans' (annotations of 01_annotate.py)")
-    records, _ = stage2.load_annotations(path)
+    records, _ = load_annotations(path)
     pairs = preference_pairs(records)
     if not pairs:
         raise common.DataError(f"{path}: no preference pairs: no prompt has two responses that differ in their poor "
@@ -222,8 +226,28 @@ def score_responses(model, tokenizer, prompts: list[str], responses: list[str], 
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Training (02_train_reward.py --objective pairwise | prm): examples, batches, the loss, held-out metrics
+# Training (02_train_reward.py --objective pairwise | prm): its flags, examples, batches, the loss, held-out metrics
 # ----------------------------------------------------------------------------------------------------------------------
+
+def add_train_args(p) -> None:
+    """02's flags for --objective pairwise | prm."""
+    g = p.add_argument_group("the paper's scalar baselines: --objective pairwise, prm (baselines/scalar_rm.py)")
+    g.add_argument("--split", default="train", help="pairwise, --data a hub dataset: its split")
+    g.add_argument("--prompt-field", default="prompt", help="pairwise, a preference dataset: the prompt field")
+    g.add_argument("--chosen-field", default="chosen", help="pairwise: the preferred answer's field (without it: "
+                   "pairs from annotations, preference_pairs)")
+    g.add_argument("--rejected-field", default="rejected", help="pairwise: the other answer's field")
+    g.add_argument("--norm-data", help="pairwise: JSONL of demonstrations whose mean score becomes 0 (default: the "
+                   "training pairs' answers)")
+    g.add_argument("--norm-field", default="response", help="pairwise: the demonstration field of --norm-data")
+    g.add_argument("--step-unit", choices=common.STEP_UNITS, help="prm: how responses are cut into steps, "
+                   "split_steps (default: block for --task code, else clause)")
+
+
+def check_train_args(args) -> None:
+    """02's parse_args: --step-unit's default by --task."""
+    args.step_unit = args.step_unit or ("block" if args.task == "code" else "clause")
+
 
 def encode_scalar(tokenizer, items: list[dict], objective: str, max_len: int, max_prompt_tokens: int,
                   step_unit: str = "clause") -> tuple[list[dict], dict]:
@@ -322,8 +346,8 @@ def main_scalar(args: argparse.Namespace) -> dict:
     if args.objective == "pairwise":
         items, source = load_pairs(args.data, args.split, args.prompt_field, args.chosen_field, args.rejected_field)
     else:
-        items, source = stage2.load_annotations(args.data)[0], f"annotations, steps: {args.step_unit}s"
-    train_items, val_items = stage2.split_records(items, args.val_frac, args.seed)
+        items, source = load_annotations(args.data)[0], f"annotations, steps: {args.step_unit}s"
+    train_items, val_items = split_records(items, args.val_frac, args.seed)
     log(f"{args.data}: {len(items)} {'pairs' if args.objective == 'pairwise' else 'responses'} from {source} -> "
         f"{len(train_items)} train, {len(val_items)} val")
 
@@ -346,7 +370,7 @@ def main_scalar(args: argparse.Namespace) -> dict:
         raise common.DataError(f"{args.data}: no training example fits in --max-len {args.max_len}")
     log(f"{counts['too_long']} train examples longer than --max-len {args.max_len} dropped")
 
-    trainer, resume_from = stage2.make_trainer(args, model, train_set, val_set, functools.partial(
+    trainer, resume_from = training.make_trainer(args, model, train_set, val_set, functools.partial(
         collate_scalar, pad_id=tokenizer.pad_token_id), log, rank0, loss_fn=scalar_loss)
     result = trainer.train(resume_from_checkpoint=resume_from)
     final_eval = trainer.evaluate() if val_set else {}
@@ -378,7 +402,7 @@ def main_scalar(args: argparse.Namespace) -> dict:
                   "batch_size": args.batch_size * args.grad_accum * trainer.args.world_size,
                   "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
                   "train_s": round(train_s, 1)}}
-    stage2.save_reward_model(model, args, out, summary)
+    reward_models.save_reward_model(model, args, out, summary)
     log(f"saved the {args.objective} reward model to {out} (eval loss {final_eval.get('eval_loss', float('nan')):.4f})")
     del trainer, model
 

@@ -178,6 +178,7 @@ def phase_stage2(args, out: Path) -> dict:
 
     sh = SHAPES["tiny" if args.tiny else "8b"]
     rm = importlib.import_module("02_train_reward")
+    from infra import training  # its make_trainer, which 02's main() looks up there at call time
     base = out / "base"
     random_weights(base, args.device)
     rng, data = random.Random(0), out / "annotations.jsonl"
@@ -194,7 +195,7 @@ def phase_stage2(args, out: Path) -> dict:
         argv += ["--max-len", str(sh["rm_len"]), "--max-new-tokens", str(sh["rm_new"]), "--batch-size",
                  str(sh["rm_batch"]), "--grad-accum", str(sh["rm_accum"])]
     steps = []
-    make_trainer = rm.make_trainer
+    make_trainer = training.make_trainer
 
     def timed_trainer(*a, **k):  # each optimizer step's end, after the GPU is done
         from transformers import TrainerCallback
@@ -212,7 +213,7 @@ def phase_stage2(args, out: Path) -> dict:
                 steps[-1].append(time.perf_counter())
         trainer.add_callback(Clock())
         return trainer, resume
-    rm.make_trainer = timed_trainer
+    training.make_trainer = timed_trainer
     t0 = time.perf_counter()
     rm.main(rm.parse_args(argv))
     info = json.loads((out / "rm" / "reward_model.json").read_text())

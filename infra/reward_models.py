@@ -1,6 +1,8 @@
-"""--reward-model: a stage-2 reward model in use: how it was trained (rm_settings: reward_model.json), the checks before
-a run (check_reward_model), its critiques (rm_critique) and how well they recover spans (rm_span_metrics, paper Tables 1
-and 6). 03 --reward-model, 04 --reward-model.
+"""--reward-model, --merge: a stage-2 reward model in use: how it was trained (rm_settings: reward_model.json), the
+checks before a run (check_reward_model), its critiques (rm_critique) and how well they recover spans (rm_span_metrics,
+paper Tables 1 and 6). 03 --reward-model, 04 --reward-model. And as stage 2 leaves it: its --output-dir checked before
+training (check_output_dir: 02 --resume, --overwrite), saved whole or not at all (save_reward_model), and merged into a
+plain model folder for an OpenAI-compatible server (merge_reward_model: 02 --merge, tools/merge_reward_model.py).
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import json
 from pathlib import Path
 
 import common
-from infra import decoding, models
+from infra import decoding, models, runs
 
 
 def critique_tokens(task: str) -> int:
@@ -206,3 +208,98 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
     metrics["critique_words"] = sum(words) / len(words) if words else 0.0
     metrics["output_words"] = sum(len(o.split()) for o in outputs) / n if n else 0.0
     return metrics
+
+
+def print_table(m: dict) -> None:
+    """02's span metrics of the reward model (rm_span_metrics, evaluate_rm's) as a table."""
+    fmt = lambda x: "  n/a" if x is None else f"{x:5.3f}"  # noqa: E731
+    print(f"reward model on {m['n']} val examples: JSON parse rate {fmt(m['parse_rate'])}, unmatched-span rate "
+          f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words where "
+          f"it parses, raw outputs {m['output_words']:.1f} words (annotations {m['gold_critique_words']:.1f})")
+    print("  class        precision  recall     F1   spans gold/pred/exact/partial")
+    for name, key, label in (("+1 (good)", "pos", "good"), ("-1 (poor)", "neg", "poor")):
+        s = m["spans"][label]
+        print(f"  {name:11s}    {fmt(m[key + '_precision'])}   {fmt(m[key + '_recall'])}  {fmt(m[key + '_f1'])}"
+              f"   {s['gold']}/{s['pred']}/{s['exact']}/{s['partial']}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stage 2's output: --output-dir checked before training, the reward model saved whole, merged for a server (--merge)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def add_args(p) -> None:
+    g = p.add_argument_group("serving: --merge (infra/reward_models.py: merge_reward_model)")
+    g.add_argument("--merge", metavar="DIR", help="then also write the reward model at DIR as a plain model folder, "
+                   "its LoRA merged, for a server")
+
+
+OWNS = ("eval.json", "eval_samples.jsonl")  # what stage 2 writes beside the saved reward model
+
+
+def check_output_dir(args) -> None:
+    """Before anything is trained: --output-dir holds nothing stage 2 did not write (infra.runs.check_save_dir), and a
+    reward model there is continued or replaced only when asked (infra.runs.start_kind: --resume, --overwrite, or the
+    literal zero-flag demo). DataError otherwise."""
+    from transformers.trainer_utils import get_last_checkpoint
+    out = Path(args.output_dir)
+    runs.check_save_dir(out, (*OWNS, "checkpoints"), "reward_model.json", "--output-dir ")
+    if args.merge:
+        runs.check_save_dir(args.merge, marker="reward_model.json", flag="--merge ")
+    ckpt = out / "checkpoints"
+    resumable = ckpt.is_dir() and get_last_checkpoint(str(ckpt)) is not None  # (an empty checkpoints/ is no run)
+    held = ["reward_model.json"] * (out / "reward_model.json").is_file() + ["checkpoints"] * resumable
+    runs.start_kind(out, args.resume, args.overwrite, held, "checkpoints/", resumable, args.zero_flag)
+
+
+def save_reward_model(model, args, out: Path, summary: dict) -> None:
+    """Adapter weights and config (full fine-tuning: the whole model, loadable like any model directory), the base
+    tokenizer and reward_model.json, written to a temp folder that then replaces `out` (infra.runs.save_pretrained; the
+    Trainer's checkpoints/ move over, for --resume): killed while saving, `out` still holds the previous reward model
+    whole. A folder with reward_model.json is a complete stage-2 output (check_reward_model).
+
+    The tokenizer is saved as the base model ships it: infra.models.load_model adds the same pad token (and resizes the
+    embeddings the same way) when it loads the reward model, so the adapter never needs to carry embedding rows.
+    """
+    from transformers import AutoTokenizer
+    runs.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
+                         keep=("checkpoints",), owns=OWNS, **({"save_embedding_layers": False}
+                                                             if hasattr(model, "peft_config") else {}))
+
+
+def merge_untied(model):
+    """model.merge_and_unload() for a LoRA model, right also when the base ties lm_head to embed_tokens (SmolLM2,
+    Llama-3.2, Qwen2.5-0.5B) and the adapter changes either: merged into the one shared matrix, lm_head's delta would
+    reach the embeddings and embed_tokens' the logits. lm_head gets its own copy of the matrix first; the two are tied
+    again afterwards when no delta touched them."""
+    import torch
+    base = model.get_base_model()
+    tied = getattr(base.config, "tie_word_embeddings", False)
+    if tied:
+        head = base.get_output_embeddings()
+        head = getattr(head, "base_layer", head)  # under LoRA, the layer it wraps
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+    model = model.merge_and_unload()
+    if tied and torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight):
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+    return model
+
+
+def merge_reward_model(rm_dir, out_dir, dtype: str = "float32") -> Path:
+    """The reward model at rm_dir (stage 2's output) as a plain model folder at out_dir that any OpenAI-compatible
+    server can serve: its LoRA adapter merged into the base weights (full fine-tuning: the weights as they are), in
+    `dtype`, loaded as stage 3 loads it (infra.models.load_model: the same pad token, a generation_config of stop ids
+    only, so a server adds no sampling settings of the hub's); its tokenizer; and its reward_model.json with
+    "merged_from", so that --reward-model out_dir cuts the input and budgets critiques as stage 2 trained it. Returns
+    out_dir. 02 --merge DIR writes it right after training; tools/merge_reward_model.py for a reward model already
+    trained. Then `transformers serve DIR` (or `vllm serve DIR`) and 03 --critic openai --critic-api completions
+    --reward-model DIR."""
+    model, tokenizer = models.load_model(str(rm_dir), dtype=dtype)
+    if hasattr(model, "peft_config"):
+        model = merge_untied(model)
+    info = json.loads((Path(rm_dir) / "reward_model.json").read_text()) if (Path(rm_dir) / "reward_model.json"
+                                                                            ).is_file() else {}
+    return runs.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from":
+                                                                                  str(rm_dir)}})

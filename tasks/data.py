@@ -1,10 +1,15 @@
 """--dataset, --data, --prompts: dataset layouts. Records from a local .jsonl / .json / .parquet file or a hub id
 (read_rows), each error naming the file and line (01 --dataset, 04 --data); stage 3's prompts (read_prompts: 03
---prompts).
+--prompts). Stage 1's side: each --task preset's fields (FIELDS, to_records: 01 --prompt-field, --response-field,
+--id-field) and the zero-flag demo's inputs (prepare_demo: 01 --demo-dir, --build-base); and its annotations as stage 2
+and the baselines read them (load_annotations, split_records: 02 --data, --val-frac).
 """
 from __future__ import annotations
 
+import argparse
 import json
+import random
+import shutil
 from pathlib import Path
 
 import common
@@ -98,3 +103,155 @@ def load_split(data: str, prompt_field: str, reference_field=None, split="test",
         records.append({"id": rid, "prompt": rec[prompt_field],
                         **({"reference": rec[reference_field]} if reference_field else {})})
     return records
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stage 1's records: rows of 01 --dataset (or the demo's), then the --task preset's fields -> {"id", "prompt",
+# "response", ...}
+# ----------------------------------------------------------------------------------------------------------------------
+
+FIELDS = {  # --task -> what --prompt-field, --response-field and --id-field default to (to_records applies them)
+    "demo": dict(prompt_field="prompt", response_field="response", id_field="id"),
+    "summarization": dict(prompt_field="subreddit, title, post: TL;DR", response_field="generated_summary_for_feedback",
+                          id_field="id"),
+    "code": dict(prompt_field="the layout's", response_field="the layout's solution", id_field="question_id, task_id"),
+    "qa": dict(prompt_field="instruction", response_field="completions (a record each)", id_field="id")}
+DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval", 200)}  # name: (demo split, size)
+# The reward model's data: 16000 summaries. On 2000 the demo's reward model memorised its examples and found 1 mistake
+# in 5: the rule "is this word in the post?" needs many fresh examples (bench/README.md, "What the demo's reward model
+# needed").
+DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mistakes)
+
+
+def dataset_rows(args) -> list[tuple[str, dict]]:
+    """[(where, row)] of --dataset, or of the demo's records without it: `where` names the file and line (or record)
+    for error messages (read_rows)."""
+    if args.dataset is None:
+        from tasks.demo import demo_dataset
+        split, n, mistakes = DEMO_ANNOTATE
+        return [(f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n, mistakes))]
+    path = Path(args.dataset)
+    if path.is_dir():
+        found = [path / f"{args.split}{ext}" for ext in (".jsonl", ".json", ".parquet")]
+        path = next((f for f in found if f.is_file()), None)
+        if path is None:
+            raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
+        return read_rows(str(path))
+    if args.task == "summarization" and not path.name.endswith(DATA_FILE_SUFFIXES):
+        try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
+            from huggingface_hub import hf_hub_download
+            local = hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")
+        except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
+            raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: "
+                                   f"{common.first_line(e)})") from None
+        return read_rows(local)
+    return read_rows(args.dataset, args.split if args.limit is None else f"{args.split}[:{args.limit}]")
+
+
+def field(row: dict, name: str, where: str) -> str:
+    if name not in row:
+        raise common.DataError(f"{where}: missing field '{name}'")
+    if not isinstance(row[name], str):
+        raise common.DataError(f"{where}: field '{name}' must be a string, got {type(row[name]).__name__}")
+    return row[name]
+
+
+def to_records(rows, args) -> list[dict]:
+    """Apply the task's field preset (overridable with --prompt-field/--response-field/--id-field)."""
+    need_response = args.generate_with is None
+    if args.task == "code":
+        from tasks.code import code_layout, code_problem
+    layout = code_layout(rows[0][1]) if args.task == "code" and rows else None  # kodcode, humaneval, mbpp
+    id_field = args.id_field or {"code": "question_id" if layout == "kodcode" else "task_id"}.get(args.task, "id")
+    records, seen = [], {}
+    for i, (where, row) in enumerate(rows):
+        rid = str(row[id_field]) if id_field in row else f"{args.split}-{i}"
+        problem = layout and code_problem(row, where, layout, need_reference=need_response and not
+                                          args.response_field, prompt_field=args.prompt_field)
+        if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
+            prompt = problem["prompt"]
+        elif args.prompt_field:
+            prompt = field(row, args.prompt_field, where)
+        elif args.task == "summarization":  # the TL;DR prompt of "Learning to summarize from human feedback"
+            prompt = (f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where)}\n"
+                      f"POST: {field(row, 'post', where)}\nTL;DR:")
+        else:
+            prompt = field(row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where)
+        if problem and not args.response_field:
+            out = [(rid, problem["reference"] if need_response else "")]
+        elif args.response_field or args.task != "qa" or not need_response:
+            name = args.response_field or {"summarization": "generated_summary_for_feedback"}.get(args.task,
+                                                                                                   "response")
+            out = [(rid, field(row, name, where) if need_response else "")]
+        else:  # UltraFeedback: one record per completion
+            completions = row.get("completions")
+            if not isinstance(completions, list) or not completions:
+                raise common.DataError(f"{where}: field 'completions' must be a non-empty list")
+            out = [(f"{rid}-{k}", field(c if isinstance(c, dict) else {}, "response", f"{where} completions[{k}]"))
+                   for k, c in enumerate(completions)]
+        extra = {"test": problem["test"]} if problem else {}
+        if args.task == "summarization":
+            extra = {k: row[src] for k, src in (("reference", "ideal_human_summary"), ("human_feedback", "feedback"))
+                     if isinstance(row.get(src), str)}
+            if args.use_human_feedback and "human_feedback" not in extra:
+                raise common.DataError(f"{where}: missing field 'feedback' (needed by --use-human-feedback)")
+        if isinstance(row.get("reference"), str):
+            extra["reference"] = row["reference"]
+        for key, response in out:
+            if key in seen:
+                raise common.DataError(f"{where}: duplicate id {key!r} (first at {seen[key]}); pass --id-field")
+            seen[key] = where
+            records.append({"id": key, "prompt": prompt, "response": response, **extra})
+    return records[:args.limit] if args.limit is not None else records
+
+
+def add_demo_args(p) -> None:
+    g = p.add_argument_group("the zero-flag demo's inputs: --task demo without --dataset (tasks/data.py: prepare_demo)")
+    g.add_argument("--demo-dir", default=None, help="where base/ and data/ go (default: the folder of --output)")
+    g.add_argument("--build-base", action=argparse.BooleanOptionalAction, default=True,
+                   help="build <demo-dir>/base (the tiny pretrained model) if it is missing")
+
+
+def prepare_demo(args) -> None:
+    """The zero-flag demo's inputs for later stages: the tiny base model and the SFT/prompt/eval files."""
+    from tasks.demo import build_demo_base, demo_dataset
+    demo_dir = Path(args.demo_dir or Path(args.output).parent)
+    for name, (split, n) in DEMO_FILES.items():
+        common.write_jsonl(demo_dir / "data" / f"{name}.jsonl", demo_dataset(split, n))
+    base = demo_dir / "base"
+    if args.build_base and not ((base / "config.json").is_file() and (base / "tokenizer.json").is_file()):
+        print(f"building the demo base model in {base} (tokenizer + 0.6M-parameter Llama, ~25 s on CPU)")
+        shutil.rmtree(base, ignore_errors=True)  # what an interrupted build left (the tokenizer is saved last)
+        build_demo_base(base, seed=args.seed)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Stage 1's annotations as stage 2 and the baselines read them: the usable records, a deterministic train/val split
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_annotations(path) -> tuple[list[dict], int]:
+    """(usable records, number of status == "failed" records). DataError 'file:line: ...' on a malformed record."""
+    records = list(common.iter_jsonl(path, required=("prompt", "response")))
+    usable, failed = [], 0
+    for lineno, rec in records:
+        if rec.get("status", "ok") == "failed":
+            failed += 1
+            continue
+        if not isinstance(rec.get("critique"), str):
+            raise common.DataError(f"{path}:{lineno}: field 'critique' must be a string")
+        for name in ("good_spans", "poor_spans"):
+            if not isinstance(rec.get(name), list) or not all(isinstance(s, str) for s in rec[name]):
+                raise common.DataError(f"{path}:{lineno}: field '{name}' must be a list of strings")
+        usable.append(rec)
+    if not usable:
+        raise common.DataError(f"{path}: no usable records ({len(records)} read, {failed} with status 'failed')")
+    return usable, failed
+
+
+def split_records(records: list[dict], val_frac: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, val): a seeded shuffle, then the first round(val_frac * n) records (at least 1) are held out."""
+    order = list(range(len(records)))
+    random.Random(seed).shuffle(order)
+    n_val = min(max(1, round(val_frac * len(records))), len(records) - 1) if val_frac > 0 and len(records) > 1 else 0
+    return [records[i] for i in order[n_val:]], [records[i] for i in order[:n_val]]

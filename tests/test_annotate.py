@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import common
-from infra import serving
+from infra import annotation_report, annotator, generation, serving
+from tasks.data import DEMO_FILES, dataset_rows, to_records
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script, write_jsonl_gz
 
@@ -51,7 +52,7 @@ def write_jsonl(path, rows) -> str:
 def test_demo_writes_the_data_files_and_program_critiques(tmp_path):
     out = tmp_path / "annotations.jsonl"
     summary = annotate.main(["--output", str(out), "--no-build-base", "--limit", "60"])
-    for name, (split, n) in annotate.DEMO_FILES.items():
+    for name, (split, n) in DEMO_FILES.items():
         assert common.read_jsonl(tmp_path / "data" / f"{name}.jsonl") == demo_dataset(split, n)
     recs = lines(out)
     expected = demo_dataset("annotate", 60)
@@ -71,7 +72,7 @@ def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
          "generated_summary_for_feedback": "A dog barks.", "ideal_human_summary": "My dog barks at night."}])
     args = annotate.parse_args(["--task", "summarization", "--dataset", str(tmp_path), "--split", "validation",
                                 "--annotator", "openai"])
-    [rec] = annotate.to_records(annotate.dataset_rows(args), args)
+    [rec] = to_records(dataset_rows(args), args)
     assert rec == {"id": "t3_a", "prompt": "SUBREDDIT: r/pets\nTITLE: My dog\nPOST: He barks.\nTL;DR:",
                    "response": "A dog barks.", "reference": "My dog barks at night.", "human_feedback": "Too vague."}
 
@@ -81,30 +82,30 @@ def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
                                           "test": "def test_f(): pass", "gpt_difficulty": "easy"}]),
                    tmp_path / "kod.parquet")
     args = annotate.parse_args(["--task", "code", "--dataset", str(tmp_path / "kod.parquet")])
-    assert annotate.to_records(annotate.dataset_rows(args), args) == [
+    assert to_records(dataset_rows(args), args) == [
         {"id": "q1", "prompt": "Add.", "response": "def f(): pass", "test": "def test_f(): pass"}]
 
     uf = tmp_path / "uf.json"
     uf.write_text(json.dumps([{"instruction": "Hi?", "completions": [{"response": "Hello."}, {"response": "Hey."}]},
                               {"instruction": "Bye?", "completions": [{"response": "Bye."}]}]))
     args = annotate.parse_args(["--task", "qa", "--dataset", str(uf), "--annotator", "openai", "--limit", "2"])
-    assert annotate.to_records(annotate.dataset_rows(args), args) == [
+    assert to_records(dataset_rows(args), args) == [
         {"id": "train-0-0", "prompt": "Hi?", "response": "Hello."}, {"id": "train-0-1", "prompt": "Hi?",
                                                                     "response": "Hey."}]
     args = annotate.parse_args(["--task", "qa", "--dataset", str(uf), "--annotator", "openai", "--prompt-field",
                                 "instruction", "--response-field", "instruction", "--split", "dev"])
-    assert [r["response"] for r in annotate.to_records(annotate.dataset_rows(args), args)] == ["Hi?", "Bye?"]
+    assert [r["response"] for r in to_records(dataset_rows(args), args)] == ["Hi?", "Bye?"]
 
 
 def test_bad_input_names_file_line_and_field(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "solution": "s", "test": "t"}, {"question": "q"}])
     args = annotate.parse_args(["--task", "code", "--dataset", bad])
     with pytest.raises(common.DataError, match=r"bad\.jsonl:2: missing field 'solution'"):
-        annotate.to_records(annotate.dataset_rows(args), args)
+        to_records(dataset_rows(args), args)
     dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "prompt": "p", "response": "r"}] * 2)
     args = annotate.parse_args(["--task", "demo", "--dataset", dup])
     with pytest.raises(common.DataError, match=r"dup\.jsonl:2: duplicate id 'a'"):
-        annotate.to_records(annotate.dataset_rows(args), args)
+        to_records(dataset_rows(args), args)
 
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"id": "a", "prompt": "p", "response": "r"}\n\n{"id": "b", "prompt": \n')
@@ -212,9 +213,9 @@ def test_a_400_that_every_row_gets_stops_the_run(tmp_path, fake_openai, monkeypa
                            "100000")
         proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        f"error: --base-url {server.base_url}: the first {annotate.FATAL_REPEATS} records all got "
+        f"error: --base-url {server.base_url}: the first {annotator.FATAL_REPEATS} records all got "
         "HTTP 400: max_tokens 100000 exceeds the model's context (2048)")
-    assert len(server.preflights) == 1 and len(lines(tmp_path / "a.jsonl")) == annotate.FATAL_REPEATS
+    assert len(server.preflights) == 1 and len(lines(tmp_path / "a.jsonl")) == annotator.FATAL_REPEATS
 
 
 def test_a_critique_without_span_lists_is_repaired_or_failed(tmp_path, fake_openai, monkeypatch):
@@ -571,7 +572,7 @@ def test_a_failure_share_above_the_threshold_is_a_loud_warning(tmp_path, fake_op
     with fake_openai(reply) as server:
         summary = annotate.main(openai_args(server.base_url, data, tmp_path / "a.jsonl"))
     err = capsys.readouterr().err
-    assert summary["ok"] == 6 and annotate.FAIL_WARN_SHARE < 2 / 8
+    assert summary["ok"] == 6 and annotation_report.FAIL_WARN_SHARE < 2 / 8
     assert "warning: 2 of 8 records failed (25%): the critic's outputs do not parse; first failure (q" in err
     with fake_openai(lambda body, n: feedback(response_of(body))) as server:  # no failure: no warning
         annotate.main(openai_args(server.base_url, qa_file(tmp_path / "q2.jsonl", 4), tmp_path / "b.jsonl"))
@@ -583,8 +584,8 @@ def test_elapsed_counts_the_whole_run_generation_included(tmp_path, monkeypatch)
         time.sleep(0.5)
         for rec in records:
             rec["response"] = " tom has a red dog."
-    monkeypatch.setattr(annotate, "generate_responses", slow_generation)
-    monkeypatch.setattr(annotate, "load_generator", lambda args: ("model", "tokenizer"), raising=False)
+    monkeypatch.setattr(generation, "generate_responses", slow_generation)
+    monkeypatch.setattr(generation, "load_generator", lambda args: ("model", "tokenizer"), raising=False)
     summary = annotate.main(["--output", str(tmp_path / "a.jsonl"), "--no-build-base", "--limit", "3",
                              "--generate-with", "tiny/model"])
     assert summary["this_run"]["elapsed_s"] >= 0.5

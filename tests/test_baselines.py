@@ -3,6 +3,7 @@ the process reward model (02 --objective prm), their critics in 03 (--critic sca
 baselines/scalar_rm.py; DPO (baselines/dpo.py)
 and SFT + reflection (baselines/reflection_data.py, 04 --reflect). Losses against hand-computed values; the scalar
 reward model's scores against transformers' own pooling; bad input as one line."""
+import argparse
 import json
 import math
 import subprocess
@@ -16,6 +17,7 @@ from conftest import import_script
 
 import common
 from infra import models, reward_models, runs
+from tasks.data import load_annotations, split_records
 from tasks.demo import demo_critic, demo_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +216,7 @@ def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
                                              "--model", tiny_model_dir, "--device", "cpu"]))
     # the held-out step accuracy, recomputed from 03's critic on the same held-out answers: a step is predicted
     # right where its reward 2 sigmoid(s) - 1 > 0, and is right where no poor span of the annotation falls in it
-    _, val = rm.split_records(rm.load_annotations(tmp_path / "ann.jsonl")[0], 0.2, 0)
+    _, val = split_records(load_annotations(tmp_path / "ann.jsonl")[0], 0.2, 0)
     pred = [r > 0 for fb in critic(val, [v["response"] for v in val]) for _, r in fb["step_rewards"]]
     gold = [not any(a < e and s < b for a, b in common.locate_spans(v["response"], [], v["poor_spans"])[1])
             for v in val for s, e in scalar_rm.split_steps(v["response"])]
@@ -289,7 +291,7 @@ def _dpo_policy(tiny_model_dir, *flags):
                            "--lora-alpha", "8", *flags])
     model, tok = models.load_model(tiny_model_dir)
     torch.manual_seed(0)
-    policy, ref, _ = ppo.build_policy(dpo.policy_config(args), model)
+    policy, ref = dpo.build_policy(args, model)
     with torch.no_grad():  # move the adapter off zero, so that pi != ref and every gradient is non-trivial
         for name, w in policy.named_parameters():
             if "lora_B" in name:
@@ -332,6 +334,54 @@ def test_dpo_takes_its_split_from_stage2s_preset(tmp_path):
     assert dpo.parse_args(["--data", "x"]).split_seed == rm.parse_args([]).seed
 
 
+def test_dpos_split_fractions_are_stage2s_presets():
+    """DPO's copy of 02's --val-frac presets (VAL_FRAC, its --task choices) is 02's, for every task."""
+    assert dpo.VAL_FRAC == {task: preset["val_frac"] for task, preset in rm.PRESETS.items()}
+
+
+@pytest.mark.parametrize("lora_r", ["4", "0"])
+def test_dpos_policy_and_log_probs_are_03s(tiny_model_dir, lora_r):
+    """DPO's copies of 03's build_policy, forward and reference_forward (baselines/dpo.py: build_policy,
+    token_logprobs, reference_logprobs) give 03's: the same trainable weights from the same seed, and the same
+    log-probs of left-padded queries and right-padded answers, bit for bit, under the policy and the reference (the
+    adapter off, or the frozen copy of full fine-tuning), summed as sequence_logprobs sums them."""
+    args = dpo.parse_args(["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", lora_r,
+                           "--lora-alpha", "8"])
+    built = []
+    for build in (lambda m: dpo.build_policy(args, m), lambda m: ppo.build_policy(
+            argparse.Namespace(**vars(args), ref_adapter=None), m)[:2]):
+        torch.manual_seed(0)
+        policy, ref = build(models.load_model(tiny_model_dir)[0])
+        torch.manual_seed(1)
+        with torch.no_grad():  # the same step off the start for both, so that pi != ref
+            for name, w in sorted(policy.named_parameters()):
+                if w.requires_grad and ("lora_B" in name or lora_r == "0"):
+                    w.add_(torch.randn_like(w) * 0.05)
+        built.append((policy, ref))
+    (ours, our_ref), (theirs, their_ref) = built
+    trainable = lambda m: {n: w for n, w in m.named_parameters() if w.requires_grad}  # noqa: E731
+    assert trainable(ours).keys() == trainable(theirs).keys() and trainable(ours)
+    assert all(torch.equal(w, trainable(theirs)[n]) for n, w in trainable(ours).items())
+    assert (our_ref is None) == (their_ref is None) == (lora_r != "0")
+    tok = models.load_model(tiny_model_dir)[1]
+    queries = [tok("tom has a red dog.")["input_ids"], tok("anna")["input_ids"]]
+    answers = [tok(" rex likes the park", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+               tok(" a cat", add_special_tokens=False)["input_ids"]]
+    query, query_mask = models.left_pad(queries, tok.pad_token_id)
+    T = max(map(len, answers))
+    response, mask = torch.full((2, T), tok.pad_token_id), torch.zeros(2, T)
+    for i, y in enumerate(answers):
+        response[i, :len(y)], mask[i, :len(y)] = torch.tensor(y), 1.0
+    ids, attn = torch.cat([query, response], 1), torch.cat([query_mask, mask.long()], 1)
+    with torch.no_grad():
+        lp, ref_lp = dpo.token_logprobs(ours, ids, attn, T), dpo.reference_logprobs(ours, our_ref, ids, attn, T)
+        want, want_ref = ppo.forward(theirs, None, ids, attn, T, 1.0)[0], ppo.reference_forward(
+            theirs, their_ref, ids, attn, T, 1.0)[0]
+        summed = dpo.sequence_logprobs(ours, our_ref, queries, answers, tok.pad_token_id, "cpu", "float32")
+    assert torch.equal(lp, want) and torch.equal(ref_lp, want_ref) and not torch.equal(lp, ref_lp)
+    assert torch.equal(summed[0], (want * mask).sum(1)) and torch.equal(summed[1], (want_ref * mask).sum(1))
+
+
 def test_dpo_writes_its_config_before_training_and_its_held_out_metrics(tmp_path, tiny_model_dir):
     """config.json is written before the first step (a run that dies still says what it was), eval.json after the
     held-out pairs are scored in micro-batches."""
@@ -348,7 +398,7 @@ def test_dpo_writes_its_config_before_training_and_its_held_out_metrics(tmp_path
                             str(tmp_path / "dpo"), "--epochs", "1", "--batch-size", "8", "--micro-batch-size", "3",
                             "--val-frac", "0.25", "--device", "cpu"])
     assert seen["config"] and json.loads((tmp_path / "dpo" / "config.json").read_text())["micro_batch_size"] == 3
-    held_out = rm.split_records(scalar_rm.preference_pairs(pool(16)), 0.25, 0)[1]
+    held_out = split_records(scalar_rm.preference_pairs(pool(16)), 0.25, 0)[1]
     assert metrics["n"] == len(held_out) > 1 and json.loads((tmp_path / "dpo" / "eval.json").read_text()) == metrics
 
 

@@ -11,6 +11,7 @@ from conftest import ROOT, import_script
 
 import common
 from infra import models, reward_models
+from tasks.data import load_annotations, split_records
 from tasks.demo import demo_critic, demo_dataset
 
 rm = import_script("02_train_reward")
@@ -130,11 +131,11 @@ def test_training_input_is_cut_as_the_input_in_use(tiny_model_dir, preset):
 
 def test_split_is_deterministic_and_disjoint():
     recs = [{"id": str(i)} for i in range(50)]
-    train, val = rm.split_records(recs, 0.2, seed=3)
+    train, val = split_records(recs, 0.2, seed=3)
     assert len(val) == 10 and len(train) == 40
     assert {r["id"] for r in train} | {r["id"] for r in val} == {str(i) for i in range(50)}
-    assert rm.split_records(recs, 0.2, seed=3) == (train, val)
-    assert rm.split_records(recs, 0.2, seed=4)[1] != val
+    assert split_records(recs, 0.2, seed=3) == (train, val)
+    assert split_records(recs, 0.2, seed=4)[1] != val
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -192,15 +193,15 @@ def test_bad_annotations_give_clear_errors(tmp_path):
     path = tmp_path / "ann.jsonl"
     path.write_text(json.dumps(recs[0]) + "\n\n" + json.dumps({**recs[1], "poor_spans": "x"}) + "\n")
     with pytest.raises(common.DataError, match=rf"^{path}:3: field 'poor_spans' must be a list of strings$"):
-        rm.load_annotations(path)
+        load_annotations(path)
     path.write_text(json.dumps(recs[0]) + "\n" + '{"id": "x", "prompt": \n')
     with pytest.raises(common.DataError, match=rf"^{path}:2: not valid JSON"):
-        rm.load_annotations(path)
+        load_annotations(path)
     path.write_text("".join(json.dumps({**r, "status": "failed", "reason": "timeout"}) + "\n" for r in recs))
     with pytest.raises(common.DataError, match="no usable records .*3 with status 'failed'"):
-        rm.load_annotations(path)
+        load_annotations(path)
     path.write_text(json.dumps({**recs[0], "status": "failed"}) + "\n" + json.dumps(recs[1]) + "\n")
-    assert rm.load_annotations(path) == ([recs[1]], 1)
+    assert load_annotations(path) == ([recs[1]], 1)
 
 
 @pytest.mark.parametrize("case", ["broken-line", "no-weights"])
@@ -248,7 +249,7 @@ def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
     common.write_jsonl(data, recs)
     args = run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--max-steps", "120", "--val-frac", "0.1",
                     "--eval-limit", "16", "--max-new-tokens", "40")
-    _, val = rm.split_records(rm.load_annotations(data)[0], args.val_frac, args.seed)
+    _, val = split_records(load_annotations(data)[0], args.val_frac, args.seed)
     model, tok = models.load_model(tiny_model_dir)  # step 0: LoRA starts as the identity (B = 0)
     before, _ = rm.evaluate_rm(model, tok, val[:16], max_new_tokens=40)
     after = rm.main(args)
@@ -493,7 +494,7 @@ def test_raw_outputs_count_their_words_where_nothing_parses(capsys):
     items = [{"text": t, "offsets": o, "good_spans": ["tom"], "poor_spans": []}] * 2
     m = reward_models.rm_span_metrics(items, ["the response is fine and it is " * 5, "one two three"])
     assert m["critique_words"] == 0.0 and m["output_words"] == (35 + 3) / 2
-    rm.print_table({**m, "gold_critique_words": 4.0})
+    reward_models.print_table({**m, "gold_critique_words": 4.0})
     assert "raw outputs 19.0 words" in capsys.readouterr().out
 
 

@@ -10,7 +10,6 @@ The folder keeps the reward model's reward_model.json, so --reward-model DIR cut
 stage 2 trained it; with --critic-api completions at temperature 0 the served critic writes what --critic local writes.
 """
 import argparse
-import importlib
 import sys
 from pathlib import Path
 
@@ -27,8 +26,7 @@ if __name__ == "__main__":
     args = p.parse_args()
     try:
         reward_models.check_reward_model(args.reward_model, "")
-        print(importlib.import_module("02_train_reward").merge_reward_model(args.reward_model, args.out_dir,
-                                                                             args.dtype))
+        print(reward_models.merge_reward_model(args.reward_model, args.out_dir, args.dtype))
     except common.DataError as e:  # bad input: one line, exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
