@@ -679,7 +679,7 @@ def main(argv=None):
     baseline = argparse.Namespace(**{**vars(args), "reward_mode": "scalar", "output_dir": args.scalar_baseline_dir,
                                      "scalar_baseline_dir": ""})
     for run in [args, baseline][:1 + bool(args.scalar_baseline_dir)]:
-        runs.on_interrupt(run, sys.argv[1:] if argv is None else argv)  # Ctrl-C: one line, the command to continue
+        runs.on_interrupt(run, [Path(__file__).name, *(sys.argv[1:] if argv is None else argv)])  # Ctrl-C: one line
         policy = train(run)
         log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})" if run is args
             else f"scalar baseline saved to {policy}")

@@ -315,7 +315,8 @@ _RUN = {}  # the stage-3 run a Ctrl-C would stop (its settings) and the command 
 
 
 def on_interrupt(args, argv: list[str]) -> None:
-    """Remember the run main() is about to train, for interrupted()."""
+    """Remember the run main() is about to train and its command line (the script, then its arguments), for
+    interrupted()."""
     _RUN.update(args=args, argv=list(argv))
 
 
@@ -328,6 +329,6 @@ def interrupted() -> str:
     done = len(common.read_jsonl(metrics)) if metrics.is_file() else 0
     saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["step"] if ckpt.is_file() else None
     argv = [a for a in _RUN.get("argv", []) if a not in ("--overwrite", "--resume")]
-    again = shlex.join(["python", "03_train_policy.py", *argv, "--resume" if saved else "--overwrite"])
+    again = shlex.join(["python", *argv, "--resume" if saved else "--overwrite"])
     return (f"interrupted after iteration {done} of {steps}; last checkpoint: " +
             (f"iteration {saved} ({ckpt})" if saved else "none yet (--save-every)") + f"; continue with: {again}")
