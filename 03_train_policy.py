@@ -657,16 +657,15 @@ def train(args):
         if args.adaptive_kl_target:
             kl_coef = update_kl_coef(kl_coef, row["objective/kl"], args.adaptive_kl_target, args.adaptive_kl_horizon,
                                      args.batch_size)
-        costs.append((row["time/generate_s"], row["time/critic_s"], row["critic/parse_fail_rate"]))
-        if rank == 0:
-            trace.show_progress(bar, step, row, feedback, args)
-        if step % args.save_every == 0 or step == args.steps:
+        halt = trace.watch(bar, step, row, feedback, costs, args, rank)  # why the run stops here (no critic), or None
+        if step % args.save_every == 0 or step == args.steps or halt:
             runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args),
                                  rank)
-    if rank == 0 and costs:
-        trace.print_critic_summary(costs, args)
+        if halt:
+            raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
     distributed.barrier()
+    trace.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
     return out_dir / "policy"
 
 

@@ -256,7 +256,8 @@ def phase_stage3(args, out: Path) -> dict:
             str(sh["accum"]), "--max-new-tokens", str(sh["new"]), "--min-new-tokens", str(sh["new"]),
             "--max-prompt-tokens", str(sh["prompt"]), "--critic-max-new-tokens", str(critic_tokens),
             "--steps", str(args.steps), "--chat-template", "off", "--output-dir", str(run_dir), "--overwrite",
-            *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard]
+            *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard,
+            "--max-fail-share", "1"]  # random weights: no critique parses (the cost is measured, not the learning)
     phases, kept = {}, {}
 
     def timed(name, fn):

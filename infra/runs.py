@@ -255,7 +255,7 @@ def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str
 
 
 MAY_DIFFER = ("steps", "log_every", "save_every", "trace_samples", "dump_rollouts", "critic_concurrency", "resume",
-              "overwrite", "zero_flag", "scalar_baseline_dir",  # what a resumed run may change: no result depends on it
+              "overwrite", "zero_flag", "scalar_baseline_dir", "max_fail_share", "max_fail_iterations",  # what a resumed run may change: no result depends on it
               "device")  # and where it runs (config.json's segments record each invocation's device)
 
 

@@ -264,3 +264,35 @@ def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(t
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     with pytest.raises(common.DataError, match="returned a dict, not a list"):
         plugin.call(lambda recs, texts: {"spans": []}, "m:f", [{}] * 2, ["a", "b"])
+
+
+def test_a_critic_that_never_works_stops_stage_3(tmp_path, tiny_model_dir):
+    """Issue 56, item 1: a critic whose every critique fails gives delta = 0 to every rollout, which reads as a flawless
+    batch. Stage 3 stops with exit 2 and one line once most critiques failed --max-fail-iterations iterations in a
+    row, its checkpoint saved there (fix the critic, --resume); and a run whose failures never come in such a row
+    but add up to more than --max-fail-share still saves its policy, then exits 2 saying so."""
+    path = tmp_path / "broken.py"
+    path.write_text("import itertools\nCALLS = itertools.count()\n"
+                    "def never(records, responses):\n    return [{'error': 'no answer'} for _ in responses]\n"
+                    "def mostly(records, responses):\n"
+                    "    ok = next(CALLS) % 3 == 2  # one batch in three is judged\n"
+                    "    return [{'good_spans': [], 'poor_spans': []} if ok else {'error': 'no answer'} "
+                    "for _ in responses]\n")
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
+    base = [sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
+            str(tmp_path / "prompts.jsonl"), "--sft-steps", "0", "--batch-size", "4", "--num-minibatches", "2",
+            "--ppo-epochs", "1", "--max-new-tokens", "6", "--device", "cpu", "--save-every", "100"]
+    proc = subprocess.run([*base, "--critic", f"python:{path}:never", "--output-dir", str(tmp_path / "never"),
+                           "--steps", "10"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: stage 3 stopped at iteration 3: most critiques failed (over --max-fail-share "
+                           "0.5) 3 iterations in a row") and "no answer" in last and "--resume" in last, last
+    assert torch.load(tmp_path / "never" / "checkpoint.pt", weights_only=False)["step"] == 3
+    assert len(common.read_jsonl(tmp_path / "never" / "metrics.jsonl")) == 3
+    proc = subprocess.run([*base, "--critic", f"python:{path}:mostly", "--output-dir", str(tmp_path / "mostly"),
+                           "--steps", "6"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: stage 3 finished, but 16 of 24 critiques failed "
+                                                          "(67%, over --max-fail-share 0.5)")
+    assert (tmp_path / "mostly" / "policy" / "adapter_config.json").is_file()

@@ -220,7 +220,8 @@ def _args(tmp_path, tiny_model_dir, *extra):
                            "program", "--output-dir", str(tmp_path / "run"), "--scalar-baseline-dir", "",
                            "--steps", "2", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
                            "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-                           "--lora-alpha", "8", *extra])
+                           "--lora-alpha", "8", "--max-fail-share", "1", *extra])  # the loop under test, not the
+    # critic: an untrained critic's failed critiques do not stop these runs (test_plugin tests the stop)
 
 
 @pytest.mark.parametrize("lora_r", [4, 0])

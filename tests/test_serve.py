@@ -107,7 +107,7 @@ def ppo_argv(tmp_path, model, *extra):
     return ["--model", model, "--prompts", str(tmp_path / "prompts.jsonl"), "--task", "qa", "--output-dir",
             str(tmp_path / "run"), "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "2",
             "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device",
-            "cpu", "--lora-r", "4", "--lora-alpha", "8", "--log-every", "1", *extra]
+            "cpu", "--lora-r", "4", "--lora-alpha", "8", "--log-every", "1", "--max-fail-share", "1", *extra]
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
