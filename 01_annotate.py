@@ -200,9 +200,9 @@ def annotate_program(todo: list[dict], critic, args, sink) -> None:
                 if fb.get("critic_error"):
                     sink(finish(rec, reason=fb["critic_error"]))
                     continue
-                good, poor = plugin.quotes(rec["response"], fb)
+                good, poor, ambiguous = plugin.quotes(rec["response"], fb)  # ambiguous: flagged, no quote reaches it
                 out = finish(rec, {**fb, "good_spans": good, "poor_spans": poor})
-                sink({**out, "spans": fb["spans"]} if "spans" in fb else out)
+                sink({**out, **{k: v for k, v in (("spans", fb.get("spans")), ("ambiguous_spans", ambiguous)) if v}})
 
 
 async def critique_served(rec: dict, ask, args) -> dict:

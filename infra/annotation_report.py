@@ -28,6 +28,7 @@ def summarize(path: Path, args, this_run: Counter, elapsed_s: float, annotate_s:
             "good_spans_per_record": round(good / max(1, len(ok)), 3),
             "poor_spans_per_record": round(poor / max(1, len(ok)), 3),
             "unmatched_span_rate": round(unmatched / max(1, good + poor + unmatched), 4),
+            "ambiguous_spans": sum(len(r.get("ambiguous_spans", [])) for r in ok),  # flagged, but no quote reaches them
             "prompt_tokens": tokens["prompt_tokens"], "completion_tokens": tokens["completion_tokens"],
             "estimated_cost_usd": (None if cost is None else round(cost, 4)) if args.annotator == "openai" else 0.0,
             "this_run": {"annotated": this_run["ok"] + this_run["failed"], "failed": this_run["failed"],

@@ -229,8 +229,9 @@ def _response_lines(program: str, start: int, offset: int) -> dict[int, tuple[st
     return units
 
 
-def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[list[str], list[str]]:
-    """Exact, unambiguous quotes of `response` for (first, last) program line ranges; poor wins over good, 3 each."""
+def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[list[str], list[str], list[dict]]:
+    """Exact, unambiguous quotes of `response` for (first, last) program line ranges; poor wins over good, 3 each;
+    and the ranges no quote can reach (plugin.unambiguous_quotes: a line repeated earlier)."""
     def intervals(ranges):
         out = []
         for a, b in ranges:
@@ -240,7 +241,7 @@ def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[li
         return out
     poor_iv = intervals(poor)[:3]
     good_iv = [iv for iv in intervals(good) if not any(a < iv[1] and iv[0] < b for a, b in poor_iv)][:3]
-    return plugin.unambiguous_quotes(response, good_iv, poor_iv, sorted(units.values(), key=lambda u: u[1]))
+    return plugin.unambiguous_quotes(response, good_iv, poor_iv)
 
 
 def _suspicious_lines(cases: list[dict], tree, quotable, limit: int = 2) -> list[int]:
@@ -299,7 +300,8 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
         return f"line {n - line0 + 1}{text}" if n >= line0 else f"the prompt's{text}"
 
     verdict = lambda critique, good=(), poor=(), status="failed": {  # noqa: E731
-        "critique": critique, **dict(zip(("good_spans", "poor_spans"), _quote_lines(response, units, good, poor))),
+        "critique": critique, **dict(zip(("good_spans", "poor_spans", "ambiguous_spans"),
+                                         _quote_lines(response, units, good, poor))),
         "passed": status == "passed", "status": status}
     try:
         tree = parse_python(program)  # one thread at a time: 01 runs the critic from a thread pool

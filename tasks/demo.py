@@ -48,7 +48,8 @@ def demo_post_pets(prompt: str) -> tuple[list[dict], set]:
     if not starts:
         raise ValueError(f"not a demo post (no match for {_FACT_PATTERNS[0]!r}): {prompt[:60]!r}")
     for i, first in enumerate(starts):
-        block, facts = post[first.start():starts[i + 1].start() if i + 1 < len(starts) else len(post)], first.groupdict()
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(post)
+        block, facts = post[first.start():end], first.groupdict()
         for pattern in _FACT_PATTERNS[1:]:
             m = re.search(pattern, block)
             if not m:
@@ -126,7 +127,8 @@ def demo_intervals(response: str, labelled) -> dict:
 
 
 def demo_critic(prompt: str, response: str) -> dict:
-    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans"}, quotes exact in `response`."""
+    """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans", "ambiguous_spans"}, quotes
+    exact in `response`; a flagged interval no quote can reach (plugin.unambiguous_quotes) is listed, not quoted."""
     pets, _ = demo_post_pets(prompt)
     labelled = demo_labels(prompt, response)
     pet = lambda start: min(response[:start].count("."), len(pets) - 1)  # noqa: E731  (as demo_labels judges)
@@ -140,14 +142,14 @@ def demo_critic(prompt: str, response: str) -> dict:
         if note and note not in notes:
             notes.append(note)
     intervals = demo_intervals(response, labelled)
-    good, poor = plugin.unambiguous_quotes(response, intervals["good"], intervals["poor"], words)
+    good, poor, ambiguous = plugin.unambiguous_quotes(response, intervals["good"], intervals["poor"])
     right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
     missing = [cat.replace("_", " ") + (f" of pet {k + 1}" if len(pets) > 1 else "") for k in range(len(pets))
                for cat in DEMO_FACTS if (k, cat) not in seen]
     parts = ([f"It gets {_join(right)} right."] if right else ["It states none of the post's facts."]) + notes
     if missing and right:
         parts.append(f"It leaves out the {_join(missing)}.")
-    return {"critique": " ".join(parts), "good_spans": good, "poor_spans": poor}
+    return {"critique": " ".join(parts), "good_spans": good, "poor_spans": poor, "ambiguous_spans": ambiguous}
 
 
 def critic(records: list[dict], responses: list[str]) -> list[dict]:

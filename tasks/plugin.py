@@ -140,7 +140,8 @@ def check_item(item, response: str) -> dict:
     for k, v in quotes.items():
         if not isinstance(v, (list, tuple)) or not all(isinstance(q, str) for q in v):
             raise ValueError(f"'{k}' must be a list of strings (quotes of the response)")
-    return {"critique": critique, **{k: list(v) for k, v in quotes.items()}}
+    extra = {"ambiguous_spans": item["ambiguous_spans"]} if item.get("ambiguous_spans") else {}  # (a program critic's)
+    return {"critique": critique, **{k: list(v) for k, v in quotes.items()}, **extra}
 
 
 def _interval(x, n: int) -> dict:
@@ -216,36 +217,32 @@ def probe_response(record: dict) -> str:
     return next((record[k] for k in ("response", "reference") if isinstance(record.get(k), str)), "")
 
 
-def quotes(response: str, fb: dict) -> tuple[list[str], list[str]]:
-    """(good, poor) quotes of a checked item: its own, or for intervals the quotes that locate to exactly them
-    (unambiguous_quotes; reward > 0 good, < 0 poor), so that 01's records always hold quotes."""
+def quotes(response: str, fb: dict) -> tuple[list[str], list[str], list[dict]]:
+    """(good, poor, ambiguous) quotes of a checked item: its own, or for intervals the quotes that locate to exactly
+    them (unambiguous_quotes; reward > 0 good, < 0 poor), so that 01's records always hold quotes."""
     if "spans" not in fb:
-        return fb["good_spans"], fb["poor_spans"]
-    words = [(m.group(), m.start(), m.end()) for m in re.finditer(r"\S+", response)]
+        return fb["good_spans"], fb["poor_spans"], fb.get("ambiguous_spans", [])
     ivs = {sign: [(x["start"], x["end"]) for x in fb["spans"] if x["start"] < x["end"] and sign * x["reward"] > 0]
            for sign in (1, -1)}
-    return unambiguous_quotes(response, ivs[1], ivs[-1], words)
+    return unambiguous_quotes(response, ivs[1], ivs[-1])
 
 
-def unambiguous_quotes(text, good_iv, poor_iv, words):
-    """Quote strings that locate_spans resolves to exactly the intended intervals, for a critic that knows the
-    intervals it means (tasks/: the demo's and the code task's program critics). words: (word, start, end) of `text`.
-    A quote that would land on an earlier occurrence is widened by a word, right first, until it is unique (or dropped
-    if it cannot be)."""
-    ivs = {"good": list(good_iv), "poor": list(poor_iv)}
-    starts, ends = [s for _, s, _ in words], [e for _, _, e in words]
-    for _ in range(8):
+def unambiguous_quotes(text, good_iv, poor_iv) -> tuple[list[str], list[str], list[dict]]:
+    """(good quotes, poor quotes, ambiguous) for a critic that knows the intervals it means (tasks/: the demo's and
+    the code task's program critics, and interval plug-ins in stage 1): each interval's own text, kept where
+    common.locate_spans puts every quote back on exactly its interval. An interval whose text occurs earlier,
+    unclaimed by an identical quote, cannot be quoted: the quote would label that occurrence. It is never widened to
+    be unique (that labels words the critic did not flag: " yellow cat" for a repeated " yellow", issue 56): it goes
+    to `ambiguous` as {"start", "end", "label", "reason"}, and the other quotes stay."""
+    ivs, ambiguous = {"good": list(good_iv), "poor": list(poor_iv)}, []
+    while True:
         quotes = {k: [text[a:b] for a, b in v] for k, v in ivs.items()}
-        got_good, got_poor, _ = locate_spans(text, quotes["good"], quotes["poor"])
-        wrong = [(k, i) for k, got in (("good", got_good), ("poor", got_poor))
-                 for i, iv in enumerate(ivs[k]) if i >= len(got) or got[i] != iv]
-        if not wrong:
-            return quotes["good"], quotes["poor"]
-        k, i = wrong[0]
-        a, b = ivs[k][i]
-        later, earlier = [e for e in ends if e > b], [s for s in starts if s < a]
-        if later or earlier:
-            ivs[k][i] = (a, later[0]) if later else (earlier[-1], b)
-        else:
-            del ivs[k][i]
-    return [], []
+        got = dict(zip(("good", "poor"), locate_spans(text, quotes["good"], quotes["poor"])[:2]))
+        wrong = next(((k, i) for k in ("good", "poor") for i, iv in enumerate(ivs[k])
+                      if i >= len(got[k]) or got[k][i] != iv), None)
+        if wrong is None:
+            return quotes["good"], quotes["poor"], ambiguous
+        k, i = wrong
+        (a, b) = ivs[k].pop(i)
+        ambiguous.append({"start": a, "end": b, "label": k, "reason": f"{text[a:b]!r} occurs earlier, where a quote "
+                          "of it would land"})

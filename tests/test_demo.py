@@ -15,7 +15,7 @@ from conftest import ROOT, import_script
 
 import common
 from common import locate_spans, parse_feedback
-from tasks.demo import demo_critic, demo_labels, demo_rm_agreement, make_demo_example
+from tasks.demo import demo_critic, demo_dataset, demo_labels, demo_rm_agreement, make_demo_example
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -237,3 +237,25 @@ def test_report_renders_offline_in_headless_chromium(demo):
     assert {1, -1} <= set(values["signs"])  # both colours were checked
     assert values["titles"]
     assert (run / "report.png").stat().st_size > 10_000
+
+
+def test_no_quote_labels_characters_the_critic_did_not_flag():
+    """Issue 56, item 5: a flagged interval whose text occurs earlier, unclaimed, cannot be quoted: its quote would
+    land there. It used to be widened by neighbouring words until unique (labelling words nobody flagged: " yellow
+    cat" for a repeated " yellow"), or after 8 tries every span of the record was dropped. Now it is listed under
+    ambiguous_spans with its interval and a reason, and the record's other spans stay: on 300 answers of the demo's
+    two-pet world, every token the quotes label lies in an interval the critic flags, and every flag is either quoted
+    or listed."""
+    from tasks.demo import demo_critic, demo_intervals, demo_labels
+    listed = 0
+    for rec in demo_dataset("sft", 300, pets=2):
+        text = rec["response"]
+        fb = demo_critic(rec["prompt"], text)
+        flagged = demo_intervals(text, demo_labels(rec["prompt"], text))
+        good, poor, _ = locate_spans(text, fb["good_spans"], fb["poor_spans"])
+        assert set(good) <= set(flagged["good"]) and set(poor) <= set(flagged["poor"])
+        missing = {(a["start"], a["end"]) for a in fb["ambiguous_spans"]}
+        assert set(flagged["good"]) | set(flagged["poor"]) == set(good) | set(poor) | missing
+        assert all(a["reason"] and a["label"] in ("good", "poor") for a in fb["ambiguous_spans"])
+        listed += len(missing)
+    assert listed  # the two-pet world repeats words across its sentences: some flags cannot be quoted
