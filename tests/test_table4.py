@@ -131,10 +131,15 @@ def test_an_unknown_task_or_a_missing_package_is_one_line_before_any_generation(
     monkeypatch.setattr(lm_eval_tasks, "task_manager", lambda *a: own)  # here: the built-in tasks left out
     with pytest.raises(common.DataError, match="no_such_task: not a task the harness knows"):
         ev.main(base + ["--lm-eval-tasks", "no_such_task", "--lm-eval-include-path", tasks])
+    with pytest.raises(common.DataError, match=r"^--mt-bench needs a judge: --judge-base-url"):
+        ev.main(base + ["--mt-bench"])
+    with pytest.raises(common.DataError, match=r"^--alpaca-eval needs the reference's answers: --reference-field"):
+        ev.main(base + ["--alpaca-eval", "--judge-base-url", "http://127.0.0.1:9/v1"])
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # not installed
     with pytest.raises(common.DataError, match=r"--lm-eval-tasks needs .*: pip install -r requirements-eval.txt$"):
         ev.main(base + ["--lm-eval-tasks", "arc_challenge"])
-    monkeypatch.setitem(sys.modules, "alpaca_eval", None)
+    for module in ("alpaca_eval", "alpaca_eval.metrics"):  # imported above, for the reference-field check
+        monkeypatch.setitem(sys.modules, module, None)
     with pytest.raises(common.DataError, match=r"--alpaca-eval needs the alpaca_eval package .*requirements-eval"):
         ev.main(base + ["--alpaca-eval", "--judge-base-url", "http://127.0.0.1:9/v1", "--reference-field", "output"])
     assert not (tmp_path / "out").exists()
