@@ -34,7 +34,7 @@ from pathlib import Path
 import common
 from baselines import reflection
 from common import DataError
-from infra import cli, evaluation, judge, models, monitors, report, reward_models
+from infra import cli, evaluation, judge, models, monitors, report, reward_models, table4
 from tasks.data import load_split
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
@@ -87,7 +87,7 @@ def parse_args(argv=None):
     a("--output-dir", default="runs/demo", help="results.json, report.html and eval/ caches go here")
     a("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     # --- the variants' own flags
-    for variant in (reflection, monitors, evaluation, judge, report):
+    for variant in (reflection, monitors, evaluation, judge, report, table4):
         variant.add_args(p)
     args = p.parse_args(argv)
     preset = TASK_FIELDS[args.task]
@@ -300,6 +300,7 @@ def main(argv=None) -> dict:
             (p, f"--monitor-reward-model {n}=") for n, p in monitor_rms.items()]:
         reward_models.check_reward_model(rm_path, flag)  # before any generation
     watchers = monitors.load_monitors(args.monitor, args.task, records)  # so are the plug-ins, each called once
+    table4.check(args, names)  # so are the paper's Table 4 metrics asked for (infra/table4.py)
     if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
         judge.check_judge(args)
 
@@ -362,6 +363,7 @@ def main(argv=None) -> dict:
                                       args.judge_base_url, args.judge_model, args.seed, args.judge_concurrency,
                                       cache_dir, fps, args.judge_max_tokens, args.judge_timeout, args.judge_retries)
         results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
+    results.update(table4.evaluate(args, records, policies, gens, fps, cache_dir, load))  # Table 4's columns
 
     # --- 4. results.json, the table, and the report (infra/report.py)
     results["wall_s"] = round(time.time() - t0, 1)

@@ -20,6 +20,7 @@ import random
 import re
 from pathlib import Path
 
+import common
 from common import DataError
 from infra import evaluation, serving
 
@@ -29,7 +30,7 @@ def add_args(p) -> None:
     g.add_argument("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge (enables judging)")
     g.add_argument("--judge-model", default="gpt-4o", help="judge model name")
     g.add_argument("--judge-pairs", default=None, metavar="A:B,...",
-                   help="A's win/tie/loss against B (default: each policy vs each policy listed before it)")
+                   help="A's win/tie/loss against B (default: each policy vs each one listed before it; none: no pair)")
     g.add_argument("--judge-limit", type=int, default=None, help="judge only the first N prompts")
     g.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight")
     g.add_argument("--judge-max-tokens", type=int, default=1024, help="longest verdict, in tokens")
@@ -38,7 +39,10 @@ def add_args(p) -> None:
 
 
 def judge_pair_list(spec: str | None, names: list[str]) -> list[tuple[str, str]]:
-    """--judge-pairs A:B,... as (A, B) pairs, each two of `names`; default: each later policy vs each earlier one."""
+    """--judge-pairs A:B,... as (A, B) pairs, each two of `names`; default: each later policy vs each earlier one;
+    "none": no pair (the judge serves only --alpaca-eval or --mt-bench)."""
+    if spec == "none":
+        return []
     pairs = ([tuple(p.split(":", 1)) for p in spec.split(",")] if spec else
              [(names[j], names[i]) for j in range(len(names)) for i in range(j)])  # later policy vs earlier one
     for pair in pairs:
@@ -104,7 +108,7 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
             return asyncio.run(ask_all())
 
         fp = evaluation.fingerprint(fps[a], fps[b], model, seed)
-        rows = evaluation.cached(cache_dir / f"judge.{a}_vs_{b}.jsonl", fp, items, compute, 4 * concurrency,
+        rows = evaluation.cached(verdicts_path(cache_dir, a, b), fp, items, compute, 4 * concurrency,
                                  f"judge {a} vs {b}")
         valid = [r for r in rows if r["winner"]]
         results[f"{a}_vs_{b}"] = {
@@ -114,3 +118,14 @@ def judge_pairs(records, outputs: dict[str, list[str]], pairs: list[tuple[str, s
             "a_shown_first": sum(r["shown_first"] == a for r in rows),
             "order": {r["id"]: r["shown_first"] for r in rows}}
     return results
+
+
+def verdicts_path(cache_dir: Path, a: str, b: str) -> Path:
+    return cache_dir / f"judge.{a}_vs_{b}.jsonl"
+
+
+def cached_verdicts(cache_dir: Path, a: str, b: str, records) -> list[dict]:
+    """The verdicts judge_pairs cached for the pair A:B, one per record in their order ("winner": A, B, "tie", or None
+    where the reply was invalid): what infra/alpaca_lc.py turns into AlpacaEval's annotations."""
+    rows = {r["id"]: r for r in common.read_jsonl(verdicts_path(cache_dir, a, b))}
+    return [rows[r["id"]] for r in records]

@@ -20,6 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from infra import table4
+
 
 def add_args(p) -> None:
     g = p.add_argument_group("the report (infra/report.py)")
@@ -401,7 +403,7 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
     parts = [f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Each "
              "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better. The best is in "
              "bold where its interval overlaps no other's; where it does, ≈ marks the values tied with it.</p>"]
-    if results.get("judge"):
+    if (results.get("judge") or {}).get("pairs"):  # --judge-pairs none: the judge served Table 4 only
         jrows = "".join(f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td>" + "".join(
             f"<td>{fmt(j[k]['value'])}<span class='ci'>[{fmt(j[k]['ci95'][0])}, {fmt(j[k]['ci95'][1])}]</span></td>"
             for k in ("win", "tie", "loss")) + f"<td>{j['n']}</td><td>{j['invalid']}</td></tr>"
@@ -411,6 +413,7 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
                      f"order was random per prompt (seed {results['judge']['seed']}) and undone before scoring. Rates "
                      "are over the n valid verdicts, with 95% bootstrap intervals; an invalid verdict (no 'Winner:' "
                      "line) counts nowhere.</p>")
+    parts.append(table4.render_html(results))  # AlpacaEval 2.0, ARC-Challenge, MT-Bench, where computed
     parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' src='data:image/png;base64,"
                                                 f"{curves_png}'>" if curves_png else "<p class='note'>No stage 3 "
                                                 "metrics.jsonl found.</p>"))
@@ -472,3 +475,5 @@ def print_table(results: dict) -> None:
     widths = [max(len(r[c]) for r in table if c < len(r)) for c in range(len(table[0]))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+    for line in table4.console_lines(results):  # AlpacaEval 2.0, ARC-Challenge, MT-Bench, where computed
+        print(line)
