@@ -579,10 +579,11 @@ def build_rm_prompt(tokenizer, prompt: str, response: str, rm_format: str = "cri
     return f"{message}\n\n### Critique\n"
 
 
-def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str], rm_format: str = "critique+spans"
-                     ) -> str:
+def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str], rm_format: str = "critique+spans",
+                     ambiguous_spans=()) -> str:
     """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later).
-    rm_format "spans-only" (the paper's w/o-CoT ablation): the span JSON alone."""
+    rm_format "spans-only" (the paper's w/o-CoT ablation): the span JSON alone. A program critic's ambiguous_spans
+    (format_rm_target(**critic(...))) are no part of it: the reward model learns to quote what can be located."""
     spans = json.dumps({"good_spans": list(good_spans), "poor_spans": list(poor_spans)}, ensure_ascii=False)
     return spans if rm_format == "spans-only" else f"{critique.strip()}\n{spans}"
 

@@ -56,8 +56,9 @@ def test_demo_critic_on_generated_examples():
     for _ in range(300):
         ex = make_demo_example(rng)
         fb = demo_critic(ex["prompt"], ex["response"])
-        assert set(fb) == {"critique", "good_spans", "poor_spans"} and fb["critique"]
-        assert parse_feedback(common.format_rm_target(**fb)) == fb
+        assert set(fb) == {"critique", "good_spans", "poor_spans", "ambiguous_spans"} and fb["critique"]
+        assert parse_feedback(common.format_rm_target(**fb)) == {k: fb[k] for k in ("critique", "good_spans",
+                                                                                   "poor_spans")}
         _, _, unmatched = locate_spans(ex["response"], fb["good_spans"], fb["poor_spans"])
         assert unmatched == []
         with_mistakes += bool(fb["poor_spans"])
