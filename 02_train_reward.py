@@ -50,7 +50,7 @@ import torch
 
 import common
 from baselines import scalar_rm
-from infra import cli, models, reward_models, training
+from infra import cli, distributed, models, reward_models, training
 from tasks.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -122,7 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # --- the span metrics: the reward model's critiques of the val split (infra.reward_models.rm_critique, as in 03)
     a("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's default")
     a("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
-    for add_args in (training.add_args, reward_models.add_args, scalar_rm.add_train_args):  # the variants' groups
+    for add_args in (training.add_args, functools.partial(distributed.add_args, rollouts=False),
+                     reward_models.add_args, scalar_rm.add_train_args):  # the variants' groups
         add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's model
@@ -260,6 +261,7 @@ def main(args: argparse.Namespace) -> dict:
     if args.lora_r > 0:
         model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save)
+    model = distributed.shard_for_trainer(model, args)  # --shard fsdp: parameters, gradients, Adam states sharded
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"model {args.model}: " + (f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
                                    if args.lora_r > 0 else "full fine-tuning, ") +
@@ -279,6 +281,7 @@ def main(args: argparse.Namespace) -> dict:
     result = trainer.train(resume_from_checkpoint=resume_from)
     final_eval = trainer.evaluate() if val_set else {}
     train_s = time.time() - t0
+    state_dict = distributed.full_state_dict(model)  # --shard fsdp: gathered whole on every rank, saved by rank 0
     if not trainer.is_world_process_zero():
         return {}
 
@@ -303,7 +306,7 @@ def main(args: argparse.Namespace) -> dict:
                   "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
                   "train_s": round(train_s, 1)},
     }
-    reward_models.save_reward_model(model, args, out, summary)
+    reward_models.save_reward_model(model, args, out, summary, state_dict)
     log(f"saved reward model to {out} (eval loss {final_eval.get('eval_loss', float('nan')):.4f})")
     del trainer, model
 

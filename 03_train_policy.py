@@ -434,7 +434,8 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
     Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
-    with torch.no_grad(), distributed.autocast(args.device, args.dtype), distributed.gathered(model):
+    with torch.no_grad(), distributed.autocast(args.device, args.dtype), \
+            distributed.gathered(model, args.fsdp_generate == "whole"):
         if args.compile_generation:  # the same tokens from the same random numbers, at the compiled model's speed
             response = decoding.generate_static(model, query, query_mask, gen_config)                          # (B, T)
         else:

@@ -11,7 +11,8 @@ the forward, whose output the loss needs at once). The reduce-scatter sums, as a
 loss by its share of the global batch's tokens). With LoRA the frozen base is sharded too; with full fine-tuning the
 frozen reference copy is. --dtype bf16 / fp16: a MixedPrecisionPolicy computes in it and reduces in float32.
 A rollout gathers the policy whole once (gathered) and decodes as one process does: faster than FSDP's per-layer
-gather on every decode step (bench/README.md, FSDP), at the cost of one whole copy of the weights during the rollout.
+gather on every decode step (bench/README.md, FSDP), at the cost of one whole copy of the weights during the rollout;
+--fsdp-generate layers gathers one layer at a time instead, for a policy whose weights one GPU cannot hold (70B).
 Checkpoints gather full state dicts (runs.save_checkpoint: the same file a single process writes, one per run), and
 the saved policy is a plain adapter or model folder that one process loads.
 """
@@ -28,10 +29,13 @@ import common
 from infra import models
 
 
-def add_args(p) -> None:
+def add_args(p, rollouts: bool = True) -> None:
     g = p.add_argument_group("torchrun (infra/distributed.py)")
     g.add_argument("--shard", default="ddp", choices=["ddp", "fsdp"], help="ddp: a whole model per rank; fsdp: "
                    "parameters, gradients and optimizer states sharded (FSDP2)")
+    if rollouts:
+        g.add_argument("--fsdp-generate", default="whole", choices=["whole", "layers"], help="--shard fsdp rollouts: "
+                       "gather the policy once, or each layer at every decode step (past one GPU's memory)")
 
 
 def seed_everything(seed: int) -> None:
@@ -118,6 +122,9 @@ def shard(model, ref_model, args):
     layers."""
     if args.shard != "fsdp":
         return model, ref_model
+    if args.fsdp_generate == "layers" and args.compile_generation:
+        raise common.DataError("--fsdp-generate layers with --compile-generation: the compiled decoder needs the "
+                               "policy whole (--fsdp-generate whole)")
     if not dist.is_initialized():
         raise common.DataError("--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
                                "03_train_policy.py --shard fsdp ... (N = 1 runs it on one GPU)")
@@ -129,8 +136,9 @@ def shard(model, ref_model, args):
     return model, ref_model
 
 
-def fully_shard_model(model, dtype: str = "float32"):
-    """fully_shard every decoder layer, then the root (kept gathered after its forward); summed reductions."""
+def fully_shard_model(model, dtype: str = "float32", summed: bool = True):
+    """fully_shard every decoder layer, then the root (kept gathered after its forward); summed reductions (03), or
+    averaged as DDP's (summed=False: 02's Trainer)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     layers = decoder_layers(model)
     if not layers:
@@ -142,12 +150,43 @@ def fully_shard_model(model, dtype: str = "float32"):
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
     if hasattr(model, "generate"):  # generate() enters through the root as forward() does (FSDP's lazy init, gather)
         register_fsdp_forward_method(model, "generate")
-    for m in model.modules():
+    for m in model.modules() if summed else ():
         if isinstance(m, FSDPModule):  # a sum, as all_sum's: 03's loss is already each rank's share of the mean
             m.set_gradient_divide_factor(1.0)
             if hasattr(m, "set_force_sum_reduction_for_comms"):  # (gloo has no pre-multiplied sum; torch >= 2.9)
                 m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def shard_for_trainer(model, args):
+    """02 --shard fsdp: the model sharded as 03's (fully_shard_model; the ranks' gradients averaged, as DDP's), marked
+    as a model that shards itself, so that the Trainer neither wraps it in DDP nor reduces its gradients again
+    (transformers' flag for a model sharded at load time). Accelerate's own FSDP (TrainingArguments(fsdp=...)) runs
+    on GPUs only: on a CPU it falls back to DDP without a word, so it could not be tested here."""
+    if args.shard != "fsdp":
+        return model
+    if "WORLD_SIZE" not in os.environ:
+        raise common.DataError("--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
+                               "02_train_reward.py --shard fsdp ... (N = 1 runs it on one GPU)")
+    dist_init(args.device)
+    fully_shard_model(model, "bf16" if args.bf16 else "float32", summed=False)
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    base._is_distributed_loading_by_transformers = True  # read by Trainer: no DDP wrap, no second reduction
+    return model
+
+
+def full_state_dict(model):
+    """A sharded model's state dict gathered whole (every rank must call it), its adapter's alone under LoRA; None
+    for a model that is not sharded (save_pretrained then reads its own). Saving a sharded
+    model's own state dict would keep only this rank's slice (accelerate #4206)."""
+    if not any(is_sharded(p) for p in model.parameters()):
+        return None
+    peft, first, whole = hasattr(model, "peft_config"), {}, {}
+    tied = {n: first.setdefault(id(p), n) for n, p in model.named_parameters(remove_duplicate=False)}
+    for n, x in model.state_dict().items():
+        if not peft or "lora_" in n or "modules_to_save" in n:  # tied weights (one parameter, two names) stay one
+            whole[n] = whole[tied[n]] if tied.get(n, n) in whole else full(x).cpu()  # tensor: saved once
+    return whole
 
 
 def is_sharded(x) -> bool:
@@ -169,11 +208,11 @@ def shard_like(value, like):
 
 
 @contextlib.contextmanager
-def gathered(model):
+def gathered(model, whole: bool = True):
     """A sharded model gathered whole for the block (a rollout: generate() then runs as in one process), resharded
-    after; anything else as it is."""
+    after; anything else, or whole=False (--fsdp-generate layers: FSDP gathers each layer as it runs), as it is."""
     from torch.distributed.fsdp import FSDPModule
-    groups = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    groups = [m for m in model.modules() if isinstance(m, FSDPModule) and whole]
     for m in groups:
         m.unshard()
     try:

@@ -252,9 +252,10 @@ def check_output_dir(args) -> None:
     runs.start_kind(out, args.resume, args.overwrite, held, "checkpoints/", resumable, args.zero_flag)
 
 
-def save_reward_model(model, args, out: Path, summary: dict) -> None:
+def save_reward_model(model, args, out: Path, summary: dict, state_dict: dict | None = None) -> None:
     """Adapter weights and config (full fine-tuning: the whole model, loadable like any model directory), the base
-    tokenizer and reward_model.json, written to a temp folder that then replaces `out` (infra.runs.save_pretrained; the
+    tokenizer and reward_model.json (state_dict: a sharded model's, gathered whole: infra.distributed.full_state_dict),
+    written to a temp folder that then replaces `out` (infra.runs.save_pretrained; the
     Trainer's checkpoints/ move over, for --resume): killed while saving, `out` still holds the previous reward model
     whole. A folder with reward_model.json is a complete stage-2 output (check_reward_model).
 
@@ -264,7 +265,8 @@ def save_reward_model(model, args, out: Path, summary: dict) -> None:
     from transformers import AutoTokenizer
     runs.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
                          keep=("checkpoints",), owns=OWNS, **({"save_embedding_layers": False}
-                                                             if hasattr(model, "peft_config") else {}))
+                                                             if hasattr(model, "peft_config") else {}),
+                         **({"state_dict": state_dict} if state_dict is not None else {}))
 
 
 def merge_untied(model):

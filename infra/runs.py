@@ -235,8 +235,7 @@ def save_policy(folder, model, tokenizer, value_head, rank: int = 0) -> None:
     models.load_model loads in one process. A sharded model (--shard fsdp) is gathered whole first, on every rank
     (only rank 0's slice would be saved otherwise: accelerate #4206); rank 0 writes."""
     peft = hasattr(model, "peft_config")  # an adapter: its own weights alone are gathered
-    state = {n: distributed.full(x).cpu() for n, x in model.state_dict().items() if not peft or "lora_" in n
-             or "modules_to_save" in n} if any(distributed.is_sharded(p) for p in model.parameters()) else None
+    state = distributed.full_state_dict(model)
     if rank == 0:
         save_pretrained(folder, model, tokenizer, {"value_head.pt": value_head.state_dict()},
                         **({"selected_adapters": ["default"]} if peft else {}),

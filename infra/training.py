@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from infra import distributed
+
 
 def add_args(p) -> None:
     g = p.add_argument_group("LoRA+ (infra/training.py)")
@@ -33,6 +35,7 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_utils import get_last_checkpoint
 
+    sharded = getattr(args, "shard", "ddp") == "fsdp"  # infra/distributed.shard_for_trainer sharded the model
     ckpt_dir = Path(args.output_dir) / "checkpoints"
     resume_from = get_last_checkpoint(str(ckpt_dir)) if args.resume and ckpt_dir.is_dir() else None
     if args.resume and resume_from is None:
@@ -50,14 +53,16 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
         logging_steps=args.logging_steps, eval_strategy="steps" if val_set else "no", eval_steps=args.eval_steps,
         save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, report_to="none",
-        remove_unused_columns=False, dataloader_num_workers=0, ddp_find_unused_parameters=False)
+        remove_unused_columns=False, dataloader_num_workers=0, ddp_find_unused_parameters=False,
+        save_only_model=sharded)  # (the Trainer asks it of a model that shards itself; FSDPCheckpoints saves the rest)
+    FSDPCheckpoints = _fsdp_checkpoints() if sharded else None
     optimizer = None  # None: Trainer's AdamW
     if args.loraplus_ratio and args.lora_r > 0:
         from peft.optimizers import create_loraplus_optimizer
         optimizer = create_loraplus_optimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
                                               loraplus_lr_ratio=args.loraplus_ratio)
 
-    class SamplingTrainer(Trainer):
+    class SamplingTrainer(FSDPCheckpoints if sharded else Trainer):
         def _get_train_sampler(self, *a, **k):
             return replacement_sampler(self) if args.sampling == "replacement" else super()._get_train_sampler(*a, **k)
 
@@ -72,6 +77,45 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
     if loss_fn is not None:  # loss_fn's loss is a mean: Trainer then divides it by the micro-batches it accumulates
         trainer.model_accepts_loss_kwargs = False
     return trainer, resume_from
+
+
+def _fsdp_checkpoints():
+    """--shard fsdp: a Trainer whose checkpoints hold the gathered trainable weights, optimizer and scheduler states
+    (fsdp_state.pt, written by rank 0, read by every rank) besides the plain adapter or model folder; --resume loads
+    them back into the shards. The Trainer saves no optimizer state of a model that shards itself."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    from transformers import Trainer
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    class FSDPCheckpoints(Trainer):
+        def _save(self, output_dir=None, state_dict=None):
+            state = distributed.full_state_dict(self.model)  # every rank gathers; rank 0 writes
+            if self.args.should_save:
+                super()._save(output_dir, state_dict=state)
+
+        def _save_checkpoint(self, model, trial):
+            super()._save_checkpoint(model, trial)
+            out = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+            weights = {n: distributed.full(p).cpu() for n, p in self.model.named_parameters() if p.requires_grad}
+            optim = get_optimizer_state_dict(self.model, self.optimizer, options=whole)
+            if self.args.should_save:
+                torch.save({"model": weights, "optimizer": optim, "scheduler": self.lr_scheduler.state_dict()},
+                           out / "fsdp_state.pt")
+            self._save_rng_state(str(out))
+
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            self._fsdp_state = torch.load(Path(resume_from_checkpoint) / "fsdp_state.pt", weights_only=True)
+            set_model_state_dict(self.model, self._fsdp_state["model"],
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            if checkpoint is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, self._fsdp_state["optimizer"],
+                                         options=StateDictOptions(full_state_dict=True))
+                self.lr_scheduler.load_state_dict(self._fsdp_state["scheduler"])
+
+    return FSDPCheckpoints
 
 
 def replacement_sampler(trainer):

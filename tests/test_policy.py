@@ -542,6 +542,16 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
     d = [torch.load(tmp_path / "dump" / f"step{s}_rank{r}.pt", weights_only=False) for s in (1, 2) for r in (0, 1)]
     assert d[2]["param_checksum"] == d[3]["param_checksum"]  # both ranks end with identical parameters
     assert d[0]["texts"] != d[1]["texts"]                    # but sampled different rollouts
+    if shard == "fsdp":  # --fsdp-generate layers (each layer gathered at every decode step) samples the same tokens
+        new = {"--output-dir": str(tmp_path / "layers"), "--dump-rollouts": str(tmp_path / "dump_layers"),
+               "--steps": "1", "--sft-steps": "0", "--model": str(tmp_path / "sft")}  # the same SFT start
+        layers = [new.get(cmd[i - 1], x) for i, x in enumerate(cmd)] + ["--fsdp-generate", "layers"]
+        proc = subprocess.run(layers, capture_output=True, text=True, cwd=ROOT, timeout=600,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        for r in (0, 1):
+            e = torch.load(tmp_path / "dump_layers" / f"step1_rank{r}.pt", weights_only=False)
+            assert e["texts"] == d[r]["texts"] and torch.equal(e["response"], d[r]["response"])
     for row, dumps in zip(common.read_jsonl(tmp_path / "run" / "trace.jsonl"), (d[:2], d[2:])):  # the demo preset's
         assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == \
             sum(x["mask"].sum().item() for x in dumps)      # --trace-samples: its locality counts both ranks' tokens
@@ -591,6 +601,15 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
     with pytest.raises(common.DataError, match=refusal):
         ppo.train(ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:] + ["--resume", "--steps", "3"]))
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+def test_fsdp_layers_with_a_compiled_decoder_is_one_line(tmp_path, tiny_model_dir):
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
+    with pytest.raises(common.DataError, match="--fsdp-generate layers with --compile-generation"):
+        ppo.train(ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"),
+                                  "--critic", "program", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0",
+                                  "--scalar-baseline-dir", "", "--shard", "fsdp", "--fsdp-generate", "layers",
+                                  "--compile-generation", "--device", "cpu"]))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

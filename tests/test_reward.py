@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -376,6 +377,83 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     assert json.loads((out / "eval.json").read_text())["n"] == 3  # round(0.05 x 64) val records
     model, tok = models.load_model(str(out))
     assert type(model).__name__ == "PeftModelForCausalLM"
+
+
+def _torchrun_rm(tmp_path, argv, nproc):
+    import os
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(port), str(ROOT / "02_train_reward.py"), *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
+    """02 --shard fsdp on 2 gloo ranks (4 examples each) trains the weights that one process trains on the same 8
+    examples a step, within float rounding, and saves them whole: an adapter (LoRA on lm_head and the tied embeddings,
+    the norms trained too) or the full tied model, each loading in one process; each rank held half the parameters."""
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(40))
+    flags = ["--model", tiny_model_dir, "--data", str(data), "--seed", "0", "--max-steps", "2", "--eval-limit", "0",
+             "--save-steps", "1000", "--eval-steps", "1000", "--val-frac", "0.1", "--device", "cpu", "--warmup", "0",
+             "--logging-steps", "1", *(LORA if lora else ("--lora-r", "0", "--lr", "1e-3"))]
+    one = tmp_path / "one"
+    _torchrun_rm(tmp_path, [*flags, "--batch-size", "8", "--output-dir", str(one)], nproc=1)
+    two = tmp_path / "two"
+    proc = _torchrun_rm(tmp_path, [*flags, "--batch-size", "4", "--shard", "fsdp", "--output-dir", str(two)], nproc=2)
+    assert proc.stdout.count("saved reward model to") == 1
+    info = [json.loads((d / "reward_model.json").read_text())["train"] for d in (one, two)]
+    assert info[0]["batch_size"] == info[1]["batch_size"] == 8
+    assert info[1]["train_loss"] == pytest.approx(info[0]["train_loss"], rel=1e-5)
+    from safetensors.torch import load_file
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    wa, wb = (load_file(str(d / name)) for d in (one, two))
+    assert wa.keys() == wb.keys() and len(wa) > 4
+    base = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    moved = 0
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+        moved += k in base and not torch.equal(wa[k], base[k])
+    assert lora or moved > 4  # full fine-tuning changed the weights (the adapter's B starts at 0)
+    model, _ = models.load_model(str(two))
+    assert type(model).__name__ == ("PeftModelForCausalLM" if lora else "LlamaForCausalLM")
+
+
+def test_fsdp_outside_torchrun_is_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(8))
+    with pytest.raises(common.DataError, match=r"torchrun --nproc_per_node N 02_train_reward.py --shard fsdp"):
+        rm.main(run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--shard", "fsdp", "--max-steps", "1"))
+    assert not (tmp_path / "rm").exists()
+
+
+def test_fsdp_resume_is_exact(tmp_path, tiny_model_dir):
+    """02 --shard fsdp killed after checkpoint 2 of 4 and resumed gives the uninterrupted run's adapter: the gathered
+    weights, Adam and scheduler states (fsdp_state.pt) and every rank's RNG (dropout) come back into the shards."""
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(data, annotations(40))
+    flags = ["--model", tiny_model_dir, "--data", str(data), "--seed", "0", "--max-steps", "4", "--save-steps", "2",
+             "--eval-limit", "0", "--eval-steps", "1000", "--val-frac", "0.1", "--device", "cpu", "--batch-size", "4",
+             "--lora-dropout", "0.1", "--shard", "fsdp", *LORA]
+    a, b = tmp_path / "a", tmp_path / "b"
+    _torchrun_rm(tmp_path, [*flags, "--output-dir", str(a)], nproc=2)
+    _torchrun_rm(tmp_path, [*flags, "--output-dir", str(b)], nproc=2)
+    shutil.rmtree(b / "checkpoints" / "checkpoint-4")  # as if killed between step 2 and step 4
+    (b / "reward_model.json").unlink()
+    _torchrun_rm(tmp_path, [*flags, "--output-dir", str(b), "--resume"], nproc=2)
+    assert json.loads((b / "reward_model.json").read_text())["train"]["resumed_from"].endswith("checkpoint-2")
+    wa, wb, w2 = adapter_weights(a), adapter_weights(b), adapter_weights(b / "checkpoints" / "checkpoint-2")
+    assert wa.keys() == wb.keys() and len(wa) > 4
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(wa[k], w2[k]) for k in wa)
 
 
 def test_targets_only_batches_give_the_same_loss_and_gradients(tiny_model_dir):
