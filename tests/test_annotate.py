@@ -117,6 +117,36 @@ def test_bad_input_names_file_line_and_field(tmp_path):
     assert not out.exists()
 
 
+def run_cli(*argv, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *map(str, argv)], capture_output=True, text=True, cwd=cwd)
+
+
+def test_a_latin1_byte_in_the_dataset_is_one_line_and_writes_nothing(tmp_path):
+    """A file saved as Latin-1 (café as the byte 0xe9): exit 2 and one line naming the file, line, byte and column,
+    never a UnicodeDecodeError traceback; no output, summary or folder."""
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b'{"id": "a", "prompt": "p", "response": "r"}\n'
+                     b'{"id": "b", "prompt": "caf\xe9", "response": "r"}\n')
+    out = tmp_path / "out" / "annotations.jsonl"
+    proc = run_cli("--dataset", data, "--output", out)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: {data}:2: not UTF-8 (byte 0xe9 at column 27)"]
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+def test_an_empty_dataset_exits_2_and_writes_nothing(tmp_path, content):
+    """An empty file (or blank lines only) is no dataset: one line, exit 2, no output, summary or folder (it exited
+    0, writing an empty output and a summary of 0 records)."""
+    data = tmp_path / "empty.jsonl"
+    data.write_bytes(content)
+    out = tmp_path / "out" / "annotations.jsonl"
+    proc = run_cli("--dataset", data, "--output", out)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: no records in {data}"]
+    assert not out.parent.exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The OpenAI-compatible critic against a fault-injecting server
 # ---------------------------------------------------------------------------------------------------------------------

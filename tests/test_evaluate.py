@@ -366,6 +366,19 @@ def test_missing_reference_and_empty_split_are_clear_errors(tmp_path):
         ev.parse_named(["justapath"], "--policy")
 
 
+def test_a_latin1_byte_in_the_data_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir):
+    """--data saved as Latin-1 (café as the byte 0xe9): exit 2 and one line naming the file, line, byte and column,
+    before any policy loads; no --output-dir."""
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b'{"id": "a", "prompt": "p", "reference": "r"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(data), "--policy",
+                           f"base={tiny_model_dir}", "--reward-model", "none", "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: {data}:2: not UTF-8 (byte 0xe9 at column 27)"]
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_default_policies_are_skipped_with_a_warning(tmp_path, capsys):
     got = ev.resolve_policies([], {"sft": str(tmp_path), "scalar": str(tmp_path / "missing")})
     assert got == {"sft": str(tmp_path)} and "skipping policy 'scalar'" in capsys.readouterr().err
