@@ -354,6 +354,7 @@ def main(argv=None) -> dict:
         metrics = {k: evaluation.bootstrap(v, evaluation.bleu_stat if k == "bleu" else evaluation.ratio_stat,
                                            args.bootstrap, args.seed) for k, v in rows.items()}
         results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}
+        results["policies"][name]["critic_failed"] = evaluation.critic_failed(metrics)  # its critiques mostly failed
 
     # --- 3. optional LLM judge (infra/judge.py)
     if args.judge_base_url:

@@ -8,6 +8,9 @@ beside each metrics.jsonl, render_update_section), and sample answers (--report-
 policies differ most: pick_samples) with the critique's good and poor spans highlighted at their character positions
 (highlight: the paper's Figure 2), the exact critic's verdict under them where the task has one. Everything is
 escaped; the plots are inline PNGs, so the page fetches nothing. print_table is the same metrics on the console.
+A policy whose reward-model critiques mostly did not parse (results.json's critic_failed, infra/evaluation.py) has
+its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0 (nor the best), with a
+warning on stderr and a banner at the top of the page (critic_banner).
 """
 from __future__ import annotations
 
@@ -359,7 +362,42 @@ table.tokens{width:auto;border-collapse:separate;border-spacing:2px;margin-top:8
 table.tokens th{background:none;font:12.5px var(--mono);padding:2px 4px;white-space:pre;border:0;text-align:center}
 table.tokens th.what{font:12px system-ui,sans-serif;color:var(--muted);text-align:right;padding-right:8px}
 table.tokens td.cell{height:18px;min-width:26px;padding:0;border:1px solid #eaeef2;border-radius:3px}
+.banner{margin:18px 0 0;padding:12px 16px;border:1px solid var(--poor-b);border-radius:8px;background:var(--poor)}
+td.na{color:var(--poor-b)}
 """
+
+
+def voided(policy: dict, key: str) -> dict | None:
+    """The policy's critic_failed entry (infra/evaluation.py) when it voids metric `key`, else None."""
+    failed = policy.get("critic_failed")
+    return failed if failed and key in failed["metrics"] else None
+
+
+def failed_note(failed: dict) -> str:
+    return f"{failed['failed']} of {failed['n']} critiques failed"
+
+
+def metric_cell(m: dict | None, mark: str, failed: dict | None) -> str:
+    """One cell of the metric table: the value over its 95% interval, "n/a" over why (critic_failed), or "–"."""
+    if failed:
+        return f"<td class='na'>n/a<span class='ci'>{failed_note(failed)}</span></td>"
+    return (f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span>"
+            "</td>" if m else "<td>–</td>")
+
+
+def critic_banner(policies: dict) -> str:
+    """The page's top line when a policy's reward-model critiques mostly did not parse: which ones, and why their
+    critic's rows read n/a."""
+    failed = {n: p["critic_failed"] for n, p in policies.items() if p.get("critic_failed")}
+    if not failed:
+        return ""
+    which = ", ".join(f"<b>{html.escape(n)}</b> ({failed_note(f)})" for n, f in failed.items())
+    floor = next(iter(failed.values()))["floor"]
+    return (f"<div class='banner'>The reward model's critiques mostly did not parse for {which}: fewer than {floor:g} "
+            "of them parsed. A critique that does not parse quotes nothing (δ = 0 on every token), which would read "
+            "as a flawless answer, so these policies' reward-model rows read n/a (results.json keeps the numbers, "
+            "under <code>critic_failed</code>). Train the reward model further, or check <code>--reward-model"
+            "</code>: stage 2 ends with exit 1 below its <code>--min-parse-rate</code>.</div>")
 
 
 def best_marks(ms: list, direction: int) -> list[str]:
@@ -391,10 +429,9 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
         if (g := key.split("/")[0] if "/" in key else "task metrics") != group:
             group = g
             rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(group_label(g))}</td></tr>")
-        ms = [pol[n]["metrics"].get(key) for n in names]
-        cells = "".join(f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, "
-                        f"{fmt(m['ci95'][1])}]</span></td>" if m else "<td>–</td>"
-                        for m, mark in zip(ms, best_marks(ms, direction)))
+        ms = [None if voided(pol[n], key) else pol[n]["metrics"].get(key) for n in names]  # n/a: never the best
+        cells = "".join(metric_cell(m, mark, voided(pol[n], key))
+                        for n, m, mark in zip(names, ms, best_marks(ms, direction)))
         arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
         rows.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{cells}</tr>")
     head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
@@ -445,7 +482,8 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
            f"model <code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}")
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
             f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body class='"
-            f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{''.join(parts)}</main>"
+            f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{critic_banner(pol)}"
+            f"{''.join(parts)}</main>"
             f"</body></html>\n")
 
 
@@ -460,7 +498,12 @@ def print_table(results: dict) -> None:
     pol = results["policies"]
     cell = lambda m: f"{fmt(m['value'])} [{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]" if m else "–"  # noqa: E731
     table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
-    table += [[k, *[cell(p["metrics"].get(k)) for p in pol.values()]] for k in metric_keys(pol)]
+    table += [[k, *[f"n/a ({failed_note(voided(p, k))})" if voided(p, k) else cell(p["metrics"].get(k))
+                    for p in pol.values()]] for k in metric_keys(pol)]
+    for name, f in ((n, p["critic_failed"]) for n, p in pol.items() if p.get("critic_failed")):
+        print(f"warning: {name}: {f['failed']} of {f['n']} of the reward model's critiques of its answers did not "
+              f"parse (rm/parse_rate {f['parse_rate']:.3f}, below {f['floor']:g}): its rm/ and rm_vs_critic/ metrics "
+              "read n/a (results.json keeps them, under critic_failed)", file=sys.stderr)
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
         invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
         table.append([f"judge {name} win/tie/loss", f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"

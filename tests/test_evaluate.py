@@ -679,6 +679,72 @@ def test_best_is_bold_only_where_its_interval_stands_apart():
     assert "<td class='best'>0.200" in page and "class='tie'>0.200" not in page
 
 
+def _critic_results(bad_parse: float) -> dict:
+    """Two policies' metrics: "good"'s critiques all parse, "bad"'s only a share `bad_parse` of its 8."""
+    def metrics(parse):
+        flawless = parse < 1  # a critique that does not parse quotes nothing: delta = 0, as if the answer were flawless
+        m = lambda v: {"value": v, "ci95": [v, v], "n": 8}  # noqa: E731
+        return {"rouge1": m(0.5), "rm/parse_rate": m(parse), "rm/delta_sum": m(0.0 if flawless else -1.5),
+                "rm/poor_token_frac": m(0.0 if flawless else 0.3),
+                "rm_vs_critic/poor_recall": m(0.0 if flawless else 0.6)}
+    pols = {"good": {"n": 8, "metrics": metrics(1.0)}, "bad": {"n": 8, "metrics": metrics(bad_parse)}}
+    for pol in pols.values():
+        pol["critic_failed"] = evaluation.critic_failed(pol["metrics"])
+    return {"task": "demo", "data": "x.jsonl", "n_prompts": 8, "created": "now", "reward_model": "rm",
+            "generation": {"temperature": 1.0, "max_new_tokens": 32}, "policies": pols}
+
+
+def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(capsys):
+    """The reward model's critiques of "bad"'s answers parsed on 1 of 8: delta = 0 everywhere, which read as a flawless
+    0.000 share of poor tokens (bold, the best). Below infra.reward_models.MIN_PARSE_RATE its rm/ and rm_vs_critic/
+    rows read "n/a (7 of 8 critiques failed)" in the table and the report, never the best; a banner says so at the
+    top of report.html, a warning on stderr; results.json keeps the numbers and marks them (critic_failed)."""
+    results = _critic_results(1 / 8)
+    assert results["policies"]["good"]["critic_failed"] is None
+    assert results["policies"]["bad"]["critic_failed"] == {
+        "failed": 7, "n": 8, "parse_rate": 0.125, "floor": reward_models.MIN_PARSE_RATE,
+        "metrics": ["rm/delta_sum", "rm/poor_token_frac", "rm_vs_critic/poor_recall"]}
+    report.print_table(results)
+    out, err = capsys.readouterr()
+    row = {line.split()[0]: line for line in out.splitlines()}
+    for key in ("rm/delta_sum", "rm/poor_token_frac", "rm_vs_critic/poor_recall"):
+        assert row[key].endswith("n/a (7 of 8 critiques failed)") and "0.000" not in row[key].split("]", 1)[1]
+    assert "0.125" in row["rm/parse_rate"] and row["rouge1"].count("0.500") == 6  # the rest as they are
+    assert err.strip().splitlines() == [
+        "warning: bad: 7 of 8 of the reward model's critiques of its answers did not parse (rm/parse_rate 0.125, "
+        "below 0.5): its rm/ and rm_vs_critic/ metrics read n/a (results.json keeps them, under critic_failed)"]
+    page = report.render_report(results, {}, [], None, [], "demo")
+    banner = page.split("<div class='banner'>", 1)[1].split("</div>", 1)[0]
+    assert page.index("<div class='banner'>") < page.index("<h2>Metrics</h2>")
+    assert "bad" in banner and "7 of 8" in banner and "good" not in banner
+    cells = {label: re.findall(r"<td class='([^']*)'>([^<]*)", row) for label, row in re.findall(
+        r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)}
+    assert cells["rm/poor_token_frac"] == [("", "0.300"), ("na", "n/a")]  # "bad"'s 0.000 is no longer the best
+    assert "7 of 8 critiques failed" in page.split("rm/poor_token_frac", 1)[1].split("</tr>", 1)[0]
+    assert cells["rm/parse_rate"] == [("best", "1.000"), ("", "0.125")]
+    ok = _critic_results(0.5)  # at the floor: not failed, no banner
+    assert ok["policies"]["bad"]["critic_failed"] is None
+    assert "class='banner'" not in report.render_report(ok, {}, [], None, [], "demo")
+
+
+def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path):
+    """An untrained reward model with 4 critique tokens: none of its critiques parse. 04 prints its metrics n/a, warns,
+    and the report carries the banner; results.json keeps the numbers, marked."""
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
+                           "--policy", f"base={tiny_model_dir}", "--reward-model",
+                           as_reward_model(tiny_model_dir, tmp_path / "rm"), "--rm-max-new-tokens", "4",
+                           "--max-new-tokens", "4", "--bootstrap", "20", "--device", "cpu", "--output-dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("rm/poor_token_frac"))
+    assert row.endswith("n/a (3 of 3 critiques failed)")
+    assert "warning: base: 3 of 3 of the reward model's critiques of its answers did not parse" in proc.stderr
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())["policies"]["base"]
+    assert saved["critic_failed"]["failed"] == 3 and saved["metrics"]["rm/poor_token_frac"]["value"] == 0.0
+    assert "<div class='banner'>" in (tmp_path / "out" / "report.html").read_text()
+
+
 def test_the_exact_critic_shows_beside_the_reward_models_spans():
     """An SFT answer "called otto" (the post says daisy) that the reward model highlights as good: the report shows
     the exact critic's verdict under it, where " otto" is a poor span."""
