@@ -339,7 +339,7 @@ def main(argv=None) -> dict:
     shown = {}
     for name, path in policies.items():
         rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task, monitor_crits[name])
-        rows.update(monitors.monitor_rows(records, gens[name], watchers))
+        rows.update(monitors.monitor_rows(records, gens[name], watchers, shown[name]))
         hyps, refs = [g["response"] for g in gens[name]], [r.get("reference") for r in records]
         if args.reference_field:
             rows.update(evaluation.reference_stats(hyps, refs))

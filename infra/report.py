@@ -6,8 +6,9 @@ curves (--curves: each run's metrics.jsonl, the learned critic's reward and mist
 dashed beside them, plot_curves), where stage 3's updates went token by token (its --trace-samples: trace.jsonl
 beside each metrics.jsonl, render_update_section), and sample answers (--report-samples of them, those where the
 policies differ most: pick_samples) with the critique's good and poor spans highlighted at their character positions
-(highlight: the paper's Figure 2), the exact critic's verdict under them where the task has one. Everything is
-escaped; the plots are inline PNGs, so the page fetches nothing. print_table is the same metrics on the console.
+(highlight: the paper's Figure 2), the exact critic's verdict under them where the task has one, and each --monitor
+critic's, its spans highlighted and its critique (monitor_block). Everything is escaped; the plots are inline PNGs,
+so the page fetches nothing. print_table is the same metrics on the console.
 A policy whose reward-model critiques mostly did not parse (results.json's critic_failed, infra/evaluation.py) has
 its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0 (nor the best), with a
 warning on stderr and a banner at the top of the page (critic_banner).
@@ -350,7 +351,7 @@ mark.poor{background:var(--poor);box-shadow:inset 0 -2px var(--poor-b)}
 .sample-head{display:flex;justify-content:space-between;color:var(--muted);font-size:12.5px;margin-bottom:8px}
 .prompt{white-space:pre-wrap;background:var(--soft);border-radius:6px;padding:10px 12px;margin:0 0 6px;
 font:13px/1.5 var(--mono)}
-.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.exact{font-size:13px;margin-top:4px}
+.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.exact,.monitor{font-size:13px;margin-top:4px}
 .pname{font-weight:600;font-size:14px}
 .row{display:grid;grid-template-columns:110px 1fr;gap:14px;padding:12px 0 4px;border-top:1px solid #eaeef2;
 margin-top:8px}
@@ -470,6 +471,7 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
                 x = s["exact"]
                 critique += (f"<div class='exact'>exact critic: {highlight(s['response'], x['good'], x['poor'])}"
                              f"<br>{esc(x['critique'])}</div>")
+            critique += "".join(monitor_block(s["response"], m) for m in s.get("monitors", []))
             answers.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
                            f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
                            f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
@@ -485,6 +487,17 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
             f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{critic_banner(pol)}"
             f"{''.join(parts)}</main>"
             f"</body></html>\n")
+
+
+def monitor_block(response: str, m: dict) -> str:
+    """A --monitor critic's view of one sample answer (infra/monitors.py: monitor_view), labelled with its name: the
+    answer with its spans highlighted and its critique, or why it could not judge it."""
+    esc = html.escape
+    if m["error"]:
+        return f"<div class='monitor'>your critic {esc(m['name'])}: could not judge it: {esc(m['error'])}</div>"
+    score = "" if m["score"] is None else f" (score {m['score']:+g})"
+    return (f"<div class='monitor'>your critic {esc(m['name'])}{score}: {highlight(response, m['good'], m['poor'])}"
+            f"<br>{esc(m['critique'])}</div>")
 
 
 def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:

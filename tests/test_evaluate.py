@@ -767,6 +767,57 @@ def test_the_exact_critic_shows_beside_the_reward_models_spans():
     assert '<mark class="poor"> otto</mark>' in exact and "otto where the post says daisy" in exact  # ... and the truth
 
 
+MONITOR = """
+def critic(records, responses):  # quotes the first word as poor; intervals (the whole answer good) for the second
+    out = []
+    for rec, text in zip(records, responses):
+        if rec["id"].endswith("2"):
+            out.append({"error": "cannot judge <this> one"})
+        elif rec["id"].endswith("1"):
+            out.append({"critique": "all <good>", "spans": [{"start": 0, "end": len(text), "reward": 0.5}]})
+        else:
+            word = text.split()[0] if text.split() else ""
+            out.append({"critique": f"<{word}> is wrong", "good_spans": [], "poor_spans": [word] if word else []})
+    return out
+"""
+
+
+def monitor_views(page: str) -> dict[str, str]:
+    """Each sample answer's --monitor block (class 'monitor'), by the answer's data-id."""
+    return {rid: block.split("class='monitor'>", 1)[1].split("</div>", 1)[0]
+            for rid, block in re.findall(r"data-id='([^']*)'(.*?)</div></div></div>", page, re.S)
+            if "class='monitor'>" in block}
+
+
+def test_a_monitors_spans_and_critique_show_under_each_sample_answer(tiny_model_dir, tmp_path):
+    """--monitor python:...: its judgement of each sample answer (its spans highlighted, its critique, or why it
+    could not judge it), labelled with its name, under the answer, as the reward model's are; before, the report
+    showed only its summary rows."""
+    (tmp_path / "my_mon.py").write_text(MONITOR)
+    records = demo_dataset("eval", 3)
+    common.write_jsonl(tmp_path / "eval.jsonl", records)
+    results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}",
+                       "--reward-model", "none", "--monitor", f"python:{tmp_path / 'my_mon.py'}:critic",
+                       "--max-new-tokens", "6", "--bootstrap", "20", "--device", "cpu", "--output-dir",
+                       str(tmp_path / "out")])
+    assert results["policies"]["base"]["metrics"]["monitor[my_mon.py:critic]/error_rate"]["value"] == 1 / 3
+    gens = {g["id"]: g["response"] for g in common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")}
+    views = monitor_views((tmp_path / "out/report.html").read_text())
+    assert sorted(views) == [r["id"] for r in records]  # every sample answer shown has the monitor's view
+    for rid, view in views.items():
+        assert view.startswith("your critic my_mon.py:critic: ")
+        text = gens[rid]
+        if rid.endswith("2"):
+            assert "could not judge it: cannot judge &lt;this&gt; one" in view
+        elif rid.endswith("1"):
+            assert f'<mark class="good">{report.html.escape(text)}</mark>' in view and "all &lt;good&gt;" in view
+        else:
+            word = text.split()[0]
+            assert view.count('<mark class="poor">') == 1 and f"&lt;{report.html.escape(word)}&gt; is wrong" in view
+            start = text.index(word)
+            assert report.highlight(text, [], [(start, start + len(word))]) in view
+
+
 def test_policies_alone_look_for_no_demo_curves():
     assert ev.curve_specs(ev.parse_args(["--policy", "mine=some/dir"])) == {}
     assert ev.curve_specs(ev.parse_args([])) == ev.DEMO_CURVES
