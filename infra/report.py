@@ -199,24 +199,28 @@ def read_traces(curve_specs: dict[str, str]) -> dict[str, list[dict]]:
             if rows}
 
 
-def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict]]:
-    """The first traced iteration of the span-rewards run and its samples, each as {mode: sample} with the scalar
-    run's sample of the same iteration where it is the same rollout (so at iteration 1, where both runs start from
-    the same state and seed: the same rollouts, delta, KL and values, only the update differs)."""
+def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict], bool]:
+    """(step, samples, flagged): the first traced iteration of the span-rewards run in which the critic flagged a
+    token (delta < 0; flagged False when none did: then its first iteration), and its samples, each as {mode: sample}
+    with the scalar run's sample of the same iteration where it is the same rollout (so at iteration 1, where both
+    runs start from the same state and seed: the same rollouts, delta, KL and values, only the update differs). An
+    iteration of nothing flagged has nothing to show: every strip's delta, and the span run's update, are 0."""
     first = {}
     for rows in traces.values():
         mode = rows[0].get("reward_mode")
         if mode in ("span", "scalar") and mode not in first:
             first[mode] = rows
     if not first:
-        return None, []
+        return None, [], False
     lead = first.get("span") or first["scalar"]
-    step, samples = lead[0]["step"], lead[0]["samples"]
+    chosen = next((r for r in lead if any(d < 0 for s in r["samples"] for d in s["delta"])), None)
+    step, samples = (chosen or lead[0])["step"], (chosen or lead[0])["samples"]
     other = "scalar" if lead is first.get("span") else "span"
     twin = next((r["samples"] for r in first.get(other, []) if r["step"] == step), [])
     key = lambda s: json.dumps([s["row"], s["tokens"], s["delta"]])  # noqa: E731
     twins = {key(s): s for s in twin}
-    return step, [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})} for s in samples]
+    return step, [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})}
+                  for s in samples], chosen is not None
 
 
 def cell_color(v: float, scale: float) -> str:
@@ -288,17 +292,22 @@ def plot_locality(traces: dict[str, list[dict]]) -> str | None:
 
 
 def render_update_section(traces: dict[str, list[dict]], max_samples: int = 3) -> str:
-    """The report's "Where the update went": sample strips of the first traced iteration, both runs' updates side by
-    side where they share the rollout, then the locality ratio over training with its medians per run."""
+    """The report's "Where the update went": sample strips of the first traced iteration with a token the critic
+    flagged (paired_samples; else the first, and a line saying none has one), both runs' updates side by side where
+    they share the rollout, then the locality ratio over training with its medians per run."""
     esc = html.escape
-    step, samples = paired_samples(traces)
+    step, samples, flagged = paired_samples(traces)
     if not samples:
         return ""
-    both = any(len(m) == 2 for m in samples)
-    parts = [f"<h2 id='where-update'>Where the update went</h2><p class='note'>Iteration {step}: "
+    both, start = any(len(m) == 2 for m in samples), step == min(rows[0]["step"] for rows in traces.values())
+    parts = ["<h2 id='where-update'>Where the update went</h2><p class='note'>"
+             + ("" if flagged else "Note: no traced iteration has a token the critic flagged (δ<sub>t</sub> &lt; 0), "
+                "so these strips show no mistake to move away from. ")
+             + f"Iteration {step}: "
              + ("both runs start from the same state and seed, so they sample the same rollouts and see the same "
                 "δ, KL and values; only the rewards' placement differs (span: δ<sub>t</sub> on every token; scalar: "
-                "Σδ on the last). " if both else "")
+                "Σδ on the last). " if both and start else "both runs traced these rollouts, with the same δ. "
+                if both else "")
              + "Rows: the critic's δ<sub>t</sub>, the whitened advantages A<sub>t</sub> under each reward mode, and "
                "Δ<sub>t</sub> = log π<sub>new</sub> − log π<sub>old</sub>, how far one PPO update moved each token's "
                "log-probability. <span style='color:#1a7f37'>Green</span> &gt; 0, <span style='color:#cf222e'>red"

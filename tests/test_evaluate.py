@@ -346,6 +346,27 @@ def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
     assert "Where the update went" not in report.render_report(results, {}, [], None, [], "demo")
 
 
+def test_where_the_update_went_draws_an_iteration_with_flagged_tokens_or_says_there_is_none():
+    """Iteration 1 of both runs flagged nothing (delta = 0 on every traced token): the section drew it anyway, strips
+    of nothing to see. It now draws the first iteration with a flagged token (delta < 0), both runs' updates paired as
+    before, or says that no traced iteration has one."""
+    tokens, old, adv = [" tom", " cat", " <b>", ""], [-0.1, -3.0, -0.5, -0.01], [0.5, -1.2, 0.0, 0.3]
+    flat, flagged = [0.0] * 4, [1.0, -1.0, 0.0, 0.0]
+    traces = {name: [_trace_row(s, mode, tokens, flagged if s == 3 else flat, old, old, old, adv, adv, 1.0)
+                     for s in (1, 2, 3)] for name, mode in (("t2g", "span"), ("base", "scalar"))}
+    section = report.render_update_section(traces)
+    assert "Iteration 3:" in section and "Iteration 1:" not in section
+    parser = StripParser()
+    parser.feed(section)
+    (strip,) = parser.strips
+    assert [v for v, _, _ in strip["rows"]["δt"]] == flagged and "Δt scalar" in strip["rows"]  # paired as before
+    for rows in traces.values():
+        rows[2]["samples"][0]["delta"] = flat
+    section = report.render_update_section(traces)
+    assert "no traced iteration has a token the critic flagged (δ<sub>t</sub> &lt; 0)" in section
+    assert "Iteration 1:" in section
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad input, and a full run on tiny models
 # ----------------------------------------------------------------------------------------------------------------------
