@@ -3,15 +3,15 @@
 render_report draws, top to bottom: the metrics (grouped by prefix, METRICS' labels and directions; the best policy in
 bold only where its 95% interval overlaps no other's, best_marks), the LLM judge's win/tie/loss, stage 3's training
 curves (--curves: each run's metrics.jsonl, the learned critic's reward and mistake rate with the exact critic's
-dashed beside them, plot_curves), where stage 3's updates went token by token (its --trace-samples: trace.jsonl
-beside each metrics.jsonl, render_update_section), and sample answers (--report-samples of them, those where the
-policies differ most: pick_samples) with the critique's good and poor spans highlighted at their character positions
-(highlight: the paper's Figure 2), the exact critic's verdict under them where the task has one, and each --monitor
-critic's, its spans highlighted and its critique (monitor_block). Everything is escaped; the plots are inline PNGs,
-so the page fetches nothing. print_table is the same metrics on the console.
-A policy whose reward-model critiques mostly did not parse (results.json's critic_failed, infra/evaluation.py) has
-its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0 (nor the best), with a
-warning on stderr and a banner at the top of the page (critic_banner).
+dashed beside them where a run logs it, the demo's; each title names what is drawn: plot_curves), where stage 3's
+updates went token by token (its --trace-samples: trace.jsonl beside each metrics.jsonl, render_update_section), and
+sample answers (--report-samples of them, those where the policies differ most: pick_samples) with the critique's good
+and poor spans highlighted at their character positions (highlight: the paper's Figure 2), the exact critic's verdict
+under them where the task has one, and each --monitor critic's, its spans highlighted and its critique
+(monitor_block). Everything is escaped; the plots are inline PNGs, so the page fetches nothing. print_table is the
+same metrics on the console. A policy whose reward-model critiques mostly did not parse (results.json's critic_failed,
+infra/evaluation.py) has its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0
+(nor the best), with a warning on stderr and a banner at the top of the page (critic_banner).
 """
 from __future__ import annotations
 
@@ -89,9 +89,9 @@ def metric_keys(policies: dict) -> list[str]:
 # Stage 3's training curves (--curves) and the answers' highlighted spans
 # ----------------------------------------------------------------------------------------------------------------------
 
-# Stage 3's training curves (metrics.jsonl): the learned critic's and, dashed, the exact critic's
-CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (dashed)",
-              "critic/mistake_rate": "mistake rate: critic (solid), exact critic (dashed)",
+# Stage 3's training curves (metrics.jsonl): the learned critic's and, dashed where a run logs it (the demo's
+# exact critic), the exact critic's; a panel's title names the dashed line only where one is drawn
+CURVE_KEYS = {"objective/span_reward": "reward: critic", "critic/mistake_rate": "mistake rate: critic",
               "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
 EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
@@ -133,6 +133,7 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
     for ax in axes.flat[len(keys):]:
         ax.remove()
     for ax, key in zip(axes.flat, keys):
+        dashed = False
         for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
             # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
             # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
@@ -146,7 +147,9 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
                 if style == "-":
                     ax.plot(x, y, color=color, alpha=0.2, lw=1)
                 ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
-        ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
+                dashed = dashed or style == "--"
+        title = CURVE_KEYS.get(key, key)
+        ax.set_title(title + " (solid), exact critic (dashed)" if dashed else title, fontsize=11)
         ax.set_xlabel("PPO iteration", fontsize=10)
         ax.tick_params(labelsize=9)
         ax.grid(alpha=0.25)

@@ -257,6 +257,23 @@ def test_curves_plot_what_is_present(tmp_path):
     assert report.plot_curves({}) is None
 
 
+def test_curve_titles_name_only_what_is_drawn(monkeypatch):
+    """A qa run has no exact critic: its panels were titled "reward: critic (solid), exact critic (dashed)" over one
+    solid line. A title names the exact critic's dashed line only where one is drawn."""
+    import matplotlib.axes
+    titles = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, label, *a, **k: titles.append(label))
+    qa = [{"step": i, "objective/span_reward": 0.1 * i, "critic/mistake_rate": 0.5, "objective/kl": 0.0}
+          for i in range(5)]
+    report.plot_curves({"qa": qa})
+    assert titles == ["reward: critic", "mistake rate: critic", "KL to the reference"]
+    titles.clear()
+    demo = [{**r, "exact/span_reward": 0.2, "exact/mistake_rate": 0.4} for r in qa]
+    report.plot_curves({"qa": qa, "demo": demo})
+    assert titles == ["reward: critic (solid), exact critic (dashed)",
+                      "mistake rate: critic (solid), exact critic (dashed)", "KL to the reference"]
+
+
 class StripParser(HTMLParser):
     """The "Where the update went" strips: per strip, its token headers and, per row label, its cells' (value, title,
     background)."""
