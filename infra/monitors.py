@@ -5,12 +5,11 @@ scores against the exact critic (tasks.demo.demo_rm_agreement), as it scores --r
 rm_vs_critic[NAME]/..., e.g. toy=runs/demo/reward_model beside a real reward model, to see which one is gamed.
 
 --monitor python:MODULE_OR_FILE:FUNCTION: your own critic (tasks/plugin.py, as 03 --critic takes it) judges each
-policy's answers: the share it flags (a token of delta < 0, as 03's critic/mistake_rate), its delta-sum per answer
-(as 03 trains on it) and the share it cannot judge, under monitor[FILE:FUNCTION]/ (monitor_rows); and under each
-sample answer of report.html, its spans highlighted and its critique, or why it could not judge it (monitor_view),
-as the reward model's are shown. It is trusted code,
-run in this process, and checked on one record before any generation (load_monitors), so a module that does not
-import, a missing function or a wrong return stops the run in one line.
+policy's answers: the share it flags (a token of delta < 0, as 03's critic/mistake_rate), its delta-sum per answer (as
+03 trains on it) and the share it cannot judge, under monitor[FILE:FUNCTION]/ (monitor_rows); and under each sample
+answer of report.html, its spans highlighted and its critique, or why it could not judge it (monitor_view), as the
+reward model's are shown. It is trusted code, run in this process, and checked on one record before any generation
+(load_monitors), so a module that does not import, a missing function or a wrong return stops the run in one line.
 """
 from __future__ import annotations
 

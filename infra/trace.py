@@ -124,16 +124,16 @@ def policy_logprobs(model, b, forbid, micro, args, forward):
 def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank, forward,
                     rewards_and_advantages, locality) -> None:
     """--trace-samples N: where this iteration's update went, one line of out_dir/trace.jsonl (rank 0 writes; resume
-    cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old
-    of every response token. The line holds the locality of Delta over the global batch (locality_summary), that of
-    the advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this
-    rank's rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r
-    and A under both modes. r is the critic's and the KL's part alone: --missing-eos-penalty, which the update adds
-    at the last token of a rollout cut off before its EOS, is the sample's own "missing_eos_penalty" (-penalty or 0),
-    never inside r, where it read as the critic's; A is the update's, penalty included. It draws nothing random: a
-    run is the same with or without it. 04's report draws it
-    ("Where the update went"); bench/locality.py measures with it. Stage 3 passes its own functions in: forward,
-    rewards_and_advantages, and locality = (locality_sums, locality_summary) of its pure section."""
+    cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old of
+    every response token. The line holds the locality of Delta over the global batch (locality_summary), that of the
+    advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this rank's
+    rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r and A
+    under both modes. r is the critic's and the KL's part alone: --missing-eos-penalty, which the update adds at the
+    last token of a rollout cut off before its EOS, is the sample's own "missing_eos_penalty" (-penalty or 0), never
+    inside r, where it read as the critic's; A is the update's, penalty included. It draws nothing random: a run is the
+    same with or without it. 04's report draws it ("Where the update went"); bench/locality.py measures with it. Stage 3
+    passes its own functions in: forward, rewards_and_advantages, and locality = (locality_sums, locality_summary) of
+    its pure section."""
     locality_sums, locality_summary = locality
     B, T = b["mask"].shape
     log_ratio = (policy_logprobs(model, b, forbid, micro, args, forward) - b["logprobs"]) * b["mask"]  # (B, T): Delta_t
