@@ -23,7 +23,8 @@ same command, and every id ends up there exactly once.
         --generate-with Qwen/Qwen2.5-1.5B-Instruct --annotator openai --base-url http://localhost:8000/v1 \
         --model Qwen/Qwen2.5-72B-Instruct --output runs/uf/annotations.jsonl
 
-Rerunning a command skips the ids already in --output; --retry-failed redoes the records that failed.
+Rerunning a command skips the ids already in --output; --retry-failed redoes the records that failed. A rerun with
+another critic, task or dataset is refused (OUTPUT.made_by.json says what made it); --overwrite starts afresh.
 
 It reads top to bottom: the arguments; the critic's prompts (App. B) and its reply; the quotes located in the response
 (App. L); the two ways a critic runs (a program or plug-in; a served model); main(). The dataset layouts are
@@ -72,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--output", default="runs/demo/annotations.jsonl", help="annotations JSONL (append-only, resumable)")
     a("--retry-failed", action="store_true", help="redo the records of --output whose status is failed")
     a("--seed", type=int, default=0, help="seed for backoff jitter, sampling and the demo base model")
-    for variant in (annotator, generation):
+    for variant in (annotator, generation, annotation_report):
         variant.add_args(p)
     data.add_demo_args(p)
     args = p.parse_args(argv)
@@ -241,7 +242,8 @@ def main(argv=None) -> dict:
     models.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
 
     # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
-    records = data.to_records(data.dataset_rows(args), args)
+    rows = data.dataset_rows(args)
+    records = data.to_records(rows, args)
     critic = None  # a program or python: critic (tasks/plugin.py), imported and called on one record before any work
     if args.annotator != "openai":
         critic = plugin.load_critic(args.annotator, args.task, "--annotator",
@@ -249,8 +251,11 @@ def main(argv=None) -> dict:
         if records:
             plugin.preflight(*critic, records[0], records[0]["response"], "--annotator")
 
-    # 2. Resume: repair a torn last line, skip ids already done (or drop failed ones to redo them).
-    done = common.open_resumable_jsonl(output) if output.exists() else set()
+    # 2. Resume the same settings only (--overwrite: afresh), repair a torn last line, skip ids already done (or drop
+    #    failed ones to redo them).
+    made_by = annotation_report.made_by(args, rows)
+    annotation_report.check_made_by(output, made_by, args.overwrite)
+    done = common.open_resumable_jsonl(output) if output.exists() and not args.overwrite else set()
     if args.retry_failed and done:
         kept = [r for r in common.read_jsonl(output) if r.get("status") == "ok"]
         common.write_jsonl(output, kept)  # atomic rewrite; the failed ids are then redone below
@@ -269,7 +274,7 @@ def main(argv=None) -> dict:
 
     # 3. Annotate; every record is appended and flushed as soon as it is done.
     from tqdm.auto import tqdm
-    output.parent.mkdir(parents=True, exist_ok=True)
+    annotation_report.start_output(output, made_by, args.overwrite)  # what made it, before its first record
     this_run, annotate_start = Counter(), time.perf_counter()
     with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="annotate", disable=not todo) as bar:
         def sink(rec: dict) -> None:

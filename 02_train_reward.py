@@ -7,7 +7,8 @@ prompt and on padding). The prompt comes from common.build_rm_prompt, the one bu
 LM; training runs on transformers.Trainer (gradient accumulation, bf16, activation checkpointing, checkpoints and
 --resume, DDP under torchrun). Afterwards the saved reward model is reloaded exactly as stage 3 loads it and scored on
 the validation split: JSON parse rate, unmatched-span rate, token-level precision/recall/F1 of its delta in {+1, -1}
-against the annotated spans (paper Tables 1 and 6), span exact/partial matches, critique length -> eval.json.
+against the annotated spans (paper Tables 1 and 6), span exact/partial matches, critique length -> eval.json. Should
+fewer than --min-parse-rate (half) of its critiques parse, it ends with exit 1, the model kept (infra/reward_models.py).
 
 CPU demo (zero flags; reads runs/demo/annotations.jsonl and runs/demo/base from 01_annotate.py, ~2 min on 2 cores):
     python 02_train_reward.py
@@ -339,7 +340,8 @@ def main(args: argparse.Namespace) -> dict:
 
 if __name__ == "__main__":
     try:
-        main(parse_args())
+        args = parse_args()
+        sys.exit(reward_models.parse_rate_check(main(args), args))  # a critic that mostly does not parse: exit 1
     except common.DataError as e:  # bad input: one line, exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

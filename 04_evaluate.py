@@ -340,7 +340,7 @@ def main(argv=None) -> dict:
     shown = {}
     for name, path in policies.items():
         rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task, monitor_crits[name])
-        rows.update(monitors.monitor_rows(records, gens[name], watchers))
+        rows.update(monitors.monitor_rows(records, gens[name], watchers, shown[name]))
         hyps, refs = [g["response"] for g in gens[name]], [r.get("reference") for r in records]
         if args.reference_field:
             rows.update(evaluation.reference_stats(hyps, refs))
@@ -355,6 +355,7 @@ def main(argv=None) -> dict:
         metrics = {k: evaluation.bootstrap(v, evaluation.bleu_stat if k == "bleu" else evaluation.ratio_stat,
                                            args.bootstrap, args.seed) for k, v in rows.items()}
         results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}
+        results["policies"][name]["critic_failed"] = evaluation.critic_failed(metrics)  # its critiques mostly failed
 
     # --- 3. optional LLM judge (infra/judge.py)
     if args.judge_base_url:

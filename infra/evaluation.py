@@ -7,6 +7,11 @@ per-sample sufficient statistics: its value is the statistic of their sum (a poo
 interval the percentiles of that statistic over resamples of the samples (bootstrap, ratio_stat, bleu_stat). They
 are ROUGE and BLEU against the references (reference_stats), BERTScore from a local model (bertscore_f1), and the
 code task's pass@k from the benchmark's tests run in the sandbox (code_test_rows, pass_at_k_rows).
+A policy whose reward-model critiques mostly did not parse (critic_failed: rm/parse_rate below
+infra.reward_models.MIN_PARSE_RATE, stage 2's floor) has its critic's metrics marked: a critique that does not parse
+quotes nothing, delta = 0 on every token, which scores as a flawless answer (a poor-token share of 0.000, the best).
+results.json keeps the numbers with a critic_failed entry per policy; the table and report.html show them n/a
+(infra/report.py).
 """
 from __future__ import annotations
 
@@ -103,6 +108,21 @@ def bootstrap(rows, stat=ratio_stat, n_boot: int = 1000, seed: int = 0) -> dict:
     boots = boots[~np.isnan(boots)]
     ci = [float(v) for v in np.percentile(boots, [2.5, 97.5])] if len(boots) else [None, None]
     return {"value": None if np.isnan(value) else value, "ci95": ci, "n": len(x)}
+
+
+def critic_failed(metrics: dict) -> dict | None:
+    """A policy's results.json entry "critic_failed": {"failed": critiques that did not parse, "n", "parse_rate",
+    "floor", "metrics": the metrics they void} when its rm/parse_rate is below infra.reward_models.MIN_PARSE_RATE;
+    None when it is not (or there is no reward model). Voided: every rm/ metric but rm/parse_rate itself (the count
+    the verdict rests on), and every rm_vs_critic/ one (the monitor's view of the same critiques); a
+    --monitor-reward-model's rm_vs_critic[NAME]/ rows are its own critiques', not these."""
+    from infra.reward_models import MIN_PARSE_RATE
+    parse = metrics.get("rm/parse_rate")
+    if not parse or parse["value"] is None or parse["value"] >= MIN_PARSE_RATE:
+        return None
+    voided = sorted(k for k in metrics if k.startswith(("rm/", "rm_vs_critic/")) and k != "rm/parse_rate")
+    return {"failed": round((1 - parse["value"]) * parse["n"]), "n": parse["n"], "parse_rate": parse["value"],
+            "floor": MIN_PARSE_RATE, "metrics": voided}
 
 
 def reference_stats(hyps: list[str], refs: list[str]) -> dict[str, list]:

@@ -3,11 +3,15 @@
 render_report draws, top to bottom: the metrics (grouped by prefix, METRICS' labels and directions; the best policy in
 bold only where its 95% interval overlaps no other's, best_marks), the LLM judge's win/tie/loss, stage 3's training
 curves (--curves: each run's metrics.jsonl, the learned critic's reward and mistake rate with the exact critic's
-dashed beside them, plot_curves), where stage 3's updates went token by token (its --trace-samples: trace.jsonl
-beside each metrics.jsonl, render_update_section), and sample answers (--report-samples of them, those where the
-policies differ most: pick_samples) with the critique's good and poor spans highlighted at their character positions
-(highlight: the paper's Figure 2), the exact critic's verdict under them where the task has one. Everything is
-escaped; the plots are inline PNGs, so the page fetches nothing. print_table is the same metrics on the console.
+dashed beside them where a run logs it, the demo's; each title names what is drawn: plot_curves), where stage 3's
+updates went token by token (its --trace-samples: trace.jsonl beside each metrics.jsonl, render_update_section), and
+sample answers (--report-samples of them, those where the policies differ most: pick_samples) with the critique's good
+and poor spans highlighted at their character positions (highlight: the paper's Figure 2), the exact critic's verdict
+under them where the task has one, and each --monitor critic's, its spans highlighted and its critique
+(monitor_block). Everything is escaped; the plots are inline PNGs, so the page fetches nothing. print_table is the
+same metrics on the console. A policy whose reward-model critiques mostly did not parse (results.json's critic_failed,
+infra/evaluation.py) has its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0
+(nor the best), with a warning on stderr and a banner at the top of the page (critic_banner).
 """
 from __future__ import annotations
 
@@ -87,9 +91,9 @@ def metric_keys(policies: dict) -> list[str]:
 # Stage 3's training curves (--curves) and the answers' highlighted spans
 # ----------------------------------------------------------------------------------------------------------------------
 
-# Stage 3's training curves (metrics.jsonl): the learned critic's and, dashed, the exact critic's
-CURVE_KEYS = {"objective/span_reward": "reward: critic (solid), exact critic (dashed)",
-              "critic/mistake_rate": "mistake rate: critic (solid), exact critic (dashed)",
+# Stage 3's training curves (metrics.jsonl): the learned critic's and, dashed where a run logs it (the demo's
+# exact critic), the exact critic's; a panel's title names the dashed line only where one is drawn
+CURVE_KEYS = {"objective/span_reward": "reward: critic", "critic/mistake_rate": "mistake rate: critic",
               "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
 EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
@@ -131,6 +135,7 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
     for ax in axes.flat[len(keys):]:
         ax.remove()
     for ax, key in zip(axes.flat, keys):
+        dashed = False
         for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
             # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
             # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
@@ -144,7 +149,9 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
                 if style == "-":
                     ax.plot(x, y, color=color, alpha=0.2, lw=1)
                 ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
-        ax.set_title(CURVE_KEYS.get(key, key), fontsize=11)
+                dashed = dashed or style == "--"
+        title = CURVE_KEYS.get(key, key)
+        ax.set_title(title + " (solid), exact critic (dashed)" if dashed else title, fontsize=11)
         ax.set_xlabel("PPO iteration", fontsize=10)
         ax.tick_params(labelsize=9)
         ax.grid(alpha=0.25)
@@ -197,24 +204,28 @@ def read_traces(curve_specs: dict[str, str]) -> dict[str, list[dict]]:
             if rows}
 
 
-def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict]]:
-    """The first traced iteration of the span-rewards run and its samples, each as {mode: sample} with the scalar
-    run's sample of the same iteration where it is the same rollout (so at iteration 1, where both runs start from
-    the same state and seed: the same rollouts, delta, KL and values, only the update differs)."""
+def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict], bool]:
+    """(step, samples, flagged): the first traced iteration of the span-rewards run in which the critic flagged a
+    token (delta < 0; flagged False when none did: then its first iteration), and its samples, each as {mode: sample}
+    with the scalar run's sample of the same iteration where it is the same rollout (so at iteration 1, where both
+    runs start from the same state and seed: the same rollouts, delta, KL and values, only the update differs). An
+    iteration of nothing flagged has nothing to show: every strip's delta, and the span run's update, are 0."""
     first = {}
     for rows in traces.values():
         mode = rows[0].get("reward_mode")
         if mode in ("span", "scalar") and mode not in first:
             first[mode] = rows
     if not first:
-        return None, []
+        return None, [], False
     lead = first.get("span") or first["scalar"]
-    step, samples = lead[0]["step"], lead[0]["samples"]
+    chosen = next((r for r in lead if any(d < 0 for s in r["samples"] for d in s["delta"])), None)
+    step, samples = (chosen or lead[0])["step"], (chosen or lead[0])["samples"]
     other = "scalar" if lead is first.get("span") else "span"
     twin = next((r["samples"] for r in first.get(other, []) if r["step"] == step), [])
     key = lambda s: json.dumps([s["row"], s["tokens"], s["delta"]])  # noqa: E731
     twins = {key(s): s for s in twin}
-    return step, [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})} for s in samples]
+    return step, [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})}
+                  for s in samples], chosen is not None
 
 
 def cell_color(v: float, scale: float) -> str:
@@ -286,17 +297,22 @@ def plot_locality(traces: dict[str, list[dict]]) -> str | None:
 
 
 def render_update_section(traces: dict[str, list[dict]], max_samples: int = 3) -> str:
-    """The report's "Where the update went": sample strips of the first traced iteration, both runs' updates side by
-    side where they share the rollout, then the locality ratio over training with its medians per run."""
+    """The report's "Where the update went": sample strips of the first traced iteration with a token the critic
+    flagged (paired_samples; else the first, and a line saying none has one), both runs' updates side by side where
+    they share the rollout, then the locality ratio over training with its medians per run."""
     esc = html.escape
-    step, samples = paired_samples(traces)
+    step, samples, flagged = paired_samples(traces)
     if not samples:
         return ""
-    both = any(len(m) == 2 for m in samples)
-    parts = [f"<h2 id='where-update'>Where the update went</h2><p class='note'>Iteration {step}: "
+    both, start = any(len(m) == 2 for m in samples), step == min(rows[0]["step"] for rows in traces.values())
+    parts = ["<h2 id='where-update'>Where the update went</h2><p class='note'>"
+             + ("" if flagged else "Note: no traced iteration has a token the critic flagged (δ<sub>t</sub> &lt; 0), "
+                "so these strips show no mistake to move away from. ")
+             + f"Iteration {step}: "
              + ("both runs start from the same state and seed, so they sample the same rollouts and see the same "
                 "δ, KL and values; only the rewards' placement differs (span: δ<sub>t</sub> on every token; scalar: "
-                "Σδ on the last). " if both else "")
+                "Σδ on the last). " if both and start else "both runs traced these rollouts, with the same δ. "
+                if both else "")
              + "Rows: the critic's δ<sub>t</sub>, the whitened advantages A<sub>t</sub> under each reward mode, and "
                "Δ<sub>t</sub> = log π<sub>new</sub> − log π<sub>old</sub>, how far one PPO update moved each token's "
                "log-probability. <span style='color:#1a7f37'>Green</span> &gt; 0, <span style='color:#cf222e'>red"
@@ -349,7 +365,7 @@ mark.poor{background:var(--poor);box-shadow:inset 0 -2px var(--poor-b)}
 .sample-head{display:flex;justify-content:space-between;color:var(--muted);font-size:12.5px;margin-bottom:8px}
 .prompt{white-space:pre-wrap;background:var(--soft);border-radius:6px;padding:10px 12px;margin:0 0 6px;
 font:13px/1.5 var(--mono)}
-.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.exact{font-size:13px;margin-top:4px}
+.reference{font-size:13.5px;color:var(--muted);margin:6px 0 4px}.exact,.monitor{font-size:13px;margin-top:4px}
 .pname{font-weight:600;font-size:14px}
 .row{display:grid;grid-template-columns:110px 1fr;gap:14px;padding:12px 0 4px;border-top:1px solid #eaeef2;
 margin-top:8px}
@@ -361,7 +377,42 @@ table.tokens{width:auto;border-collapse:separate;border-spacing:2px;margin-top:8
 table.tokens th{background:none;font:12.5px var(--mono);padding:2px 4px;white-space:pre;border:0;text-align:center}
 table.tokens th.what{font:12px system-ui,sans-serif;color:var(--muted);text-align:right;padding-right:8px}
 table.tokens td.cell{height:18px;min-width:26px;padding:0;border:1px solid #eaeef2;border-radius:3px}
+.banner{margin:18px 0 0;padding:12px 16px;border:1px solid var(--poor-b);border-radius:8px;background:var(--poor)}
+td.na{color:var(--poor-b)}
 """
+
+
+def voided(policy: dict, key: str) -> dict | None:
+    """The policy's critic_failed entry (infra/evaluation.py) when it voids metric `key`, else None."""
+    failed = policy.get("critic_failed")
+    return failed if failed and key in failed["metrics"] else None
+
+
+def failed_note(failed: dict) -> str:
+    return f"{failed['failed']} of {failed['n']} critiques failed"
+
+
+def metric_cell(m: dict | None, mark: str, failed: dict | None) -> str:
+    """One cell of the metric table: the value over its 95% interval, "n/a" over why (critic_failed), or "–"."""
+    if failed:
+        return f"<td class='na'>n/a<span class='ci'>{failed_note(failed)}</span></td>"
+    return (f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span>"
+            "</td>" if m else "<td>–</td>")
+
+
+def critic_banner(policies: dict) -> str:
+    """The page's top line when a policy's reward-model critiques mostly did not parse: which ones, and why their
+    critic's rows read n/a."""
+    failed = {n: p["critic_failed"] for n, p in policies.items() if p.get("critic_failed")}
+    if not failed:
+        return ""
+    which = ", ".join(f"<b>{html.escape(n)}</b> ({failed_note(f)})" for n, f in failed.items())
+    floor = next(iter(failed.values()))["floor"]
+    return (f"<div class='banner'>The reward model's critiques mostly did not parse for {which}: fewer than {floor:g} "
+            "of them parsed. A critique that does not parse quotes nothing (δ = 0 on every token), which would read "
+            "as a flawless answer, so these policies' reward-model rows read n/a (results.json keeps the numbers, "
+            "under <code>critic_failed</code>). Train the reward model further, or check <code>--reward-model"
+            "</code>: stage 2 ends with exit 1 below its <code>--min-parse-rate</code>.</div>")
 
 
 def best_marks(ms: list, direction: int) -> list[str]:
@@ -393,10 +444,9 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
         if (g := key.split("/")[0] if "/" in key else "task metrics") != group:
             group = g
             rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(group_label(g))}</td></tr>")
-        ms = [pol[n]["metrics"].get(key) for n in names]
-        cells = "".join(f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, "
-                        f"{fmt(m['ci95'][1])}]</span></td>" if m else "<td>–</td>"
-                        for m, mark in zip(ms, best_marks(ms, direction)))
+        ms = [None if voided(pol[n], key) else pol[n]["metrics"].get(key) for n in names]  # n/a: never the best
+        cells = "".join(metric_cell(m, mark, voided(pol[n], key))
+                        for n, m, mark in zip(names, ms, best_marks(ms, direction)))
         arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
         rows.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{cells}</tr>")
     head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
@@ -436,6 +486,7 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
                 x = s["exact"]
                 critique += (f"<div class='exact'>exact critic: {highlight(s['response'], x['good'], x['poor'])}"
                              f"<br>{esc(x['critique'])}</div>")
+            critique += "".join(monitor_block(s["response"], m) for m in s.get("monitors", []))
             answers.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
                            f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
                            f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
@@ -448,8 +499,20 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
            f"model <code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}")
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
             f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body class='"
-            f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{''.join(parts)}</main>"
+            f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{critic_banner(pol)}"
+            f"{''.join(parts)}</main>"
             f"</body></html>\n")
+
+
+def monitor_block(response: str, m: dict) -> str:
+    """A --monitor critic's view of one sample answer (infra/monitors.py: monitor_view), labelled with its name: the
+    answer with its spans highlighted and its critique, or why it could not judge it."""
+    esc = html.escape
+    if m["error"]:
+        return f"<div class='monitor'>your critic {esc(m['name'])}: could not judge it: {esc(m['error'])}</div>"
+    score = "" if m["score"] is None else f" (score {m['score']:+g})"
+    return (f"<div class='monitor'>your critic {esc(m['name'])}{score}: {highlight(response, m['good'], m['poor'])}"
+            f"<br>{esc(m['critique'])}</div>")
 
 
 def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:
@@ -463,7 +526,12 @@ def print_table(results: dict) -> None:
     pol = results["policies"]
     cell = lambda m: f"{fmt(m['value'])} [{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]" if m else "–"  # noqa: E731
     table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
-    table += [[k, *[cell(p["metrics"].get(k)) for p in pol.values()]] for k in metric_keys(pol)]
+    table += [[k, *[f"n/a ({failed_note(voided(p, k))})" if voided(p, k) else cell(p["metrics"].get(k))
+                    for p in pol.values()]] for k in metric_keys(pol)]
+    for name, f in ((n, p["critic_failed"]) for n, p in pol.items() if p.get("critic_failed")):
+        print(f"warning: {name}: {f['failed']} of {f['n']} of the reward model's critiques of its answers did not "
+              f"parse (rm/parse_rate {f['parse_rate']:.3f}, below {f['floor']:g}): its rm/ and rm_vs_critic/ metrics "
+              "read n/a (results.json keeps them, under critic_failed)", file=sys.stderr)
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
         invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
         table.append([f"judge {name} win/tie/loss", f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"

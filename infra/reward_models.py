@@ -1,8 +1,13 @@
-"""--reward-model, --merge: a stage-2 reward model in use: how it was trained (rm_settings: reward_model.json), the
-checks before a run (check_reward_model), its critiques (rm_critique) and how well they recover spans (rm_span_metrics,
-paper Tables 1 and 6). 03 --reward-model, 04 --reward-model. And as stage 2 leaves it: its --output-dir checked before
-training (check_output_dir: 02 --resume, --overwrite), saved whole or not at all (save_reward_model), and merged into a
-plain model folder for an OpenAI-compatible server (merge_reward_model: 02 --merge, tools/merge_reward_model.py).
+"""--reward-model, --merge, --min-parse-rate: a stage-2 reward model in use: how it was trained (rm_settings:
+reward_model.json), the checks before a run (check_reward_model), its critiques (rm_critique) and how well they recover
+spans (rm_span_metrics, paper Tables 1 and 6). 03 --reward-model, 04 --reward-model. And as stage 2 leaves it: its
+--output-dir checked before training (check_output_dir: 02 --resume, --overwrite), saved whole or not at all
+(save_reward_model), merged into a plain model folder for an OpenAI-compatible server (merge_reward_model: 02 --merge,
+tools/merge_reward_model.py), and refused as a critic when its held-out critiques mostly do not parse
+(parse_rate_check: 02 --min-parse-rate, MIN_PARSE_RATE by default): a critique that does not parse gives delta = 0, so
+such a model would read as a flawless critic in stage 3's rewards and stage 4's metrics. Stage 2 then ends with exit
+1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the same floor
+(infra/evaluation.py: critic_failed).
 """
 from __future__ import annotations
 
@@ -232,6 +237,30 @@ def add_args(p) -> None:
     g = p.add_argument_group("serving: --merge (infra/reward_models.py: merge_reward_model)")
     g.add_argument("--merge", metavar="DIR", help="then also write the reward model at DIR as a plain model folder, "
                    "its LoRA merged, for a server")
+    g = p.add_argument_group("the parse-rate floor (infra/reward_models.py: parse_rate_check)")
+    g.add_argument("--min-parse-rate", type=float, default=MIN_PARSE_RATE, help="exit 1 when fewer held-out "
+                   "critiques than this share parse (the model is kept)")
+
+
+# Below half, most of stage 3's rollouts would get delta = 0 from this critic (a critique that does not parse quotes
+# nothing): the policy would learn from the KL term alone, and 04 would read its metrics as a flawless answer's.
+MIN_PARSE_RATE = 0.5
+
+
+def parse_rate_check(metrics: dict, args) -> int:
+    """02's exit code: 1, with one line on stderr (where the model is, its parse rate, what to do), when the saved
+    reward model's held-out critiques parse below --min-parse-rate; else 0. Nothing evaluated (--eval-limit 0, a
+    scalar objective, a rank other than 0): 0."""
+    import sys
+    rate = metrics.get("parse_rate")
+    if rate is None or rate >= args.min_parse_rate:
+        return 0
+    print(f"error: the reward model's critiques parsed on {round(rate * metrics['n'])} of {metrics['n']} held-out "
+          f"examples (parse rate {rate:.2f}, below --min-parse-rate {args.min_parse_rate:g}): as a critic it would "
+          f"give most rollouts delta = 0. It is saved in {args.output_dir} (its outputs in eval_samples.jsonl); train "
+          "it longer (--max-steps, --epochs), on more annotations or with a larger --max-new-tokens, then rerun with "
+          "--overwrite; --min-parse-rate 0 accepts it as it is", file=sys.stderr)
+    return 1
 
 
 OWNS = ("eval.json", "eval_samples.jsonl")  # what stage 2 writes beside the saved reward model

@@ -6,6 +6,7 @@ went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every 
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -154,21 +155,24 @@ def policy_logprobs(model, b, forbid, micro, args, forward):
 def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank, forward,
                     rewards_and_advantages, locality) -> None:
     """--trace-samples N: where this iteration's update went, one line of out_dir/trace.jsonl (rank 0 writes; resume
-    cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old
-    of every response token. The line holds the locality of Delta over the global batch (locality_summary), that of
-    the advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this
-    rank's rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r
-    and A under both modes. It draws nothing random: a run is the same with or without it. 04's report draws it
-    ("Where the update went"); bench/locality.py measures with it. Stage 3 passes its own functions in: forward,
-    rewards_and_advantages, and locality = (locality_sums, locality_summary) of its pure section."""
+    cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old of
+    every response token. The line holds the locality of Delta over the global batch (locality_summary), that of the
+    advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this rank's
+    rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r and A
+    under both modes. r is the critic's and the KL's part alone: --missing-eos-penalty, which the update adds at the
+    last token of a rollout cut off before its EOS, is the sample's own "missing_eos_penalty" (-penalty or 0), never
+    inside r, where it read as the critic's; A is the update's, penalty included. It draws nothing random: a run is the
+    same with or without it. 04's report draws it ("Where the update went"); bench/locality.py measures with it. Stage 3
+    passes its own functions in: forward, rewards_and_advantages, and locality = (locality_sums, locality_summary) of
+    its pure section."""
     locality_sums, locality_summary = locality
     B, T = b["mask"].shape
     log_ratio = (policy_logprobs(model, b, forbid, micro, args, forward) - b["logprobs"]) * b["mask"]  # (B, T): Delta_t
     locality = locality_summary(distributed.all_sum(locality_sums(log_ratio, b["delta"], b["mask"])))
     other = "scalar" if args.reward_mode == "span" else "span"
-    r_other, a_other, _ = rewards_and_advantages(g, kl_coef, other, args)
-    rewards, advantages = {args.reward_mode: g["rewards"], other: r_other}, {args.reward_mode: g["advantages"],
-                                                                             other: a_other}     # global batch
+    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # r without the penalty: logged apart
+    rewards = {m: rewards_and_advantages(g, kl_coef, m, apart)[0] for m in (args.reward_mode, other)}
+    advantages = {args.reward_mode: g["advantages"], other: rewards_and_advantages(g, kl_coef, other, args)[1]}
     advantage_locality = {m: locality_summary(locality_sums(a, g["delta"], g["mask"])) for m, a in advantages.items()}
     mine = slice(rank * B, (rank + 1) * B)                                                        # this rank's rows
     rewards, advantages = ({m: x[mine, :T] for m, x in d.items()} for d in (rewards, advantages))
@@ -183,6 +187,7 @@ def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid,
         samples.append({
             "row": i, "prompt": recs[i]["prompt"][-2000:], "critique": (feedback[i] or {}).get("critique"),
             "tokens": [text[a:z] for a, z in b["offsets"][i]], "has_eos": bool(b["has_eos"][i]),
+            "missing_eos_penalty": 0.0 if b["has_eos"][i] else -args.missing_eos_penalty + 0.0,
             "delta": num(b["delta"], i, n), "kl": num(b["kl"], i, n), "values": num(b["values"], i, n),
             "rewards": {m: num(r, i, n) for m, r in rewards.items()},
             "advantages": {m: num(a, i, n) for m, a in advantages.items()},

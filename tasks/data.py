@@ -125,18 +125,28 @@ DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mista
 
 def dataset_rows(args) -> list[tuple[str, dict]]:
     """[(where, row)] of --dataset, or of the demo's records without it: `where` names the file and line (or record)
-    for error messages (read_rows)."""
+    for error messages (read_rows). DataError "no records in FILE" for a file that holds none (empty, or blank lines
+    only): a run with nothing to annotate would write an empty output and end as if it had succeeded."""
+    source, rows = _dataset_source_rows(args)
+    if not rows:
+        raise common.DataError(f"no records in {source}")
+    return rows
+
+
+def _dataset_source_rows(args) -> tuple[str, list[tuple[str, dict]]]:
+    """(what was read: the file, or the hub id and split; its rows) for dataset_rows."""
     if args.dataset is None:
         from tasks.demo import demo_dataset
         split, n, mistakes = DEMO_ANNOTATE
-        return [(f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n, mistakes))]
+        return "the demo", [(f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n,
+                                                                                        mistakes))]
     path = Path(args.dataset)
     if path.is_dir():
         found = [path / f"{args.split}{ext}" for ext in (".jsonl", ".json", ".parquet")]
         path = next((f for f in found if f.is_file()), None)
         if path is None:
             raise common.DataError(f"{args.dataset}: no {args.split}.jsonl, .json or .parquet in this folder")
-        return read_rows(str(path))
+        return str(path), read_rows(str(path))
     if args.task == "summarization" and not path.name.endswith(DATA_FILE_SUFFIXES):
         try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
             from huggingface_hub import hf_hub_download
@@ -144,8 +154,10 @@ def dataset_rows(args) -> list[tuple[str, dict]]:
         except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
             raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: "
                                    f"{common.first_line(e)})") from None
-        return read_rows(local)
-    return read_rows(args.dataset, args.split if args.limit is None else f"{args.split}[:{args.limit}]")
+        return f"{args.dataset}[{args.split}]", read_rows(local)
+    split = args.split if args.limit is None else f"{args.split}[:{args.limit}]"
+    local = path.name.endswith(DATA_FILE_SUFFIXES)
+    return args.dataset if local else f"{args.dataset}[{split}]", read_rows(args.dataset, split)
 
 
 def field(row: dict, name: str, where: str) -> str:

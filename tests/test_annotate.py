@@ -117,6 +117,36 @@ def test_bad_input_names_file_line_and_field(tmp_path):
     assert not out.exists()
 
 
+def run_cli(*argv, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, SCRIPT, *map(str, argv)], capture_output=True, text=True, cwd=cwd)
+
+
+def test_a_latin1_byte_in_the_dataset_is_one_line_and_writes_nothing(tmp_path):
+    """A file saved as Latin-1 (café as the byte 0xe9): exit 2 and one line naming the file, line, byte and column,
+    never a UnicodeDecodeError traceback; no output, summary or folder."""
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b'{"id": "a", "prompt": "p", "response": "r"}\n'
+                     b'{"id": "b", "prompt": "caf\xe9", "response": "r"}\n')
+    out = tmp_path / "out" / "annotations.jsonl"
+    proc = run_cli("--dataset", data, "--output", out)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: {data}:2: not UTF-8 (byte 0xe9 at column 27)"]
+    assert not out.parent.exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+def test_an_empty_dataset_exits_2_and_writes_nothing(tmp_path, content):
+    """An empty file (or blank lines only) is no dataset: one line, exit 2, no output, summary or folder (it exited
+    0, writing an empty output and a summary of 0 records)."""
+    data = tmp_path / "empty.jsonl"
+    data.write_bytes(content)
+    out = tmp_path / "out" / "annotations.jsonl"
+    proc = run_cli("--dataset", data, "--output", out)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: no records in {data}"]
+    assert not out.parent.exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The OpenAI-compatible critic against a fault-injecting server
 # ---------------------------------------------------------------------------------------------------------------------
@@ -400,6 +430,44 @@ def test_retry_failed_redoes_only_the_failed_records(tmp_path, fake_openai, monk
         assert len(lines(out)) == 2
         annotate.main(openai_args(server.base_url, data, out, "--retry-failed"))
     assert {r["id"]: r["status"] for r in lines(out)} == {"good-0": "ok", "flaky-0": "ok"}
+
+
+def test_a_rerun_with_another_critic_or_dataset_is_refused_unless_overwrite(tmp_path):
+    """--output records what made it (task, critic, model, the dataset's content) in OUTPUT.made_by.json before its
+    first record. A rerun with another dataset or critic kept the old annotations in silence ("5 already in ..., 0 to
+    annotate") or mixed two runs' records in one file; now it is refused in one line naming what differs, exit 2,
+    nothing touched, unless --overwrite starts afresh. The same settings resume as before: the same content at
+    another path, or a larger --limit."""
+    first, other = demo_dataset("annotate", 5), demo_dataset("annotate", 8)[3:]
+    a, b = write_jsonl(tmp_path / "a.jsonl", first), write_jsonl(tmp_path / "b.jsonl", other)
+    copy = write_jsonl(tmp_path / "copy.jsonl", first)
+    out = tmp_path / "out" / "annotations.jsonl"
+    made_by = tmp_path / "out" / "annotations.made_by.json"
+    assert annotate.main(["--dataset", a, "--output", str(out), "--limit", "3"])["records"] == 3
+    recorded = json.loads(made_by.read_text())
+    assert {k: recorded[k] for k in ("task", "annotator", "model", "dataset")} == {
+        "task": "demo", "annotator": "program", "model": None, "dataset": a}
+    assert recorded["dataset_fingerprint"].startswith("sha256:")
+    summary = annotate.main(["--dataset", copy, "--output", str(out)])  # the same content, all 5 now: resumes
+    assert summary["this_run"]["annotated"] == 2 and summary["records"] == 5
+    assert json.loads((tmp_path / "out" / "annotations.summary.json").read_text())["made_by"]["dataset"] == copy
+    before = out.read_bytes()
+    with pytest.raises(common.DataError) as err:
+        annotate.main(["--dataset", b, "--output", str(out)])
+    assert str(err.value).startswith(f"{out} holds 5 records made with other settings: --dataset {copy} (sha256:")
+    assert f"not {b} (sha256:" in str(err.value) and "--overwrite starts it afresh" in str(err.value)
+    proc = run_cli("--dataset", a, "--output", out, "--annotator", "openai", "--model", "critic-2", "--base-url",
+                   "http://127.0.0.1:9/v1")  # refused before any request: nothing listens there
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {out} holds 5 records made with other settings: --annotator program, not openai; --model (none), "
+        "not critic-2. A rerun resumes only the run that made it: --overwrite starts it afresh, or choose another "
+        "--output"]
+    assert out.read_bytes() == before
+    summary = annotate.main(["--dataset", b, "--output", str(out), "--overwrite"])
+    assert summary["this_run"]["annotated"] == 5 and [r["id"] for r in lines(out)] == [r["id"] for r in other]
+    assert json.loads(made_by.read_text())["dataset"] == b
+    assert annotate.main(["--dataset", b, "--output", str(out), "--retry-failed"])["this_run"]["annotated"] == 0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

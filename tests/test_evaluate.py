@@ -257,6 +257,23 @@ def test_curves_plot_what_is_present(tmp_path):
     assert report.plot_curves({}) is None
 
 
+def test_curve_titles_name_only_what_is_drawn(monkeypatch):
+    """A qa run has no exact critic: its panels were titled "reward: critic (solid), exact critic (dashed)" over one
+    solid line. A title names the exact critic's dashed line only where one is drawn."""
+    import matplotlib.axes
+    titles = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, label, *a, **k: titles.append(label))
+    qa = [{"step": i, "objective/span_reward": 0.1 * i, "critic/mistake_rate": 0.5, "objective/kl": 0.0}
+          for i in range(5)]
+    report.plot_curves({"qa": qa})
+    assert titles == ["reward: critic", "mistake rate: critic", "KL to the reference"]
+    titles.clear()
+    demo = [{**r, "exact/span_reward": 0.2, "exact/mistake_rate": 0.4} for r in qa]
+    report.plot_curves({"qa": qa, "demo": demo})
+    assert titles == ["reward: critic (solid), exact critic (dashed)",
+                      "mistake rate: critic (solid), exact critic (dashed)", "KL to the reference"]
+
+
 class StripParser(HTMLParser):
     """The "Where the update went" strips: per strip, its token headers and, per row label, its cells' (value, title,
     background)."""
@@ -346,6 +363,27 @@ def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
     assert "Where the update went" not in report.render_report(results, {}, [], None, [], "demo")
 
 
+def test_where_the_update_went_draws_an_iteration_with_flagged_tokens_or_says_there_is_none():
+    """Iteration 1 of both runs flagged nothing (delta = 0 on every traced token): the section drew it anyway, strips
+    of nothing to see. It now draws the first iteration with a flagged token (delta < 0), both runs' updates paired as
+    before, or says that no traced iteration has one."""
+    tokens, old, adv = [" tom", " cat", " <b>", ""], [-0.1, -3.0, -0.5, -0.01], [0.5, -1.2, 0.0, 0.3]
+    flat, flagged = [0.0] * 4, [1.0, -1.0, 0.0, 0.0]
+    traces = {name: [_trace_row(s, mode, tokens, flagged if s == 3 else flat, old, old, old, adv, adv, 1.0)
+                     for s in (1, 2, 3)] for name, mode in (("t2g", "span"), ("base", "scalar"))}
+    section = report.render_update_section(traces)
+    assert "Iteration 3:" in section and "Iteration 1:" not in section
+    parser = StripParser()
+    parser.feed(section)
+    (strip,) = parser.strips
+    assert [v for v, _, _ in strip["rows"]["δt"]] == flagged and "Δt scalar" in strip["rows"]  # paired as before
+    for rows in traces.values():
+        rows[2]["samples"][0]["delta"] = flat
+    section = report.render_update_section(traces)
+    assert "no traced iteration has a token the critic flagged (δ<sub>t</sub> &lt; 0)" in section
+    assert "Iteration 1:" in section
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Bad input, and a full run on tiny models
 # ----------------------------------------------------------------------------------------------------------------------
@@ -364,6 +402,19 @@ def test_missing_reference_and_empty_split_are_clear_errors(tmp_path):
         load_split(str(data), "prompt", None, limit=0)
     with pytest.raises(common.DataError, match="NAME=PATH"):
         ev.parse_named(["justapath"], "--policy")
+
+
+def test_a_latin1_byte_in_the_data_is_one_line_and_writes_nothing(tmp_path, tiny_model_dir):
+    """--data saved as Latin-1 (café as the byte 0xe9): exit 2 and one line naming the file, line, byte and column,
+    before any policy loads; no --output-dir."""
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes(b'{"id": "a", "prompt": "p", "reference": "r"}\n{"id": "b", "prompt": "caf\xe9"}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(data), "--policy",
+                           f"base={tiny_model_dir}", "--reward-model", "none", "--output-dir", str(tmp_path / "out")],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: {data}:2: not UTF-8 (byte 0xe9 at column 27)"]
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_default_policies_are_skipped_with_a_warning(tmp_path, capsys):
@@ -666,6 +717,72 @@ def test_best_is_bold_only_where_its_interval_stands_apart():
     assert "<td class='best'>0.200" in page and "class='tie'>0.200" not in page
 
 
+def _critic_results(bad_parse: float) -> dict:
+    """Two policies' metrics: "good"'s critiques all parse, "bad"'s only a share `bad_parse` of its 8."""
+    def metrics(parse):
+        flawless = parse < 1  # a critique that does not parse quotes nothing: delta = 0, as if the answer were flawless
+        m = lambda v: {"value": v, "ci95": [v, v], "n": 8}  # noqa: E731
+        return {"rouge1": m(0.5), "rm/parse_rate": m(parse), "rm/delta_sum": m(0.0 if flawless else -1.5),
+                "rm/poor_token_frac": m(0.0 if flawless else 0.3),
+                "rm_vs_critic/poor_recall": m(0.0 if flawless else 0.6)}
+    pols = {"good": {"n": 8, "metrics": metrics(1.0)}, "bad": {"n": 8, "metrics": metrics(bad_parse)}}
+    for pol in pols.values():
+        pol["critic_failed"] = evaluation.critic_failed(pol["metrics"])
+    return {"task": "demo", "data": "x.jsonl", "n_prompts": 8, "created": "now", "reward_model": "rm",
+            "generation": {"temperature": 1.0, "max_new_tokens": 32}, "policies": pols}
+
+
+def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(capsys):
+    """The reward model's critiques of "bad"'s answers parsed on 1 of 8: delta = 0 everywhere, which read as a flawless
+    0.000 share of poor tokens (bold, the best). Below infra.reward_models.MIN_PARSE_RATE its rm/ and rm_vs_critic/
+    rows read "n/a (7 of 8 critiques failed)" in the table and the report, never the best; a banner says so at the
+    top of report.html, a warning on stderr; results.json keeps the numbers and marks them (critic_failed)."""
+    results = _critic_results(1 / 8)
+    assert results["policies"]["good"]["critic_failed"] is None
+    assert results["policies"]["bad"]["critic_failed"] == {
+        "failed": 7, "n": 8, "parse_rate": 0.125, "floor": reward_models.MIN_PARSE_RATE,
+        "metrics": ["rm/delta_sum", "rm/poor_token_frac", "rm_vs_critic/poor_recall"]}
+    report.print_table(results)
+    out, err = capsys.readouterr()
+    row = {line.split()[0]: line for line in out.splitlines()}
+    for key in ("rm/delta_sum", "rm/poor_token_frac", "rm_vs_critic/poor_recall"):
+        assert row[key].endswith("n/a (7 of 8 critiques failed)") and "0.000" not in row[key].split("]", 1)[1]
+    assert "0.125" in row["rm/parse_rate"] and row["rouge1"].count("0.500") == 6  # the rest as they are
+    assert err.strip().splitlines() == [
+        "warning: bad: 7 of 8 of the reward model's critiques of its answers did not parse (rm/parse_rate 0.125, "
+        "below 0.5): its rm/ and rm_vs_critic/ metrics read n/a (results.json keeps them, under critic_failed)"]
+    page = report.render_report(results, {}, [], None, [], "demo")
+    banner = page.split("<div class='banner'>", 1)[1].split("</div>", 1)[0]
+    assert page.index("<div class='banner'>") < page.index("<h2>Metrics</h2>")
+    assert "bad" in banner and "7 of 8" in banner and "good" not in banner
+    cells = {label: re.findall(r"<td class='([^']*)'>([^<]*)", row) for label, row in re.findall(
+        r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)}
+    assert cells["rm/poor_token_frac"] == [("", "0.300"), ("na", "n/a")]  # "bad"'s 0.000 is no longer the best
+    assert "7 of 8 critiques failed" in page.split("rm/poor_token_frac", 1)[1].split("</tr>", 1)[0]
+    assert cells["rm/parse_rate"] == [("best", "1.000"), ("", "0.125")]
+    ok = _critic_results(0.5)  # at the floor: not failed, no banner
+    assert ok["policies"]["bad"]["critic_failed"] is None
+    assert "class='banner'" not in report.render_report(ok, {}, [], None, [], "demo")
+
+
+def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path):
+    """An untrained reward model with 4 critique tokens: none of its critiques parse. 04 prints its metrics n/a, warns,
+    and the report carries the banner; results.json keeps the numbers, marked."""
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
+                           "--policy", f"base={tiny_model_dir}", "--reward-model",
+                           as_reward_model(tiny_model_dir, tmp_path / "rm"), "--rm-max-new-tokens", "4",
+                           "--max-new-tokens", "4", "--bootstrap", "20", "--device", "cpu", "--output-dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("rm/poor_token_frac"))
+    assert row.endswith("n/a (3 of 3 critiques failed)")
+    assert "warning: base: 3 of 3 of the reward model's critiques of its answers did not parse" in proc.stderr
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())["policies"]["base"]
+    assert saved["critic_failed"]["failed"] == 3 and saved["metrics"]["rm/poor_token_frac"]["value"] == 0.0
+    assert "<div class='banner'>" in (tmp_path / "out" / "report.html").read_text()
+
+
 def test_the_exact_critic_shows_beside_the_reward_models_spans():
     """An SFT answer "called otto" (the post says daisy) that the reward model highlights as good: the report shows
     the exact critic's verdict under it, where " otto" is a poor span."""
@@ -686,6 +803,57 @@ def test_the_exact_critic_shows_beside_the_reward_models_spans():
     assert [response[a:b] for a, b in rm_view["good"]] == [" otto"]                  # the reward model's view ...
     exact = page.split("class='exact'", 1)[1].split("</div>", 1)[0]
     assert '<mark class="poor"> otto</mark>' in exact and "otto where the post says daisy" in exact  # ... and the truth
+
+
+MONITOR = """
+def critic(records, responses):  # quotes the first word as poor; intervals (the whole answer good) for the second
+    out = []
+    for rec, text in zip(records, responses):
+        if rec["id"].endswith("2"):
+            out.append({"error": "cannot judge <this> one"})
+        elif rec["id"].endswith("1"):
+            out.append({"critique": "all <good>", "spans": [{"start": 0, "end": len(text), "reward": 0.5}]})
+        else:
+            word = text.split()[0] if text.split() else ""
+            out.append({"critique": f"<{word}> is wrong", "good_spans": [], "poor_spans": [word] if word else []})
+    return out
+"""
+
+
+def monitor_views(page: str) -> dict[str, str]:
+    """Each sample answer's --monitor block (class 'monitor'), by the answer's data-id."""
+    return {rid: block.split("class='monitor'>", 1)[1].split("</div>", 1)[0]
+            for rid, block in re.findall(r"data-id='([^']*)'(.*?)</div></div></div>", page, re.S)
+            if "class='monitor'>" in block}
+
+
+def test_a_monitors_spans_and_critique_show_under_each_sample_answer(tiny_model_dir, tmp_path):
+    """--monitor python:...: its judgement of each sample answer (its spans highlighted, its critique, or why it
+    could not judge it), labelled with its name, under the answer, as the reward model's are; before, the report
+    showed only its summary rows."""
+    (tmp_path / "my_mon.py").write_text(MONITOR)
+    records = demo_dataset("eval", 3)
+    common.write_jsonl(tmp_path / "eval.jsonl", records)
+    results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}",
+                       "--reward-model", "none", "--monitor", f"python:{tmp_path / 'my_mon.py'}:critic",
+                       "--max-new-tokens", "6", "--bootstrap", "20", "--device", "cpu", "--output-dir",
+                       str(tmp_path / "out")])
+    assert results["policies"]["base"]["metrics"]["monitor[my_mon.py:critic]/error_rate"]["value"] == 1 / 3
+    gens = {g["id"]: g["response"] for g in common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")}
+    views = monitor_views((tmp_path / "out/report.html").read_text())
+    assert sorted(views) == [r["id"] for r in records]  # every sample answer shown has the monitor's view
+    for rid, view in views.items():
+        assert view.startswith("your critic my_mon.py:critic: ")
+        text = gens[rid]
+        if rid.endswith("2"):
+            assert "could not judge it: cannot judge &lt;this&gt; one" in view
+        elif rid.endswith("1"):
+            assert f'<mark class="good">{report.html.escape(text)}</mark>' in view and "all &lt;good&gt;" in view
+        else:
+            word = text.split()[0]
+            assert view.count('<mark class="poor">') == 1 and f"&lt;{report.html.escape(word)}&gt; is wrong" in view
+            start = text.index(word)
+            assert report.highlight(text, [], [(start, start + len(word))]) in view
 
 
 def test_policies_alone_look_for_no_demo_curves():

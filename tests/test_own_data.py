@@ -19,7 +19,7 @@ SMALL = {  # fewer steps and tokens; flags given again win over the README's
     "01_annotate.py": ["--concurrency", "2"],
     "02_train_reward.py": ["--max-steps", "3", "--batch-size", "4", "--grad-accum", "1", "--max-len", "256",
                            "--max-new-tokens", "32", "--val-frac", "0.25", "--eval-limit", "2", "--device", "cpu",
-                           "--logging-steps", "1"],
+                           "--logging-steps", "1", "--min-parse-rate", "0"],  # 3 steps teach no format
     "03_train_policy.py": ["--max-fail-share", "1",  # a 3-step reward model: few critiques parse yet
                            "--steps", "2", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
                            "--max-new-tokens", "8", "--critic-max-new-tokens", "24", "--device", "cpu"],

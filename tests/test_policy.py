@@ -911,6 +911,27 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
     assert strip(_rows(tmp_path / "plain")) == strip(rows)  # the trace draws nothing random
 
 
+def test_the_missing_eos_penalty_is_traced_under_its_own_name(tmp_path, tiny_model_dir):
+    """--missing-eos-penalty's -1 at the last token of an answer cut off before its EOS landed in trace.jsonl's
+    rewards, where it read as the critic's. The trace's rewards are now the critic's and the KL's alone (span:
+    delta_t - beta * KL_t; scalar: the delta-sum at the last token), and the penalty is missing_eos_penalty, beside
+    them (what the update added at the last token); the advantages are those the update used, penalty included."""
+    trace, dumps, _ = _traced(tmp_path, tiny_model_dir, "run", "--steps", "1", "--kl-coef", "0.1",
+                              "--missing-eos-penalty", "0.75")
+    (row,) = trace
+    samples, beta = row["samples"], row["kl_coef"]
+    assert any(not s["has_eos"] for s in samples)  # 8 new tokens: answers cut off before their EOS
+    for s in samples:
+        assert s["missing_eos_penalty"] == (0.0 if s["has_eos"] else -0.75)
+        want = [d - beta * k for d, k in zip(s["delta"], s["kl"])]
+        assert s["rewards"]["span"] == pytest.approx(want, abs=1e-5)
+        scalar = [-beta * k for k in s["kl"]]
+        scalar[-1] += sum(s["delta"])
+        assert s["rewards"]["scalar"] == pytest.approx(scalar, abs=1e-5)
+        assert s["advantages"]["span"] == pytest.approx(dumps[1]["advantages"][s["row"], :len(s["tokens"])].tolist(),
+                                                        rel=1e-5, abs=1e-5)
+
+
 def test_trace_delta_is_zero_at_learning_rate_zero(tmp_path, tiny_model_dir):
     trace, _, _ = _traced(tmp_path, tiny_model_dir, "run", "--lr", "0", "--steps", "1")
     for s in trace[0]["samples"]:

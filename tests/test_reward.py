@@ -367,7 +367,7 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
            "--master_port", str(port), str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
            str(data), "--output-dir", str(out), "--batch-size", "4", "--max-steps", "4", "--eval-limit", "4",
            "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--val-frac", "0.05", "--device", "cpu",
-           *LORA]
+           "--min-parse-rate", "0", *LORA]  # 4 steps teach no format: its critiques need not parse here
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -476,6 +476,29 @@ def test_targets_only_batches_give_the_same_loss_and_gradients(tiny_model_dir):
         grads.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-6)
     assert torch.allclose(grads[0][1], grads[1][1], atol=1e-7)
+
+
+def test_a_reward_model_that_never_parses_ends_non_zero_and_stays_saved(tmp_path, tiny_model_dir):
+    """One training step and 4 critique tokens: none of its held-out critiques can parse. Stage 2 ended with exit 0,
+    and stage 3 trained on delta = 0 from it; now it ends with exit 1 and one line saying where the model is, its
+    parse rate and what to do. The model and eval.json stay on disk; --min-parse-rate 0 accepts it."""
+    data, out = tmp_path / "ann.jsonl", tmp_path / "rm"
+    common.write_jsonl(data, annotations(16))
+    cmd = [sys.executable, str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data", str(data),
+           "--output-dir", str(out), "--max-steps", "1", "--batch-size", "4", "--val-frac", "0.25", "--eval-limit",
+           "2", "--max-new-tokens", "4", "--device", "cpu"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert reward_models.MIN_PARSE_RATE == 0.5
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: the reward model's critiques parsed on 0 of 2 held-out examples (parse rate 0.00, below "
+        f"--min-parse-rate 0.5): as a critic it would give most rollouts delta = 0. It is saved in {out} (its "
+        "outputs in eval_samples.jsonl); train it longer (--max-steps, --epochs), on more annotations or with a "
+        "larger --max-new-tokens, then rerun with --overwrite; --min-parse-rate 0 accepts it as it is")
+    assert (out / "reward_model.json").is_file() and json.loads((out / "eval.json").read_text())["parse_rate"] == 0
+    proc = subprocess.run(cmd + ["--overwrite", "--min-parse-rate", "0"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_a_reward_model_trained_from_a_relative_path_loads_from_any_directory(tmp_path, tiny_model_dir, monkeypatch):
