@@ -16,6 +16,9 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest.ini's 2 workers: one thread each (and their subprocesses), as
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # two threads per worker waiting on a busy core ran ~10x slower
+
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1730,7 +1730,8 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tm
             "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
             "--lora-alpha", "8", "--save-every", "2", "--overwrite"]
     proc = subprocess.Popen([sys.executable, "03_train_policy.py", *argv], cwd=ROOT, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
+                            stdout=subprocess.DEVNULL, text=True,  # SIGINT as a terminal delivers it, even when the
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # suite runs in `cmd &`
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):

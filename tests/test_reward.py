@@ -417,8 +417,8 @@ def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     assert wa.keys() == wb.keys() and len(wa) > 4
     base = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     moved = 0
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+    for k in wa:  # atol: Adam's step lr * m / (sqrt(v) + eps) turns the rounding of a gradient near eps into up to
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5)  # ~5e-6 (1 weight of 38,400 seen); lr is 1e-3
         moved += k in base and not torch.equal(wa[k], base[k])
     assert lora or moved > 4  # full fine-tuning changed the weights (the adapter's B starts at 0)
     model, _ = models.load_model(str(two))
