@@ -311,3 +311,11 @@ class FakeOpenAI:
 def fake_openai():
     """Factory: `with fake_openai(reply) as server: ... server.base_url ...`."""
     return FakeOpenAI
+
+
+def pytest_collection_modifyitems(items):
+    """Longest first for pytest.ini's 2 workers (--dist loadscope hands out modules in this order): the zero-flag demo's
+    module (its ~10-minute fixture) and the benches' go first, so the other worker runs the rest meanwhile."""
+    first = ("tests/test_demo.py", "tests/test_bench.py")
+    items.sort(key=lambda item: first.index(item.nodeid.split("::")[0]) if item.nodeid.split("::")[0] in first
+               else len(first))
