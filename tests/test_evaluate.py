@@ -444,21 +444,6 @@ def test_cache_resumes_after_a_kill_and_drops_stale_rows(tmp_path):
     assert calls[5:] == ["0", "1", "2", "3", "4"] and len(common.read_jsonl(path)) == 5
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_model_dir, tmp_path_factory):
-    """A LoRA adapter over the tiny model, with nonzero B so it changes the outputs."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = models.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.5)
-    out = tmp_path_factory.mktemp("adapter")
-    model.save_pretrained(out)
-    return str(out)
-
-
 def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir, adapter_dir, tmp_path, monkeypatch):
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, demo_dataset("eval", 6))

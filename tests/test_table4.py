@@ -50,21 +50,6 @@ def arc_task(tmp_path) -> str:
     return str(tasks)
 
 
-@pytest.fixture(scope="module")
-def adapter_dir(tiny_model_dir, tmp_path_factory):
-    """A LoRA adapter on the tiny model, its B matrices random so that it changes the model's answers."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = models.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
-    torch.manual_seed(0)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data.normal_(0, 0.5)
-    out = tmp_path_factory.mktemp("adapter")
-    model.save_pretrained(out)
-    return str(out)
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # ARC-Challenge: the harness's Python API on each policy, a plain folder and a LoRA adapter
 # ----------------------------------------------------------------------------------------------------------------------
