@@ -30,6 +30,8 @@ from tasks.demo import build_tiny_base, demo_critic, demo_dataset  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+
 def tiny_corpus() -> list[str]:
     """The tiny model's tokenizer and pre-training texts: demo posts, summaries and critiques plus unicode and code lines,
     frozen in tests/data/tiny_corpus.json.gz (the demo's 300 examples with seed 0 as its critic quoted them at 13bae36).
