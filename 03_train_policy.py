@@ -562,7 +562,10 @@ def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, wo
 def make_optimizer(params, args):
     """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
     then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
-    optimizer = torch.optim.AdamW(params, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
+    # FSDP's sharded weights and the whole value head in separate groups: foreach/fused AdamW (CUDA's) cannot mix them
+    groups = [{"params": g} for g in ([p for p in params if distributed.is_sharded(p)],
+                                      [p for p in params if not distributed.is_sharded(p)]) if g]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
                                                   * (1.0 - it / args.steps if args.anneal_lr else 1.0))
     return optimizer, scheduler

@@ -1857,3 +1857,38 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
     assert all(0.45 * full <= r["params"] <= 0.55 * full for r in held["fsdp"])
     # a rollout gathers once: the layers stay whole through every decode step's forward, and are sharded again after
     assert all(r["kept_whole"] == [True, True] and r["resharded_after"] for r in held["fsdp"])
+
+
+FSDP_ADAM = r"""
+import importlib.util, sys, types, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from infra import distributed, models
+spec = importlib.util.spec_from_file_location("ppo", sys.argv[1] + "/03_train_policy.py")
+ppo = importlib.util.module_from_spec(spec); spec.loader.exec_module(ppo)
+dist.init_process_group("gloo")
+model, _ = models.load_model(sys.argv[2])
+distributed.fully_shard_model(model)
+head = torch.nn.Linear(model.config.hidden_size, 1)   # 03's value head: whole on every rank
+params = list(model.parameters()) + list(head.parameters())
+args = types.SimpleNamespace(lr=1e-3, compile_update=False, warmup_steps=1, steps=1, anneal_lr=False)
+optimizer, _ = ppo.make_optimizer(params, args)
+for group in optimizer.param_groups:
+    group["foreach"] = True   # AdamW's default on CUDA (a CPU's is the per-tensor loop)
+out = model(input_ids=torch.randint(5, 90, (2, 9)), labels=torch.randint(5, 90, (2, 9)), output_hidden_states=True)
+(out.loss + head(out.hidden_states[-1]).mean()).backward()
+optimizer.step()
+print("stepped", len(optimizer.param_groups))
+"""
+
+
+def test_fsdp_adamw_steps_as_on_cuda_over_the_sharded_policy_and_the_whole_value_head(tmp_path, tiny_model_dir):
+    """Issue 58, found on an H200: --shard fsdp stopped at its first optimizer step, because CUDA's AdamW runs
+    foreach kernels, which refuse a list mixing FSDP's sharded weights (DTensors) with the value head's plain tensors.
+    make_optimizer puts them in separate groups; the probe forces foreach, as CUDA does, on a CPU rank."""
+    (tmp_path / "probe.py").write_text(FSDP_ADAM)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                           str(tmp_path / "probe.py"), str(ROOT), tiny_model_dir],
+                          capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stepped 2" in proc.stdout
