@@ -1811,7 +1811,7 @@ def test_fsdp_resume_is_exact_and_the_saved_policy_loads_whole_in_one_process(tm
 
 
 FSDP_BYTES = r"""
-import json, sys, torch, torch.distributed as dist
+import importlib.util, json, sys, types, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from infra import distributed, models
 dist.init_process_group("gloo")
@@ -1820,13 +1820,20 @@ full = sum(p.numel() for p in model.parameters())
 if sys.argv[3] == "fsdp":
     distributed.fully_shard_model(model)
 params = [p for p in model.parameters()]
-opt = torch.optim.AdamW(params, lr=1e-3)
-model(input_ids=torch.randint(5, 90, (2, 9)), labels=torch.randint(5, 90, (2, 9))).loss.backward()
+head = torch.nn.Linear(model.config.hidden_size, 1)  # 03's value head: whole on every rank, apart from `params`
+spec = importlib.util.spec_from_file_location("ppo", sys.argv[1] + "/03_train_policy.py")
+ppo = importlib.util.module_from_spec(spec); spec.loader.exec_module(ppo)
+args = types.SimpleNamespace(lr=1e-3, compile_update=False, warmup_steps=1, steps=1, anneal_lr=False)
+opt, _ = ppo.make_optimizer(params + list(head.parameters()), args)
+for group in opt.param_groups:
+    group["foreach"] = True  # AdamW's default on CUDA (a CPU's is its per-tensor loop)
+out = model(input_ids=torch.randint(5, 90, (2, 9)), labels=torch.randint(5, 90, (2, 9)), output_hidden_states=True)
+(out.loss + head(out.hidden_states[-1]).mean()).backward()
 opt.step()
 local = lambda t: t.to_local() if distributed.is_sharded(t) else t
 held = {"params": sum(local(p).numel() for p in params),
-        "adam": sum(local(v).numel() for st in opt.state.values() for k, v in st.items() if k != "step"),
-        "full": full}
+        "adam": sum(local(v).numel() for p in params for k, v in opt.state[p].items() if k != "step"),
+        "full": full, "groups": len(opt.param_groups)}
 layer_sharded = lambda: any(distributed.is_sharded(p) for p in distributed.decoder_layers(model)[0].parameters())
 with torch.no_grad(), distributed.gathered(model):  # a rollout: decode steps are forwards
     held["kept_whole"] = [not layer_sharded() for _ in range(2) if model(input_ids=torch.randint(5, 90, (2, 3)))]
@@ -1837,7 +1844,9 @@ __import__("os").write(1, (json.dumps(held) + "\n").encode())  # one write: the 
 
 def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path, tiny_model_dir):
     """Issue 57: what each of 2 ranks holds, read off the DTensor local shards after one AdamW step: about half of
-    the parameters and of the two Adam moments (DDP: all of them on every rank)."""
+    the parameters and of the two Adam moments (DDP: all of them on every rank). The step is 03's make_optimizer's
+    over the policy and a whole value head, with foreach forced as on CUDA: issue 58 found on an H200 that foreach
+    kernels refuse a list mixing FSDP's sharded weights (DTensors) with plain tensors, so they go in separate groups."""
     import socket
     (tmp_path / "probe.py").write_text(FSDP_BYTES)
     held = {}
@@ -1852,43 +1861,10 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
         assert proc.returncode == 0, proc.stderr[-3000:]
         held[shard] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     full = held["ddp"][0]["full"]
-    assert all(r["params"] == full and r["adam"] == 2 * full for r in held["ddp"])
+    assert all(r["params"] == full and r["adam"] == 2 * full and r["groups"] == 1 for r in held["ddp"])
+    assert all(r["groups"] == 2 for r in held["fsdp"])  # the sharded policy, the whole value head
     assert sum(r["params"] for r in held["fsdp"]) == full and sum(r["adam"] for r in held["fsdp"]) == 2 * full
     assert all(0.45 * full <= r["params"] <= 0.55 * full for r in held["fsdp"])
     # a rollout gathers once: the layers stay whole through every decode step's forward, and are sharded again after
     assert all(r["kept_whole"] == [True, True] and r["resharded_after"] for r in held["fsdp"])
 
-
-FSDP_ADAM = r"""
-import importlib.util, sys, types, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from infra import distributed, models
-spec = importlib.util.spec_from_file_location("ppo", sys.argv[1] + "/03_train_policy.py")
-ppo = importlib.util.module_from_spec(spec); spec.loader.exec_module(ppo)
-dist.init_process_group("gloo")
-model, _ = models.load_model(sys.argv[2])
-distributed.fully_shard_model(model)
-head = torch.nn.Linear(model.config.hidden_size, 1)   # 03's value head: whole on every rank
-params = list(model.parameters()) + list(head.parameters())
-args = types.SimpleNamespace(lr=1e-3, compile_update=False, warmup_steps=1, steps=1, anneal_lr=False)
-optimizer, _ = ppo.make_optimizer(params, args)
-for group in optimizer.param_groups:
-    group["foreach"] = True   # AdamW's default on CUDA (a CPU's is the per-tensor loop)
-out = model(input_ids=torch.randint(5, 90, (2, 9)), labels=torch.randint(5, 90, (2, 9)), output_hidden_states=True)
-(out.loss + head(out.hidden_states[-1]).mean()).backward()
-optimizer.step()
-print("stepped", len(optimizer.param_groups))
-"""
-
-
-def test_fsdp_adamw_steps_as_on_cuda_over_the_sharded_policy_and_the_whole_value_head(tmp_path, tiny_model_dir):
-    """Issue 58, found on an H200: --shard fsdp stopped at its first optimizer step, because CUDA's AdamW runs
-    foreach kernels, which refuse a list mixing FSDP's sharded weights (DTensors) with the value head's plain tensors.
-    make_optimizer puts them in separate groups; the probe forces foreach, as CUDA does, on a CPU rank."""
-    (tmp_path / "probe.py").write_text(FSDP_ADAM)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                           str(tmp_path / "probe.py"), str(ROOT), tiny_model_dir],
-                          capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stepped 2" in proc.stdout
