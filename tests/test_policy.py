@@ -1835,8 +1835,11 @@ held = {"params": sum(local(p).numel() for p in params),
         "adam": sum(local(v).numel() for p in params for k, v in opt.state[p].items() if k != "step"),
         "full": full, "groups": len(opt.param_groups)}
 layer_sharded = lambda: any(distributed.is_sharded(p) for p in distributed.decoder_layers(model)[0].parameters())
+held["kept_whole"] = []
 with torch.no_grad(), distributed.gathered(model):  # a rollout: decode steps are forwards
-    held["kept_whole"] = [not layer_sharded() for _ in range(2) if model(input_ids=torch.randint(5, 90, (2, 3)))]
+    for _ in range(2):
+        model(input_ids=torch.randint(5, 90, (2, 3)))
+        held["kept_whole"].append(not layer_sharded())
 held["resharded_after"] = layer_sharded()
 __import__("os").write(1, (json.dumps(held) + "\n").encode())  # one write: the ranks' lines never interleave
 """
