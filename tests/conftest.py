@@ -333,8 +333,10 @@ def fake_openai():
 
 
 def pytest_collection_modifyitems(items):
-    """Longest first for pytest.ini's 2 workers (--dist loadscope hands out modules in this order): the zero-flag demo's
-    module (its ~10-minute fixture) and the benches' go first, so the other worker runs the rest meanwhile."""
+    """Longest first for pytest.ini's 2 workers (--dist loadscope --no-loadscope-reorder hands out modules in this
+    order; without the second flag xdist reorders them by their number of tests, and the demo's 12 went out among the
+    last): the zero-flag demo's module (its ~10-minute fixture) and the benches' go first, so the other worker runs
+    the rest meanwhile."""
     first = ("tests/test_demo.py", "tests/test_bench.py")
     items.sort(key=lambda item: first.index(item.nodeid.split("::")[0]) if item.nodeid.split("::")[0] in first
                else len(first))
