@@ -451,8 +451,7 @@ def top_kernels(fn, device: str, k: int = 12) -> tuple[list[dict], float]:
     events = sorted(prof.key_averages(), key=time_of, reverse=True)[:k]
     # a kernel's time is also its launching op's self time: on a GPU count the kernels alone (the first H200 run, which
     # summed both, reported 60.7 ms busy per 19.7 ms step)
-    kernel = (lambda e: e.device_type != DeviceType.CPU) if cuda else (lambda e: True)
-    busy = sum(time_of(e) for e in prof.key_averages() if kernel(e)) / 1e3
+    busy = sum(time_of(e) for e in prof.key_averages() if not cuda or e.device_type != DeviceType.CPU) / 1e3
     return [{"name": e.key[:120], "calls": e.count, "ms": round(time_of(e) / 1e3, 3)} for e in events], busy
 
 

@@ -1811,7 +1811,7 @@ def test_fsdp_resume_is_exact_and_the_saved_policy_loads_whole_in_one_process(tm
 
 
 FSDP_BYTES = r"""
-import importlib.util, json, sys, types, torch, torch.distributed as dist
+import importlib, json, sys, types, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from infra import distributed, models
 dist.init_process_group("gloo")
@@ -1821,8 +1821,7 @@ if sys.argv[3] == "fsdp":
     distributed.fully_shard_model(model)
 params = [p for p in model.parameters()]
 head = torch.nn.Linear(model.config.hidden_size, 1)  # 03's value head: whole on every rank, apart from `params`
-spec = importlib.util.spec_from_file_location("ppo", sys.argv[1] + "/03_train_policy.py")
-ppo = importlib.util.module_from_spec(spec); spec.loader.exec_module(ppo)
+ppo = importlib.import_module("03_train_policy")  # conftest's import_script, outside pytest
 args = types.SimpleNamespace(lr=1e-3, compile_update=False, warmup_steps=1, steps=1, anneal_lr=False)
 opt, _ = ppo.make_optimizer(params + list(head.parameters()), args)
 for group in opt.param_groups:
@@ -1870,4 +1869,3 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
     assert all(0.45 * full <= r["params"] <= 0.55 * full for r in held["fsdp"])
     # a rollout gathers once: the layers stay whole through every decode step's forward, and are sharded again after
     assert all(r["kept_whole"] == [True, True] and r["resharded_after"] for r in held["fsdp"])
-
