@@ -122,8 +122,8 @@ def parse_args(argv=None):
     # --- the paper's ablations (App. I) and the variants' own flags
     g = p.add_argument_group("ablations (App. I)")
     g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
-    g.add_argument("--labels", default="spans", choices=["spans", "dense"],
-                   help="dense: every token outside a poor span +1 (App. I.1)")
+    g.add_argument("--labels", default="spans", choices=["spans", "dense", "poor"],
+                   help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)")
     g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
     for variant in (sft, critics, scalar_rm, decoding, distributed, trace):
         variant.add_args(p)
@@ -483,7 +483,8 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
             rows[i], spans[i] = (d, unmatched), [idx for _, idx in located]
         delta[i, :len(d)] = torch.tensor(d)
         n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
-    return weight_spans(delta, spans, weighting), rows, n_spans, n_unmatched
+    delta = weight_spans(delta, spans, weighting)
+    return delta.clamp(max=0) if labels == "poor" else delta, rows, n_spans, n_unmatched  # poor: no +1 (credit.py)
 
 
 def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):

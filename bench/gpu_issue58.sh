@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# Issue 58 on a lent GPU, parts 2 and 3 (bench/README.md "The 8B recipe on one GPU"). Run from the repository root
-# with the wheels of transformers 5.24.0 and peft 0.21.2 in .whl/ (bench/README.md says how); OUT is where results go.
+# Issue 58 on a lent GPU (bench/README.md "The 8B recipe on one GPU", "With learned critics"). Run from the repository
+# root with the wheels of transformers 5.24.0, peft 0.21.2 (and gguf for part 1) in .whl/; OUT is where results go.
 #   bash bench/gpu_issue58.sh decode   # part 2: the decode step before / after packed attention, and token identity
 #   bash bench/gpu_issue58.sh fsdp     # part 3: stage 3 at the 8B LoRA recipe, one iteration, without and with FSDP
+#   bash bench/gpu_issue58.sh learned  # part 1: bench/credit_learned.py's train phase; needs SmolLM2's GGUF in two
+#       halves (over one call's 64 MiB): .g58a/part_a carried on an earlier call (kept in /tmp), .g58b/ the rest and
+#       data.tgz (the CPU's data phase); returns learned.tgz: the runs and the reward models' records, not their weights
 # TINY=1 runs the same on a CPU at tiny shapes (a dry run of the script itself).
 set -u
 OUT=${OUT:-/tmp/gpu58_out}; G=/tmp/g58; mkdir -p "$OUT"
@@ -22,5 +25,18 @@ case "$1" in
   fsdp) timeout 190 python3 bench/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 > "$OUT/stage3.log" 2>&1
         timeout 190 python3 bench/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 --shard fsdp \
           > "$OUT/stage3_fsdp.log" 2>&1 ;;
+  learned) R=/work/main  # the CPU's path: 03's adapters name their base by it
+    { [ "$PWD" = $R ] || { mkdir -p $R && cp -a . $R/ && cd $R; }
+      tar xzf .g58b/data.tgz
+      if [ ! -f runs/smollm2/model.safetensors ]; then
+        cat /tmp/.g58a/part_a .g58b/part_b > /tmp/smol.gguf 2>/dev/null || cat .g58a/part_a .g58b/part_b > /tmp/smol.gguf
+        [ "$(sha256sum < /tmp/smol.gguf | cut -d' ' -f1)" = "$(cat .g58b/gguf.sha256)" ] || { echo "bad gguf"; exit 1; }
+        python3 tools/smollm2.py runs/smollm2 /tmp/smol.gguf
+      fi
+      setsid python3 bench/credit_learned.py --stop-after train --jobs 16 & P=$!
+      ( sleep ${LIMIT:-480}; kill -TERM -- -$P ) & W=$!; wait $P; echo "bench exit $?"; kill $W
+      find bench/out/credit_learned \( -path '*/rms/*' -name '*.json' \) -o -path '*/runs/*' ! -name 'checkpoint*' \
+        -type f -o -path '*/logs/*' -o -name runs.json | tar czf "$OUT/learned.tgz" -T -
+    } > "$OUT/learned.log" 2>&1 ;;
 esac
 echo "exit $?"; cp $G/*.json "$OUT/" 2>/dev/null; ls "$OUT"

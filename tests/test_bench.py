@@ -556,3 +556,48 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     runs = sorted((out / "grid").glob("*/metrics.jsonl"))
     assert len(runs) == len(credit.ARMS) and all(len(common.read_jsonl(m)) == 2 for m in runs)
     assert not list(out.rglob("eval*.jsonl"))
+
+
+# bench/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)
+import credit_learned  # noqa: E402
+
+
+@pytest.mark.slow
+def test_credit_learned_runs_each_arm_on_its_reward_model_and_judges_from_the_runs_record(
+        tmp_path, monkeypatch, tiny_model_dir, tiny_chat_model_dir):
+    """At tiny shapes: the train phase builds the three reward models from --rm-base, then one 03 run per arm with
+    its critic and bench/credit.py's tuned lr and beta (the poor-only arm: --labels poor), and records them in
+    OUT/runs.json; the eval phase reads that record alone (the reward models stay where they trained, e.g. a lent
+    GPU) and pairs every arm with each scalar row, post by post."""
+    from tasks.demo import demo_dataset
+    out = tmp_path / "cl"
+    common.write_jsonl(out / "k1" / "prompts.jsonl", demo_dataset("train", 8))
+    common.write_jsonl(out / "k1" / "sft.jsonl", demo_dataset("sft", 16))
+    flags = ["--model", tiny_model_dir, "--sft-steps", "0", "--prompts", str(out / "k1" / "prompts.jsonl"),
+             "--scalar-baseline-dir", "", "--trace-samples", "0", "--batch-size", "4", "--num-minibatches", "2",
+             "--ppo-epochs", "1", "--max-new-tokens", "8", "--lora-r", "4", "--lora-alpha", "8", "--device", "cpu",
+             "--max-fail-share", "1"]  # 2 steps teach the reward model no format: nothing parses
+    monkeypatch.setattr(credit_learned, "start", lambda out, pets, args: flags)
+    argv = ["--rm-base", tiny_chat_model_dir, "--rm-steps", "2", "--rm-min-parse-rate", "0", "--pool", "40",
+            "--pairs", "4", "--seeds", "1", "--steps", "2", "--eval-posts", "8", "--out", str(out), "--results", ""]
+    assert credit_learned.main([*argv, "--stop-after", "train"]) is None
+    made = json.loads((out / "runs.json").read_text())
+    selection = json.loads((ROOT / "bench" / "credit_selection.json").read_text())
+    for row, (arm, rm, critic) in credit_learned.ARMS.items():
+        config = json.loads((Path(made["runs"][f"{row}/101"]) / "config.json").read_text())
+        chosen = selection["selection"][selection["best_scalar"] if arm == "best scalar" else arm]
+        assert (config["lr"], config["kl_coef"]) == (chosen["lr"], chosen["kl_coef"]), row
+        assert config["critic"] == critic[1] and f"/{rm}-" in config["reward_model"], row
+        assert config["labels"] == ("poor" if arm == "poor_span" else "spans"), row
+    for rm in (out / "rms").iterdir():
+        __import__("shutil").rmtree(rm)
+    result = credit_learned.main(argv)
+    table = result["table"]
+    assert set(table) == {"SFT", *credit_learned.ARMS}
+    assert set(table["Text2Grad"]["versus"]) == set(credit_learned.SCALARS)
+    assert set(table["PRM-PPO"]["versus"]) == {"PPO (BT RM, unit std)"}
+    for row in credit_learned.ARMS:
+        v = table[row]["versus"]["PPO (BT RM, unit std)"]["mistakes"] if row != "PPO (BT RM, unit std)" else None
+        assert v is None or v["interval"][0] <= v["difference"] <= v["interval"][1]
+    per_post = json.loads((out / "results.json").read_text())["per_post"]
+    assert len(per_post) == 1 + len(credit_learned.ARMS) and all(len(b) == 8 for b in per_post.values())

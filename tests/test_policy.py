@@ -434,6 +434,25 @@ def test_dense_labels_put_minus_one_inside_poor_spans_and_plus_one_elsewhere():
     assert unparsed.abs().sum() == 0  # no critique, no labels
 
 
+def test_poor_labels_keep_only_the_negative_rewards_of_every_kind_of_critic():
+    """--labels poor (bench/credit.py's poor_span arm over any critic): delta_t = min(delta_t, 0), the same as
+    dropping the good quotes, for a quoting critic, a python: critic's located spans and a scalar critic's steps."""
+    text = "tom saw the cat today"
+    offsets = [(0, 3), (3, 7), (7, 11), (11, 18), (18, 21), (21, 21)]
+    mask = torch.ones(3, 6)
+    quotes = {"critique": "c", "good_spans": ["tom", "today"], "poor_spans": ["the", "saw the"]}
+    located = {"critique": "", "spans": [{"start": 0, "end": 7, "reward": 1.0}, {"start": 4, "end": 11, "reward": -1.0}]}
+    steps = {"critique": "", "step_rewards": [(7, 0.5), (11, -0.25), (None, -0.75)]}
+    feedback = [quotes, located, steps]
+    spans = ppo.span_deltas([text] * 3, [offsets] * 3, feedback, mask)[0]
+    poor = ppo.span_deltas([text] * 3, [offsets] * 3, feedback, mask, labels="poor")[0]
+    assert poor.tolist() == [[min(x, 0.0) for x in row] for row in spans.tolist()]  # a plain loop as the reference
+    assert poor.tolist() == [[0.0, -1.0, -1.0, 0.0, 0.0, 0.0], [0.0, -1.0, -1.0, 0.0, 0.0, 0.0],
+                             [0.0, 0.0, -0.25, 0.0, 0.0, -0.75]]
+    dropped = ppo.span_deltas([text], [offsets], [{**quotes, "good_spans": []}], mask[:1])[0]
+    assert torch.equal(dropped, poor[:1])
+
+
 def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_model_dir):
     """--labels dense --critic program: step 3's delta is +1 on every token of a rollout outside the exact critic's poor
     spans, -1 inside; the monitor still logs the exact critic's own span reward, not the dense one."""

