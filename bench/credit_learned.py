@@ -20,6 +20,7 @@ posts, 95% bootstrap). Cached by the settings and content of what made each arte
 Writes OUT/results.json and --results (the numbers and each run's 0/1 mistake per held-out post).
 """
 import argparse
+import importlib
 import json
 import statistics
 import sys
@@ -135,7 +136,9 @@ def main(argv=None):
               "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "pairs": args.pairs,
               "eval_posts": args.eval_posts, "table": table, "reward_models": made["reward_models"],
               "devices": {f"{row}/seed{s}": json.loads((d / "config.json").read_text()).get("device")
-                          for (row, s), d in dirs.items()}}
+                          for (row, s), d in dirs.items()},
+              "eval_versions": {m.__name__: m.__version__ for m in map(importlib.import_module,
+                                                                       ("torch", "transformers", "peft"))}}
     print_table(table, args.steps)
     per_post = {"sft": bits(sft_eval["per_post"]), **{f"{row}/seed{s}": bits(got[row, s]["per_post"])
                                                       for row in ARMS for s in seeds}}
