@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         variant.add_args(p)
     data.add_demo_args(p)
     args = p.parse_args(argv)
+    if args.limit is not None and args.limit < 1:  # 0 read as "no limit" on the demo, -1 dropped the last record
+        p.error(f"--limit {args.limit}: at least 1 record")
     if args.dataset is None and args.task != "demo":
         p.error(f"--task {args.task} needs --dataset")
     if args.annotator == "program" and args.task not in ("demo", "code"):

@@ -134,6 +134,18 @@ def test_a_latin1_byte_in_the_dataset_is_one_line_and_writes_nothing(tmp_path):
     assert not out.parent.exists()
 
 
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_a_limit_below_one_exits_2_and_writes_nothing(tmp_path, limit):
+    """--limit 0 annotated the whole demo (0 read as no limit) and --limit -1 all records but the last (a slice
+    from the end), both exiting 0: now exit 2 naming the flag, no output or folder."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": "p", "response": "r"}] * 1)
+    out = tmp_path / "out" / "annotations.jsonl"
+    proc = run_cli("--dataset", data, "--output", out, "--limit", limit)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"error: --limit {limit}: at least 1 record")
+    assert not out.parent.exists()
+
+
 @pytest.mark.parametrize("content", [b"", b"\n  \n"])
 def test_an_empty_dataset_exits_2_and_writes_nothing(tmp_path, content):
     """An empty file (or blank lines only) is no dataset: one line, exit 2, no output, summary or folder (it exited
