@@ -95,6 +95,8 @@ def parse_args(argv=None):
         args.temperature = preset[3]
     given = (args.prompt_field, args.reference_field, args.max_new_tokens)  # the preset fills what is not given
     args.prompt_field, args.reference_field, args.max_new_tokens = (mine or dflt for mine, dflt in zip(given, preset))
+    if args.limit is not None and args.limit < 1:  # -1 dropped the last record (a slice from the end)
+        p.error(f"--limit {args.limit}: at least 1 record")
     if args.num_samples > 1 and not args.temperature:
         p.error("--num-samples > 1 needs --temperature > 0: greedy samples are all the same")
     reflection.check_args(args, p)

@@ -417,6 +417,20 @@ def test_a_latin1_byte_in_the_data_is_one_line_and_writes_nothing(tmp_path, tiny
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_a_limit_below_one_exits_2_before_any_policy_loads(tmp_path, tiny_model_dir, limit):
+    """--limit -1 evaluated all records but the last (a slice from the end) and exited 0; now 0 and below exit 2
+    naming the flag, no --output-dir."""
+    data = tmp_path / "eval.jsonl"
+    data.write_text('{"prompt": "p", "reference": "r"}\n' * 2)
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(data), "--policy",
+                           f"base={tiny_model_dir}", "--reward-model", "none", "--limit", limit, "--output-dir",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith(f"error: --limit {limit}: at least 1 record")
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_default_policies_are_skipped_with_a_warning(tmp_path, capsys):
     got = ev.resolve_policies([], {"sft": str(tmp_path), "scalar": str(tmp_path / "missing")})
     assert got == {"sft": str(tmp_path)} and "skipping policy 'scalar'" in capsys.readouterr().err
