@@ -246,7 +246,8 @@ def score_policy(records, gens, crits, task, monitor_crits=None) -> tuple[dict[s
             if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
                 sample.update(demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
         for name, mon in monitor_crits.items() if program is not None else ():  # other reward models, the same monitor
-            m_fb, m_delta, _ = reward_models.rm_scores(text, offsets, mon[i]["critique_raw"])
+            m_fb, m_delta, m_rows = reward_models.rm_scores(text, offsets, mon[i]["critique_raw"])
+            sample[f"rm[{name}]/parse_rate"] = m_rows["rm/parse_rate"]  # its n/a when below the floor (critic_failed)
             sample.update({k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v for k, v in
                            demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()})
         for key, row in sample.items():
@@ -358,6 +359,8 @@ def main(argv=None) -> dict:
                                            args.bootstrap, args.seed) for k, v in rows.items()}
         results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}
         results["policies"][name]["critic_failed"] = evaluation.critic_failed(metrics)  # its critiques mostly failed
+        results["policies"][name]["monitor_failed"] = {m: f for m in monitor_rms if (f := evaluation.critic_failed(
+            metrics, m))}  # so did a --monitor-reward-model's
 
     # --- 3. optional LLM judge (infra/judge.py)
     if args.judge_base_url:

@@ -11,7 +11,7 @@ A policy whose reward-model critiques mostly did not parse (critic_failed: rm/pa
 infra.reward_models.MIN_PARSE_RATE, stage 2's floor) has its critic's metrics marked: a critique that does not parse
 quotes nothing, delta = 0 on every token, which scores as a flawless answer (a poor-token share of 0.000, the best).
 results.json keeps the numbers with a critic_failed entry per policy; the table and report.html show them n/a
-(infra/report.py).
+(infra/report.py). So with each --monitor-reward-model NAME (monitor_failed[NAME]: its rm[NAME]/parse_rate).
 """
 from __future__ import annotations
 
@@ -110,17 +110,18 @@ def bootstrap(rows, stat=ratio_stat, n_boot: int = 1000, seed: int = 0) -> dict:
     return {"value": None if np.isnan(value) else value, "ci95": ci, "n": len(x)}
 
 
-def critic_failed(metrics: dict) -> dict | None:
+def critic_failed(metrics: dict, monitor: str | None = None) -> dict | None:
     """A policy's results.json entry "critic_failed": {"failed": critiques that did not parse, "n", "parse_rate",
     "floor", "metrics": the metrics they void} when its rm/parse_rate is below infra.reward_models.MIN_PARSE_RATE;
     None when it is not (or there is no reward model). Voided: every rm/ metric but rm/parse_rate itself (the count
-    the verdict rests on), and every rm_vs_critic/ one (the monitor's view of the same critiques); a
-    --monitor-reward-model's rm_vs_critic[NAME]/ rows are its own critiques', not these."""
+    the verdict rests on), and every rm_vs_critic/ one (the monitor's view of the same critiques). monitor NAME: the
+    same for --monitor-reward-model NAME's own critiques (rm[NAME]/parse_rate; its rm_vs_critic[NAME]/ rows)."""
     from infra.reward_models import MIN_PARSE_RATE
-    parse = metrics.get("rm/parse_rate")
+    rm, vs = ("rm/", "rm_vs_critic/") if monitor is None else (f"rm[{monitor}]/", f"rm_vs_critic[{monitor}]/")
+    parse = metrics.get(rm + "parse_rate")
     if not parse or parse["value"] is None or parse["value"] >= MIN_PARSE_RATE:
         return None
-    voided = sorted(k for k in metrics if k.startswith(("rm/", "rm_vs_critic/")) and k != "rm/parse_rate")
+    voided = sorted(k for k in metrics if k.startswith((rm, vs)) and k != rm + "parse_rate")
     return {"failed": round((1 - parse["value"]) * parse["n"]), "n": parse["n"], "parse_rate": parse["value"],
             "floor": MIN_PARSE_RATE, "metrics": voided}
 

@@ -71,6 +71,8 @@ def base_key(key: str) -> str:
 
 def group_label(group: str) -> str:
     name = re.search(r"\[([^\]]*)\]", group)
+    if name and group.startswith("rm["):
+        return f"reward model '{name[1]}' (--monitor-reward-model): its critiques"
     if name and group.startswith("monitor["):
         return f"your critic {name[1]} (--monitor: its own judgement; nothing is trained on it)"
     return GROUPS.get(group) or (f"reward model '{name[1]}' vs the exact critic (monitor only)" if name else group)
@@ -383,9 +385,9 @@ td.na{color:var(--poor-b)}
 
 
 def voided(policy: dict, key: str) -> dict | None:
-    """The policy's critic_failed entry (infra/evaluation.py) when it voids metric `key`, else None."""
-    failed = policy.get("critic_failed")
-    return failed if failed and key in failed["metrics"] else None
+    """The policy's critic_failed entry, or a monitor_failed one (infra/evaluation.py), that voids metric `key`."""
+    return next((f for f in (policy.get("critic_failed"), *(policy.get("monitor_failed") or {}).values())
+                 if f and key in f["metrics"]), None)
 
 
 def failed_note(failed: dict) -> str:
@@ -532,6 +534,10 @@ def print_table(results: dict) -> None:
         print(f"warning: {name}: {f['failed']} of {f['n']} of the reward model's critiques of its answers did not "
               f"parse (rm/parse_rate {f['parse_rate']:.3f}, below {f['floor']:g}): its rm/ and rm_vs_critic/ metrics "
               "read n/a (results.json keeps them, under critic_failed)", file=sys.stderr)
+    for name, mon, f in ((n, m, f) for n, p in pol.items() for m, f in (p.get("monitor_failed") or {}).items()):
+        print(f"warning: {name}: {f['failed']} of {f['n']} of --monitor-reward-model {mon}'s critiques did not parse "
+              f"(below {f['floor']:g}): its rm_vs_critic[{mon}]/ metrics read n/a (results.json: monitor_failed)",
+              file=sys.stderr)
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
         invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
         table.append([f"judge {name} win/tie/loss", f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"

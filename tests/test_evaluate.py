@@ -766,11 +766,14 @@ def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(ca
 
 def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path):
     """An untrained reward model with 4 critique tokens: none of its critiques parse. 04 prints its metrics n/a, warns,
-    and the report carries the banner; results.json keeps the numbers, marked."""
+    and the report carries the banner; results.json keeps the numbers, marked. The same model as a
+    --monitor-reward-model: its rm_vs_critic[NAME]/ rows read n/a too (they read 0 mistakes flagged, 3 of 3 missed, as
+    if it had judged)."""
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
+    rm = as_reward_model(tiny_model_dir, tmp_path / "rm")
     proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
-                           "--policy", f"base={tiny_model_dir}", "--reward-model",
-                           as_reward_model(tiny_model_dir, tmp_path / "rm"), "--rm-max-new-tokens", "4",
+                           "--policy", f"base={tiny_model_dir}", "--reward-model", rm, "--monitor-reward-model",
+                           f"toy={rm}", "--rm-max-new-tokens", "4",
                            "--max-new-tokens", "4", "--bootstrap", "20", "--device", "cpu", "--output-dir",
                            str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -780,6 +783,13 @@ def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path)
     saved = json.loads((tmp_path / "out" / "results.json").read_text())["policies"]["base"]
     assert saved["critic_failed"]["failed"] == 3 and saved["metrics"]["rm/poor_token_frac"]["value"] == 0.0
     assert "<div class='banner'>" in (tmp_path / "out" / "report.html").read_text()
+    toy = saved["monitor_failed"]["toy"]
+    assert toy["failed"] == 3 and toy["metrics"] and all(k.startswith("rm_vs_critic[toy]/") for k in toy["metrics"])
+    assert not set(toy["metrics"]) & set(saved["critic_failed"]["metrics"])  # each critic voids its own rows
+    for key in toy["metrics"]:
+        assert next(line for line in proc.stdout.splitlines() if line.startswith(key + " ")).endswith(
+            "n/a (3 of 3 critiques failed)")
+    assert "warning: base: 3 of 3 of --monitor-reward-model toy's critiques did not parse" in proc.stderr
 
 
 def test_the_exact_critic_shows_beside_the_reward_models_spans():
