@@ -6,7 +6,7 @@
 #   bash bench/gpu_issue58.sh learned  # part 1: bench/credit_learned.py's train phase; needs SmolLM2's GGUF in two
 #       halves (over one call's 64 MiB): .g58a/part_a carried on an earlier call (kept in /tmp), .g58b/ the rest and
 #       data.tgz (the CPU's data phase); returns learned.tgz: the runs and the reward models' records, not their weights
-# TINY=1 runs the same on a CPU at tiny shapes (a dry run of the script itself).
+# TINY=1 runs decode and fsdp on a CPU at tiny shapes (a dry run of the script itself; learned: LIMIT=45 on a CPU).
 set -u
 OUT=${OUT:-/tmp/gpu58_out}; G=/tmp/g58; mkdir -p "$OUT"
 if [ -d .whl ] && [ -z "${TINY:-}" ]; then
