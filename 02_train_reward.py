@@ -280,6 +280,9 @@ def main(args: argparse.Namespace) -> dict:
     trainer, resume_from = training.make_trainer(args, model, train_set, val_set, functools.partial(
         collate, pad_id=tokenizer.pad_token_id, targets_only=True), log, rank0)
     result = trainer.train(resume_from_checkpoint=resume_from)
+    # the mean over ranks: HF adds the loss since its last logging step to train_loss unreduced (rank 0's alone)
+    train_loss = distributed.all_sum(torch.tensor(result.training_loss, device=trainer.args.device)).item() / \
+        trainer.args.world_size
     final_eval = trainer.evaluate() if val_set else {}
     train_s = time.time() - t0
     state_dict = distributed.full_state_dict(model)  # --shard fsdp: gathered whole on every rank, saved by rank 0
@@ -304,7 +307,7 @@ def main(args: argparse.Namespace) -> dict:
                   "lr_schedule": args.lr_schedule, "sampling": args.sampling,
                   "epochs": args.epochs, "steps": trainer.state.global_step, "resumed_from": resume_from,
                   "batch_size": args.batch_size * args.grad_accum * trainer.args.world_size, "seed": args.seed,
-                  "train_loss": result.training_loss, "eval_loss": final_eval.get("eval_loss"),
+                  "train_loss": train_loss, "eval_loss": final_eval.get("eval_loss"),
                   "train_s": round(train_s, 1)},
     }
     reward_models.save_reward_model(model, args, out, summary, state_dict)
@@ -328,7 +331,7 @@ def main(args: argparse.Namespace) -> dict:
              "gold_good_spans": r["good_spans"], "gold_poor_spans": r["poor_spans"]}
             for r, o in zip(eval_recs, outputs)])
         reward_models.print_table(metrics)
-    metrics.update(eval_loss=final_eval.get("eval_loss"), train_loss=result.training_loss,
+    metrics.update(eval_loss=final_eval.get("eval_loss"), train_loss=train_loss,
                    steps=summary["train"]["steps"], train_s=round(train_s, 1), wall_s=round(time.time() - t0, 1))
     common.write_json(out / "eval.json", metrics)
     log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")

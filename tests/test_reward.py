@@ -397,12 +397,14 @@ def _torchrun_rm(tmp_path, argv, nproc):
 def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     """02 --shard fsdp on 2 gloo ranks (4 examples each) trains the weights that one process trains on the same 8
     examples a step, within float rounding, and saves them whole: an adapter (LoRA on lm_head and the tied embeddings,
-    the norms trained too) or the full tied model, each loading in one process; each rank held half the parameters."""
+    the norms trained too) or the full tied model, each loading in one process; each rank held half the parameters.
+    Its train_loss is the one process's too: logged every step (lora), or never (full: HF's unlogged loss is each
+    rank's own, and train_loss was rank 0's)."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
     flags = ["--model", tiny_model_dir, "--data", str(data), "--seed", "0", "--max-steps", "2", "--eval-limit", "0",
              "--save-steps", "1000", "--eval-steps", "1000", "--val-frac", "0.1", "--device", "cpu", "--warmup", "0",
-             "--logging-steps", "1", *(LORA if lora else ("--lora-r", "0", "--lr", "1e-3"))]
+             "--logging-steps", "1" if lora else "1000", *(LORA if lora else ("--lora-r", "0", "--lr", "1e-3"))]
     one = tmp_path / "one"
     _torchrun_rm(tmp_path, [*flags, "--batch-size", "8", "--output-dir", str(one)], nproc=1)
     two = tmp_path / "two"
