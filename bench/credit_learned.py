@@ -29,8 +29,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from credit import bits, curve, eval_records, judge, med, paired_difference, start, step_ratio  # noqa: E402
-from paper_baselines import budget, pool_annotations, ppo, reward_model, rm_flags, slug  # noqa: E402
+from credit import bits, curve, eval_records, med, paired_difference, start, step_ratio  # noqa: E402
+from paper_baselines import (budget, evaluate, pool_annotations, post_mistakes, ppo, reward_model, rm_flags,  # noqa: E402
+                             sequence_kl, slug)
 from span_vs_scalar import ROOT, THRESHOLD, WINDOW, run_side_by_side  # noqa: E402
 
 import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)
@@ -117,9 +118,10 @@ def main(argv=None):
         sys.exit(f"{out / 'runs.json'}: {len(unfinished)} runs unfinished (resume them: --stop-after train), "
                  f"e.g. {unfinished[0]}")
     eval_data, records = eval_records(out, 1, args.eval_posts)
-    got = {key: {**curve(d, args.steps), **judge(out, f"{slug(key[0])}_s{key[1]}", d / "policy", sft, eval_data,
-                                                  records, 1)} for key, d in dirs.items()}
-    sft_eval = judge(out, "sft", sft, sft, eval_data, records, 1)
+    judged = judge(out, {"sft": str(sft), **{f"{slug(row)}_s{s}": str(d / "policy") for (row, s), d in dirs.items()}},
+                   sft, eval_data, records)
+    got = {key: {**curve(d, args.steps), **judged[f"{slug(key[0])}_s{key[1]}"]} for key, d in dirs.items()}
+    sft_eval = judged["sft"]
     table = {"SFT": {k: sft_eval[k] for k in ("mistake_rate", "rougeL", "kl")}}
     for row in ARMS:
         rs = [got[row, s] for s in seeds]
@@ -146,6 +148,25 @@ def main(argv=None):
     if args.results:
         common.write_json(ROOT / args.results, {**result, "per_post": per_post})
     return result
+
+
+def judge(out: Path, policies: dict, sft: Path, eval_data: Path, records: list[dict]) -> dict:
+    """bench/credit.py's judge for every policy at once (one 04 process, each policy sampled with the same seed):
+    {name: its held-out mistake rate, ROUGE-L, KL to the SFT start and 0/1 mistake per post}. Cached."""
+    ev = evaluate(out / "evals", policies, eval_data)
+    kl_file = ev["dir"] / "kl.json"
+    kl = json.loads(kl_file.read_text()) if kl_file.is_file() else {}
+    got = {}
+    for name, policy in policies.items():
+        gens = ev["dir"] / "eval" / f"{name}.generations.jsonl"
+        if name not in kl:  # sum over tokens of log pi - log pi_SFT on pi's samples
+            kl[name] = 0.0 if policy == str(sft) else sequence_kl(policy, str(sft), [r["prompt"] for r in records],
+                                                                 common.read_jsonl(gens), 32)
+            common.write_json(kl_file, kl)
+        per_post = post_mistakes(gens, records)
+        got[name] = {"mistake_rate": statistics.fmean(per_post), "rougeL": ev["table"][name]["rougeL"],
+                     "kl": kl[name], "per_post": per_post}
+    return got
 
 
 def print_table(table: dict, steps: int) -> None:
