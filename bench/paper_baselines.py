@@ -336,10 +336,11 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
     revisions = keyed(folder, "revisions", [str(data)]).with_suffix(".jsonl")
     if not revisions.is_file():
         run(["baselines/reflection_data.py", "--data", str(data), "--output", str(revisions)])
-    reviser = keyed(folder, "reviser", [str(revisions), str(flags["sft"])])
+    sft_steps = [] if args.sft_steps is None else ["--sft-steps", str(args.sft_steps)]
+    reviser = keyed(folder, "reviser", [str(revisions), str(flags["sft"]), *sft_steps])
     if not (reviser / "config.json").is_file():
         run(["03_train_policy.py", "--model", str(flags["sft"]), "--sft-data", str(revisions), "--sft-output-dir",
-             str(reviser), "--steps", "0", "--critic", "program", "--prompts", str(flags["prompts"]),
+             str(reviser), "--steps", "0", *sft_steps, "--critic", "program", "--prompts", str(flags["prompts"]),
              "--scalar-baseline-dir", "", "--output-dir", str(folder / "reviser_run")])
     dpo = {}
     for row, dpo_flags in DPO_ROWS.items():
@@ -549,12 +550,14 @@ def main():
                         f"the costly rows on another machine. Rows: {', '.join(PPO_ROWS)}")
     p.add_argument("--rm-only", action="store_true", help="train the reward models (those the --ppo-only rows need, "
                    "or all three), then stop")
+    p.add_argument("--sft-steps", type=int, help="03 --sft-steps of the SFT start and the reviser (default: 03's)")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the paired bootstrap")
     p.add_argument("--out", default="bench/out/paper_baselines", help="work dir (base, SFT, pool, every run)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every PPO run")
     args = p.parse_args()
     out = Path(args.out)
-    shared_start(out, "local" if "toy" in args.annotators else "program", None, args.steps, [])
+    shared_start(out, "local" if "toy" in args.annotators else "program", None, args.steps,
+                 [] if args.sft_steps is None else ["--sft-steps", str(args.sft_steps)])
     eval_data = out / "eval.jsonl"
     common.write_jsonl(eval_data, demo_dataset("eval", args.eval_posts))
     annotator_rms = {"toy": (out / "reward_model").resolve()}

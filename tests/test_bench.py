@@ -363,7 +363,8 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     build_demo_base(out / "base", pretrain_steps=5, n_texts=200)  # the bench's own base, pretrained briefly
     subprocess.run([sys.executable, "bench/paper_baselines.py", "--annotators", "exact", "--rm-base", str(rm_base),
                     "--seeds", "1", "--steps", "2", "--pool", "40", "--pairs", "6", "--rm-steps", "2",
-                    "--rm-min-parse-rate", "0", "--eval-posts", "8", "--jobs", "2", "--out", str(out), "--",
+                    "--rm-min-parse-rate", "0", "--eval-posts", "8", "--sft-steps", "4", "--jobs", "2", "--out",
+                    str(out), "--",
                     "--batch-size", "8", "--max-fail-share", "1"],  # 2 steps teach no format: nothing parses
                    cwd=ROOT, check=True, capture_output=True, text=True)
     res = json.loads((out / "results.json").read_text())["settings"]["exact"]
