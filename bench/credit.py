@@ -168,7 +168,7 @@ def judge(out: Path, name: str, policy: Path, sft: Path, eval_data: Path, record
     gens = ev["dir"] / "eval" / f"{name}.generations.jsonl"
     kl_file = ev["dir"] / "kl.json"
     if not kl_file.is_file():
-        kl = sequence_kl(str(policy), str(sft), [r["prompt"] for r in records], common.read_jsonl(gens), 32 * pets)
+        kl = sequence_kl(str(policy), str(sft), records, gens, 32 * pets)
         common.write_json(kl_file, {"kl": kl})
     per_post = post_mistakes(gens, records)
     return {"mistake_rate": statistics.fmean(per_post), "rougeL": ev["table"][name]["rougeL"],

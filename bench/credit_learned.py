@@ -160,8 +160,7 @@ def judge(out: Path, policies: dict, sft: Path, eval_data: Path, records: list[d
     for name, policy in policies.items():
         gens = ev["dir"] / "eval" / f"{name}.generations.jsonl"
         if name not in kl:  # sum over tokens of log pi - log pi_SFT on pi's samples
-            kl[name] = 0.0 if policy == str(sft) else sequence_kl(policy, str(sft), [r["prompt"] for r in records],
-                                                                 common.read_jsonl(gens), 32)
+            kl[name] = 0.0 if policy == str(sft) else sequence_kl(policy, str(sft), records, gens, 32)
             common.write_json(kl_file, kl)
         per_post = post_mistakes(gens, records)
         got[name] = {"mistake_rate": statistics.fmean(per_post), "rougeL": ev["table"][name]["rougeL"],

@@ -261,18 +261,30 @@ def devices_line(rows: dict) -> str:
     return f"not on a CPU: {'; '.join(off)}" if off else ""
 
 
-def sequence_kl(policy: str, sft: str, prompts: list[str], gens: list[dict], max_new_tokens: int) -> float:
-    """KL(pi || pi_SFT) on pi's own samples: the mean over them of sum_t log pi(y_t) - log pi_SFT(y_t), the EOS
-    included where one ended the answer (baselines/dpo.py's sequence_logprobs: 03's forward; pi_SFT is the LoRA
-    adapter switched off, or the SFT model itself for a full fine-tune)."""
+def generations(path: Path, records: list[dict]) -> list[dict]:
+    """04's cached generations, one per record in the records' order, read by id: the cache is append-only, so a
+    resumed run or two runs on one folder can hold a row out of order or twice (04 itself keeps the last per id)."""
+    by_id = {g["id"]: g for g in common.read_jsonl(path)}
+    missing = [r["id"] for r in records if r["id"] not in by_id]
+    if missing:
+        raise SystemExit(f"{path}: no generation for {len(missing)} of {len(records)} posts (first: {missing[0]})")
+    return [by_id[r["id"]] for r in records]
+
+
+def sequence_kl(policy: str, sft: str, records: list[dict], gens_path: Path, max_new_tokens: int) -> float:
+    """KL(pi || pi_SFT) on pi's own samples (04's generations cache at gens_path): the mean over them of
+    sum_t log pi(y_t) - log pi_SFT(y_t), the EOS included where one ended the answer (baselines/dpo.py's
+    sequence_logprobs: 03's forward; pi_SFT is the LoRA adapter switched off, or the SFT model itself for a full
+    fine-tune)."""
     import torch
     sys.path.insert(0, str(ROOT / "baselines"))
     dpo = importlib.import_module("dpo")
+    gens = generations(gens_path, records)
     model, tok = models.load_model(policy)
     ref = None if hasattr(model, "peft_config") else models.load_model(sft)[0]
     total = []
     for i in range(0, len(gens), 64):
-        queries = [models.policy_prompt(tok, p) for p in prompts[i:i + 64]]
+        queries = [models.policy_prompt(tok, r["prompt"]) for r in records[i:i + 64]]
         answers = [g["response_ids"] + ([tok.eos_token_id] if len(g["response_ids"]) < max_new_tokens else [])
                    for g in gens[i:i + 64]]
         with torch.no_grad():
@@ -372,9 +384,8 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
     kl = json.loads(kl_cache.read_text()) if kl_cache.is_file() else {}
     for name, path in policies.items():
         if name not in kl:
-            gens = common.read_jsonl(ev["dir"] / "eval" / f"{name}.generations.jsonl")
-            kl[name] = 0.0 if name == "sft" else sequence_kl(path, str(flags["sft"]), [r["prompt"] for r in records],
-                                                             gens, max_new_tokens)
+            gens = ev["dir"] / "eval" / f"{name}.generations.jsonl"
+            kl[name] = 0.0 if name == "sft" else sequence_kl(path, str(flags["sft"]), records, gens, max_new_tokens)
             common.write_json(kl_cache, kl)
 
     def metrics(table: dict, name: str, kl_value) -> dict:
@@ -410,12 +421,12 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
             "dirs": {"eval": str(ev["dir"]), **{row: str(e["dir"]) for row, e in reflect.items()}}}
 
 
-def post_mistakes(generations: Path, records: list[dict]) -> list[float]:
+def post_mistakes(path: Path, records: list[dict]) -> list[float]:
     """1.0 / 0.0 per held-out post, in the eval split's order: does the answer (04's cached generation) have a poor
     span by the exact critic. Two policies' lists pair up post by post."""
     from tasks.demo import demo_critic
-    by_id = {g["id"]: g["response"] for g in common.read_jsonl(generations)}
-    return [float(bool(demo_critic(r["prompt"], by_id[r["id"]])["poor_spans"])) for r in records]
+    return [float(bool(demo_critic(r["prompt"], g["response"])["poor_spans"]))
+            for r, g in zip(records, generations(path, records))]
 
 
 BASELINES = ["SFT", "SFT + reflection, RM critique", "SFT + revision, no critique", *DPO_ROWS, "PPO (BT RM)",

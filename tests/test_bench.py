@@ -294,6 +294,38 @@ def test_the_on_task_comparison_skips_a_baseline_that_left_the_task():
     assert paper_baselines.versus_best(rows, per_post, 0, 200, kept)["best_baseline"] == "PPO (BT RM, unit std)"
 
 
+def test_held_out_rows_pair_with_their_posts_by_id_however_the_cache_holds_them(tmp_path, tiny_model_dir):
+    """04's generations cache is append-only: a resumed run, or two runs on one folder, can hold rows out of the
+    records' order or twice (issue 55's confirm phase: 1,488 rows for 1,000 posts). sequence_kl paired rows with
+    prompts by position, so such a cache gave another policy's KL or crashed; now every bench reads the cache by id,
+    and a post without a row is one line naming the file."""
+    import paper_baselines
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from tasks.demo import demo_dataset
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.save_pretrained(tmp_path / "policy")
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.save_pretrained(tmp_path / "policy")
+    records = demo_dataset("eval", 5)
+    rows = [{"id": r["id"], "response": r["response"], "response_ids": tok.encode(r["response"])[:12]}
+            for r in records]
+    common.write_jsonl(tmp_path / "ordered.jsonl", rows)
+    common.write_jsonl(tmp_path / "resumed.jsonl", rows[3:] + rows + rows[:2])
+    kl = {name: paper_baselines.sequence_kl(str(tmp_path / "policy"), tiny_model_dir, records,
+                                            tmp_path / f"{name}.jsonl", 12) for name in ("ordered", "resumed")}
+    assert kl["ordered"] != 0.0 and kl["resumed"] == pytest.approx(kl["ordered"], rel=1e-5)
+    assert paper_baselines.post_mistakes(tmp_path / "resumed.jsonl", records) == paper_baselines.post_mistakes(
+        tmp_path / "ordered.jsonl", records)
+    common.write_jsonl(tmp_path / "short.jsonl", rows[:4])
+    with pytest.raises(SystemExit, match=r"short\.jsonl: no generation for 1 of 5 posts"):
+        paper_baselines.sequence_kl(str(tmp_path / "policy"), tiny_model_dir, records, tmp_path / "short.jsonl", 12)
+
+
 def test_a_ppo_run_killed_before_its_first_checkpoint_starts_again(tmp_path):
     """paper_baselines.ppo always passed --resume; a run killed before its first checkpoint (every 25 iterations)
     left metrics.jsonl and no checkpoint.pt, which 03 refuses to resume: the bench stopped there on every rerun.
