@@ -27,7 +27,8 @@ Phases (--stop-after ends after one):
              --eval-posts held-out posts at T = 1 (exact critic): mistake rate, ROUGE-L, KL to the SFT start.
  4. sweep    K pets per post (tasks/demo.py --pets): the tuned span, poor_span and best scalar arms on --ks, with
              --sweep-seeds seeds, --max-new-tokens 32 K (the world is in the posts: 03's critic reads K off
-             each); steps to threshold as a ratio to the scalar arm per K.
+             each); steps to threshold as a ratio to the scalar arm per K (a run that never gets there counts --steps),
+             and the final training rate's paired difference to it (seeds resampled).
 Writes OUT/results.json, bench/credit_results.json (the tables' numbers) and bench/credit_per_post.json (each
 evaluated run's 0/1 mistake per held-out post, so every interval recomputes from the repository), prints the tables
 and one JSON line last.
@@ -250,9 +251,11 @@ def main(argv=None):
                              "step_s": statistics.median(curves[arm, s]["step_s"]
                                                          for s in range(101, 101 + args.sweep_seeds))}
                        for arm in arms}
-        for arm in arms:
+        for arm in arms:  # steps: censored at --steps where never reached; the final rate: a second, uncensored view
             sweep[pets][arm]["versus_scalar"] = step_ratio(sweep[pets][arm]["steps"], sweep[pets][best_scalar]["steps"],
                                                            rng)
+            sweep[pets][arm]["final_versus_scalar"] = paired_difference(
+                [[f] for f in sweep[pets][arm]["final"]], [[f] for f in sweep[pets][best_scalar]["final"]], rng)
     result["sweep"] = sweep
     print_sweep(sweep, best_scalar)
     return finish(result, args)
@@ -317,9 +320,11 @@ def print_sweep(sweep: dict, best_scalar) -> None:
     print(f"\nK sweep: steps to <= {THRESHOLD}, median [min, max]; ratio to {best_scalar} [95%]")
     for pets, arms in sweep.items():
         for arm, r in arms.items():
-            v = r["versus_scalar"]
+            v, f = r["versus_scalar"], r["final_versus_scalar"]
             print(f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
-                  f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  s/it {r['step_s']:.2f}")
+                  f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
+                  f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
+                  f"  s/it {r['step_s']:.2f}")
 
 
 def finish(result: dict, args) -> dict:

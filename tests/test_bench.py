@@ -569,7 +569,8 @@ def test_credit_ratios_and_paired_differences_against_hand_computed_values():
 
 def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_path, monkeypatch, tiny_model_dir):
     """A tiny grid of every arm, end to end through 03, then the selection: it reads the grid's metrics alone. No
-    held-out post is made or read before the confirmation phase (demo_dataset("eval", ...) raises here)."""
+    held-out post is made or read before the confirmation phase (demo_dataset("eval", ...) raises here). Then, for
+    two arms, the confirmation and the K sweep, whose final training rates pair up seed by seed with the scalar's."""
     from tasks.demo import demo_dataset
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
     flags = ["--model", tiny_model_dir, "--sft-steps", "0", "--prompts", str(tmp_path / "prompts.jsonl"),
@@ -589,6 +590,22 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     runs = sorted((out / "grid").glob("*/metrics.jsonl"))
     assert len(runs) == len(credit.ARMS) and all(len(common.read_jsonl(m)) == 2 for m in runs)
     assert not list(out.rglob("eval*.jsonl"))
+
+    # then the confirmation and the K sweep, for two arms (the grid's runs reused; 04's judging: credit_learned's test)
+    monkeypatch.setattr(credit, "demo_dataset", demo_dataset)
+    monkeypatch.setattr(credit, "judge", lambda out, name, policy, *a: {
+        "mistake_rate": 0.5, "rougeL": 0.9, "kl": 0.0, "per_post": [float(i % 2) for i in range(4)]})
+    common.write_jsonl(out / "k1" / "prompts.jsonl", demo_dataset("train", 8))
+    result = credit.main(["--steps", "2", "--lrs", "1e-3", "--kl-coefs", "0.05", "--grid-seeds", "1", "--arms",
+                          "span", "poor_scalar", "--confirm-seeds", "1", "--sweep-seeds", "1", "--ks", "2",
+                          "--eval-posts", "4", "--out", str(out), "--results", ""])
+    assert len(list((out / "grid").glob("*/metrics.jsonl"))) == len(credit.ARMS)  # nothing ran twice
+    assert set(result["confirm"]) == {"sft", "span", "poor_scalar"} and (out / "confirm").is_dir()
+    arm, ref = result["sweep"][2]["span"], result["sweep"][2]["poor_scalar"]
+    assert len(arm["steps"]) == len(arm["final"]) == 1 and (out / "sweep_k2").is_dir()
+    assert arm["final_versus_scalar"] == {"difference": pytest.approx(arm["final"][0] - ref["final"][0]),
+                                          "interval": [pytest.approx(arm["final"][0] - ref["final"][0])] * 2}
+    assert result["sweep"][2]["poor_scalar"]["final_versus_scalar"] == {"difference": 0.0, "interval": [0.0, 0.0]}
 
 
 # bench/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)
