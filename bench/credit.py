@@ -238,24 +238,20 @@ def main(argv=None):
     sweep = {}
     for pets in args.ks:
         f = flags if pets == 1 else start(out, pets, args)
-        arms = [a for a in (*SWEEP_ARMS, best_scalar) if a in chosen]
+        arms, seeds = [a for a in (*SWEEP_ARMS, best_scalar) if a in chosen], range(101, 101 + args.sweep_seeds)
         runs = {(arm, s): (f"{arm}_lr{chosen[arm]['lr']:g}_kl{chosen[arm]['kl_coef']:g}", s,
                            [*f, *setting_flags(arm, chosen[arm]["lr"], chosen[arm]["kl_coef"])])
-                for arm in arms for s in range(101, 101 + args.sweep_seeds)}
+                for arm in arms for s in seeds}
         planned = plan(out / ("confirm" if pets == 1 else f"sweep_k{pets}"), runs, args.steps)
         execute(planned, args, logs)
         curves = {key: curve(run_dir, args.steps) for key, (run_dir, _) in planned.items()}
-        sweep[pets] = {arm: {"steps": [curves[arm, s]["steps"] for s in range(101, 101 + args.sweep_seeds)],
-                             "reached": [curves[arm, s]["reached"] for s in range(101, 101 + args.sweep_seeds)],
-                             "final": [curves[arm, s]["final"] for s in range(101, 101 + args.sweep_seeds)],
-                             "step_s": statistics.median(curves[arm, s]["step_s"]
-                                                         for s in range(101, 101 + args.sweep_seeds))}
-                       for arm in arms}
+        sweep[pets] = {arm: {**{k: [curves[arm, s][k] for s in seeds] for k in ("steps", "reached", "final", "kl")},
+                             "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds)} for arm in arms}
         for arm in arms:  # steps: censored at --steps where never reached; the final rate: a second, uncensored view
             sweep[pets][arm]["versus_scalar"] = step_ratio(sweep[pets][arm]["steps"], sweep[pets][best_scalar]["steps"],
                                                            rng)
             sweep[pets][arm]["final_versus_scalar"] = paired_difference(
-                [[f] for f in sweep[pets][arm]["final"]], [[f] for f in sweep[pets][best_scalar]["final"]], rng)
+                [[x] for x in sweep[pets][arm]["final"]], [[x] for x in sweep[pets][best_scalar]["final"]], rng)
     result["sweep"] = sweep
     print_sweep(sweep, best_scalar)
     return finish(result, args)
@@ -324,7 +320,7 @@ def print_sweep(sweep: dict, best_scalar) -> None:
             print(f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
                   f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
                   f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
-                  f"  s/it {r['step_s']:.2f}")
+                  f"  KL {statistics.median(r['kl']):.2f}  s/it {r['step_s']:.2f}")
 
 
 def finish(result: dict, args) -> dict:

@@ -602,7 +602,7 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     assert len(list((out / "grid").glob("*/metrics.jsonl"))) == len(credit.ARMS)  # nothing ran twice
     assert set(result["confirm"]) == {"sft", "span", "poor_scalar"} and (out / "confirm").is_dir()
     arm, ref = result["sweep"][2]["span"], result["sweep"][2]["poor_scalar"]
-    assert len(arm["steps"]) == len(arm["final"]) == 1 and (out / "sweep_k2").is_dir()
+    assert len(arm["steps"]) == len(arm["final"]) == len(arm["kl"]) == 1 and (out / "sweep_k2").is_dir()
     assert arm["final_versus_scalar"] == {"difference": pytest.approx(arm["final"][0] - ref["final"][0]),
                                           "interval": [pytest.approx(arm["final"][0] - ref["final"][0])] * 2}
     assert result["sweep"][2]["poor_scalar"]["final_versus_scalar"] == {"difference": 0.0, "interval": [0.0, 0.0]}
