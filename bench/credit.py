@@ -28,7 +28,9 @@ Phases (--stop-after ends after one):
  4. sweep    K pets per post (tasks/demo.py --pets): the tuned span, poor_span and best scalar arms on --ks, with
              --sweep-seeds seeds, --max-new-tokens 32 K (the world is in the posts: 03's critic reads K off
              each); steps to threshold as a ratio to the scalar arm per K (a run that never gets there counts --steps),
-             and the final training rate's paired difference to it (seeds resampled).
+             the final training rate's paired difference to it (seeds resampled), and the same for the mistakes per
+             answer in the last logged samples (sample_mistakes: where K = 4's rate of answers with a mistake
+             saturates).
 Writes OUT/results.json, bench/credit_results.json (the tables' numbers) and bench/credit_per_post.json (each
 evaluated run's 0/1 mistake per held-out post, so every interval recomputes from the repository), prints the tables
 and one JSON line last.
@@ -120,6 +122,16 @@ def curve(run_dir: Path, steps: int) -> dict:
     return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
             "start": mistakes[0], "kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
             "step_s": statistics.median(r["time/step_s"] for r in rows)}
+
+
+def sample_mistakes(run_dir: Path, from_step: int) -> float:
+    """Mistakes per answer, the exact critic's flagged intervals, in 03's logged samples (4 answers every 10
+    iterations) from iteration from_step on: the sweep's third measure, added once K = 4's SFT start was seen to make
+    a mistake in nearly every answer, where a rate of answers with any mistake cannot move."""
+    from tasks.demo import demo_intervals, demo_labels
+    rows = [r for r in common.read_jsonl(run_dir / "samples.jsonl") if r["step"] >= from_step]
+    return statistics.fmean(len(demo_intervals(r["response"], demo_labels(r["prompt"], r["response"]))["poor"])
+                            for r in rows)
 
 
 def select(grid: dict) -> dict:
@@ -245,13 +257,16 @@ def main(argv=None):
         planned = plan(out / ("confirm" if pets == 1 else f"sweep_k{pets}"), runs, args.steps)
         execute(planned, args, logs)
         curves = {key: curve(run_dir, args.steps) for key, (run_dir, _) in planned.items()}
-        sweep[pets] = {arm: {**{k: [curves[arm, s][k] for s in seeds] for k in ("steps", "reached", "final", "kl")},
+        for key, (run_dir, _) in planned.items():  # the last 5 logged iterations' answers
+            curves[key]["mistakes"] = sample_mistakes(run_dir, args.steps - 40)
+        sweep[pets] = {arm: {**{k: [curves[arm, s][k] for s in seeds]
+                                for k in ("steps", "reached", "final", "mistakes", "kl")},
                              "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds)} for arm in arms}
-        for arm in arms:  # steps: censored at --steps where never reached; the final rate: a second, uncensored view
-            sweep[pets][arm]["versus_scalar"] = step_ratio(sweep[pets][arm]["steps"], sweep[pets][best_scalar]["steps"],
-                                                           rng)
-            sweep[pets][arm]["final_versus_scalar"] = paired_difference(
-                [[x] for x in sweep[pets][arm]["final"]], [[x] for x in sweep[pets][best_scalar]["final"]], rng)
+        for arm in arms:  # steps: censored at --steps where never reached; the final rates: uncensored views
+            r, ref = sweep[pets][arm], sweep[pets][best_scalar]
+            r["versus_scalar"] = step_ratio(r["steps"], ref["steps"], rng)
+            for k in ("final", "mistakes"):  # paired by seed
+                r[f"{k}_versus_scalar"] = paired_difference([[x] for x in r[k]], [[x] for x in ref[k]], rng)
     result["sweep"] = sweep
     print_sweep(sweep, best_scalar)
     return finish(result, args)
@@ -316,11 +331,13 @@ def print_sweep(sweep: dict, best_scalar) -> None:
     print(f"\nK sweep: steps to <= {THRESHOLD}, median [min, max]; ratio to {best_scalar} [95%]")
     for pets, arms in sweep.items():
         for arm, r in arms.items():
-            v, f = r["versus_scalar"], r["final_versus_scalar"]
+            v, f, m = r["versus_scalar"], r["final_versus_scalar"], r["mistakes_versus_scalar"]
             print(f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
                   f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
                   f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
-                  f"  KL {statistics.median(r['kl']):.2f}  s/it {r['step_s']:.2f}")
+                  f"  mistakes/answer {med(r['mistakes'], '{:.2f}')} diff {m['difference']:+.2f} "
+                  f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  KL {statistics.median(r['kl']):.2f}"
+                  f"  s/it {r['step_s']:.2f}")
 
 
 def finish(result: dict, args) -> dict:
