@@ -128,10 +128,9 @@ def sample_mistakes(run_dir: Path, from_step: int) -> float:
     """Mistakes per answer, the exact critic's flagged intervals, in 03's logged samples (4 answers every 10
     iterations) from iteration from_step on: the sweep's third measure, added once K = 4's SFT start was seen to make
     a mistake in nearly every answer, where a rate of answers with any mistake cannot move."""
-    from tasks.demo import demo_intervals, demo_labels
+    from tasks.demo import demo_mistakes
     rows = [r for r in common.read_jsonl(run_dir / "samples.jsonl") if r["step"] >= from_step]
-    return statistics.fmean(len(demo_intervals(r["response"], demo_labels(r["prompt"], r["response"]))["poor"])
-                            for r in rows)
+    return statistics.fmean(demo_mistakes(r["prompt"], r["response"]) for r in rows)
 
 
 def select(grid: dict) -> dict:

@@ -422,11 +422,10 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
 
 
 def post_mistakes(path: Path, records: list[dict]) -> list[float]:
-    """1.0 / 0.0 per held-out post, in the eval split's order: does the answer (04's cached generation) have a poor
-    span by the exact critic. Two policies' lists pair up post by post."""
-    from tasks.demo import demo_critic
-    return [float(bool(demo_critic(r["prompt"], g["response"])["poor_spans"]))
-            for r, g in zip(records, generations(path, records))]
+    """1.0 / 0.0 per held-out post, in the eval split's order: does the answer (04's cached generation) have a
+    mistake the exact critic flags (demo_mistakes). Two policies' lists pair up post by post."""
+    from tasks.demo import demo_mistakes
+    return [float(demo_mistakes(r["prompt"], g["response"]) > 0) for r, g in zip(records, generations(path, records))]
 
 
 BASELINES = ["SFT", "SFT + reflection, RM critique", "SFT + revision, no critique", *DPO_ROWS, "PPO (BT RM)",

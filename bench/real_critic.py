@@ -39,12 +39,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import ROOT, packages, run_chain, stage_env, summary_table, value  # noqa: E402
+from paper_baselines import post_mistakes  # noqa: E402
 from run_cache import check_settings  # noqa: E402
 from span_vs_scalar import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from tasks.demo import demo_critic  # noqa: E402
 
 POLICIES = ["sft", "scalar", "text2grad"]
 SMOL_RM = "runs/demo/smol_rm"
@@ -60,11 +60,10 @@ MONITOR = ["poor_precision", "poor_recall", "mistakes_flagged", "flagged_wrong",
 
 
 def mistakes(work: Path, name: str) -> list[float]:
-    """1.0 / 0.0 per held-out post: does policy `name`'s answer (04's cached generation) have a poor span, by the
-    exact critic. In the order of the eval split, so two policies pair up post by post."""
-    records = {r["id"]: r for r in common.read_jsonl(work / "runs/demo/data/eval.jsonl")}
-    return [float(bool(demo_critic(records[g["id"]]["prompt"], g["response"])["poor_spans"]))
-            for g in common.read_jsonl(work / f"runs/demo/eval/{name}.generations.jsonl")]
+    """1.0 / 0.0 per held-out post: does policy `name`'s answer (04's cached generation) have a mistake the exact
+    critic flags (paper_baselines.post_mistakes). In the eval split's order: two policies pair up post by post."""
+    return post_mistakes(work / f"runs/demo/eval/{name}.generations.jsonl",
+                         common.read_jsonl(work / "runs/demo/data/eval.jsonl"))
 
 
 def paired_gap(a: list[float], b: list[float]) -> tuple[float, float]:

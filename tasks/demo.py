@@ -126,6 +126,12 @@ def demo_intervals(response: str, labelled) -> dict:
     return {k: [(labelled[a][1], labelled[b][2]) for a, b in v] for k, v in spans.items()}
 
 
+def demo_mistakes(prompt: str, response: str) -> int:
+    """The mistakes the exact critic flags in a response: its poor intervals, quoted or not (a repeated word right
+    after a good run, " white parrot parrot", has no quote of its own: it is one of demo_critic's ambiguous_spans)."""
+    return len(demo_intervals(response, demo_labels(prompt, response))["poor"])
+
+
 def demo_critic(prompt: str, response: str) -> dict:
     """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans", "ambiguous_spans"}, quotes
     exact in `response`; a flagged interval no quote can reach (plugin.unambiguous_quotes) is listed, not quoted."""
@@ -180,16 +186,17 @@ def demo_monitor(records: list[dict], texts: list[str], offsets: list, deltas=No
     exact = torch.zeros(2)
     for i, (rec, text, offs) in enumerate(zip(records, texts, offsets)):
         d = deltas[i][0] if deltas is not None else demo_delta(rec["prompt"], text, offs)[1]
-        exact += torch.tensor([sum(d), float(min(d, default=0.0) < 0)])
+        exact += torch.tensor([sum(d), float(demo_mistakes(rec["prompt"], text) > 0)])
     return {"exact/span_reward": exact[0], "exact/mistake_rate": exact[1]}
 
 
 def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], reference: str = "") -> dict:
     """04's per-sample (numerator, denominator) rows of the demo's ground truth (demo_delta's feedback and delta):
-    delta-sum, a mistake (any poor span), the share of the post's facts stated, exact match with the reference."""
+    delta-sum, a mistake (any flagged, demo_mistakes), the share of the post's facts stated, exact match with the
+    reference."""
     facts = [v for pet in demo_post_pets(prompt)[0] for v in pet.values()]
     words = set(re.findall(r"\w+", response.lower()))
-    return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(bool(feedback["poor_spans"])), 1),
+    return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(demo_mistakes(prompt, response) > 0), 1),
             "demo/facts_right": (sum(v in words for v in facts), len(facts)),
             "demo/exact_match": (float(response.strip() == reference.strip()), 1)}
 

@@ -84,6 +84,28 @@ def test_demo_critic_finds_each_mistake_kind():
         demo_critic("not a demo post", "x")
 
 
+def test_a_mistake_no_quote_can_reach_still_counts_as_one(tmp_path):
+    """" white parrot parrot": the second " parrot" is flagged (repeated), but a quote of it would land on the first,
+    inside the good run " white parrot", so the critic lists it under ambiguous_spans (issue 56, item 5). The ground
+    truth counted quoted spans only: 04's demo/mistake_rate, 03's exact monitor and the benches' 0/1 per post read this
+    answer as mistake-free (27 of the eval split's first 1,000 noisy answers)."""
+    import sys
+    from tasks.demo import demo_mistakes, demo_monitor, demo_scores
+    sys.path.insert(0, str(ROOT / "bench"))
+    from paper_baselines import post_mistakes
+    post = ("post: ruby has a white parrot called bruno. it rained on monday. the parrot likes the river. nora lost a "
+            "cup. it eats bread.\nsummary:")
+    response = " ruby has a white parrot parrot called bruno that likes the river and eats bread."
+    fb = demo_critic(post, response)
+    assert fb["poor_spans"] == [] and [a["label"] for a in fb["ambiguous_spans"]] == ["poor"]
+    assert demo_mistakes(post, response) == 1 and demo_mistakes(post, response.replace("parrot parrot", "parrot")) == 0
+    offsets = [(m.start(), m.end()) for m in re.finditer(r"\S+", response)]
+    assert demo_scores(post, response, fb, [0.0] * len(offsets))["demo/mistake_rate"] == (1.0, 1)
+    assert demo_monitor([{"prompt": post}], [response], [offsets])["exact/mistake_rate"].item() == 1.0
+    common.write_jsonl(tmp_path / "generations.jsonl", [{"id": "p", "response": response}])  # 04's cache
+    assert post_mistakes(tmp_path / "generations.jsonl", [{"id": "p", "prompt": post}]) == [1.0]
+
+
 def test_demo_critic_ignores_letter_case():
     """A real model capitalises ("Emma has a green pony called Luna"): a capitalised fact is still right, a
     capitalised wrong fact still wrong, and the share of facts right counts them alike (issue 46)."""
