@@ -39,7 +39,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import ROOT, packages, run_chain, stage_env, summary_table, value  # noqa: E402
-from paper_baselines import post_mistakes  # noqa: E402
 from run_cache import check_settings  # noqa: E402
 from span_vs_scalar import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
 
@@ -62,6 +61,7 @@ MONITOR = ["poor_precision", "poor_recall", "mistakes_flagged", "flagged_wrong",
 def mistakes(work: Path, name: str) -> list[float]:
     """1.0 / 0.0 per held-out post: does policy `name`'s answer (04's cached generation) have a mistake the exact
     critic flags (paper_baselines.post_mistakes). In the eval split's order: two policies pair up post by post."""
+    from paper_baselines import post_mistakes  # (it imports this module's RECIPE)
     return post_mistakes(work / f"runs/demo/eval/{name}.generations.jsonl",
                          common.read_jsonl(work / "runs/demo/data/eval.jsonl"))
 

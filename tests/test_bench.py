@@ -18,6 +18,18 @@ import real_critic  # noqa: E402
 import span_vs_scalar  # noqa: E402
 
 
+def test_every_bench_module_imports_first():
+    """Each bench module imported first in a fresh interpreter (the others not yet loaded): an import cycle
+    (paper_baselines -> real_critic -> paper_baselines) stops `python bench/credit.py` while the suite, which had
+    imported real_critic first, passes."""
+    code = ("import importlib, pathlib, sys\nnames = [p.stem for p in pathlib.Path('.').glob('*.py')]\n"
+            "for name in names:\n    for n in names:\n        sys.modules.pop(n, None)\n"
+            "    importlib.import_module(name)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "bench", capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "bench")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def _metrics(run_dir, n):
     common.write_jsonl(run_dir / "metrics.jsonl", [{"step": i + 1, "exact/mistake_rate": 0.5, "exact/span_reward": 1.0,
                                                     "objective/kl": 0.0, "response/length": 9.0} for i in range(n)])
