@@ -29,8 +29,8 @@ Phases (--stop-after ends after one):
              --sweep-seeds seeds, --max-new-tokens 32 K (the world is in the posts: 03's critic reads K off
              each); steps to threshold as a ratio to the scalar arm per K (a run that never gets there counts --steps),
              the final training rate's paired difference to it (seeds resampled), and the same for the mistakes per
-             answer in the last logged samples (sample_mistakes: where K = 4's rate of answers with a mistake
-             saturates).
+             answer and the share of facts stated in the last logged samples (sample_scores), with the answers'
+             length: at K = 4 an empty answer makes no mistake.
 Writes OUT/results.json, bench/credit_results.json (the tables' numbers) and bench/credit_per_post.json (each
 evaluated run's 0/1 mistake per held-out post, so every interval recomputes from the repository), prints the tables
 and one JSON line last.
@@ -121,16 +121,20 @@ def curve(run_dir: Path, steps: int) -> dict:
     hit = steps_to_threshold(mistakes)
     return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
             "start": mistakes[0], "kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
+            "length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
             "step_s": statistics.median(r["time/step_s"] for r in rows)}
 
 
-def sample_mistakes(run_dir: Path, from_step: int) -> float:
-    """Mistakes per answer, the exact critic's flagged intervals, in 03's logged samples (4 answers every 10
-    iterations) from iteration from_step on: the sweep's third measure, added once K = 4's SFT start was seen to make
-    a mistake in nearly every answer, where a rate of answers with any mistake cannot move."""
-    from tasks.demo import demo_mistakes
+def sample_scores(run_dir: Path, from_step: int) -> dict:
+    """In 03's logged samples (4 answers every 10 iterations) from iteration from_step on: "mistakes" per answer (the
+    exact critic's flagged intervals, demo_mistakes) and "facts", the share of the post's facts each answer states
+    (04's demo/facts_right). The sweep's measures added once K = 4 was seen: its SFT start makes a mistake in nearly
+    every answer, and an empty answer makes none."""
+    from tasks.demo import demo_mistakes, demo_scores
     rows = [r for r in common.read_jsonl(run_dir / "samples.jsonl") if r["step"] >= from_step]
-    return statistics.fmean(demo_mistakes(r["prompt"], r["response"]) for r in rows)
+    facts = [demo_scores(r["prompt"], r["response"], {}, [])["demo/facts_right"] for r in rows]
+    return {"mistakes": statistics.fmean(demo_mistakes(r["prompt"], r["response"]) for r in rows),
+            "facts": sum(n for n, _ in facts) / sum(d for _, d in facts)}
 
 
 def select(grid: dict) -> dict:
@@ -257,14 +261,14 @@ def main(argv=None):
         execute(planned, args, logs)
         curves = {key: curve(run_dir, args.steps) for key, (run_dir, _) in planned.items()}
         for key, (run_dir, _) in planned.items():  # the last 5 logged iterations' answers
-            curves[key]["mistakes"] = sample_mistakes(run_dir, args.steps - 40)
+            curves[key].update(sample_scores(run_dir, args.steps - 40))
         sweep[pets] = {arm: {**{k: [curves[arm, s][k] for s in seeds]
-                                for k in ("steps", "reached", "final", "mistakes", "kl")},
+                                for k in ("steps", "reached", "final", "mistakes", "facts", "length", "kl")},
                              "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds)} for arm in arms}
         for arm in arms:  # steps: censored at --steps where never reached; the final rates: uncensored views
             r, ref = sweep[pets][arm], sweep[pets][best_scalar]
             r["versus_scalar"] = step_ratio(r["steps"], ref["steps"], rng)
-            for k in ("final", "mistakes"):  # paired by seed
+            for k in ("final", "mistakes", "facts"):  # paired by seed
                 r[f"{k}_versus_scalar"] = paired_difference([[x] for x in r[k]], [[x] for x in ref[k]], rng)
     result["sweep"] = sweep
     print_sweep(sweep, best_scalar)
@@ -335,7 +339,8 @@ def print_sweep(sweep: dict, best_scalar) -> None:
                   f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
                   f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
                   f"  mistakes/answer {med(r['mistakes'], '{:.2f}')} diff {m['difference']:+.2f} "
-                  f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  KL {statistics.median(r['kl']):.2f}"
+                  f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  facts {med(r['facts'], '{:.2f}')}  length "
+                  f"{med(r['length'], '{:.0f}')}  KL {statistics.median(r['kl']):.2f}"
                   f"  s/it {r['step_s']:.2f}")
 
 

@@ -567,17 +567,19 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
     assert widened  # the bench's reason for its own arms: the quoting critic widens some labels
 
 
-def test_sample_mistakes_counts_the_exact_critics_flags_per_logged_answer(tmp_path):
+def test_sample_scores_count_the_exact_critics_flags_and_the_facts_per_logged_answer(tmp_path):
     """The sweep's mistakes per answer: "luna" for rex, the aside "monday" and the repeated "fish" are 3; the clean
-    answer 0; a row logged before from_step is not read."""
+    answer 0; the empty one 0 mistakes and 0 of 5 facts; a row logged before from_step is not read."""
     post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
             "it eats fish.\nsummary:")
-    bad = " tom has a red dog called luna that likes the park on monday and eats fish fish."
+    bad = " tom has a red dog called luna that likes the park on monday and eats fish fish."  # 5 facts, luna wrong
     clean = " tom has a red dog called rex that likes the park and eats fish."
     common.write_jsonl(tmp_path / "samples.jsonl", [{"step": 100, "prompt": post, "response": bad},
                                                     {"step": 110, "prompt": post, "response": bad},
-                                                    {"step": 150, "prompt": post, "response": clean}])
-    assert credit.sample_mistakes(tmp_path, 110) == 1.5 and credit.sample_mistakes(tmp_path, 150) == 0.0
+                                                    {"step": 150, "prompt": post, "response": clean},
+                                                    {"step": 150, "prompt": post, "response": ""}])
+    assert credit.sample_scores(tmp_path, 110) == {"mistakes": 1.0, "facts": (5 + 6 + 0) / 18}
+    assert credit.sample_scores(tmp_path, 150) == {"mistakes": 0.0, "facts": 6 / 12}
 
 
 def test_credit_ratios_and_paired_differences_against_hand_computed_values():
@@ -627,8 +629,9 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     assert len(list((out / "grid").glob("*/metrics.jsonl"))) == len(credit.ARMS)  # nothing ran twice
     assert set(result["confirm"]) == {"sft", "span", "poor_scalar"} and (out / "confirm").is_dir()
     arm, ref = result["sweep"][2]["span"], result["sweep"][2]["poor_scalar"]
-    assert len(arm["steps"]) == len(arm["final"]) == len(arm["kl"]) == len(arm["mistakes"]) == 1
-    assert arm["mistakes"] == [credit.sample_mistakes(next((out / "sweep_k2").glob("span_*")), 0)]
+    assert len(arm["steps"]) == len(arm["final"]) == len(arm["kl"]) == len(arm["length"]) == 1
+    scores = credit.sample_scores(next((out / "sweep_k2").glob("span_*")), 0)
+    assert [arm["mistakes"], arm["facts"]] == [[scores["mistakes"]], [scores["facts"]]]
     assert arm["final_versus_scalar"] == {"difference": pytest.approx(arm["final"][0] - ref["final"][0]),
                                           "interval": [pytest.approx(arm["final"][0] - ref["final"][0])] * 2}
     assert result["sweep"][2]["poor_scalar"]["final_versus_scalar"] == {"difference": 0.0, "interval": [0.0, 0.0]}
