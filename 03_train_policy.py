@@ -465,13 +465,12 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
     for i, fb in enumerate(feedback):
         if critique_failed(fb):
             continue
-        if "step_rewards" in fb:  # a scalar critic (baselines/scalar_rm.py): its rewards on given tokens, no spans
-            d = scalar_rm.step_deltas(offsets[i], fb["step_rewards"])
+        if "step_rewards" in fb or "spans" in fb:  # rewards on given tokens: a scalar critic's (scalar_rm.py), a
+            d = scalar_rm.step_deltas(offsets[i], fb.get("step_rewards", []))  # python: critic's score, intervals
+            if "spans" in fb:  # a python: critic's located intervals and their rewards (common.interval_rewards)
+                d = [a + b for a, b in zip(common.interval_rewards(texts[i], offsets[i], fb["spans"]), d)]
+                n_spans += len(fb["spans"])
             delta[i, :len(d)], rows[i] = torch.tensor(d), (d, [])
-            continue
-        if "spans" in fb:  # a python: critic's located intervals and their rewards (common.interval_rewards)
-            d = common.interval_rewards(texts[i], offsets[i], fb["spans"])
-            delta[i, :len(d)], rows[i], n_spans = torch.tensor(d), (d, []), n_spans + len(fb["spans"])
             continue
         n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
         if labels == "dense":  # App. I.1: the whole response quoted as good too: every token outside poor spans +1

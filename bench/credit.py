@@ -5,6 +5,8 @@
     python bench/credit.py --stop-after grid --jobs 2     # phase 1 only (the tuning grid)
     python bench/credit.py --steps 3 --lrs 1e-3 --kl-coefs 0.05 --grid-seeds 1 --confirm-seeds 1 --sweep-seeds 1 \
         --eval-posts 8 --ks 1 --out /tmp/credit           # every arm end to end at tiny shapes
+    nice -n 10 python bench/credit.py --jobs 2 --from-selection bench/credit_selection.json --ks 2 4 \
+        --results bench/credit_sweep_results.json         # the K sweep alone, at the committed selection (issue 65)
 
 Only the form of the reward differs between arms. Every arm's critic is the demo's exact critic (tasks/demo.py), its
 flagged intervals exactly (bench/credit_arms.py: no quote widened), so the spans are right and the same for all; what
@@ -31,11 +33,18 @@ Phases (--stop-after ends after one):
              the final training rate's paired difference to it (seeds resampled), and the same for the mistakes per
              answer and the share of facts stated in the last logged samples (sample_scores), with the answers'
              length: at K = 4 an empty answer makes no mistake.
-Writes OUT/results.json, bench/credit_results.json (the tables' numbers) and bench/credit_per_post.json (each
-evaluated run's 0/1 mistake per held-out post, so every interval recomputes from the repository), prints the tables
-and one JSON line last.
+    --from-selection FILE: phases 1-3 skipped, the sweep run at FILE's settings (a committed OUT/selection.json).
+    Since issue 65 every sweep policy is judged on --eval-posts held-out posts of its K too (04, as in phase 3).
+Every model here is built and trained on one thread (one_thread): a torch model trained on 2 threads is other bytes
+than on 1, and the start all runs share must be the same on any machine. Each world's start (base + SFT) is recorded
+by its checksum (start_checksum) in the results, and a run is keyed by it: a rebuilt start is a new run.
+Writes OUT/results.json, --results (the tables' numbers) and its *_per_post.json (each evaluated run's 0/1 mistake
+per held-out post, so every interval recomputes from the repository), prints the tables and one JSON line last.
+KL: "train_kl" is 03's objective/kl over the last 10 iterations, "heldout_kl" the sequence KL to the SFT start on the
+held-out answers.
 """
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -79,8 +88,25 @@ def parse_args(argv=None):
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--out", default="bench/out/credit", help="work dir (base, SFT, runs, evaluations)")
     p.add_argument("--results", default="bench/credit_results.json", help="the committed summary ('' : none)")
+    p.add_argument("--from-selection", help="skip phases 1-3: the sweep at this selection.json's settings")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     return p.parse_args(argv)
+
+
+def one_thread() -> None:
+    """Every model of the bench built and trained on one thread, this process's and every command's it runs (they
+    inherit OMP_NUM_THREADS; run_side_by_side keeps the environment's): the same bytes on any machine of this kind."""
+    import torch
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    torch.set_num_threads(1)
+
+
+def start_checksum(world: Path) -> str:
+    """sha256 over every file of a world's base model and SFT start (their paths and whole contents)."""
+    h = hashlib.sha256()
+    for f in sorted(p for d in ("base", "sft") for p in (world / d).rglob("*") if p.is_file()):
+        h.update(f"{f.relative_to(world)}:".encode() + f.read_bytes())
+    return h.hexdigest()
 
 
 def start(out: Path, pets: int, args) -> list[str]:
@@ -88,8 +114,12 @@ def start(out: Path, pets: int, args) -> list[str]:
     world = out / f"k{pets}"
     shared_start(world, "program", None, args.steps, ["--trace-samples", "0", *pet_flags(pets), *args.ppo_args],
                  pets=pets)
+    STARTS[f"k{pets}"] = start_checksum(world)
     return ["--model", str((world / "sft").resolve()), "--sft-steps", "0", "--prompts", str(world / "prompts.jsonl"),
             "--scalar-baseline-dir", "", "--trace-samples", "0", *pet_flags(pets), *args.ppo_args]
+
+
+STARTS = {}  # world -> start_checksum, recorded in the results
 
 
 def pet_flags(pets: int) -> list[str]:
@@ -102,7 +132,8 @@ def setting_flags(arm: str, lr: float, kl: float) -> list[str]:
 
 
 def plan(folder: Path, runs: dict, steps: int) -> dict:
-    """{key: (run_dir, argv or None)} for runs {key: (name, seed, flags)} (paper_baselines.ppo: cached by flags)."""
+    """{key: (run_dir, argv or None)} for runs {key: (name, seed, flags)} (paper_baselines.ppo: cached by flags and
+    the content of what they name, the SFT start among them)."""
     return {key: ppo(folder, name, seed, steps, flags) for key, (name, seed, flags) in runs.items()}
 
 
@@ -120,7 +151,7 @@ def curve(run_dir: Path, steps: int) -> dict:
     mistakes = [r["exact/mistake_rate"] for r in rows]
     hit = steps_to_threshold(mistakes)
     return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
-            "start": mistakes[0], "kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
+            "start": mistakes[0], "train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
             "length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
             "step_s": statistics.median(r["time/step_s"] for r in rows)}
 
@@ -188,7 +219,7 @@ def judge(out: Path, name: str, policy: Path, sft: Path, eval_data: Path, record
         common.write_json(kl_file, {"kl": kl})
     per_post = post_mistakes(gens, records)
     return {"mistake_rate": statistics.fmean(per_post), "rougeL": ev["table"][name]["rougeL"],
-            "kl": json.loads(kl_file.read_text())["kl"], "per_post": per_post}
+            "heldout_kl": json.loads(kl_file.read_text())["kl"], "per_post": per_post}
 
 
 def eval_records(out: Path, pets: int, n: int) -> tuple[Path, list[dict]]:
@@ -203,9 +234,60 @@ def eval_records(out: Path, pets: int, n: int) -> tuple[Path, list[dict]]:
 
 def main(argv=None):
     args = parse_args(argv)
+    one_thread()
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
     logs, result = out / "logs", {"command": " ".join(["python", "bench/credit.py", *(argv or sys.argv[1:])]),
-                                  "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps}
+                                  "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "starts": STARTS}
+    if args.from_selection:  # phases 1-3 done before: the sweep at their selection
+        saved = json.loads(Path(args.from_selection).read_text())
+        chosen, best_scalar = saved["selection"], saved["best_scalar"]
+        result.update(selection=chosen, best_scalar=best_scalar, from_selection=args.from_selection)
+    else:
+        chosen, best_scalar = phases_1_to_3(out, args, logs, result, rng)
+        if args.stop_after != "sweep" or best_scalar is None:
+            return result if args.stop_after == "grid" else finish(result, args)
+
+    # --- 4. sweep: K pets per post
+    sweep = {}
+    for pets in args.ks:
+        f = start(out, pets, args)
+        arms, seeds = [a for a in (*SWEEP_ARMS, best_scalar) if a in chosen], range(101, 101 + args.sweep_seeds)
+        runs = {(arm, s): (f"{arm}_lr{chosen[arm]['lr']:g}_kl{chosen[arm]['kl_coef']:g}", s,
+                           [*f, *setting_flags(arm, chosen[arm]["lr"], chosen[arm]["kl_coef"])])
+                for arm in arms for s in seeds}
+        planned = plan(out / ("confirm" if pets == 1 else f"sweep_k{pets}"), runs, args.steps)
+        execute(planned, args, logs)
+        eval_data, records = eval_records(out, pets, args.eval_posts)
+        name = lambda arm, s: f"{arm}_s{s}" if pets == 1 else f"k{pets}_{arm}_s{s}"  # noqa: E731  (K = 1: phase 3's)
+        curves = {key: {**curve(run_dir, args.steps), **sample_scores(run_dir, args.steps - 40),  # the last 5 logged
+                        **judge(out, name(*key), run_dir / "policy", Path(f[1]), eval_data, records, pets)}
+                  for key, (run_dir, _) in planned.items()}
+        sft_eval = judge(out, "sft" if pets == 1 else f"k{pets}_sft", Path(f[1]), Path(f[1]), eval_data, records, pets)
+        sweep[pets] = {"sft": {k: sft_eval[k] for k in ("mistake_rate", "rougeL", "heldout_kl")}}
+        for arm in arms:
+            sweep[pets][arm] = {**{k: [curves[arm, s][k] for s in seeds] for k in SWEEP_KEYS},
+                                "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds)}
+            result.setdefault("per_post", {}).update({f"k{pets}/{arm}/seed{s}": bits(curves[arm, s]["per_post"])
+                                                      for s in seeds})
+        result.setdefault("per_post", {})[f"k{pets}/sft"] = bits(sft_eval["per_post"])
+        for arm in arms:  # steps: censored at --steps where never reached; the final rates: uncensored views
+            r, ref = sweep[pets][arm], sweep[pets][best_scalar]
+            r["versus_scalar"] = step_ratio(r["steps"], ref["steps"], rng)
+            for k in ("final", "mistakes", "facts"):  # paired by seed
+                r[f"{k}_versus_scalar"] = paired_difference([[x] for x in r[k]], [[x] for x in ref[k]], rng)
+            r["heldout_versus_scalar"] = paired_difference([curves[arm, s]["per_post"] for s in seeds],
+                                                           [curves[best_scalar, s]["per_post"] for s in seeds], rng)
+    result["sweep"] = sweep
+    print_sweep(sweep, best_scalar)
+    return finish(result, args)
+
+
+SWEEP_KEYS = ("steps", "reached", "final", "mistakes", "facts", "length", "train_kl", "mistake_rate", "heldout_kl")
+
+
+def phases_1_to_3(out: Path, args, logs: Path, result: dict, rng) -> tuple[dict, str | None]:
+    """The grid, the selection from its training curves alone, and the confirmation on fresh seeds judged held out
+    (result gets each phase's numbers). Returns (chosen settings per arm, the best scalar arm)."""
     flags = start(out, 1, args)
 
     # --- 1. grid
@@ -218,7 +300,7 @@ def main(argv=None):
         sys.exit(f"the SFT start's mistake rate is already <= {THRESHOLD}: the steps to it would be void")
     if args.stop_after == "grid":
         print(f"grid done: {len(grid)} runs in {out / 'grid'}")
-        return result
+        return {}, None
 
     # --- 2. select, on the training curves alone
     chosen = select(grid)
@@ -228,7 +310,7 @@ def main(argv=None):
     common.write_json(out / "selection.json", {"selection": chosen, "best_scalar": best_scalar})
     print_selection(chosen, best_scalar)
     if args.stop_after == "select":
-        return finish(result, args)
+        return chosen, best_scalar
 
     # --- 3. confirm: fresh seeds of each arm's setting, judged on held-out posts
     eval_data, records = eval_records(out, 1, args.eval_posts)
@@ -246,33 +328,7 @@ def main(argv=None):
     result["confirm"] = confirm_table(runs, chosen, best_scalar, sft_eval, rng)
     result["per_post"] = {"sft": bits(sft_eval["per_post"]),
                           **{f"{a}/seed{s}": bits(r["per_post"]) for (a, s), r in runs.items()}}
-    if args.stop_after == "confirm" or best_scalar is None:
-        return finish(result, args)
-
-    # --- 4. sweep: K pets per post
-    sweep = {}
-    for pets in args.ks:
-        f = flags if pets == 1 else start(out, pets, args)
-        arms, seeds = [a for a in (*SWEEP_ARMS, best_scalar) if a in chosen], range(101, 101 + args.sweep_seeds)
-        runs = {(arm, s): (f"{arm}_lr{chosen[arm]['lr']:g}_kl{chosen[arm]['kl_coef']:g}", s,
-                           [*f, *setting_flags(arm, chosen[arm]["lr"], chosen[arm]["kl_coef"])])
-                for arm in arms for s in seeds}
-        planned = plan(out / ("confirm" if pets == 1 else f"sweep_k{pets}"), runs, args.steps)
-        execute(planned, args, logs)
-        curves = {key: curve(run_dir, args.steps) for key, (run_dir, _) in planned.items()}
-        for key, (run_dir, _) in planned.items():  # the last 5 logged iterations' answers
-            curves[key].update(sample_scores(run_dir, args.steps - 40))
-        sweep[pets] = {arm: {**{k: [curves[arm, s][k] for s in seeds]
-                                for k in ("steps", "reached", "final", "mistakes", "facts", "length", "kl")},
-                             "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds)} for arm in arms}
-        for arm in arms:  # steps: censored at --steps where never reached; the final rates: uncensored views
-            r, ref = sweep[pets][arm], sweep[pets][best_scalar]
-            r["versus_scalar"] = step_ratio(r["steps"], ref["steps"], rng)
-            for k in ("final", "mistakes", "facts"):  # paired by seed
-                r[f"{k}_versus_scalar"] = paired_difference([[x] for x in r[k]], [[x] for x in ref[k]], rng)
-    result["sweep"] = sweep
-    print_sweep(sweep, best_scalar)
-    return finish(result, args)
+    return chosen, best_scalar
 
 
 def bits(per_post) -> str:
@@ -282,14 +338,14 @@ def bits(per_post) -> str:
 def confirm_table(runs: dict, chosen: dict, best_scalar, sft_eval: dict, rng) -> dict:
     """Phase 3's numbers per arm, each against the best scalar arm: steps ratio (paired seeds) and the held-out
     mistake rate difference (paired seeds and posts)."""
-    table = {"sft": {k: sft_eval[k] for k in ("mistake_rate", "rougeL", "kl")}}
+    table = {"sft": {k: sft_eval[k] for k in ("mistake_rate", "rougeL", "heldout_kl")}}
     arms = list(chosen)
     seeds = sorted({s for _, s in runs})
     for arm in arms:
         rs = [runs[arm, s] for s in seeds]
         row = {"lr": chosen[arm]["lr"], "kl_coef": chosen[arm]["kl_coef"], "steps": [r["steps"] for r in rs],
                "reached": [r["reached"] for r in rs], "final_train": [r["final"] for r in rs],
-               **{k: [r[k] for r in rs] for k in ("mistake_rate", "rougeL", "kl")},
+               **{k: [r[k] for r in rs] for k in ("mistake_rate", "rougeL", "heldout_kl", "train_kl")},
                "step_s": statistics.median(r["step_s"] for r in rs)}
         if best_scalar:
             ref = [runs[best_scalar, s] for s in seeds]
@@ -327,21 +383,32 @@ def print_confirm(table: dict, best_scalar) -> None:
         diff = (f"{vs['mistakes']['difference']:+.3f} [{vs['mistakes']['interval'][0]:+.3f}, "
                 f"{vs['mistakes']['interval'][1]:+.3f}]") if vs else ""
         print(f"{arm:<14}{med(r['steps'], '{:g}'):>18}{ratio:>22}{med(r['mistake_rate']):>26}{diff:>26}"
-              f"{statistics.median(r['rougeL']):>9.3f}{statistics.median(r['kl']):>7.2f}{r['step_s']:>7.2f}")
+              f"{statistics.median(r['rougeL']):>9.3f}{statistics.median(r['heldout_kl']):>7.2f}{r['step_s']:>7.2f}")
 
 
 def print_sweep(sweep: dict, best_scalar) -> None:
     print(f"\nK sweep: steps to <= {THRESHOLD}, median [min, max]; ratio to {best_scalar} [95%]")
     for pets, arms in sweep.items():
+        print(f"  K={pets} sft: held-out mistakes {arms['sft']['mistake_rate']:.3f}")
         for arm, r in arms.items():
-            v, f, m = r["versus_scalar"], r["final_versus_scalar"], r["mistakes_versus_scalar"]
+            if arm == "sft":
+                continue
+            v, f, m, h = (r[k] for k in ("versus_scalar", "final_versus_scalar", "mistakes_versus_scalar",
+                                         "heldout_versus_scalar"))
             print(f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
                   f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
                   f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
                   f"  mistakes/answer {med(r['mistakes'], '{:.2f}')} diff {m['difference']:+.2f} "
                   f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  facts {med(r['facts'], '{:.2f}')}  length "
-                  f"{med(r['length'], '{:.0f}')}  KL {statistics.median(r['kl']):.2f}"
+                  f"{med(r['length'], '{:.0f}')}  train KL {statistics.median(r['train_kl']):.2f}  held out "
+                  f"{med(r['mistake_rate'])} diff {h['difference']:+.3f} [{h['interval'][0]:+.3f}, "
+                  f"{h['interval'][1]:+.3f}]  held-out KL {statistics.median(r['heldout_kl']):.2f}"
                   f"  s/it {r['step_s']:.2f}")
+
+
+def per_post_path(results: str) -> Path:
+    path = Path(results)
+    return path.with_name(path.name.replace("_results", "_per_post"))
 
 
 def finish(result: dict, args) -> dict:
@@ -353,8 +420,8 @@ def finish(result: dict, args) -> dict:
     common.write_json(Path(args.out) / "results.json", {**result, "per_post": per_post})
     if args.results:
         common.write_json(ROOT / args.results, result)
-        if per_post:
-            common.write_json(ROOT / Path(args.results).with_name("credit_per_post.json"), per_post)
+        if per_post:  # credit_results.json -> credit_per_post.json
+            common.write_json(ROOT / per_post_path(args.results), per_post)
     print(json.dumps({k: result[k] for k in ("best_scalar", "selection") if k in result}, default=str))
     return result
 

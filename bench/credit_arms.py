@@ -8,6 +8,10 @@ arm labels exactly the characters the critic flags:
                     with --center-delta it loses its batch mean
     poor_only       the poor intervals alone, reward -1: delta_t = min(span's delta_t, 0). With 03 --reward-mode
                     scalar its sum, -(poor tokens), sits on the last token: the mistake-only terminal score
+    fair_scalar     one score at EOS: facts stated - mistakes (tasks/demo.py: demo_facts, demo_mistakes), a scalar
+                    that an empty answer cannot win (issue 65: a mistake-only score is won by saying nothing)
+    poor_facts      poor_only's -1 on the poor intervals, plus the facts stated as one score at EOS: the per-token
+                    analogue of fair_scalar (the mistakes located, the facts counted at the end)
     clause_scores   a perfect process reward model: each clause (baselines/scalar_rm.py: split_steps, as 02
                     --objective prm cuts steps) scores +1 when no poor interval overlaps it and -1 when one does, on
                     the clause's last token, where PRM-PPO puts a learned PRM's 2 * sigmoid(s) - 1 (step_deltas)
@@ -16,12 +20,14 @@ from __future__ import annotations
 
 import re
 
-from tasks.demo import demo_intervals, demo_labels
+from tasks.demo import demo_facts, demo_intervals, demo_labels
 
 _UNIT = re.compile(r"\w+|[^\w\s]")  # a word or one punctuation mark: what ends a clause on the policy's tokens
 
 
-def _judged(records, responses, arm):
+def _judged(records, responses, arm, score=None):
+    """arm(response, flagged) -> the located intervals with their rewards; score(prompt, response, flagged) -> one
+    number at EOS (or None: no score)."""
     out = []
     for rec, response in zip(records, responses):
         try:
@@ -29,8 +35,19 @@ def _judged(records, responses, arm):
         except ValueError as e:  # not a demo post: that response gets no delta, as with --critic program
             out.append({"error": str(e)})
             continue
-        out.append({"critique": "", "spans": arm(response, flagged)})
+        item = {"critique": "", "spans": arm(response, flagged) if arm else []}
+        if score:
+            item["score"] = float(score(rec["prompt"], response, flagged))
+        out.append(item)
     return out
+
+
+def _facts(prompt: str, response: str, flagged: dict) -> int:
+    return demo_facts(prompt, response)[0]
+
+
+def _facts_less_mistakes(prompt: str, response: str, flagged: dict) -> int:
+    return demo_facts(prompt, response)[0] - len(flagged["poor"])  # len(poor intervals): demo_mistakes
 
 
 def _span(response: str, flagged: dict) -> list[dict]:
@@ -65,3 +82,13 @@ def poor_only(records: list[dict], responses: list[str]) -> list[dict]:
 def clause_scores(records: list[dict], responses: list[str]) -> list[dict]:
     """--critic python:bench/credit_arms.py:clause_scores"""
     return _judged(records, responses, _clauses)
+
+
+def fair_scalar(records: list[dict], responses: list[str]) -> list[dict]:
+    """--critic python:bench/credit_arms.py:fair_scalar"""
+    return _judged(records, responses, None, _facts_less_mistakes)
+
+
+def poor_facts(records: list[dict], responses: list[str]) -> list[dict]:
+    """--critic python:bench/credit_arms.py:poor_facts"""
+    return _judged(records, responses, _poor, _facts)

@@ -132,6 +132,14 @@ def demo_mistakes(prompt: str, response: str) -> int:
     return len(demo_intervals(response, demo_labels(prompt, response))["poor"])
 
 
+def demo_facts(prompt: str, response: str) -> tuple[int, int]:
+    """(facts stated, facts in the post): the words demo_labels finds "good", each a distinct fact of its sentence's
+    pet stated for the first time (6 per pet). The credit bench's fair scalar and its primary endpoint read it: an
+    empty answer makes no mistake, and states none of the facts."""
+    stated = sum(kind == "good" for *_, kind in demo_labels(prompt, response))
+    return stated, len(DEMO_FACTS) * len(demo_post_pets(prompt)[0])
+
+
 def demo_critic(prompt: str, response: str) -> dict:
     """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans", "ambiguous_spans"}, quotes
     exact in `response`; a flagged interval no quote can reach (plugin.unambiguous_quotes) is listed, not quoted."""
@@ -180,14 +188,19 @@ def demo_delta(prompt: str, response: str, offsets) -> tuple[dict, list[float]]:
 def demo_monitor(records: list[dict], texts: list[str], offsets: list, deltas=None) -> dict:
     """03's reward-hacking monitor: the demo's exact critic on the same rollouts (logged, never trained on), summed
     over them: {"exact/span_reward": its summed delta, "exact/mistake_rate": the responses with a mistake}, float32
-    tensors. deltas: span_rewards' (delta, unmatched) per rollout when the critic of step 2 was this very one
-    (--critic program), reused."""
+    tensors; and per response the mistakes flagged ("exact/mistakes"), the share of the post's facts stated
+    ("exact/facts_stated", demo_facts) and "exact/imperfect_rate", the responses that miss a fact or make a mistake
+    (an empty answer cannot win it: the credit bench's primary endpoint). deltas: span_rewards' (delta, unmatched)
+    per rollout when the critic of step 2 was this very one (--critic program), reused."""
     import torch
-    exact = torch.zeros(2)
+    exact = torch.zeros(5)
     for i, (rec, text, offs) in enumerate(zip(records, texts, offsets)):
         d = deltas[i][0] if deltas is not None else demo_delta(rec["prompt"], text, offs)[1]
-        exact += torch.tensor([sum(d), float(demo_mistakes(rec["prompt"], text) > 0)])
-    return {"exact/span_reward": exact[0], "exact/mistake_rate": exact[1]}
+        mistakes, (stated, facts) = demo_mistakes(rec["prompt"], text), demo_facts(rec["prompt"], text)
+        exact += torch.tensor([sum(d), float(mistakes > 0), mistakes, stated / facts,
+                               float(mistakes > 0 or stated < facts)])
+    return dict(zip(("exact/span_reward", "exact/mistake_rate", "exact/mistakes", "exact/facts_stated",
+                     "exact/imperfect_rate"), exact))
 
 
 def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], reference: str = "") -> dict:

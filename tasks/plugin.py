@@ -10,7 +10,8 @@ the code task's "test") and the responses to judge, and returns one item per res
                                                                   reward wins), or
   {"critique": str, "score": float}                               one number for the whole response, put on its
                                                                   last token (a reward function's, as TRL's
-                                                                  PPOTrainer took it: docs/from_trl.md), or
+                                                                  PPOTrainer took it: docs/from_trl.md); beside
+                                                                  "spans", added to their last token's reward, or
   {"error": str}                                                  this response cannot be judged (delta = 0 for it).
 "critique" may be left out. The task's own critics are instances: --critic program is python:tasks.demo:critic or
 python:tasks.code:critic. A plug-in is trusted code the user chose: it runs in this process, with this process's
@@ -123,16 +124,18 @@ def check_item(item, response: str) -> dict:
     critique = item.get("critique") or ""
     if not isinstance(critique, str):
         raise ValueError(f"'critique' is a {type(critique).__name__}, not a string")
+    out = {"critique": critique, "good_spans": [], "poor_spans": []}
     if "score" in item:  # one reward on the last token, as a scalar reward model's (03: step_rewards)
         s = item["score"]
         if isinstance(s, bool) or not isinstance(s, numbers.Real) or not math.isfinite(s):
             raise ValueError(f"'score' is {s!r}: a finite number is needed")
-        return {"critique": critique, "good_spans": [], "poor_spans": [], "step_rewards": [(None, float(s))]}
-    if "spans" in item:
+        out["step_rewards"] = [(None, float(s))]
+    if "spans" in item:  # with a "score" too: the intervals' rewards, and the score added on the last token
         if not isinstance(item["spans"], (list, tuple)):
             raise ValueError(f"'spans' is a {type(item['spans']).__name__}, not a list")
-        return {"critique": critique, "good_spans": [], "poor_spans": [],
-                "spans": [_interval(x, len(response)) for x in item["spans"]]}
+        out["spans"] = [_interval(x, len(response)) for x in item["spans"]]
+    if len(out) > 3:
+        return out
     if "good_spans" not in item and "poor_spans" not in item:
         raise ValueError("an item needs 'good_spans' / 'poor_spans' (quotes), 'spans' (intervals) or 'score', got "
                          f"keys {sorted(map(str, item))}")
@@ -205,10 +208,11 @@ def delta(response: str, offsets, fb: dict) -> list[float]:
     """delta_t of a checked item on a response's tokens, as 03 puts it there (no delta for an error item)."""
     if fb.get("critic_error"):
         return [0.0] * len(offsets)
-    if "spans" in fb:
-        return interval_rewards(response, offsets, fb["spans"])
-    if "step_rewards" in fb:  # a score: on the last token
-        return [0.0] * (len(offsets) - 1) + [fb["step_rewards"][0][1]] if offsets else []
+    d = interval_rewards(response, offsets, fb["spans"]) if "spans" in fb else [0.0] * len(offsets)
+    if "step_rewards" in fb and d:  # a score: added on the last token
+        d[-1] += fb["step_rewards"][0][1]
+    if "spans" in fb or "step_rewards" in fb:
+        return d
     return span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])[0]
 
 

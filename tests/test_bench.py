@@ -567,6 +567,24 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
     assert widened  # the bench's reason for its own arms: the quoting critic widens some labels
 
 
+def test_fair_scalar_and_poor_facts_score_facts_stated_less_mistakes(tiny_tokenizer):
+    """Issue 65's arms an empty answer cannot win. Hand-counted: the answer with "luna" for rex, the aside "monday"
+    and the repeated "fish" states 5 facts and makes 3 mistakes: fair_scalar scores 5 - 3 = 2 at EOS and nothing
+    else; poor_facts is poor_only's delta with the 5 facts added on the last token; the empty answer scores 0."""
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    rec = {"prompt": post}
+    for text, facts, mistakes in ((" tom has a red dog called luna that likes the park on monday and eats fish fish.",
+                                   5, 3), (" tom has a red dog called rex that likes the park and eats fish.", 6, 0)):
+        offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)[
+            "input_ids"])[1]
+        d = {arm: plugin.delta(text, offsets, plugin.call(getattr(credit_arms, arm), arm, [rec], [text])[0])
+             for arm in ("fair_scalar", "poor_facts", "poor_only")}
+        assert d["fair_scalar"] == [0.0] * (len(offsets) - 1) + [facts - mistakes]
+        assert d["poor_facts"] == d["poor_only"][:-1] + [d["poor_only"][-1] + facts]
+    assert credit_arms.fair_scalar([rec], [""]) == [{"critique": "", "spans": [], "score": 0.0}]
+
+
 def test_sample_scores_count_the_exact_critics_flags_and_the_facts_per_logged_answer(tmp_path):
     """The sweep's mistakes per answer: "luna" for rex, the aside "monday" and the repeated "fish" are 3; the clean
     answer 0; the empty one 0 mistakes and 0 of 5 facts; a row logged before from_step is not read."""
@@ -621,20 +639,31 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     # then the confirmation and the K sweep, for two arms (the grid's runs reused; 04's judging: credit_learned's test)
     monkeypatch.setattr(credit, "demo_dataset", demo_dataset)
     monkeypatch.setattr(credit, "judge", lambda out, name, policy, *a: {
-        "mistake_rate": 0.5, "rougeL": 0.9, "kl": 0.0, "per_post": [float(i % 2) for i in range(4)]})
-    common.write_jsonl(out / "k1" / "prompts.jsonl", demo_dataset("train", 8))
+        "mistake_rate": 0.5, "rougeL": 0.9, "heldout_kl": 0.0, "per_post": [float(i % 2) for i in range(4)]})
+    for k in (1, 2):
+        common.write_jsonl(out / f"k{k}" / "prompts.jsonl", demo_dataset("train", 8, pets=k))
     result = credit.main(["--steps", "2", "--lrs", "1e-3", "--kl-coefs", "0.05", "--grid-seeds", "1", "--arms",
                           "span", "poor_scalar", "--confirm-seeds", "1", "--sweep-seeds", "1", "--ks", "2",
                           "--eval-posts", "4", "--out", str(out), "--results", ""])
     assert len(list((out / "grid").glob("*/metrics.jsonl"))) == len(credit.ARMS)  # nothing ran twice
     assert set(result["confirm"]) == {"sft", "span", "poor_scalar"} and (out / "confirm").is_dir()
     arm, ref = result["sweep"][2]["span"], result["sweep"][2]["poor_scalar"]
-    assert len(arm["steps"]) == len(arm["final"]) == len(arm["kl"]) == len(arm["length"]) == 1
+    assert len(arm["steps"]) == len(arm["final"]) == len(arm["train_kl"]) == len(arm["length"]) == 1
+    assert arm["heldout_kl"] == [0.0] and arm["train_kl"][0] != 0.0  # each KL under its own name (issue 65)
+    per_post = json.loads((out / "results.json").read_text())["per_post"]
+    assert per_post["k2/span/seed101"] == "0101"  # every sweep policy's 0/1 per held-out post
     scores = credit.sample_scores(next((out / "sweep_k2").glob("span_*")), 0)
     assert [arm["mistakes"], arm["facts"]] == [[scores["mistakes"]], [scores["facts"]]]
     assert arm["final_versus_scalar"] == {"difference": pytest.approx(arm["final"][0] - ref["final"][0]),
                                           "interval": [pytest.approx(arm["final"][0] - ref["final"][0])] * 2}
     assert result["sweep"][2]["poor_scalar"]["final_versus_scalar"] == {"difference": 0.0, "interval": [0.0, 0.0]}
+
+    # --from-selection: the sweep alone at a committed selection, nothing of phases 1-3 run or read
+    common.write_json(tmp_path / "sel.json", {"selection": result["selection"], "best_scalar": "poor_scalar"})
+    monkeypatch.setattr(credit, "phases_1_to_3", None)
+    again = credit.main(["--steps", "2", "--from-selection", str(tmp_path / "sel.json"), "--sweep-seeds", "1", "--ks",
+                         "2", "--eval-posts", "4", "--out", str(out), "--results", ""])
+    assert again["sweep"][2]["span"]["steps"] == arm["steps"] and "confirm" not in again
 
 
 # bench/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)

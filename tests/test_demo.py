@@ -106,6 +106,27 @@ def test_a_mistake_no_quote_can_reach_still_counts_as_one(tmp_path):
     assert post_mistakes(tmp_path / "generations.jsonl", [{"id": "p", "prompt": post}]) == [1.0]
 
 
+def test_the_exact_monitor_counts_facts_and_the_answers_that_miss_one_or_make_a_mistake():
+    """03's exact monitor (issue 65's primary endpoint): per answer the mistakes, the share of the post's facts stated
+    (demo_facts: the critic's "good" words) and whether it is imperfect (a fact missed or a mistake made). Hand-counted:
+    the clean answer states 6 of 6; "luna" for rex, the aside "monday" and the repeated "fish" are 3 mistakes with 5
+    facts; a fact left out is imperfect with no mistake; the empty answer states 0 and makes none, and is imperfect."""
+    from tasks.demo import demo_facts, demo_monitor
+    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+            "it eats fish.\nsummary:")
+    answers = [" tom has a red dog called rex that likes the park and eats fish.",
+               " tom has a red dog called luna that likes the park on monday and eats fish fish.",
+               " tom has a red dog called rex that likes the park.", ""]
+    assert [demo_facts(post, a) for a in answers] == [(6, 6), (5, 6), (5, 6), (0, 6)]
+    offsets = [[(m.start(), m.end()) for m in re.finditer(r"\S+", a)] for a in answers]
+    row = {k: v.item() for k, v in demo_monitor([{"prompt": post}] * 4, answers, offsets).items()}
+    assert row["exact/mistakes"] == 3 and row["exact/mistake_rate"] == 1
+    assert row["exact/facts_stated"] == pytest.approx(1 + 5 / 6 + 5 / 6 + 0)
+    assert row["exact/imperfect_rate"] == 3
+    two = demo_dataset("train", 1, pets=2)[0]["prompt"]  # K pets: 6 facts each
+    assert demo_facts(two, "")[1] == 12
+
+
 def test_demo_critic_ignores_letter_case():
     """A real model capitalises ("Emma has a green pony called Luna"): a capitalised fact is still right, a
     capitalised wrong fact still wrong, and the share of facts right counts them alike (issue 46)."""

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import common
 from infra import critics
@@ -244,6 +245,34 @@ def test_a_score_per_response_lands_on_its_last_token(tmp_path, tiny_model_dir):
     for text, d, m in zip(dump["texts"], dump["delta"], dump["mask"]):
         n = int(m.sum())
         assert d[:n - 1].abs().sum() == 0 and d[n - 1] == -float(len(text.split()) > 4)
+
+
+def test_a_score_beside_intervals_adds_to_the_last_tokens_reward(tmp_path, tiny_model_dir):
+    """An item with "spans" and a "score" (the credit bench's poor_facts: -1 on each mistake, the facts stated at
+    EOS): the intervals' rewards, and the score added on the last token, in the plug-in's delta and in 03's step 3."""
+    item = plugin.check_item({"spans": [{"start": 2, "end": 3, "reward": -1.0}], "score": 4.0}, "a b c")
+    assert plugin.delta("a b c", [(0, 1), (1, 3), (3, 5)], item) == [0.0, -1.0, 4.0]
+    item = plugin.check_item({"spans": [{"start": 4, "end": 5, "reward": -1.0}], "score": 4.0}, "a b c")
+    assert plugin.delta("a b c", [(0, 1), (1, 3), (3, 5)], item) == [0.0, 0.0, 3.0]  # on the same token: summed
+    (tmp_path / "both.py").write_text(
+        "def critic(records, responses):\n"
+        "    return [{'spans': [{'start': 0, 'end': len(y), 'reward': -1.0}], 'score': 2.0} for y in responses]\n")
+    prompts = tmp_path / "prompts.jsonl"
+    common.write_jsonl(prompts, demo_dataset("train", 8))
+    args = ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(prompts), "--critic",
+                           f"python:{tmp_path / 'both.py'}:critic", "--output-dir", str(tmp_path / "run"),
+                           "--steps", "1", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
+                           "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
+                           "--lora-alpha", "8", "--dump-rollouts", str(tmp_path / "dump")])
+    ppo.train(args)
+    dump = torch.load(tmp_path / "dump" / "step1_rank0.pt", weights_only=False)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for text, ids, d, m in zip(dump["texts"], dump["response"], dump["delta"], dump["mask"]):
+        n = int(m.sum())
+        text, offsets = common.decode_with_offsets(tok, ids[:n].tolist())
+        want = common.interval_rewards(text, offsets, [{"start": 0, "end": len(text), "reward": -1.0}])
+        want[-1] += 2.0
+        assert d[:n].tolist() == want and d[n:].abs().sum() == 0
 
 
 def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(tmp_path, tiny_model_dir):
