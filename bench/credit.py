@@ -102,9 +102,10 @@ def one_thread() -> None:
 
 
 def start_checksum(world: Path) -> str:
-    """sha256 over every file of a world's base model and SFT start (their paths and whole contents)."""
+    """sha256 over every file of a world's base model and SFT start (their paths and whole contents), but sft.json,
+    the SFT's record of how it was made (it names the folders, which differ from machine to machine)."""
     h = hashlib.sha256()
-    for f in sorted(p for d in ("base", "sft") for p in (world / d).rglob("*") if p.is_file()):
+    for f in sorted(p for d in ("base", "sft") for p in (world / d).rglob("*") if p.is_file() and p.name != "sft.json"):
         h.update(f"{f.relative_to(world)}:".encode() + f.read_bytes())
     return h.hexdigest()
 

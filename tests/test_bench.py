@@ -666,6 +666,68 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     assert again["sweep"][2]["span"]["steps"] == arm["steps"] and "confirm" not in again
 
 
+# bench/credit_matched.py: per-token credit at matched difficulty (issue 65)
+import credit_matched  # noqa: E402
+
+BUILD = """
+import sys
+from pathlib import Path
+sys.path.insert(0, "bench")
+import credit_matched as cm
+args = cm.parse_args(["--tiny", "--out", sys.argv[1]])
+cm.one_thread()
+print(cm.build_world(Path(sys.argv[1]), 2, 1, int(sys.argv[2]), args)["checksum"])
+"""
+
+
+def test_a_start_built_twice_is_the_same_bytes_whatever_the_thread_count(tmp_path):
+    """Issue 65, item 2: a world's base model and SFT start, built in two processes, one given 2 threads by its
+    environment, are the same bytes (credit.one_thread); the other seed is another start."""
+    def build(folder, seed, threads):
+        env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
+        proc = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / folder), str(seed)], cwd=ROOT, env=env,
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()[-1]
+    one, two = build("a", 0, 1), build("b", 0, 2)
+    assert one == two and build("c", 1, 1) != one
+
+
+def test_credit_matched_statistics_against_hand_computed_values():
+    """The sign-flip test's exact p (3 positive differences: 2 of the 8 sign patterns are as extreme), Holm's step-down
+    adjustment by hand, and compare(): the steps ratio of paired seeds, its p, the seed left out as most extreme, and
+    the held-out difference of 0/1 posts."""
+    cm = credit_matched
+    assert cm.sign_flip_p([1, 1, 1]) == 0.25 and cm.sign_flip_p([1, -1]) == 1.0
+    assert cm.holm({"a": 0.01, "b": 0.04, "c": 0.03}) == pytest.approx({"a": 0.03, "b": 0.06, "c": 0.06})
+    rng = __import__("numpy").random.default_rng(0)
+    arm = {"steps": [10, 20, 30, 100], "imperfect": [[1, 0], [0, 0], [1, 1], [0, 0]]}
+    ref = {"steps": [20, 40, 60, 40], "imperfect": [[1, 1], [1, 0], [1, 1], [0, 0]]}
+    out = cm.compare(arm, ref, ["A", "A", "B", "B"], rng, resamples=200)
+    st, h = out["steps_ratio"], out["heldout_imperfect"]
+    assert st["ratio"] == 160 / 160 and st["extreme_seed"] == 3 and st["without_extreme"] == 60 / 120
+    assert st["p"] == cm.sign_flip_p([-10, -20, -30, 60])
+    assert h["difference"] == -2 / 8 and h["per_seed"] == [-0.5, -0.5, 0.0, 0.0]
+    assert h["interval"][0] <= -0.25 <= h["interval"][1]
+
+
+@pytest.mark.slow
+def test_credit_matched_runs_every_phase_at_tiny_shapes(tmp_path):
+    """Two arms through calibration, the grid, the selection and the confirmation on two starts (04 judges every
+    policy), then K = 1: the results name each start's checksum, every confirmed policy's per-post outcomes and each
+    per-token arm's comparison with fair_scalar, Holm-adjusted."""
+    out = tmp_path / "cm"
+    result = credit_matched.main(["--tiny", "--arms", "fair_scalar", "span", "--ladder", "1", "--out", str(out),
+                                  "--results", ""])
+    assert set(result["starts"]) == {"k1", "A", "B"} and len(set(result["starts"].values())) == 3
+    conf = result["confirm"]
+    assert conf["starts"] == ["A", "B"] and set(conf["versus_fair_scalar"]) == {"span"}
+    assert "p_holm" in conf["versus_fair_scalar"]["span"]["steps_ratio"]
+    per_post = json.loads((out / "results.json").read_text())["per_post"]
+    assert len(per_post["confirm/span/seed102"]["imperfect"]) == 8 and "k1/span/seed101" in per_post
+    assert set(result["k1_selection"]) == {"fair_scalar", "span", "poor_scalar"}
+
+
 # bench/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)
 import credit_learned  # noqa: E402
 
