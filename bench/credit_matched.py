@@ -15,13 +15,16 @@ never mix.
 Phases (--stop-after ends after one):
  0. calibrate  each start sampled at T = 1 on --calib-posts training prompts (04): mistakes per sentence and per
                answer, facts stated, the imperfect rate, length.
- 1. grid       at K = 4, start A: ARMS x --lrs x --kl-coefs x --grid-seeds selection seeds (1..N), --steps each.
+ 0b. pilot     fair_scalar and span at lr 1e-3, beta 0.05, seed 0, --pilot-steps iterations on start A: the iteration
+               budget S of every K run is the first of --budgets by which both reach the primary threshold (else the
+               last). Only S is read off the pilot.
+ 1. grid       at K = 4, start A: ARMS x --lrs x --kl-coefs x --grid-seeds selection seeds (1..N), S iterations each.
  2. select     per arm, the setting with the fewest median steps to a smoothed training imperfect rate <= 0.15
                (03's exact/imperfect_rate: answers that miss a fact or make a mistake); ties: the lower final rate.
  3. confirm    --confirm-seeds fresh seeds of each chosen setting, the first half on start A, the rest on start B; each
                policy judged by 04 on --eval-posts held-out posts; every per-token arm against fair_scalar.
- 4. k1         K = 1 on its one-thread start: fair_scalar's grid, then --k1-seeds seeds of fair_scalar, span and
-               poor_scalar (span and poor_scalar at bench/credit_selection.json's settings).
+ 4. k1         K = 1 on its one-thread start, --k1-steps iterations: fair_scalar's grid, then --k1-seeds seeds of
+               fair_scalar, span and poor_scalar (span and poor_scalar at bench/credit_selection.json's settings).
 Writes OUT/results.json, bench/credit_matched_results.json (every table's numbers, per seed) and
 bench/credit_matched_per_post.json (each judged policy's outcome per held-out post), prints the tables.
 """
@@ -52,7 +55,8 @@ ARMS = {"fair_scalar": ["--critic", PLUGIN + "fair_scalar"],  # facts stated - m
         "poor_facts": ["--critic", PLUGIN + "poor_facts"],  # poor_span + the facts stated at EOS
         "clause": ["--critic", PLUGIN + "clause_scores"]}  # a perfect PRM
 REFERENCE, PER_TOKEN = "fair_scalar", ("span", "poor_span", "poor_facts", "clause")
-PHASES = ("calibrate", "grid", "select", "confirm", "k1")
+PHASES = ("calibrate", "pilot", "grid", "select", "confirm", "k1")
+PILOT = {"fair_scalar": (1e-3, 0.05), "span": (1e-3, 0.05)}  # seed 0, used by no other phase
 
 
 def parse_args(argv=None):
@@ -69,7 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--grid-seeds", type=int, default=2, help="selection seeds per grid cell (seeds 1..N)")
     p.add_argument("--confirm-seeds", type=int, default=10, help="fresh seeds per arm (101..100+N; half on start B)")
     p.add_argument("--k1-seeds", type=int, default=5, help="seeds per arm at K = 1 (101..100+N)")
-    p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
+    p.add_argument("--pilot-steps", type=int, default=300, help="PPO iterations of each pilot run")
+    p.add_argument("--budgets", nargs="+", type=int, default=[150, 200, 300], help="iteration budgets the pilot picks")
+    p.add_argument("--k1-steps", type=int, default=150, help="PPO iterations per K = 1 run (phase 3's)")
     p.add_argument("--eval-posts", type=int, default=1000, help="held-out posts each confirmed policy is judged on")
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (one per core; logs in OUT/logs)")
     p.add_argument("--stop-after", choices=PHASES, default="k1", help="the last phase to run")
@@ -82,7 +88,7 @@ def parse_args(argv=None):
     if args.tiny:  # every phase, nothing of the numbers
         args.ladder, args.pretrain_steps, args.sft_steps, args.n_texts, args.calib_posts = [1, 2], 4, 2, 40, 8
         args.lrs, args.kl_coefs, args.grid_seeds, args.confirm_seeds, args.k1_seeds = [1e-3], [0.05], 1, 2, 1
-        args.steps, args.eval_posts, args.k = 2, 8, 2
+        args.pilot_steps, args.budgets, args.k1_steps, args.eval_posts, args.k = 2, [2], 2, 8, 2
         args.ppo_args = ["--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1", *args.ppo_args]
     return args
 
@@ -114,7 +120,7 @@ def build_world(out: Path, pets: int, m: int, seed: int, args) -> dict:
     if not (world / "sft" / "config.json").is_file():
         run([*sft, "--overwrite"])
     flags = ["--model", str(world / "sft"), "--sft-steps", "0", "--prompts", str(world / "prompts.jsonl"),
-             "--scalar-baseline-dir", "", "--steps", str(args.steps), "--save-every", str(args.steps), *extra]
+             "--scalar-baseline-dir", "", *extra]
     return {"dir": world, "sft": world / "sft", "flags": flags, "checksum": start_checksum(world)}
 
 
@@ -166,13 +172,13 @@ def calibrate(out: Path, args) -> dict:
 
 # --- the runs and their numbers
 
-def runs_of(out: Path, world: dict, phase: str, cells: dict, args) -> dict:
-    """{key: run_dir} for cells {key: (arm, lr, kl, seed)} from `world`'s start, run where not finished. A start's
-    runs live under its checksum: a rebuilt start (other bytes) never reuses them."""
+def runs_of(out: Path, world: dict, phase: str, cells: dict, args, steps: int) -> dict:
+    """{key: run_dir} for cells {key: (arm, lr, kl, seed)} from `world`'s start, `steps` iterations each, run where
+    not finished. A start's runs live under its checksum: a rebuilt start (other bytes) never reuses them."""
     folder = out / "runs" / world["checksum"][:16] / phase
     planned = plan(folder, {key: (f"{arm}_lr{lr:g}_kl{kl:g}", seed, [*world["flags"], *ARMS[arm], "--lr", f"{lr:g}",
                                                                        "--kl-coef", f"{kl:g}"])
-                            for key, (arm, lr, kl, seed) in cells.items()}, args.steps)
+                            for key, (arm, lr, kl, seed) in cells.items()}, steps)
     execute(planned, args, out / "logs")
     return {key: run_dir for key, (run_dir, _) in planned.items()}
 
@@ -303,17 +309,17 @@ def seed_table(runs: dict, curves: dict, judged_runs: dict, arm: str, seeds) -> 
     return row
 
 
-def run_phase(out: Path, worlds: dict, phase: str, chosen: dict, seeds_of: dict, pets: int, args, result: dict,
-              rng) -> dict:
+def run_phase(out: Path, worlds: dict, phase: str, chosen: dict, seeds_of: dict, pets: int, steps: int, args,
+              result: dict, rng) -> dict:
     """Runs each arm's chosen setting on its seeds (seeds_of: {start name: seeds}), judges every policy and the SFT
     starts on --eval-posts held-out posts, compares every arm with fair_scalar. Returns {arm: row} + comparisons."""
     runs, start_of = {}, {s: name for name, seeds in seeds_of.items() for s in seeds}
     for name, seeds in seeds_of.items():
         cells = {(arm, s): (arm, c["lr"], c["kl_coef"], s) for arm, c in chosen.items() for s in seeds}
-        runs.update(runs_of(out, worlds[name], phase, cells, args))
+        runs.update(runs_of(out, worlds[name], phase, cells, args, steps))
     seeds = sorted(start_of)
     eval_data, records = eval_records(out, worlds[next(iter(seeds_of))], pets, args.eval_posts)
-    curves = {key: curve(d, args.steps) for key, d in runs.items()}
+    curves = {key: curve(d, steps) for key, d in runs.items()}
     judged_runs = {(arm, s): judge(out, f"{phase}_{arm}_s{s}", d / "policy", worlds[start_of[s]], eval_data, records,
                                    pets) for (arm, s), d in runs.items()}
     table = {"sft": {name: {k: (statistics.fmean(v) if isinstance(v, list) else v) for k, v in judge(
@@ -346,7 +352,7 @@ def main(argv=None):
     one_thread()
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
     result = {"command": " ".join(["python", "bench/credit_matched.py", *(argv or sys.argv[1:])]),
-              "endpoint": ENDPOINT, "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "k": args.k}
+              "endpoint": ENDPOINT, "threshold": THRESHOLD, "window": WINDOW, "k": args.k}
 
     # --- 0. calibrate: the worlds and their difficulty at iteration 0
     cal = calibrate(out, args)
@@ -356,10 +362,24 @@ def main(argv=None):
     if args.stop_after == "calibrate":
         return finish(result, args)
 
+    # --- 0b. pilot: the iteration budget of every K run, by bench/credit.md's rule
+    pilot = {arm: curve(d, args.pilot_steps) for (arm,), d in runs_of(
+        out, worlds["A"], "pilot", {(arm,): (arm, *PILOT[arm], 0) for arm in PILOT}, args, args.pilot_steps).items()}
+    steps = next((S for S in args.budgets if all(c["reached"] and c["steps"] <= S for c in pilot.values())),
+                 args.budgets[-1])
+    result["pilot"] = {"budget": steps, **{arm: {"steps": c["steps"], "reached": c["reached"], "final": c["final"],
+                                                 "curve": digits(x * 32 for x in c["imperfect_curve"])}
+                                           for arm, c in pilot.items()}}
+    print(f"\npilot ({args.pilot_steps} iterations, seed 0): " + ", ".join(
+        f"{a} {c['steps'] if c['reached'] else 'never'}" for a, c in pilot.items()) + f" -> budget {steps} iterations")
+    result["steps"] = steps
+    if args.stop_after == "pilot":
+        return finish(result, args)
+
     # --- 1. grid at K, start A
     cells = {(arm, lr, kl, s): (arm, lr, kl, s) for arm in args.arms for lr in args.lrs for kl in args.kl_coefs
              for s in range(1, args.grid_seeds + 1)}
-    grid = {key: curve(d, args.steps) for key, d in runs_of(out, worlds["A"], "grid", cells, args).items()}
+    grid = {key: curve(d, steps) for key, d in runs_of(out, worlds["A"], "grid", cells, args, steps).items()}
     result["grid"] = {"/".join(map(str, key)): {k: c[k] for k in ("steps", "reached", "final")}
                       for key, c in grid.items()}
     result["curves"] = {"grid/" + "/".join(map(str, key)): digits(x * 32 for x in c["imperfect_curve"])
@@ -378,7 +398,7 @@ def main(argv=None):
     seeds = list(range(101, 101 + args.confirm_seeds))
     half = (len(seeds) + 1) // 2
     result["confirm"] = run_phase(out, worlds, "confirm", chosen, {"A": seeds[:half], "B": seeds[half:]}, args.k,
-                                  args, result, rng)
+                                  steps, args, result, rng)
     print_phase("confirm", result["confirm"], chosen)
     if args.stop_after == "confirm":
         return finish(result, args)
@@ -387,13 +407,14 @@ def main(argv=None):
     k1 = {"k1": worlds["k1"]}
     cells = {(REFERENCE, lr, kl, s): (REFERENCE, lr, kl, s) for lr in args.lrs for kl in args.kl_coefs
              for s in range(1, args.grid_seeds + 1)}
-    k1_grid = {key: curve(d, args.steps) for key, d in runs_of(out, k1["k1"], "k1_grid", cells, args).items()}
+    k1_grid = {key: curve(d, args.k1_steps)
+               for key, d in runs_of(out, k1["k1"], "k1_grid", cells, args, args.k1_steps).items()}
     phase3 = json.loads((ROOT / "bench" / "credit_selection.json").read_text())["selection"]
     k1_chosen = {**select(k1_grid), **{a: {k: phase3[a][k] for k in ("lr", "kl_coef")} for a in ("span",
                                                                                                   "poor_scalar")}}
     result["k1_selection"] = k1_chosen
-    result["k1"] = run_phase(out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1, args,
-                             result, rng)
+    result["k1"] = run_phase(out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1,
+                             args.k1_steps, args, result, rng)
     print_phase("k1", result["k1"], k1_chosen)
     return finish(result, args)
 
