@@ -9,6 +9,7 @@ import json
 import math
 import os
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,17 +31,24 @@ def need(module: str):
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"{module}: {e}: pip install -r requirements-eval.txt")
 
 
-def arc_task(tmp_path) -> str:
-    """A folder with an ARC-format task, arc_local: the harness's own arc_easy.yaml (its prompt, choices and metrics)
-    reading a local JSONL. Each of 2 questions is there 3 times, its gold answer A, then B, then C: whatever a model
-    prefers, exactly one copy of each is right, so acc = acc_norm = 2 / 6 by hand."""
-    harness = need("lm_eval")
+def arc_rows() -> list[dict]:
+    """Each of 2 questions 3 times, its gold answer A, then B, then C: whatever a model prefers, exactly one copy of
+    each is right, so acc = acc_norm = 2 / 6 by hand."""
     questions = [("Which one is a colour?", ["red", "seven", "table"]),
                  ("What do bees make?", ["honey", "bricks", "rain clouds"])]
-    rows = [{"id": f"q{i}-{gold}", "question": q, "choices": {"text": texts, "label": ["A", "B", "C"]},
+    return [{"id": f"q{i}-{gold}", "question": q, "choices": {"text": texts, "label": ["A", "B", "C"]},
              "answerKey": gold} for i, (q, texts) in enumerate(questions) for gold in "ABC"]
+
+
+def arc_task(tmp_path, text: str | None = None) -> str:
+    """A folder with an ARC-format task, arc_local: the harness's own arc_easy.yaml (its prompt, choices and metrics)
+    reading a local JSONL, arc.jsonl: arc_rows(), or `text` as it is."""
+    harness = need("lm_eval")
     data = tmp_path / "arc.jsonl"
-    common.write_jsonl(data, rows)
+    if text is None:
+        common.write_jsonl(data, arc_rows())
+    else:
+        data.write_text(text)
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "arc_local.yaml").write_text(
@@ -128,6 +136,63 @@ def test_an_unknown_task_or_a_missing_package_is_one_line_before_any_generation(
     with pytest.raises(common.DataError, match=r"--alpaca-eval needs the alpaca_eval package .*requirements-eval"):
         ev.main(base + ["--alpaca-eval", "--judge-base-url", "http://127.0.0.1:9/v1", "--reference-field", "output"])
     assert not (tmp_path / "out").exists()
+
+
+def bad_arc(case: str) -> str:
+    """arc.jsonl's text for one way of being malformed (issue 68: each a 70-116 line traceback after every
+    generation, exit 1)."""
+    lines = [json.dumps(r) for r in arc_rows()]
+    if case == "answer_key":
+        lines[1] = json.dumps({**arc_rows()[1], "answerKey": "D"})
+    elif case == "json":
+        lines[2] = '{"id": "q0-C", "question": "Which one is a colour?",'
+    elif case == "empty":
+        lines = []
+    return "".join(line + "\n" for line in lines)
+
+
+BAD_ARC = {  # case -> (--lm-eval-fewshot, the one line)
+    "answer_key": ("0", r"arc\.jsonl:2: field 'answerKey' is 'D', not one of the labels in 'choices' \(A, B, C\)"),
+    "json": ("0", r"arc\.jsonl:3: not valid JSON"),
+    "empty": ("0", r"arc\.jsonl: no questions"),
+    "shots": ("7", r"arc\.jsonl: 6 questions in split 'train' of task arc_local, fewer than --lm-eval-fewshot 7 takes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARC))
+def test_a_malformed_arc_file_is_one_line_before_any_generation(case, tmp_path, tiny_model_dir, monkeypatch):
+    """Issue 68: an answerKey not among the labels, a bad JSON line, an empty file, too few questions for the shots:
+    one line naming the file, line and field (or the flag), before any policy generates or the harness runs."""
+    shots, message = BAD_ARC[case]
+    tasks = arc_task(tmp_path, None if case == "shots" else bad_arc(case))
+    data = tmp_path / "eval.jsonl"
+    common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
+
+    def boom(*a, **k):
+        raise AssertionError("generated before the ARC file was checked")
+    import lm_eval
+    monkeypatch.setattr(models, "load_model", boom)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", boom)
+    with pytest.raises(common.DataError, match=message) as e:
+        ev.main(["--task", "qa", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
+                 "--lm-eval-tasks", "arc_local", "--lm-eval-include-path", tasks, "--lm-eval-fewshot", shots,
+                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"])
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_malformed_arc_file_exits_2_with_one_line(tmp_path, tiny_model_dir):
+    tasks = arc_task(tmp_path, bad_arc("answer_key"))
+    data = tmp_path / "eval.jsonl"
+    common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
+    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--task", "qa", "--data", str(data),
+                           "--policy", f"base={tiny_model_dir}", "--reward-model", "none", "--lm-eval-tasks",
+                           "arc_local", "--lm-eval-include-path", tasks, "--lm-eval-fewshot", "0", "--output-dir",
+                           str(tmp_path / "out"), "--device", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'arc.jsonl'}:2: field 'answerKey' is 'D', not one of the labels in 'choices' (A, B, C) "
+        "(task arc_local)")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------------
