@@ -26,6 +26,10 @@ def add_args(p) -> None:
 def check(args, names: list[str]) -> None:
     """Before any generation: each asked-for metric's package imports, its flags fit, its files read, and the MT-Bench
     judge (when it is another model than --judge-model, which 04 already checked) answers."""
+    for flag, value, least in (("--mt-bench-limit", args.mt_bench_limit, 1), ("--lm-eval-limit", args.lm_eval_limit, 1),
+                               ("--lm-eval-fewshot", args.lm_eval_fewshot, 0)):
+        if value is not None and value < least:  # --mt-bench-limit 0 generated every answer, then had no file to read
+            raise DataError(f"{flag} {value}: at least {least}")
     alpaca_lc.check(args, names)
     lm_eval_tasks.check(args)
     if args.mt_bench:

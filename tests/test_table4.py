@@ -380,6 +380,24 @@ def test_bad_question_files_are_one_line_naming_file_line_and_field(tmp_path):
         mt_bench.read_questions(path)
 
 
+@pytest.mark.parametrize("flag, value, least", [("--mt-bench-limit", "0", 1), ("--mt-bench-limit", "-2", 1),
+                                                ("--lm-eval-limit", "0", 1), ("--lm-eval-fewshot", "-1", 0)])
+def test_a_limit_below_its_least_is_one_line_naming_the_flag_before_any_generation(flag, value, least, tmp_path,
+                                                                                  tiny_model_dir, monkeypatch):
+    """Issue 68: --mt-bench-limit 0 generated every answer first, then failed with "no such file"."""
+    data = tmp_path / "eval.jsonl"
+    common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
+
+    def boom(*a, **k):
+        raise AssertionError("generated before the flags were checked")
+    monkeypatch.setattr(models, "load_model", boom)
+    with pytest.raises(common.DataError, match=rf"^{flag} {value}: at least {least}"):
+        ev.main(["--task", "qa", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
+                 "--mt-bench", "--judge-base-url", "http://127.0.0.1:9/v1", flag, value, "--output-dir",
+                 str(tmp_path / "out"), "--device", "cpu"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_fastchat_s_files_are_its_own():
     """tasks/mt_bench/ holds FastChat's files unchanged (lm-sys/FastChat at 0e6d3e4b, fastchat/llm_judge/data/)."""
     want = {"question.jsonl": "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
