@@ -261,6 +261,46 @@ def test_alpaca_eval_win_rates_are_the_package_s_own(hub_table, glm):
     assert got["win_rate"] == pytest.approx(100 * wins / len(rows))  # raw: wins + ties / 2, by hand
 
 
+@pytest.mark.parametrize("glm", ["length_controlled_v1", "length_controlled_minimal"])
+def test_the_lc_win_rate_s_interval_is_a_bootstrap_over_prompts_that_refits_the_glm(hub_table, glm):
+    """Issue 68: the interval was +-1.96 times the package's lc_standard_error, the spread of its predictions over the
+    instructions, which the minimal GLM makes equal: 85.29 [85.29, 85.29], standard error 3.4e-15. Now: the package's
+    own function refitted on prompts drawn with replacement, its 2.5/97.5 percentiles."""
+    import numpy as np
+    import pandas as pd
+    records, answers, verdicts = verdict_fixture()
+    rows = alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge")
+    got = alpaca_lc.length_controlled(rows, glm, n_boot=30, seed=4)
+    lo, hi = got["lc_ci95"]
+    assert lo < got["length_controlled_winrate"] < hi and hi - lo > 5  # 68 prompts: several points wide
+    table = pd.DataFrame(package_annotations(records, answers, verdicts))
+    draws = np.random.default_rng(4).integers(0, len(table), size=(30, len(table)))
+    want = [hub_table.get_length_controlled_winrate(table.iloc[i].reset_index(drop=True), glm_name=glm,
+                                                    save_weights_dir=None)["length_controlled_winrate"] for i in draws]
+    assert [lo, hi] == pytest.approx(list(np.percentile(want, [2.5, 97.5])))
+    assert got["lc_resamples"] == 30 and got["lc_boot_stderr"] == pytest.approx(np.std(want, ddof=1))
+    if glm == "length_controlled_minimal":
+        assert got["lc_standard_error"] < 1e-9  # the package's own: zero by construction, never an interval
+
+
+def test_an_lc_interval_that_cannot_be_had_is_n_a_with_the_reason(hub_table):
+    records, answers, verdicts = verdict_fixture()
+    rows = alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge")
+    got = alpaca_lc.length_controlled(rows, "length_controlled_minimal", n_boot=0)
+    assert got["lc_ci95"] is None and got["lc_ci95_na"] == "no resamples (--bootstrap 0)"
+    res = {"policies": {"pol": {}}, "table4": {"alpaca_eval": {
+        "reference": "ref", "judge": "j", "glm": "length_controlled_minimal", "n_prompts": 80,
+        "policies": {"pol": {"lc_win_rate": {"value": 55.0, "ci95": None, "ci95_na": got["lc_ci95_na"]},
+                             "win_rate": {"value": 60.0, "ci95": [50.0, 70.0]}, "invalid": 0}}}}}
+    lines = table4.console_lines(res)
+    assert any(line.split()[-2:] == ["55.00", "[n/a]"] for line in lines if line.startswith("AlpacaEval 2.0 LC"))
+    assert "note: AlpacaEval pol: LC win rate's interval n/a: no resamples (--bootstrap 0)" in lines
+    assert "[n/a]" in table4.render_html(res)
+    wins = alpaca_lc.annotations(records, answers, [{**v, "winner": "pol"} for v in verdicts], "pol", "ref", "judge")
+    got = alpaca_lc.length_controlled(wins, "length_controlled_minimal", n_boot=20)
+    assert got["lc_ci95"] is None and got["lc_ci95_na"] == "all 80 verdicts are wins: every resample is the same data"
+
+
 def test_a_judge_that_prefers_longer_answers_gets_a_lower_lc_than_raw_win_rate(hub_table):
     records, answers, verdicts = verdict_fixture(n=200, exploit=True)
     got = alpaca_lc.length_controlled(alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge"),
@@ -444,7 +484,7 @@ def test_alpaca_eval_and_mt_bench_through_04(tiny_chat_model_dir, tmp_path, fake
     assert pol["win_rate"]["n"] == 16 and pol["invalid"] == 0
     assert pol["win_rate"]["ci95"][0] <= pol["win_rate"]["value"] <= pol["win_rate"]["ci95"][1]
     lo, hi = pol["lc_win_rate"]["ci95"]
-    assert lo <= pol["lc_win_rate"]["value"] <= hi
+    assert lo <= pol["lc_win_rate"]["value"] <= hi and hi - lo > 1  # a bootstrap that refits the GLM: never zero-wide
     mt = t4["mt_bench"]["policies"]["pol"]
     assert mt["turn1"]["value"] == pytest.approx(5.0) and mt["invalid"] == {"turn1": 0, "turn2": 1}
     out = capsys.readouterr().out
