@@ -65,12 +65,13 @@ def iter_jsonl(path, required: tuple[str, ...] = ()):
 
 
 def decode_utf8(raw: bytes, path, lineno: int) -> str:
-    """A line's bytes as text; DataError naming the file, line and byte where they are not UTF-8."""
+    """A line's bytes as text, a UTF-8 BOM that starts the file dropped (Windows editors write one); DataError naming
+    the file, line and byte where they are not UTF-8."""
     try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        column = len(raw[:e.start].decode("utf-8", "replace")) + 1
-        raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {column})") from None
+        return raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+    except UnicodeDecodeError as e:  # e.object: the bytes after the BOM, which e.start counts in
+        column = len(e.object[:e.start].decode("utf-8", "replace")) + 1
+        raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {column})") from None
 
 
 def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:

@@ -17,8 +17,11 @@ other prompts, whose difficulty nobody measured. The package still looks the dif
 of zeros (neutral_difficulty) instead of the hub's, which the formula then never reads. auto: v1 when --data is one of
 AlpacaEval's files (alpaca_eval*.json), else minimal.
 
-Intervals: the raw win rate's is 04's 95% bootstrap over the prompts; the LC win rate's is +-1.96 times the package's
-lc_standard_error (the standard error of its predicted preferences, what the leaderboard prints). Where a setting
+Intervals: the raw win rate's is 04's 95% bootstrap over the prompts; the LC win rate's is a bootstrap over the prompts
+too, the package's GLM refitted on each resample (lc_bootstrap), or "n/a" with the reason. Not +-1.96 times the
+package's lc_standard_error (what the leaderboard prints): that is the spread of its predictions over the instructions,
+not of the estimate, and the minimal GLM predicts the same for every instruction (85.29 [85.29, 85.29], standard error
+3.4e-15: issue 68). results.json keeps it as package_stderr. Where a setting
 differs from the paper's (another judge, another reference, fewer than AlpacaEval's 805 prompts, the minimal GLM),
 not_comparable says so in one line each; the judge's prompt is always 04's pairwise one, not AlpacaEval's annotator's.
 """
@@ -107,20 +110,54 @@ def neutral_difficulty(glm_winrate, n: int):
             glm_winrate.hf_hub_download = real
 
 
-def length_controlled(rows: list[dict], glm: str = "length_controlled_v1") -> dict:
+def length_controlled(rows: list[dict], glm: str = "length_controlled_v1", n_boot: int = 0, seed: int = 0) -> dict:
     """The package's raw and length-controlled win rates (percent) and their standard errors, for annotations of one
-    policy against one reference."""
+    policy against one reference; and the LC win rate's 95% interval over n_boot resamples (lc_bootstrap)."""
     import pandas as pd
     glm_winrate = require()
     if len(rows) < 10:  # its 5-fold cross-validation needs a few rows per fold
         raise DataError(f"--alpaca-eval: {len(rows)} valid verdicts: the length-controlled GLM needs at least 10")
     df = pd.DataFrame(rows)
     info = glm_winrate.GLM_INFO[glm]
+
+    def fit(d):
+        return glm_winrate.get_length_controlled_winrate(d, glm_name=glm, save_weights_dir=None,
+                                                         is_warn_extreme_changes=False)
     with neutral_difficulty(glm_winrate, int(df["index"].max()) + 1) if "instruction_difficulty" not in \
             info["formula"] else contextlib.nullcontext():
-        out = glm_winrate.get_length_controlled_winrate(df, glm_name=glm, save_weights_dir=None,
-                                                        is_warn_extreme_changes=False)
-    return {k: float(v) for k, v in out.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)}
+        out = fit(df)
+        boot = lc_bootstrap(df, fit, n_boot, seed)
+    return {**{k: float(v) for k, v in out.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)},
+            **boot}
+
+
+def lc_bootstrap(df, fit, n_boot: int, seed: int) -> dict:
+    """The LC win rate's 95% interval: the prompts drawn with replacement n_boot times, the package's whole procedure
+    (standardised lengths, GLM, cross-validated regularisation) refitted on each, and the 2.5/97.5 percentiles of the
+    LC win rates; their standard deviation as its standard error. lc_ci95 None, and lc_ci95_na the reason, where there
+    is no interval to give: no resamples, verdicts all alike (every resample is the same data), or most resamples
+    unfittable."""
+    import numpy as np
+    na = {"lc_ci95": None, "lc_boot_stderr": None, "lc_resamples": 0}
+    if n_boot < 1:
+        return {**na, "lc_ci95_na": "no resamples (--bootstrap 0)"}
+    if df["preference"].nunique() == 1:
+        alike = {1.0: "losses", 1.5: "ties", 2.0: "wins"}[float(df["preference"].iloc[0])]
+        return {**na, "lc_ci95_na": f"all {len(df)} verdicts are {alike}: every resample is the same data"}
+    values = []
+    for idx in np.random.default_rng(seed).integers(0, len(df), size=(n_boot, len(df))):
+        try:
+            values.append(float(fit(df.iloc[idx].reset_index(drop=True))["length_controlled_winrate"]))
+        except ValueError:  # e.g. every length difference alike: nothing to standardise by
+            continue
+    values = [v for v in values if not math.isnan(v)]
+    if len(values) < n_boot / 2:
+        return {**na, "lc_ci95_na": f"the GLM could not be refitted on {n_boot - len(values)} of {n_boot} resamples"}
+    lo, hi = (float(v) for v in np.percentile(values, [2.5, 97.5]))
+    if hi - lo < 1e-9:
+        return {**na, "lc_ci95_na": f"every resample refits to the same LC win rate ({lo:.2f})"}
+    return {"lc_ci95": [lo, hi], "lc_ci95_na": None, "lc_boot_stderr": float(np.std(values, ddof=1)),
+            "lc_resamples": len(values)}
 
 
 def evaluate(records: list[dict], outputs: dict[str, list[str]], policies: list[str], args, cache_dir: Path,
@@ -139,15 +176,14 @@ def evaluate(records: list[dict], outputs: dict[str, list[str]], policies: list[
                                   args.judge_retries)[f"{name}_vs_{ref}"]
         verdicts = judge.cached_verdicts(cache_dir, name, ref, records)
         rows = annotations(records, outputs[name], verdicts, name, ref, args.judge_model)
-        lc = length_controlled(rows, glm)
+        lc = length_controlled(rows, glm, args.bootstrap, args.seed)
         raw = evaluation.bootstrap([((r["preference"] - 1), 1) for r in rows], n_boot=args.bootstrap, seed=args.seed)
-        half = 1.96 * lc["lc_standard_error"] if not math.isnan(lc["lc_standard_error"]) else None
         out["policies"][name] = {
             "win_rate": {"value": lc["win_rate"], "ci95": [100 * x for x in raw["ci95"]], "n": len(rows),
                          "stderr": lc["standard_error"]},
-            "lc_win_rate": {"value": lc["length_controlled_winrate"], "n": len(rows), "stderr": lc["lc_standard_error"],
-                            "ci95": [lc["length_controlled_winrate"] - half, lc["length_controlled_winrate"] + half]
-                            if half is not None else [None, None]},
+            "lc_win_rate": {"value": lc["length_controlled_winrate"], "n": len(rows), "ci95": lc["lc_ci95"],
+                            "ci95_na": lc["lc_ci95_na"], "stderr": lc["lc_boot_stderr"],
+                            "resamples": lc["lc_resamples"], "package_stderr": lc["lc_standard_error"]},
             "invalid": pairs["invalid"], "wins": lc.get("n_wins"), "draws": lc.get("n_draws"),
             "mean_length": sum(len(a) for a in outputs[name]) / len(records),
             "reference_mean_length": sum(len(r) for r in refs) / len(records)}

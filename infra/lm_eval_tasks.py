@@ -23,6 +23,7 @@ import functools
 import json
 from pathlib import Path
 
+import common
 from common import DataError
 from infra import evaluation
 
@@ -62,10 +63,66 @@ def check(args) -> None:
     _, TaskManager = require()
     if args.lm_eval_include_path and not Path(args.lm_eval_include_path).is_dir():
         raise DataError(f"--lm-eval-include-path {args.lm_eval_include_path}: no such directory")
-    unknown = [t for t in task_list(args) if t not in task_manager(args, TaskManager).all_tasks]
+    manager = task_manager(args, TaskManager)
+    unknown = [t for t in task_list(args) if t not in manager.all_tasks]
     if unknown:
         raise DataError(f"--lm-eval-tasks: {', '.join(unknown)}: not a task the harness knows"
                         + (f" (nor one in {args.lm_eval_include_path})" if args.lm_eval_include_path else ""))
+    for task in task_list(args):
+        check_local_data(manager, task, args.lm_eval_fewshot)
+
+
+def check_local_data(manager, task: str, shots: int) -> None:
+    """A task that reads local files (dataset_path json with data_files: a local copy of ARC, as docs/table4.md sets
+    one up) has them well-formed before any generation: JSON lines, no file empty, each ARC record's answerKey among
+    its labels, and enough questions in the few-shot split for --lm-eval-fewshot. Else the harness fails on them
+    after every policy has generated, in a 70-116 line traceback (issue 68). A hub task (allenai/ai2_arc) is the
+    harness's own business."""
+    entry = manager.task_index.get(task)
+    if entry is None or not entry.yaml_path:  # a tag or a Python task: its data is read its own way
+        return
+    from lm_eval.tasks._yaml_loader import load_yaml  # the harness's reader, its includes merged (pinned: 0.4.13)
+    cfg = load_yaml(entry.yaml_path, resolve_func=False)
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    if cfg.get("dataset_path") != "json" or not files:
+        return
+    arc = "answerKey" in str(cfg.get("doc_to_target")) and not cfg.get("process_docs")  # ARC's own layout, as read
+    counts = {split: sum(count_questions(path, task, arc) for path in ([paths] if isinstance(paths, str) else paths))
+              for split, paths in (files if isinstance(files, dict) else {"train": files}).items()}
+    # the harness's few-shot pool (ConfigurableTask.fewshot_docs); drawn from the split evaluated, it leaves the
+    # question itself out, so one more is needed
+    test = cfg.get("test_split") or cfg.get("validation_split")
+    pool = ((cfg.get("fewshot_config") or {}).get("split") or cfg.get("fewshot_split") or cfg.get("training_split")
+            or cfg.get("validation_split") or test)
+    if shots and counts.get(pool, shots + 1) < shots + (pool == test):
+        names = files[pool] if isinstance(files, dict) else files
+        raise DataError(f"{', '.join([names] if isinstance(names, str) else names)}: {counts[pool]} questions in split "
+                        f"'{pool}' of task {task}, fewer than --lm-eval-fewshot {shots} takes")
+
+
+def count_questions(path: str, task: str, arc: bool) -> int:
+    """The records of one local data file, each ARC record checked as the harness's arc_easy.yaml reads it
+    (question; choices.text and choices.label; choices.label.index(answerKey)). DataError 'file:line: field ...'."""
+    from tasks.data import DATA_FILE_SUFFIXES, read_rows
+    if "://" in path:  # a URL: the harness fetches it
+        return 1
+    rows = read_rows(path) if path.endswith(DATA_FILE_SUFFIXES) else [
+        (f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]  # the json builder reads any name as JSON lines
+    if not rows:
+        raise DataError(f"{path}: no questions (a data file of task {task})")
+    for where, rec in rows if arc else ():
+        choices = rec.get("choices") if isinstance(rec.get("choices"), dict) else {}
+        labels, texts = choices.get("label"), choices.get("text")
+        if not isinstance(rec.get("question"), str):
+            raise DataError(f"{where}: field 'question' must be a string (task {task})")
+        if not (isinstance(labels, list) and isinstance(texts, list) and len(labels) == len(texts) > 0
+                and all(isinstance(x, str) for x in labels + texts)):
+            raise DataError(f"{where}: field 'choices' must hold 'text' and 'label', lists of strings of one length "
+                            f"(task {task})")
+        if rec.get("answerKey") not in labels:
+            raise DataError(f"{where}: field 'answerKey' is {rec.get('answerKey')!r}, not one of the labels in "
+                            f"'choices' ({', '.join(labels)}) (task {task})")
+    return len(rows)
 
 
 def task_manager(args, TaskManager):

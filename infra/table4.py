@@ -26,6 +26,10 @@ def add_args(p) -> None:
 def check(args, names: list[str]) -> None:
     """Before any generation: each asked-for metric's package imports, its flags fit, its files read, and the MT-Bench
     judge (when it is another model than --judge-model, which 04 already checked) answers."""
+    for flag, value, least in (("--mt-bench-limit", args.mt_bench_limit, 1), ("--lm-eval-limit", args.lm_eval_limit, 1),
+                               ("--lm-eval-fewshot", args.lm_eval_fewshot, 0)):
+        if value is not None and value < least:  # --mt-bench-limit 0 generated every answer, then had no file to read
+            raise DataError(f"{flag} {value}: at least {least}")
     alpaca_lc.check(args, names)
     lm_eval_tasks.check(args)
     if args.mt_bench:
@@ -102,8 +106,10 @@ def caveats(t4: dict) -> list[str]:
 
 
 def invalid_lines(t4: dict) -> list[str]:
-    """The judges' invalid verdicts, which count nowhere."""
-    lines = []
+    """The judges' invalid verdicts, which count nowhere, and why an interval is n/a."""
+    lines = [f"AlpacaEval {name}: LC win rate's interval n/a: {p['lc_win_rate']['ci95_na']}"
+             for name, p in (t4.get("alpaca_eval") or {}).get("policies", {}).items()
+             if p["lc_win_rate"].get("ci95_na")]
     for name, p in (t4.get("mt_bench") or {}).get("policies", {}).items():
         if sum(p["invalid"].values()):
             lines.append(f"MT-Bench {name}: invalid verdicts (no [[rating]]): turn 1: {p['invalid']['turn1']}, "
@@ -119,6 +125,8 @@ def fmt(m) -> tuple[str, str]:
     if not m or m.get("value") is None:
         return "–", ""
     f = lambda v: "–" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.2f}"  # noqa: E731
+    if m.get("ci95_na"):  # no interval to give: the reason is among the notes
+        return f(m["value"]), "[n/a]"
     lo, hi = m.get("ci95") or [None, None]
     return f(m["value"]), f"[{f(lo)}, {f(hi)}]"
 
@@ -155,6 +163,6 @@ def render_html(results: dict) -> str:
     notes = "".join(f"<li>{esc(line)}</li>" for line in caveats(t4) + invalid_lines(t4))
     return (f"<h2 id='table4'>Table 4: AlpacaEval 2.0, ARC-Challenge, MT-Bench</h2><table class='table4'><tr><th>"
             f"metric</th>{head}</tr>{''.join(rows)}</table>" + (f"<ul class='caveats'>{notes}</ul>" if notes else "")
-            + "<p class='note'>Each value has its 95% interval below it: a bootstrap over the prompts or questions, "
-              "and for the LC win rate ±1.96 times alpaca_eval's standard error. docs/table4.md says how each number "
-              "is computed and what the paper's setting is.</p>")
+            + "<p class='note'>Each value has its 95% interval below it: a bootstrap over the prompts or questions "
+              "(for the LC win rate, alpaca_eval's GLM refitted on each resample). docs/table4.md says how each "
+              "number is computed and what the paper's setting is.</p>")

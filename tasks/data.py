@@ -89,8 +89,13 @@ def read_prompts(path: str, task: str, critic: str) -> list[dict]:
 
 def load_split(data: str, prompt_field: str, reference_field=None, split="test", limit=None):
     """Stage 4's held-out split (04 --data): [{"id", "prompt", "reference"?}] from a JSONL file, a .json/.parquet
-    file or a hub dataset (read_rows); errors name the file, line and field."""
-    raw = [rec for _, rec in read_rows(data, split, tuple(f for f in (prompt_field, reference_field) if f))]
+    file or a hub dataset (read_rows); errors name the file, line and field, and the flag that picks a missing one."""
+    rows = read_rows(data, split)
+    for where, rec in rows:  # the task preset's field (--task qa: instruction) may not be the data's
+        field(rec, prompt_field, where, "--prompt-field")
+        if reference_field:
+            field(rec, reference_field, where, "--reference-field")
+    raw = [rec for _, rec in rows]
     raw = raw[:limit] if limit is not None else raw
     if not raw:
         raise common.DataError(f"{data}: no records to evaluate (empty split)")
@@ -160,9 +165,10 @@ def _dataset_source_rows(args) -> tuple[str, list[tuple[str, dict]]]:
     return args.dataset if local else f"{args.dataset}[{split}]", read_rows(args.dataset, split)
 
 
-def field(row: dict, name: str, where: str) -> str:
+def field(row: dict, name: str, where: str, flag: str | None = None) -> str:
+    """row[name], a string; DataError naming the record and field, and `flag` (the one that picks another field)."""
     if name not in row:
-        raise common.DataError(f"{where}: missing field '{name}'")
+        raise common.DataError(f"{where}: missing field '{name}'" + (f" (set {flag})" if flag else ""))
     if not isinstance(row[name], str):
         raise common.DataError(f"{where}: field '{name}' must be a string, got {type(row[name]).__name__}")
     return row[name]
@@ -183,18 +189,19 @@ def to_records(rows, args) -> list[dict]:
         if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
             prompt = problem["prompt"]
         elif args.prompt_field:
-            prompt = field(row, args.prompt_field, where)
+            prompt = field(row, args.prompt_field, where, "--prompt-field")
         elif args.task == "summarization":  # the TL;DR prompt of "Learning to summarize from human feedback"
-            prompt = (f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where)}\n"
-                      f"POST: {field(row, 'post', where)}\nTL;DR:")
+            prompt = (f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where, '--prompt-field')}"
+                      f"\nPOST: {field(row, 'post', where, '--prompt-field')}\nTL;DR:")
         else:
-            prompt = field(row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where)
+            prompt = field(row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where,
+                           "--prompt-field")
         if problem and not args.response_field:
             out = [(rid, problem["reference"] if need_response else "")]
         elif args.response_field or args.task != "qa" or not need_response:
             name = args.response_field or {"summarization": "generated_summary_for_feedback"}.get(args.task,
                                                                                                    "response")
-            out = [(rid, field(row, name, where) if need_response else "")]
+            out = [(rid, field(row, name, where, "--response-field") if need_response else "")]
         else:  # UltraFeedback: one record per completion
             completions = row.get("completions")
             if not isinstance(completions, list) or not completions:

@@ -97,6 +97,21 @@ def test_presets_read_slf5k_kodcode_and_ultrafeedback_files(tmp_path):
     assert [r["response"] for r in to_records(dataset_rows(args), args)] == ["Hi?", "Bye?"]
 
 
+def test_a_field_the_task_preset_names_and_the_dataset_lacks_names_the_flag_that_picks_it(tmp_path):
+    """Issue 67, item 7: --task qa without --prompt-field said "missing field 'instruction'" alone."""
+    data = tmp_path / "uf.jsonl"
+    common.write_jsonl(data, [{"question": "Hi?", "answer": "Hello."}])
+    args = annotate.parse_args(["--task", "qa", "--dataset", str(data), "--annotator", "openai"])
+    with pytest.raises(common.DataError, match=r"uf\.jsonl:1: missing field 'instruction' \(set --prompt-field\)$"):
+        to_records(dataset_rows(args), args)
+    args = annotate.parse_args(["--task", "summarization", "--dataset", str(data), "--annotator", "openai"])
+    with pytest.raises(common.DataError, match=r"uf\.jsonl:1: missing field 'title' \(set --prompt-field\)$"):
+        to_records(dataset_rows(args), args)
+    args = annotate.parse_args(["--task", "demo", "--dataset", str(data), "--prompt-field", "question"])
+    with pytest.raises(common.DataError, match=r"uf\.jsonl:1: missing field 'response' \(set --response-field\)$"):
+        to_records(dataset_rows(args), args)
+
+
 def test_bad_input_names_file_line_and_field(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "solution": "s", "test": "t"}, {"question": "q"}])
     args = annotate.parse_args(["--task", "code", "--dataset", bad])

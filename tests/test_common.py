@@ -617,6 +617,29 @@ def test_read_jsonl_line_numbers_count_newlines_only(tmp_path):
         common.read_jsonl(p)
 
 
+def test_a_utf8_bom_at_the_start_of_a_file_is_read(tmp_path):
+    """Issue 67, item 7: a file saved with a BOM (Windows editors, Excel's "UTF-8" export) was refused: exit 2, "not
+    valid JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))". Every stage reads its records through common.iter_jsonl
+    (and a .json file through common.decode_utf8): the BOM is read as what it is, the file's encoding mark."""
+    import gzip
+    bom = "\ufeff".encode()
+    rows = b'{"id": "1", "prompt": "a"}\n{"id": "2", "prompt": "b"}\n'
+    (tmp_path / "x.jsonl").write_bytes(bom + rows)
+    assert common.read_jsonl(tmp_path / "x.jsonl", required=("prompt",)) == [{"id": "1", "prompt": "a"},
+                                                                               {"id": "2", "prompt": "b"}]
+    with gzip.open(tmp_path / "x.jsonl.gz", "wb") as f:
+        f.write(bom + rows)
+    assert [r["id"] for _, r in read_rows(str(tmp_path / "x.jsonl.gz"), required=("prompt",))] == ["1", "2"]
+    (tmp_path / "x.json").write_bytes(bom + b'[{"id": "1", "prompt": "a"}]')
+    assert [r for _, r in read_rows(str(tmp_path / "x.json"))] == [{"id": "1", "prompt": "a"}]
+    (tmp_path / "x.jsonl").write_bytes(bom + b'{"id": "\xff"}\n')  # a bad byte's column counts after the BOM
+    with pytest.raises(common.DataError, match=r"x\.jsonl:1: not UTF-8 \(byte 0xff at column 9\)"):
+        common.read_jsonl(tmp_path / "x.jsonl")
+    (tmp_path / "mid.jsonl").write_bytes(rows + bom + rows)  # past the start it is no encoding mark: a bad line
+    with pytest.raises(common.DataError, match=r"mid\.jsonl:3: not valid JSON"):
+        common.read_jsonl(tmp_path / "mid.jsonl")
+
+
 def test_read_rows_reads_local_json_and_parquet_like_stage_1(tmp_path):
     # 03 and 04 read their data through tasks.data.read_rows, stage 1 too: a local .json names its file and line when it
     # is broken, and the paper's own layout ({id: record}) is a list of records, wherever it is read.

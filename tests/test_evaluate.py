@@ -389,6 +389,18 @@ def test_where_the_update_went_draws_an_iteration_with_flagged_tokens_or_says_th
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def test_a_field_the_task_preset_names_and_the_data_lacks_names_the_flag_that_picks_it(tmp_path):
+    """Issue 67, item 7: --task qa without --prompt-field said "missing field 'instruction'", and nothing about
+    which flag picks another field."""
+    data = tmp_path / "eval.jsonl"
+    common.write_jsonl(data, [{"id": "a", "question": "Hi?", "answer": "Hello."}])
+    with pytest.raises(common.DataError, match=r"eval\.jsonl:1: missing field 'instruction' \(set --prompt-field\)$"):
+        ev.main(["--task", "qa", "--data", str(data), "--policy", "p=runs/none", "--reward-model", "none"])
+    with pytest.raises(common.DataError, match=r"eval\.jsonl:1: missing field 'output' \(set --reference-field\)$"):
+        ev.main(["--task", "qa", "--data", str(data), "--prompt-field", "question", "--reference-field", "output",
+                 "--policy", "p=runs/none", "--reward-model", "none"])
+
+
 def test_missing_reference_and_empty_split_are_clear_errors(tmp_path):
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "a", "prompt": "p", "reference": "r"}, {"id": "b", "prompt": "x"}])

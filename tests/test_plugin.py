@@ -1,6 +1,7 @@
 """Bring your own critic (tasks/plugin.py): one Python function drives 03's PPO (--critic python:...), annotates in 01
 (--annotator) and judges policies in 04 (--monitor); a record it raises on never ends a run; a bad plug-in is one
 line, exit 2, before any work."""
+import math
 import subprocess
 import sys
 
@@ -273,6 +274,27 @@ def test_a_score_beside_intervals_adds_to_the_last_tokens_reward(tmp_path, tiny_
         want = common.interval_rewards(text, offsets, [{"start": 0, "end": len(text), "reward": -1.0}])
         want[-1] += 2.0
         assert d[:n].tolist() == want and d[n:].abs().sum() == 0
+
+
+def test_from_trl_maps_batch_size_as_trl_computes_it(tmp_path, monkeypatch):
+    """Issue 67, item 5: TRL's PPOTrainer (0.12 and later, trl/trainer/ppo_trainer.py) sets local_batch_size =
+    per_device_train_batch_size * gradient_accumulation_steps * num_mini_batches and batch_size = local_batch_size *
+    world_size, its rollouts per iteration. docs/from_trl.md left num_mini_batches out of 03's --batch-size, so a TRL
+    config with num_mini_batches > 1 became fewer rollouts per iteration here, and smaller micro-batches."""
+    trl = {"per_device_train_batch_size": 4, "world size": 2, "gradient_accumulation_steps": 3, "num_mini_batches": 5}
+    trl_batch_size = (trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"]
+                      * trl["num_mini_batches"]) * trl["world size"]
+    table = (ROOT / "docs/from_trl.md").read_text(encoding="utf-8")
+    row = next(line for line in table.splitlines() if line.startswith("| ") and "| `--batch-size` |" in line)
+    product = row.split(" | ")[0].strip("| ").split("(")[0]  # "`a` × world size × `b` ..."
+    mapped = math.prod(trl[term.strip(" `")] for term in product.split("×"))
+    assert mapped == trl_batch_size
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = ppo.parse_args(["--prompts", str(tmp_path / "prompts.jsonl"), "--batch-size", str(mapped),
+                           "--num-minibatches", "5", "--grad-accum", "3", "--output-dir", str(tmp_path / "run")])
+    micro = args.batch_size // 2 // args.num_minibatches // args.grad_accum  # 03's rows per forward with grad
+    assert micro == trl["per_device_train_batch_size"]
 
 
 def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(tmp_path, tiny_model_dir):
