@@ -12,6 +12,7 @@ arm labels exactly the characters the critic flags:
                     that an empty answer cannot win (issue 65: a mistake-only score is won by saying nothing)
     poor_facts      poor_only's -1 on the poor intervals, plus the facts stated as one score at EOS: the per-token
                     analogue of fair_scalar (the mistakes located, the facts counted at the end)
+    ..._per_pet     each of these with every reward divided by the post's K (per_pet: bench/credit_matched.py)
     clause_scores   a perfect process reward model: each clause (baselines/scalar_rm.py: split_steps, as 02
                     --objective prm cuts steps) scores +1 when no poor interval overlaps it and -1 when one does, on
                     the clause's last token, where PRM-PPO puts a learned PRM's 2 * sigmoid(s) - 1 (step_deltas)
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import re
 
-from tasks.demo import demo_facts, demo_intervals, demo_labels
+from tasks.demo import demo_facts, demo_intervals, demo_labels, demo_post_pets
 
 _UNIT = re.compile(r"\w+|[^\w\s]")  # a word or one punctuation mark: what ends a clause on the policy's tokens
 
@@ -84,6 +85,24 @@ def clause_scores(records: list[dict], responses: list[str]) -> list[dict]:
     return _judged(records, responses, _clauses)
 
 
+def per_pet(arm):
+    """The arm with every reward divided by the post's K (its pets): returns on K = 1's scale at any K, the same form.
+    bench/credit.md, amendment 1: at K = 4 the undivided returns (up to 24 at EOS) let the value head, which shares
+    the policy's LoRA, rewrite the language model within 4-20 iterations at every learning rate probed."""
+    def scaled(records: list[dict], responses: list[str]) -> list[dict]:
+        out = arm(records, responses)
+        for rec, item in zip(records, out):
+            if "error" in item:
+                continue
+            k = len(demo_post_pets(rec["prompt"])[0])
+            item["spans"] = [{**x, "reward": x["reward"] / k} for x in item.get("spans", [])]
+            if "score" in item:
+                item["score"] /= k
+        return out
+    scaled.__doc__ = f"--critic python:bench/credit_arms.py:{arm.__name__}_per_pet ({arm.__name__}, rewards / K)"
+    return scaled
+
+
 def fair_scalar(records: list[dict], responses: list[str]) -> list[dict]:
     """--critic python:bench/credit_arms.py:fair_scalar"""
     return _judged(records, responses, None, _facts_less_mistakes)
@@ -92,3 +111,11 @@ def fair_scalar(records: list[dict], responses: list[str]) -> list[dict]:
 def poor_facts(records: list[dict], responses: list[str]) -> list[dict]:
     """--critic python:bench/credit_arms.py:poor_facts"""
     return _judged(records, responses, _poor, _facts)
+
+
+# bench/credit_matched.py's arms: each of the above with its rewards divided by K (per_pet)
+span_per_pet = per_pet(span)
+poor_only_per_pet = per_pet(poor_only)
+clause_scores_per_pet = per_pet(clause_scores)
+fair_scalar_per_pet = per_pet(fair_scalar)
+poor_facts_per_pet = per_pet(poor_facts)

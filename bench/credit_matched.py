@@ -15,16 +15,15 @@ never mix.
 Phases (--stop-after ends after one):
  0. calibrate  each start sampled at T = 1 on --calib-posts training prompts (04): mistakes per sentence and per
                answer, facts stated, the imperfect rate, length.
- 0b. pilot     fair_scalar and span at lr 1e-3, beta 0.05, seed 0, --pilot-steps iterations on start A: the iteration
-               budget S of every K run is the first of --budgets by which both reach the primary threshold (else the
-               last). Only S is read off the pilot.
- 1. grid       at K = 4, start A: ARMS x --lrs x --kl-coefs x --grid-seeds selection seeds (1..N), S iterations each.
+ 1. grid       at K = 4, start A: ARMS x --lrs x --kl-coefs x --grid-seeds selection seeds (1..N), --steps each.
  2. select     per arm, the setting with the fewest median steps to a smoothed training imperfect rate <= 0.15
                (03's exact/imperfect_rate: answers that miss a fact or make a mistake); ties: the lower final rate.
  3. confirm    --confirm-seeds fresh seeds of each chosen setting, the first half on start A, the rest on start B; each
                policy judged by 04 on --eval-posts held-out posts; every per-token arm against fair_scalar.
- 4. k1         K = 1 on its one-thread start, --k1-steps iterations: fair_scalar's grid, then --k1-seeds seeds of
-               fair_scalar, span and poor_scalar (span and poor_scalar at bench/credit_selection.json's settings).
+ 4. k1         K = 1 on its one-thread start: fair_scalar's grid (--k1-lrs), then --k1-seeds seeds of fair_scalar,
+               span and poor_scalar (span and poor_scalar at bench/credit_selection.json's settings).
+Every arm's rewards are divided by K (credit_arms.per_pet; the same at K = 1), and K's grid is one step below K = 1's
+(bench/credit.md, amendments 1 and 2: the probes that showed why).
 Writes OUT/results.json, bench/credit_matched_results.json (every table's numbers, per seed) and
 bench/credit_matched_per_post.json (each judged policy's outcome per held-out post), prints the tables.
 """
@@ -48,15 +47,15 @@ from tasks.demo import build_demo_base, demo_dataset, demo_facts, demo_mistakes 
 
 THRESHOLD = 0.15  # of the smoothed training imperfect rate (the primary endpoint)
 ENDPOINT = "exact/imperfect_rate"
-ARMS = {"fair_scalar": ["--critic", PLUGIN + "fair_scalar"],  # facts stated - mistakes, at EOS: the reference
-        "poor_scalar": ["--critic", PLUGIN + "poor_only", "--reward-mode", "scalar"],  # the best mistake-only scalar
-        "span": ["--critic", PLUGIN + "span"],  # the paper's delta
-        "poor_span": ["--critic", PLUGIN + "poor_only"],
-        "poor_facts": ["--critic", PLUGIN + "poor_facts"],  # poor_span + the facts stated at EOS
-        "clause": ["--critic", PLUGIN + "clause_scores"]}  # a perfect PRM
+# every arm's rewards divided by K (credit_arms.per_pet; bench/credit.md, amendment 1): the same at K = 1
+ARMS = {"fair_scalar": ["--critic", PLUGIN + "fair_scalar_per_pet"],  # facts stated - mistakes, at EOS: the reference
+        "poor_scalar": ["--critic", PLUGIN + "poor_only_per_pet", "--reward-mode", "scalar"],  # the best mistake-only
+        "span": ["--critic", PLUGIN + "span_per_pet"],  # the paper's delta
+        "poor_span": ["--critic", PLUGIN + "poor_only_per_pet"],
+        "poor_facts": ["--critic", PLUGIN + "poor_facts_per_pet"],  # poor_span + the facts stated at EOS
+        "clause": ["--critic", PLUGIN + "clause_scores_per_pet"]}  # a perfect PRM
 REFERENCE, PER_TOKEN = "fair_scalar", ("span", "poor_span", "poor_facts", "clause")
-PHASES = ("calibrate", "pilot", "grid", "select", "confirm", "k1")
-PILOT = {"fair_scalar": (1e-3, 0.05), "span": (1e-3, 0.05)}  # seed 0, used by no other phase
+PHASES = ("calibrate", "grid", "select", "confirm", "k1")
 
 
 def parse_args(argv=None):
@@ -68,14 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--n-texts", type=int, default=3000, help="posts the base model is pretrained on")
     p.add_argument("--calib-posts", type=int, default=512, help="training prompts each start is sampled on")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="the arms to run")
-    p.add_argument("--lrs", nargs="+", type=float, default=[5e-4, 1e-3, 2e-3], help="the grid's learning rates")
+    p.add_argument("--lrs", nargs="+", type=float, default=[2.5e-4, 5e-4, 1e-3], help="K's grid's learning rates")
+    p.add_argument("--k1-lrs", nargs="+", type=float, default=[5e-4, 1e-3, 2e-3], help="K = 1's learning rates")
     p.add_argument("--kl-coefs", nargs="+", type=float, default=[0.05, 0.2], help="the grid's KL coefficients")
     p.add_argument("--grid-seeds", type=int, default=2, help="selection seeds per grid cell (seeds 1..N)")
     p.add_argument("--confirm-seeds", type=int, default=10, help="fresh seeds per arm (101..100+N; half on start B)")
     p.add_argument("--k1-seeds", type=int, default=5, help="seeds per arm at K = 1 (101..100+N)")
-    p.add_argument("--pilot-steps", type=int, default=300, help="PPO iterations of each pilot run")
-    p.add_argument("--budgets", nargs="+", type=int, default=[150, 200, 300], help="iteration budgets the pilot picks")
-    p.add_argument("--k1-steps", type=int, default=150, help="PPO iterations per K = 1 run (phase 3's)")
+    p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
     p.add_argument("--eval-posts", type=int, default=1000, help="held-out posts each confirmed policy is judged on")
     p.add_argument("--jobs", type=int, default=1, help="runs side by side (one per core; logs in OUT/logs)")
     p.add_argument("--stop-after", choices=PHASES, default="k1", help="the last phase to run")
@@ -88,7 +86,7 @@ def parse_args(argv=None):
     if args.tiny:  # every phase, nothing of the numbers
         args.ladder, args.pretrain_steps, args.sft_steps, args.n_texts, args.calib_posts = [1, 2], 4, 2, 40, 8
         args.lrs, args.kl_coefs, args.grid_seeds, args.confirm_seeds, args.k1_seeds = [1e-3], [0.05], 1, 2, 1
-        args.pilot_steps, args.budgets, args.k1_steps, args.eval_posts, args.k = 2, [2], 2, 8, 2
+        args.k1_lrs, args.steps, args.eval_posts, args.k = [1e-3], 2, 8, 2
         args.ppo_args = ["--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1", *args.ppo_args]
     return args
 
@@ -362,19 +360,8 @@ def main(argv=None):
     if args.stop_after == "calibrate":
         return finish(result, args)
 
-    # --- 0b. pilot: the iteration budget of every K run, by bench/credit.md's rule
-    pilot = {arm: curve(d, args.pilot_steps) for (arm,), d in runs_of(
-        out, worlds["A"], "pilot", {(arm,): (arm, *PILOT[arm], 0) for arm in PILOT}, args, args.pilot_steps).items()}
-    steps = next((S for S in args.budgets if all(c["reached"] and c["steps"] <= S for c in pilot.values())),
-                 args.budgets[-1])
-    result["pilot"] = {"budget": steps, **{arm: {"steps": c["steps"], "reached": c["reached"], "final": c["final"],
-                                                 "curve": digits(x * 32 for x in c["imperfect_curve"])}
-                                           for arm, c in pilot.items()}}
-    print(f"\npilot ({args.pilot_steps} iterations, seed 0): " + ", ".join(
-        f"{a} {c['steps'] if c['reached'] else 'never'}" for a, c in pilot.items()) + f" -> budget {steps} iterations")
+    steps = args.steps
     result["steps"] = steps
-    if args.stop_after == "pilot":
-        return finish(result, args)
 
     # --- 1. grid at K, start A
     cells = {(arm, lr, kl, s): (arm, lr, kl, s) for arm in args.arms for lr in args.lrs for kl in args.kl_coefs
@@ -405,16 +392,15 @@ def main(argv=None):
 
     # --- 4. K = 1 on its one-thread start: fair_scalar tuned on the same grid, span and poor_scalar at phase 3's
     k1 = {"k1": worlds["k1"]}
-    cells = {(REFERENCE, lr, kl, s): (REFERENCE, lr, kl, s) for lr in args.lrs for kl in args.kl_coefs
+    cells = {(REFERENCE, lr, kl, s): (REFERENCE, lr, kl, s) for lr in args.k1_lrs for kl in args.kl_coefs
              for s in range(1, args.grid_seeds + 1)}
-    k1_grid = {key: curve(d, args.k1_steps)
-               for key, d in runs_of(out, k1["k1"], "k1_grid", cells, args, args.k1_steps).items()}
+    k1_grid = {key: curve(d, steps) for key, d in runs_of(out, k1["k1"], "k1_grid", cells, args, steps).items()}
     phase3 = json.loads((ROOT / "bench" / "credit_selection.json").read_text())["selection"]
     k1_chosen = {**select(k1_grid), **{a: {k: phase3[a][k] for k in ("lr", "kl_coef")} for a in ("span",
                                                                                                   "poor_scalar")}}
     result["k1_selection"] = k1_chosen
-    result["k1"] = run_phase(out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1,
-                             args.k1_steps, args, result, rng)
+    result["k1"] = run_phase(out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1, steps,
+                             args, result, rng)
     print_phase("k1", result["k1"], k1_chosen)
     return finish(result, args)
 

@@ -585,6 +585,21 @@ def test_fair_scalar_and_poor_facts_score_facts_stated_less_mistakes(tiny_tokeni
     assert credit_arms.fair_scalar([rec], [""]) == [{"critique": "", "spans": [], "score": 0.0}]
 
 
+def test_per_pet_arms_divide_every_reward_by_k_and_change_nothing_at_k1(tiny_tokenizer):
+    """bench/credit.md, amendment 1: an arm's _per_pet twin is its delta divided by the post's K (pets), the same at
+    K = 1, for intervals and scores alike."""
+    from tasks.demo import demo_dataset
+    for k in (1, 2):
+        for rec in demo_dataset("sft", 20, pets=k):
+            text = rec["response"]
+            offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)[
+                "input_ids"])[1]
+            for arm in ("span", "poor_facts", "fair_scalar", "clause_scores"):
+                d = [plugin.delta(text, offsets, plugin.call(getattr(credit_arms, name), name, [rec], [text])[0])
+                     for name in (arm, arm + "_per_pet")]
+                assert d[1] == [x / k for x in d[0]]
+
+
 def test_sample_scores_count_the_exact_critics_flags_and_the_facts_per_logged_answer(tmp_path):
     """The sweep's mistakes per answer: "luna" for rex, the aside "monday" and the repeated "fish" are 3; the clean
     answer 0; the empty one 0 mistakes and 0 of 5 facts; a row logged before from_step is not read."""
