@@ -257,9 +257,9 @@ def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int 
     return max(micro, min(batch, budget // (n_logits * (n_resp + 1) * vocab)))
 
 
-def scoring_rows(b, micro: int, model, args) -> int:
-    """Rows per no-grad forward of the batch b (steps 4 and the trace): --forward-batch-size, else forward_rows for
-    its shape (two logits tensors with --kl-estimator full)."""
-    (B, T) = b["mask"].shape
+def scoring_rows(mask, micro: int, model, args) -> int:
+    """Rows per no-grad forward of a batch of response mask (B, T) (steps 4 and the trace): --forward-batch-size,
+    else forward_rows for its shape (two logits tensors with --kl-estimator full)."""
+    (B, T) = mask.shape
     return args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
                                                    2 if args.kl_estimator == "full" else 1)
