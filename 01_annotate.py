@@ -28,7 +28,7 @@ another critic, task or dataset is refused (OUTPUT.made_by.json says what made i
 
 It reads top to bottom: the arguments; the critic's prompts (App. B) and its reply; the quotes located in the response
 (App. L); the two ways a critic runs (a program or plug-in; a served model); main(). The dataset layouts are
-tasks/data.py's, --generate-with infra/generation.py's, the served critic's requests infra/annotator.py's and the
+tasks/data.py's, the plug-in critics critics/'s, --generate-with infra/generation.py's, the served critic's requests infra/annotator.py's and the
 summary infra/annotation_report.py's.
 """
 from __future__ import annotations
@@ -43,8 +43,10 @@ from collections import Counter
 from pathlib import Path
 
 import common
+import critics
+from critics import plugin
 from infra import annotation_report, annotator, cli, generation, models, serving
-from tasks import data, plugin
+from tasks import data
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments
@@ -63,9 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--prompt-field", default=None, help="take the prompt from this field instead of the task's preset")
     a("--response-field", default=None, help="take the response from this field instead of the task's preset")
     a("--id-field", default=None, help="take the record id from this field (default: the preset's, else the index)")
-    a("--annotator", type=plugin.choice("program", "openai"), default="program",
+    a("--annotator", type=critics.choice("program", "openai"), default="program",
       help="program: the task's own (demo rules; code: unit tests); openai: a served model; python:...: yours "
-           "(tasks/plugin.py)")
+           "(critics/plugin.py)")
     a("--concurrency", type=int, default=16, help="records in flight (requests; code: sandboxes, at most the CPUs)")
     a("--use-human-feedback", action="store_true", help="summarization: spans grounded in SLF5K's human feedback "
                                                         "(the paper's)")
@@ -188,7 +190,7 @@ def finish(rec: dict, fb: dict | None = None, reason: str | None = None, raw: st
 
 
 def annotate_program(todo: list[dict], critic, args, sink) -> None:
-    """The task's program critic or a python: plug-in, critic = (function, label) (tasks/plugin.py), on chunks of
+    """The task's program critic or a python: plug-in, critic = (function, label) (critics/plugin.py), on chunks of
     records from min(--concurrency, CPUs) threads (the code critic waits on its sandboxes), written in input order. A
     record it raises on, or cannot judge, fails with a one-line reason; the run goes on."""
     from concurrent.futures import ThreadPoolExecutor
@@ -197,13 +199,13 @@ def annotate_program(todo: list[dict], critic, args, sink) -> None:
     size = max(1, min(64, -(-len(todo) // (8 * workers))))  # chunks: few calls, yet every thread kept busy
     chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
     with ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(plugin.call, *critic, chunk, [r["response"] for r in chunk]) for chunk in chunks]
+        futures = [pool.submit(critics.call, *critic, chunk, [r["response"] for r in chunk]) for chunk in chunks]
         for chunk, fut in zip(chunks, futures):
             for rec, fb in zip(chunk, fut.result()):
                 if fb.get("critic_error"):
                     sink(finish(rec, reason=fb["critic_error"]))
                     continue
-                good, poor, ambiguous = plugin.quotes(rec["response"], fb)  # ambiguous: flagged, no quote reaches it
+                good, poor, ambiguous = critics.quotes(rec["response"], fb)  # ambiguous: flagged, no quote reaches it
                 out = finish(rec, {**fb, "good_spans": good, "poor_spans": poor})
                 sink({**out, **{k: v for k, v in (("spans", fb.get("spans")), ("ambiguous_spans", ambiguous)) if v}})
 
@@ -246,12 +248,12 @@ def main(argv=None) -> dict:
     # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
     rows = data.dataset_rows(args)
     records = data.to_records(rows, args)
-    critic = None  # a program or python: critic (tasks/plugin.py), imported and called on one record before any work
+    critic = None  # a program or python: critic (critics/plugin.py), imported and called on one record before any work
     if args.annotator != "openai":
         critic = plugin.load_critic(args.annotator, args.task, "--annotator",
                                     **({"timeout_s": args.code_timeout} if args.task == "code" else {}))
         if records:
-            plugin.preflight(*critic, records[0], records[0]["response"], "--annotator")
+            critics.preflight(*critic, records[0], records[0]["response"], "--annotator")
 
     # 2. Resume the same settings only (--overwrite: afresh), repair a torn last line, skip ids already done (or drop
     #    failed ones to redo them).

@@ -33,9 +33,9 @@ import numpy as np
 import torch
 
 import common
-from baselines import scalar_rm
-from infra import cli, critics, decoding, distributed, models, reward_models, runs, sft, trace
-from tasks import plugin
+import critics
+from critics import critique_failed, make_critic
+from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace
 from tasks.data import read_prompts
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
@@ -62,7 +62,7 @@ def parse_args(argv=None):
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
     a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
-    a("--prompts", help="JSONL with a 'prompt' field (--task code --critic program: any layout of tasks/code.py)")
+    a("--prompts", help="JSONL with a 'prompt' field (--task code: any layout of tasks/code.py, tests included)")
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
@@ -77,9 +77,9 @@ def parse_args(argv=None):
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
     # --- critic (step 2)
-    a("--critic", default="local", type=plugin.choice("local", "program", "openai", *scalar_rm.CRITICS),
+    a("--critic", default="local", type=critics.choice(*critics.NAMES),
       metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
-      help="who writes critique + spans (README: Your own critic; scalar-rm, prm: baselines/scalar_rm.py)")
+      help="who writes critique + spans (critics/; README: Your own critic)")
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)")
     # --- rollouts (step 1)
@@ -126,7 +126,7 @@ def parse_args(argv=None):
     g.add_argument("--labels", default="spans", choices=["spans", "dense", "poor"],
                    help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)")
     g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
-    for variant in (sft, critics, scalar_rm, decoding, distributed, trace):
+    for variant in (sft, critics, decoding, distributed, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
@@ -143,13 +143,6 @@ def parse_args(argv=None):
     args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # the scalar baseline's too
     if not args.model:
         raise common.DataError("--model is required outside the demo")
-    if args.critic != "local" and not rm_given:  # the demo's reward model is not the one a server runs
-        args.reward_model = None
-    # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
-    # unless given, critiques as long as those stage 2 evaluated (a shorter limit cuts them before their span JSON)
-    settings = reward_models.rm_settings(args.reward_model if args.critic != "program" else None)
-    args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
-    args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
                                   ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
@@ -164,7 +157,7 @@ def parse_args(argv=None):
     if args.batch_size % shards:
         raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
                                f"--grad-accum = {shards}")
-    scalar_rm.check_args(args)  # --critic scalar-rm, prm: a generative reward model here (or none) is refused now
+    critics.check_args(args, critic_budget, rm_given)  # the reward model the critic uses, as stage 2 trained it
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
         raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
     return args
@@ -510,30 +503,6 @@ def build_policy(args, model):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The critic of step 2: who writes the critique and quotes the spans
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def make_critic(args):
-    """critic(records, texts) -> per rollout, parse_feedback's dict, or a failed critique (critics.parsed). --critic
-    local: the stage-2 reward model (§3.4); openai: one behind a server (infra/critics.py); program, python:...: a
-    function (tasks/plugin.py); scalar-rm, prm: the paper's scalar baselines (baselines/scalar_rm.py)."""
-    if args.critic in scalar_rm.CRITICS:
-        return scalar_rm.scalar_critic(args)
-    if args.critic == "program" or plugin.is_plugin(args.critic):  # the task's own or the user's (tasks/plugin.py)
-        fn, label = plugin.load_critic(args.critic, args.task, "--critic")
-        return lambda recs, texts: plugin.call(fn, label, recs, texts)  # a raise: that rollout's critic_error
-    # the learned critic writes its critique and span JSON (§3.4): in this process (local) or behind a server (openai)
-    write = reward_models.local_critic(args) if args.critic == "local" else critics.served_critic(args)
-    return lambda recs, texts: [critics.parsed(x) for x in write(recs, texts)]
-
-
-def critique_failed(fb) -> bool:
-    """True for a critique that gives no delta: its output did not parse or its request failed, or None."""
-    return fb is None or fb.get("critique") is None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The steps of one iteration (Alg. 4), in the order train() calls them
 # ----------------------------------------------------------------------------------------------------------------------
 
@@ -566,32 +535,27 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
-    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
-    weighted within each span by --span-weighting (App. I). A scalar critic's step_rewards (baselines/scalar_rm.py)
-    and a python: critic's located "spans" with rewards in [-1, 1] (common.interval_rewards) are put on tokens too.
-    Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
-    of non-empty quotes and of quotes not found (the critic's own quotes)."""
+    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (critics.delta:
+    common.span_rewards), weighted within each span by --span-weighting (App. I); a scalar critic's step_rewards and
+    a python: critic's intervals with their rewards are put on tokens by critics.delta too. Returns delta (B, T) (0
+    where the critique failed), the (delta, unmatched) of each row, the number of non-empty quotes (or intervals) and
+    of quotes not found (the critic's own quotes)."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
     spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
         if critique_failed(fb):
             continue
-        if "step_rewards" in fb:  # a scalar critic (baselines/scalar_rm.py): its rewards on given tokens, no spans
-            d = scalar_rm.step_deltas(offsets[i], fb["step_rewards"])
-            delta[i, :len(d)], rows[i] = torch.tensor(d), (d, [])
-            continue
-        if "spans" in fb:  # a python: critic's located intervals and their rewards (common.interval_rewards)
-            d = common.interval_rewards(texts[i], offsets[i], fb["spans"])
-            delta[i, :len(d)], rows[i], n_spans = torch.tensor(d), (d, []), n_spans + len(fb["spans"])
-            continue
-        n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
-        if labels == "dense":  # App. I.1: the whole response quoted as good too: every token outside poor spans +1
+        quotes = "spans" not in fb and "step_rewards" not in fb  # a learned critic's, or a function's quotes
+        quoted = fb.get("good_spans", []) + fb.get("poor_spans", [])
+        n_spans += sum(1 for s in quoted if s.strip()) + len(fb.get("spans", []))
+        if quotes and labels == "dense":  # App. I.1: the whole response quoted as good too: +1 outside poor spans
             fb = {**fb, "good_spans": fb["good_spans"] + ([texts[i]] if texts[i].strip() else [])}
-        if weighting == "uniform":
-            d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
-        else:  # the same delta, and the tokens of each located quote (App. I's spans)
+        if quotes and weighting != "uniform":  # the same delta, and the tokens of each located quote (App. I's spans)
             d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
-            rows[i], spans[i] = (d, unmatched), [idx for _, idx in located]
+            spans[i] = [idx for _, idx in located]
+        else:
+            d, unmatched = critics.delta(texts[i], offsets[i], fb)
+        rows[i] = (d, unmatched)
         delta[i, :len(d)] = torch.tensor(d)
         n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
     delta = weight_spans(delta, spans, weighting)
@@ -715,7 +679,7 @@ def train(args):
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     distributed.seed_everything(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     # --- the prompts, the policy (after the optional SFT warm start), the critic, the optimizer, the run folder
-    records = read_prompts(args.prompts, args.task, args.critic)
+    records = read_prompts(args.prompts, args.task)
     start = sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"]) \
         if args.sft_data and args.sft_steps > 0 else args.model
     model, tokenizer = models.load_model(start, device=args.device,
@@ -787,7 +751,8 @@ def train(args):
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
             kl_coef = update_kl_coef(kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target,
                                      args.adaptive_kl_horizon, args.batch_size)
-        halt = trace.watch(bar, step, row, feedback, costs, args, rank)  # why the run stops here (no critic), or None
+        trace.show_progress(bar, step, row, feedback, args, rank)
+        halt = critics.failing(costs, row, feedback, args)  # why the run stops here (its critic has failed), or None
         if step % args.save_every == 0 or step == args.steps or halt:
             runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args),
                                  rank)
@@ -795,7 +760,7 @@ def train(args):
             raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
     distributed.barrier()
-    trace.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
+    critics.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
     return out_dir / "policy"
 
 

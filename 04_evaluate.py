@@ -34,6 +34,7 @@ from pathlib import Path
 import common
 from baselines import reflection
 from common import DataError
+from critics.learned import rm_critique
 from infra import cli, evaluation, judge, models, monitors, report, reward_models, table4
 from tasks.data import load_split
 
@@ -211,9 +212,9 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
             # one on embed_tokens would both be merged into the one shared matrix.
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
-        raw = reward_models.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
-                                        max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
-                                        max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
+        raw = rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
+                          max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
+                          max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
     return evaluation.cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute,

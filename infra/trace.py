@@ -1,6 +1,6 @@
 """--trace-samples, --dump-rollouts, --log-every: what a stage-3 run writes about itself, and what it shows while it
 runs: step 7 of Alg. 4 (log_iteration: metrics.jsonl on the global batch, samples.jsonl every --log-every iterations),
-the progress bar and its warnings (show_progress), the critic's cost at the end (print_critic_summary); --trace-samples
+the progress bar and its warnings (show_progress); --trace-samples
 (trace_iteration: where each update went, token by token, in trace.jsonl, which 04's report draws as "Where the update
 went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
 """
@@ -25,16 +25,14 @@ def add_args(p) -> None:
                    "DIR/step<N>_rank<R>.pt")
     g.add_argument("--trace-samples", type=int, help="where each update went: N rollouts per iteration to "
                    "OUTPUT_DIR/trace.jsonl (0: off)")
-    g.add_argument("--max-fail-share", type=float, default=0.5, help="an iteration whose critiques fail above this "
-                   "share counts as failed (watch)")
-    g.add_argument("--max-fail-iterations", type=int, default=3, help="stop after this many failed iterations in a "
-                   "row, checkpoint saved")
 
 
-def show_progress(bar, step: int, row: dict, feedback: list, args) -> None:
+def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) -> None:
     """Rank 0: the iteration's reward, KL, mistake and parse-fail rates in the progress bar, and a warning line above
-    it when most of its critiques failed: a critic that stops parsing gives delta = 0, which the reward and mistake
-    rate alone do not tell from a flawless batch."""
+    it when most of its critiques failed (over --max-fail-share): a critic that stops parsing gives delta = 0, which
+    the reward and mistake rate alone do not tell from a flawless batch (critics.failing stops such a run)."""
+    if rank != 0:
+        return
     rate = row["critic/parse_fail_rate"]
     bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
                     mistakes=f"{row['critic/mistake_rate']:.2f}", parse_fail=f"{rate:.2f}")
@@ -42,44 +40,6 @@ def show_progress(bar, step: int, row: dict, feedback: list, args) -> None:
         first = next((fb["critic_error"] for fb in feedback if fb and fb.get("critic_error")), None)
         bar.write(f"warning: iteration {step}: {round(rate * args.batch_size)} of {args.batch_size} critiques failed "
                   f"(no span JSON, or no answer): their rollouts get delta = 0; first: {first}", file=sys.stderr)
-
-
-def watch(bar, step: int, row: dict, feedback: list, costs: list, args, rank: int) -> str | None:
-    """After each iteration: its critic's cost and failures into `costs` ((time/generate_s, time/critic_s,
-    critic/parse_fail_rate) per iteration), the progress bar (rank 0), and the line to stop the run with when the
-    critic has not worked for --max-fail-iterations iterations in a row (each with more than --max-fail-share of its
-    critiques failed), else None. A critic that never parses gives every rollout delta = 0, which a reward of 0.00
-    and a mistake rate of 0.00 do not tell from a flawless batch: the run would train on no signal and end with exit
-    0 (issue 56). Every rank decides the same: the rates are the global batch's."""
-    costs.append((row["time/generate_s"], row["time/critic_s"], row["critic/parse_fail_rate"]))
-    if rank == 0:
-        show_progress(bar, step, row, feedback, args)
-    recent = [c[2] for c in costs[-args.max_fail_iterations:]]
-    if len(recent) < args.max_fail_iterations or min(recent) <= args.max_fail_share:
-        return None
-    first = next((fb["critic_error"] for fb in feedback if fb and fb.get("critic_error")), None)
-    return (f"stage 3 stopped at iteration {step}: most critiques failed (over --max-fail-share "
-            f"{args.max_fail_share:g}) {len(recent)} iterations in a row, their rollouts got delta = 0 (the last "
-            f"one's first: {first}); checkpoint.pt holds iteration {step}: fix the critic, then continue with --resume")
-
-
-def end_of_run(costs: list[tuple], args, rank: int) -> None:
-    """The run's end: what the critic cost next to the rollout it judges, and how many of its critiques failed
-    (rank 0 prints); DataError, on every rank, when more than --max-fail-share of them failed over the run: its
-    policy is saved, but trained mostly without the critic's signal."""
-    if not costs:
-        return
-    failed, n = round(sum(c[2] for c in costs) * args.batch_size), len(costs) * args.batch_size
-    if rank == 0:
-        gen_s, critic_s = (float(np.median(c)) for c in list(zip(*costs))[:2])
-        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
-              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
-        print(f"critic ({args.critic}): {failed} of {n} critiques failed in this run ({failed / n:.0%}), their "
-              "rollouts got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)")
-    if failed / n > args.max_fail_share:
-        raise common.DataError(f"stage 3 finished, but {failed} of {n} critiques failed ({failed / n:.0%}, over "
-                               f"--max-fail-share {args.max_fail_share:g}): the saved policy was trained on delta = 0 "
-                               "for them (samples.jsonl keeps their critic_error)")
 
 
 def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:

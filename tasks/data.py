@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import common
-from tasks import plugin
 
 
 DATA_FILE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")  # read_rows reads these locally; else: a hub id
@@ -64,11 +63,11 @@ def _read_json_or_parquet(path: Path) -> list[tuple[str, dict]]:
     return [(f"{path}: record {i}", r) for i, r in enumerate(data)]
 
 
-def read_prompts(path: str, task: str, critic: str) -> list[dict]:
-    """The prompt records, read before anything is written: a JSONL file with a "prompt" field or, for --task code
-    --critic program or python:..., any benchmark layout (tasks.code.read_code_problems), whose tests the critic
-    runs."""
-    if task == "code" and (critic == "program" or plugin.is_plugin(critic)):
+def read_prompts(path: str, task: str) -> list[dict]:
+    """The prompt records, read before anything is written: a JSONL file with a "prompt" field or, for --task code,
+    a code benchmark in any layout (tasks.code.read_code_problems), each prompt with its tests for a critic that runs
+    them: a hub dataset, a .json or .parquet file, or a JSONL file whose first record holds tests."""
+    if task == "code" and _holds_tests(path):
         from tasks.code import read_code_problems
         numbered = list(enumerate(read_code_problems(path), 1))
     else:
@@ -85,6 +84,15 @@ def read_prompts(path: str, task: str, critic: str) -> list[dict]:
                 raise common.DataError(f"{path}:{lineno}: prompt: not a demo post (--task demo reads the demo's facts "
                                        "off each post; --task summarization or qa for your own prompts)") from None
     return records
+
+
+def _holds_tests(path: str) -> bool:
+    """True unless `path` is a JSONL file whose first record holds no tests ("test", "test_list", "entry_point"): a
+    plain file of prompts."""
+    if not Path(path).name.endswith((".jsonl", ".jsonl.gz")) or not Path(path).is_file():
+        return True
+    first = next(iter(common.iter_jsonl(path)), (0, {}))[1]
+    return any(k in first for k in ("test", "test_list", "entry_point"))
 
 
 def load_split(data: str, prompt_field: str, reference_field=None, split="test", limit=None):

@@ -9,7 +9,7 @@ import re
 
 from common import format_rm_target, locate_spans, rm_user_message, span_rewards
 from infra.runs import save_pretrained
-from tasks import plugin
+from tasks.quotes import unambiguous_quotes
 
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
 #   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
@@ -134,7 +134,7 @@ def demo_mistakes(prompt: str, response: str) -> int:
 
 def demo_critic(prompt: str, response: str) -> dict:
     """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans", "ambiguous_spans"}, quotes
-    exact in `response`; a flagged interval no quote can reach (plugin.unambiguous_quotes) is listed, not quoted."""
+    exact in `response`; a flagged interval no quote can reach (unambiguous_quotes) is listed, not quoted."""
     pets, _ = demo_post_pets(prompt)
     labelled = demo_labels(prompt, response)
     pet = lambda start: min(response[:start].count("."), len(pets) - 1)  # noqa: E731  (as demo_labels judges)
@@ -148,7 +148,7 @@ def demo_critic(prompt: str, response: str) -> dict:
         if note and note not in notes:
             notes.append(note)
     intervals = demo_intervals(response, labelled)
-    good, poor, ambiguous = plugin.unambiguous_quotes(response, intervals["good"], intervals["poor"])
+    good, poor, ambiguous = unambiguous_quotes(response, intervals["good"], intervals["poor"])
     right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
     missing = [cat.replace("_", " ") + (f" of pet {k + 1}" if len(pets) > 1 else "") for k in range(len(pets))
                for cat in DEMO_FACTS if (k, cat) not in seen]
@@ -159,7 +159,7 @@ def demo_critic(prompt: str, response: str) -> dict:
 
 
 def critic(records: list[dict], responses: list[str]) -> list[dict]:
-    """demo_critic as a plug-in critic (tasks/plugin.py): --critic program, or python:tasks.demo:critic. A prompt that
+    """demo_critic as a plug-in critic (critics/plugin.py): --critic program, or python:tasks.demo:critic. A prompt that
     is not a demo post is an error item: that response gets no delta, the others are judged."""
     out = []
     for rec, response in zip(records, responses):

@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT
 
 import common
-from tasks import plugin
+import critics
+from critics import plugin
 
 sys.path.insert(0, str(ROOT / "bench"))
 import ablations  # noqa: E402
@@ -544,7 +545,8 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
     """Every arm puts delta only on tokens inside an interval the demo critic flags (no quote widened to be unique:
     on these answers the quoting critic's delta differs); poor_only is min(span, 0); clause_scores is a perfect PRM's
     step_deltas, its clauses the PRM's (split_steps), wrong where a flagged poor interval overlaps them."""
-    from baselines.scalar_rm import split_steps, step_deltas
+    from baselines.scalar_rm import split_steps
+    from critics.scalar import step_deltas
     from tasks.demo import demo_dataset, demo_intervals, demo_labels
     widened = 0
     for k in (1, 2):
@@ -552,7 +554,7 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
             text, offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(rec["response"],
                                                                                       add_special_tokens=False)[
                 "input_ids"])
-            d = {arm: plugin.delta(text, offsets, plugin.call(getattr(credit_arms, arm), arm, [rec], [text])[0])
+            d = {arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
                  for arm in ("span", "poor_only", "clause_scores")}
             flagged = demo_intervals(text, demo_labels(rec["prompt"], text))
             for (s, e), v in zip(offsets, d["span"]):
@@ -562,8 +564,8 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
             bad = lambda s, e: any(a < e and s < b for a, b in flagged["poor"])  # noqa: E731
             assert d["clause_scores"] == step_deltas(offsets, [(e, -1.0 if bad(s, e) else 1.0)
                                                                for s, e in split_steps(text, "clause")])
-            quoting = plugin.call(plugin.load_critic("program", "demo", "--critic")[0], "p", [rec], [text])[0]
-            widened += plugin.delta(text, offsets, quoting) != d["span"]
+            quoting = critics.call(plugin.load_critic("program", "demo", "--critic")[0], "p", [rec], [text])[0]
+            widened += critics.delta(text, offsets, quoting)[0] != d["span"]
     assert widened  # the bench's reason for its own arms: the quoting critic widens some labels
 
 

@@ -87,6 +87,21 @@ def test_kodcode_layout_and_plain_prompt_files(tmp_path):
     assert q == {"id": "0", "prompt": "Add.", "test": kod["test"], "reference": None}  # 03's prompt files
 
 
+def test_stage_3_reads_a_code_benchmark_off_the_file_whatever_the_critic(tmp_path):
+    """03 --task code --prompts: a file whose records hold tests is a benchmark (its tests go with each prompt, for a
+    critic that runs them); a plain file of prompts is read as prompts, for a critic that needs none. The code task's
+    own critic on a prompt without tests stops at its first record, in one line saying why."""
+    from critics import plugin, preflight
+    from tasks.data import read_prompts
+    [p] = read_prompts(write(tmp_path / "he.jsonl", [HUMANEVAL]), "code")
+    assert p["prompt"] == HUMANEVAL["prompt"] and p["test"]["entry_point"] == HUMANEVAL["entry_point"]
+    [q] = read_prompts(write(tmp_path / "plain.jsonl", [{"prompt": "Add two numbers."}]), "code")
+    assert q == {"prompt": "Add two numbers."}
+    fn, label = plugin.load_critic("program", "code", "--critic")
+    with pytest.raises(common.DataError, match="raised on the first record: ValueError: a prompt without tests"):
+        preflight(fn, label, q, "def add(a, b): return a + b", "--critic")
+
+
 @pytest.mark.parametrize("rows,message", [
     ([HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"test_list": []}],
      r"he\.jsonl:2: missing field 'entry_point' \(humaneval layout\)"),

@@ -1508,7 +1508,7 @@ def test_run_settings_are_checked_where_they_are_parsed(monkeypatch):
     with pytest.raises(common.DataError, match="= 8"):
         ppo.parse_args(["--batch-size", "12", "--num-minibatches", "2"])
     import inspect
-    assert list(inspect.signature(read_prompts).parameters) == ["path", "task", "critic"]
+    assert list(inspect.signature(read_prompts).parameters) == ["path", "task"]
 
 
 def test_the_pure_functions_need_only_torch():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+from critics.learned import rm_critique
 from infra import decoding, models, reward_models
 from tasks.demo import build_tiny_base, demo_dataset, make_demo_example
 from conftest import import_script
@@ -174,7 +175,7 @@ def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_di
     recs = demo_dataset("eval", 6)
     want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
                                                            for r in recs], 12), skip_special_tokens=True)
-    assert reward_models.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
+    assert rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
 
 
 def test_feedback_complete():
