@@ -7,7 +7,7 @@ tools/merge_reward_model.py), and refused as a critic when its held-out critique
 (parse_rate_check: 02 --min-parse-rate, MIN_PARSE_RATE by default): a critique that does not parse gives delta = 0, so
 such a model would read as a flawless critic in stage 3's rewards and stage 4's metrics. Stage 2 then ends with exit
 1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the same floor
-(infra/evaluation.py: critic_failed).
+(evaluation/__init__.py: critic_failed).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from critics import plugin
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("monitors that train nothing (infra/monitors.py)")
+    g = p.add_argument_group("monitors that train nothing (evaluation/monitors.py)")
     g.add_argument("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
                    help="demo: another reward model the exact critic's monitor also scores (repeatable)")
     g.add_argument("--monitor", action="append", default=[], type=critics.choice(),

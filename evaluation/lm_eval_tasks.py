@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from common import DataError
-from infra import evaluation
+import evaluation
 
 INSTALL = "pip install -r requirements-eval.txt"
 DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
@@ -32,7 +32,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("lm-evaluation-harness tasks, e.g. ARC-Challenge (infra/lm_eval_tasks.py)")
+    g = p.add_argument_group("lm-evaluation-harness tasks, e.g. ARC-Challenge (evaluation/lm_eval_tasks.py)")
     g.add_argument("--lm-eval-tasks", default=None, metavar="TASK,...",
                    help="harness tasks to run on each policy, e.g. arc_challenge")
     g.add_argument("--lm-eval-fewshot", type=int, default=25, help="in-context examples (25: the Open LLM Leaderboard)")
