@@ -28,8 +28,8 @@ another critic, task or dataset is refused (OUTPUT.made_by.json says what made i
 
 It reads top to bottom: the arguments; the critic's prompts (App. B) and its reply; the quotes located in the response
 (App. L); the two ways a critic runs (a program or plug-in; a served model); main(). The dataset layouts are
-tasks/data.py's, the plug-in critics critics/'s, --generate-with infra/generation.py's, the served critic's requests infra/annotator.py's and the
-summary infra/annotation_report.py's.
+tasks/data.py's, the plug-in critics critics/'s; --generate-with, the served critic's requests and the summary are
+annotation/'s (generation.py, annotator.py, report.py).
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ from pathlib import Path
 
 import common
 import critics
+from annotation import annotator, generation, report
 from critics import plugin
-from infra import annotation_report, annotator, cli, generation, models, serving
+from infra import cli, models, serving
 from tasks import data
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -75,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--output", default="runs/demo/annotations.jsonl", help="annotations JSONL (append-only, resumable)")
     a("--retry-failed", action="store_true", help="redo the records of --output whose status is failed")
     a("--seed", type=int, default=0, help="seed for backoff jitter, sampling and the demo base model")
-    for variant in (annotator, generation, annotation_report):
+    for variant in (annotator, generation, report):
         variant.add_args(p)
     data.add_demo_args(p)
     args = p.parse_args(argv)
@@ -185,7 +186,7 @@ def finish(rec: dict, fb: dict | None = None, reason: str | None = None, raw: st
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The critics: a program or python: plug-in on threads, or a served model (infra/annotator.py: the requests)
+# The critics: a program or python: plug-in on threads, or a served model (annotation/annotator.py: the requests)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -211,7 +212,7 @@ def annotate_program(todo: list[dict], critic, args, sink) -> None:
 
 
 async def critique_served(rec: dict, ask, args) -> dict:
-    """One record through the served critic (--annotator openai; infra/annotator.py sends the requests, retries them
+    """One record through the served critic (--annotator openai; annotation/annotator.py sends the requests, retries
     and stops a run that cannot succeed): for code, the unit tests run first and the critic sees their verdict (the
     paper's KodCode prompt); then the critic's reply, parsed, with at most one repair request (REPAIR)."""
     tests = None
@@ -257,8 +258,8 @@ def main(argv=None) -> dict:
 
     # 2. Resume the same settings only (--overwrite: afresh), repair a torn last line, skip ids already done (or drop
     #    failed ones to redo them).
-    made_by = annotation_report.made_by(args, rows)
-    annotation_report.check_made_by(output, made_by, args.overwrite)
+    made_by = report.made_by(args, rows)
+    report.check_made_by(output, made_by, args.overwrite)
     done = common.open_resumable_jsonl(output) if output.exists() and not args.overwrite else set()
     if args.retry_failed and done:
         kept = [r for r in common.read_jsonl(output) if r.get("status") == "ok"]
@@ -278,7 +279,7 @@ def main(argv=None) -> dict:
 
     # 3. Annotate; every record is appended and flushed as soon as it is done.
     from tqdm.auto import tqdm
-    annotation_report.start_output(output, made_by, args.overwrite)  # what made it, before its first record
+    report.start_output(output, made_by, args.overwrite)  # what made it, before its first record
     this_run, annotate_start = Counter(), time.perf_counter()
     with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="annotate", disable=not todo) as bar:
         def sink(rec: dict) -> None:
@@ -293,11 +294,11 @@ def main(argv=None) -> dict:
     annotate_s = time.perf_counter() - annotate_start
 
     # 4. Summary: records, failed, spans per record, unmatched-span rate (App. L), tokens and estimated cost.
-    summary = annotation_report.summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
+    summary = report.summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
     common.write_json(output.with_suffix(".summary.json"), summary)
-    annotation_report.print_summary(output, summary, this_run, args)
+    report.print_summary(output, summary, this_run, args)
     print(json.dumps(summary))
-    annotation_report.report_failures(output, summary, [r["id"] for r in records])
+    report.report_failures(output, summary, [r["id"] for r in records])
     return summary
 
 
