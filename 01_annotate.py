@@ -28,8 +28,8 @@ another critic, task or dataset is refused (OUTPUT.made_by.json says what made i
 
 It reads top to bottom: the arguments; the critic's prompts (App. B) and its reply; the quotes located in the response
 (App. L); the two ways a critic runs (a program or plug-in; a served model); main(). The dataset layouts are
-tasks/data.py's, the plug-in critics critics/'s; --generate-with, the served critic's requests and the summary are
-annotation/'s (generation.py, annotator.py, report.py).
+infra/data.py's, the plug-in critics critics/'s; the records, --generate-with, the served critic's requests and the
+summary annotation/'s (inputs.py, generation.py, annotator.py, report.py).
 """
 from __future__ import annotations
 
@@ -44,10 +44,9 @@ from pathlib import Path
 
 import common
 import critics
-from annotation import annotator, generation, report
+from annotation import annotator, generation, inputs, report
 from critics import plugin
 from infra import cli, models, serving
-from tasks import data
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments
@@ -55,7 +54,7 @@ from tasks import data
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.parser(__doc__, data.FIELDS)
+    p = cli.parser(__doc__, inputs.FIELDS)
     a = p.add_argument
     a("--task", choices=["demo", "summarization", "code", "qa"], default="demo",
       help="field preset and critic prompt: demo, summarization (SLF5K), code (KodCode), qa (UltraFeedback)")
@@ -78,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=0, help="seed for backoff jitter, sampling and the demo base model")
     for variant in (annotator, generation, report):
         variant.add_args(p)
-    data.add_demo_args(p)
+    inputs.add_demo_args(p)
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:  # 0 read as "no limit" on the demo, -1 dropped the last record
         p.error(f"--limit {args.limit}: at least 1 record")
@@ -247,8 +246,8 @@ def main(argv=None) -> dict:
     models.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
 
     # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
-    rows = data.dataset_rows(args)
-    records = data.to_records(rows, args)
+    rows = inputs.dataset_rows(args)
+    records = inputs.to_records(rows, args)
     critic = None  # a program or python: critic (critics/plugin.py), imported and called on one record before any work
     if args.annotator != "openai":
         critic = plugin.load_critic(args.annotator, args.task, "--annotator",
@@ -273,7 +272,7 @@ def main(argv=None) -> dict:
                              params=annotator.sampling(args))
     generator = generation.load_generator(args) if todo and args.generate_with else None
     if args.task == "demo" and args.dataset is None:  # the later stages' inputs, once the run can start
-        data.prepare_demo(args)
+        inputs.prepare_demo(args)
     if generator:
         generation.generate_responses(todo, args, generator)
 

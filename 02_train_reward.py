@@ -53,7 +53,7 @@ import common
 from baselines import scalar_rm
 from critics.learned import rm_critique
 from infra import cli, distributed, models, reward_models, training
-from tasks.data import load_annotations, split_records
+from infra.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments. Every training default comes from the --task preset below; any flag overrides its preset value.
@@ -148,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: annotations (tasks.data.load_annotations, split_records) -> (input_ids, labels), the loss on the target z only
+# Data: annotations (infra.data.load_annotations, split_records) -> (input_ids, labels), the loss on the target z only
 # ----------------------------------------------------------------------------------------------------------------------
 
 

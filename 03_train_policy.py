@@ -36,7 +36,7 @@ import common
 import critics
 from critics import critique_failed, make_critic
 from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace
-from tasks.data import read_prompts
+from infra.data import read_prompts
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {

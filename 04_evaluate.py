@@ -13,7 +13,7 @@ It reads top to bottom: the arguments (the core flags here, each variant's an ar
 policies' answers (generate_outputs); the reward model's critique of each (critique_outputs); scoring (score_policy);
 main(): generate -> critique -> score -> judge -> results.json, table, report. One step away: the cache and the
 statistics (evaluation/__init__.py), the judge (evaluation/judge.py), the report (evaluation/report.py), the monitors
-(evaluation/monitors.py), SFT + reflection (baselines/reflection.py), the held-out split (tasks/data.py: load_split).
+(evaluation/monitors.py), SFT + reflection (baselines/reflection.py), the held-out split (infra/data.py: load_split).
 
     python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 CPU cores)
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
@@ -38,7 +38,7 @@ from common import DataError
 from critics.learned import rm_critique
 from evaluation import judge, monitors, report, table4
 from infra import cli, models, reward_models
-from tasks.data import load_split
+from infra.data import load_split, read_code_problems
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
@@ -283,7 +283,6 @@ def main(argv=None) -> dict:
 
     # --- every check before any generation: the records, the policies' folders, the judge's pairs, the reward models
     if args.task == "code":  # any benchmark layout (tasks/code.py), each problem --num-samples times as "<id>#<j>"
-        from tasks.code import read_code_problems
         records = [{**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
                    for p in read_code_problems(args.data, args.split, args.limit, prompt_field=args.prompt_field,
                                                test_field=args.test_field) for j in range(args.num_samples)]

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from infra import distributed, models, runs  # noqa: E402
 from baselines import scalar_rm  # noqa: E402
-from tasks.data import split_records  # noqa: E402
+from infra.data import split_records  # noqa: E402
 
 # 02's --val-frac by --task preset (02_train_reward.PRESETS; tests/test_baselines.py pins the two equal): DPO holds out
 # the pairs that 02 --objective pairwise holds out

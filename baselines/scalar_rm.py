@@ -42,7 +42,7 @@ import torch
 
 import common
 from infra import models, reward_models, training
-from tasks.data import load_annotations, read_rows, split_records
+from infra.data import load_annotations, read_rows, split_records
 
 
 # ----------------------------------------------------------------------------------------------------------------------

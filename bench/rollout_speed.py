@@ -63,7 +63,7 @@ def smollm2_dir() -> str:
 
 def demo_base() -> str:
     """The demo base model of bench/vs_trl.py and bench/span_vs_scalar.py (built once, ~1 min)."""
-    from tasks.demo import build_demo_base
+    from infra.tiny_model import build_demo_base
     base = ROOT / "bench" / "out" / "span_vs_scalar" / "base"
     if not (base / "config.json").is_file():
         build_demo_base(base)

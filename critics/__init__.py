@@ -28,7 +28,7 @@ import numpy as np
 import common
 from critics import learned, plugin, scalar
 from infra import reward_models, serving
-from tasks.data import read_prompts
+from infra.data import read_prompts
 from tasks.quotes import unambiguous_quotes
 
 NAMES = ("local", "program", "openai", *scalar.CRITICS)  # --critic's names; or python:MODULE_OR_FILE:FUNCTION

@@ -11,7 +11,6 @@ import os
 import re
 
 from common import DataError
-from tasks.data import read_rows
 from tasks.quotes import unambiguous_quotes
 from tasks.sandbox import TRACEBACK_FRAME, parse_python, run_tests_sandboxed
 
@@ -79,24 +78,6 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
     out = {"prompt": prompt, "test": test, "reference": ref}
     rid = rec.get("task_id", rec.get("question_id", rec.get("id")))
     return {"id": str(rid), **out} if rid is not None else out
-
-
-def read_code_problems(data: str, split: str = "test", limit: int | None = None, **fields) -> list[dict]:
-    """Code problems from a .jsonl / .jsonl.gz / .json / .parquet file or a hub dataset id, in any layout above.
-    Records without an id get their index."""
-    rows = read_rows(data, split)
-    rows = rows[:limit] if limit is not None else rows
-    if not rows:
-        raise DataError(f"{data}: no records (empty split)")
-    layout, seen, problems = code_layout(rows[0][1]), set(), []
-    for i, (where, row) in enumerate(rows):
-        prob = code_problem(row, where, layout, **fields)
-        prob["id"] = prob.get("id", str(i))
-        if prob["id"] in seen:
-            raise DataError(f"{where}: duplicate id {prob['id']!r}")
-        seen.add(prob["id"])
-        problems.append(prob)
-    return problems
 
 
 def _fenced(response: str):

@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 from infra import serving  # noqa: E402
-from tasks.demo import build_tiny_base, demo_critic, demo_dataset  # noqa: E402
+from infra.tiny_model import build_tiny_base  # noqa: E402
+from tasks.demo import demo_critic, demo_dataset  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")

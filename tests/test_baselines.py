@@ -17,7 +17,7 @@ from conftest import import_script
 
 import common
 from infra import models, reward_models, runs
-from tasks.data import load_annotations, split_records
+from infra.data import load_annotations, split_records
 from tasks.demo import demo_critic, demo_dataset
 
 ROOT = Path(__file__).resolve().parents[1]

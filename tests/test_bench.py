@@ -402,7 +402,7 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     models' quality and Text2Grad against the best baseline with its interval."""
     from pathlib import Path
 
-    from tasks.demo import build_demo_base
+    from infra.tiny_model import build_demo_base
     rm_base = Path(tiny_chat_model_dir)  # a chat model that is not the policy's base
     out = tmp_path / "pb"
     build_demo_base(out / "base", pretrain_steps=5, n_texts=200)  # the bench's own base, pretrained briefly

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import common
 from infra import models, reward_models, runs
-from tasks.data import read_rows
+from infra.data import read_rows
 from common import decode_with_offsets, find_span, locate_spans, parse_feedback, span_rewards
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -618,7 +618,7 @@ def test_read_jsonl_line_numbers_count_newlines_only(tmp_path):
 
 
 def test_read_rows_reads_local_json_and_parquet_like_stage_1(tmp_path):
-    # 03 and 04 read their data through tasks.data.read_rows, stage 1 too: a local .json names its file and line when it
+    # 03 and 04 read their data through infra.data.read_rows, stage 1 too: a local .json names its file and line when it
     # is broken, and the paper's own layout ({id: record}) is a list of records, wherever it is read.
     p = tmp_path / "problems.json"
     p.write_text('[\n  {"prompt": "a"},\n  {"prompt": }\n]\n')
@@ -797,6 +797,6 @@ def test_a_byte_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
         with pytest.raises(common.DataError, match=rf"{name}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
             common.read_jsonl(tmp_path / name)
     (tmp_path / "bad.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
-    from tasks.data import read_rows
+    from infra.data import read_rows
     with pytest.raises(common.DataError, match=r"bad.json:1: not UTF-8 \(byte 0xe9"):
         read_rows(str(tmp_path / "bad.json"))

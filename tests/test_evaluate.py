@@ -16,7 +16,7 @@ import common
 import evaluation
 from evaluation import judge, report
 from infra import decoding, models, reward_models
-from tasks.data import load_split
+from infra.data import load_split
 from tasks.demo import demo_dataset
 
 ev = import_script("04_evaluate")

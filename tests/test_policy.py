@@ -13,7 +13,7 @@ import torch
 
 import common
 from infra import decoding, distributed, models, reward_models, runs, trace
-from tasks.data import read_prompts
+from infra.data import read_prompts
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
 

@@ -13,7 +13,7 @@ from conftest import ROOT, import_script
 import common
 from critics.learned import rm_critique
 from infra import models, reward_models
-from tasks.data import load_annotations, split_records
+from infra.data import load_annotations, split_records
 from tasks.demo import demo_critic, demo_dataset
 
 rm = import_script("02_train_reward")

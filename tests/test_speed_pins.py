@@ -18,7 +18,8 @@ import torch
 import common
 from critics.learned import rm_critique
 from infra import decoding, models, reward_models
-from tasks.demo import build_tiny_base, demo_dataset, make_demo_example
+from infra.tiny_model import build_tiny_base
+from tasks.demo import demo_dataset, make_demo_example
 from conftest import import_script
 
 ppo = import_script("03_train_policy")
