@@ -52,7 +52,7 @@ import torch
 import common
 from baselines import scalar_rm
 from critics.learned import rm_critique
-from infra import cli, distributed, models, reward_models, training
+from infra import cli, distributed, models, reward_models, trainable, training
 from infra.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def main(args: argparse.Namespace) -> dict:
     model, tokenizer = models.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
     model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
     if args.lora_r > 0:
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save)
     model = distributed.shard_for_trainer(model, args)  # --shard fsdp: parameters, gradients, Adam states sharded
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -35,7 +35,7 @@ import torch
 import common
 import critics
 from critics import critique_failed, make_critic
-from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace
+from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace, trainable
 from infra.data import read_prompts
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
@@ -488,9 +488,9 @@ def build_policy(args, model):
     """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
     ref_model = None
     if args.ref_adapter:  # the policy starts as the adapter, which is also pi_ref (its copy named "ref", frozen)
-        model = models.load_ref_adapter(model, args.ref_adapter)
+        model = trainable.load_ref_adapter(model, args.ref_adapter)
     elif args.lora_r > 0:
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
     else:  # full fine-tuning: the frozen reference needs no float32 master weights
         ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
     if args.gradient_checkpointing:
@@ -565,7 +565,7 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
 def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
     """fn(input_ids, attention_mask) -> tensors (rows, ...) on the batch in as few no-grad forward calls as memory
     allows ((B, T, V) logits can be large), concatenated."""
-    rows = models.scoring_rows(b.mask, micro, model, args)
+    rows = trainable.scoring_rows(b.mask, micro, model, args)
     with torch.no_grad(), distributed.autocast(args.device, args.dtype):
         out = [fn(b.input_ids[s:s + rows], b.attention_mask[s:s + rows]) for s in range(0, len(b.mask), rows)]
     return [torch.cat(x) for x in zip(*out)]
@@ -688,7 +688,7 @@ def train(args):
                for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
     model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
-    scorer, ref_scorer = models.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
+    scorer, ref_scorer = trainable.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
     head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic, monitor = make_critic(args), critics.make_monitor(args)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from infra import distributed, models, runs  # noqa: E402
+from infra import distributed, models, runs, trainable  # noqa: E402
 from baselines import scalar_rm  # noqa: E402
 from infra.data import split_records  # noqa: E402
 
@@ -102,7 +102,7 @@ def build_policy(args, model):
     Activation checkpointing where asked."""
     ref_model = None
     if args.lora_r > 0:
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
     else:  # full fine-tuning: the frozen reference needs no float32 master weights
         ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
     if args.gradient_checkpointing:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 import common
-from infra import models, reward_models, training
+from infra import models, reward_models, trainable, training
 from infra.data import load_annotations, read_rows, split_records
 
 
@@ -361,7 +361,7 @@ def main_scalar(args: argparse.Namespace) -> dict:
     model.config.use_cache = False
     torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))  # Huang et al. 2024
     if args.lora_r > 0:  # peft's SEQ_CLS trains and saves the score head in full
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save, task_type="SEQ_CLS")
     max_prompt_tokens = args.max_len - args.max_new_tokens  # as the generative reward model's input is cut
     encode = functools.partial(encode_scalar, tokenizer, objective=args.objective, max_len=args.max_len,

@@ -66,8 +66,8 @@ def adapter_dir(tiny_model_dir, tmp_path_factory) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from infra import models
-    model = models.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
+    from infra import trainable
+    model = trainable.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:

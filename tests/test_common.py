@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import common
-from infra import models, reward_models, runs
+from infra import models, reward_models, runs, trainable
 from infra.data import read_rows
 from common import decode_with_offsets, find_span, locate_spans, parse_feedback, span_rewards
 
@@ -740,12 +740,12 @@ def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
 def test_attaching_an_adapter_raises_no_deprecation_warning(tmp_path, tiny_model_dir):
     """peft 0.21 asks every model it wraps for `is_gradient_checkpointing`, which transformers 5.24 deprecated for
     `is_activation_checkpointing`: a FutureWarning in stages 2-4 each time a LoRA adapter is added or loaded (issue
-    46). infra.models.add_lora and infra.models.load_model(adapter dir) raise none."""
+    46). infra.trainable.add_lora and infra.models.load_model(adapter dir) raise none."""
     import warnings
     model, tok = models.load_model(tiny_model_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        lora = models.add_lora(model, 4, 8)
+        lora = trainable.add_lora(model, 4, 8)
         lora.save_pretrained(tmp_path / "adapter")
         models.load_model(str(tmp_path / "adapter"))
     assert not lora.get_base_model().is_activation_checkpointing  # the non-deprecated name answers the same question

@@ -17,7 +17,7 @@ import torch
 
 import common
 from critics.learned import rm_critique
-from infra import decoding, models, reward_models
+from infra import decoding, models, reward_models, trainable
 from infra.tiny_model import build_tiny_base
 from tasks.demo import demo_dataset, make_demo_example
 from conftest import import_script
@@ -204,6 +204,6 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
     for a, b, c in zip(whole, zip(*parts), zip(*odd)):
         assert torch.equal(a, torch.cat(b))
         assert torch.allclose(a, torch.cat(c), rtol=1e-5, atol=1e-6)
-    assert models.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
-    assert models.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
-    assert models.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
+    assert trainable.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
+    assert trainable.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
+    assert trainable.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
