@@ -507,7 +507,8 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
 
 
 def monitor_block(response: str, m: dict) -> str:
-    """A --monitor critic's view of one sample answer (evaluation/monitors.py: monitor_view), labelled with its name: the
+    """A --monitor critic's view of one sample answer (evaluation/monitors.py: monitor_view), labelled with its name:
+    the
     answer with its spans highlighted and its critique, or why it could not judge it."""
     esc = html.escape
     if m["error"]:

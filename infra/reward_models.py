@@ -1,13 +1,13 @@
 """--reward-model, --merge, --min-parse-rate: a stage-2 reward model in use: how it was trained (rm_settings:
 reward_model.json), the checks before a run (check_reward_model), its input (rm_prompt; its critiques:
-critics/learned.py) and how well they recover spans (rm_span_metrics, paper Tables 1 and 6). 03 --reward-model, 04 --reward-model. And as stage 2 leaves it: its
---output-dir checked before training (check_output_dir: 02 --resume, --overwrite), saved whole or not at all
-(save_reward_model), merged into a plain model folder for an OpenAI-compatible server (merge_reward_model: 02 --merge,
-tools/merge_reward_model.py), and refused as a critic when its held-out critiques mostly do not parse
-(parse_rate_check: 02 --min-parse-rate, MIN_PARSE_RATE by default): a critique that does not parse gives delta = 0, so
-such a model would read as a flawless critic in stage 3's rewards and stage 4's metrics. Stage 2 then ends with exit
-1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the same floor
-(evaluation/__init__.py: critic_failed).
+critics/learned.py) and how well they recover spans (rm_span_metrics, paper Tables 1 and 6). 03 --reward-model, 04
+--reward-model. And as stage 2 leaves it: its --output-dir checked before training (check_output_dir: 02 --resume,
+--overwrite), saved whole or not at all (save_reward_model), merged into a plain model folder for an OpenAI-compatible
+server (merge_reward_model: 02 --merge, tools/merge_reward_model.py), and refused as a critic when its held-out
+critiques mostly do not parse (parse_rate_check: 02 --min-parse-rate, MIN_PARSE_RATE by default): a critique that does
+not parse gives delta = 0, so such a model would read as a flawless critic in stage 3's rewards and stage 4's metrics.
+Stage 2 then ends with exit 1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the
+same floor (evaluation/__init__.py: critic_failed).
 """
 from __future__ import annotations
 

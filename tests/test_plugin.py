@@ -1,6 +1,6 @@
-"""Bring your own critic (critics/: the contract; critics/plugin.py): one Python function drives 03's PPO (--critic python:...), annotates in 01
-(--annotator) and judges policies in 04 (--monitor); a record it raises on never ends a run; a bad plug-in is one
-line, exit 2, before any work."""
+"""Bring your own critic (critics/: the contract; critics/plugin.py): one Python function drives 03's PPO (--critic
+python:...), annotates in 01 (--annotator) and judges policies in 04 (--monitor); a record it raises on never ends a
+run; a bad plug-in is one line, exit 2, before any work."""
 import subprocess
 import sys
 

@@ -1726,7 +1726,8 @@ def test_center_delta_takes_the_batch_mean_per_token_out_of_the_rewards():
     torch.manual_seed(0)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
     delta = torch.tensor([[1.0, 1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    g = ppo.Rollouts(mask, torch.tensor([True, True]), delta=delta, kl=torch.rand(2, 4) * mask, values=torch.zeros(2, 4))
+    kl = torch.rand(2, 4) * mask
+    g = ppo.Rollouts(mask, torch.tensor([True, True]), delta=delta, kl=kl, values=torch.zeros(2, 4))
     args = argparse.Namespace(missing_eos_penalty=1.0, whiten_rewards=False, advantage="gae", gamma=1.0, lam=0.95,
                               center_delta=True)
     rewards, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)

@@ -63,7 +63,7 @@ def test_labels_mask_exactly_the_prompt(chat, tiny_model_dir, tiny_chat_model_di
 
 
 def test_prompt_builder_is_the_shared_one(tiny_model_dir, monkeypatch):
-    """Training serialises through common.build_rm_prompt, the function stage 3 calls (via critics.learned.rm_critique)."""
+    """Training serialises through common.build_rm_prompt, the function stage 3 calls (critics.learned.rm_critique)."""
     tok = tokenizer_of(tiny_model_dir)
     rec = annotations(1)[0]
     shared, calls = common.build_rm_prompt, []
