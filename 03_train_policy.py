@@ -2,14 +2,15 @@
 
 train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
   1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, sampled at temperature T
-  2. critic           the critic writes a critique c and quotes good / poor spans of each y (make_critic)
+  2. critic           the critic writes a critique c and quotes good / poor spans of each y (critics.make_critic)
   3. span_deltas      spans -> character intervals -> per-token delta_t in {-1, 0, +1} (§3.3, common.span_rewards)
   4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy from score_rollouts
   5. compute_gae      advantages A_t by GAE over r_t, then whitened (--advantage rloo: compute_rloo, no value head)
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches (ppo_loss)
   7. log_iteration    the iteration's metrics on the global batch (infra/trace.py), samples, checkpoints
-It reads top to bottom: the arguments; the pure tensor functions of steps 4-6 (copy them as they are: torch alone);
-the policy; the critic; the steps; train(). The whole file needs common.py, infra/ and tasks/ beside it.
+It reads top to bottom: the arguments; the pure tensor functions of steps 4-6 and the batch they share, ppo_update
+the loop that train() runs (copy them as they are: torch alone); the policy; the steps; train(). The critic of step 2
+is critics/'s. The whole file needs common.py, critics/, infra/, tasks/ and baselines/ beside it.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
