@@ -120,7 +120,8 @@ def to_records(rows, args) -> list[dict]:
 
 
 def add_demo_args(p) -> None:
-    g = p.add_argument_group("the zero-flag demo's inputs: --task demo without --dataset (tasks/data.py: prepare_demo)")
+    g = p.add_argument_group("the zero-flag demo's inputs: --task demo without --dataset (annotation/inputs.py: "
+                             "prepare_demo)")
     g.add_argument("--demo-dir", default=None, help="where base/ and data/ go (default: the folder of --output)")
     g.add_argument("--build-base", action=argparse.BooleanOptionalAction, default=True,
                    help="build <demo-dir>/base (the tiny pretrained model) if it is missing")
