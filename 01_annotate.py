@@ -28,8 +28,8 @@ another critic, task or dataset is refused (OUTPUT.made_by.json says what made i
 
 It reads top to bottom: the arguments; the critic's prompts (App. B) and its reply; the quotes located in the response
 (App. L); the two ways a critic runs (a program or plug-in; a served model); main(). The dataset layouts are
-tasks/data.py's, --generate-with infra/generation.py's, the served critic's requests infra/annotator.py's and the
-summary infra/annotation_report.py's.
+infra/data.py's, the plug-in critics critics/'s; the records, --generate-with, the served critic's requests and the
+summary annotation/'s (inputs.py, generation.py, annotator.py, report.py).
 """
 from __future__ import annotations
 
@@ -43,8 +43,10 @@ from collections import Counter
 from pathlib import Path
 
 import common
-from infra import annotation_report, annotator, cli, generation, models, serving
-from tasks import data, plugin
+import critics
+from annotation import annotator, generation, inputs, report
+from critics import plugin
+from infra import cli, models, serving
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments
@@ -52,7 +54,7 @@ from tasks import data, plugin
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = cli.parser(__doc__, data.FIELDS)
+    p = cli.parser(__doc__, inputs.FIELDS)
     a = p.add_argument
     a("--task", choices=["demo", "summarization", "code", "qa"], default="demo",
       help="field preset and critic prompt: demo, summarization (SLF5K), code (KodCode), qa (UltraFeedback)")
@@ -63,9 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--prompt-field", default=None, help="take the prompt from this field instead of the task's preset")
     a("--response-field", default=None, help="take the response from this field instead of the task's preset")
     a("--id-field", default=None, help="take the record id from this field (default: the preset's, else the index)")
-    a("--annotator", type=plugin.choice("program", "openai"), default="program",
+    a("--annotator", type=critics.choice("program", "openai"), default="program",
       help="program: the task's own (demo rules; code: unit tests); openai: a served model; python:...: yours "
-           "(tasks/plugin.py)")
+           "(critics/plugin.py)")
     a("--concurrency", type=int, default=16, help="records in flight (requests; code: sandboxes, at most the CPUs)")
     a("--use-human-feedback", action="store_true", help="summarization: spans grounded in SLF5K's human feedback "
                                                         "(the paper's)")
@@ -73,9 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--output", default="runs/demo/annotations.jsonl", help="annotations JSONL (append-only, resumable)")
     a("--retry-failed", action="store_true", help="redo the records of --output whose status is failed")
     a("--seed", type=int, default=0, help="seed for backoff jitter, sampling and the demo base model")
-    for variant in (annotator, generation, annotation_report):
+    for variant in (annotator, generation, report):
         variant.add_args(p)
-    data.add_demo_args(p)
+    inputs.add_demo_args(p)
     args = p.parse_args(argv)
     if args.limit is not None and args.limit < 1:  # 0 read as "no limit" on the demo, -1 dropped the last record
         p.error(f"--limit {args.limit}: at least 1 record")
@@ -183,12 +185,12 @@ def finish(rec: dict, fb: dict | None = None, reason: str | None = None, raw: st
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The critics: a program or python: plug-in on threads, or a served model (infra/annotator.py: the requests)
+# The critics: a program or python: plug-in on threads, or a served model (annotation/annotator.py: the requests)
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def annotate_program(todo: list[dict], critic, args, sink) -> None:
-    """The task's program critic or a python: plug-in, critic = (function, label) (tasks/plugin.py), on chunks of
+    """The task's program critic or a python: plug-in, critic = (function, label) (critics/plugin.py), on chunks of
     records from min(--concurrency, CPUs) threads (the code critic waits on its sandboxes), written in input order. A
     record it raises on, or cannot judge, fails with a one-line reason; the run goes on."""
     from concurrent.futures import ThreadPoolExecutor
@@ -197,19 +199,19 @@ def annotate_program(todo: list[dict], critic, args, sink) -> None:
     size = max(1, min(64, -(-len(todo) // (8 * workers))))  # chunks: few calls, yet every thread kept busy
     chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
     with ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(plugin.call, *critic, chunk, [r["response"] for r in chunk]) for chunk in chunks]
+        futures = [pool.submit(critics.call, *critic, chunk, [r["response"] for r in chunk]) for chunk in chunks]
         for chunk, fut in zip(chunks, futures):
             for rec, fb in zip(chunk, fut.result()):
                 if fb.get("critic_error"):
                     sink(finish(rec, reason=fb["critic_error"]))
                     continue
-                good, poor, ambiguous = plugin.quotes(rec["response"], fb)  # ambiguous: flagged, no quote reaches it
+                good, poor, ambiguous = critics.quotes(rec["response"], fb)  # ambiguous: flagged, no quote reaches it
                 out = finish(rec, {**fb, "good_spans": good, "poor_spans": poor})
                 sink({**out, **{k: v for k, v in (("spans", fb.get("spans")), ("ambiguous_spans", ambiguous)) if v}})
 
 
 async def critique_served(rec: dict, ask, args) -> dict:
-    """One record through the served critic (--annotator openai; infra/annotator.py sends the requests, retries them
+    """One record through the served critic (--annotator openai; annotation/annotator.py sends the requests, retries
     and stops a run that cannot succeed): for code, the unit tests run first and the critic sees their verdict (the
     paper's KodCode prompt); then the critic's reply, parsed, with at most one repair request (REPAIR)."""
     tests = None
@@ -244,19 +246,19 @@ def main(argv=None) -> dict:
     models.check_model_path(args.generate_with, "--generate-with ")  # a typo'd folder: one line, at once
 
     # 1. Load and validate everything before anything is written: bad input leaves no half-written file, no folder.
-    rows = data.dataset_rows(args)
-    records = data.to_records(rows, args)
-    critic = None  # a program or python: critic (tasks/plugin.py), imported and called on one record before any work
+    rows = inputs.dataset_rows(args)
+    records = inputs.to_records(rows, args)
+    critic = None  # a program or python: critic (critics/plugin.py), imported and called on one record before any work
     if args.annotator != "openai":
         critic = plugin.load_critic(args.annotator, args.task, "--annotator",
                                     **({"timeout_s": args.code_timeout} if args.task == "code" else {}))
         if records:
-            plugin.preflight(*critic, records[0], records[0]["response"], "--annotator")
+            critics.preflight(*critic, records[0], records[0]["response"], "--annotator")
 
     # 2. Resume the same settings only (--overwrite: afresh), repair a torn last line, skip ids already done (or drop
     #    failed ones to redo them).
-    made_by = annotation_report.made_by(args, rows)
-    annotation_report.check_made_by(output, made_by, args.overwrite)
+    made_by = report.made_by(args, rows)
+    report.check_made_by(output, made_by, args.overwrite)
     done = common.open_resumable_jsonl(output) if output.exists() and not args.overwrite else set()
     if args.retry_failed and done:
         kept = [r for r in common.read_jsonl(output) if r.get("status") == "ok"]
@@ -270,13 +272,13 @@ def main(argv=None) -> dict:
                              params=annotator.sampling(args))
     generator = generation.load_generator(args) if todo and args.generate_with else None
     if args.task == "demo" and args.dataset is None:  # the later stages' inputs, once the run can start
-        data.prepare_demo(args)
+        inputs.prepare_demo(args)
     if generator:
         generation.generate_responses(todo, args, generator)
 
     # 3. Annotate; every record is appended and flushed as soon as it is done.
     from tqdm.auto import tqdm
-    annotation_report.start_output(output, made_by, args.overwrite)  # what made it, before its first record
+    report.start_output(output, made_by, args.overwrite)  # what made it, before its first record
     this_run, annotate_start = Counter(), time.perf_counter()
     with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="annotate", disable=not todo) as bar:
         def sink(rec: dict) -> None:
@@ -291,11 +293,11 @@ def main(argv=None) -> dict:
     annotate_s = time.perf_counter() - annotate_start
 
     # 4. Summary: records, failed, spans per record, unmatched-span rate (App. L), tokens and estimated cost.
-    summary = annotation_report.summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
+    summary = report.summarize(output, args, this_run, time.perf_counter() - start, annotate_s)
     common.write_json(output.with_suffix(".summary.json"), summary)
-    annotation_report.print_summary(output, summary, this_run, args)
+    report.print_summary(output, summary, this_run, args)
     print(json.dumps(summary))
-    annotation_report.report_failures(output, summary, [r["id"] for r in records])
+    report.report_failures(output, summary, [r["id"] for r in records])
     return summary
 
 

@@ -51,8 +51,9 @@ import torch
 
 import common
 from baselines import scalar_rm
-from infra import cli, distributed, models, reward_models, training
-from tasks.data import load_annotations, split_records
+from critics.learned import rm_critique
+from infra import cli, distributed, models, reward_models, trainable, training
+from infra.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Arguments. Every training default comes from the --task preset below; any flag overrides its preset value.
@@ -120,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
     a("--overwrite", action="store_true", help="a fresh run replaces the reward model in --output-dir "
       "(infra/reward_models.py: check_output_dir)")
-    # --- the span metrics: the reward model's critiques of the val split (infra.reward_models.rm_critique, as in 03)
+    # --- the span metrics: the reward model's critiques of the val split (critics.learned.rm_critique, as in 03)
     a("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's default")
     a("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
     for add_args in (training.add_args, functools.partial(distributed.add_args, rollouts=False),
@@ -147,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: annotations (tasks.data.load_annotations, split_records) -> (input_ids, labels), the loss on the target z only
+# Data: annotations (infra.data.load_annotations, split_records) -> (input_ids, labels), the loss on the target z only
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -206,7 +207,7 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluation: greedy critiques of the val split (infra.reward_models.rm_critique, as in stage 3) against the annotations
+# Evaluation: greedy critiques of the val split (critics.learned.rm_critique, as in stage 3) against the annotations
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -218,10 +219,9 @@ def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batc
     Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
     gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
     """
-    outputs = reward_models.rm_critique(model, tokenizer, [r["prompt"] for r in records],
-                                        [r["response"] for r in records], max_new_tokens=max_new_tokens,
-                                        batch_size=batch_size, desc="critique val split",
-                                        max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
+    outputs = rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
+                          max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split",
+                          max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
     items = []
     for rec in records:
         text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
@@ -260,7 +260,7 @@ def main(args: argparse.Namespace) -> dict:
     model, tokenizer = models.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
     model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
     if args.lora_r > 0:
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save)
     model = distributed.shard_for_trainer(model, args)  # --shard fsdp: parameters, gradients, Adam states sharded
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)

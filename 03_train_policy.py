@@ -2,14 +2,15 @@
 
 train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
   1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, sampled at temperature T
-  2. critic           the critic writes a critique c and quotes good / poor spans of each y (make_critic)
+  2. critic           the critic writes a critique c and quotes good / poor spans of each y (critics.make_critic)
   3. span_deltas      spans -> character intervals -> per-token delta_t in {-1, 0, +1} (§3.3, common.span_rewards)
   4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy from score_rollouts
   5. compute_gae      advantages A_t by GAE over r_t, then whitened (--advantage rloo: compute_rloo, no value head)
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches (ppo_loss)
   7. log_iteration    the iteration's metrics on the global batch (infra/trace.py), samples, checkpoints
-It reads top to bottom: the arguments; the pure tensor functions of steps 4-6 (copy them as they are: torch alone);
-the policy; the critic; the steps; train(). The whole file needs common.py, infra/ and tasks/ beside it.
+It reads top to bottom: the arguments; the pure tensor functions of steps 4-6 and the batch they share, ppo_update
+the loop that train() runs (copy them as they are: torch alone); the policy; the steps; train(). The critic of step 2
+is critics/'s. The whole file needs common.py, critics/, infra/, tasks/ and baselines/ beside it.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
@@ -26,16 +27,17 @@ import copy
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import common
-from baselines import scalar_rm
-from infra import cli, critics, decoding, distributed, models, reward_models, runs, sft, trace
-from tasks import plugin
-from tasks.data import read_prompts
+import critics
+from critics import critique_failed, make_critic
+from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace, trainable
+from infra.data import read_prompts
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
@@ -61,7 +63,7 @@ def parse_args(argv=None):
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
     a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
-    a("--prompts", help="JSONL with a 'prompt' field (--task code --critic program: any layout of tasks/code.py)")
+    a("--prompts", help="JSONL with a 'prompt' field (--task code: any layout of tasks/code.py, tests included)")
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
@@ -76,9 +78,9 @@ def parse_args(argv=None):
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
     # --- critic (step 2)
-    a("--critic", default="local", type=plugin.choice("local", "program", "openai", *scalar_rm.CRITICS),
+    a("--critic", default="local", type=critics.choice(*critics.NAMES),
       metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
-      help="who writes critique + spans (README: Your own critic; scalar-rm, prm: baselines/scalar_rm.py)")
+      help="who writes critique + spans (critics/; README: Your own critic)")
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)")
     # --- rollouts (step 1)
@@ -125,7 +127,7 @@ def parse_args(argv=None):
     g.add_argument("--labels", default="spans", choices=["spans", "dense", "poor"],
                    help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)")
     g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
-    for variant in (sft, critics, scalar_rm, decoding, distributed, trace):
+    for variant in (sft, critics, decoding, distributed, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
@@ -142,13 +144,6 @@ def parse_args(argv=None):
     args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # the scalar baseline's too
     if not args.model:
         raise common.DataError("--model is required outside the demo")
-    if args.critic != "local" and not rm_given:  # the demo's reward model is not the one a server runs
-        args.reward_model = None
-    # the reward model is used as stage 2 trained it (its reward_model.json): its input cut to the same budget, and,
-    # unless given, critiques as long as those stage 2 evaluated (a shorter limit cuts them before their span JSON)
-    settings = reward_models.rm_settings(args.reward_model if args.critic != "program" else None)
-    args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
-    args.critic_max_new_tokens = critic_budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
                                   ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
                                   ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
@@ -163,7 +158,7 @@ def parse_args(argv=None):
     if args.batch_size % shards:
         raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
                                f"--grad-accum = {shards}")
-    scalar_rm.check_args(args)  # --critic scalar-rm, prm: a generative reward model here (or none) is refused now
+    critics.check_args(args, critic_budget, rm_given)  # the reward model the critic uses, as stage 2 trained it
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
         raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
     return args
@@ -172,6 +167,27 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------------------------------------------------
 # The algorithm: pure tensor functions. Shapes: B rollouts, T response tokens; mask is 1.0 on response tokens.
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollouts:
+    """One iteration's batch, filled in by the steps of Alg. 4: rollout (1), the critic's delta (3), score_rollouts
+    (4), the advantages (5); ppo_update (6) reads mask, logprobs, values, advantages and returns. The global batch of
+    torchrun's ranks is one too (the rows of every rank; rewards only there)."""
+
+    mask: torch.Tensor  # (B, T) 1.0 on response tokens, up to and including the first EOS
+    has_eos: torch.Tensor | None = None  # (B,) bool: the response ended with a stop id
+    input_ids: torch.Tensor | None = None  # (B, P + T) prompt and response, left-padded
+    attention_mask: torch.Tensor | None = None  # (B, P + T)
+    texts: list[str] | None = None  # the responses decoded
+    offsets: list[list[tuple[int, int]]] | None = None  # each token's character interval in its text
+    delta: torch.Tensor | None = None  # (B, T) delta_t, the critic's pseudo-rewards (step 3)
+    logprobs: torch.Tensor | None = None  # (B, T) log pi_old(y_t), the sampling policy's (step 4)
+    values: torch.Tensor | None = None  # (B, T) V_old(s_t); 0 without a value head
+    kl: torch.Tensor | None = None  # (B, T) KL_t to the reference policy
+    rewards: torch.Tensor | None = None  # (B, T) r_t (step 5)
+    advantages: torch.Tensor | None = None  # (B, T) A_t, whitened
+    returns: torch.Tensor | None = None  # (B, T) the value head's targets
 
 
 def masked_mean(x, mask, dim=None):
@@ -312,6 +328,94 @@ def entropy_from_logits(logits):
     return torch.logsumexp(logits, -1) - (probs * logits).sum(-1)
 
 
+def explained_variance(values, returns, mask) -> float:
+    """1 - mean (returns - V)^2 / Var(returns) over the masked tokens: how much of the returns V predicts."""
+    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    return float(1 - masked_mean((returns - values) ** 2, mask) / var_returns) if var_returns > 0 else 0.0
+
+
+@dataclass
+class PpoHParams:
+    """Step 6's settings (03's flags of the same names)."""
+
+    ppo_epochs: int = 4  # passes over the batch
+    num_minibatches: int = 4  # minibatches per pass
+    grad_accum: int = 1  # micro-batches per minibatch (memory)
+    clip_range: float = 0.2  # policy ratio clip epsilon
+    clip_range_value: float = 0.2  # value clip
+    vf_coef: float = 0.1
+    ent_coef: float = 0.0  # the entropy bonus
+    max_grad_norm: float = 1.0
+    target_kl: float | None = None  # stop the epochs once an epoch's mean approx KL exceeds it
+
+
+def no_reduction(x):
+    return x
+
+
+def clip_grad_norm(params, max_norm: float, all_sum=no_reduction):
+    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (DTensors, a shard on each rank) beside
+    whole ones (the value head): the global norm from every rank's shards (all_sum) and the whole gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(hasattr(g, "to_local") for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    shards = torch.stack([x.float().pow(2).sum() for g, x in zip(grads, local) if x is not g]).sum()
+    total = (all_sum(shards) + sum(g.float().pow(2).sum() for g, x in zip(grads, local) if x is g)).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for x in local:
+        x.mul_(coef)
+    return total
+
+
+def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler=None, all_sum=no_reduction):
+    """Step 6 (§3.5): hp.ppo_epochs passes over the batch in hp.num_minibatches minibatches of hp.grad_accum
+    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss (none without a value head) - ent_coef *
+    entropy, its token mean over the minibatch on every rank; gradients clipped to hp.max_grad_norm.
+    score(rows) -> (log-probs, values or None, logits / T) of those rows of the batch under the policy now, with grad.
+    scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a tensor's sum over torchrun's ranks, in place (the
+    identity in one process): the minibatch's tokens, the gradients (but FSDP's sharded ones: it reduced them), the
+    epoch's KL. Returns each micro-batch's stats and the epochs run (hp.target_kl may stop early)."""
+    (B, T), stats = batch.mask.shape, []
+    mb_size = B // hp.num_minibatches
+    micro = mb_size // hp.grad_accum
+    for epoch in range(hp.ppo_epochs):
+        perm, epoch_start = torch.randperm(B, device=batch.mask.device), len(stats)
+        for mb_start in range(0, B, mb_size):
+            mb = perm[mb_start : mb_start + mb_size]
+            mb_tokens = all_sum(batch.mask[mb].sum()).clamp(min=1)  # the minibatch's tokens on all ranks
+            for s in range(0, mb_size, micro):
+                m = mb[s : s + micro]
+                logprobs, values, logits = score(m)
+                pg_loss, vf_loss, st = ppo_loss(logprobs, batch.logprobs[m], batch.advantages[m], values,
+                                                batch.values[m], batch.returns[m], batch.mask[m], hp.clip_range,
+                                                hp.clip_range_value)
+                with torch.set_grad_enabled(hp.ent_coef != 0):  # without the bonus it is only logged
+                    entropy = masked_mean(entropy_from_logits(logits), batch.mask[m])
+                loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0) - hp.ent_coef * entropy
+                loss = loss * batch.mask[m].sum() / mb_tokens  # exact token mean over the minibatch
+                (loss if scaler is None else scaler.scale(loss)).backward()
+                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/entropy": entropy.item(),
+                              **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {})})
+            for p in params:  # torchrun: the ranks' gradients summed
+                if p.grad is not None and not hasattr(p.grad, "to_local"):
+                    all_sum(p.grad)
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # the clip sees the true gradients
+            clip_grad_norm(params, hp.max_grad_norm, all_sum)
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        kls = all_sum(torch.tensor([[st["policy/approx_kl"], 1.0] for st in stats[epoch_start:]],
+                                   dtype=torch.float64, device=batch.mask.device).sum(0))
+        if hp.target_kl is not None and kls[0] / kls[1] > hp.target_kl:
+            break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
+    return stats, epoch + 1
+
+
 LOCALITY_GROUPS = ("poor", "good", "outside_flawed", "outside_clean")
 
 
@@ -385,9 +489,9 @@ def build_policy(args, model):
     """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
     ref_model = None
     if args.ref_adapter:  # the policy starts as the adapter, which is also pi_ref (its copy named "ref", frozen)
-        model = models.load_ref_adapter(model, args.ref_adapter)
+        model = trainable.load_ref_adapter(model, args.ref_adapter)
     elif args.lora_r > 0:
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
     else:  # full fine-tuning: the frozen reference needs no float32 master weights
         ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
     if args.gradient_checkpointing:
@@ -400,38 +504,15 @@ def build_policy(args, model):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The critic of step 2: who writes the critique and quotes the spans
-# ----------------------------------------------------------------------------------------------------------------------
-
-
-def make_critic(args):
-    """critic(records, texts) -> per rollout, parse_feedback's dict, or a failed critique (critics.parsed). --critic
-    local: the stage-2 reward model (§3.4); openai: one behind a server (infra/critics.py); program, python:...: a
-    function (tasks/plugin.py); scalar-rm, prm: the paper's scalar baselines (baselines/scalar_rm.py)."""
-    if args.critic in scalar_rm.CRITICS:
-        return scalar_rm.scalar_critic(args)
-    if args.critic == "program" or plugin.is_plugin(args.critic):  # the task's own or the user's (tasks/plugin.py)
-        fn, label = plugin.load_critic(args.critic, args.task, "--critic")
-        return lambda recs, texts: plugin.call(fn, label, recs, texts)  # a raise: that rollout's critic_error
-    # the learned critic writes its critique and span JSON (§3.4): in this process (local) or behind a server (openai)
-    write = reward_models.local_critic(args) if args.critic == "local" else critics.served_critic(args)
-    return lambda recs, texts: [critics.parsed(x) for x in write(recs, texts)]
-
-
-def critique_failed(fb) -> bool:
-    """True for a critique that gives no delta: its output did not parse or its request failed, or None."""
-    return fb is None or fb.get("critique") is None
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The steps of one iteration (Alg. 4), in the order train() calls them
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
+def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts, float]:
     """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
     settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
-    Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3)."""
+    Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3).
+    Returns the batch and the time sampling ended (decoding counts as the critic's time)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
     with torch.no_grad(), distributed.autocast(args.device, args.dtype), \
@@ -447,116 +528,125 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> dict:
                                                                               dtype=torch.long))
     mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
     response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
-    b = {"query": query, "response": response, "mask": mask, "has_eos": has_eos, "t_sampled": time.time(),
-         "input_ids": torch.cat([query, response], 1), "attention_mask": torch.cat([query_mask, mask.long()], 1)}
+    sampled = time.time()
     texts, offsets = zip(*[common.decode_with_offsets(tokenizer, row[:n]) for row, n in
                            zip(response.tolist(), mask.sum(1).long().tolist())])
-    return {**b, "texts": list(texts), "offsets": list(offsets)}
+    return Rollouts(mask, has_eos, torch.cat([query, response], 1), torch.cat([query_mask, mask.long()], 1),
+                    list(texts), list(offsets)), sampled
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
-    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (common.span_rewards),
-    weighted within each span by --span-weighting (App. I). A scalar critic's step_rewards (baselines/scalar_rm.py)
-    and a python: critic's located "spans" with rewards in [-1, 1] (common.interval_rewards) are put on tokens too.
-    Returns delta (B, T) (0 where the feedback was unparseable), span_rewards' (delta, unmatched) per row, the number
-    of non-empty quotes and of quotes not found (the critic's own quotes)."""
+    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (critics.delta:
+    common.span_rewards), weighted within each span by --span-weighting (App. I); a scalar critic's step_rewards and
+    a python: critic's intervals with their rewards are put on tokens by critics.delta too. Returns delta (B, T) (0
+    where the critique failed), the (delta, unmatched) of each row, the number of non-empty quotes (or intervals) and
+    of quotes not found (the critic's own quotes)."""
     delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
     spans = [[] for _ in feedback]
     for i, fb in enumerate(feedback):
         if critique_failed(fb):
             continue
-        if "step_rewards" in fb or "spans" in fb:  # rewards on given tokens: a scalar critic's (scalar_rm.py), a
-            d = scalar_rm.step_deltas(offsets[i], fb.get("step_rewards", []))  # python: critic's score, intervals
-            if "spans" in fb:  # a python: critic's located intervals and their rewards (common.interval_rewards)
-                d = [a + b for a, b in zip(common.interval_rewards(texts[i], offsets[i], fb["spans"]), d)]
-                n_spans += len(fb["spans"])
-            delta[i, :len(d)], rows[i] = torch.tensor(d), (d, [])
-            continue
-        n_spans += sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
-        if labels == "dense":  # App. I.1: the whole response quoted as good too: every token outside poor spans +1
+        quotes = "spans" not in fb and "step_rewards" not in fb  # a learned critic's, or a function's quotes
+        quoted = fb.get("good_spans", []) + fb.get("poor_spans", [])
+        n_spans += sum(1 for s in quoted if s.strip()) + len(fb.get("spans", []))
+        if quotes and labels == "dense":  # App. I.1: the whole response quoted as good too: +1 outside poor spans
             fb = {**fb, "good_spans": fb["good_spans"] + ([texts[i]] if texts[i].strip() else [])}
-        if weighting == "uniform":
-            d, unmatched = rows[i] = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
-        else:  # the same delta, and the tokens of each located quote (App. I's spans)
+        if quotes and weighting != "uniform":  # the same delta, and the tokens of each located quote (App. I's spans)
             d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
-            rows[i], spans[i] = (d, unmatched), [idx for _, idx in located]
+            spans[i] = [idx for _, idx in located]
+        else:
+            d, unmatched = critics.delta(texts[i], offsets[i], fb)
+        rows[i] = (d, unmatched)
         delta[i, :len(d)] = torch.tensor(d)
         n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
     delta = weight_spans(delta, spans, weighting)
     return delta.clamp(max=0) if labels == "poor" else delta, rows, n_spans, n_unmatched  # poor: no +1 (credit.py)
 
 
-def score_rollouts(model, ref_model, value_head, b, forbid, micro, args):
-    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head: --advantage rloo), and
-    KL_t to the reference, each (B, T), in as few forward calls as memory allows ((B, T, V) logits can be large)."""
-    (B, T), logprobs, values, kl = b["mask"].shape, [], [], []
-    rows = models.scoring_rows(b, micro, model, args)
+def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
+    """fn(input_ids, attention_mask) -> tensors (rows, ...) on the batch in as few no-grad forward calls as memory
+    allows ((B, T, V) logits can be large), concatenated."""
+    rows = trainable.scoring_rows(b.mask, micro, model, args)
     with torch.no_grad(), distributed.autocast(args.device, args.dtype):
-        for s in range(0, B, rows):
-            ids, attn = b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows]
-            lp, v, logits = forward(model, value_head, ids, attn, T, args.temperature, forbid)
-            ref_lp, ref_logits = reference_forward(model, ref_model, ids, attn, T, args.temperature, forbid)
-            logprobs.append(lp)
-            values.append(torch.zeros_like(lp) if v is None else v)
-            kl.append(per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits))
-    return torch.cat(logprobs), torch.cat(values), torch.cat(kl) * b["mask"]
+        out = [fn(b.input_ids[s:s + rows], b.attention_mask[s:s + rows]) for s in range(0, len(b.mask), rows)]
+    return [torch.cat(x) for x in zip(*out)]
 
 
-def rewards_and_advantages(g, kl_coef: float, reward_mode: str, args):
+def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, args):
+    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head: --advantage rloo), and
+    KL_t to the reference, each (B, T)."""
+    T = b.mask.shape[1]
+
+    def score(ids, attn):
+        lp, v, logits = forward(model, value_head, ids, attn, T, args.temperature, forbid)
+        ref_lp, ref_logits = reference_forward(model, ref_model, ids, attn, T, args.temperature, forbid)
+        kl = per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits)
+        return lp, torch.zeros_like(lp) if v is None else v, kl
+    logprobs, values, kl = no_grad_chunks(score, b, micro, model, args)
+    return logprobs, values, kl * b.mask
+
+
+def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
     """Steps 4-5 on the global batch g (its delta, kl, mask, values, has_eos): the rewards r_t = delta_t - beta*KL_t
     of reward_mode (compute_rewards, the missing-EOS penalty at the last token; --whiten-rewards; --center-delta:
     delta less its mean over the batch's response tokens), then A_t by GAE (or --advantage rloo), whitened. Returns
     (rewards, advantages, returns), each (B, T)."""
-    seq_bonus = torch.where(g["has_eos"], 0.0, -args.missing_eos_penalty)                      # (B,)
-    delta = g["delta"] - masked_mean(g["delta"], g["mask"]) if args.center_delta else g["delta"]  # no reward mean
-    rewards = compute_rewards(delta, g["kl"], g["mask"], kl_coef, reward_mode, seq_bonus)
+    seq_bonus = torch.where(g.has_eos, 0.0, -args.missing_eos_penalty)                        # (B,)
+    delta = g.delta - masked_mean(g.delta, g.mask) if args.center_delta else g.delta  # no reward mean
+    rewards = compute_rewards(delta, g.kl, g.mask, kl_coef, reward_mode, seq_bonus)
     if args.whiten_rewards:
-        rewards = masked_whiten(rewards, g["mask"], shift_mean=False)
-    advantages, returns = compute_gae(rewards, g["values"], g["mask"], args.gamma, args.lam) \
-        if args.advantage == "gae" else compute_rloo(rewards, g["mask"], args.rloo_k, args.gamma, args.rloo_baseline)
-    return rewards, masked_whiten(advantages, g["mask"]), returns
+        rewards = masked_whiten(rewards, g.mask, shift_mean=False)
+    if args.advantage == "gae":
+        advantages, returns = compute_gae(rewards, g.values, g.mask, args.gamma, args.lam)
+    else:
+        advantages, returns = compute_rloo(rewards, g.mask, args.rloo_k, args.gamma, args.rloo_baseline)
+    return rewards, masked_whiten(advantages, g.mask), returns
 
 
-def ppo_update(model, value_head, params, optimizer, scaler, b, forbid, args, world):
-    """Step 6 (§3.5): --ppo-epochs passes over the batch in --num-minibatches minibatches of --grad-accum
-    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss (none without a value head: --advantage
-    rloo) - ent_coef * entropy, its token mean over the minibatch on every rank. Returns each micro-batch's stats and
-    the epochs run (--target-kl may stop early)."""
-    (B, T), stats = b["mask"].shape, []
-    mb_size = B // args.num_minibatches
-    micro = mb_size // args.grad_accum
-    model.train()
-    for epoch in range(args.ppo_epochs):
-        perm, epoch_start = torch.randperm(B, device=args.device), len(stats)
-        for mb_start in range(0, B, mb_size):
-            mb = perm[mb_start: mb_start + mb_size]
-            mb_tokens = distributed.all_sum(b["mask"][mb].sum()).clamp(min=1)  # the minibatch's tokens on all ranks
-            for s in range(0, mb_size, micro):
-                m = mb[s: s + micro]
-                with distributed.autocast(args.device, args.dtype):
-                    logprobs, values, logits = forward(model, value_head, b["input_ids"][m], b["attention_mask"][m],
-                                                       T, args.temperature, forbid)
-                pg_loss, vf_loss, st = ppo_loss(logprobs, b["logprobs"][m], b["advantages"][m], values,
-                                                b["values"][m], b["returns"][m], b["mask"][m], args.clip_range,
-                                                args.clip_range_value)
-                with torch.set_grad_enabled(args.ent_coef != 0):  # without the bonus it is only logged
-                    entropy = masked_mean(entropy_from_logits(logits), b["mask"][m])
-                loss = pg_loss + (args.vf_coef * vf_loss if vf_loss is not None else 0.0) - args.ent_coef * entropy
-                scaler.scale(loss * b["mask"][m].sum() / mb_tokens).backward()  # exact token mean over the minibatch
-                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/entropy": entropy.item(),
-                              **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {})})
-            distributed.reduce_grads(params)  # torchrun: sum the ranks' gradients (identity for one process)
-            scaler.unscale_(optimizer)
-            distributed.clip_grad_norm(params, args.max_grad_norm)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-        epoch_kl = np.mean([st["policy/approx_kl"] for st in stats[epoch_start:]])
-        epoch_kl = distributed.all_sum(torch.tensor(epoch_kl, device=args.device)) / world
-        if args.target_kl is not None and epoch_kl > args.target_kl:
-            break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
-    model.eval()
-    return stats, epoch + 1
+def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
+    """Step 6: ppo_update on this rank's rows, the policy in train mode (dropout is off in its config: Huang et al.)."""
+    T = b.mask.shape[1]
+
+    def score(rows):  # the policy's log-probs, values and logits / T of these rows now, with grad
+        with distributed.autocast(args.device, args.dtype):
+            return forward(scorer, head, b.input_ids[rows], b.attention_mask[rows], T, args.temperature, forbid)
+    hp = PpoHParams(**{k: getattr(args, k) for k in PpoHParams.__dataclass_fields__})
+    scorer.train()
+    stats, epochs = ppo_update(score, b, params, optimizer, hp, scaler, distributed.all_sum)
+    scorer.eval()
+    return stats, epochs
+
+
+def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micro, args, rank) -> dict:
+    """--trace-samples: after step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old of every
+    response token (in score_rollouts' chunks: a token whose probability did not move gets Delta = 0); its locality
+    over the global batch (locality_summary), that of the advantages under both reward modes (the other mode's from
+    the same delta, KL, V and beta), and r and A of this rank's rows under both, r without --missing-eos-penalty
+    (infra.trace.trace_iteration logs it apart). It draws nothing random: a run is the same with or without it."""
+    T, mine = b.mask.shape[1], slice(rank * len(b.mask), (rank + 1) * len(b.mask))
+    new = no_grad_chunks(lambda ids, attn: forward(scorer, None, ids, attn, T, args.temperature, forbid)[:1],
+                         b, micro, scorer, args)[0]
+    log_ratio = (new - b.logprobs) * b.mask                                                       # (B, T): Delta_t
+    other = "scalar" if args.reward_mode == "span" else "span"
+    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # r without the penalty: logged apart
+    rewards = {m: rewards_and_advantages(g, kl_coef, m, apart)[0] for m in (args.reward_mode, other)}
+    advantages = {args.reward_mode: g.advantages, other: rewards_and_advantages(g, kl_coef, other, args)[1]}
+    return {"log_ratio": log_ratio,
+            "locality": locality_summary(distributed.all_sum(locality_sums(log_ratio, b.delta, b.mask))),
+            "advantage_locality": {m: locality_summary(locality_sums(a, g.delta, g.mask))
+                                   for m, a in advantages.items()},
+            "rewards": {m: x[mine, :T] for m, x in rewards.items()},
+            "advantages": {m: x[mine, :T] for m, x in advantages.items()}}
+
+
+def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
+    """This rank's share of iteration `step`'s prompts (runs.batch_indices: the same after a resume): --batch-size
+    of them, or for --advantage rloo --batch-size / --rloo-k of them, each --rloo-k times in a row (the k samples of
+    a prompt, one group)."""
+    k = 1 if args.advantage == "gae" else args.rloo_k
+    idx = [i for i in runs.batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
+    local = args.batch_size // world
+    return idx[rank * local:(rank + 1) * local]
 
 
 def make_optimizer(params, args):
@@ -590,7 +680,7 @@ def train(args):
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     distributed.seed_everything(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     # --- the prompts, the policy (after the optional SFT warm start), the critic, the optimizer, the run folder
-    records = read_prompts(args.prompts, args.task, args.critic)
+    records = read_prompts(args.prompts, args.task)
     start = sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"]) \
         if args.sft_data and args.sft_steps > 0 else args.model
     model, tokenizer = models.load_model(start, device=args.device,
@@ -599,7 +689,7 @@ def train(args):
                for r in records]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
     model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
-    scorer, ref_scorer = models.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
+    scorer, ref_scorer = trainable.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
     head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic, monitor = make_critic(args), critics.make_monitor(args)
@@ -607,8 +697,9 @@ def train(args):
     optimizer, scheduler = make_optimizer(params, args)
     scaler, costs = distributed.grad_scaler(args.device, args.dtype), []
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    first_step, kl_coef = runs.start_or_resume(out_dir, kind, args.kl_coef, vars(args), model, value_head, optimizer,
-                                               scheduler, scaler, rank, world)
+    saved = runs.start_or_resume(out_dir, kind, vars(args), model, value_head, optimizer, scheduler, scaler, rank,
+                                 world)
+    first_step, kl_coef = saved["step"] + 1, saved.get("kl_coef", args.kl_coef)  # resumed: the beta it had reached
     local_bs = args.batch_size // world                                   # rollouts of this rank
     micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
@@ -623,45 +714,46 @@ def train(args):
                total=args.steps, disable=rank != 0)
     for step in bar:
         clock = {"start": time.time()}
-        idx = runs.prompt_indices(step, len(records), args, rank, world)                         # this rank's share
+        idx = prompt_indices(step, len(records), args, rank, world)                              # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
-        b = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
-        clock["sampled"] = b["t_sampled"]  # time/generate_s: sampling alone; decoding counts as the critic's
+        b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
         # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
-        feedback = critic(recs, b["texts"])
+        feedback = critic(recs, b.texts)
         # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
-        b["delta"], deltas, n_spans, n_unmatched = span_deltas(b["texts"], b["offsets"], feedback, b["mask"],
-                                                               args.span_weighting, args.labels)
+        b.delta, deltas, n_spans, n_unmatched = span_deltas(b.texts, b.offsets, feedback, b.mask, args.span_weighting,
+                                                            args.labels)
         clock["critiqued"] = time.time()
-        watched = monitor(recs, b["texts"], b["offsets"], deltas) if monitor else {}  # logged, never trained on
+        watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
-        b["logprobs"], b["values"], b["kl"] = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
-        g = {k: distributed.gather_rows(b[k]) for k in ("delta", "kl", "mask", "values", "has_eos")}
+        b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
+        g = Rollouts(**{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl",
+                                                                            "values")})
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
-        g["rewards"], g["advantages"], g["returns"] = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
-        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b["mask"].shape[1]                 # this rank's rows
-        b["advantages"], b["returns"] = g["advantages"][mine, :T], g["returns"][mine, :T]
+        g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
+        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b.mask.shape[1]                   # this rank's rows
+        b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
         lr = scheduler.get_last_lr()[0]  # the update's; the scheduler then steps to the next iteration's
-        stats, epochs = ppo_update(scorer, head, params, optimizer, scaler, b, forbid, args, world)
+        stats, epochs = update(scorer, head, b, params, optimizer, scaler, forbid, args)
         scheduler.step()
         clock["updated"] = time.time()
         if args.dump_rollouts:
             trace.dump_rollouts(step, rank, b, kl_coef, params, args.dump_rollouts)
         if args.trace_samples:  # where the update went (one more no-grad forward; 04's report draws it)
-            trace.trace_iteration(step, out_dir, scorer, b, g, recs, feedback, kl_coef, forbid, micro, args, rank,
-                                  forward, rewards_and_advantages, (locality_sums, locality_summary))
+            went = where_it_went(scorer, b, g, kl_coef, forbid, micro, args, rank)
+            trace.trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went, args, rank)
         # 7. log the global batch's metrics with the beta and lr this iteration used, samples; adapt beta; checkpoint
         row = trace.log_iteration(step, out_dir, {
             "recs": recs, "b": b, "g": g, "feedback": feedback, "counts": [sum(map(critique_failed, feedback)),
             n_spans, n_unmatched], "watched": watched, "stats": stats, "epochs": epochs, "kl_coef": kl_coef, "lr": lr,
-            "clock": clock}, args, rank, world)
-        if args.adaptive_kl_target:
-            kl_coef = update_kl_coef(kl_coef, row["objective/kl"], args.adaptive_kl_target, args.adaptive_kl_horizon,
-                                     args.batch_size)
-        halt = trace.watch(bar, step, row, feedback, costs, args, rank)  # why the run stops here (no critic), or None
+            "explained_variance": explained_variance(g.values, g.returns, g.mask), "clock": clock}, args, rank, world)
+        if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
+            kl_coef = update_kl_coef(kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target,
+                                     args.adaptive_kl_horizon, args.batch_size)
+        trace.show_progress(bar, step, row, feedback, args, rank)
+        halt = critics.failing(costs, row, feedback, args)  # why the run stops here (its critic has failed), or None
         if step % args.save_every == 0 or step == args.steps or halt:
             runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args),
                                  rank)
@@ -669,7 +761,7 @@ def train(args):
             raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
     distributed.barrier()
-    trace.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
+    critics.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
     return out_dir / "policy"
 
 

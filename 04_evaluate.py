@@ -12,8 +12,8 @@ rerun computes only what is missing or stale.
 It reads top to bottom: the arguments (the core flags here, each variant's an argument group of its own module); the
 policies' answers (generate_outputs); the reward model's critique of each (critique_outputs); scoring (score_policy);
 main(): generate -> critique -> score -> judge -> results.json, table, report. One step away: the cache and the
-statistics (infra/evaluation.py), the judge (infra/judge.py), the report (infra/report.py), the monitors
-(infra/monitors.py), SFT + reflection (baselines/reflection.py), the held-out split (tasks/data.py: load_split).
+statistics (evaluation/__init__.py), the judge (evaluation/judge.py), the report (evaluation/report.py), the monitors
+(evaluation/monitors.py), SFT + reflection (baselines/reflection.py), the held-out split (infra/data.py: load_split).
 
     python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 CPU cores)
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
@@ -32,10 +32,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import common
+import evaluation
 from baselines import reflection
 from common import DataError
-from infra import cli, evaluation, judge, models, monitors, report, reward_models, table4
-from tasks.data import load_split
+from critics.learned import rm_critique
+from evaluation import judge, monitors, report, table4
+from infra import cli, models, reward_models
+from infra.data import load_split, read_code_problems
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
@@ -78,7 +81,7 @@ def parse_args(argv=None):
     a("--threads", type=int, default=None,
       help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)")
     a("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
-    a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/ (infra/evaluation.py)")
+    a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/ (evaluation/__init__.py)")
     # --- the reward model's critique of each answer
     a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
     a("--rm-max-new-tokens", type=int, default=None, help="critique length limit (default: as stage 2 evaluated it)")
@@ -211,9 +214,9 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
             # one on embed_tokens would both be merged into the one shared matrix.
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
-        raw = reward_models.rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
-                                        max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
-                                        max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
+        raw = rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
+                          max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
+                          max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
     return evaluation.cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute,
@@ -280,7 +283,6 @@ def main(argv=None) -> dict:
 
     # --- every check before any generation: the records, the policies' folders, the judge's pairs, the reward models
     if args.task == "code":  # any benchmark layout (tasks/code.py), each problem --num-samples times as "<id>#<j>"
-        from tasks.code import read_code_problems
         records = [{**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
                    for p in read_code_problems(args.data, args.split, args.limit, prompt_field=args.prompt_field,
                                                test_field=args.test_field) for j in range(args.num_samples)]
@@ -303,7 +305,7 @@ def main(argv=None) -> dict:
             (p, f"--monitor-reward-model {n}=") for n, p in monitor_rms.items()]:
         reward_models.check_reward_model(rm_path, flag)  # before any generation
     watchers = monitors.load_monitors(args.monitor, args.task, records)  # so are the plug-ins, each called once
-    table4.check(args, names)  # so are the paper's Table 4 metrics asked for (infra/table4.py)
+    table4.check(args, names)  # so are the paper's Table 4 metrics asked for (evaluation/table4.py)
     if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
         judge.check_judge(args)
 
@@ -331,7 +333,7 @@ def main(argv=None) -> dict:
             monitor_crits[name][tag] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir,
                                                         rm_path, state, f".{tag}")
 
-    # --- 2. per-policy metrics, each with a bootstrap interval (infra/evaluation.py)
+    # --- 2. per-policy metrics, each with a bootstrap interval (evaluation/__init__.py)
     results = {"task": args.task, "data": args.data, "n_prompts": len({r.get("problem", r["id"]) for r in records}),
                "policies": {}, "generation": {
                    "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
@@ -362,7 +364,7 @@ def main(argv=None) -> dict:
         results["policies"][name]["monitor_failed"] = {m: f for m in monitor_rms if (f := evaluation.critic_failed(
             metrics, m))}  # so did a --monitor-reward-model's
 
-    # --- 3. optional LLM judge (infra/judge.py)
+    # --- 3. optional LLM judge (evaluation/judge.py)
     if args.judge_base_url:
         n = args.judge_limit or len(records)
         pairs_out = judge.judge_pairs(records[:n], {k: [g["response"] for g in v[:n]] for k, v in gens.items()}, pairs,
@@ -371,7 +373,7 @@ def main(argv=None) -> dict:
         results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
     results.update(table4.evaluate(args, records, policies, gens, fps, cache_dir, load))  # Table 4's columns
 
-    # --- 4. results.json, the table, and the report (infra/report.py)
+    # --- 4. results.json, the table, and the report (evaluation/report.py)
     results["wall_s"] = round(time.time() - t0, 1)
     common.write_json(out_dir / "results.json", results)
     report.print_table(results)

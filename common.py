@@ -506,7 +506,7 @@ def _token_labels(text: str, offsets: list[tuple[int, int]], good_iv, poor_iv) -
 
 def interval_rewards(text: str, offsets: list[tuple[int, int]], spans) -> list[float]:
     """delta_t from located character intervals [start, end) of `text` that carry a real reward, (start, end, reward)
-    or {"start", "end", "reward"} (a python: critic's, tasks/plugin.py), by span_rewards' rule: a token takes an
+    or {"start", "end", "reward"} (a python: critic's, critics/plugin.py), by span_rewards' rule: a token takes an
     interval's reward when the non-whitespace part of its own interval lies inside it; one straddling its edge does
     not (App. L). Overlap: the lowest reward wins (a poor span overrides a good one), and a token that straddles a
     negative interval's edge is never above 0. An empty interval labels nothing. span_rewards is the case +1 / -1."""

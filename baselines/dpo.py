@@ -38,9 +38,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from infra import distributed, models, runs  # noqa: E402
+from infra import distributed, models, runs, trainable  # noqa: E402
 from baselines import scalar_rm  # noqa: E402
-from tasks.data import split_records  # noqa: E402
+from infra.data import split_records  # noqa: E402
 
 # 02's --val-frac by --task preset (02_train_reward.PRESETS; tests/test_baselines.py pins the two equal): DPO holds out
 # the pairs that 02 --objective pairwise holds out
@@ -102,7 +102,7 @@ def build_policy(args, model):
     Activation checkpointing where asked."""
     ref_model = None
     if args.lora_r > 0:
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
     else:  # full fine-tuning: the frozen reference needs no float32 master weights
         ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
     if args.gradient_checkpointing:

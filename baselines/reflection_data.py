@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-from tasks.data import load_annotations  # noqa: E402
+from infra.data import load_annotations  # noqa: E402
 
 
 def revision_prompt(prompt: str, response: str, critique: str) -> str:

@@ -1,6 +1,7 @@
 """The paper's scalar reward-model baselines (§4.3, App. N): PPO with a Bradley-Terry reward model, and PRM-PPO with
 a process reward model. Not a script: stage 2 trains them (02_train_reward.py --objective pairwise | prm) and stage 3
-uses them as its critic (03_train_policy.py --critic scalar-rm | prm); both stages dispatch here, with their own flags.
+uses them as its critic (03_train_policy.py --critic scalar-rm | prm: critics/scalar.py, which reads their scores
+here).
 
     python 02_train_reward.py --objective pairwise --data pairs.jsonl --output-dir runs/demo/bt_rm   # PPO's RM
     python 02_train_reward.py --objective pairwise --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs
@@ -24,8 +25,8 @@ demonstrations whose mean score becomes 0, by default the training pairs' answer
 --step-unit (split_steps: clauses, or blocks for --task code).
 
 The file reads top to bottom: the losses; the pairs (DPO's too: baselines/dpo.py); the steps and their labels; the
-model's input and scores, the same in training and in use; training (main_scalar, 02's --objective pairwise | prm);
-the critic (scalar_critic, step_deltas: 03's --critic scalar-rm | prm).
+model's input and scores, the same in training and in use (critics/scalar.py: 03's --critic scalar-rm | prm);
+training (main_scalar, 02's --objective pairwise | prm).
 """
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ from pathlib import Path
 import torch
 
 import common
-from infra import models, reward_models, training
-from tasks.data import load_annotations, read_rows, split_records
+from infra import models, reward_models, trainable, training
+from infra.data import load_annotations, read_rows, split_records
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ def main_scalar(args: argparse.Namespace) -> dict:
     model.config.use_cache = False
     torch.nn.init.normal_(model.score.weight, std=1 / math.sqrt(model.config.hidden_size + 1))  # Huang et al. 2024
     if args.lora_r > 0:  # peft's SEQ_CLS trains and saves the score head in full
-        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
+        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
                                 args.modules_to_save, task_type="SEQ_CLS")
     max_prompt_tokens = args.max_len - args.max_new_tokens  # as the generative reward model's input is cut
     encode = functools.partial(encode_scalar, tokenizer, objective=args.objective, max_len=args.max_len,
@@ -418,64 +419,3 @@ def main_scalar(args: argparse.Namespace) -> dict:
     common.write_json(out / "eval.json", metrics)
     log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
     return metrics
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# The critic (03_train_policy.py --critic scalar-rm | prm): the scores as rewards on the response's tokens
-# ----------------------------------------------------------------------------------------------------------------------
-
-# What each critic needs of 03's --reward-model (its objective, checked before any training) and its name in a refusal
-CRITICS = {"scalar-rm": ("pairwise", "--critic scalar-rm"), "prm": ("prm", "--critic prm")}
-
-
-def add_args(p) -> None:
-    g = p.add_argument_group("the paper's scalar baselines: --critic scalar-rm, prm (baselines/scalar_rm.py)")
-    g.add_argument("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: subtract "
-                   "the SFT demonstrations' mean score (mean-std: and divide by their std)")
-
-
-def check_args(args) -> None:
-    """03's parse_args: --critic scalar-rm | prm needs a reward model of its objective, and has no spans to relabel."""
-    if args.critic not in CRITICS:
-        return
-    objective, use = CRITICS[args.critic]
-    reward_models.check_reward_model(args.reward_model, objective=objective, use=use)
-    if args.labels == "dense" or args.span_weighting != "uniform":
-        raise common.DataError(f"--critic {args.critic}: --labels and --span-weighting relabel spans, it has none")
-
-
-def scalar_critic(args):
-    """The paper's scalar baselines as a critic: feedback with no spans and "step_rewards", [(character end, reward)]
-    that span_deltas puts on the token holding the character before that end (None: the last token).
-      scalar-rm  classic RLHF PPO (Ziegler et al. 2019; Huang et al. 2024): a Bradley-Terry reward model's score of
-                 the whole response, read at the EOS appended to it (scalar_rm_input), minus score_bias (its mean
-                 score on the SFT demonstrations, 02's normalisation; --score-norm mean-std: divided by their std
-                 too, norm_score_std): one reward, on the last token (the EOS if the policy sampled one).
-                 compute_rewards adds -beta * KL_t and the missing-EOS penalty; the paper's scalar PPO baseline is
-                 this with --reward-mode span or scalar alike (one non-zero delta).
-      prm        PRM-PPO (App. N): a process reward model's score s of each step (split_steps, as 02 cut its
-                 training responses), as 2 * sigmoid(s) - 1 in (-1, 1) (+1: surely right, -1: surely wrong, the
-                 range of delta), on the step's last token.
-    Its input is cut as stage 2 cut it (reward_model.json's max_prompt_tokens)."""
-    rm, rm_tok = models.load_model(args.reward_model, device=args.device, dtype=args.dtype, scalar_head=True)
-    info, prm = reward_models.rm_settings(args.reward_model), args.critic == "prm"
-    scale = info["norm_score_std"] if args.score_norm == "mean-std" else 1.0
-
-    def critic(recs, texts):
-        steps = [split_steps(t, info["step_unit"] or "clause") for t in texts] if prm else None
-        scores = score_responses(rm, rm_tok, [r["prompt"] for r in recs], texts, steps, info["max_prompt_tokens"])
-        rewards = [[(e, 2 * torch.sigmoid(torch.tensor(s)).item() - 1) for (_, e), s in zip(st, row)]
-                   for st, row in zip(steps, scores)] if prm else [[(None, (row[0] - info["score_bias"]) / scale)]
-                                                                    for row in scores]
-        return [{"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": r} for r in rewards]
-    return critic
-
-
-def step_deltas(offsets, step_rewards) -> list[float]:
-    """The per-token rewards of a scalar critic (scalar_critic): each (end, r) of step_rewards adds r at the token
-    holding the character before `end` (token_at), or at the last token when end is None; 0 elsewhere."""
-    d = [0.0] * len(offsets)
-    for end, r in step_rewards:
-        if d:
-            d[len(d) - 1 if end is None else token_at(offsets, end)] += r
-    return d

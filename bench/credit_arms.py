@@ -1,4 +1,4 @@
-"""The reward arms of bench/credit.py, as --critic python: plug-ins (tasks/plugin.py). Each is the demo's exact critic
+"""The reward arms of bench/credit.py, as --critic python: plug-ins (critics/plugin.py). Each is the demo's exact critic
 with only the form of its reward changed: the intervals it flags (tasks/demo.py: demo_labels' verdicts, merged by
 demo_intervals), returned as located intervals with their rewards, so no quote is ever widened to be unique and every
 arm labels exactly the characters the critic flags:

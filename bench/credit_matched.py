@@ -43,7 +43,8 @@ from run_cache import check_settings  # noqa: E402
 from span_vs_scalar import ROOT, WINDOW, run, steps_to_threshold  # noqa: E402
 
 import common  # noqa: E402
-from tasks.demo import build_demo_base, demo_dataset, demo_facts, demo_mistakes  # noqa: E402
+from infra.tiny_model import build_demo_base  # noqa: E402
+from tasks.demo import demo_dataset, demo_facts, demo_mistakes  # noqa: E402
 
 THRESHOLD = 0.15  # of the smoothed training imperfect rate (the primary endpoint)
 ENDPOINT = "exact/imperfect_rate"

@@ -5,7 +5,7 @@
 
 For each of --batches batches of 32 demo prompts, interleaved: the rollout exactly as 03 samples it (the SFT policy with
 a fresh LoRA adapter, temperature 1, up to 32 new tokens), then the reward model's critiques of those rollouts twice:
-with infra.reward_models.rm_critique (a finished row leaves the batch, a row ends where its span JSON closes) and with plain
+with critics.learned.rm_critique (a finished row leaves the batch, a row ends where its span JSON closes) and with plain
 model.generate, greedy, up to EOS (the code before issue 17). The two must give the same text for every rollout
 (checked; the demo's results depend on nothing else). A reward model that writes its span JSON first
 (bench/rm_levers.py --json-first --save DIR) stops there, while plain generate goes on to write the critique after it.
@@ -23,6 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
+from critics import learned  # noqa: E402
 from infra import models, reward_models  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def main():
             texts.append(common.decode_with_offsets(tok, row[:cut])[0])
         prompts = [r["prompt"] for r in batch]
         t2 = time.perf_counter()
-        new = reward_models.rm_critique(rm, rm_tok, prompts, texts, n_critic)
+        new = learned.rm_critique(rm, rm_tok, prompts, texts, n_critic)
         t3 = time.perf_counter()
         plain = rm_tok.batch_decode(models.generate(rm, rm_tok, [common.build_rm_prompt(rm_tok, p, t) for p, t in
                                                                  zip(prompts, texts)], n_critic, batch_size=bs),

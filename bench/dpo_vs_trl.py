@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "baselines"))
 import torch  # noqa: E402
 
 from baselines.scalar_rm import preference_pairs  # noqa: E402
-from tasks.demo import build_tiny_base, demo_critic, demo_dataset  # noqa: E402
+from infra.tiny_model import build_tiny_base  # noqa: E402
+from tasks.demo import demo_critic, demo_dataset  # noqa: E402
 
 
 def main():

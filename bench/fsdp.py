@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
-from tasks.demo import build_demo_base, demo_dataset  # noqa: E402
+from infra.tiny_model import build_demo_base  # noqa: E402
+from tasks.demo import demo_dataset  # noqa: E402
 
 CONFIGS = {"ddp": ["--shard", "ddp"], "fsdp": ["--shard", "fsdp"],
            "fsdp_layers": ["--shard", "fsdp", "--fsdp-generate", "layers"]}

@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402  (no torch at import: the orchestrating process stays light)
-from infra import decoding, models, runs  # noqa: E402
+from infra import decoding, models, runs, trainable  # noqa: E402
 
 LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
@@ -308,7 +308,7 @@ def phase_name(args) -> str:
 def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
     """What stage 2 writes (its LoRA r16 q/v adapter, untrained; reward_model.json), for a run without stage2."""
     model, tok = models.load_model(str(base), device=device, dtype="bf16" if device.startswith("cuda") else "float32")
-    model = models.add_lora(model, 16, 32, "q_proj,v_proj")
+    model = trainable.add_lora(model, 16, 32, "q_proj,v_proj")
     runs.save_pretrained(rm_dir, model, tok, {"reward_model.json": {
         "base_model": str(base), "objective": "generative", "rm_format": "critique+spans",
         "max_prompt_tokens": sh["rm_len"] - sh["rm_new"], "max_new_tokens": sh["rm_new"]}},

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
+from critics import learned  # noqa: E402
 from infra import models, reward_models, runs  # noqa: E402
 from real_critic import RECIPE  # noqa: E402
 from span_vs_scalar import THRESHOLD, WINDOW, run, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
@@ -133,7 +134,7 @@ def annotate_with_rm(exact: Path, rm_dir: Path, name: str) -> Path:
         print(f"annotating {len(todo)} answers with {rm_dir}", flush=True)
         for i in range(0, len(todo), 256):
             chunk = todo[i:i + 256]
-            raw = reward_models.rm_critique(rm, tok, [r["prompt"] for r in chunk], [r["response"] for r in chunk],
+            raw = learned.rm_critique(rm, tok, [r["prompt"] for r in chunk], [r["response"] for r in chunk],
                                      settings["max_new_tokens"] or 96, batch_size=64,
                                      max_prompt_tokens=settings["max_prompt_tokens"], rm_format=settings["rm_format"])
             with open(dst, "a", encoding="utf-8") as f:

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from infra import models, runs  # noqa: E402
+from infra import tiny_model  # noqa: E402
 from tasks import demo  # noqa: E402
 from importlib import import_module  # noqa: E402
 
@@ -160,7 +161,7 @@ def main():
             texts += [ex["prompt"] + ex["response"], " " + common.format_rm_target(**fb)]
             texts += [critique(f, ex["prompt"], ex["response"], fb["critique"]) for f in ("verdict", "ref", "cmp")]
         texts += [common.rm_user_message("", "") + "\n\n### Critique\n"] * 100
-        demo.build_tiny_base(base, texts, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+        tiny_model.build_tiny_base(base, texts, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                                intermediate_size=4 * args.hidden, pretrain_texts=pairs,
                                pretrain_steps=args.pretrain, lr=2e-3, seed=0)
     fcntl.flock(lock, fcntl.LOCK_UN)

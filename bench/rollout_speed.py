@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import common  # noqa: E402
+from critics import learned  # noqa: E402
 from infra import decoding, models, reward_models, runs  # noqa: E402
 
 OUT = ROOT / "bench" / "out" / "rollout_speed"
@@ -62,7 +63,7 @@ def smollm2_dir() -> str:
 
 def demo_base() -> str:
     """The demo base model of bench/vs_trl.py and bench/span_vs_scalar.py (built once, ~1 min)."""
-    from tasks.demo import build_demo_base
+    from infra.tiny_model import build_demo_base
     base = ROOT / "bench" / "out" / "span_vs_scalar" / "base"
     if not (base / "config.json").is_file():
         build_demo_base(base)
@@ -194,7 +195,7 @@ def run_critic(args):
 
     def critique(batch, compile):
         t = time.perf_counter()
-        out = reward_models.rm_critique(rm, tok, [r["prompt"] for r in batch], [r["response"] for r in batch],
+        out = learned.rm_critique(rm, tok, [r["prompt"] for r in batch], [r["response"] for r in batch],
                                  settings["max_new_tokens"] or 96, max_prompt_tokens=settings["max_prompt_tokens"],
                                  rm_format=settings["rm_format"], compile=compile)
         return out, time.perf_counter() - t

@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from infra import reward_models  # noqa: E402
 from run_cache import check_settings  # noqa: E402
-from tasks.demo import build_demo_base, demo_dataset  # noqa: E402
+from infra.tiny_model import build_demo_base  # noqa: E402
+from tasks.demo import demo_dataset  # noqa: E402
 
 THRESHOLD, WINDOW = 0.15, 10
 

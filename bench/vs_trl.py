@@ -165,7 +165,7 @@ def main():
 
     import common
     from infra import runs
-    from tasks.demo import build_demo_base
+    from infra.tiny_model import build_demo_base
     ppo = importlib.import_module("03_train_policy")
     torch.set_num_threads(args.threads)
     out = Path(args.out)

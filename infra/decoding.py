@@ -12,9 +12,9 @@ from infra import models
 
 
 def add_args(p) -> None:
-    """03's speed flags: --compile-generation (static_decode) and --compile-update (models.compile_update)."""
+    """03's speed flags: --compile-generation (static_decode) and --compile-update (trainable.compile_update)."""
     import argparse
-    g = p.add_argument_group("compiled decoding and update (infra/decoding.py, infra/models.py: compile_update)")
+    g = p.add_argument_group("compiled decoding and update (infra/decoding.py, infra/trainable.py: compile_update)")
     g.add_argument("--compile-generation", action=argparse.BooleanOptionalAction, default=False,
                    help="rollouts and the local critic's critiques by static_decode (a static KV cache, torch.compile)")
     g.add_argument("--compile-update", action=argparse.BooleanOptionalAction, default=False,

@@ -222,24 +222,3 @@ def gathered(model, whole: bool = True):
         for m in groups:
             m.set_reshard_after_forward(m is not model, recurse=False)  # as fully_shard_model set them
             m.reshard()
-
-
-def reduce_grads(params) -> None:
-    """The ranks' gradients summed (all_sum), but for sharded ones: FSDP's reduce-scatter has summed those."""
-    for p in params:
-        if p.grad is not None and not is_sharded(p.grad):
-            all_sum(p.grad)
-
-
-def clip_grad_norm(params, max_norm: float):
-    """torch.nn.utils.clip_grad_norm_, also over a mix of sharded and whole gradients (the sharded policy and the
-    value head): the global norm from each rank's shards, every gradient scaled by min(1, max_norm / (norm + 1e-6))."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not any(map(is_sharded, grads)):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    shards = torch.stack([g.to_local().float().pow(2).sum() for g in grads if is_sharded(g)]).sum()
-    total = (all_sum(shards) + sum(g.float().pow(2).sum() for g in grads if not is_sharded(g))).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        (g.to_local() if is_sharded(g) else g).mul_(coef)
-    return total

@@ -1,13 +1,13 @@
 """--reward-model, --merge, --min-parse-rate: a stage-2 reward model in use: how it was trained (rm_settings:
-reward_model.json), the checks before a run (check_reward_model), its critiques (rm_critique) and how well they recover
-spans (rm_span_metrics, paper Tables 1 and 6). 03 --reward-model, 04 --reward-model. And as stage 2 leaves it: its
---output-dir checked before training (check_output_dir: 02 --resume, --overwrite), saved whole or not at all
-(save_reward_model), merged into a plain model folder for an OpenAI-compatible server (merge_reward_model: 02 --merge,
-tools/merge_reward_model.py), and refused as a critic when its held-out critiques mostly do not parse
-(parse_rate_check: 02 --min-parse-rate, MIN_PARSE_RATE by default): a critique that does not parse gives delta = 0, so
-such a model would read as a flawless critic in stage 3's rewards and stage 4's metrics. Stage 2 then ends with exit
-1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the same floor
-(infra/evaluation.py: critic_failed).
+reward_model.json), the checks before a run (check_reward_model), its input (rm_prompt; its critiques:
+critics/learned.py) and how well they recover spans (rm_span_metrics, paper Tables 1 and 6). 03 --reward-model, 04
+--reward-model. And as stage 2 leaves it: its --output-dir checked before training (check_output_dir: 02 --resume,
+--overwrite), saved whole or not at all (save_reward_model), merged into a plain model folder for an OpenAI-compatible
+server (merge_reward_model: 02 --merge, tools/merge_reward_model.py), and refused as a critic when its held-out
+critiques mostly do not parse (parse_rate_check: 02 --min-parse-rate, MIN_PARSE_RATE by default): a critique that does
+not parse gives delta = 0, so such a model would read as a flawless critic in stage 3's rewards and stage 4's metrics.
+Stage 2 then ends with exit 1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the
+same floor (evaluation/__init__.py: critic_failed).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import common
-from infra import decoding, models, runs
+from infra import models, runs
 
 
 def critique_tokens(task: str) -> int:
@@ -116,28 +116,6 @@ def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = No
     build_rm_prompt, the task prompt cut from its start when the whole would not fit in max_tokens (fit_prompt)."""
     return models.fit_prompt(tokenizer, lambda p: common.build_rm_prompt(tokenizer, p, response, rm_format), prompt,
                              max_tokens)
-
-
-def rm_critique(model, tokenizer, prompts: list[str], responses: list[str], max_new_tokens: int = 128,
-                batch_size: int = 32, desc: str | None = None, max_prompt_tokens: int | None = None,
-                rm_format: str = "critique+spans", compile: bool = False) -> list[str]:
-    """The local reward model's raw critic output for each (prompt, response): batched greedy generation on rm_prompt
-    (the task prompt cut from its start to fit max_prompt_tokens, as in training), in which a row stops as soon as
-    its span JSON is complete (greedy_generate). The text is what plain greedy decoding up to a stop id gives whenever
-    the model ends its output with that JSON, as it is trained to (format_rm_target, in its rm_format)."""
-    inputs = [rm_prompt(tokenizer, p, r, max_prompt_tokens, rm_format)[0] for p, r in zip(prompts, responses)]
-    ids = decoding.greedy_generate(model, tokenizer, inputs, max_new_tokens, batch_size=batch_size, desc=desc,
-                          stop=common.feedback_complete, compile=compile)
-    return tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-def local_critic(args):
-    """03 --critic local: critic(records, texts) -> the stage-2 reward model's raw text per rollout (rm_critique,
-    greedy, its input cut and its critique capped as stage 2 trained it; --compile-generation: static_decode)."""
-    rm, rm_tok = models.load_model(args.reward_model, device=args.device, dtype=args.dtype)
-    return lambda recs, texts: rm_critique(rm, rm_tok, [r["prompt"] for r in recs], texts, args.critic_max_new_tokens,
-                                           max_prompt_tokens=args.critic_max_prompt_tokens,
-                                           rm_format=args.critic_rm_format, compile=args.compile_generation)
 
 
 def rm_scores(response: str, offsets, raw: str) -> tuple[dict, list[float], dict]:

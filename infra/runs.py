@@ -2,7 +2,7 @@
 did not write (save_pretrained, check_save_dir), how a run starts (start_kind: --resume, --overwrite), content
 fingerprints of models and data; and stage 3's run folder: its checkpoint (save_checkpoint, load_checkpoint: everything
 a run needs to continue bit-exactly, every rank's random states included), how it starts or resumes (policy_run_kind,
-start_or_resume), and which prompts each iteration draws (batch_indices, prompt_indices: the same after a resume).
+start_or_resume), and the order of the prompts over the passes (batch_indices: the same after a resume).
 """
 from __future__ import annotations
 
@@ -164,15 +164,6 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
-def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
-    """This rank's share of iteration `step`'s prompts (batch_indices): --batch-size of them, or for --advantage rloo
-    --batch-size / --rloo-k of them, each --rloo-k times in a row (the k samples of a prompt, one group)."""
-    k = 1 if args.advantage == "gae" else args.rloo_k
-    idx = [i for i in batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
-    local = args.batch_size // world
-    return idx[rank * local:(rank + 1) * local]
-
-
 def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, scaler, kl_coef: float, config: dict,
                     rank: int = 0):
     """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, loss scaler (fp16), beta,
@@ -273,21 +264,22 @@ def check_same_run(config_file: Path, config: dict) -> None:
                                    "saving and tracing flags may differ); --overwrite starts it again")
 
 
-def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, value_head, optimizer, scheduler, scaler,
-                    rank: int, world: int) -> tuple[int, float]:
-    """The run dir: (first step, beta). kind (policy_run_kind) "resume" restores the checkpoint (load_checkpoint)
-    and cuts metrics.jsonl, samples.jsonl and trace.jsonl back to its step; a fresh start removes the run it replaces
-    and has beta = kl_coef. Rank 0 writes config.json: config, the run's settings, the world size, and one segment
-    per invocation (first step, device, world size; a resume carries the earlier ones over)."""
-    out_dir, last = Path(out_dir), 0
+def start_or_resume(out_dir, kind: str, config: dict, model, value_head, optimizer, scheduler, scaler, rank: int,
+                    world: int) -> dict:
+    """The run dir: {"step": the last step done, 0 for a fresh start; "kl_coef": the resumed run's beta}. kind
+    (policy_run_kind) "resume" restores the checkpoint (load_checkpoint) and cuts metrics.jsonl, samples.jsonl and
+    trace.jsonl back to its step; a fresh start removes the run it replaces. Rank 0 writes config.json: config, the
+    run's settings, the world size, and one segment per invocation (first step, device, world size; a resume carries
+    the earlier ones over)."""
+    out_dir, last, saved = Path(out_dir), 0, {}
     if kind == "resume":  # refused before anything is written
         check_same_run(out_dir / "config.json", config)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
     if kind == "resume":
-        last, kl_coef = load_checkpoint(out_dir / "checkpoint.pt", model, value_head, optimizer, scheduler, scaler,
-                                        rank, world)
+        last, saved["kl_coef"] = load_checkpoint(out_dir / "checkpoint.pt", model, value_head, optimizer, scheduler,
+                                                 scaler, rank, world)
     for path in [out_dir / name for name in RUN_FILES] if rank == 0 else ():
         if last and path.suffix == ".jsonl":  # drop the rows logged after the checkpoint
             common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file()
@@ -307,7 +299,7 @@ def start_or_resume(out_dir, kind: str, kl_coef: float, config: dict, model, val
             old["segments"] = [{"from_step": 1, "device": old["device"], "world_size": old.get("world_size", 1)}]
         this = {"from_step": last + 1, "device": config.get("device"), "world_size": world}
         common.write_json(config_file, {**config, "world_size": world, "segments": [*old.get("segments", []), this]})
-    return last + 1, kl_coef
+    return {"step": last, **saved}
 
 
 _RUN = {}  # the stage-3 run a Ctrl-C would stop (its settings) and the command line that started it

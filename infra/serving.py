@@ -1,6 +1,6 @@
 """--base-url, --critic-base-url, --judge-base-url: OpenAI-compatible servers (01 --annotator openai, 03 --critic
 openai, 04's judge). The server's own error text (api_error), one retry policy (retry_delay, send_with_retries), one
-cheap request before any work (check_server), and a reward model served (rm_critique_served).
+cheap request before any work (check_server). A served reward model's critiques: critics/learned.py.
 """
 from __future__ import annotations
 
@@ -8,20 +8,6 @@ import json
 import os
 
 import common
-from infra import reward_models
-
-
-def rm_completions_prompt(tokenizer, prompt: str, response: str, max_prompt_tokens: int | None = None,
-                          rm_format: str = "critique+spans") -> str:
-    """The text a served reward model gets on /v1/completions: rm_prompt's, as in training (tokenizer=None: the plain
-    template). The server adds its BOS when it tokenizes, so a BOS the chat template wrote is left out: one, not two."""
-    if tokenizer is None:
-        return common.build_rm_prompt(None, prompt, response, rm_format)
-    kept = reward_models.rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
-    text = common.build_rm_prompt(tokenizer, kept, response,
-                           rm_format)
-    bos, adds_bos = tokenizer.bos_token, tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
-    return text[len(bos):] if bos and adds_bos and text.startswith(bos) else text
 
 
 PREFLIGHT = "Reply with OK."  # the one-token request check_server sends
@@ -174,44 +160,3 @@ class NoChoices(Exception):
 
     def __init__(self):
         super().__init__("HTTP 200 with no choices: the server returned no completion")
-
-
-def rm_critique_served(prompts: list[str], responses: list[str], base_url: str | None, model: str,
-                       max_new_tokens: int, concurrency: int = 32, api: str = "chat", tokenizer=None,
-                       max_prompt_tokens: int | None = None, rm_format: str = "critique+spans", timeout: float = 300.0,
-                       retries: int = 2) -> list:
-    """rm_critique for a reward model behind an OpenAI-compatible endpoint (vLLM, Ollama, OpenAI): greedy, the whole
-    batch in flight at once (up to `concurrency`). api "chat" sends rm_user_message as one user message (the server
-    applies the chat template); "completions" sends rm_completions_prompt, the exact training text. Given the reward
-    model's tokenizer, both cut the task prompt to max_prompt_tokens as training did (rm_prompt, rm_settings); both ask
-    for rm_format's output (its instruction). Each request times out after `timeout` s and is retried as retry_delay
-    says. Each entry is the critic's text or, for a request that failed, its exception (openai.APIError; a reply
-    without choices: NoChoices): one failed critique never stops the batch."""
-    import asyncio
-
-    import openai
-
-    async def ask(client, sem, prompt, response):
-        async with sem:
-            try:
-                if api == "completions":
-                    reply = await send_with_retries(lambda: client.completions.create(
-                        model=model, temperature=0.0, max_tokens=max_new_tokens,
-                        prompt=rm_completions_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)),
-                        retries)
-                    return (reply.choices[0].text or "") if reply.choices else NoChoices()
-                if tokenizer is not None and max_prompt_tokens:  # the text the server's template makes, cut alike
-                    prompt = reward_models.rm_prompt(tokenizer, prompt, response, max_prompt_tokens, rm_format)[1]
-                reply = await send_with_retries(lambda: client.chat.completions.create(
-                    model=model, temperature=0.0, max_tokens=max_new_tokens,
-                    messages=[{"role": "user", "content": common.rm_user_message(prompt, response, rm_format)}]),
-                    retries)
-                return (reply.choices[0].message.content or "") if reply.choices else NoChoices()
-            except openai.APIError as e:
-                return e
-
-    async def ask_all():
-        sem = asyncio.Semaphore(concurrency)
-        async with openai_client(base_url, timeout, "--critic-base-url") as client:
-            return await asyncio.gather(*[ask(client, sem, p, r) for p, r in zip(prompts, responses)])
-    return asyncio.run(ask_all())

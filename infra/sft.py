@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import common
-from infra import distributed, models, runs
+from infra import distributed, models, runs, trainable
 
 
 def add_args(p) -> None:
@@ -60,7 +60,7 @@ def sft_warm_start(args, rank: int, resuming: bool = False, demo_dir: str | None
         model, tokenizer = models.load_model(args.model, device=device,
                                              dtype=dtype if lora_r > 0 else "float32")  # full FT: fp32 master weights
         if lora_r > 0:  # LoRA for the warm start, merged into the weights afterwards
-            model = models.add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
+            model = trainable.add_lora(model, lora_r, 2 * lora_r, args.lora_targets)
         records = common.read_jsonl(args.sft_data, required=("prompt", args.sft_field))
         if not records:
             raise common.DataError(f"{args.sft_data}: no records")

@@ -1,12 +1,11 @@
 """--trace-samples, --dump-rollouts, --log-every: what a stage-3 run writes about itself, and what it shows while it
 runs: step 7 of Alg. 4 (log_iteration: metrics.jsonl on the global batch, samples.jsonl every --log-every iterations),
-the progress bar and its warnings (show_progress), the critic's cost at the end (print_critic_summary); --trace-samples
+the progress bar and its warnings (show_progress); --trace-samples
 (trace_iteration: where each update went, token by token, in trace.jsonl, which 04's report draws as "Where the update
 went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import torch
 
 import common
-from infra import distributed, models
+from infra import distributed
 
 
 def add_args(p) -> None:
@@ -26,16 +25,14 @@ def add_args(p) -> None:
                    "DIR/step<N>_rank<R>.pt")
     g.add_argument("--trace-samples", type=int, help="where each update went: N rollouts per iteration to "
                    "OUTPUT_DIR/trace.jsonl (0: off)")
-    g.add_argument("--max-fail-share", type=float, default=0.5, help="an iteration whose critiques fail above this "
-                   "share counts as failed (watch)")
-    g.add_argument("--max-fail-iterations", type=int, default=3, help="stop after this many failed iterations in a "
-                   "row, checkpoint saved")
 
 
-def show_progress(bar, step: int, row: dict, feedback: list, args) -> None:
+def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) -> None:
     """Rank 0: the iteration's reward, KL, mistake and parse-fail rates in the progress bar, and a warning line above
-    it when most of its critiques failed: a critic that stops parsing gives delta = 0, which the reward and mistake
-    rate alone do not tell from a flawless batch."""
+    it when most of its critiques failed (over --max-fail-share): a critic that stops parsing gives delta = 0, which
+    the reward and mistake rate alone do not tell from a flawless batch (critics.failing stops such a run)."""
+    if rank != 0:
+        return
     rate = row["critic/parse_fail_rate"]
     bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
                     mistakes=f"{row['critic/mistake_rate']:.2f}", parse_fail=f"{rate:.2f}")
@@ -45,51 +42,13 @@ def show_progress(bar, step: int, row: dict, feedback: list, args) -> None:
                   f"(no span JSON, or no answer): their rollouts get delta = 0; first: {first}", file=sys.stderr)
 
 
-def watch(bar, step: int, row: dict, feedback: list, costs: list, args, rank: int) -> str | None:
-    """After each iteration: its critic's cost and failures into `costs` ((time/generate_s, time/critic_s,
-    critic/parse_fail_rate) per iteration), the progress bar (rank 0), and the line to stop the run with when the
-    critic has not worked for --max-fail-iterations iterations in a row (each with more than --max-fail-share of its
-    critiques failed), else None. A critic that never parses gives every rollout delta = 0, which a reward of 0.00
-    and a mistake rate of 0.00 do not tell from a flawless batch: the run would train on no signal and end with exit
-    0 (issue 56). Every rank decides the same: the rates are the global batch's."""
-    costs.append((row["time/generate_s"], row["time/critic_s"], row["critic/parse_fail_rate"]))
-    if rank == 0:
-        show_progress(bar, step, row, feedback, args)
-    recent = [c[2] for c in costs[-args.max_fail_iterations:]]
-    if len(recent) < args.max_fail_iterations or min(recent) <= args.max_fail_share:
-        return None
-    first = next((fb["critic_error"] for fb in feedback if fb and fb.get("critic_error")), None)
-    return (f"stage 3 stopped at iteration {step}: most critiques failed (over --max-fail-share "
-            f"{args.max_fail_share:g}) {len(recent)} iterations in a row, their rollouts got delta = 0 (the last "
-            f"one's first: {first}); checkpoint.pt holds iteration {step}: fix the critic, then continue with --resume")
-
-
-def end_of_run(costs: list[tuple], args, rank: int) -> None:
-    """The run's end: what the critic cost next to the rollout it judges, and how many of its critiques failed
-    (rank 0 prints); DataError, on every rank, when more than --max-fail-share of them failed over the run: its
-    policy is saved, but trained mostly without the critic's signal."""
-    if not costs:
-        return
-    failed, n = round(sum(c[2] for c in costs) * args.batch_size), len(costs) * args.batch_size
-    if rank == 0:
-        gen_s, critic_s = (float(np.median(c)) for c in list(zip(*costs))[:2])
-        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
-              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
-        print(f"critic ({args.critic}): {failed} of {n} critiques failed in this run ({failed / n:.0%}), their "
-              "rollouts got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)")
-    if failed / n > args.max_fail_share:
-        raise common.DataError(f"stage 3 finished, but {failed} of {n} critiques failed ({failed / n:.0%}, over "
-                               f"--max-fail-share {args.max_fail_share:g}): the saved policy was trained on delta = 0 "
-                               "for them (samples.jsonl keeps their critic_error)")
-
-
 def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
     """Step 7: one line of metrics.jsonl, computed on the global batch it["g"] (every rank's rollouts), and every
     --log-every iterations four sample rollouts with their critique (rank 0 writes). `it`, the iteration: its records
     "recs", this rank's batch "b" and the global one "g", "feedback", "counts" [unparsed critiques, quotes, quotes not
     found], "watched" (the monitor's sums, {} without one; logged as means over the batch), ppo_update's "stats" and
-    "epochs", the "kl_coef" and "lr" it used, and its "clock" (time.time() at its start and after sampling,
-    critiquing, scoring and updating). Returns the metrics row."""
+    "epochs", the "kl_coef" and "lr" it used, the value head's "explained_variance", and its "clock" (time.time() at
+    its start and after sampling, critiquing, scoring and updating). b and g are 03's Rollouts. Returns the row."""
     b, g, stats, clock, watched = it["b"], it["g"], it["stats"], it["clock"], it["watched"]
     counts = distributed.all_sum(torch.tensor(it["counts"], dtype=torch.float, device=args.device))  # as it["counts"]
     if watched:
@@ -98,22 +57,19 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
                            .tolist()))
     ppo_stats = distributed.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]],
                                                  device=args.device)) / world
-    mask, returns = g["mask"], g["returns"]
-    masked_mean = lambda x: (x * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731  (03's masked_mean)
-    var_returns = masked_mean((returns - masked_mean(returns)) ** 2)
-    explained = 1 - masked_mean((returns - g["values"]) ** 2) / var_returns if var_returns > 0 else 0.0
-    row = {"step": step, "objective/kl": g["kl"].sum(1).mean().item(), "objective/kl_coef": it["kl_coef"],
+    mask = g.mask
+    row = {"step": step, "objective/kl": g.kl.sum(1).mean().item(), "objective/kl_coef": it["kl_coef"],
            "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
-           "objective/span_reward": (g["delta"] * mask).sum(1).mean().item(),
-           "objective/rlhf_reward": g["rewards"].sum(1).mean().item(),
+           "objective/span_reward": (g.delta * mask).sum(1).mean().item(),
+           "objective/rlhf_reward": g.rewards.sum(1).mean().item(),
            **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
-           **({"val/explained_variance": float(explained)} if args.advantage == "gae" else {}),  # rloo: no value head
+           **({"val/explained_variance": it["explained_variance"]} if args.advantage == "gae" else {}),  # rloo: no V
            "critic/parse_fail_rate": counts[0].item() / args.batch_size,
            "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
-           "critic/tokens_labelled_frac": ((g["delta"] != 0).float() * mask).sum().item() / mask.sum().item(),
-           "critic/mistake_rate": ((g["delta"] < 0).float() * mask).amax(1).mean().item(),
+           "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
+           "critic/mistake_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
            **watched,
-           "response/length": mask.sum(1).mean().item(), "response/eos_rate": g["has_eos"].float().mean().item(),
+           "response/length": mask.sum(1).mean().item(), "response/eos_rate": g.has_eos.float().mean().item(),
            "policy/epochs": it["epochs"], "lr": it["lr"], "time/generate_s": clock["sampled"] - clock["start"],
            "time/critic_s": clock["critiqued"] - clock["sampled"],
            "time/forward_s": clock["scored"] - clock["critiqued"], "time/update_s": clock["updated"] - clock["scored"],
@@ -123,75 +79,53 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
             common.append_jsonl(f, row)
     if rank == 0 and (step % args.log_every == 0 or step == args.steps):
         with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-            for rec, text, fb, delta, m in list(zip(it["recs"], b["texts"], it["feedback"], b["delta"], b["mask"]))[:4]:
+            for rec, text, fb, delta, m in list(zip(it["recs"], b.texts, it["feedback"], b.delta, b.mask))[:4]:
                 fb = fb or {"critique": None, "good_spans": [], "poor_spans": []}
                 common.append_jsonl(f, {"step": step, "prompt": rec["prompt"], "response": text, **fb,
                                         "span_reward": (delta * m).sum().item()})
     return row
 
 
-def dump_rollouts(step: int, rank: int, b: dict, kl_coef: float, params, out_dir) -> None:
-    """--dump-rollouts (an audit): every tensor of an iteration and a checksum of the parameters after its update, to
-    out_dir/step<N>_rank<R>.pt."""
+def dump_rollouts(step: int, rank: int, b, kl_coef: float, params, out_dir) -> None:
+    """--dump-rollouts (an audit): every tensor of an iteration (b, 03's Rollouts) and a checksum of the parameters
+    after its update, to out_dir/step<N>_rank<R>.pt."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    torch.save({"texts": b["texts"], "delta": b["delta"], "kl_coef": kl_coef, **{k: b[k] for k in (
-        "query", "response", "kl", "mask", "values", "has_eos", "advantages", "returns")},
-        "param_checksum": sum(distributed.full(p).double().sum().item() for p in params)},
-        Path(out_dir) / f"step{step}_rank{rank}.pt")
+    T = b.mask.shape[1]
+    torch.save({"texts": b.texts, "delta": b.delta, "kl_coef": kl_coef, "query": b.input_ids[:, :-T],
+                "response": b.input_ids[:, -T:], **{k: getattr(b, k) for k in (
+                    "kl", "mask", "values", "has_eos", "advantages", "returns")},
+                "param_checksum": sum(distributed.full(p).double().sum().item() for p in params)},
+               Path(out_dir) / f"step{step}_rank{rank}.pt")
 
 
-def policy_logprobs(model, b, forbid, micro, args, forward):
-    """log pi(y_t | x, y_<t) of the batch's response tokens under the model as it is now, (B, T), no grad: in the
-    same chunks as score_rollouts (the same shapes, so a token whose probability did not move gets Delta = 0)."""
-    (B, T), out = b["mask"].shape, []
-    rows = models.scoring_rows(b, micro, model, args)
-    with torch.no_grad(), distributed.autocast(args.device, args.dtype):
-        for s in range(0, B, rows):
-            out.append(forward(model, None, b["input_ids"][s:s + rows], b["attention_mask"][s:s + rows], T,
-                               args.temperature, forbid)[0])
-    return torch.cat(out)
-
-
-def trace_iteration(step, out_dir, model, b, g, recs, feedback, kl_coef, forbid, micro, args, rank, forward,
-                    rewards_and_advantages, locality) -> None:
+def trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went: dict, args, rank) -> None:
     """--trace-samples N: where this iteration's update went, one line of out_dir/trace.jsonl (rank 0 writes; resume
-    cuts it back like metrics.jsonl). After step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old of
-    every response token. The line holds the locality of Delta over the global batch (locality_summary), that of the
-    advantages under both reward modes (the other mode's from the same delta, KL, V and beta), and N of this rank's
-    rollouts, those with a poor span first: each token's text, delta, KL, V, the old and new log-probs, and r and A
-    under both modes. r is the critic's and the KL's part alone: --missing-eos-penalty, which the update adds at the
-    last token of a rollout cut off before its EOS, is the sample's own "missing_eos_penalty" (-penalty or 0), never
-    inside r, where it read as the critic's; A is the update's, penalty included. It draws nothing random: a run is the
-    same with or without it. 04's report draws it ("Where the update went"); bench/locality.py measures with it. Stage 3
-    passes its own functions in: forward, rewards_and_advantages, and locality = (locality_sums, locality_summary) of
-    its pure section."""
-    locality_sums, locality_summary = locality
-    B, T = b["mask"].shape
-    log_ratio = (policy_logprobs(model, b, forbid, micro, args, forward) - b["logprobs"]) * b["mask"]  # (B, T): Delta_t
-    locality = locality_summary(distributed.all_sum(locality_sums(log_ratio, b["delta"], b["mask"])))
-    other = "scalar" if args.reward_mode == "span" else "span"
-    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # r without the penalty: logged apart
-    rewards = {m: rewards_and_advantages(g, kl_coef, m, apart)[0] for m in (args.reward_mode, other)}
-    advantages = {args.reward_mode: g["advantages"], other: rewards_and_advantages(g, kl_coef, other, args)[1]}
-    advantage_locality = {m: locality_summary(locality_sums(a, g["delta"], g["mask"])) for m, a in advantages.items()}
-    mine = slice(rank * B, (rank + 1) * B)                                                        # this rank's rows
-    rewards, advantages = ({m: x[mine, :T] for m, x in d.items()} for d in (rewards, advantages))
+    cuts it back like metrics.jsonl). `went`, 03's where_it_went: Delta_t = log pi_new - log pi_old of every response
+    token ("log_ratio"), its locality over the global batch ("locality"), that of the advantages under both reward
+    modes ("advantage_locality"), and this rank's r and A under both ("rewards", "advantages"). The line holds those
+    localities and N of this rank's rollouts (b, 03's Rollouts), those with a poor span first: each token's text,
+    delta, KL, V, the old and new log-probs, and r and A under both modes. r is the critic's and the KL's part alone:
+    --missing-eos-penalty, which the update adds at the last token of a rollout cut off before its EOS, is the
+    sample's own "missing_eos_penalty" (-penalty or 0), never inside r, where it read as the critic's; A is the
+    update's, penalty included. 04's report draws it ("Where the update went"); bench/locality.py measures with it."""
     if rank != 0:
         return
-    flawed = ((b["delta"] < 0).float() * b["mask"]).amax(1).tolist()
-    rows = sorted(range(B), key=lambda i: -flawed[i])[:args.trace_samples]      # stable: flawed first, in batch order
+    log_ratio, rewards, advantages = went["log_ratio"], went["rewards"], went["advantages"]
+    flawed = ((b.delta < 0).float() * b.mask).amax(1).tolist()
+    rows = sorted(range(len(b.mask)), key=lambda i: -flawed[i])[:args.trace_samples]  # stable: flawed first, in order
     num = lambda x, i, n: [float(f"{v:.6g}") + 0.0 for v in x[i, :n].tolist()]  # noqa: E731  (6 digits; no -0.0)
     samples = []
     for i in rows:
-        n, text = int(b["mask"][i].sum()), b["texts"][i]
+        n, text = int(b.mask[i].sum()), b.texts[i]
         samples.append({
             "row": i, "prompt": recs[i]["prompt"][-2000:], "critique": (feedback[i] or {}).get("critique"),
-            "tokens": [text[a:z] for a, z in b["offsets"][i]], "has_eos": bool(b["has_eos"][i]),
-            "missing_eos_penalty": 0.0 if b["has_eos"][i] else -args.missing_eos_penalty + 0.0,
-            "delta": num(b["delta"], i, n), "kl": num(b["kl"], i, n), "values": num(b["values"], i, n),
+            "tokens": [text[a:z] for a, z in b.offsets[i]], "has_eos": bool(b.has_eos[i]),
+            "missing_eos_penalty": 0.0 if b.has_eos[i] else -args.missing_eos_penalty + 0.0,
+            "delta": num(b.delta, i, n), "kl": num(b.kl, i, n), "values": num(b.values, i, n),
             "rewards": {m: num(r, i, n) for m, r in rewards.items()},
             "advantages": {m: num(a, i, n) for m, a in advantages.items()},
-            "logprobs_old": num(b["logprobs"], i, n), "logprobs_new": num(b["logprobs"] + log_ratio, i, n)})
+            "logprobs_old": num(b.logprobs, i, n), "logprobs_new": num(b.logprobs + log_ratio, i, n)})
     with open(Path(out_dir) / "trace.jsonl", "a", encoding="utf-8") as f:
         common.append_jsonl(f, {"step": step, "reward_mode": args.reward_mode, "kl_coef": kl_coef,
-                                "locality": locality, "advantage_locality": advantage_locality, "samples": samples})
+                                "locality": went["locality"], "advantage_locality": went["advantage_locality"],
+                                "samples": samples})

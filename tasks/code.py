@@ -11,8 +11,7 @@ import os
 import re
 
 from common import DataError
-from tasks import plugin
-from tasks.data import read_rows
+from tasks.quotes import unambiguous_quotes
 from tasks.sandbox import TRACEBACK_FRAME, parse_python, run_tests_sandboxed
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -79,24 +78,6 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
     out = {"prompt": prompt, "test": test, "reference": ref}
     rid = rec.get("task_id", rec.get("question_id", rec.get("id")))
     return {"id": str(rid), **out} if rid is not None else out
-
-
-def read_code_problems(data: str, split: str = "test", limit: int | None = None, **fields) -> list[dict]:
-    """Code problems from a .jsonl / .jsonl.gz / .json / .parquet file or a hub dataset id, in any layout above.
-    Records without an id get their index."""
-    rows = read_rows(data, split)
-    rows = rows[:limit] if limit is not None else rows
-    if not rows:
-        raise DataError(f"{data}: no records (empty split)")
-    layout, seen, problems = code_layout(rows[0][1]), set(), []
-    for i, (where, row) in enumerate(rows):
-        prob = code_problem(row, where, layout, **fields)
-        prob["id"] = prob.get("id", str(i))
-        if prob["id"] in seen:
-            raise DataError(f"{where}: duplicate id {prob['id']!r}")
-        seen.add(prob["id"])
-        problems.append(prob)
-    return problems
 
 
 def _fenced(response: str):
@@ -174,11 +155,14 @@ def run_completion(response: str, test, timeout_s: float = 10.0, trace: bool = F
 
 
 def critic(records: list[dict], responses: list[str], timeout_s: float = 10.0) -> list[dict]:
-    """code_critic as a plug-in critic (tasks/plugin.py): --critic program, or python:tasks.code:critic; each record
+    """code_critic as a plug-in critic (critics/plugin.py): --critic program, or python:tasks.code:critic; each record
     holds its problem's "test" (code_problem). A problem whose tests cannot run is an error item: no annotation, and
     no delta for that response."""
     out = []
     for rec, response in zip(records, responses):
+        if "test" not in rec:
+            raise ValueError("a prompt without tests: the code critic runs a code benchmark's tests (--prompts in a "
+                             "layout of tasks/code.py)")
         fb = code_critic(rec["prompt"], response, rec["test"], timeout_s)
         out.append({"error": f"the tests cannot run: {fb['error']}"} if fb.get("error") else fb)
     return out
@@ -231,7 +215,7 @@ def _response_lines(program: str, start: int, offset: int) -> dict[int, tuple[st
 
 def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[list[str], list[str], list[dict]]:
     """Exact, unambiguous quotes of `response` for (first, last) program line ranges; poor wins over good, 3 each;
-    and the ranges no quote can reach (plugin.unambiguous_quotes: a line repeated earlier)."""
+    and the ranges no quote can reach (unambiguous_quotes: a line repeated earlier)."""
     def intervals(ranges):
         out = []
         for a, b in ranges:
@@ -241,7 +225,7 @@ def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[li
         return out
     poor_iv = intervals(poor)[:3]
     good_iv = [iv for iv in intervals(good) if not any(a < iv[1] and iv[0] < b for a, b in poor_iv)][:3]
-    return plugin.unambiguous_quotes(response, good_iv, poor_iv)
+    return unambiguous_quotes(response, good_iv, poor_iv)
 
 
 def _suspicious_lines(cases: list[dict], tree, quotable, limit: int = 2) -> list[int]:

@@ -1,15 +1,14 @@
 """The demo world: summarise a short synthetic post about a pet. It holds the data (demo_dataset), the rule-based
 critic that writes critique + spans (demo_critic), the exact monitor of stages 3 and 4 (demo_monitor, demo_scores,
-demo_rm_agreement) and the tiny base model that plays the pretrained LLM (build_demo_base, build_tiny_base). The
-zero-flag run of every stage uses it.
+demo_rm_agreement); the tiny base model that plays the pretrained LLM is built from it (infra/tiny_model.py:
+build_demo_base). The zero-flag run of every stage uses it.
 """
 from __future__ import annotations
 
 import re
 
 from common import format_rm_target, locate_spans, rm_user_message, span_rewards
-from infra.runs import save_pretrained
-from tasks import plugin
+from tasks.quotes import unambiguous_quotes
 
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
 #   "<owner> has a <color> <animal> called <pet_name> that likes the <place> and eats <food>."
@@ -142,7 +141,7 @@ def demo_facts(prompt: str, response: str) -> tuple[int, int]:
 
 def demo_critic(prompt: str, response: str) -> dict:
     """The demo task's programmatic critic: {"critique", "good_spans", "poor_spans", "ambiguous_spans"}, quotes
-    exact in `response`; a flagged interval no quote can reach (plugin.unambiguous_quotes) is listed, not quoted."""
+    exact in `response`; a flagged interval no quote can reach (unambiguous_quotes) is listed, not quoted."""
     pets, _ = demo_post_pets(prompt)
     labelled = demo_labels(prompt, response)
     pet = lambda start: min(response[:start].count("."), len(pets) - 1)  # noqa: E731  (as demo_labels judges)
@@ -156,7 +155,7 @@ def demo_critic(prompt: str, response: str) -> dict:
         if note and note not in notes:
             notes.append(note)
     intervals = demo_intervals(response, labelled)
-    good, poor, ambiguous = plugin.unambiguous_quotes(response, intervals["good"], intervals["poor"])
+    good, poor, ambiguous = unambiguous_quotes(response, intervals["good"], intervals["poor"])
     right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
     missing = [cat.replace("_", " ") + (f" of pet {k + 1}" if len(pets) > 1 else "") for k in range(len(pets))
                for cat in DEMO_FACTS if (k, cat) not in seen]
@@ -167,7 +166,7 @@ def demo_critic(prompt: str, response: str) -> dict:
 
 
 def critic(records: list[dict], responses: list[str]) -> list[dict]:
-    """demo_critic as a plug-in critic (tasks/plugin.py): --critic program, or python:tasks.demo:critic. A prompt that
+    """demo_critic as a plug-in critic (critics/plugin.py): --critic program, or python:tasks.demo:critic. A prompt that
     is not a demo post is an error item: that response gets no delta, the others are judged."""
     out = []
     for rec, response in zip(records, responses):
@@ -316,74 +315,3 @@ def demo_dataset(split: str, n: int, mistake_rate: float = 0.55, pets: int = 1) 
     import random
     rng = random.Random(f"text2grad-demo-{split}" + (f"-pets{pets}" if pets > 1 else ""))
     return [{"id": f"demo-{split}-{i}", **make_demo_example(rng, mistake_rate, pets)} for i in range(n)]
-
-
-def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, seed: int = 0, pets: int = 1) -> str:
-    """The demo's stand-in for a pretrained LLM: a tokenizer and a 2-layer, 0.6M-parameter Llama trained to continue
-    demo posts with their correct summary (loss on the summary only). That gives it the skill a real LLM brings,
-    copying facts from its context (an induction-head skill a model this small needs a few hundred focused steps for;
-    plain LM loss over whole posts, or a 4-layer model, takes far longer). It never sees critiques or reward-model
-    prompts (stage 2 teaches those) nor the noisy SFT targets (stage 3), only their words in the tokenizer corpus."""
-    texts, pretrain = [], []
-    for ex in demo_dataset("pretrain", n_texts, pets=pets):
-        critique = " " + format_rm_target(**demo_critic(ex["prompt"], ex["response"]))
-        pretrain.append((ex["prompt"], " " + ex["reference"]))
-        texts += [ex["prompt"] + ex["response"], critique]
-    texts += [rm_user_message("", "") + "\n\n### Critique\n"] * 100  # so the RM instruction's words are single tokens
-    return build_tiny_base(out_dir, texts, num_layers=2, pretrain_texts=pretrain, pretrain_steps=pretrain_steps,
-                           lr=2e-3, seed=seed)
-
-
-# A tiny model built offline: byte-level BPE tokenizer + small Llama (tests and the demo's base model)
-def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_size: int = 128, num_layers: int = 4,
-                    num_heads: int = 4, intermediate_size: int = 512, chat_template: str | None = None,
-                    pretrain_texts: list | None = None, pretrain_steps: int = 0, batch_size: int = 32,
-                    lr: float = 1e-3, seed: int = 0) -> str:
-    """Train a byte-level BPE tokenizer on `texts`, build a small Llama from a config, optionally pretrain it so it
-    plays the role of a pretrained LLM, and save both to `out_dir` for from_pretrained. `pretrain_texts` (default
-    `texts`) holds strings (loss on every token) or (context, continuation) pairs (loss on the continuation and EOS).
-    Every word of a small regular corpus becomes one token (~600-700 in all)."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    torch.manual_seed(seed)
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    if chat_template:
-        tok.chat_template = chat_template
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                         intermediate_size=intermediate_size, max_position_embeddings=1024, tie_word_embeddings=True,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    model = LlamaForCausalLM(config)
-    if pretrain_steps:
-        from tqdm.auto import tqdm
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30))  # short warm-up
-        examples = []  # (ids, index of the first token with a loss)
-        for t in pretrain_texts or texts:
-            context, cont = t if isinstance(t, tuple) else ("", t)
-            ids = tok(context, add_special_tokens=False)["input_ids"] if context else []
-            examples.append((ids + tok(cont, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], len(ids)))
-        gen = torch.Generator().manual_seed(seed)
-        for _ in tqdm(range(pretrain_steps), desc="pretrain tiny base", leave=False):
-            batch = [examples[i] for i in torch.randint(len(examples), (batch_size,), generator=gen).tolist()]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([ids + [tok.pad_token_id] * (width - len(ids)) for ids, _ in batch])
-            labels = ids.clone()
-            for row, (seq, first) in enumerate(batch):
-                labels[row, :first] = -100
-                labels[row, len(seq):] = -100
-            loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-    model.generation_config.pad_token_id = tok.pad_token_id
-    return str(save_pretrained(out_dir, model, tok))

@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
 from infra import serving  # noqa: E402
-from tasks.demo import build_tiny_base, demo_critic, demo_dataset  # noqa: E402
+from infra.tiny_model import build_tiny_base  # noqa: E402
+from tasks.demo import demo_critic, demo_dataset  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant: {% endif %}")
@@ -65,8 +66,8 @@ def adapter_dir(tiny_model_dir, tmp_path_factory) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from infra import models
-    model = models.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
+    from infra import trainable
+    model = trainable.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
     torch.manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:

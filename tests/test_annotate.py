@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 
 import common
-from infra import annotation_report, annotator, generation, serving
-from tasks.data import DEMO_FILES, dataset_rows, to_records
+from annotation import annotator, generation
+from annotation import report as annotation_report
+from infra import serving
+from annotation.inputs import DEMO_FILES, dataset_rows, to_records
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script, write_jsonl_gz
 

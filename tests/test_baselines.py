@@ -17,7 +17,7 @@ from conftest import import_script
 
 import common
 from infra import models, reward_models, runs
-from tasks.data import load_annotations, split_records
+from infra.data import load_annotations, split_records
 from tasks.demo import demo_critic, demo_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "baselines"))
 dpo = import_script("dpo")
 reflection = import_script("reflection_data")
 from baselines import scalar_rm  # noqa: E402
+from critics.scalar import step_deltas  # noqa: E402
 
 
 def annotated(prompt, response, rid):
@@ -119,8 +120,8 @@ def test_step_labels_mark_the_steps_a_poor_span_falls_in():
 
 def test_step_deltas_put_each_reward_on_the_steps_last_token():
     offsets = [(0, 4), (4, 8), (8, 13), (13, 13)]  # " tom", " has", " fish", EOS
-    assert scalar_rm.step_deltas(offsets, [(8, 0.5), (13, -0.25)]) == [0.0, 0.5, -0.25, 0.0]
-    assert scalar_rm.step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]   # the scalar RM: the last token (EOS)
+    assert step_deltas(offsets, [(8, 0.5), (13, -0.25)]) == [0.0, 0.5, -0.25, 0.0]
+    assert step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]   # the scalar RM: the last token (EOS)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

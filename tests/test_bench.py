@@ -9,7 +9,8 @@ import pytest
 from conftest import ROOT
 
 import common
-from tasks import plugin
+import critics
+from critics import plugin
 
 sys.path.insert(0, str(ROOT / "bench"))
 import ablations  # noqa: E402
@@ -401,7 +402,7 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     models' quality and Text2Grad against the best baseline with its interval."""
     from pathlib import Path
 
-    from tasks.demo import build_demo_base
+    from infra.tiny_model import build_demo_base
     rm_base = Path(tiny_chat_model_dir)  # a chat model that is not the policy's base
     out = tmp_path / "pb"
     build_demo_base(out / "base", pretrain_steps=5, n_texts=200)  # the bench's own base, pretrained briefly
@@ -544,7 +545,8 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
     """Every arm puts delta only on tokens inside an interval the demo critic flags (no quote widened to be unique:
     on these answers the quoting critic's delta differs); poor_only is min(span, 0); clause_scores is a perfect PRM's
     step_deltas, its clauses the PRM's (split_steps), wrong where a flagged poor interval overlaps them."""
-    from baselines.scalar_rm import split_steps, step_deltas
+    from baselines.scalar_rm import split_steps
+    from critics.scalar import step_deltas
     from tasks.demo import demo_dataset, demo_intervals, demo_labels
     widened = 0
     for k in (1, 2):
@@ -552,7 +554,7 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
             text, offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(rec["response"],
                                                                                       add_special_tokens=False)[
                 "input_ids"])
-            d = {arm: plugin.delta(text, offsets, plugin.call(getattr(credit_arms, arm), arm, [rec], [text])[0])
+            d = {arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
                  for arm in ("span", "poor_only", "clause_scores")}
             flagged = demo_intervals(text, demo_labels(rec["prompt"], text))
             for (s, e), v in zip(offsets, d["span"]):
@@ -562,8 +564,8 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
             bad = lambda s, e: any(a < e and s < b for a, b in flagged["poor"])  # noqa: E731
             assert d["clause_scores"] == step_deltas(offsets, [(e, -1.0 if bad(s, e) else 1.0)
                                                                for s, e in split_steps(text, "clause")])
-            quoting = plugin.call(plugin.load_critic("program", "demo", "--critic")[0], "p", [rec], [text])[0]
-            widened += plugin.delta(text, offsets, quoting) != d["span"]
+            quoting = critics.call(plugin.load_critic("program", "demo", "--critic")[0], "p", [rec], [text])[0]
+            widened += critics.delta(text, offsets, quoting)[0] != d["span"]
     assert widened  # the bench's reason for its own arms: the quoting critic widens some labels
 
 
@@ -578,7 +580,7 @@ def test_fair_scalar_and_poor_facts_score_facts_stated_less_mistakes(tiny_tokeni
                                    5, 3), (" tom has a red dog called rex that likes the park and eats fish.", 6, 0)):
         offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)[
             "input_ids"])[1]
-        d = {arm: plugin.delta(text, offsets, plugin.call(getattr(credit_arms, arm), arm, [rec], [text])[0])
+        d = {arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
              for arm in ("fair_scalar", "poor_facts", "poor_only")}
         assert d["fair_scalar"] == [0.0] * (len(offsets) - 1) + [facts - mistakes]
         assert d["poor_facts"] == d["poor_only"][:-1] + [d["poor_only"][-1] + facts]
@@ -595,7 +597,7 @@ def test_per_pet_arms_divide_every_reward_by_k_and_change_nothing_at_k1(tiny_tok
             offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)[
                 "input_ids"])[1]
             for arm in ("span", "poor_facts", "fair_scalar", "clause_scores"):
-                d = [plugin.delta(text, offsets, plugin.call(getattr(credit_arms, name), name, [rec], [text])[0])
+                d = [critics.delta(text, offsets, critics.call(getattr(credit_arms, name), name, [rec], [text])[0])[0]
                      for name in (arm, arm + "_per_pet")]
                 assert d[1] == [x / k for x in d[0]]
 

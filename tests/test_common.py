@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import common
-from infra import models, reward_models, runs
-from tasks.data import read_rows
+from infra import models, reward_models, runs, trainable
+from infra.data import read_rows
 from common import decode_with_offsets, find_span, locate_spans, parse_feedback, span_rewards
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -641,7 +641,7 @@ def test_a_utf8_bom_at_the_start_of_a_file_is_read(tmp_path):
 
 
 def test_read_rows_reads_local_json_and_parquet_like_stage_1(tmp_path):
-    # 03 and 04 read their data through tasks.data.read_rows, stage 1 too: a local .json names its file and line when it
+    # 03 and 04 read their data through infra.data.read_rows, stage 1 too: a local .json names its file and line when it
     # is broken, and the paper's own layout ({id: record}) is a list of records, wherever it is read.
     p = tmp_path / "problems.json"
     p.write_text('[\n  {"prompt": "a"},\n  {"prompt": }\n]\n')
@@ -763,12 +763,12 @@ def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
 def test_attaching_an_adapter_raises_no_deprecation_warning(tmp_path, tiny_model_dir):
     """peft 0.21 asks every model it wraps for `is_gradient_checkpointing`, which transformers 5.24 deprecated for
     `is_activation_checkpointing`: a FutureWarning in stages 2-4 each time a LoRA adapter is added or loaded (issue
-    46). infra.models.add_lora and infra.models.load_model(adapter dir) raise none."""
+    46). infra.trainable.add_lora and infra.models.load_model(adapter dir) raise none."""
     import warnings
     model, tok = models.load_model(tiny_model_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
-        lora = models.add_lora(model, 4, 8)
+        lora = trainable.add_lora(model, 4, 8)
         lora.save_pretrained(tmp_path / "adapter")
         models.load_model(str(tmp_path / "adapter"))
     assert not lora.get_base_model().is_activation_checkpointing  # the non-deprecated name answers the same question
@@ -820,6 +820,6 @@ def test_a_byte_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
         with pytest.raises(common.DataError, match=rf"{name}:2: not UTF-8 \(byte 0xe9 at column 16\)"):
             common.read_jsonl(tmp_path / name)
     (tmp_path / "bad.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
-    from tasks.data import read_rows
+    from infra.data import read_rows
     with pytest.raises(common.DataError, match=r"bad.json:1: not UTF-8 \(byte 0xe9"):
         read_rows(str(tmp_path / "bad.json"))

@@ -1,19 +1,20 @@
 """The PPO loop copied alone: 03_train_policy.py's pure-function section, lifted exactly as a reader would copy it
-(between its two section banners) into a file with nothing but `import torch` above it, and the README's lines that
-call it, train a tiny language model built here to stop saying one token."""
+(between its two section banners) into a file with nothing but `import torch` and `from dataclasses import dataclass`
+above it, trains a tiny language model built here to stop saying one token, with the section's own ppo_update: the
+update 03's train() runs, not a copy of it. one_iteration below is the whole of what a reader writes around it."""
 import ast
 import builtins
 import copy
 import dis
 import importlib.util
-import re
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, import_script
 
 BAD, VOCAB, T, B = 3, 6, 8, 64  # the penalised token; a bigram LM over 6 tokens; rollouts of 8 tokens, 64 at a time
+PRELUDE = "import torch\nfrom dataclasses import dataclass\n"  # what the section needs above it (README)
 
 
 def pure_section() -> str:
@@ -24,12 +25,6 @@ def pure_section() -> str:
     end = next(i for i in range(title + 2, len(lines)) if rule(i) and lines[i + 1].startswith("# "))
     assert rule(title - 1) and rule(title + 1)
     return "".join(lines[title + 2:end])
-
-
-def readme_loop() -> str:
-    """The README's fenced block that calls the section's functions in order (paper -> code)."""
-    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
-    return next(b for b in blocks if "def ppo_iteration(" in b)
 
 
 def foreign_imports(source: str) -> list[str]:
@@ -45,7 +40,10 @@ def foreign_imports(source: str) -> list[str]:
 
 def unresolved_globals(module) -> set[str]:
     """Global names the module's functions read that neither it nor the builtins define (np, common, ...)."""
-    missing, codes = set(), [f.__code__ for f in vars(module).values() if callable(f) and hasattr(f, "__code__")]
+    classes = [c for c in vars(module).values() if isinstance(c, type)]
+    defs = [*vars(module).values(), *(f for c in classes for f in vars(c).values())]
+    missing, codes = set(), [f.__code__ for f in defs if getattr(f, "__code__", None) and f.__code__.co_filename ==
+                             module.__file__]  # its own functions and methods (not dataclass's, nor those it makes)
     while codes:
         code = codes.pop()
         codes += [c for c in code.co_consts if hasattr(c, "co_code")]
@@ -56,7 +54,7 @@ def unresolved_globals(module) -> set[str]:
 
 def load_copy(tmp_path, section: str):
     path = tmp_path / "ppo_copy.py"
-    path.write_text("import torch\n" + section, encoding="utf-8")
+    path.write_text(PRELUDE + section, encoding="utf-8")
     spec = importlib.util.spec_from_file_location("ppo_copy", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -68,8 +66,9 @@ class TinyLM(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.embed, self.out, self.value = torch.nn.Embedding(VOCAB, 16), torch.nn.Linear(16, VOCAB), \
-            torch.nn.Linear(16, 1)
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.out = torch.nn.Linear(16, VOCAB)
+        self.value = torch.nn.Linear(16, 1)
 
     def forward(self, ids):  # (B, T + 1) -> logits (B, T, V) of tokens 1..T, values (B, T) of the states before them
         h = torch.tanh(self.embed(ids[:, :-1]))
@@ -89,14 +88,33 @@ def sample(model, gen):
     return ids
 
 
-def token_logprobs(model, ids):
+def score(model, ids):
+    """(log pi(y_t), V(s_t), logits) of the sampled tokens, the shapes 03's forward returns."""
     logits, values = model(ids)
-    return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(-1), values
+    return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(-1), values, logits
+
+
+def one_iteration(ppo, model, reference, optimizer, gen, kl_coef=0.2):
+    """Alg. 4 on the tiny LM, with the copied section's functions (ppo): what 03's train() does, less the machinery."""
+    ids = sample(model, gen)                                       # 1. rollouts y ~ pi_theta
+    mask = torch.ones(B, T)
+    delta = -(ids[:, 1:] == BAD).float()                           # 2-3. the critic's delta_t: -1 on the bad token
+    with torch.no_grad():
+        logprobs, values, _ = score(model, ids)
+        ref_logprobs, _, _ = score(reference, ids)
+    kl = ppo.per_token_kl(logprobs, ref_logprobs)                  # 4. KL_t, and r_t = delta_t - beta * KL_t
+    rewards = ppo.compute_rewards(delta, kl, mask, kl_coef)
+    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)  # 5. A_t by GAE, whitened
+    batch = ppo.Rollouts(mask, logprobs=logprobs, values=values, advantages=ppo.masked_whiten(advantages, mask),
+                         returns=returns)
+    hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2)
+    return ppo.ppo_update(lambda rows: score(model, ids[rows]), batch, list(model.parameters()), optimizer, hp)  # 6.
 
 
 def test_the_section_imports_nothing_but_torch():
     section = pure_section()
-    assert "def compute_gae(" in section and "def ppo_loss(" in section and "def masked_whiten(" in section
+    for name in ("compute_gae", "ppo_loss", "masked_whiten", "ppo_update"):
+        assert f"def {name}(" in section
     assert foreign_imports(section) == []
     assert foreign_imports("import numpy as np\n" + section) == ["numpy"]  # what the check would catch
 
@@ -107,26 +125,25 @@ def test_the_check_catches_a_name_from_outside(tmp_path):
     assert unresolved_globals(load_copy(tmp_path, section)) == {"np"}
 
 
+def test_the_copied_update_is_the_one_03_runs(tmp_path):
+    """The section's ppo_update is the function 03's update() calls, byte code for byte code, and train() calls it."""
+    ppo, copied = import_script("03_train_policy"), load_copy(tmp_path, pure_section())
+    assert copied.ppo_update.__code__.co_code == ppo.ppo_update.__code__.co_code
+    assert "ppo_update" in ppo.update.__code__.co_names and "update" in ppo.train.__code__.co_names
+
+
 def test_the_copied_loop_trains_a_tiny_lm_away_from_one_token(tmp_path):
     ppo = load_copy(tmp_path, pure_section())
     assert unresolved_globals(ppo) == set()  # every name it reads is its own, torch's or a builtin
-    namespace = dict(vars(ppo))
-    exec(readme_loop(), namespace)  # the README's lines, as a reader lifts them
     torch.manual_seed(0)
     model, gen = TinyLM(), torch.Generator().manual_seed(0)
     reference = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = model.next_token_probs()
     for _ in range(20):
-        ids = sample(model, gen)
-        mask = torch.ones(B, T)
-        delta = -(ids[:, 1:] == BAD).float()  # delta_t = -1 on the penalised token, 0 elsewhere
-        with torch.no_grad():
-            old_logprobs, old_values = token_logprobs(model, ids)
-            ref_logprobs, _ = token_logprobs(reference, ids)
-        stats = namespace["ppo_iteration"](lambda: token_logprobs(model, ids), optimizer, delta, mask, old_logprobs,
-                                           ref_logprobs, old_values)
-        assert set(stats) >= {"policy/approx_kl", "policy/clipfrac"}
+        stats, epochs = one_iteration(ppo, model, reference, optimizer, gen)
+        assert epochs == 2 and len(stats) == 4  # 2 epochs of 2 minibatches
+        assert set(stats[0]) >= {"policy/approx_kl", "policy/clipfrac", "losses/policy_loss", "losses/value_loss"}
     after = model.next_token_probs()
     others = [v for v in range(VOCAB) if v != BAD]
     assert after[:, BAD].mean() < 0.2 * before[:, BAD].mean()  # the penalised token's probability falls (~0.14)

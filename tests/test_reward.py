@@ -11,8 +11,9 @@ import torch
 from conftest import ROOT, import_script
 
 import common
+from critics.learned import rm_critique
 from infra import models, reward_models
-from tasks.data import load_annotations, split_records
+from infra.data import load_annotations, split_records
 from tasks.demo import demo_critic, demo_dataset
 
 rm = import_script("02_train_reward")
@@ -62,7 +63,7 @@ def test_labels_mask_exactly_the_prompt(chat, tiny_model_dir, tiny_chat_model_di
 
 
 def test_prompt_builder_is_the_shared_one(tiny_model_dir, monkeypatch):
-    """Training serialises through common.build_rm_prompt, the function stage 3 calls (via infra.reward_models.rm_critique)."""
+    """Training serialises through common.build_rm_prompt, the function stage 3 calls (critics.learned.rm_critique)."""
     tok = tokenizer_of(tiny_model_dir)
     rec = annotations(1)[0]
     shared, calls = common.build_rm_prompt, []
@@ -265,7 +266,7 @@ def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
     assert len(common.read_jsonl(out / "eval_samples.jsonl")) == 16
     model, tok = models.load_model(str(out))  # what `03_train_policy.py --reward-model DIR` does
     assert type(model).__name__ == "PeftModelForCausalLM"
-    assert len(reward_models.rm_critique(model, tok, [val[0]["prompt"]], [val[0]["response"]], max_new_tokens=8)) == 1
+    assert len(rm_critique(model, tok, [val[0]["prompt"]], [val[0]["response"]], max_new_tokens=8)) == 1
 
 
 def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
@@ -288,7 +289,7 @@ def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
     trained, before = dict(model.named_parameters()), dict(base.named_parameters())
     assert trained.keys() == before.keys()
     assert all(not torch.equal(trained[k], before[k]) for k in trained)  # every weight moved
-    assert len(reward_models.rm_critique(model, tok, ["post: x"], [" y"], max_new_tokens=4)) == 1
+    assert len(rm_critique(model, tok, ["post: x"], [" y"], max_new_tokens=4)) == 1
 
 
 def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_model_dir):

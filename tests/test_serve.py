@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import common
+from critics import learned
 from infra import models, reward_models, serving
 from conftest import ROOT, bos_adding_copy, import_script, start_server, stop_server
 from tasks.demo import demo_critic, demo_dataset
@@ -248,8 +249,8 @@ def test_a_served_reward_model_critiques_as_the_local_one_token_for_token(served
                            for r in recs])  # the rollouts, as 03 decodes them
     budget, cut = local_args.critic_max_new_tokens, local_args.critic_max_prompt_tokens
     assert (budget, cut) == (served_args.critic_max_new_tokens, served_args.critic_max_prompt_tokens) == (40, 216)
-    local_raw = reward_models.rm_critique(model, tok, prompts, list(texts), budget, max_prompt_tokens=cut)
-    served_raw = serving.rm_critique_served(prompts, list(texts), url, rm_dir, budget, api="completions",
+    local_raw = learned.rm_critique(model, tok, prompts, list(texts), budget, max_prompt_tokens=cut)
+    served_raw = learned.rm_critique_served(prompts, list(texts), url, rm_dir, budget, api="completions",
                                            tokenizer=tok, max_prompt_tokens=cut)
     assert served_raw == local_raw
     local, served = (ppo.make_critic(a)(recs, list(texts)) for a in (local_args, served_args))

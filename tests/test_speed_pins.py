@@ -16,8 +16,10 @@ import pytest
 import torch
 
 import common
-from infra import decoding, models, reward_models
-from tasks.demo import build_tiny_base, demo_dataset, make_demo_example
+from critics.learned import rm_critique
+from infra import decoding, models, reward_models, trainable
+from infra.tiny_model import build_tiny_base
+from tasks.demo import demo_dataset, make_demo_example
 from conftest import import_script
 
 ppo = import_script("03_train_policy")
@@ -174,7 +176,7 @@ def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_di
     recs = demo_dataset("eval", 6)
     want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
                                                            for r in recs], 12), skip_special_tokens=True)
-    assert reward_models.rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
+    assert rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
 
 
 def test_feedback_complete():
@@ -202,6 +204,6 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
     for a, b, c in zip(whole, zip(*parts), zip(*odd)):
         assert torch.equal(a, torch.cat(b))
         assert torch.allclose(a, torch.cat(c), rtol=1e-5, atol=1e-6)
-    assert models.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
-    assert models.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
-    assert models.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
+    assert trainable.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
+    assert trainable.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
+    assert trainable.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits

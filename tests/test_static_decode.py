@@ -108,17 +108,17 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
         args = ppo.parse_args(["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--temperature",
                                str(T), flag])
         torch.manual_seed(0)
-        b[flag] = ppo.rollout(model, tok, queries, config, stop, args)
+        b[flag] = ppo.rollout(model, tok, queries, config, stop, args)[0]
     eager, compiled = b["--no-compile-generation"], b["--compile-generation"]
-    assert torch.equal(compiled["response"], eager["response"]) and compiled["texts"] == eager["texts"]
-    n = compiled["response"].shape[1]
+    assert torch.equal(compiled.input_ids, eager.input_ids) and compiled.texts == eager.texts
+    n = compiled.mask.shape[1]
     assert len(sampled) == n
     with torch.no_grad():
-        _, _, logits = ppo.forward(model, None, compiled["input_ids"], compiled["attention_mask"], n, T,
+        _, _, logits = ppo.forward(model, None, compiled.input_ids, compiled.attention_mask, n, T,
                                    (stop.tolist(), min_new))                                        # (B, n, V) / T
     behaviour = torch.stack(sampled, 1)                                                             # (B, n, V)
     behaviour[:, :min_new, stop] = -float("inf")
-    live = compiled["mask"].bool()
+    live = compiled.mask.bool()
     want, got = logits.log_softmax(-1)[live], (behaviour / T).log_softmax(-1)[live]
     finite = torch.isfinite(got)
     assert torch.equal(finite, want > torch.finfo(want.dtype).min / 2)  # the banned ids, and only those
@@ -147,11 +147,11 @@ def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypa
     b = {}
     for flag in ("--no-compile-generation", "--compile-generation"):
         torch.manual_seed(0)
-        b[flag] = ppo.rollout(policy, tok, queries, config, stop, ppo.parse_args([*argv, flag]))
-    assert torch.equal(b["--compile-generation"]["response"], b["--no-compile-generation"]["response"])
+        b[flag] = ppo.rollout(policy, tok, queries, config, stop, ppo.parse_args([*argv, flag]))[0]
+    assert torch.equal(b["--compile-generation"].input_ids, b["--no-compile-generation"].input_ids)
     assert hooks_seen and set(hooks_seen) == {0}
     assert len(embed_hooks) == 1
-    ids, attn = b["--compile-generation"]["input_ids"], b["--compile-generation"]["attention_mask"]
+    ids, attn = b["--compile-generation"].input_ids, b["--compile-generation"].attention_mask
 
     def grads():
         policy.zero_grad()

@@ -1,4 +1,4 @@
-"""The paper's Table 4 columns in 04 (infra/table4.py): ARC-Challenge through EleutherAI's harness on a local
+"""The paper's Table 4 columns in 04 (evaluation/table4.py): ARC-Challenge through EleutherAI's harness on a local
 ARC-format task, AlpacaEval 2.0's raw and length-controlled win rates against the alpaca_eval package's own function,
 MT-Bench's two-turn answers and FastChat's single-answer grading through the fake OpenAI-compatible judge, the report's
 Table 4 with its caveats, and one-line errors. Nothing is downloaded: the harness reads a local data_files task and the
@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT, import_script
 
 import common
-from infra import alpaca_lc, judge, lm_eval_tasks, models, mt_bench, table4
+from evaluation import alpaca_lc, judge, lm_eval_tasks, mt_bench, table4
+from infra import models
 
 ev = import_script("04_evaluate")
 

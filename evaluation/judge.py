@@ -22,11 +22,12 @@ from pathlib import Path
 
 import common
 from common import DataError
-from infra import evaluation, serving
+import evaluation
+from infra import serving
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("LLM judge (infra/judge.py)")
+    g = p.add_argument_group("LLM judge (evaluation/judge.py)")
     g.add_argument("--judge-base-url", default=None, help="OpenAI-compatible endpoint of the judge (enables judging)")
     g.add_argument("--judge-model", default="gpt-4o", help="judge model name")
     g.add_argument("--judge-pairs", default=None, metavar="A:B,...",
@@ -126,6 +127,6 @@ def verdicts_path(cache_dir: Path, a: str, b: str) -> Path:
 
 def cached_verdicts(cache_dir: Path, a: str, b: str, records) -> list[dict]:
     """The verdicts judge_pairs cached for the pair A:B, one per record in their order ("winner": A, B, "tie", or None
-    where the reply was invalid): what infra/alpaca_lc.py turns into AlpacaEval's annotations."""
+    where the reply was invalid): what evaluation/alpaca_lc.py turns into AlpacaEval's annotations."""
     rows = {r["id"]: r for r in common.read_jsonl(verdicts_path(cache_dir, a, b))}
     return [rows[r["id"]] for r in records]

@@ -10,7 +10,7 @@ and poor spans highlighted at their character positions (highlight: the paper's 
 under them where the task has one, and each --monitor critic's, its spans highlighted and its critique
 (monitor_block). Everything is escaped; the plots are inline PNGs, so the page fetches nothing. print_table is the
 same metrics on the console. A policy whose reward-model critiques mostly did not parse (results.json's critic_failed,
-infra/evaluation.py) has its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0
+evaluation/__init__.py) has its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0
 (nor the best), with a warning on stderr and a banner at the top of the page (critic_banner).
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ import statistics
 import sys
 from pathlib import Path
 
-from infra import table4
+from evaluation import table4
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("the report (infra/report.py)")
+    g = p.add_argument_group("the report (evaluation/report.py)")
     g.add_argument("--curves", action="append", default=[], metavar="NAME=PATH",
                    help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)")
     g.add_argument("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
@@ -385,7 +385,7 @@ td.na{color:var(--poor-b)}
 
 
 def voided(policy: dict, key: str) -> dict | None:
-    """The policy's critic_failed entry, or a monitor_failed one (infra/evaluation.py), that voids metric `key`."""
+    """The policy's critic_failed entry, or a monitor_failed one (evaluation/__init__.py), that voids metric `key`."""
     return next((f for f in (policy.get("critic_failed"), *(policy.get("monitor_failed") or {}).values())
                  if f and key in f["metrics"]), None)
 
@@ -507,7 +507,8 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
 
 
 def monitor_block(response: str, m: dict) -> str:
-    """A --monitor critic's view of one sample answer (infra/monitors.py: monitor_view), labelled with its name: the
+    """A --monitor critic's view of one sample answer (evaluation/monitors.py: monitor_view), labelled with its name:
+    the
     answer with its spans highlighted and its critique, or why it could not judge it."""
     esc = html.escape
     if m["error"]:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import common
 from common import DataError
-from infra import evaluation, models, serving
+import evaluation
+from infra import models, serving
 
 DATA = Path(__file__).resolve().parents[1] / "tasks" / "mt_bench"
 NEED_REF_CATS = ("math", "reasoning", "coding", "arena-hard-200")  # fastchat/llm_judge/common.py
@@ -36,7 +37,7 @@ PAPER_JUDGES = ("gpt-4", "gpt-4-0613")  # FastChat's default judge, "gpt-4", as 
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("MT-Bench, FastChat's single-answer grading (infra/mt_bench.py)")
+    g = p.add_argument_group("MT-Bench, FastChat's single-answer grading (evaluation/mt_bench.py)")
     g.add_argument("--mt-bench", action="store_true", help="each policy's 1-10 score per turn from --judge-base-url")
     g.add_argument("--mt-bench-questions", default=str(DATA / "question.jsonl"),
                    help="FastChat's question.jsonl layout (default: its 80 questions, tasks/mt_bench/)")

@@ -11,7 +11,7 @@ A policy whose reward-model critiques mostly did not parse (critic_failed: rm/pa
 infra.reward_models.MIN_PARSE_RATE, stage 2's floor) has its critic's metrics marked: a critique that does not parse
 quotes nothing, delta = 0 on every token, which scores as a flawless answer (a poor-token share of 0.000, the best).
 results.json keeps the numbers with a critic_failed entry per policy; the table and report.html show them n/a
-(infra/report.py). So with each --monitor-reward-model NAME (monitor_failed[NAME]: its rm[NAME]/parse_rate).
+(evaluation/report.py). So with each --monitor-reward-model NAME (monitor_failed[NAME]: its rm[NAME]/parse_rate).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from common import DataError
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("task metrics: the code task's tests, BERTScore (infra/evaluation.py)")
+    g = p.add_argument_group("task metrics: the code task's tests, BERTScore (evaluation/__init__.py)")
     g.add_argument("--test-timeout", type=float, default=10.0, help="seconds per completion's tests (code task)")
     g.add_argument("--test-workers", type=int, default=2, help="test runs in parallel")
     g.add_argument("--bertscore-model", default=None, help="local model dir for BERTScore (pip install bert-score)")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import common
 from common import DataError
-from infra import evaluation
+import evaluation
 
 INSTALL = "pip install -r requirements-eval.txt"
 DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
@@ -33,7 +33,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("lm-evaluation-harness tasks, e.g. ARC-Challenge (infra/lm_eval_tasks.py)")
+    g = p.add_argument_group("lm-evaluation-harness tasks, e.g. ARC-Challenge (evaluation/lm_eval_tasks.py)")
     g.add_argument("--lm-eval-tasks", default=None, metavar="TASK,...",
                    help="harness tasks to run on each policy, e.g. arc_challenge")
     g.add_argument("--lm-eval-fewshot", type=int, default=25, help="in-context examples (25: the Open LLM Leaderboard)")
@@ -103,7 +103,7 @@ def check_local_data(manager, task: str, shots: int) -> None:
 def count_questions(path: str, task: str, arc: bool) -> int:
     """The records of one local data file, each ARC record checked as the harness's arc_easy.yaml reads it
     (question; choices.text and choices.label; choices.label.index(answerKey)). DataError 'file:line: field ...'."""
-    from tasks.data import DATA_FILE_SUFFIXES, read_rows
+    from infra.data import DATA_FILE_SUFFIXES, read_rows
     if "://" in path:  # a URL: the harness fetches it
         return 1
     rows = read_rows(path) if path.endswith(DATA_FILE_SUFFIXES) else [

@@ -13,7 +13,7 @@ from infra import models
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("responses from a policy: --generate-with (infra/generation.py)")
+    g = p.add_argument_group("responses from a policy: --generate-with (annotation/generation.py)")
     g.add_argument("--generate-with", default=None, metavar="MODEL",
                    help="generate the responses with this policy (hub id or local dir) instead of taking the dataset's")
     g.add_argument("--max-new-tokens", type=int, default=256, help="--generate-with: response length limit")

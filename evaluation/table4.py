@@ -1,12 +1,12 @@
 """--alpaca-eval, --lm-eval-tasks, --mt-bench: the paper's Table 4 (§4.5) columns for 04's policies, and their report.
 
-The paper puts its UltraFeedback policies side by side with three numbers, each from its standard owner:
-AlpacaEval 2.0's length-controlled win rate (the alpaca_eval package's GLM over 04's judge's verdicts against the
-reference answers: infra/alpaca_lc.py), ARC-Challenge accuracy (EleutherAI's lm-evaluation-harness through its Python
-API: infra/lm_eval_tasks.py) and the MT-Bench score (FastChat's single-answer grading, its prompts and 80 two-turn
-questions: infra/mt_bench.py). This module gives 04 their flags (add_args), checks them before any generation (check),
-computes what was asked for after 04's own metrics (evaluate: results.json's "table4"), and shows it: a table per
-policy with each number's 95% interval and the settings it was computed under, and one line for each way a setting
+The paper puts its UltraFeedback policies side by side with three numbers, each from its standard owner: AlpacaEval
+2.0's length-controlled win rate (the alpaca_eval package's GLM over 04's judge's verdicts against the reference
+answers: evaluation/alpaca_lc.py), ARC-Challenge accuracy (EleutherAI's lm-evaluation-harness through its Python API:
+evaluation/lm_eval_tasks.py) and the MT-Bench score (FastChat's single-answer grading, its prompts and 80 two-turn
+questions: evaluation/mt_bench.py). This module gives 04 their flags (add_args), checks them before any generation
+(check), computes what was asked for after 04's own metrics (evaluate: results.json's "table4"), and shows it: a table
+per policy with each number's 95% interval and the settings it was computed under, and one line for each way a setting
 differs from the paper's, so a number that is not comparable with Table 4 says so (render_html, console_lines).
 docs/table4.md has the commands and what each needs.
 """
@@ -15,7 +15,8 @@ from __future__ import annotations
 import html
 
 from common import DataError
-from infra import alpaca_lc, lm_eval_tasks, mt_bench, serving
+from evaluation import alpaca_lc, lm_eval_tasks, mt_bench
+from infra import serving
 
 
 def add_args(p) -> None:

@@ -28,7 +28,7 @@ GPT4O_PRICES = (2.50, 10.0)  # USD per 1M prompt and completion tokens: OpenAI's
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("an OpenAI-compatible critic: --annotator openai (infra/annotator.py)")
+    g = p.add_argument_group("an OpenAI-compatible critic: --annotator openai (annotation/annotator.py)")
     g.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
                    "(default: OpenAI)")
     g.add_argument("--model", default="gpt-4o", help="critic model name at the endpoint")

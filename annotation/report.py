@@ -8,7 +8,7 @@ file all of it (a larger --limit resumes); a hub dataset is its id and split. An
 existed is resumed with a warning.
 OUTPUT.summary.json and the lines a run ends with (summarize, print_summary), and no failure left quiet
 (report_failures): records and failed ones, spans per record, the unmatched-span rate (App. L), tokens and the
-estimated cost (infra/annotator.py: prices_usd); a warning for timed-out requests, and for a failed share above
+estimated cost (annotation/annotator.py: prices_usd); a warning for timed-out requests, and for a failed share above
 FAIL_WARN_SHARE, an error when nothing was annotated, each saying why.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from collections import Counter
 from pathlib import Path
 
 import common
-from infra import annotator
+from annotation import annotator
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("the output (infra/annotation_report.py)")
+    g = p.add_argument_group("the output (annotation/report.py)")
     g.add_argument("--overwrite", action="store_true", help="start --output afresh, whatever settings made the "
                    "annotations it holds")
 

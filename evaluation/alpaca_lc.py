@@ -1,7 +1,7 @@
 """--alpaca-eval, --alpaca-eval-reference, --alpaca-eval-glm: AlpacaEval 2.0's raw and length-controlled win rates.
 
 Each --policy's answers are judged against the reference answers of --reference-field (AlpacaEval 2.0: GPT-4 Turbo's
-outputs, the "output" field of alpaca_eval_gpt4_baseline.json) by 04's own judge (--judge-base-url, infra/judge.py:
+outputs, the "output" field of alpaca_eval_gpt4_baseline.json) by 04's own judge (--judge-base-url, evaluation/judge.py:
 the order random per prompt and undone, "Winner: A/B/tie"). Its verdicts and the two answers' lengths become the
 alpaca_eval package's annotations (annotations: preference 2 where the policy wins, 1 where the reference does, 1.5
 for a tie; an invalid verdict is left out), and the package computes both numbers (length_controlled): the raw win
@@ -34,7 +34,8 @@ import tempfile
 from pathlib import Path
 
 from common import DataError
-from infra import evaluation, judge
+import evaluation
+from evaluation import judge
 
 INSTALL = "pip install -r requirements-eval.txt"
 PAPER_REFERENCE = "gpt4_1106_preview"  # AlpacaEval 2.0's reference: GPT-4 Turbo's outputs
@@ -43,7 +44,7 @@ N_ALPACA_EVAL = 805
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("AlpacaEval 2.0 raw and length-controlled win rates (infra/alpaca_lc.py)")
+    g = p.add_argument_group("AlpacaEval 2.0 raw and length-controlled win rates (evaluation/alpaca_lc.py)")
     g.add_argument("--alpaca-eval", action="store_true",
                    help="each policy vs --reference-field's answers, judged by --judge-base-url")
     g.add_argument("--alpaca-eval-reference", default=PAPER_REFERENCE, metavar="NAME",
@@ -84,7 +85,7 @@ def glm_name(args) -> str:
 
 def annotations(records: list[dict], answers: list[str], verdicts: list[dict], policy: str, reference: str,
                 annotator: str) -> list[dict]:
-    """The package's annotation rows from 04's judge verdicts (infra/judge.py's rows: "winner" is a name, "tie", or
+    """The package's annotation rows from 04's judge verdicts (evaluation/judge.py's rows: "winner" is a name, "tie", or
     None when invalid): output_1 is the reference's answer, output_2 the policy's, preference 1, 2 or 1.5 (tie); an
     invalid verdict is left out. index is the record's position (AlpacaEval's instruction index)."""
     pref = {reference: 1.0, policy: 2.0, "tie": 1.5}
