@@ -31,6 +31,7 @@ It reads top to bottom: the arguments; the critic's prompts (App. B) and its rep
 infra/data.py's, the plug-in critics critics/'s; the records, --generate-with, the served critic's requests and the
 summary annotation/'s (inputs.py, generation.py, annotator.py, report.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,21 +57,35 @@ from infra import cli, models, serving
 def parse_args(argv=None) -> argparse.Namespace:
     p = cli.parser(__doc__, inputs.FIELDS)
     a = p.add_argument
-    a("--task", choices=["demo", "summarization", "code", "qa"], default="demo",
-      help="field preset and critic prompt: demo, summarization (SLF5K), code (KodCode), qa (UltraFeedback)")
-    a("--dataset", default=None, help="hub id, local .jsonl/.json/.parquet or a folder of <split>.jsonl (default: the "
-                                      "demo's)")
+    a(
+        "--task",
+        choices=["demo", "summarization", "code", "qa"],
+        default="demo",
+        help="field preset and critic prompt: demo, summarization (SLF5K), code (KodCode), qa (UltraFeedback)",
+    )
+    a(
+        "--dataset",
+        default=None,
+        help="hub id, local .jsonl/.json/.parquet or a folder of <split>.jsonl (default: the demo's)",
+    )
     a("--split", default="train", help="dataset split (SLF5K: train, development, validation, test)")
     a("--limit", type=int, default=None, help="annotate only the first N records (UltraFeedback: one per completion)")
     a("--prompt-field", default=None, help="take the prompt from this field instead of the task's preset")
     a("--response-field", default=None, help="take the response from this field instead of the task's preset")
     a("--id-field", default=None, help="take the record id from this field (default: the preset's, else the index)")
-    a("--annotator", type=critics.choice("program", "openai"), default="program",
-      help="program: the task's own (demo rules; code: unit tests); openai: a served model; python:...: yours "
-           "(critics/plugin.py)")
+    a(
+        "--annotator",
+        type=critics.choice("program", "openai"),
+        default="program",
+        help="program: the task's own (demo rules; code: unit tests); openai: a served model; python:...: yours "
+        "(critics/plugin.py)",
+    )
     a("--concurrency", type=int, default=16, help="records in flight (requests; code: sandboxes, at most the CPUs)")
-    a("--use-human-feedback", action="store_true", help="summarization: spans grounded in SLF5K's human feedback "
-                                                        "(the paper's)")
+    a(
+        "--use-human-feedback",
+        action="store_true",
+        help="summarization: spans grounded in SLF5K's human feedback (the paper's)",
+    )
     a("--code-timeout", type=float, default=10.0, help="code: seconds the unit tests may run in the sandbox")
     a("--output", default="runs/demo/annotations.jsonl", help="annotations JSONL (append-only, resumable)")
     a("--retry-failed", action="store_true", help="redo the records of --output whose status is failed")
@@ -94,19 +109,42 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 SYSTEM = "You are a meticulous, fair critic of model responses. You reason before you judge, and you quote exactly."
 TASKS = {  # task: (what is critiqued, the chain-of-thought questions)
-    "summarization": ("a summary of a Reddit post", [
-        "What are the key points of the post?", "Which of them does the summary capture accurately?",
-        "What important information is missing?", "Is anything inaccurate, misleading, redundant or unimportant?"]),
-    "qa": ("a response to a user's request", [
-        "What does the user need, explicitly and implicitly?", "Is the response accurate, relevant, clear and "
-        "complete?", "Which claims are wrong, vague or off-topic?", "Which parts serve the user best?"]),
-    "code": ("a code solution to a programming problem", [
-        "What must the code do?", "Which algorithm does it use, and is it correct for every input, edge cases "
-        "included?", "If a test failed, which lines cause the failure?", "Which lines are wrong or inefficient, "
-        "and which are right?"]),
-    "demo": ("a one-sentence summary of a short post", [
-        "Which facts of the post (owner, town, colour, animal, name, place, food) does the summary state correctly?",
-        "Which words are wrong, irrelevant or repeated?", "Which facts are missing?"]),
+    "summarization": (
+        "a summary of a Reddit post",
+        [
+            "What are the key points of the post?",
+            "Which of them does the summary capture accurately?",
+            "What important information is missing?",
+            "Is anything inaccurate, misleading, redundant or unimportant?",
+        ],
+    ),
+    "qa": (
+        "a response to a user's request",
+        [
+            "What does the user need, explicitly and implicitly?",
+            "Is the response accurate, relevant, clear and complete?",
+            "Which claims are wrong, vague or off-topic?",
+            "Which parts serve the user best?",
+        ],
+    ),
+    "code": (
+        "a code solution to a programming problem",
+        [
+            "What must the code do?",
+            "Which algorithm does it use, and is it correct for every input, edge cases included?",
+            "If a test failed, which lines cause the failure?",
+            "Which lines are wrong or inefficient, and which are right?",
+        ],
+    ),
+    "demo": (
+        "a one-sentence summary of a short post",
+        [
+            "Which facts of the post (owner, town, colour, animal, name, place, food) does the summary state "
+            "correctly?",
+            "Which words are wrong, irrelevant or repeated?",
+            "Which facts are missing?",
+        ],
+    ),
 }
 FORMAT = """Then write the critique, and quote spans from the response (never from the task):
 - good_spans: 0-3 short phrases that make the response better, each one praised in your critique;
@@ -120,21 +158,31 @@ Reasoning: <your step-by-step analysis>
 ```json
 {"critique": "<one paragraph on the main strengths and weaknesses>", "good_spans": ["..."], "poor_spans": ["..."]}
 ```"""
-REPAIR = ("I could not use your reply ({error}). Reply again with only the JSON object "
-          '{{"critique": "...", "good_spans": [...], "poor_spans": [...]}}, spans copied exactly from the response.')
+REPAIR = (
+    "I could not use your reply ({error}). Reply again with only the JSON object "
+    '{{"critique": "...", "good_spans": [...], "poor_spans": [...]}}, spans copied exactly from the response.'
+)
 
 
 def build_messages(task: str, rec: dict, tests: dict | None = None, human_feedback: bool = False) -> list[dict]:
     what, steps = TASKS[task]
     parts = [f"Critique {what}.", f"### Task\n{rec['prompt']}", f"### Response\n{rec['response']}"]
     if tests is not None:  # code: the sandbox's verdict, so the critic need not guess (the paper's KodCode prompt)
-        parts.append(f"### Unit test results\npassed: {'yes' if tests['passed'] else 'no'}\n" +
-                     (f"```\n{tests['output'][-2000:]}\n```" if not tests["passed"] else ""))
+        parts.append(
+            f"### Unit test results\npassed: {'yes' if tests['passed'] else 'no'}\n"
+            + (f"```\n{tests['output'][-2000:]}\n```" if not tests["passed"] else "")
+        )
     if human_feedback:
-        parts.append(f"### Human feedback on this summary\n{rec['human_feedback']}\nGround your critique and spans "
-                     "in this feedback: quote the phrases of the summary that it praises or faults.")
-    parts.append("### How to critique\nThink step by step:\n" + "\n".join(f"{i}. {s}" for i, s in enumerate(steps, 1))
-                 + "\n" + FORMAT)
+        parts.append(
+            f"### Human feedback on this summary\n{rec['human_feedback']}\nGround your critique and spans "
+            "in this feedback: quote the phrases of the summary that it praises or faults."
+        )
+    parts.append(
+        "### How to critique\nThink step by step:\n"
+        + "\n".join(f"{i}. {s}" for i, s in enumerate(steps, 1))
+        + "\n"
+        + FORMAT
+    )
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
@@ -169,8 +217,9 @@ def split_spans(response: str, good: list[str], poor: list[str]) -> tuple[list[s
     return kept["good"], kept["poor"], unmatched
 
 
-def finish(rec: dict, fb: dict | None = None, reason: str | None = None, raw: str | None = None,
-           usage: Counter | None = None) -> dict:
+def finish(
+    rec: dict, fb: dict | None = None, reason: str | None = None, raw: str | None = None, usage: Counter | None = None
+) -> dict:
     out = dict(rec)
     if fb is not None:
         good, poor, unmatched = split_spans(rec["response"], fb["good_spans"], fb["poor_spans"])
@@ -197,7 +246,7 @@ def annotate_program(todo: list[dict], critic, args, sink) -> None:
 
     workers = max(1, min(args.concurrency, os.cpu_count() or 1))
     size = max(1, min(64, -(-len(todo) // (8 * workers))))  # chunks: few calls, yet every thread kept busy
-    chunks = [todo[i:i + size] for i in range(0, len(todo), size)]
+    chunks = [todo[i : i + size] for i in range(0, len(todo), size)]
     with ThreadPoolExecutor(workers) as pool:
         futures = [pool.submit(critics.call, *critic, chunk, [r["response"] for r in chunk]) for chunk in chunks]
         for chunk, fut in zip(chunks, futures):
@@ -217,6 +266,7 @@ async def critique_served(rec: dict, ask, args) -> dict:
     tests = None
     if args.task == "code" and rec.get("test"):  # the sandbox's verdict (tasks/code.py)
         from tasks.code import run_completion
+
         tests = await asyncio.to_thread(run_completion, rec["response"], rec["test"], args.code_timeout)
         if tests["status"] == "error":  # a broken problem: nothing to critique
             return finish(rec, reason=f"the tests cannot run: {tests['problem_error']}")
@@ -228,8 +278,10 @@ async def critique_served(rec: dict, ask, args) -> dict:
                 return finish(rec, parse_critic(raw), usage=usage)
             except ValueError as e:
                 error = str(e)
-                messages = messages + [{"role": "assistant", "content": raw or ""},
-                                       {"role": "user", "content": REPAIR.format(error=error)}]
+                messages = messages + [
+                    {"role": "assistant", "content": raw or ""},
+                    {"role": "user", "content": REPAIR.format(error=error)},
+                ]
         return finish(rec, reason=f"unparseable critic output after one repair: {error}", raw=raw, usage=usage)
     except annotator.RecordError as e:
         return finish(rec, reason=str(e), raw=raw, usage=usage)
@@ -250,8 +302,12 @@ def main(argv=None) -> dict:
     records = inputs.to_records(rows, args)
     critic = None  # a program or python: critic (critics/plugin.py), imported and called on one record before any work
     if args.annotator != "openai":
-        critic = plugin.load_critic(args.annotator, args.task, "--annotator",
-                                    **({"timeout_s": args.code_timeout} if args.task == "code" else {}))
+        critic = plugin.load_critic(
+            args.annotator,
+            args.task,
+            "--annotator",
+            **({"timeout_s": args.code_timeout} if args.task == "code" else {}),
+        )
         if records:
             critics.preflight(*critic, records[0], records[0]["response"], "--annotator")
 
@@ -265,11 +321,14 @@ def main(argv=None) -> dict:
         common.write_jsonl(output, kept)  # atomic rewrite; the failed ids are then redone below
         done = {str(r["id"]) for r in kept}
     todo = [r for r in records if r["id"] not in done]
-    print(f"{len(records)} records, {len(records) - len(todo)} already in {output}, {len(todo)} to annotate "
-          f"with the {args.annotator} critic" + (f" ({args.model})" if args.annotator == "openai" else ""))
+    print(
+        f"{len(records)} records, {len(records) - len(todo)} already in {output}, {len(todo)} to annotate "
+        f"with the {args.annotator} critic" + (f" ({args.model})" if args.annotator == "openai" else "")
+    )
     if todo and args.annotator == "openai":  # one cheap request first: a wrong endpoint fails here, in one line
-        serving.check_server(args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2),
-                             params=annotator.sampling(args))
+        serving.check_server(
+            args.base_url, args.model, "chat", args.timeout, min(args.max_retries, 2), params=annotator.sampling(args)
+        )
     generator = generation.load_generator(args) if todo and args.generate_with else None
     if args.task == "demo" and args.dataset is None:  # the later stages' inputs, once the run can start
         inputs.prepare_demo(args)
@@ -278,14 +337,17 @@ def main(argv=None) -> dict:
 
     # 3. Annotate; every record is appended and flushed as soon as it is done.
     from tqdm.auto import tqdm
+
     report.start_output(output, made_by, args.overwrite)  # what made it, before its first record
     this_run, annotate_start = Counter(), time.perf_counter()
     with open(output, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="annotate", disable=not todo) as bar:
+
         def sink(rec: dict) -> None:
             common.append_jsonl(f, rec)
             this_run[rec["status"]] += 1
             this_run["timed_out"] += rec.get("reason", "").startswith("timed out")
             bar.update()
+
         if args.annotator == "openai":
             asyncio.run(annotator.annotate_openai(todo, args, sink, lambda rec, ask: critique_served(rec, ask, args)))
         else:

@@ -38,6 +38,7 @@ eval_samples.jsonl and checkpoints/; infra.models.load_model(DIR) and `03_train_
 nothing else. It reads top to bottom: the presets and arguments; the data, encoded with the loss on the critique and
 spans only; the evaluation of span recovery; main().
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,10 +61,28 @@ from infra.data import load_annotations, split_records
 # ----------------------------------------------------------------------------------------------------------------------
 
 PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v projections, lr 1e-5, 3 epochs
-    model="meta-llama/Llama-3.1-8B-Instruct", lora_r=16, lora_alpha=32, lora_targets="q_proj,v_proj",
-    modules_to_save="", loraplus_ratio=0.0, lr=1e-5, lr_schedule="cosine", epochs=3.0, max_steps=-1, batch_size=4,
-    grad_accum=8, max_len=2048, warmup=0.03, val_frac=0.05, eval_limit=500, max_new_tokens=512, logging_steps=10,
-    eval_steps=200, save_steps=200, sampling="epochs")
+    model="meta-llama/Llama-3.1-8B-Instruct",
+    lora_r=16,
+    lora_alpha=32,
+    lora_targets="q_proj,v_proj",
+    modules_to_save="",
+    loraplus_ratio=0.0,
+    lr=1e-5,
+    lr_schedule="cosine",
+    epochs=3.0,
+    max_steps=-1,
+    batch_size=4,
+    grad_accum=8,
+    max_len=2048,
+    warmup=0.03,
+    val_frac=0.05,
+    eval_limit=500,
+    max_new_tokens=512,
+    logging_steps=10,
+    eval_steps=200,
+    save_steps=200,
+    sampling="epochs",
+)
 # The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. What limited its poor-span recall (rm_levers,
 # bench/README.md): LoRA first (r32: recall 0.16 where full fine-tuning got 0.53),
 # then data and training length, not depth or width. On 2000 annotations it memorised (train loss 0.01); 16000 fresh
@@ -71,10 +90,28 @@ PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v
 # wrong facts last. Examples are drawn with replacement: in two paired runs on the same 8000 examples that reached a
 # lower held-out loss than shuffled epochs (0.09 vs 0.17 after 700 steps, 0.23 vs 0.30 after 300).
 DEMO = dict(
-    model="runs/demo/base", lora_r=0, lora_alpha=0, lora_targets="all-linear", modules_to_save="", loraplus_ratio=0.0,
-    lr=3e-3, lr_schedule="linear", epochs=1.0, max_steps=600, batch_size=32, grad_accum=1, max_len=256, warmup=0.05,
-    val_frac=0.025, eval_limit=200, max_new_tokens=96, logging_steps=50, eval_steps=300, save_steps=300,
-    sampling="replacement")
+    model="runs/demo/base",
+    lora_r=0,
+    lora_alpha=0,
+    lora_targets="all-linear",
+    modules_to_save="",
+    loraplus_ratio=0.0,
+    lr=3e-3,
+    lr_schedule="linear",
+    epochs=1.0,
+    max_steps=600,
+    batch_size=32,
+    grad_accum=1,
+    max_len=256,
+    warmup=0.05,
+    val_frac=0.025,
+    eval_limit=200,
+    max_new_tokens=96,
+    logging_steps=50,
+    eval_steps=300,
+    save_steps=300,
+    sampling="replacement",
+)
 PRESETS = {"demo": DEMO, "summarization": PAPER, "code": PAPER, "qa": PAPER}
 
 
@@ -88,12 +125,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--seed", type=int, default=0, help="seed of the train/val split, LoRA init and data order")
     a("--val-frac", type=float, help="share of records held out for eval loss and span metrics (preset)")
     a("--eval-limit", type=int, help="at most this many val records are critiqued for span metrics")
-    a("--max-len", type=int, help="max tokens of input + target; the input gets --max-len minus --max-new-tokens "
-      "(encode_example)")
-    a("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="critique+spans: the paper's z = "
-      "[c ; A(y)]; spans-only: its w/o-CoT ablation (Table 2)")
-    a("--objective", default="generative", choices=list(common.RM_OBJECTIVES), help="generative: the span reward "
-      "model (Sec. 3.4); pairwise, prm: the scalar baselines (baselines/scalar_rm.py)")
+    a(
+        "--max-len",
+        type=int,
+        help="max tokens of input + target; the input gets --max-len minus --max-new-tokens (encode_example)",
+    )
+    a(
+        "--rm-format",
+        default="critique+spans",
+        choices=common.RM_FORMATS,
+        help="critique+spans: the paper's z = [c ; A(y)]; spans-only: its w/o-CoT ablation (Table 2)",
+    )
+    a(
+        "--objective",
+        default="generative",
+        choices=list(common.RM_OBJECTIVES),
+        help="generative: the span reward "
+        "model (Sec. 3.4); pairwise, prm: the scalar baselines (baselines/scalar_rm.py)",
+    )
     # --- LoRA (peft)
     a("--lora-r", type=int, help="LoRA rank (paper: 16); 0 = full fine-tuning (the demo's small model)")
     a("--lora-alpha", type=int, help="LoRA alpha (paper: 32)")
@@ -108,8 +157,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--batch-size", type=int, help="examples per device per micro-batch")
     a("--grad-accum", type=int, help="micro-batches per optimizer step")
     a("--warmup", type=float, help="linear warmup, as a fraction of all steps")
-    a("--sampling", choices=["epochs", "replacement"], help="draw training examples in shuffled epochs, or "
-      "independently with replacement")
+    a(
+        "--sampling",
+        choices=["epochs", "replacement"],
+        help="draw training examples in shuffled epochs, or independently with replacement",
+    )
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     a("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
     a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 (default: on with CUDA)")
@@ -119,13 +171,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--eval-steps", type=int, help="eval loss on the val split every N steps")
     a("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
     a("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
-    a("--overwrite", action="store_true", help="a fresh run replaces the reward model in --output-dir "
-      "(infra/reward_models.py: check_output_dir)")
+    a(
+        "--overwrite",
+        action="store_true",
+        help="a fresh run replaces the reward model in --output-dir (infra/reward_models.py: check_output_dir)",
+    )
     # --- the span metrics: the reward model's critiques of the val split (critics.learned.rm_critique, as in 03)
     a("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's default")
     a("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
-    for add_args in (training.add_args, functools.partial(distributed.add_args, rollouts=False),
-                     reward_models.add_args, scalar_rm.add_train_args):  # the variants' groups
+    for add_args in (
+        training.add_args,
+        functools.partial(distributed.add_args, rollouts=False),
+        reward_models.add_args,
+        scalar_rm.add_train_args,
+    ):  # the variants' groups
         add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's model
@@ -142,8 +201,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
     scalar_rm.check_train_args(args)
     if args.max_new_tokens >= args.max_len:
-        raise common.DataError(f"--max-new-tokens {args.max_new_tokens}: must be below --max-len {args.max_len} (the "
-                               "reward model's input gets the rest)")
+        raise common.DataError(
+            f"--max-new-tokens {args.max_new_tokens}: must be below --max-len {args.max_len} (the "
+            "reward model's input gets the rest)"
+        )
     return args
 
 
@@ -152,8 +213,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None,
-                   rm_format: str = "critique+spans") -> tuple[dict | None, str]:
+def encode_example(
+    tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None, rm_format: str = "critique+spans"
+) -> tuple[dict | None, str]:
     """({"input_ids", "labels"}, status) for one record; status is "ok", "truncated" or "too_long" (then None).
 
     input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4), or
@@ -165,8 +227,10 @@ def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | 
     instruction, the response or the target, which the spans are quoted from. If even an empty task prompt does not
     fit, the example is dropped.
     """
-    target = tokenizer(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"], rm_format),
-                       add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    target = tokenizer(
+        common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"], rm_format),
+        add_special_tokens=False,
+    )["input_ids"] + [tokenizer.eos_token_id]
     budget = min(max_prompt_tokens or max_len, max_len - len(target))
     prompt_ids, _, status = reward_models.rm_prompt(tokenizer, rec["prompt"], rec["response"], budget, rm_format)
     if status == "too_long":
@@ -174,8 +238,13 @@ def encode_example(tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | 
     return {"input_ids": prompt_ids + target, "labels": [-100] * len(prompt_ids) + target}, status
 
 
-def encode_all(tokenizer, records: list[dict], max_len: int, max_prompt_tokens: int | None = None,
-               rm_format: str = "critique+spans") -> tuple[list[dict], dict]:
+def encode_all(
+    tokenizer,
+    records: list[dict],
+    max_len: int,
+    max_prompt_tokens: int | None = None,
+    rm_format: str = "critique+spans",
+) -> tuple[list[dict], dict]:
     """Encoded examples and {"ok", "truncated", "too_long"} counts."""
     examples, counts = [], {"ok": 0, "truncated": 0, "too_long": 0}
     for rec in records:
@@ -211,21 +280,37 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def evaluate_rm(model, tokenizer, records: list[dict], max_new_tokens: int, batch_size: int = 32,
-                max_prompt_tokens: int | None = None, rm_format: str = "critique+spans"):
+def evaluate_rm(
+    model,
+    tokenizer,
+    records: list[dict],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    max_prompt_tokens: int | None = None,
+    rm_format: str = "critique+spans",
+):
     """(metrics, raw outputs) of the reward model on `records` (infra.reward_models.rm_span_metrics, paper Tables 1
     and 6). Its input is cut as in training and in 03 and 04 (infra.reward_models.rm_prompt) to max_prompt_tokens.
 
     Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
     gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
     """
-    outputs = rm_critique(model, tokenizer, [r["prompt"] for r in records], [r["response"] for r in records],
-                          max_new_tokens=max_new_tokens, batch_size=batch_size, desc="critique val split",
-                          max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
+    outputs = rm_critique(
+        model,
+        tokenizer,
+        [r["prompt"] for r in records],
+        [r["response"] for r in records],
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        desc="critique val split",
+        max_prompt_tokens=max_prompt_tokens,
+        rm_format=rm_format,
+    )
     items = []
     for rec in records:
-        text, offsets = common.decode_with_offsets(tokenizer, tokenizer(rec["response"], add_special_tokens=False)[
-            "input_ids"])
+        text, offsets = common.decode_with_offsets(
+            tokenizer, tokenizer(rec["response"], add_special_tokens=False)["input_ids"]
+        )
         items.append({"text": text, "offsets": offsets, **{k: rec[k] for k in ("good_spans", "poor_spans")}})
     metrics = reward_models.rm_span_metrics(items, outputs)
     metrics["gold_critique_words"] = sum(len(r["critique"].split()) for r in records) / max(1, len(records))
@@ -252,37 +337,57 @@ def main(args: argparse.Namespace) -> dict:
         raise common.DataError(f"{data}: no such file (run `python 01_annotate.py` first)")
     records, n_failed = load_annotations(data)
     train_recs, val_recs = split_records(records, args.val_frac, args.seed)
-    log(f"{data}: {len(records)} usable records ({n_failed} failed, skipped) -> {len(train_recs)} train, "
-        f"{len(val_recs)} val")
+    log(
+        f"{data}: {len(records)} usable records ({n_failed} failed, skipped) -> {len(train_recs)} train, "
+        f"{len(val_recs)} val"
+    )
 
     # ---- model: base causal LM + LoRA adapter (Alg. 3: only the adapter is trained) ----
     set_seed(args.seed)
     model, tokenizer = models.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
     model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
     if args.lora_r > 0:
-        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout,
-                                args.modules_to_save)
+        model = trainable.add_lora(
+            model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout, args.modules_to_save
+        )
     model = distributed.shard_for_trainer(model, args)  # --shard fsdp: parameters, gradients, Adam states sharded
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"model {args.model}: " + (f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
-                                   if args.lora_r > 0 else "full fine-tuning, ") +
-        f"{n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters")
+    log(
+        f"model {args.model}: "
+        + (
+            f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
+            if args.lora_r > 0
+            else "full fine-tuning, "
+        )
+        + f"{n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters"
+    )
 
     max_prompt_tokens = args.max_len - args.max_new_tokens  # the input's budget, in use as in training (rm_settings)
     train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len, max_prompt_tokens, args.rm_format)
     val_set, _ = encode_all(tokenizer, val_recs, args.max_len, max_prompt_tokens, args.rm_format)
     if not train_set:
         raise common.DataError(f"{data}: no training example fits in --max-len {args.max_len}")
-    log(f"max_len {args.max_len}, input <= {max_prompt_tokens} tokens: {train_counts['truncated']} train examples cut "
-        f"at the prompt's start, {train_counts['too_long']} dropped (response + target alone too long)")
+    log(
+        f"max_len {args.max_len}, input <= {max_prompt_tokens} tokens: {train_counts['truncated']} train examples cut "
+        f"at the prompt's start, {train_counts['too_long']} dropped (response + target alone too long)"
+    )
 
     # ---- training (teacher forcing; the loss is the mean NLL of the target tokens, labels -100 elsewhere) ----
-    trainer, resume_from = training.make_trainer(args, model, train_set, val_set, functools.partial(
-        collate, pad_id=tokenizer.pad_token_id, targets_only=True), log, rank0)
+    trainer, resume_from = training.make_trainer(
+        args,
+        model,
+        train_set,
+        val_set,
+        functools.partial(collate, pad_id=tokenizer.pad_token_id, targets_only=True),
+        log,
+        rank0,
+    )
     result = trainer.train(resume_from_checkpoint=resume_from)
     # the mean over ranks: HF adds the loss since its last logging step to train_loss unreduced (rank 0's alone)
-    train_loss = distributed.all_sum(torch.tensor(result.training_loss, device=trainer.args.device)).item() / \
-        trainer.args.world_size
+    train_loss = (
+        distributed.all_sum(torch.tensor(result.training_loss, device=trainer.args.device)).item()
+        / trainer.args.world_size
+    )
     final_eval = trainer.evaluate() if val_set else {}
     train_s = time.time() - t0
     state_dict = distributed.full_state_dict(model)  # --shard fsdp: gathered whole on every rank, saved by rank 0
@@ -291,24 +396,46 @@ def main(args: argparse.Namespace) -> dict:
 
     # ---- save first, evaluate second: a crash in evaluation must not cost the training run ----
     summary = {
-        "base_model": args.model, "adapter": "peft LoRA" if args.lora_r > 0 else None, "task": args.task,
-        "data": str(data), "objective": "generative", "rm_format": args.rm_format,
+        "base_model": args.model,
+        "adapter": "peft LoRA" if args.lora_r > 0 else None,
+        "task": args.task,
+        "data": str(data),
+        "objective": "generative",
+        "rm_format": args.rm_format,
         "prompt_format": common.RM_PROMPT_FORMAT,
         "target_format": common.RM_TARGET_FORMAT,
         # how 03 and 04 use it (infra.reward_models.rm_settings): the input cut to this many tokens, as in training;
         # critiques of up to max_new_tokens, as in the evaluation below
-        "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": args.max_new_tokens,
-        "lora": {"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout,
-                 "targets": args.lora_targets, "modules_to_save": args.modules_to_save,
-                 "loraplus_ratio": args.loraplus_ratio},
-        "train": {"records": len(train_recs), "examples": len(train_set), "val_records": len(val_recs),
-                  "failed_skipped": n_failed, "truncated": train_counts["truncated"],
-                  "too_long_dropped": train_counts["too_long"], "max_len": args.max_len, "lr": args.lr,
-                  "lr_schedule": args.lr_schedule, "sampling": args.sampling,
-                  "epochs": args.epochs, "steps": trainer.state.global_step, "resumed_from": resume_from,
-                  "batch_size": args.batch_size * args.grad_accum * trainer.args.world_size, "seed": args.seed,
-                  "train_loss": train_loss, "eval_loss": final_eval.get("eval_loss"),
-                  "train_s": round(train_s, 1)},
+        "max_prompt_tokens": max_prompt_tokens,
+        "max_new_tokens": args.max_new_tokens,
+        "lora": {
+            "r": args.lora_r,
+            "alpha": args.lora_alpha,
+            "dropout": args.lora_dropout,
+            "targets": args.lora_targets,
+            "modules_to_save": args.modules_to_save,
+            "loraplus_ratio": args.loraplus_ratio,
+        },
+        "train": {
+            "records": len(train_recs),
+            "examples": len(train_set),
+            "val_records": len(val_recs),
+            "failed_skipped": n_failed,
+            "truncated": train_counts["truncated"],
+            "too_long_dropped": train_counts["too_long"],
+            "max_len": args.max_len,
+            "lr": args.lr,
+            "lr_schedule": args.lr_schedule,
+            "sampling": args.sampling,
+            "epochs": args.epochs,
+            "steps": trainer.state.global_step,
+            "resumed_from": resume_from,
+            "batch_size": args.batch_size * args.grad_accum * trainer.args.world_size,
+            "seed": args.seed,
+            "train_loss": train_loss,
+            "eval_loss": final_eval.get("eval_loss"),
+            "train_s": round(train_s, 1),
+        },
     }
     reward_models.save_reward_model(model, args, out, summary, state_dict)
     log(f"saved reward model to {out} (eval loss {final_eval.get('eval_loss', float('nan')):.4f})")
@@ -317,22 +444,40 @@ def main(args: argparse.Namespace) -> dict:
     # ---- span metrics of the saved reward model, loaded exactly as stage 3 loads it ----
     eval_recs = val_recs[: args.eval_limit]
     if len(eval_recs) < args.eval_limit:  # say why fewer than asked
-        log(f"span metrics on {len(eval_recs)} val examples, not --eval-limit {args.eval_limit}: the val split holds "
-            f"{len(val_recs)} (--val-frac {args.val_frac:g} of {len(records)} usable records)")
+        log(
+            f"span metrics on {len(eval_recs)} val examples, not --eval-limit {args.eval_limit}: the val split holds "
+            f"{len(val_recs)} (--val-frac {args.val_frac:g} of {len(records)} usable records)"
+        )
     metrics = {"n": 0}
     if eval_recs:
         rm, rm_tok = models.load_model(str(out), device=args.device, dtype="bf16" if args.bf16 else "float32")
         t1 = time.time()
-        metrics, outputs = evaluate_rm(rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size,
-                                       max_prompt_tokens, args.rm_format)
+        metrics, outputs = evaluate_rm(
+            rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size, max_prompt_tokens, args.rm_format
+        )
         metrics["critique_s"] = round(time.time() - t1, 1)
-        common.write_jsonl(out / "eval_samples.jsonl", [
-            {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o,
-             "gold_good_spans": r["good_spans"], "gold_poor_spans": r["poor_spans"]}
-            for r, o in zip(eval_recs, outputs)])
+        common.write_jsonl(
+            out / "eval_samples.jsonl",
+            [
+                {
+                    "id": r.get("id"),
+                    "prompt": r["prompt"],
+                    "response": r["response"],
+                    "output": o,
+                    "gold_good_spans": r["good_spans"],
+                    "gold_poor_spans": r["poor_spans"],
+                }
+                for r, o in zip(eval_recs, outputs)
+            ],
+        )
         reward_models.print_table(metrics)
-    metrics.update(eval_loss=final_eval.get("eval_loss"), train_loss=train_loss,
-                   steps=summary["train"]["steps"], train_s=round(train_s, 1), wall_s=round(time.time() - t0, 1))
+    metrics.update(
+        eval_loss=final_eval.get("eval_loss"),
+        train_loss=train_loss,
+        steps=summary["train"]["steps"],
+        train_s=round(train_s, 1),
+        wall_s=round(time.time() - t0, 1),
+    )
     common.write_json(out / "eval.json", metrics)
     log(f"wrote {out / 'eval.json'} ({metrics['wall_s']:.0f} s in all)")
     if args.merge:

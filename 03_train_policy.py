@@ -20,6 +20,7 @@ is critics/'s. The whole file needs common.py, critics/, infra/, tasks/ and base
         --prompts data/slf5k_prompts.jsonl --critic openai --critic-base-url http://localhost:8000/v1 \
         --critic-model rm --device cuda --dtype bf16 --gradient-checkpointing --output-dir runs/slf5k/text2grad
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import common
@@ -41,24 +41,65 @@ from infra.data import read_prompts
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
-    "demo": dict(model="runs/demo/base", prompts="runs/demo/data/prompts.jsonl", sft_data="runs/demo/data/sft.jsonl",
-                 sft_steps=100, sft_lr=1e-3, sft_lora_r=0, sft_output_dir="runs/demo/sft",
-                 reward_model="runs/demo/reward_model", output_dir="runs/demo/text2grad",
-                 scalar_baseline_dir="runs/demo/scalar", steps=60, batch_size=32, max_new_tokens=32, lr=1e-3,
-                 lora_r=16, lora_alpha=32, kl_coef=0.2, ppo_epochs=2, num_minibatches=2,
-                 critic_max_new_tokens=reward_models.critique_tokens("demo"), warmup_steps=0, trace_samples=3),
-    "default": dict(model=None, prompts=None, sft_data=None, sft_steps=0, sft_lr=2e-5, sft_lora_r=None,
-                    sft_output_dir=None, reward_model=None, output_dir="runs/text2grad", scalar_baseline_dir="",
-                    steps=1000, batch_size=64, max_new_tokens=256, lr=1e-5, lora_r=16, lora_alpha=32, kl_coef=0.05,
-                    ppo_epochs=4, num_minibatches=4, critic_max_new_tokens=reward_models.critique_tokens("qa"),
-                    warmup_steps=0, trace_samples=0)}
+    "demo": dict(
+        model="runs/demo/base",
+        prompts="runs/demo/data/prompts.jsonl",
+        sft_data="runs/demo/data/sft.jsonl",
+        sft_steps=100,
+        sft_lr=1e-3,
+        sft_lora_r=0,
+        sft_output_dir="runs/demo/sft",
+        reward_model="runs/demo/reward_model",
+        output_dir="runs/demo/text2grad",
+        scalar_baseline_dir="runs/demo/scalar",
+        steps=60,
+        batch_size=32,
+        max_new_tokens=32,
+        lr=1e-3,
+        lora_r=16,
+        lora_alpha=32,
+        kl_coef=0.2,
+        ppo_epochs=2,
+        num_minibatches=2,
+        critic_max_new_tokens=reward_models.critique_tokens("demo"),
+        warmup_steps=0,
+        trace_samples=3,
+    ),
+    "default": dict(
+        model=None,
+        prompts=None,
+        sft_data=None,
+        sft_steps=0,
+        sft_lr=2e-5,
+        sft_lora_r=None,
+        sft_output_dir=None,
+        reward_model=None,
+        output_dir="runs/text2grad",
+        scalar_baseline_dir="",
+        steps=1000,
+        batch_size=64,
+        max_new_tokens=256,
+        lr=1e-5,
+        lora_r=16,
+        lora_alpha=32,
+        kl_coef=0.05,
+        ppo_epochs=4,
+        num_minibatches=4,
+        critic_max_new_tokens=reward_models.critique_tokens("qa"),
+        warmup_steps=0,
+        trace_samples=0,
+    ),
+}
 
 DEMO_RUNS = (PRESETS["demo"]["output_dir"], PRESETS["demo"]["scalar_baseline_dir"])  # only the zero-flag rerun replaces
 
 
 def parse_args(argv=None):
-    p = cli.parser(__doc__, {"summarization, code, qa": PRESETS["default"], "demo": PRESETS["demo"]},
-                   "  none and '' explained, and every flag in full: docs/stages.md (stage 3)")
+    p = cli.parser(
+        __doc__,
+        {"summarization, code, qa": PRESETS["default"], "demo": PRESETS["demo"]},
+        "  none and '' explained, and every flag in full: docs/stages.md (stage 3)",
+    )
     a = p.add_argument
     # --- task, data, model
     a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
@@ -78,9 +119,13 @@ def parse_args(argv=None):
     a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
     a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
     # --- critic (step 2)
-    a("--critic", default="local", type=critics.choice(*critics.NAMES),
-      metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
-      help="who writes critique + spans (critics/; README: Your own critic)")
+    a(
+        "--critic",
+        default="local",
+        type=critics.choice(*critics.NAMES),
+        metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
+        help="who writes critique + spans (critics/; README: Your own critic)",
+    )
     a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
     a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)")
     # --- rollouts (step 1)
@@ -91,8 +136,12 @@ def parse_args(argv=None):
     a("--top-p", type=float, default=1.0, help="nucleus sampling. Below 1 the run is OFF-POLICY")
     a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
     # --- rewards and advantages (steps 3-5, §3.5)
-    a("--reward-mode", default="span", choices=["span", "scalar"], help="span: delta_t on every token (Text2Grad); "
-                                                                        "scalar: sum of delta on the last token")
+    a(
+        "--reward-mode",
+        default="span",
+        choices=["span", "scalar"],
+        help="span: delta_t on every token (Text2Grad); scalar: sum of delta on the last token",
+    )
     a("--kl-estimator", default="k1", choices=["k1", "k3", "full"], help="per-token KL (per_token_kl)")
     a("--kl-coef", type=float, help="initial beta")
     a("--adaptive-kl-target", type=float, help="adaptive beta's target sequence KL (Ziegler et al.)")
@@ -124,16 +173,22 @@ def parse_args(argv=None):
     # --- the paper's ablations (App. I) and the variants' own flags
     g = p.add_argument_group("ablations (App. I)")
     g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
-    g.add_argument("--labels", default="spans", choices=["spans", "dense", "poor"],
-                   help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)")
+    g.add_argument(
+        "--labels",
+        default="spans",
+        choices=["spans", "dense", "poor"],
+        help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)",
+    )
     g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
     for variant in (sft, critics, decoding, distributed, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
     if args.resume and args.overwrite:
-        raise common.DataError("--resume and --overwrite: pick one (--resume continues a run on the SFT start it "
-                               "began from; --overwrite starts it again, and retrains a changed SFT start)")
+        raise common.DataError(
+            "--resume and --overwrite: pick one (--resume continues a run on the SFT start it "
+            "began from; --overwrite starts it again, and retrains a changed SFT start)"
+        )
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
     if args.output_dir is not None:  # the preset's folders are the preset's: no baseline, the SFT in OUTPUT_DIR/sft
         args.scalar_baseline_dir = "" if args.scalar_baseline_dir is None else args.scalar_baseline_dir
@@ -144,20 +199,26 @@ def parse_args(argv=None):
     args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # the scalar baseline's too
     if not args.model:
         raise common.DataError("--model is required outside the demo")
-    for flag, value, ok, rule in (("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
-                                  ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
-                                  ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
-                                  ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
-                                  ("--grad-accum", args.grad_accum, args.grad_accum >= 1, ">= 1"),
-                                  ("--rloo-k", args.rloo_k, args.advantage == "gae" or (
-                                      args.rloo_k >= 2 and args.batch_size % args.rloo_k == 0),
-                                   ">= 2 and divide --batch-size (samples of one prompt)")):
+    for flag, value, ok, rule in (
+        ("--temperature", args.temperature, args.temperature > 0, "> 0 (logits / T)"),
+        ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+        ("--ppo-epochs", args.ppo_epochs, args.ppo_epochs >= 1, ">= 1 (0: no update)"),
+        ("--num-minibatches", args.num_minibatches, args.num_minibatches >= 1, ">= 1"),
+        ("--grad-accum", args.grad_accum, args.grad_accum >= 1, ">= 1"),
+        (
+            "--rloo-k",
+            args.rloo_k,
+            args.advantage == "gae" or (args.rloo_k >= 2 and args.batch_size % args.rloo_k == 0),
+            ">= 2 and divide --batch-size (samples of one prompt)",
+        ),
+    ):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be {rule}")
     shards = int(os.environ.get("WORLD_SIZE", 1)) * args.num_minibatches * args.grad_accum  # torchrun sets it
     if args.batch_size % shards:
-        raise common.DataError(f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x "
-                               f"--grad-accum = {shards}")
+        raise common.DataError(
+            f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x --grad-accum = {shards}"
+        )
     critics.check_args(args, critic_budget, rm_given)  # the reward model the critic uses, as stage 2 trained it
     if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
         raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
@@ -191,7 +252,9 @@ class Rollouts:
 
 
 def masked_mean(x, mask, dim=None):
-    return (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+    return (
+        (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+    )
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
@@ -235,7 +298,7 @@ def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
     r_t = -beta*KL_t, plus sum_t delta_t at the last response token (the EOS if one was sampled, never a pad).
     seq_bonus (B,), e.g. the missing-EOS penalty, is added at the last token in both modes."""
     rewards = -kl_coef * kl * mask
-    last = mask.sum(1).long().clamp(min=1) - 1                                   # (B,)
+    last = mask.sum(1).long().clamp(min=1) - 1  # (B,)
     rows = torch.arange(mask.shape[0], device=mask.device)
     if mode == "span":
         rewards = rewards + delta * mask
@@ -272,24 +335,25 @@ def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "sta
       mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j)   rbar^j: j's mean reward per token
     With the whole reward on the last token, "start" is plain RLOO: every token of a sample gets R - mean(others' R).
     Returns (advantages, returns = G), both 0 where mask is 0."""
-    def reward_to_go(r):                                                       # (B, T) -> (B, T), a reversed loop
+
+    def reward_to_go(r):  # (B, T) -> (B, T), a reversed loop
         out, running = torch.zeros_like(r), torch.zeros_like(r[:, 0])
         for t in reversed(range(r.shape[1])):
-            running = r[:, t] * mask[:, t] + gamma * running                   # nothing after a sample's end
+            running = r[:, t] * mask[:, t] + gamma * running  # nothing after a sample's end
             out[:, t] = running
         return out * mask
 
-    def others_mean(x):                                                        # (B, ...) -> each row: its group's
-        group = x.reshape(-1, k, *x.shape[1:])                                 # mean over the other k-1 rows
+    def others_mean(x):  # (B, ...) -> each row: its group's
+        group = x.reshape(-1, k, *x.shape[1:])  # mean over the other k-1 rows
         return ((group.sum(1, keepdim=True) - group) / (k - 1)).reshape(x.shape)
 
-    returns = reward_to_go(rewards)                                            # (B, T)
+    returns = reward_to_go(rewards)  # (B, T)
     if baseline == "start":
         advantages = returns - others_mean(returns[:, 0])[:, None]
     elif baseline == "position":
         advantages = returns - others_mean(returns)
     elif baseline == "mean-reward":
-        rbar = (rewards * mask).sum(1) / mask.sum(1).clamp(min=1)              # (B,)
+        rbar = (rewards * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
         advantages = reward_to_go(rewards - others_mean(rbar)[:, None])
     else:
         raise ValueError(f"unknown RLOO baseline {baseline!r}")
@@ -305,8 +369,10 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, ma
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
     pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
     with torch.no_grad():
-        stats = {"policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
-                 "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), mask).item()}
+        stats = {
+            "policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
+            "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), mask).item(),
+        }
     if values is None:
         return pg_loss, None, stats
     values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
@@ -376,7 +442,8 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
     scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a tensor's sum over torchrun's ranks, in place (the
     identity in one process): the minibatch's tokens, the gradients (but FSDP's sharded ones: it reduced them), the
     epoch's KL. Returns each micro-batch's stats and the epochs run (hp.target_kl may stop early)."""
-    (B, T), stats = batch.mask.shape, []
+    B = batch.mask.shape[0]
+    stats = []
     mb_size = B // hp.num_minibatches
     micro = mb_size // hp.grad_accum
     for epoch in range(hp.ppo_epochs):
@@ -387,16 +454,30 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
             for s in range(0, mb_size, micro):
                 m = mb[s : s + micro]
                 logprobs, values, logits = score(m)
-                pg_loss, vf_loss, st = ppo_loss(logprobs, batch.logprobs[m], batch.advantages[m], values,
-                                                batch.values[m], batch.returns[m], batch.mask[m], hp.clip_range,
-                                                hp.clip_range_value)
+                pg_loss, vf_loss, st = ppo_loss(
+                    logprobs,
+                    batch.logprobs[m],
+                    batch.advantages[m],
+                    values,
+                    batch.values[m],
+                    batch.returns[m],
+                    batch.mask[m],
+                    hp.clip_range,
+                    hp.clip_range_value,
+                )
                 with torch.set_grad_enabled(hp.ent_coef != 0):  # without the bonus it is only logged
                     entropy = masked_mean(entropy_from_logits(logits), batch.mask[m])
                 loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0) - hp.ent_coef * entropy
                 loss = loss * batch.mask[m].sum() / mb_tokens  # exact token mean over the minibatch
                 (loss if scaler is None else scaler.scale(loss)).backward()
-                stats.append({**st, "losses/policy_loss": pg_loss.item(), "losses/entropy": entropy.item(),
-                              **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {})})
+                stats.append(
+                    {
+                        **st,
+                        "losses/policy_loss": pg_loss.item(),
+                        "losses/entropy": entropy.item(),
+                        **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {}),
+                    }
+                )
             for p in params:  # torchrun: the ranks' gradients summed
                 if p.grad is not None and not hasattr(p.grad, "to_local"):
                     all_sum(p.grad)
@@ -409,8 +490,13 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        kls = all_sum(torch.tensor([[st["policy/approx_kl"], 1.0] for st in stats[epoch_start:]],
-                                   dtype=torch.float64, device=batch.mask.device).sum(0))
+        kls = all_sum(
+            torch.tensor(
+                [[st["policy/approx_kl"], 1.0] for st in stats[epoch_start:]],
+                dtype=torch.float64,
+                device=batch.mask.device,
+            ).sum(0)
+        )
         if hp.target_kl is not None and kls[0] / kls[1] > hp.target_kl:
             break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
     return stats, epoch + 1
@@ -424,12 +510,20 @@ def locality_sums(log_ratio, delta, mask):
     read off the delta_t the update was computed from (its sign): inside poor spans, inside good spans, and outside
     every span in answers with a poor span ("flawed") or without one ("clean"). Returns (4, 4): per LOCALITY_GROUPS
     entry, (tokens, sum Delta, sum |Delta|, tokens whose Delta < 0); sums, so that ranks and batches add up."""
-    flawed = ((delta < 0).float() * mask).amax(1, keepdim=True)              # (B, 1): 1 if the answer has a poor token
+    flawed = ((delta < 0).float() * mask).amax(1, keepdim=True)  # (B, 1): 1 if the answer has a poor token
     outside = (delta == 0).float() * mask
-    groups = torch.stack([(delta < 0).float() * mask, (delta > 0).float() * mask, outside * flawed,
-                          outside * (1 - flawed)])                           # (4, B, T)
-    return torch.stack([groups.sum((1, 2)), (groups * log_ratio).sum((1, 2)), (groups * log_ratio.abs()).sum((1, 2)),
-                        (groups * (log_ratio < 0).float()).sum((1, 2))], 1)
+    groups = torch.stack(
+        [(delta < 0).float() * mask, (delta > 0).float() * mask, outside * flawed, outside * (1 - flawed)]
+    )  # (4, B, T)
+    return torch.stack(
+        [
+            groups.sum((1, 2)),
+            (groups * log_ratio).sum((1, 2)),
+            (groups * log_ratio.abs()).sum((1, 2)),
+            (groups * (log_ratio < 0).float()).sum((1, 2)),
+        ],
+        1,
+    )
 
 
 def locality_summary(sums) -> dict:
@@ -438,12 +532,15 @@ def locality_summary(sums) -> dict:
     the same (flawed) answers; None where a group is empty."""
     out = {}
     for name, (n, total, total_abs, down) in zip(LOCALITY_GROUPS, sums.tolist()):
-        out[name] = {"tokens": int(n), "mean": total / n if n else None, "mean_abs": total_abs / n if n else None,
-                     "down": down / n if n else None}
+        out[name] = {
+            "tokens": int(n),
+            "mean": total / n if n else None,
+            "mean_abs": total_abs / n if n else None,
+            "down": down / n if n else None,
+        }
     poor, rest = out["poor"]["mean_abs"], out["outside_flawed"]["mean_abs"]
     out["ratio"] = poor / rest if poor is not None and rest else None
     return out
-
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -457,15 +554,21 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
     forbid = (ids, n): generate() could not sample these ids at the first n response positions (--min-new-tokens),
     so they get the lowest logit there too: the log-probs are those of the distribution that was sampled."""
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at the first token
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                output_hidden_states=value_head is not None, logits_to_keep=n_resp + 1)
-    logits = out.logits[:, :-1].float() / temperature                          # (B, T, V): position t predicts t+1
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        output_hidden_states=value_head is not None,
+        logits_to_keep=n_resp + 1,
+    )
+    logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts t+1
     if forbid and forbid[1] > 0:  # finite, not -inf: 0 * logit stays 0 in the entropy and the full KL
-        logits[:, :forbid[1], forbid[0]] = torch.finfo(logits.dtype).min
-    logprobs = torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)      # (B, T)
+        logits[:, : forbid[1], forbid[0]] = torch.finfo(logits.dtype).min
+    logprobs = torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)  # (B, T)
     values = None
     if value_head is not None:
-        hidden = out.hidden_states[-1][:, -n_resp - 1:-1]                      # (B, T, H), post final norm
+        hidden = out.hidden_states[-1][:, -n_resp - 1 : -1]  # (B, T, H), post final norm
         values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1).float()  # (B, T)
     return logprobs, values, logits
 
@@ -515,24 +618,39 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts
     Returns the batch and the time sampling ended (decoding counts as the critic's time)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
-    with torch.no_grad(), distributed.autocast(args.device, args.dtype), \
-            distributed.gathered(model, args.fsdp_generate == "whole"):
+    with (
+        torch.no_grad(),
+        distributed.autocast(args.device, args.dtype),
+        distributed.gathered(model, args.fsdp_generate == "whole"),
+    ):
         if args.compile_generation:  # the same tokens from the same random numbers, at the compiled model's speed
-            response = decoding.generate_static(model, query, query_mask, gen_config)                          # (B, T)
+            response = decoding.generate_static(model, query, query_mask, gen_config)  # (B, T)
         else:
-            response = model.generate(input_ids=query, attention_mask=query_mask,
-                                      generation_config=gen_config)[:, query.shape[1]:]                      # (B, T)
+            response = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)[
+                :, query.shape[1] :
+            ]  # (B, T)
     is_eos = torch.isin(response, stop)
-    has_eos = is_eos.any(1)                                                                    # (B,)
-    first_eos = torch.where(has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1],
-                                                                              dtype=torch.long))
+    has_eos = is_eos.any(1)  # (B,)
+    first_eos = torch.where(
+        has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1], dtype=torch.long)
+    )
     mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
     response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
     sampled = time.time()
-    texts, offsets = zip(*[common.decode_with_offsets(tokenizer, row[:n]) for row, n in
-                           zip(response.tolist(), mask.sum(1).long().tolist())])
-    return Rollouts(mask, has_eos, torch.cat([query, response], 1), torch.cat([query_mask, mask.long()], 1),
-                    list(texts), list(offsets)), sampled
+    texts, offsets = zip(
+        *[
+            common.decode_with_offsets(tokenizer, row[:n])
+            for row, n in zip(response.tolist(), mask.sum(1).long().tolist())
+        ]
+    )
+    return Rollouts(
+        mask,
+        has_eos,
+        torch.cat([query, response], 1),
+        torch.cat([query_mask, mask.long()], 1),
+        list(texts),
+        list(offsets),
+    ), sampled
 
 
 def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
@@ -557,7 +675,7 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
         else:
             d, unmatched = critics.delta(texts[i], offsets[i], fb)
         rows[i] = (d, unmatched)
-        delta[i, :len(d)] = torch.tensor(d)
+        delta[i, : len(d)] = torch.tensor(d)
         n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
     delta = weight_spans(delta, spans, weighting)
     return delta.clamp(max=0) if labels == "poor" else delta, rows, n_spans, n_unmatched  # poor: no +1 (credit.py)
@@ -568,7 +686,7 @@ def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
     allows ((B, T, V) logits can be large), concatenated."""
     rows = trainable.scoring_rows(b.mask, micro, model, args)
     with torch.no_grad(), distributed.autocast(args.device, args.dtype):
-        out = [fn(b.input_ids[s:s + rows], b.attention_mask[s:s + rows]) for s in range(0, len(b.mask), rows)]
+        out = [fn(b.input_ids[s : s + rows], b.attention_mask[s : s + rows]) for s in range(0, len(b.mask), rows)]
     return [torch.cat(x) for x in zip(*out)]
 
 
@@ -582,6 +700,7 @@ def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, arg
         ref_lp, ref_logits = reference_forward(model, ref_model, ids, attn, T, args.temperature, forbid)
         kl = per_token_kl(lp, ref_lp, args.kl_estimator, logits, ref_logits)
         return lp, torch.zeros_like(lp) if v is None else v, kl
+
     logprobs, values, kl = no_grad_chunks(score, b, micro, model, args)
     return logprobs, values, kl * b.mask
 
@@ -591,7 +710,7 @@ def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
     of reward_mode (compute_rewards, the missing-EOS penalty at the last token; --whiten-rewards; --center-delta:
     delta less its mean over the batch's response tokens), then A_t by GAE (or --advantage rloo), whitened. Returns
     (rewards, advantages, returns), each (B, T)."""
-    seq_bonus = torch.where(g.has_eos, 0.0, -args.missing_eos_penalty)                        # (B,)
+    seq_bonus = torch.where(g.has_eos, 0.0, -args.missing_eos_penalty)  # (B,)
     delta = g.delta - masked_mean(g.delta, g.mask) if args.center_delta else g.delta  # no reward mean
     rewards = compute_rewards(delta, g.kl, g.mask, kl_coef, reward_mode, seq_bonus)
     if args.whiten_rewards:
@@ -610,6 +729,7 @@ def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
     def score(rows):  # the policy's log-probs, values and logits / T of these rows now, with grad
         with distributed.autocast(args.device, args.dtype):
             return forward(scorer, head, b.input_ids[rows], b.attention_mask[rows], T, args.temperature, forbid)
+
     hp = PpoHParams(**{k: getattr(args, k) for k in PpoHParams.__dataclass_fields__})
     scorer.train()
     stats, epochs = ppo_update(score, b, params, optimizer, hp, scaler, distributed.all_sum)
@@ -624,19 +744,21 @@ def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micr
     the same delta, KL, V and beta), and r and A of this rank's rows under both, r without --missing-eos-penalty
     (infra.trace.trace_iteration logs it apart). It draws nothing random: a run is the same with or without it."""
     T, mine = b.mask.shape[1], slice(rank * len(b.mask), (rank + 1) * len(b.mask))
-    new = no_grad_chunks(lambda ids, attn: forward(scorer, None, ids, attn, T, args.temperature, forbid)[:1],
-                         b, micro, scorer, args)[0]
-    log_ratio = (new - b.logprobs) * b.mask                                                       # (B, T): Delta_t
+    new = no_grad_chunks(
+        lambda ids, attn: forward(scorer, None, ids, attn, T, args.temperature, forbid)[:1], b, micro, scorer, args
+    )[0]
+    log_ratio = (new - b.logprobs) * b.mask  # (B, T): Delta_t
     other = "scalar" if args.reward_mode == "span" else "span"
     apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # r without the penalty: logged apart
     rewards = {m: rewards_and_advantages(g, kl_coef, m, apart)[0] for m in (args.reward_mode, other)}
     advantages = {args.reward_mode: g.advantages, other: rewards_and_advantages(g, kl_coef, other, args)[1]}
-    return {"log_ratio": log_ratio,
-            "locality": locality_summary(distributed.all_sum(locality_sums(log_ratio, b.delta, b.mask))),
-            "advantage_locality": {m: locality_summary(locality_sums(a, g.delta, g.mask))
-                                   for m, a in advantages.items()},
-            "rewards": {m: x[mine, :T] for m, x in rewards.items()},
-            "advantages": {m: x[mine, :T] for m, x in advantages.items()}}
+    return {
+        "log_ratio": log_ratio,
+        "locality": locality_summary(distributed.all_sum(locality_sums(log_ratio, b.delta, b.mask))),
+        "advantage_locality": {m: locality_summary(locality_sums(a, g.delta, g.mask)) for m, a in advantages.items()},
+        "rewards": {m: x[mine, :T] for m, x in rewards.items()},
+        "advantages": {m: x[mine, :T] for m, x in advantages.items()},
+    }
 
 
 def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
@@ -646,18 +768,26 @@ def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
     k = 1 if args.advantage == "gae" else args.rloo_k
     idx = [i for i in runs.batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
     local = args.batch_size // world
-    return idx[rank * local:(rank + 1) * local]
+    return idx[rank * local : (rank + 1) * local]
 
 
 def make_optimizer(params, args):
     """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
     then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
     # FSDP's sharded weights and the whole value head in separate groups: foreach/fused AdamW (CUDA's) cannot mix them
-    groups = [{"params": g} for g in ([p for p in params if distributed.is_sharded(p)],
-                                      [p for p in params if not distributed.is_sharded(p)]) if g]
+    groups = [
+        {"params": g}
+        for g in (
+            [p for p in params if distributed.is_sharded(p)],
+            [p for p in params if not distributed.is_sharded(p)],
+        )
+        if g
+    ]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1))
-                                                  * (1.0 - it / args.steps if args.anneal_lr else 1.0))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)) * (1.0 - it / args.steps if args.anneal_lr else 1.0),
+    )
     return optimizer, scheduler
 
 
@@ -681,12 +811,17 @@ def train(args):
     distributed.seed_everything(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     # --- the prompts, the policy (after the optional SFT warm start), the critic, the optimizer, the run folder
     records = read_prompts(args.prompts, args.task)
-    start = sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"]) \
-        if args.sft_data and args.sft_steps > 0 else args.model
-    model, tokenizer = models.load_model(start, device=args.device,
-                                         dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32")
-    queries = [models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens)
-               for r in records]  # before any output: may raise DataError
+    start = (
+        sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"])
+        if args.sft_data and args.sft_steps > 0
+        else args.model
+    )
+    model, tokenizer = models.load_model(
+        start, device=args.device, dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32"
+    )
+    queries = [
+        models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in records
+    ]  # before any output: may raise DataError
     model, ref_model, value_head = build_policy(args, model)
     model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
     scorer, ref_scorer = trainable.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
@@ -697,41 +832,51 @@ def train(args):
     optimizer, scheduler = make_optimizer(params, args)
     scaler, costs = distributed.grad_scaler(args.device, args.dtype), []
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    saved = runs.start_or_resume(out_dir, kind, vars(args), model, value_head, optimizer, scheduler, scaler, rank,
-                                 world)
+    saved = runs.start_or_resume(
+        out_dir, kind, vars(args), model, value_head, optimizer, scheduler, scaler, rank, world
+    )
     first_step, kl_coef = saved["step"] + 1, saved.get("kl_coef", args.kl_coef)  # resumed: the beta it had reached
-    local_bs = args.batch_size // world                                   # rollouts of this rank
-    micro = local_bs // args.num_minibatches // args.grad_accum           # rows of a forward with grad
+    local_bs = args.batch_size // world  # rollouts of this rank
+    micro = local_bs // args.num_minibatches // args.grad_accum  # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
-    gen_config = models.generation_config(model, args.max_new_tokens, args.temperature, args.top_p,
-                                          args.min_new_tokens)
+    gen_config = models.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
     stop = torch.tensor(models.stop_ids(model), device=args.device)
     forbid = (stop.tolist(), args.min_new_tokens)
     if args.top_p < 1 and rank == 0:
-        print(f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
-              "scores log-probs of the full distribution)", file=sys.stderr)
-    bar = tqdm(range(first_step, args.steps + 1), desc=f"PPO ({args.reward_mode})", initial=first_step - 1,
-               total=args.steps, disable=rank != 0)
+        print(
+            f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
+            "scores log-probs of the full distribution)",
+            file=sys.stderr,
+        )
+    bar = tqdm(
+        range(first_step, args.steps + 1),
+        desc=f"PPO ({args.reward_mode})",
+        initial=first_step - 1,
+        total=args.steps,
+        disable=rank != 0,
+    )
     for step in bar:
         clock = {"start": time.time()}
-        idx = prompt_indices(step, len(records), args, rank, world)                              # this rank's share
+        idx = prompt_indices(step, len(records), args, rank, world)  # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
         b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
         # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
         feedback = critic(recs, b.texts)
         # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
-        b.delta, deltas, n_spans, n_unmatched = span_deltas(b.texts, b.offsets, feedback, b.mask, args.span_weighting,
-                                                            args.labels)
+        b.delta, deltas, n_spans, n_unmatched = span_deltas(
+            b.texts, b.offsets, feedback, b.mask, args.span_weighting, args.labels
+        )
         clock["critiqued"] = time.time()
         watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
-        g = Rollouts(**{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl",
-                                                                            "values")})
+        g = Rollouts(
+            **{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
+        )
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
-        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b.mask.shape[1]                   # this rank's rows
+        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b.mask.shape[1]  # this rank's rows
         b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
@@ -745,18 +890,35 @@ def train(args):
             went = where_it_went(scorer, b, g, kl_coef, forbid, micro, args, rank)
             trace.trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went, args, rank)
         # 7. log the global batch's metrics with the beta and lr this iteration used, samples; adapt beta; checkpoint
-        row = trace.log_iteration(step, out_dir, {
-            "recs": recs, "b": b, "g": g, "feedback": feedback, "counts": [sum(map(critique_failed, feedback)),
-            n_spans, n_unmatched], "watched": watched, "stats": stats, "epochs": epochs, "kl_coef": kl_coef, "lr": lr,
-            "explained_variance": explained_variance(g.values, g.returns, g.mask), "clock": clock}, args, rank, world)
+        row = trace.log_iteration(
+            step,
+            out_dir,
+            {
+                "recs": recs,
+                "b": b,
+                "g": g,
+                "feedback": feedback,
+                "counts": [sum(map(critique_failed, feedback)), n_spans, n_unmatched],
+                "watched": watched,
+                "stats": stats,
+                "epochs": epochs,
+                "kl_coef": kl_coef,
+                "lr": lr,
+                "explained_variance": explained_variance(g.values, g.returns, g.mask),
+                "clock": clock,
+            },
+            args,
+            rank,
+            world,
+        )
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
-            kl_coef = update_kl_coef(kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target,
-                                     args.adaptive_kl_horizon, args.batch_size)
+            kl_coef = update_kl_coef(
+                kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target, args.adaptive_kl_horizon, args.batch_size
+            )
         trace.show_progress(bar, step, row, feedback, args, rank)
         halt = critics.failing(costs, row, feedback, args)  # why the run stops here (its critic has failed), or None
         if step % args.save_every == 0 or step == args.steps or halt:
-            runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args),
-                                 rank)
+            runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank)
         if halt:
             raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
@@ -771,13 +933,17 @@ def main(argv=None):
     if args.scalar_baseline_dir:  # refused now, not after the first run, if its folder holds a run
         runs.policy_run_kind(args.scalar_baseline_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
     # then the scalar baseline: the same run, from the same SFT start, with the information as one scalar (App. A)
-    baseline = argparse.Namespace(**{**vars(args), "reward_mode": "scalar", "output_dir": args.scalar_baseline_dir,
-                                     "scalar_baseline_dir": ""})
-    for run in [args, baseline][:1 + bool(args.scalar_baseline_dir)]:
+    baseline = argparse.Namespace(
+        **{**vars(args), "reward_mode": "scalar", "output_dir": args.scalar_baseline_dir, "scalar_baseline_dir": ""}
+    )
+    for run in [args, baseline][: 1 + bool(args.scalar_baseline_dir)]:
         runs.on_interrupt(run, [Path(__file__).name, *(sys.argv[1:] if argv is None else argv)])  # Ctrl-C: one line
         policy = train(run)
-        log(f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})" if run is args
-            else f"scalar baseline saved to {policy}")
+        log(
+            f"policy saved to {policy}  (metrics: {Path(args.output_dir) / 'metrics.jsonl'})"
+            if run is args
+            else f"scalar baseline saved to {policy}"
+        )
 
 
 if __name__ == "__main__":

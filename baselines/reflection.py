@@ -8,6 +8,7 @@ programmatic critic's (demo: the exact critic; code: the tests), or none (an emp
 without feedback). The demo's toy policy cannot follow a critique it was never trained on: its reviser needs
 revision SFT first (baselines/reflection_data.py, then 03 --sft-data).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,10 +20,17 @@ from infra import reward_models
 
 def add_args(p) -> None:
     g = p.add_argument_group("SFT + reflection, the paper's §4.3 baseline (baselines/reflection.py)")
-    g.add_argument("--reflect", action="store_true", help="revise each policy's answer once from a critique of it: "
-                   "adds the row NAME+reflect")
-    g.add_argument("--reflect-critic", default="reward-model", choices=["reward-model", "program", "none"],
-                   help="--reflect: whose critique the reviser reads")
+    g.add_argument(
+        "--reflect",
+        action="store_true",
+        help="revise each policy's answer once from a critique of it: adds the row NAME+reflect",
+    )
+    g.add_argument(
+        "--reflect-critic",
+        default="reward-model",
+        choices=["reward-model", "program", "none"],
+        help="--reflect: whose critique the reviser reads",
+    )
     g.add_argument("--reviser", help="--reflect: the model that revises (default: each policy itself)")
 
 
@@ -35,8 +43,10 @@ def check_args(args, p) -> None:
 def check_critic(args) -> None:
     """Before any generation, once the reward model is resolved: --reflect-critic reward-model needs one."""
     if args.reflect and args.reflect_critic == "reward-model" and not args.reward_model:
-        raise DataError("--reflect-critic reward-model: no --reward-model to critique the answers (a generative one); "
-                        "or pass --reflect-critic program or none")
+        raise DataError(
+            "--reflect-critic reward-model: no --reward-model to critique the answers (a generative one); "
+            "or pass --reflect-critic program or none"
+        )
 
 
 def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir, generate) -> tuple[list[dict], str]:
@@ -57,13 +67,17 @@ def reflect_outputs(name, path, gens, gen_fp, crits, records, args, cache_dir, g
         if args.reflect_critic == "program":
             if args.task == "demo":
                 from tasks.demo import demo_critic
+
                 return demo_critic(rec["prompt"], gen["response"])["critique"]
             from tasks.code import code_critic
+
             return code_critic(rec["prompt"], gen["response"], rec["test"], args.test_timeout)["critique"]
         fb = reward_models.rm_scores(gen["response"], gen["offsets"], crit["critique_raw"])[0]
         return fb["critique"] or "poor: " + ", ".join(s.strip() for s in fb["poor_spans"])
 
-    revise = [{**rec, "prompt": revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
-              for rec, gen, crit in zip(records, gens, crits or [None] * len(records))]
+    revise = [
+        {**rec, "prompt": revision_prompt(rec["prompt"], gen["response"], critique(rec, gen, crit))}
+        for rec, gen, crit in zip(records, gens, crits or [None] * len(records))
+    ]
     prompts = hashlib.sha256(json.dumps([r["prompt"] for r in revise]).encode()).hexdigest()
     return generate(f"{name}+reflect", reviser, revise, args, cache_dir, extra=(gen_fp, "reflect-v2", prompts))

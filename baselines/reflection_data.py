@@ -12,6 +12,7 @@ text 04 --reflect builds, and whose target is the record's reference, laid out a
 whitespace). Annotations come from 01_annotate.py (the demo's carry its reference); records that failed or have no
 reference are skipped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,14 @@ def revision_examples(records: list[dict], reference_field: str = "reference", f
             continue
         if flawed_only and not rec["poor_spans"]:
             continue
-        lead = rec["response"][:len(rec["response"]) - len(rec["response"].lstrip())]
-        out.append({"id": rec.get("id"), "prompt": revision_prompt(rec["prompt"], rec["response"], rec["critique"]),
-                    "response": lead + rec[reference_field].lstrip()})
+        lead = rec["response"][: len(rec["response"]) - len(rec["response"].lstrip())]
+        out.append(
+            {
+                "id": rec.get("id"),
+                "prompt": revision_prompt(rec["prompt"], rec["response"], rec["critique"]),
+                "response": lead + rec[reference_field].lstrip(),
+            }
+        )
     return out
 
 
@@ -55,8 +61,9 @@ def main(argv=None) -> int:
     records, _ = load_annotations(args.data)  # the same checks as stage 2's: file, line and field named
     examples = revision_examples(records, args.reference_field, not args.all)
     if not examples:
-        raise common.DataError(f"{args.data}: no record with a '{args.reference_field}' field"
-                               + ("" if args.all else " and a poor span"))
+        raise common.DataError(
+            f"{args.data}: no record with a '{args.reference_field}' field" + ("" if args.all else " and a poor span")
+        )
     common.write_jsonl(args.output, examples)
     print(f"wrote {len(examples)} revision examples of {len(records)} records to {args.output}")
     return 0

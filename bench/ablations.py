@@ -31,6 +31,7 @@ scores less, one that only avoids mistakes does not). Median [min, max] over see
 reward models are reused from --out only when the same commands made them (bench/run_cache.py).
 Nothing is tuned per row. Prints the table and one JSON line; writes OUT/results.json.
 """
+
 import argparse
 import json
 import math
@@ -56,10 +57,14 @@ ROWS = {  # row -> (03 flags, the paper's direction against "span")
     "spans-only RM": ([], "worse without the critique (Table 2, w/o CoT)"),
     "span + RLOO": (["--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),
     "scalar + RLOO": (["--reward-mode", "scalar", "--advantage", "rloo", "--rloo-k", "4"], "none (not in the paper)"),
-    "span + RLOO position": (["--advantage", "rloo", "--rloo-k", "4", "--rloo-baseline", "position"],
-                             "none (not in the paper)"),
-    "span + RLOO mean-reward": (["--advantage", "rloo", "--rloo-k", "4", "--rloo-baseline", "mean-reward"],
-                                "none (not in the paper)"),
+    "span + RLOO position": (
+        ["--advantage", "rloo", "--rloo-k", "4", "--rloo-baseline", "position"],
+        "none (not in the paper)",
+    ),
+    "span + RLOO mean-reward": (
+        ["--advantage", "rloo", "--rloo-k", "4", "--rloo-baseline", "mean-reward"],
+        "none (not in the paper)",
+    ),
 }
 SPAN_RLOO = ["span + RLOO", "span + RLOO position", "span + RLOO mean-reward"]  # each against scalar + RLOO
 
@@ -81,17 +86,30 @@ def spans_only_reward_model(out: Path, given: str | None, reward_model: str | No
     if given:
         path = Path(given).resolve()
         if not (path / "reward_model.json").is_file():
-            sys.exit(f"--spans-only-reward-model {given}: no reward_model.json (a stage-2 output of 02_train_reward.py "
-                     "--rm-format spans-only, with --reward-model's recipe)")
+            sys.exit(
+                f"--spans-only-reward-model {given}: no reward_model.json (a stage-2 output of 02_train_reward.py "
+                "--rm-format spans-only, with --reward-model's recipe)"
+            )
         if (fmt := reward_models.rm_settings(path)["rm_format"]) != "spans-only":
             sys.exit(f"--spans-only-reward-model {given}: rm_format {fmt!r}, not spans-only (its reward_model.json)")
         return path
     if reward_model:
-        sys.exit("--reward-model given: pass --spans-only-reward-model too, trained with that model's recipe and "
-                 "02 --rm-format spans-only")
+        sys.exit(
+            "--reward-model given: pass --spans-only-reward-model too, trained with that model's recipe and "
+            "02 --rm-format spans-only"
+        )
     path = out / "reward_model_spans_only"
-    cmd = ["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
-           "--rm-format", "spans-only", "--output-dir", str(path)]
+    cmd = [
+        "02_train_reward.py",
+        "--data",
+        str(out / "annotations.jsonl"),
+        "--model",
+        str(out / "base"),
+        "--rm-format",
+        "spans-only",
+        "--output-dir",
+        str(path),
+    ]
     check_settings(path, {"argv": cmd})
     if not (path / "reward_model.json").is_file():
         run(cmd)
@@ -112,8 +130,10 @@ def side_by_side(args, rows: list[str], seeds, out: Path) -> None:
     """Every (row, seed) run as its own `--rows R --only S` process, at most --jobs at a time, logs in OUT/logs; stops
     with the failed runs' logs named. Run after the shared start exists, so the children only reuse it."""
     common_argv = ["--critic", args.critic, "--steps", str(args.steps), "--out", str(out), "--jobs", "1"]
-    for flag, value in (("--reward-model", args.reward_model), ("--spans-only-reward-model",
-                                                                 args.spans_only_reward_model)):
+    for flag, value in (
+        ("--reward-model", args.reward_model),
+        ("--spans-only-reward-model", args.spans_only_reward_model),
+    ):
         common_argv += [flag, value] if value else []
     # each process gets its share of the cores unless told: 27 torch processes with 16 threads each would thrash
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs)), **os.environ, "PYTHONUNBUFFERED": "1"}
@@ -131,41 +151,65 @@ def side_by_side(args, rows: list[str], seeds, out: Path) -> None:
                 failed.append((row, seed, log))
             print(f"{done}/{len(runs)} runs done: {row} seed {seed}{' FAILED' if future.result() else ''}", flush=True)
     if failed:
-        sys.exit(f"{len(failed)} of {len(runs)} runs failed: " +
-                 "; ".join(f"{row} seed {seed} (its log: {log})" for row, seed, log in failed))
+        sys.exit(
+            f"{len(failed)} of {len(runs)} runs failed: "
+            + "; ".join(f"{row} seed {seed} (its log: {log})" for row, seed, log in failed)
+        )
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--critic", default="program", choices=["program", "local"],
-                   help="program: the demo's exact critic; local: a stage-2 reward model (the zero-flag one, trained "
-                        "once in --out, or --reward-model)")
+    p.add_argument(
+        "--critic",
+        default="program",
+        choices=["program", "local"],
+        help="program: the demo's exact critic; local: a stage-2 reward model (the zero-flag one, trained "
+        "once in --out, or --reward-model)",
+    )
     p.add_argument("--reward-model", help="--critic local: this reward model (e.g. runs/demo/smol_rm)")
-    p.add_argument("--spans-only-reward-model", help="--critic local: the spans-only one for its row; default: 02 "
-                   "--rm-format spans-only at its zero-flag settings, trained in --out (without --reward-model only)")
+    p.add_argument(
+        "--spans-only-reward-model",
+        help="--critic local: the spans-only one for its row; default: 02 "
+        "--rm-format spans-only at its zero-flag settings, trained in --out (without --reward-model only)",
+    )
     p.add_argument("--seeds", type=int, default=3, help="seeds per row")
     p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
     p.add_argument("--rows", nargs="+", choices=list(ROWS), help="run only these rows (default: all that apply)")
     p.add_argument("--out", help="work dir; default bench/out/ablations[_local]")
-    p.add_argument("--start-only", action="store_true", help="build the shared start (toy base, SFT, reward models) "
-                   "and stop: once, before side-by-side --only calls")
-    p.add_argument("--only", type=int, metavar="S", help="run seed S's runs of the chosen rows and stop, no table (to "
-                   "run rows and seeds side by side, one process each; a later call without --only reads the runs)")
-    p.add_argument("--jobs", type=int, default=1, help="run this many (row, seed) runs at once, each in its own "
-                   "process (logs in OUT/logs), then the table; e.g. 27 on one GPU. 1: one after another, in this one")
+    p.add_argument(
+        "--start-only",
+        action="store_true",
+        help="build the shared start (toy base, SFT, reward models) and stop: once, before side-by-side --only calls",
+    )
+    p.add_argument(
+        "--only",
+        type=int,
+        metavar="S",
+        help="run seed S's runs of the chosen rows and stop, no table (to "
+        "run rows and seeds side by side, one process each; a later call without --only reads the runs)",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="run this many (row, seed) runs at once, each in its own "
+        "process (logs in OUT/logs), then the table; e.g. 27 on one GPU. 1: one after another, in this one",
+    )
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every row")
     args = p.parse_args(argv)
     out = Path(args.out or f"bench/out/ablations{'' if args.critic == 'program' else '_local'}")
     if args.only is not None and not (out / "sft" / "config.json").is_file():
-        sys.exit(f"{out}: no shared start yet; build it once with --start-only (side-by-side --only calls would race "
-                 "to build it)")
+        sys.exit(
+            f"{out}: no shared start yet; build it once with --start-only (side-by-side --only calls would race "
+            "to build it)"
+        )
     flags = shared_start(out, args.critic, args.reward_model, args.steps, args.ppo_args)
     rows = [r for r in (args.rows or ROWS) if args.critic == "local" or r != "spans-only RM"]
 
     if "spans-only RM" in rows:  # the w/o-CoT reward model: the same data and settings as the critic's, spans only
         spans_only = spans_only_reward_model(out, args.spans_only_reward_model, args.reward_model)
         i = flags.index("--reward-model")
-        flags_without_rm = flags[:i] + flags[i + 2:]
+        flags_without_rm = flags[:i] + flags[i + 2 :]
     if args.start_only:
         print(f"the shared start is ready in {out}")
         return 0
@@ -176,41 +220,63 @@ def main(argv=None):
     for row in rows:
         row_flags = ["--reward-model", str(spans_only)] if row == "spans-only RM" else ROWS[row][0]
         base = flags_without_rm if row == "spans-only RM" else flags
-        curves[row] = [ppo_run(out, out / f"{slug(row)}_seed{seed}", seed, args.steps, [*row_flags, *base])
-                       for seed in seeds]
+        curves[row] = [
+            ppo_run(out, out / f"{slug(row)}_seed{seed}", seed, args.steps, [*row_flags, *base]) for seed in seeds
+        ]
     if args.only is not None:
         return 0
 
     start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)
     if start <= THRESHOLD:
         sys.exit(f"the SFT start already has mistake rate {start:.2f} <= {THRESHOLD}: the benchmark would be void")
-    result = {"critic": args.critic, "reward_model": args.reward_model, "threshold": THRESHOLD, "window": WINDOW,
-              "steps": args.steps, "seeds": args.seeds, "start_mistake_rate": round(start, 3), "rows": {}}
-    print(f"\ncritic: {args.critic}{' ' + args.reward_model if args.reward_model else ''}; SFT start {start:.2f}; "
-          f"{args.seeds} seeds x {args.steps} iterations\n")
-    print(f"{'row':<26}{'steps to <= 0.15':>18}{'final mistake rate':>28}{'final exact sum delta':>24}"
-          f"{'final length':>20}   paper's direction vs span")
+    result = {
+        "critic": args.critic,
+        "reward_model": args.reward_model,
+        "threshold": THRESHOLD,
+        "window": WINDOW,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "start_mistake_rate": round(start, 3),
+        "rows": {},
+    }
+    print(
+        f"\ncritic: {args.critic}{' ' + args.reward_model if args.reward_model else ''}; SFT start {start:.2f}; "
+        f"{args.seeds} seeds x {args.steps} iterations\n"
+    )
+    print(
+        f"{'row':<26}{'steps to <= 0.15':>18}{'final mistake rate':>28}{'final exact sum delta':>24}"
+        f"{'final length':>20}   paper's direction vs span"
+    )
     for row, cs in curves.items():
         hits = [steps_to_threshold(c["mistakes"]) for c in cs]
         steps = [h or args.steps for h in hits]
         finals = [statistics.fmean(c["mistakes"][-WINDOW:]) for c in cs]
-        result["rows"][row] = {"steps": steps, "reached": [h is not None for h in hits], "final": finals,
-                               "final_kl": [statistics.fmean(c["kl"][-WINDOW:]) for c in cs],
-                               "final_length": [statistics.fmean(c["length"][-WINDOW:]) for c in cs],
-                               "final_delta_sum": [statistics.fmean(c["reward"][-WINDOW:]) for c in cs],
-                               "steps_median": statistics.median(steps), "final_median": statistics.median(finals)}
+        result["rows"][row] = {
+            "steps": steps,
+            "reached": [h is not None for h in hits],
+            "final": finals,
+            "final_kl": [statistics.fmean(c["kl"][-WINDOW:]) for c in cs],
+            "final_length": [statistics.fmean(c["length"][-WINDOW:]) for c in cs],
+            "final_delta_sum": [statistics.fmean(c["reward"][-WINDOW:]) for c in cs],
+            "steps_median": statistics.median(steps),
+            "final_median": statistics.median(finals),
+        }
         shown = steps_cell(hits, args.steps)
         length = spread(result["rows"][row]["final_length"], lambda v: f"{v:.1f}")
         delta_sum = spread(result["rows"][row]["final_delta_sum"], lambda v: f"{v:.2f}")
-        print(f"{row:<26}{shown:>18}{spread(finals, lambda v: f'{v:.3f}'):>28}{delta_sum:>24}{length:>20}   "
-              f"{ROWS[row][1]}")
+        print(
+            f"{row:<26}{shown:>18}{spread(finals, lambda v: f'{v:.3f}'):>28}{delta_sum:>24}{length:>20}   "
+            f"{ROWS[row][1]}"
+        )
     r = result["rows"]
     for row in [row for row in SPAN_RLOO if row in r and "scalar + RLOO" in r]:
         ratio = r[row]["steps_median"] / r["scalar + RLOO"]["steps_median"]
         result.setdefault("rloo_steps_ratio", {})[row] = ratio
         bounds = [f"{name} did not always get there" for name in (row, "scalar + RLOO") if not all(r[name]["reached"])]
-        print(f"{row} / scalar + RLOO steps (medians): {ratio:.2f}" + (f" (not a ratio: {'; '.join(bounds)})"
-                                                                         if bounds else ""))
+        print(
+            f"{row} / scalar + RLOO steps (medians): {ratio:.2f}"
+            + (f" (not a ratio: {'; '.join(bounds)})" if bounds else "")
+        )
     common.write_json(out / "results.json", result)
     print(json.dumps(result))
     return 0

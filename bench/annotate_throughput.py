@@ -12,6 +12,7 @@ which fail and are not retried (infra.serving.retry_delay), fenced JSON, reasoni
 case and quote marks) and reports the unmatched-span rate and failures. The last line is one JSON object:
 wall_s, ideal_s, ratio, and the fault run's numbers.
 """
+
 import argparse
 import asyncio
 import importlib
@@ -64,8 +65,14 @@ async def serve(delay: float, faults: bool) -> None:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
+                length = next(
+                    (
+                        int(line.split(b":")[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
                 body = json.loads(await reader.readexactly(length))
                 if body.get("max_tokens") == 1:  # 01's preflight (infra.serving.check_server): one token
                     body["messages"] = [{"role": "system", "content": ""}, {"role": "user", "content": "OK"}]
@@ -73,22 +80,32 @@ async def serve(delay: float, faults: bool) -> None:
                 response = body["messages"][1]["content"].split("### Response\n", 1)[-1].split("\n\n###", 1)[0]
                 attempts[response] = attempts.get(response, 0) + 1
                 kind = zlib.crc32(response.encode()) % 100 if faults else 99
-                status, text, headers = critique(response, kind, attempts[response] if "could not use" not in user
-                                                 else 2)
+                status, text, headers = critique(
+                    response, kind, attempts[response] if "could not use" not in user else 2
+                )
                 await asyncio.sleep(delay)
                 if text == "SLOW":
                     await asyncio.sleep(3.0)
                     text = critique(response, 99, 2)[1]
-                payload = {"id": "x", "object": "chat.completion", "created": 0, "model": body.get("model", "m"),
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": {"role": "assistant", "content": text}}],
-                           "usage": {"prompt_tokens": 400, "completion_tokens": 120, "total_tokens": 520}}
+                payload = {
+                    "id": "x",
+                    "object": "chat.completion",
+                    "created": 0,
+                    "model": body.get("model", "m"),
+                    "choices": [
+                        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+                    ],
+                    "usage": {"prompt_tokens": 400, "completion_tokens": 120, "total_tokens": 520},
+                }
                 if status != 200:
                     payload = {"error": {"message": text}}
                 data = json.dumps(payload).encode()
                 extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-                writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
-                             f"\r\n{extra}\r\n".encode() + data)
+                writer.write(
+                    f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}"
+                    f"\r\n{extra}\r\n".encode()
+                    + data
+                )
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -106,16 +123,38 @@ async def serve(delay: float, faults: bool) -> None:
 
 
 def run(args, faults: bool, workdir: Path) -> tuple[dict, float]:
-    server = subprocess.Popen([sys.executable, __file__, "--serve", "--delay", str(args.delay)] +
-                              ["--faults"] * faults, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "--delay", str(args.delay)] + ["--faults"] * faults,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         url = server.stdout.readline().strip()
         annotate = importlib.import_module("01_annotate")
         out = workdir / f"annotations-{'faults' if faults else 'clean'}.jsonl"
         cpu = time.process_time()
-        summary = annotate.main(["--task", "demo", "--dataset", str(workdir / "records.jsonl"), "--annotator",
-                                 "openai", "--base-url", url, "--model", "bench", "--output", str(out),
-                                 "--concurrency", str(args.concurrency), "--timeout", "1.0", "--backoff-base", "0.05"])
+        summary = annotate.main(
+            [
+                "--task",
+                "demo",
+                "--dataset",
+                str(workdir / "records.jsonl"),
+                "--annotator",
+                "openai",
+                "--base-url",
+                url,
+                "--model",
+                "bench",
+                "--output",
+                str(out),
+                "--concurrency",
+                str(args.concurrency),
+                "--timeout",
+                "1.0",
+                "--backoff-base",
+                "0.05",
+            ]
+        )
         return summary, time.process_time() - cpu
     finally:
         server.kill()
@@ -137,6 +176,7 @@ def main():
     os.environ.setdefault("OPENAI_API_KEY", "sk-bench-local")  # the local server ignores it
     import common
     from tasks.demo import demo_dataset
+
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         common.write_jsonl(workdir / "records.jsonl", demo_dataset("bench", args.records))
@@ -145,19 +185,31 @@ def main():
         ok = [r for r in common.read_jsonl(workdir / "annotations-faults.jsonl") if r["status"] == "ok"]
         misquoted = sum(20 <= zlib.crc32(r["response"].encode()) % 100 < 40 for r in ok)  # see critique()
         expected_rate = misquoted / (2 * len(ok) + misquoted)
-        expected_failed = sum(zlib.crc32(r["response"].encode()) % 100 in (10, 11, 17) for r in demo_dataset(
-            "bench", args.records))  # 10, 11: slower than --timeout, not retried; 17: never valid JSON
+        expected_failed = sum(
+            zlib.crc32(r["response"].encode()) % 100 in (10, 11, 17) for r in demo_dataset("bench", args.records)
+        )  # 10, 11: slower than --timeout, not retried; 17: never valid JSON
     ideal = args.records * args.delay / args.concurrency
     wall = clean["this_run"]["annotate_s"]  # the annotation alone (elapsed_s: the whole run)
-    result = {"wall_s": round(wall, 3), "ideal_s": round(ideal, 3), "ratio": round(wall / ideal, 3),
-              "records": args.records, "concurrency": args.concurrency, "delay_s": args.delay,
-              "client_cpu_s": round(client_cpu, 3), "cpu_count": os.cpu_count(),
-              "load_avg_1m": round(os.getloadavg()[0], 2),
-              "faults": {"wall_s": faulty["this_run"]["annotate_s"], "failed": faulty["failed"],
-                         "expected_failed": expected_failed, "unmatched_span_rate": faulty["unmatched_span_rate"],
-                         "expected_unmatched_span_rate": round(expected_rate, 4),
-                         "good_spans_per_record": faulty["good_spans_per_record"],
-                         "poor_spans_per_record": faulty["poor_spans_per_record"]}}
+    result = {
+        "wall_s": round(wall, 3),
+        "ideal_s": round(ideal, 3),
+        "ratio": round(wall / ideal, 3),
+        "records": args.records,
+        "concurrency": args.concurrency,
+        "delay_s": args.delay,
+        "client_cpu_s": round(client_cpu, 3),
+        "cpu_count": os.cpu_count(),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "faults": {
+            "wall_s": faulty["this_run"]["annotate_s"],
+            "failed": faulty["failed"],
+            "expected_failed": expected_failed,
+            "unmatched_span_rate": faulty["unmatched_span_rate"],
+            "expected_unmatched_span_rate": round(expected_rate, 4),
+            "good_spans_per_record": faulty["good_spans_per_record"],
+            "poor_spans_per_record": faulty["poor_spans_per_record"],
+        },
+    }
     print(json.dumps(result))
 
 

@@ -43,6 +43,7 @@ per held-out post, so every interval recomputes from the repository), prints the
 KL: "train_kl" is 03's objective/kl over the last 10 iterations, "heldout_kl" the sequence KL to the SFT start on the
 held-out answers.
 """
+
 import argparse
 import hashlib
 import json
@@ -61,12 +62,14 @@ import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)
 from tasks.demo import demo_dataset  # noqa: E402
 
 PLUGIN = "python:bench/credit_arms.py:"
-ARMS = {"span": ["--critic", PLUGIN + "span"],
-        "poor_span": ["--critic", PLUGIN + "poor_only"],
-        "span_centred": ["--critic", PLUGIN + "span", "--center-delta"],
-        "poor_scalar": ["--critic", PLUGIN + "poor_only", "--reward-mode", "scalar"],
-        "summed_scalar": ["--critic", PLUGIN + "span", "--reward-mode", "scalar"],
-        "clause": ["--critic", PLUGIN + "clause_scores"]}
+ARMS = {
+    "span": ["--critic", PLUGIN + "span"],
+    "poor_span": ["--critic", PLUGIN + "poor_only"],
+    "span_centred": ["--critic", PLUGIN + "span", "--center-delta"],
+    "poor_scalar": ["--critic", PLUGIN + "poor_only", "--reward-mode", "scalar"],
+    "summed_scalar": ["--critic", PLUGIN + "span", "--reward-mode", "scalar"],
+    "clause": ["--critic", PLUGIN + "clause_scores"],
+}
 SCALAR_ARMS = ("poor_scalar", "summed_scalar")
 SWEEP_ARMS = ("span", "poor_span")  # and the best scalar arm
 PHASES = ("grid", "select", "confirm", "sweep")
@@ -97,6 +100,7 @@ def one_thread() -> None:
     """Every model of the bench built and trained on one thread, this process's and every command's it runs (they
     inherit OMP_NUM_THREADS; run_side_by_side keeps the environment's): the same bytes on any machine of this kind."""
     import torch
+
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     torch.set_num_threads(1)
 
@@ -113,11 +117,24 @@ def start_checksum(world: Path) -> str:
 def start(out: Path, pets: int, args) -> list[str]:
     """03's flags shared by every run of one world (K pets): span_vs_scalar's shared start built in OUT/k<K>."""
     world = out / f"k{pets}"
-    shared_start(world, "program", None, args.steps, ["--trace-samples", "0", *pet_flags(pets), *args.ppo_args],
-                 pets=pets)
+    shared_start(
+        world, "program", None, args.steps, ["--trace-samples", "0", *pet_flags(pets), *args.ppo_args], pets=pets
+    )
     STARTS[f"k{pets}"] = start_checksum(world)
-    return ["--model", str((world / "sft").resolve()), "--sft-steps", "0", "--prompts", str(world / "prompts.jsonl"),
-            "--scalar-baseline-dir", "", "--trace-samples", "0", *pet_flags(pets), *args.ppo_args]
+    return [
+        "--model",
+        str((world / "sft").resolve()),
+        "--sft-steps",
+        "0",
+        "--prompts",
+        str(world / "prompts.jsonl"),
+        "--scalar-baseline-dir",
+        "",
+        "--trace-samples",
+        "0",
+        *pet_flags(pets),
+        *args.ppo_args,
+    ]
 
 
 STARTS = {}  # world -> start_checksum, recorded in the results
@@ -151,10 +168,15 @@ def curve(run_dir: Path, steps: int) -> dict:
     rows = common.read_jsonl(run_dir / "metrics.jsonl")[:steps]
     mistakes = [r["exact/mistake_rate"] for r in rows]
     hit = steps_to_threshold(mistakes)
-    return {"steps": hit or steps, "reached": hit is not None, "final": statistics.fmean(mistakes[-WINDOW:]),
-            "start": mistakes[0], "train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
-            "length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
-            "step_s": statistics.median(r["time/step_s"] for r in rows)}
+    return {
+        "steps": hit or steps,
+        "reached": hit is not None,
+        "final": statistics.fmean(mistakes[-WINDOW:]),
+        "start": mistakes[0],
+        "train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
+        "length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
+        "step_s": statistics.median(r["time/step_s"] for r in rows),
+    }
 
 
 def sample_scores(run_dir: Path, from_step: int) -> dict:
@@ -163,10 +185,13 @@ def sample_scores(run_dir: Path, from_step: int) -> dict:
     (04's demo/facts_right). The sweep's measures added once K = 4 was seen: its SFT start makes a mistake in nearly
     every answer, and an empty answer makes none."""
     from tasks.demo import demo_mistakes, demo_scores
+
     rows = [r for r in common.read_jsonl(run_dir / "samples.jsonl") if r["step"] >= from_step]
     facts = [demo_scores(r["prompt"], r["response"], {}, [])["demo/facts_right"] for r in rows]
-    return {"mistakes": statistics.fmean(demo_mistakes(r["prompt"], r["response"]) for r in rows),
-            "facts": sum(n for n, _ in facts) / sum(d for _, d in facts)}
+    return {
+        "mistakes": statistics.fmean(demo_mistakes(r["prompt"], r["response"]) for r in rows),
+        "facts": sum(n for n, _ in facts) / sum(d for _, d in facts),
+    }
 
 
 def select(grid: dict) -> dict:
@@ -178,12 +203,17 @@ def select(grid: dict) -> dict:
         for (a, lr, kl, _), c in grid.items():
             if a == arm:
                 cells.setdefault((lr, kl), []).append(c)
-        scores = {k: (statistics.median(c["steps"] for c in cs), statistics.fmean(c["final"] for c in cs))
-                  for k, cs in cells.items()}
+        scores = {
+            k: (statistics.median(c["steps"] for c in cs), statistics.fmean(c["final"] for c in cs))
+            for k, cs in cells.items()
+        }
         (lr, kl), score = min(scores.items(), key=lambda kv: kv[1])
-        chosen[arm] = {"lr": lr, "kl_coef": kl, "score": list(score),
-                       "cells": [{"lr": a, "kl_coef": b, "median_steps": s, "final": f} for (a, b), (s, f) in
-                                 scores.items()]}
+        chosen[arm] = {
+            "lr": lr,
+            "kl_coef": kl,
+            "score": list(score),
+            "cells": [{"lr": a, "kl_coef": b, "median_steps": s, "final": f} for (a, b), (s, f) in scores.items()],
+        }
     return chosen
 
 
@@ -202,12 +232,11 @@ def step_ratio(arm: list[int], ref: list[int], rng, resamples: int = 10_000) -> 
 def paired_difference(arm, ref, rng, resamples: int = 10_000) -> dict:
     """Held-out mistake rate, arm - reference, from 0/1 outcomes (S seeds, P posts) paired by seed and post: the mean
     and a 95% interval that resamples seeds and posts."""
-    diff = np.array(arm, float) - np.array(ref, float)                                          # (S, P)
-    posts = rng.integers(0, diff.shape[1], (resamples, diff.shape[1]))                          # (R, P)
-    seeds = rng.integers(0, diff.shape[0], (resamples, diff.shape[0]))                          # (R, S)
-    per_seed = diff[:, posts].mean(-1)                                                          # (S, R)
-    return {"difference": float(diff.mean()),
-            "interval": interval(np.take_along_axis(per_seed.T, seeds, 1).mean(-1))}
+    diff = np.array(arm, float) - np.array(ref, float)  # (S, P)
+    posts = rng.integers(0, diff.shape[1], (resamples, diff.shape[1]))  # (R, P)
+    seeds = rng.integers(0, diff.shape[0], (resamples, diff.shape[0]))  # (R, S)
+    per_seed = diff[:, posts].mean(-1)  # (S, R)
+    return {"difference": float(diff.mean()), "interval": interval(np.take_along_axis(per_seed.T, seeds, 1).mean(-1))}
 
 
 def judge(out: Path, name: str, policy: Path, sft: Path, eval_data: Path, records: list[dict], pets: int) -> dict:
@@ -219,8 +248,12 @@ def judge(out: Path, name: str, policy: Path, sft: Path, eval_data: Path, record
         kl = sequence_kl(str(policy), str(sft), records, gens, 32 * pets)
         common.write_json(kl_file, {"kl": kl})
     per_post = post_mistakes(gens, records)
-    return {"mistake_rate": statistics.fmean(per_post), "rougeL": ev["table"][name]["rougeL"],
-            "heldout_kl": json.loads(kl_file.read_text())["kl"], "per_post": per_post}
+    return {
+        "mistake_rate": statistics.fmean(per_post),
+        "rougeL": ev["table"][name]["rougeL"],
+        "heldout_kl": json.loads(kl_file.read_text())["kl"],
+        "per_post": per_post,
+    }
 
 
 def eval_records(out: Path, pets: int, n: int) -> tuple[Path, list[dict]]:
@@ -237,8 +270,16 @@ def main(argv=None):
     args = parse_args(argv)
     one_thread()
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
-    logs, result = out / "logs", {"command": " ".join(["python", "bench/credit.py", *(argv or sys.argv[1:])]),
-                                  "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "starts": STARTS}
+    logs, result = (
+        out / "logs",
+        {
+            "command": " ".join(["python", "bench/credit.py", *(argv or sys.argv[1:])]),
+            "threshold": THRESHOLD,
+            "window": WINDOW,
+            "steps": args.steps,
+            "starts": STARTS,
+        },
+    )
     if args.from_selection:  # phases 1-3 done before: the sweep at their selection
         saved = json.loads(Path(args.from_selection).read_text())
         chosen, best_scalar = saved["selection"], saved["best_scalar"]
@@ -253,31 +294,46 @@ def main(argv=None):
     for pets in args.ks:
         f = start(out, pets, args)
         arms, seeds = [a for a in (*SWEEP_ARMS, best_scalar) if a in chosen], range(101, 101 + args.sweep_seeds)
-        runs = {(arm, s): (f"{arm}_lr{chosen[arm]['lr']:g}_kl{chosen[arm]['kl_coef']:g}", s,
-                           [*f, *setting_flags(arm, chosen[arm]["lr"], chosen[arm]["kl_coef"])])
-                for arm in arms for s in seeds}
+        runs = {
+            (arm, s): (
+                f"{arm}_lr{chosen[arm]['lr']:g}_kl{chosen[arm]['kl_coef']:g}",
+                s,
+                [*f, *setting_flags(arm, chosen[arm]["lr"], chosen[arm]["kl_coef"])],
+            )
+            for arm in arms
+            for s in seeds
+        }
         planned = plan(out / ("confirm" if pets == 1 else f"sweep_k{pets}"), runs, args.steps)
         execute(planned, args, logs)
         eval_data, records = eval_records(out, pets, args.eval_posts)
         name = lambda arm, s: f"{arm}_s{s}" if pets == 1 else f"k{pets}_{arm}_s{s}"  # noqa: E731  (K = 1: phase 3's)
-        curves = {key: {**curve(run_dir, args.steps), **sample_scores(run_dir, args.steps - 40),  # the last 5 logged
-                        **judge(out, name(*key), run_dir / "policy", Path(f[1]), eval_data, records, pets)}
-                  for key, (run_dir, _) in planned.items()}
+        curves = {
+            key: {
+                **curve(run_dir, args.steps),
+                **sample_scores(run_dir, args.steps - 40),  # the last 5 logged
+                **judge(out, name(*key), run_dir / "policy", Path(f[1]), eval_data, records, pets),
+            }
+            for key, (run_dir, _) in planned.items()
+        }
         sft_eval = judge(out, "sft" if pets == 1 else f"k{pets}_sft", Path(f[1]), Path(f[1]), eval_data, records, pets)
         sweep[pets] = {"sft": {k: sft_eval[k] for k in ("mistake_rate", "rougeL", "heldout_kl")}}
         for arm in arms:
-            sweep[pets][arm] = {**{k: [curves[arm, s][k] for s in seeds] for k in SWEEP_KEYS},
-                                "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds)}
-            result.setdefault("per_post", {}).update({f"k{pets}/{arm}/seed{s}": bits(curves[arm, s]["per_post"])
-                                                      for s in seeds})
+            sweep[pets][arm] = {
+                **{k: [curves[arm, s][k] for s in seeds] for k in SWEEP_KEYS},
+                "step_s": statistics.median(curves[arm, s]["step_s"] for s in seeds),
+            }
+            result.setdefault("per_post", {}).update(
+                {f"k{pets}/{arm}/seed{s}": bits(curves[arm, s]["per_post"]) for s in seeds}
+            )
         result.setdefault("per_post", {})[f"k{pets}/sft"] = bits(sft_eval["per_post"])
         for arm in arms:  # steps: censored at --steps where never reached; the final rates: uncensored views
             r, ref = sweep[pets][arm], sweep[pets][best_scalar]
             r["versus_scalar"] = step_ratio(r["steps"], ref["steps"], rng)
             for k in ("final", "mistakes", "facts"):  # paired by seed
                 r[f"{k}_versus_scalar"] = paired_difference([[x] for x in r[k]], [[x] for x in ref[k]], rng)
-            r["heldout_versus_scalar"] = paired_difference([curves[arm, s]["per_post"] for s in seeds],
-                                                           [curves[best_scalar, s]["per_post"] for s in seeds], rng)
+            r["heldout_versus_scalar"] = paired_difference(
+                [curves[arm, s]["per_post"] for s in seeds], [curves[best_scalar, s]["per_post"] for s in seeds], rng
+            )
     result["sweep"] = sweep
     print_sweep(sweep, best_scalar)
     return finish(result, args)
@@ -292,8 +348,13 @@ def phases_1_to_3(out: Path, args, logs: Path, result: dict, rng) -> tuple[dict,
     flags = start(out, 1, args)
 
     # --- 1. grid
-    cells = {(arm, lr, kl, s): (f"{arm}_lr{lr:g}_kl{kl:g}", s, [*flags, *setting_flags(arm, lr, kl)])
-             for arm in args.arms for lr in args.lrs for kl in args.kl_coefs for s in range(1, args.grid_seeds + 1)}
+    cells = {
+        (arm, lr, kl, s): (f"{arm}_lr{lr:g}_kl{kl:g}", s, [*flags, *setting_flags(arm, lr, kl)])
+        for arm in args.arms
+        for lr in args.lrs
+        for kl in args.kl_coefs
+        for s in range(1, args.grid_seeds + 1)
+    }
     planned = plan(out / "grid", cells, args.steps)
     execute(planned, args, logs)
     grid = {key: curve(run_dir, args.steps) for key, (run_dir, _) in planned.items()}
@@ -316,19 +377,27 @@ def phases_1_to_3(out: Path, args, logs: Path, result: dict, rng) -> tuple[dict,
     # --- 3. confirm: fresh seeds of each arm's setting, judged on held-out posts
     eval_data, records = eval_records(out, 1, args.eval_posts)
     seeds = range(101, 101 + args.confirm_seeds)
-    runs = {(arm, s): (f"{arm}_lr{c['lr']:g}_kl{c['kl_coef']:g}", s, [*flags, *setting_flags(arm, c["lr"],
-                                                                                             c["kl_coef"])])
-            for arm, c in chosen.items() for s in seeds}
+    runs = {
+        (arm, s): (f"{arm}_lr{c['lr']:g}_kl{c['kl_coef']:g}", s, [*flags, *setting_flags(arm, c["lr"], c["kl_coef"])])
+        for arm, c in chosen.items()
+        for s in seeds
+    }
     planned = plan(out / "confirm", runs, args.steps)
     execute(planned, args, logs)
     sft = Path(flags[1])
-    runs = {key: {**curve(run_dir, args.steps), **judge(out, f"{key[0]}_s{key[1]}", run_dir / "policy", sft,
-                                                          eval_data, records, 1)}
-            for key, (run_dir, _) in planned.items()}
+    runs = {
+        key: {
+            **curve(run_dir, args.steps),
+            **judge(out, f"{key[0]}_s{key[1]}", run_dir / "policy", sft, eval_data, records, 1),
+        }
+        for key, (run_dir, _) in planned.items()
+    }
     sft_eval = judge(out, "sft", sft, sft, eval_data, records, 1)
     result["confirm"] = confirm_table(runs, chosen, best_scalar, sft_eval, rng)
-    result["per_post"] = {"sft": bits(sft_eval["per_post"]),
-                          **{f"{a}/seed{s}": bits(r["per_post"]) for (a, s), r in runs.items()}}
+    result["per_post"] = {
+        "sft": bits(sft_eval["per_post"]),
+        **{f"{a}/seed{s}": bits(r["per_post"]) for (a, s), r in runs.items()},
+    }
     return chosen, best_scalar
 
 
@@ -344,15 +413,21 @@ def confirm_table(runs: dict, chosen: dict, best_scalar, sft_eval: dict, rng) ->
     seeds = sorted({s for _, s in runs})
     for arm in arms:
         rs = [runs[arm, s] for s in seeds]
-        row = {"lr": chosen[arm]["lr"], "kl_coef": chosen[arm]["kl_coef"], "steps": [r["steps"] for r in rs],
-               "reached": [r["reached"] for r in rs], "final_train": [r["final"] for r in rs],
-               **{k: [r[k] for r in rs] for k in ("mistake_rate", "rougeL", "heldout_kl", "train_kl")},
-               "step_s": statistics.median(r["step_s"] for r in rs)}
+        row = {
+            "lr": chosen[arm]["lr"],
+            "kl_coef": chosen[arm]["kl_coef"],
+            "steps": [r["steps"] for r in rs],
+            "reached": [r["reached"] for r in rs],
+            "final_train": [r["final"] for r in rs],
+            **{k: [r[k] for r in rs] for k in ("mistake_rate", "rougeL", "heldout_kl", "train_kl")},
+            "step_s": statistics.median(r["step_s"] for r in rs),
+        }
         if best_scalar:
             ref = [runs[best_scalar, s] for s in seeds]
-            row["versus_scalar"] = {"steps": step_ratio(row["steps"], [r["steps"] for r in ref], rng),
-                                    "mistakes": paired_difference([r["per_post"] for r in rs],
-                                                                  [r["per_post"] for r in ref], rng)}
+            row["versus_scalar"] = {
+                "steps": step_ratio(row["steps"], [r["steps"] for r in ref], rng),
+                "mistakes": paired_difference([r["per_post"] for r in rs], [r["per_post"] for r in ref], rng),
+            }
         table[arm] = row
     print_confirm(table, best_scalar)
     return table
@@ -365,26 +440,41 @@ def med(xs, fmt="{:.3f}") -> str:
 def print_selection(chosen: dict, best_scalar) -> None:
     print(f"\nselection (training curves only; score = median steps to <= {THRESHOLD}, then the final rate)")
     for arm, c in chosen.items():
-        print(f"  {arm:<14} lr {c['lr']:<7g} beta {c['kl_coef']:<5g} median steps {c['score'][0]:>6} final "
-              f"{c['score'][1]:.3f}" + ("   <- best scalar arm" if arm == best_scalar else ""))
+        print(
+            f"  {arm:<14} lr {c['lr']:<7g} beta {c['kl_coef']:<5g} median steps {c['score'][0]:>6} final "
+            f"{c['score'][1]:.3f}" + ("   <- best scalar arm" if arm == best_scalar else "")
+        )
 
 
 def print_confirm(table: dict, best_scalar) -> None:
     print(f"\nconfirmation: median [min, max] over seeds; ratios and differences against {best_scalar}")
-    print(f"{'arm':<14}{'steps':>18}{'ratio [95%]':>22}{'held-out mistakes':>26}{'diff [95%]':>26}{'ROUGE-L':>9}"
-          f"{'KL':>7}{'s/it':>7}")
+    print(
+        f"{'arm':<14}{'steps':>18}{'ratio [95%]':>22}{'held-out mistakes':>26}{'diff [95%]':>26}{'ROUGE-L':>9}"
+        f"{'KL':>7}{'s/it':>7}"
+    )
     sft = table["sft"]
     print(f"{'sft':<14}{'':>18}{'':>22}{sft['mistake_rate']:>26.3f}{'':>26}{sft['rougeL']:>9.3f}{0:>7.2f}")
     for arm, r in table.items():
         if arm == "sft":
             continue
         vs = r.get("versus_scalar", {})
-        ratio = f"{vs['steps']['ratio']:.2f} [{vs['steps']['interval'][0]:.2f}, {vs['steps']['interval'][1]:.2f}]" \
-            if vs else ""
-        diff = (f"{vs['mistakes']['difference']:+.3f} [{vs['mistakes']['interval'][0]:+.3f}, "
-                f"{vs['mistakes']['interval'][1]:+.3f}]") if vs else ""
-        print(f"{arm:<14}{med(r['steps'], '{:g}'):>18}{ratio:>22}{med(r['mistake_rate']):>26}{diff:>26}"
-              f"{statistics.median(r['rougeL']):>9.3f}{statistics.median(r['heldout_kl']):>7.2f}{r['step_s']:>7.2f}")
+        ratio = (
+            f"{vs['steps']['ratio']:.2f} [{vs['steps']['interval'][0]:.2f}, {vs['steps']['interval'][1]:.2f}]"
+            if vs
+            else ""
+        )
+        diff = (
+            (
+                f"{vs['mistakes']['difference']:+.3f} [{vs['mistakes']['interval'][0]:+.3f}, "
+                f"{vs['mistakes']['interval'][1]:+.3f}]"
+            )
+            if vs
+            else ""
+        )
+        print(
+            f"{arm:<14}{med(r['steps'], '{:g}'):>18}{ratio:>22}{med(r['mistake_rate']):>26}{diff:>26}"
+            f"{statistics.median(r['rougeL']):>9.3f}{statistics.median(r['heldout_kl']):>7.2f}{r['step_s']:>7.2f}"
+        )
 
 
 def print_sweep(sweep: dict, best_scalar) -> None:
@@ -394,17 +484,21 @@ def print_sweep(sweep: dict, best_scalar) -> None:
         for arm, r in arms.items():
             if arm == "sft":
                 continue
-            v, f, m, h = (r[k] for k in ("versus_scalar", "final_versus_scalar", "mistakes_versus_scalar",
-                                         "heldout_versus_scalar"))
-            print(f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
-                  f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
-                  f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
-                  f"  mistakes/answer {med(r['mistakes'], '{:.2f}')} diff {m['difference']:+.2f} "
-                  f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  facts {med(r['facts'], '{:.2f}')}  length "
-                  f"{med(r['length'], '{:.0f}')}  train KL {statistics.median(r['train_kl']):.2f}  held out "
-                  f"{med(r['mistake_rate'])} diff {h['difference']:+.3f} [{h['interval'][0]:+.3f}, "
-                  f"{h['interval'][1]:+.3f}]  held-out KL {statistics.median(r['heldout_kl']):.2f}"
-                  f"  s/it {r['step_s']:.2f}")
+            v, f, m, h = (
+                r[k]
+                for k in ("versus_scalar", "final_versus_scalar", "mistakes_versus_scalar", "heldout_versus_scalar")
+            )
+            print(
+                f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
+                f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
+                f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
+                f"  mistakes/answer {med(r['mistakes'], '{:.2f}')} diff {m['difference']:+.2f} "
+                f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  facts {med(r['facts'], '{:.2f}')}  length "
+                f"{med(r['length'], '{:.0f}')}  train KL {statistics.median(r['train_kl']):.2f}  held out "
+                f"{med(r['mistake_rate'])} diff {h['difference']:+.3f} [{h['interval'][0]:+.3f}, "
+                f"{h['interval'][1]:+.3f}]  held-out KL {statistics.median(r['heldout_kl']):.2f}"
+                f"  s/it {r['step_s']:.2f}"
+            )
 
 
 def per_post_path(results: str) -> Path:
@@ -415,8 +509,13 @@ def per_post_path(results: str) -> Path:
 def finish(result: dict, args) -> dict:
     import torch
     import transformers
-    result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                          "python": sys.version.split()[0], "cpus": os.cpu_count()}
+
+    result["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+    }
     per_post = result.pop("per_post", None)
     common.write_json(Path(args.out) / "results.json", {**result, "per_post": per_post})
     if args.results:

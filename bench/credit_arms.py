@@ -17,6 +17,7 @@ arm labels exactly the characters the critic flags:
                     --objective prm cuts steps) scores +1 when no poor interval overlaps it and -1 when one does, on
                     the clause's last token, where PRM-PPO puts a learned PRM's 2 * sigmoid(s) - 1 (step_deltas)
 """
+
 from __future__ import annotations
 
 import re
@@ -52,8 +53,9 @@ def _facts_less_mistakes(prompt: str, response: str, flagged: dict) -> int:
 
 
 def _span(response: str, flagged: dict) -> list[dict]:
-    return [{"start": a, "end": b, "reward": r} for label, r in (("good", 1.0), ("poor", -1.0))
-            for a, b in flagged[label]]
+    return [
+        {"start": a, "end": b, "reward": r} for label, r in (("good", 1.0), ("poor", -1.0)) for a, b in flagged[label]
+    ]
 
 
 def _poor(response: str, flagged: dict) -> list[dict]:
@@ -62,6 +64,7 @@ def _poor(response: str, flagged: dict) -> list[dict]:
 
 def _clauses(response: str, flagged: dict) -> list[dict]:
     from baselines.scalar_rm import split_steps
+
     spans = []
     for s, e in split_steps(response, "clause"):
         right = not any(a < e and s < b for a, b in flagged["poor"])
@@ -89,6 +92,7 @@ def per_pet(arm):
     """The arm with every reward divided by the post's K (its pets): returns on K = 1's scale at any K, the same form.
     bench/credit.md, amendment 1: at K = 4 the undivided returns (up to 24 at EOS) let the value head, which shares
     the policy's LoRA, rewrite the language model within 4-20 iterations at every learning rate probed."""
+
     def scaled(records: list[dict], responses: list[str]) -> list[dict]:
         out = arm(records, responses)
         for rec, item in zip(records, out):
@@ -99,6 +103,7 @@ def per_pet(arm):
             if "score" in item:
                 item["score"] /= k
         return out
+
     scaled.__doc__ = f"--critic python:bench/credit_arms.py:{arm.__name__}_per_pet ({arm.__name__}, rewards / K)"
     return scaled
 

@@ -19,6 +19,7 @@ start; every arm against each scalar row (steps ratio over paired seeds, mistake
 posts, 95% bootstrap). Cached by the settings and content of what made each artefact, so a killed run resumes.
 Writes OUT/results.json and --results (the numbers and each run's 0/1 mistake per held-out post).
 """
+
 import argparse
 import importlib
 import json
@@ -30,8 +31,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from credit import bits, curve, eval_records, med, paired_difference, start, step_ratio  # noqa: E402
-from paper_baselines import (budget, evaluate, pool_annotations, post_mistakes, ppo, reward_model, rm_flags,  # noqa: E402
-                             sequence_kl, slug)
+from paper_baselines import (
+    budget,
+    evaluate,
+    pool_annotations,
+    post_mistakes,
+    ppo,
+    reward_model,
+    rm_flags,  # noqa: E402
+    sequence_kl,
+    slug,
+)
 from span_vs_scalar import ROOT, THRESHOLD, WINDOW, run_side_by_side  # noqa: E402
 
 import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)
@@ -89,19 +99,48 @@ def main(argv=None):
     # record, OUT/runs.json, is what the eval phase reads: the runs, wherever they ran (their keys hash the reward
     # models' content, which need not travel back)
     settings, seeds = tuned(json.loads((ROOT / args.selection).read_text())), range(101, 101 + args.seeds)
-    made_with = {"steps": args.steps, "seeds": args.seeds, "pool": args.pool, "pairs": args.pairs,
-                 "rm_steps": args.rm_steps, "rm_base": args.rm_base, "settings": settings, "ppo_args": args.ppo_args}
+    made_with = {
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "pool": args.pool,
+        "pairs": args.pairs,
+        "rm_steps": args.rm_steps,
+        "rm_base": args.rm_base,
+        "settings": settings,
+        "ppo_args": args.ppo_args,
+    }
     made = json.loads((out / "runs.json").read_text()) if (out / "runs.json").is_file() else {}
     if args.stop_after == "train" or made.get("made_with") != json.loads(json.dumps(made_with)):
-        rms = {name: reward_model(out / "rms", name, f)
-               for name, f in rm_flags(args, data, world / "sft.jsonl", world / "base").items()}
+        rms = {
+            name: reward_model(out / "rms", name, f)
+            for name, f in rm_flags(args, data, world / "sft.jsonl", world / "base").items()
+        }
         run_side_by_side({name: cmd for name, (_, cmd) in rms.items() if cmd}, args.jobs, logs)
-        runs = {(row, s): ppo(out / "runs", slug(row), s, args.steps,
-                              [*flags, *critic, "--reward-model", str(rms[rm][0]), "--lr", f"{settings[row][0]:g}",
-                               "--kl-coef", f"{settings[row][1]:g}"])
-                for row, (_, rm, critic) in ARMS.items() for s in seeds}
-        made = {"made_with": made_with, "runs": {f"{row}/{s}": str(d) for (row, s), (d, _) in runs.items()},
-                "reward_models": {n: json.loads((d / "eval.json").read_text()) for n, (d, _) in rms.items()}}
+        runs = {
+            (row, s): ppo(
+                out / "runs",
+                slug(row),
+                s,
+                args.steps,
+                [
+                    *flags,
+                    *critic,
+                    "--reward-model",
+                    str(rms[rm][0]),
+                    "--lr",
+                    f"{settings[row][0]:g}",
+                    "--kl-coef",
+                    f"{settings[row][1]:g}",
+                ],
+            )
+            for row, (_, rm, critic) in ARMS.items()
+            for s in seeds
+        }
+        made = {
+            "made_with": made_with,
+            "runs": {f"{row}/{s}": str(d) for (row, s), (d, _) in runs.items()},
+            "reward_models": {n: json.loads((d / "eval.json").read_text()) for n, (d, _) in rms.items()},
+        }
         common.write_json(out / "runs.json", made)  # before the runs: a stopped one is found and resumed
         todo = {run_dir.name: cmd for run_dir, cmd in runs.values() if cmd}
         print(f"{len(todo)} of {len(runs)} runs to do", flush=True)
@@ -112,38 +151,71 @@ def main(argv=None):
     # --- eval (from OUT/runs.json: the runs the train phase made, wherever it ran): 04 on held-out posts, the
     # training curves, each arm against each scalar row
     dirs = {(row, s): Path(made["runs"][f"{row}/{s}"]) for row in ARMS for s in seeds}
-    unfinished = [str(d) for d in dirs.values() if not (d / "policy").is_dir() or not (d / "metrics.jsonl").is_file()
-                  or len(common.read_jsonl(d / "metrics.jsonl")) < args.steps]
+    unfinished = [
+        str(d)
+        for d in dirs.values()
+        if not (d / "policy").is_dir()
+        or not (d / "metrics.jsonl").is_file()
+        or len(common.read_jsonl(d / "metrics.jsonl")) < args.steps
+    ]
     if unfinished:
-        sys.exit(f"{out / 'runs.json'}: {len(unfinished)} runs unfinished (resume them: --stop-after train), "
-                 f"e.g. {unfinished[0]}")
+        sys.exit(
+            f"{out / 'runs.json'}: {len(unfinished)} runs unfinished (resume them: --stop-after train), "
+            f"e.g. {unfinished[0]}"
+        )
     eval_data, records = eval_records(out, 1, args.eval_posts)
-    judged = judge(out, {"sft": str(sft), **{f"{slug(row)}_s{s}": str(d / "policy") for (row, s), d in dirs.items()}},
-                   sft, eval_data, records)
+    judged = judge(
+        out,
+        {"sft": str(sft), **{f"{slug(row)}_s{s}": str(d / "policy") for (row, s), d in dirs.items()}},
+        sft,
+        eval_data,
+        records,
+    )
     got = {key: {**curve(d, args.steps), **judged[f"{slug(key[0])}_s{key[1]}"]} for key, d in dirs.items()}
     sft_eval = judged["sft"]
     table = {"SFT": {k: sft_eval[k] for k in ("mistake_rate", "rougeL", "kl")}}
     for row in ARMS:
         rs = [got[row, s] for s in seeds]
-        table[row] = {"lr": settings[row][0], "kl_coef": settings[row][1], "steps": [r["steps"] for r in rs],
-                      "reached": [r["reached"] for r in rs], "final_train": [r["final"] for r in rs],
-                      **{k: [r[k] for r in rs] for k in ("mistake_rate", "rougeL", "kl")},
-                      "step_s": statistics.median(r["step_s"] for r in rs),
-                      "versus": {ref: {"steps": step_ratio([r["steps"] for r in rs],
-                                                           [got[ref, s]["steps"] for s in seeds], rng),
-                                       "mistakes": paired_difference([r["per_post"] for r in rs],
-                                                                     [got[ref, s]["per_post"] for s in seeds], rng)}
-                                 for ref in SCALARS if ref != row}}
-    result = {"command": " ".join(["python", "bench/credit_learned.py", *(argv or sys.argv[1:])]),
-              "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "pairs": args.pairs,
-              "eval_posts": args.eval_posts, "table": table, "reward_models": made["reward_models"],
-              "devices": {f"{row}/seed{s}": json.loads((d / "config.json").read_text()).get("device")
-                          for (row, s), d in dirs.items()},
-              "eval_versions": {m.__name__: m.__version__ for m in map(importlib.import_module,
-                                                                       ("torch", "transformers", "peft"))}}
+        table[row] = {
+            "lr": settings[row][0],
+            "kl_coef": settings[row][1],
+            "steps": [r["steps"] for r in rs],
+            "reached": [r["reached"] for r in rs],
+            "final_train": [r["final"] for r in rs],
+            **{k: [r[k] for r in rs] for k in ("mistake_rate", "rougeL", "kl")},
+            "step_s": statistics.median(r["step_s"] for r in rs),
+            "versus": {
+                ref: {
+                    "steps": step_ratio([r["steps"] for r in rs], [got[ref, s]["steps"] for s in seeds], rng),
+                    "mistakes": paired_difference(
+                        [r["per_post"] for r in rs], [got[ref, s]["per_post"] for s in seeds], rng
+                    ),
+                }
+                for ref in SCALARS
+                if ref != row
+            },
+        }
+    result = {
+        "command": " ".join(["python", "bench/credit_learned.py", *(argv or sys.argv[1:])]),
+        "threshold": THRESHOLD,
+        "window": WINDOW,
+        "steps": args.steps,
+        "pairs": args.pairs,
+        "eval_posts": args.eval_posts,
+        "table": table,
+        "reward_models": made["reward_models"],
+        "devices": {
+            f"{row}/seed{s}": json.loads((d / "config.json").read_text()).get("device") for (row, s), d in dirs.items()
+        },
+        "eval_versions": {
+            m.__name__: m.__version__ for m in map(importlib.import_module, ("torch", "transformers", "peft"))
+        },
+    }
     print_table(table, args.steps)
-    per_post = {"sft": bits(sft_eval["per_post"]), **{f"{row}/seed{s}": bits(got[row, s]["per_post"])
-                                                      for row in ARMS for s in seeds}}
+    per_post = {
+        "sft": bits(sft_eval["per_post"]),
+        **{f"{row}/seed{s}": bits(got[row, s]["per_post"]) for row in ARMS for s in seeds},
+    }
     common.write_json(out / "results.json", {**result, "per_post": per_post})
     if args.results:
         common.write_json(ROOT / args.results, {**result, "per_post": per_post})
@@ -163,25 +235,35 @@ def judge(out: Path, policies: dict, sft: Path, eval_data: Path, records: list[d
             kl[name] = 0.0 if policy == str(sft) else sequence_kl(policy, str(sft), records, gens, 32)
             common.write_json(kl_file, kl)
         per_post = post_mistakes(gens, records)
-        got[name] = {"mistake_rate": statistics.fmean(per_post), "rougeL": ev["table"][name]["rougeL"],
-                     "kl": kl[name], "per_post": per_post}
+        got[name] = {
+            "mistake_rate": statistics.fmean(per_post),
+            "rougeL": ev["table"][name]["rougeL"],
+            "kl": kl[name],
+            "per_post": per_post,
+        }
     return got
 
 
 def print_table(table: dict, steps: int) -> None:
-    print(f"\nmedian [min, max] over seeds; steps to <= {THRESHOLD} (never: {steps}); against each scalar row: steps "
-          f"ratio and held-out mistake difference [95%]")
+    print(
+        f"\nmedian [min, max] over seeds; steps to <= {THRESHOLD} (never: {steps}); against each scalar row: steps "
+        f"ratio and held-out mistake difference [95%]"
+    )
     sft = table["SFT"]
     print(f"{'SFT':<24}{'':>16}{sft['mistake_rate']:>24.3f}{sft['rougeL']:>9.3f}")
     for row, r in table.items():
         if row == "SFT":
             continue
-        vs = "; ".join(f"{ref}: x{v['steps']['ratio']:.2f} [{v['steps']['interval'][0]:.2f}, "
-                       f"{v['steps']['interval'][1]:.2f}], {v['mistakes']['difference']:+.3f} "
-                       f"[{v['mistakes']['interval'][0]:+.3f}, {v['mistakes']['interval'][1]:+.3f}]"
-                       for ref, v in r["versus"].items())
-        print(f"{row:<24}{med(r['steps'], '{:g}'):>16}{med(r['mistake_rate']):>24}"
-              f"{statistics.median(r['rougeL']):>9.3f}{statistics.median(r['kl']):>7.2f}{r['step_s']:>7.2f}  {vs}")
+        vs = "; ".join(
+            f"{ref}: x{v['steps']['ratio']:.2f} [{v['steps']['interval'][0]:.2f}, "
+            f"{v['steps']['interval'][1]:.2f}], {v['mistakes']['difference']:+.3f} "
+            f"[{v['mistakes']['interval'][0]:+.3f}, {v['mistakes']['interval'][1]:+.3f}]"
+            for ref, v in r["versus"].items()
+        )
+        print(
+            f"{row:<24}{med(r['steps'], '{:g}'):>16}{med(r['mistake_rate']):>24}"
+            f"{statistics.median(r['rougeL']):>9.3f}{statistics.median(r['kl']):>7.2f}{r['step_s']:>7.2f}  {vs}"
+        )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ Every arm's rewards are divided by K (credit_arms.per_pet; the same at K = 1), a
 Writes OUT/results.json, bench/credit_matched_results.json (every table's numbers, per seed) and
 bench/credit_matched_per_post.json (each judged policy's outcome per held-out post), prints the tables.
 """
+
 import argparse
 import json
 import statistics
@@ -49,12 +50,14 @@ from tasks.demo import demo_dataset, demo_facts, demo_mistakes  # noqa: E402
 THRESHOLD = 0.15  # of the smoothed training imperfect rate (the primary endpoint)
 ENDPOINT = "exact/imperfect_rate"
 # every arm's rewards divided by K (credit_arms.per_pet; bench/credit.md, amendment 1): the same at K = 1
-ARMS = {"fair_scalar": ["--critic", PLUGIN + "fair_scalar_per_pet"],  # facts stated - mistakes, at EOS: the reference
-        "poor_scalar": ["--critic", PLUGIN + "poor_only_per_pet", "--reward-mode", "scalar"],  # the best mistake-only
-        "span": ["--critic", PLUGIN + "span_per_pet"],  # the paper's delta
-        "poor_span": ["--critic", PLUGIN + "poor_only_per_pet"],
-        "poor_facts": ["--critic", PLUGIN + "poor_facts_per_pet"],  # poor_span + the facts stated at EOS
-        "clause": ["--critic", PLUGIN + "clause_scores_per_pet"]}  # a perfect PRM
+ARMS = {
+    "fair_scalar": ["--critic", PLUGIN + "fair_scalar_per_pet"],  # facts stated - mistakes, at EOS: the reference
+    "poor_scalar": ["--critic", PLUGIN + "poor_only_per_pet", "--reward-mode", "scalar"],  # the best mistake-only
+    "span": ["--critic", PLUGIN + "span_per_pet"],  # the paper's delta
+    "poor_span": ["--critic", PLUGIN + "poor_only_per_pet"],
+    "poor_facts": ["--critic", PLUGIN + "poor_facts_per_pet"],  # poor_span + the facts stated at EOS
+    "clause": ["--critic", PLUGIN + "clause_scores_per_pet"],
+}  # a perfect PRM
 REFERENCE, PER_TOKEN = "fair_scalar", ("span", "poor_span", "poor_facts", "clause")
 PHASES = ("calibrate", "grid", "select", "confirm", "k1")
 
@@ -94,6 +97,7 @@ def parse_args(argv=None):
 
 # --- the worlds: a base model and an SFT start per (K, m, seed), each on one thread
 
+
 def pet_flags(pets: int) -> list[str]:
     return credit.pet_flags(pets)
 
@@ -106,20 +110,50 @@ def build_world(out: Path, pets: int, m: int, seed: int, args) -> dict:
     recipe = {"pets": pets, "pretrain_steps": m * args.pretrain_steps, "n_texts": args.n_texts, "seed": seed}
     check_settings(world / "base", recipe)
     if not (world / "base" / "config.json").is_file():
-        build_demo_base(world / "base", pretrain_steps=recipe["pretrain_steps"], n_texts=args.n_texts, seed=seed,
-                        pets=pets)
+        build_demo_base(
+            world / "base", pretrain_steps=recipe["pretrain_steps"], n_texts=args.n_texts, seed=seed, pets=pets
+        )
     common.write_jsonl(world / "prompts.jsonl", demo_dataset("train", 1000, pets=pets))
     common.write_jsonl(world / "sft.jsonl", demo_dataset("sft", 2000, pets=pets))
     extra = ["--trace-samples", "0", *pet_flags(pets), *args.ppo_args]
-    sft = ["03_train_policy.py", "--model", str(world / "base"), "--sft-data", str(world / "sft.jsonl"),
-           "--sft-output-dir", str(world / "sft"), "--sft-steps", str(m * args.sft_steps), "--seed", str(seed),
-           "--critic", "program", "--prompts", str(world / "prompts.jsonl"), "--scalar-baseline-dir", "", *extra,
-           "--steps", "0", "--output-dir", str(world / "sft_only")]
+    sft = [
+        "03_train_policy.py",
+        "--model",
+        str(world / "base"),
+        "--sft-data",
+        str(world / "sft.jsonl"),
+        "--sft-output-dir",
+        str(world / "sft"),
+        "--sft-steps",
+        str(m * args.sft_steps),
+        "--seed",
+        str(seed),
+        "--critic",
+        "program",
+        "--prompts",
+        str(world / "prompts.jsonl"),
+        "--scalar-baseline-dir",
+        "",
+        *extra,
+        "--steps",
+        "0",
+        "--output-dir",
+        str(world / "sft_only"),
+    ]
     check_settings(world / "sft", {"argv": sft})
     if not (world / "sft" / "config.json").is_file():
         run([*sft, "--overwrite"])
-    flags = ["--model", str(world / "sft"), "--sft-steps", "0", "--prompts", str(world / "prompts.jsonl"),
-             "--scalar-baseline-dir", "", *extra]
+    flags = [
+        "--model",
+        str(world / "sft"),
+        "--sft-steps",
+        "0",
+        "--prompts",
+        str(world / "prompts.jsonl"),
+        "--scalar-baseline-dir",
+        "",
+        *extra,
+    ]
     return {"dir": world, "sft": world / "sft", "flags": flags, "checksum": start_checksum(world)}
 
 
@@ -132,15 +166,17 @@ def answer_scores(prompt: str, response: str, pets: int) -> dict:
 
 def judged(gens_path: Path, records: list[dict], pets: int) -> dict:
     """04's cached answers to `records`, scored: per post lists of mistakes, facts, imperfect and length (tokens)."""
-    rows = [{**answer_scores(r["prompt"], g["response"], pets), "length": len(g["response_ids"])}
-            for r, g in zip(records, generations(gens_path, records))]
+    rows = [
+        {**answer_scores(r["prompt"], g["response"], pets), "length": len(g["response_ids"])}
+        for r, g in zip(records, generations(gens_path, records))
+    ]
     return {k: [row[k] for row in rows] for k in ("mistakes", "facts", "imperfect", "length")}
 
 
 def difficulty(out: Path, world: dict, pets: int, args) -> dict:
     """A start's difficulty at iteration 0: its answers to the first --calib-posts training prompts, sampled by 04 at
     T = 1 as the first PPO iteration samples them: means of judged()'s columns, and mistakes per sentence (/ K)."""
-    records = common.read_jsonl(world["dir"] / "prompts.jsonl")[:args.calib_posts]
+    records = common.read_jsonl(world["dir"] / "prompts.jsonl")[: args.calib_posts]
     data = world["dir"] / f"calib{len(records)}.jsonl"
     common.write_jsonl(data, records)
     ev = evaluate(out / "calib", {"sft": str(world["sft"])}, data, pet_flags(pets))
@@ -159,8 +195,11 @@ def calibrate(out: Path, args) -> dict:
     for m in args.ladder:
         ladder[m] = build_world(out, args.k, m, 0, args)
         cal.setdefault(f"k{args.k}", {})[m] = difficulty(out, ladder[m], args.k, args)
-        print(f"K={args.k} m={m}: {cal[f'k{args.k}'][m]['mistakes_per_sentence']:.3f} mistakes per sentence "
-              f"(K=1: {target:.3f})", flush=True)
+        print(
+            f"K={args.k} m={m}: {cal[f'k{args.k}'][m]['mistakes_per_sentence']:.3f} mistakes per sentence "
+            f"(K=1: {target:.3f})",
+            flush=True,
+        )
         if cal[f"k{args.k}"][m]["mistakes_per_sentence"] <= target:
             break
     cal["m"] = min(list(ladder)[-2:], key=lambda m: abs(cal[f"k{args.k}"][m]["mistakes_per_sentence"] - target))
@@ -171,13 +210,23 @@ def calibrate(out: Path, args) -> dict:
 
 # --- the runs and their numbers
 
+
 def runs_of(out: Path, world: dict, phase: str, cells: dict, args, steps: int) -> dict:
     """{key: run_dir} for cells {key: (arm, lr, kl, seed)} from `world`'s start, `steps` iterations each, run where
     not finished. A start's runs live under its checksum: a rebuilt start (other bytes) never reuses them."""
     folder = out / "runs" / world["checksum"][:16] / phase
-    planned = plan(folder, {key: (f"{arm}_lr{lr:g}_kl{kl:g}", seed, [*world["flags"], *ARMS[arm], "--lr", f"{lr:g}",
-                                                                       "--kl-coef", f"{kl:g}"])
-                            for key, (arm, lr, kl, seed) in cells.items()}, steps)
+    planned = plan(
+        folder,
+        {
+            key: (
+                f"{arm}_lr{lr:g}_kl{kl:g}",
+                seed,
+                [*world["flags"], *ARMS[arm], "--lr", f"{lr:g}", "--kl-coef", f"{kl:g}"],
+            )
+            for key, (arm, lr, kl, seed) in cells.items()
+        },
+        steps,
+    )
     execute(planned, args, out / "logs")
     return {key: run_dir for key, (run_dir, _) in planned.items()}
 
@@ -189,11 +238,18 @@ def curve(run_dir: Path, steps: int) -> dict:
     imperfect = [r[ENDPOINT] for r in rows]
     hit = steps_to_threshold(imperfect)  # span_vs_scalar's: the first smoothed value <= 0.15 (THRESHOLD)
     last = lambda k: statistics.fmean(r[k] for r in rows[-WINDOW:])  # noqa: E731
-    return {"steps": hit or steps, "reached": hit is not None, "final": last(ENDPOINT),
-            "final_mistake_rate": last("exact/mistake_rate"), "mistakes": last("exact/mistakes"),
-            "facts": last("exact/facts_stated"), "length": last("response/length"), "train_kl": last("objective/kl"),
-            "mistake_steps": steps_to_threshold([r["exact/mistake_rate"] for r in rows]) or steps,
-            "imperfect_curve": imperfect}
+    return {
+        "steps": hit or steps,
+        "reached": hit is not None,
+        "final": last(ENDPOINT),
+        "final_mistake_rate": last("exact/mistake_rate"),
+        "mistakes": last("exact/mistakes"),
+        "facts": last("exact/facts_stated"),
+        "length": last("response/length"),
+        "train_kl": last("objective/kl"),
+        "mistake_steps": steps_to_threshold([r["exact/mistake_rate"] for r in rows]) or steps,
+        "imperfect_curve": imperfect,
+    }
 
 
 def select(grid: dict) -> dict:
@@ -222,12 +278,12 @@ def eval_records(out: Path, world: dict, pets: int, n: int) -> tuple[Path, list[
 
 # --- statistics: seeds nested in starts, a test per comparison, Holm over a family
 
+
 def seed_draws(starts: list[str], rng, resamples: int = 10_000):
     """Two-level bootstrap draws of seed indices: the starts resampled, then the seeds within each drawn start."""
     groups = [np.flatnonzero(np.array(starts) == g) for g in dict.fromkeys(starts)]
     for _ in range(resamples):
-        yield np.concatenate([rng.choice(groups[g], len(groups[g])) for g in rng.integers(0, len(groups),
-                                                                                          len(groups))])
+        yield np.concatenate([rng.choice(groups[g], len(groups[g])) for g in rng.integers(0, len(groups), len(groups))])
 
 
 def sign_flip_p(d) -> float:
@@ -265,20 +321,29 @@ def compare(arm: dict, ref: dict, starts: list[str], rng, resamples: int = 10_00
     steps, ref_steps = np.array(arm["steps"], float), np.array(ref["steps"], float)
     draws = list(seed_draws(starts, rng, resamples))
     drop, keep = without_extreme(steps - ref_steps)
-    out = {"steps_ratio": {"ratio": float(steps.mean() / ref_steps.mean()),
-                           "interval": interval([steps[s].mean() / ref_steps[s].mean() for s in draws]),
-                           "p": sign_flip_p(steps - ref_steps), "per_seed": [steps.tolist(), ref_steps.tolist()],
-                           "without_extreme": float(steps[keep].mean() / ref_steps[keep].mean()),
-                           "extreme_seed": drop}}
+    out = {
+        "steps_ratio": {
+            "ratio": float(steps.mean() / ref_steps.mean()),
+            "interval": interval([steps[s].mean() / ref_steps[s].mean() for s in draws]),
+            "p": sign_flip_p(steps - ref_steps),
+            "per_seed": [steps.tolist(), ref_steps.tolist()],
+            "without_extreme": float(steps[keep].mean() / ref_steps[keep].mean()),
+            "extreme_seed": drop,
+        }
+    }
     if "imperfect" in arm:  # (S, P) 0/1 per held-out post
         diff = np.array(arm["imperfect"], float) - np.array(ref["imperfect"], float)
         per_seed = diff.mean(1)
         drop, keep = without_extreme(per_seed)
         posts = rng.integers(0, diff.shape[1], (resamples, diff.shape[1]))
         out["heldout_imperfect"] = {
-            "difference": float(diff.mean()), "p": sign_flip_p(per_seed),
+            "difference": float(diff.mean()),
+            "p": sign_flip_p(per_seed),
             "interval": interval([diff[s][:, p].mean() for s, p in zip(draws, posts)]),
-            "per_seed": per_seed.tolist(), "without_extreme": float(per_seed[keep].mean()), "extreme_seed": drop}
+            "per_seed": per_seed.tolist(),
+            "without_extreme": float(per_seed[keep].mean()),
+            "extreme_seed": drop,
+        }
     return out
 
 
@@ -296,20 +361,33 @@ def digits(xs) -> str:
 def seed_table(runs: dict, curves: dict, judged_runs: dict, arm: str, seeds) -> dict:
     """One arm's row: per seed, the training numbers (curve) and, where judged, the held-out means; the per-post 0/1
     imperfect matrix under "imperfect" (for compare; the results keep it as per-post bits)."""
-    row = {k: [curves[arm, s][k] for s in seeds] for k in ("steps", "reached", "final", "final_mistake_rate",
-                                                            "mistake_steps", "mistakes", "facts", "length",
-                                                            "train_kl")}
+    row = {
+        k: [curves[arm, s][k] for s in seeds]
+        for k in (
+            "steps",
+            "reached",
+            "final",
+            "final_mistake_rate",
+            "mistake_steps",
+            "mistakes",
+            "facts",
+            "length",
+            "train_kl",
+        )
+    }
     if judged_runs:
         js = [judged_runs[arm, s] for s in seeds]
-        row.update({f"heldout_{k}": [statistics.fmean(j[k]) for j in js] for k in ("imperfect", "mistakes", "facts",
-                                                                                  "length")})
+        row.update(
+            {f"heldout_{k}": [statistics.fmean(j[k]) for j in js] for k in ("imperfect", "mistakes", "facts", "length")}
+        )
         row["heldout_kl"] = [j["heldout_kl"] for j in js]
         row["imperfect"] = [j["imperfect"] for j in js]
     return row
 
 
-def run_phase(out: Path, worlds: dict, phase: str, chosen: dict, seeds_of: dict, pets: int, steps: int, args,
-              result: dict, rng) -> dict:
+def run_phase(
+    out: Path, worlds: dict, phase: str, chosen: dict, seeds_of: dict, pets: int, steps: int, args, result: dict, rng
+) -> dict:
     """Runs each arm's chosen setting on its seeds (seeds_of: {start name: seeds}), judges every policy and the SFT
     starts on --eval-posts held-out posts, compares every arm with fair_scalar. Returns {arm: row} + comparisons."""
     runs, start_of = {}, {s: name for name, seeds in seeds_of.items() for s in seeds}
@@ -319,23 +397,43 @@ def run_phase(out: Path, worlds: dict, phase: str, chosen: dict, seeds_of: dict,
     seeds = sorted(start_of)
     eval_data, records = eval_records(out, worlds[next(iter(seeds_of))], pets, args.eval_posts)
     curves = {key: curve(d, steps) for key, d in runs.items()}
-    judged_runs = {(arm, s): judge(out, f"{phase}_{arm}_s{s}", d / "policy", worlds[start_of[s]], eval_data, records,
-                                   pets) for (arm, s), d in runs.items()}
-    table = {"sft": {name: {k: (statistics.fmean(v) if isinstance(v, list) else v) for k, v in judge(
-        out, f"{phase}_sft_{name}", worlds[name]["sft"], worlds[name], eval_data, records, pets).items()}
-        for name in seeds_of}, "seeds": seeds, "starts": [start_of[s] for s in seeds]}
+    judged_runs = {
+        (arm, s): judge(out, f"{phase}_{arm}_s{s}", d / "policy", worlds[start_of[s]], eval_data, records, pets)
+        for (arm, s), d in runs.items()
+    }
+    table = {
+        "sft": {
+            name: {
+                k: (statistics.fmean(v) if isinstance(v, list) else v)
+                for k, v in judge(
+                    out, f"{phase}_sft_{name}", worlds[name]["sft"], worlds[name], eval_data, records, pets
+                ).items()
+            }
+            for name in seeds_of
+        },
+        "seeds": seeds,
+        "starts": [start_of[s] for s in seeds],
+    }
     for arm in chosen:
-        table[arm] = {"lr": chosen[arm]["lr"], "kl_coef": chosen[arm]["kl_coef"],
-                      **seed_table(runs, curves, judged_runs, arm, seeds)}
+        table[arm] = {
+            "lr": chosen[arm]["lr"],
+            "kl_coef": chosen[arm]["kl_coef"],
+            **seed_table(runs, curves, judged_runs, arm, seeds),
+        }
         pp = result.setdefault("per_post", {})
         for s, j in zip(seeds, (judged_runs[arm, s] for s in seeds)):
-            pp[f"{phase}/{arm}/seed{s}"] = {"imperfect": digits(j["imperfect"]), "mistakes": digits(j["mistakes"]),
-                                            "facts_stated": digits(round(f * 6 * pets) for f in j["facts"])}
-        result.setdefault("curves", {}).update({f"{phase}/{arm}/seed{s}": digits(x * 32 for x in curves[
-            arm, s]["imperfect_curve"]) for s in seeds})
+            pp[f"{phase}/{arm}/seed{s}"] = {
+                "imperfect": digits(j["imperfect"]),
+                "mistakes": digits(j["mistakes"]),
+                "facts_stated": digits(round(f * 6 * pets) for f in j["facts"]),
+            }
+        result.setdefault("curves", {}).update(
+            {f"{phase}/{arm}/seed{s}": digits(x * 32 for x in curves[arm, s]["imperfect_curve"]) for s in seeds}
+        )
     if REFERENCE in chosen:
-        table["versus_fair_scalar"] = {arm: compare(table[arm], table[REFERENCE], table["starts"], rng)
-                                       for arm in chosen if arm != REFERENCE}
+        table["versus_fair_scalar"] = {
+            arm: compare(table[arm], table[REFERENCE], table["starts"], rng) for arm in chosen if arm != REFERENCE
+        }
         family = [a for a in PER_TOKEN if a in chosen]
         for key in ("steps_ratio", "heldout_imperfect"):
             adjusted = holm({a: table["versus_fair_scalar"][a][key]["p"] for a in family})
@@ -350,8 +448,13 @@ def main(argv=None):
     args = parse_args(argv)
     one_thread()
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
-    result = {"command": " ".join(["python", "bench/credit_matched.py", *(argv or sys.argv[1:])]),
-              "endpoint": ENDPOINT, "threshold": THRESHOLD, "window": WINDOW, "k": args.k}
+    result = {
+        "command": " ".join(["python", "bench/credit_matched.py", *(argv or sys.argv[1:])]),
+        "endpoint": ENDPOINT,
+        "threshold": THRESHOLD,
+        "window": WINDOW,
+        "k": args.k,
+    }
 
     # --- 0. calibrate: the worlds and their difficulty at iteration 0
     cal = calibrate(out, args)
@@ -365,13 +468,20 @@ def main(argv=None):
     result["steps"] = steps
 
     # --- 1. grid at K, start A
-    cells = {(arm, lr, kl, s): (arm, lr, kl, s) for arm in args.arms for lr in args.lrs for kl in args.kl_coefs
-             for s in range(1, args.grid_seeds + 1)}
+    cells = {
+        (arm, lr, kl, s): (arm, lr, kl, s)
+        for arm in args.arms
+        for lr in args.lrs
+        for kl in args.kl_coefs
+        for s in range(1, args.grid_seeds + 1)
+    }
     grid = {key: curve(d, steps) for key, d in runs_of(out, worlds["A"], "grid", cells, args, steps).items()}
-    result["grid"] = {"/".join(map(str, key)): {k: c[k] for k in ("steps", "reached", "final")}
-                      for key, c in grid.items()}
-    result["curves"] = {"grid/" + "/".join(map(str, key)): digits(x * 32 for x in c["imperfect_curve"])
-                        for key, c in grid.items()}
+    result["grid"] = {
+        "/".join(map(str, key)): {k: c[k] for k in ("steps", "reached", "final")} for key, c in grid.items()
+    }
+    result["curves"] = {
+        "grid/" + "/".join(map(str, key)): digits(x * 32 for x in c["imperfect_curve"]) for key, c in grid.items()
+    }
     if args.stop_after == "grid":
         return finish(result, args)
 
@@ -385,45 +495,61 @@ def main(argv=None):
     # --- 3. confirm: fresh seeds, the first half on start A, the rest on start B, judged held out
     seeds = list(range(101, 101 + args.confirm_seeds))
     half = (len(seeds) + 1) // 2
-    result["confirm"] = run_phase(out, worlds, "confirm", chosen, {"A": seeds[:half], "B": seeds[half:]}, args.k,
-                                  steps, args, result, rng)
+    result["confirm"] = run_phase(
+        out, worlds, "confirm", chosen, {"A": seeds[:half], "B": seeds[half:]}, args.k, steps, args, result, rng
+    )
     print_phase("confirm", result["confirm"], chosen)
     if args.stop_after == "confirm":
         return finish(result, args)
 
     # --- 4. K = 1 on its one-thread start: fair_scalar tuned on the same grid, span and poor_scalar at phase 3's
     k1 = {"k1": worlds["k1"]}
-    cells = {(REFERENCE, lr, kl, s): (REFERENCE, lr, kl, s) for lr in args.k1_lrs for kl in args.kl_coefs
-             for s in range(1, args.grid_seeds + 1)}
+    cells = {
+        (REFERENCE, lr, kl, s): (REFERENCE, lr, kl, s)
+        for lr in args.k1_lrs
+        for kl in args.kl_coefs
+        for s in range(1, args.grid_seeds + 1)
+    }
     k1_grid = {key: curve(d, steps) for key, d in runs_of(out, k1["k1"], "k1_grid", cells, args, steps).items()}
     phase3 = json.loads((ROOT / "bench" / "credit_selection.json").read_text())["selection"]
-    k1_chosen = {**select(k1_grid), **{a: {k: phase3[a][k] for k in ("lr", "kl_coef")} for a in ("span",
-                                                                                                  "poor_scalar")}}
+    k1_chosen = {
+        **select(k1_grid),
+        **{a: {k: phase3[a][k] for k in ("lr", "kl_coef")} for a in ("span", "poor_scalar")},
+    }
     result["k1_selection"] = k1_chosen
-    result["k1"] = run_phase(out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1, steps,
-                             args, result, rng)
+    result["k1"] = run_phase(
+        out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1, steps, args, result, rng
+    )
     print_phase("k1", result["k1"], k1_chosen)
     return finish(result, args)
 
 
 # --- printing and the record
 
+
 def print_calibration(cal: dict, args) -> None:
     print("\ncalibration: each start sampled at T = 1 (04) on training prompts")
-    rows = [("K=1", cal["k1"])] + [(f"K={args.k} m={m}", d) for m, d in cal[f"k{args.k}"].items()] + [
-        (f"K={args.k} m={cal['m']} start B", cal["start_B"])]
+    rows = (
+        [("K=1", cal["k1"])]
+        + [(f"K={args.k} m={m}", d) for m, d in cal[f"k{args.k}"].items()]
+        + [(f"K={args.k} m={cal['m']} start B", cal["start_B"])]
+    )
     for name, d in rows:
-        print(f"  {name:<20} mistakes/sentence {d['mistakes_per_sentence']:.3f}  per answer {d['mistakes']:.2f}  "
-              f"facts {d['facts']:.3f}  imperfect {d['imperfect']:.3f}  length {d['length']:.1f}  "
-              f"start {d['checksum'][:12]}")
+        print(
+            f"  {name:<20} mistakes/sentence {d['mistakes_per_sentence']:.3f}  per answer {d['mistakes']:.2f}  "
+            f"facts {d['facts']:.3f}  imperfect {d['imperfect']:.3f}  length {d['length']:.1f}  "
+            f"start {d['checksum'][:12]}"
+        )
     print(f"  chosen: m = {cal['m']}")
 
 
 def print_selection(chosen: dict) -> None:
     print(f"\nselection (training curves only; median steps to imperfect <= {THRESHOLD}, then the final rate)")
     for arm, c in chosen.items():
-        print(f"  {arm:<12} lr {c['lr']:<7g} beta {c['kl_coef']:<5g} median steps {c['score'][0]:>6} "
-              f"final {c['score'][1]:.3f}")
+        print(
+            f"  {arm:<12} lr {c['lr']:<7g} beta {c['kl_coef']:<5g} median steps {c['score'][0]:>6} "
+            f"final {c['score'][1]:.3f}"
+        )
 
 
 def spread(xs, fmt="{:.3f}") -> str:
@@ -433,22 +559,28 @@ def spread(xs, fmt="{:.3f}") -> str:
 def print_phase(phase: str, table: dict, chosen: dict) -> None:
     print(f"\n{phase}: median [min, max] over seeds {table['seeds']} (starts {''.join(table['starts'])})")
     for name, sft in table["sft"].items():
-        print(f"  SFT start {name}: held-out imperfect {sft['imperfect']:.3f}, mistakes {sft['mistakes']:.2f}, "
-              f"facts {sft['facts']:.3f}")
+        print(
+            f"  SFT start {name}: held-out imperfect {sft['imperfect']:.3f}, mistakes {sft['mistakes']:.2f}, "
+            f"facts {sft['facts']:.3f}"
+        )
     for arm in chosen:
         r, vs = table[arm], table.get("versus_fair_scalar", {}).get(arm)
-        line = (f"  {arm:<12} steps {spread(r['steps'], '{:g}'):>16} reached {sum(r['reached'])}/{len(r['reached'])}"
-                f"  final {spread(r['final'])}  held-out imperfect {spread(r['heldout_imperfect'])}  mistakes "
-                f"{spread(r['heldout_mistakes'], '{:.2f}')}  facts {spread(r['heldout_facts'])}  length "
-                f"{spread(r['heldout_length'], '{:.0f}')}  KL {spread(r['heldout_kl'], '{:.2f}')}")
+        line = (
+            f"  {arm:<12} steps {spread(r['steps'], '{:g}'):>16} reached {sum(r['reached'])}/{len(r['reached'])}"
+            f"  final {spread(r['final'])}  held-out imperfect {spread(r['heldout_imperfect'])}  mistakes "
+            f"{spread(r['heldout_mistakes'], '{:.2f}')}  facts {spread(r['heldout_facts'])}  length "
+            f"{spread(r['heldout_length'], '{:.0f}')}  KL {spread(r['heldout_kl'], '{:.2f}')}"
+        )
         if vs:
             st, h = vs["steps_ratio"], vs["heldout_imperfect"]
-            line += (f"\n{'':>15}x fair_scalar's steps {st['ratio']:.2f} [{st['interval'][0]:.2f}, "
-                     f"{st['interval'][1]:.2f}] p {st['p']:.3f} (Holm {holm_text(st)}), "
-                     f"without seed #{st['extreme_seed']}: {st['without_extreme']:.2f};  held out "
-                     f"{h['difference']:+.3f} [{h['interval'][0]:+.3f}, {h['interval'][1]:+.3f}] p {h['p']:.3f} "
-                     f"(Holm {holm_text(h)}), without #{h['extreme_seed']}: "
-                     f"{h['without_extreme']:+.3f}")
+            line += (
+                f"\n{'':>15}x fair_scalar's steps {st['ratio']:.2f} [{st['interval'][0]:.2f}, "
+                f"{st['interval'][1]:.2f}] p {st['p']:.3f} (Holm {holm_text(st)}), "
+                f"without seed #{st['extreme_seed']}: {st['without_extreme']:.2f};  held out "
+                f"{h['difference']:+.3f} [{h['interval'][0]:+.3f}, {h['interval'][1]:+.3f}] p {h['p']:.3f} "
+                f"(Holm {holm_text(h)}), without #{h['extreme_seed']}: "
+                f"{h['without_extreme']:+.3f}"
+            )
         print(line)
 
 
@@ -459,8 +591,12 @@ def holm_text(row: dict) -> str:
 def finish(result: dict, args) -> dict:
     import torch
     import transformers
-    result["versions"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                          "python": sys.version.split()[0]}
+
+    result["versions"] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }
     per_post = result.pop("per_post", None)
     common.write_json(Path(args.out) / "results.json", {**result, "per_post": per_post})
     if args.results:

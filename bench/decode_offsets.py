@@ -4,6 +4,7 @@ and time(1024) <= 20 x one tokenizer.decode of the same 1024 ids. Also shows the
 
     python bench/decode_offsets.py      # ~10 s once SmolLM2 is converted (tools/smollm2.py); JSON on the last line
 """
+
 import json
 import os
 import statistics
@@ -31,6 +32,7 @@ def seconds(fn, repeats: int) -> float:
 
 def main():
     from transformers import AutoTokenizer
+
     cache = Path(os.environ.get("T2G_CACHE") or Path.home() / ".cache" / "text2grad")
     tok = AutoTokenizer.from_pretrained(smollm2.export(cache / "smollm2-135m-instruct"))
     text = " ".join(["The café’s naïve résumé — “quoted” text… 寿司 and 🍰 cost 12.50€; déjà vu 😀🧪."] * 200)
@@ -41,11 +43,23 @@ def main():
     t2 = seconds(lambda: common.decode_with_offsets(tok, ids2), 21)
     dec = seconds(lambda: tok.decode(ids1, skip_special_tokens=True), 201)
     prefix = seconds(lambda: common._decode_with_offsets_by_prefix(tok, ids1, tok.decode(ids1)), 3)
-    print(f"decode_with_offsets: 1024 tokens {t1 * 1e3:.2f} ms, 2048 tokens {t2 * 1e3:.2f} ms; one decode of 1024 "
-          f"tokens {dec * 1e3:.3f} ms; decoding every prefix (the old way), 1024 tokens {prefix * 1e3:.0f} ms")
-    print(json.dumps({"t1024_s": round(t1, 5), "t2048_s": round(t2, 5), "decode1024_s": round(dec, 6),
-                      "ratio_2048_1024": round(t2 / t1, 2), "ratio_vs_decode": round(t1 / dec, 1),
-                      "prefix_t1024_s": round(prefix, 4), "speedup_vs_prefix": round(prefix / t1, 1)}))
+    print(
+        f"decode_with_offsets: 1024 tokens {t1 * 1e3:.2f} ms, 2048 tokens {t2 * 1e3:.2f} ms; one decode of 1024 "
+        f"tokens {dec * 1e3:.3f} ms; decoding every prefix (the old way), 1024 tokens {prefix * 1e3:.0f} ms"
+    )
+    print(
+        json.dumps(
+            {
+                "t1024_s": round(t1, 5),
+                "t2048_s": round(t2, 5),
+                "decode1024_s": round(dec, 6),
+                "ratio_2048_1024": round(t2 / t1, 2),
+                "ratio_vs_decode": round(t1 / dec, 1),
+                "prefix_t1024_s": round(prefix, 4),
+                "speedup_vs_prefix": round(prefix / t1, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

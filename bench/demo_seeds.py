@@ -10,6 +10,7 @@ final policies (stage 4's demo/mistake_rate on 200 held-out posts, sampled at T 
   - the median run: Text2Grad's mistake rate < the scalar baseline's.
 Prints a table (median and range over runs) with the package versions, and one JSON line last.
 """
+
 import argparse
 import json
 import os
@@ -26,8 +27,13 @@ from run_cache import check_settings  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = [(script, []) for script in ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py")]
 POLICIES = ["sft", "scalar", "text2grad"]
-KEYS = {"demo/mistake_rate": "mistake rate (exact critic)", "demo/delta_sum": "delta-sum (exact critic)",
-        "demo/exact_match": "exact match", "rougeL": "ROUGE-L", "rm/delta_sum": "delta-sum (reward model)"}
+KEYS = {
+    "demo/mistake_rate": "mistake rate (exact critic)",
+    "demo/delta_sum": "delta-sum (exact critic)",
+    "demo/exact_match": "exact match",
+    "rougeL": "ROUGE-L",
+    "rm/delta_sum": "delta-sum (reward model)",
+}
 
 
 def chain_settings(seed: int, threads: int, stages) -> dict:
@@ -61,8 +67,14 @@ def run_chain(work: Path, seed: int, threads: int, stages=STAGES, rm_dir: str = 
             t0 = time.time()
             print(f"+ [{work.name}] python {script} --seed {seed} {' '.join(extra)}", flush=True)
             with open(work / f"{i + 1}_{script}.log", "w") as log:
-                subprocess.run([sys.executable, "-u", str(ROOT / script), "--seed", str(seed), *extra], cwd=work,
-                               env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+                subprocess.run(
+                    [sys.executable, "-u", str(ROOT / script), "--seed", str(seed), *extra],
+                    cwd=work,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    check=True,
+                )
             times[key] = round(time.time() - t0, 1)
             timing.write_text(json.dumps(times))
     out = json.loads(results.read_text())
@@ -83,8 +95,11 @@ def summary_table(runs: list[dict], keys: dict[str, str], policies=POLICIES) -> 
         cells = []
         for pol in policies:
             vals = [v for r in runs if (v := value(r, pol, key)) is not None]  # None: nothing to count (0 / 0)
-            summary[f"{pol}/{key}"] = {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
-                                       "n": len(vals)} if vals else None
+            summary[f"{pol}/{key}"] = (
+                {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+                if vals
+                else None
+            )
             cells.append(f"{statistics.median(vals):.3f} [{min(vals):.3f}, {max(vals):.3f}]" if vals else "n/a")
         print(f"{label:<48}" + "".join(f"{c:>24}" for c in cells))
     return summary
@@ -106,31 +121,52 @@ def main():
         for threads in args.threads:
             runs[(seed, threads)] = run_chain(ROOT / args.out / f"seed{seed}_threads{threads}", seed, threads)
 
-    print(f"\n{'seed':>4} {'thr':>3} " + " ".join(f"{p + ' mistakes':>18}" for p in POLICIES) +
-          f" {'t2g/sft':>8} {'RM neg P/R':>11} {'chain s':>8}")
+    print(
+        f"\n{'seed':>4} {'thr':>3} "
+        + " ".join(f"{p + ' mistakes':>18}" for p in POLICIES)
+        + f" {'t2g/sft':>8} {'RM neg P/R':>11} {'chain s':>8}"
+    )
     rows = []
     for (seed, threads), r in runs.items():
         m = {pol: value(r, pol, "demo/mistake_rate") for pol in POLICIES}
         ev = r["rm_eval"]
         wall = sum(r["timing"].values()) if r["timing"] else float("nan")
-        rows.append({"seed": seed, "threads": threads, **m, "ratio": m["text2grad"] / m["sft"],
-                     "rm_neg_precision": ev["neg_precision"], "rm_neg_recall": ev["neg_recall"],
-                     "rm_pos_precision": ev["pos_precision"], "rm_pos_recall": ev["pos_recall"],
-                     "rm_parse_rate": ev["parse_rate"], "chain_s": wall})
-        print(f"{seed:>4} {threads:>3} " + " ".join(f"{m[p]:>18.3f}" for p in POLICIES) +
-              f" {rows[-1]['ratio']:>8.2f} {ev['neg_precision'] or 0:>5.2f}/{ev['neg_recall'] or 0:<5.2f} {wall:>8.0f}")
+        rows.append(
+            {
+                "seed": seed,
+                "threads": threads,
+                **m,
+                "ratio": m["text2grad"] / m["sft"],
+                "rm_neg_precision": ev["neg_precision"],
+                "rm_neg_recall": ev["neg_recall"],
+                "rm_pos_precision": ev["pos_precision"],
+                "rm_pos_recall": ev["pos_recall"],
+                "rm_parse_rate": ev["parse_rate"],
+                "chain_s": wall,
+            }
+        )
+        print(
+            f"{seed:>4} {threads:>3} "
+            + " ".join(f"{m[p]:>18.3f}" for p in POLICIES)
+            + f" {rows[-1]['ratio']:>8.2f} {ev['neg_precision'] or 0:>5.2f}/{ev['neg_recall'] or 0:<5.2f} {wall:>8.0f}"
+        )
     summary = summary_table(list(runs.values()), KEYS)
     pkgs = packages()
     print("packages: " + ", ".join(f"{k} {v}" for k, v in pkgs.items()))
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
-    result = {"runs": len(rows), "every_run_t2g_le_0.8_sft": all(r["ratio"] <= 0.8 for r in rows),
-              "worst_t2g_over_sft": max(r["ratio"] for r in rows),
-              "median_t2g_below_scalar": med("text2grad") < med("scalar"),
-              "median_mistakes": {p: med(p) for p in POLICIES},
-              "rm_neg_precision_min": min(r["rm_neg_precision"] or 0 for r in rows),
-              "rm_neg_recall_min": min(r["rm_neg_recall"] or 0 for r in rows),
-              "chain_s_max": max(r["chain_s"] for r in rows), "packages": pkgs, "per_run": rows,
-              "summary": summary}
+    result = {
+        "runs": len(rows),
+        "every_run_t2g_le_0.8_sft": all(r["ratio"] <= 0.8 for r in rows),
+        "worst_t2g_over_sft": max(r["ratio"] for r in rows),
+        "median_t2g_below_scalar": med("text2grad") < med("scalar"),
+        "median_mistakes": {p: med(p) for p in POLICIES},
+        "rm_neg_precision_min": min(r["rm_neg_precision"] or 0 for r in rows),
+        "rm_neg_recall_min": min(r["rm_neg_recall"] or 0 for r in rows),
+        "chain_s_max": max(r["chain_s"] for r in rows),
+        "packages": pkgs,
+        "per_run": rows,
+        "summary": summary,
+    }
     print(json.dumps(result))
 
 

@@ -10,6 +10,7 @@ pi = ref. TRL's DPOTrainer (loss_type sigmoid, beta 0.1) computes its loss on th
 pipeline (tokenisation, EOS, collation, log-probs); ours is baselines/dpo.py's pair_stats on the same pairs. Prints
 both losses, their difference and the implicit reward margins, then one JSON line.
 """
+
 import argparse
 import json
 import sys
@@ -42,11 +43,19 @@ def main():
     recs = []
     for ex in demo_dataset("annotate", 4 * args.pairs):
         for k, resp in (("a", ex["response"]), ("b", " " + ex["reference"])):
-            recs.append({"id": f"{ex['id']}/{k}", "prompt": ex["prompt"], "response": resp,
-                         **demo_critic(ex["prompt"], resp)})
-    pairs = preference_pairs(recs)[:args.pairs]
-    base = build_tiny_base(tmp / "ref", [r["prompt"] + r["response"] for r in recs], vocab_size=600, hidden_size=64,
-                           num_layers=2, num_heads=4, intermediate_size=128)
+            recs.append(
+                {"id": f"{ex['id']}/{k}", "prompt": ex["prompt"], "response": resp, **demo_critic(ex["prompt"], resp)}
+            )
+    pairs = preference_pairs(recs)[: args.pairs]
+    base = build_tiny_base(
+        tmp / "ref",
+        [r["prompt"] + r["response"] for r in recs],
+        vocab_size=600,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+    )
     tok = AutoTokenizer.from_pretrained(base)
     ref = AutoModelForCausalLM.from_pretrained(base).eval()
     policy = AutoModelForCausalLM.from_pretrained(base)
@@ -55,26 +64,47 @@ def main():
         for q in policy.parameters():
             q.add_(args.noise * torch.randn_like(q))
 
-    config = trl.DPOConfig(output_dir=str(tmp / "trl"), beta=args.beta, loss_type=["sigmoid"],
-                           per_device_train_batch_size=len(pairs), report_to="none", use_cpu=True,
-                           max_length=None, precompute_ref_log_probs=False, dataloader_drop_last=False)
-    trainer = trl.DPOTrainer(model=policy, ref_model=ref, args=config, processing_class=tok,
-                             train_dataset=Dataset.from_list([{k: x[k] for k in ("prompt", "chosen", "rejected")}
-                                                              for x in pairs]))
+    config = trl.DPOConfig(
+        output_dir=str(tmp / "trl"),
+        beta=args.beta,
+        loss_type=["sigmoid"],
+        per_device_train_batch_size=len(pairs),
+        report_to="none",
+        use_cpu=True,
+        max_length=None,
+        precompute_ref_log_probs=False,
+        dataloader_drop_last=False,
+    )
+    trainer = trl.DPOTrainer(
+        model=policy,
+        ref_model=ref,
+        args=config,
+        processing_class=tok,
+        train_dataset=Dataset.from_list([{k: x[k] for k in ("prompt", "chosen", "rejected")} for x in pairs]),
+    )
     policy.eval()
     batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     with torch.no_grad():
         trl_loss = trainer.compute_loss(trainer.model, batch).item()
 
     ours_args = argparse.Namespace(beta=args.beta, device="cpu", dtype="float32")
-    encoded = dpo.encode_pairs(tok, pairs, "auto", 1024, 10 ** 6)
+    encoded = dpo.encode_pairs(tok, pairs, "auto", 1024, 10**6)
     with torch.no_grad():
         loss, stats = dpo.pair_stats(policy, ref, encoded, tok.pad_token_id, ours_args)
-    result = {"trl": trl.__version__, "pairs": len(pairs), "beta": args.beta, "trl_loss": trl_loss,
-              "ours_loss": loss.item(), "abs_diff": abs(trl_loss - loss.item()), "ours_margin": stats["rewards/margin"],
-              "ours_accuracy": stats["rewards/accuracy"]}
-    print(f"TRL {trl.__version__} DPOTrainer loss {trl_loss:.6f}; baselines/dpo.py {loss.item():.6f}; "
-          f"|difference| {result['abs_diff']:.2e} (the trivial value at pi = ref: log 2 = 0.693147)")
+    result = {
+        "trl": trl.__version__,
+        "pairs": len(pairs),
+        "beta": args.beta,
+        "trl_loss": trl_loss,
+        "ours_loss": loss.item(),
+        "abs_diff": abs(trl_loss - loss.item()),
+        "ours_margin": stats["rewards/margin"],
+        "ours_accuracy": stats["rewards/accuracy"],
+    }
+    print(
+        f"TRL {trl.__version__} DPOTrainer loss {trl_loss:.6f}; baselines/dpo.py {loss.item():.6f}; "
+        f"|difference| {result['abs_diff']:.2e} (the trivial value at pi = ref: log 2 = 0.693147)"
+    )
     print(json.dumps(result))
 
 

@@ -10,6 +10,7 @@ the exact program critic, so the critic's cost is not in it. The rounds alternat
 of the configurations, so drift in the machine's load hits each; the first iteration of each run (warm-up) is dropped.
 Prints one JSON line last: the median seconds per iteration of each part, and the ratios to ddp.
 """
+
 import argparse
 import json
 import os
@@ -25,8 +26,11 @@ import common  # noqa: E402
 from infra.tiny_model import build_demo_base  # noqa: E402
 from tasks.demo import demo_dataset  # noqa: E402
 
-CONFIGS = {"ddp": ["--shard", "ddp"], "fsdp": ["--shard", "fsdp"],
-           "fsdp_layers": ["--shard", "fsdp", "--fsdp-generate", "layers"]}
+CONFIGS = {
+    "ddp": ["--shard", "ddp"],
+    "fsdp": ["--shard", "fsdp"],
+    "fsdp_layers": ["--shard", "fsdp", "--fsdp-generate", "layers"],
+}
 PARTS = ("time/step_s", "time/generate_s", "time/forward_s", "time/update_s")
 
 
@@ -34,11 +38,44 @@ def run(out: Path, base: str, name: str, steps: int) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model", base, "--prompts",
-           str(out / "prompts.jsonl"), "--critic", "program", "--steps", str(steps), "--sft-steps", "0",
-           "--scalar-baseline-dir", "", "--max-new-tokens", "24", "--min-new-tokens", "24", "--save-every", "1000",
-           "--trace-samples", "0", "--device", "cpu", "--output-dir", str(out / name), "--overwrite", *CONFIGS[name]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(ROOT / "03_train_policy.py"),
+        "--model",
+        base,
+        "--prompts",
+        str(out / "prompts.jsonl"),
+        "--critic",
+        "program",
+        "--steps",
+        str(steps),
+        "--sft-steps",
+        "0",
+        "--scalar-baseline-dir",
+        "",
+        "--max-new-tokens",
+        "24",
+        "--min-new-tokens",
+        "24",
+        "--save-every",
+        "1000",
+        "--trace-samples",
+        "0",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out / name),
+        "--overwrite",
+        *CONFIGS[name],
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         sys.exit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -64,8 +101,17 @@ def main():
     med = {name: {k.split("/")[1]: statistics.median(x[k] for x in rs) for k in PARTS} for name, rs in rows.items()}
     for name, m in med.items():
         print(f"{name:12s} " + "  ".join(f"{k} {v:.3f}" for k, v in m.items()))
-    print(json.dumps({"median_s": med, "iterations": len(rows["ddp"]), "batch_size": 32, "new_tokens": 24,
-                      "ratio_to_ddp": {name: {k: m[k] / med["ddp"][k] for k in m} for name, m in med.items()}}))
+    print(
+        json.dumps(
+            {
+                "median_s": med,
+                "iterations": len(rows["ddp"]),
+                "batch_size": 32,
+                "new_tokens": 24,
+                "ratio_to_ddp": {name: {k: m[k] / med["ddp"][k] for k in m} for name, m in med.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

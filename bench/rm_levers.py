@@ -22,6 +22,7 @@ Formats (--fmt; the span JSON that follows is always the same):
   cmp      each quoted word next to the post's word of its kind: "W (post: V) wrong."
   slots    fact by fact, the post's value first, then the response's: "place: park / garden wrong."
 """
+
 import argparse
 import fcntl
 import json
@@ -47,8 +48,11 @@ rm02 = import_module("02_train_reward")
 def labels_of(prompt: str, response: str) -> list[tuple[str, str, str | None]]:
     """(word, label, the post's word of its kind) for each word the demo critic labels, in response order."""
     facts, _ = demo.demo_post_facts(prompt)
-    return [(w, "right" if kind == "good" else kind, facts.get(demo._CATEGORY.get(w)))
-            for w, _, _, kind in demo.demo_labels(prompt, response) if kind]
+    return [
+        (w, "right" if kind == "good" else kind, facts.get(demo._CATEGORY.get(w)))
+        for w, _, _, kind in demo.demo_labels(prompt, response)
+        if kind
+    ]
 
 
 def flagged_by_kind(held_out: list[dict], outputs: list[str]) -> dict:
@@ -71,8 +75,12 @@ def critique(fmt: str, prompt: str, response: str, default: str) -> str:
         return default
     labs = labels_of(prompt, response)
     if fmt == "verdict":
-        return " ".join(f"{w} {lab}" + (f", the post says {post}" if lab == "wrong" else "") + "."
-                        for w, lab, post in labs) or default
+        return (
+            " ".join(
+                f"{w} {lab}" + (f", the post says {post}" if lab == "wrong" else "") + "." for w, lab, post in labs
+            )
+            or default
+        )
     if fmt == "ref":
         return f"The post says: {demo.DEMO_SUMMARY.format(**demo.demo_post_facts(prompt)[0])} {default}"
     if fmt == "cmp":
@@ -82,10 +90,13 @@ def critique(fmt: str, prompt: str, response: str, default: str) -> str:
         parts = []
         for cat, post in ((c, facts[c]) for c in demo.DEMO_FACTS):
             said = next((w for w in words if demo._CATEGORY.get(w) == cat), None)
-            parts.append(f"{cat.replace('_', ' ')}: {post} / {said or 'none'} "
-                         f"{'ok' if said == post else 'wrong' if said else 'missing'}.")
-        return " ".join(parts + list(dict.fromkeys(f"{w} {lab}." for w, lab, _ in labs
-                                                   if lab in ("irrelevant", "repeated"))))
+            parts.append(
+                f"{cat.replace('_', ' ')}: {post} / {said or 'none'} "
+                f"{'ok' if said == post else 'wrong' if said else 'missing'}."
+            )
+        return " ".join(
+            parts + list(dict.fromkeys(f"{w} {lab}." for w, lab, _ in labs if lab in ("irrelevant", "repeated")))
+        )
     raise ValueError(fmt)
 
 
@@ -94,8 +105,11 @@ def records(split: str, n: int, mistake_rate: float, fmt: str, kind: str | None 
     from 4n)."""
     out = []
     for ex in demo.demo_dataset(split, 4 * n if kind else n, mistake_rate):
-        if kind and kind not in (found := {k for *_, k in demo.demo_labels(ex["prompt"], ex["response"])}) and \
-                found - {None, "good"}:
+        if (
+            kind
+            and kind not in (found := {k for *_, k in demo.demo_labels(ex["prompt"], ex["response"])})
+            and found - {None, "good"}
+        ):
             continue
         out.append(annotated(ex, fmt))
     return out[:n]
@@ -112,8 +126,9 @@ def policy_records(model, tok, split: str, n: int, fmt: str) -> list[dict]:
     torch.manual_seed(0)
     posts = demo.demo_dataset(split, n)
     ids = models.generate(model, tok, [p["prompt"] for p in posts], 32, temperature=1.0, batch_size=64)
-    return [annotated({**ex, "response": tok.decode(row, skip_special_tokens=True)}, fmt)
-            for ex, row in zip(posts, ids)]
+    return [
+        annotated({**ex, "response": tok.decode(row, skip_special_tokens=True)}, fmt) for ex, row in zip(posts, ids)
+    ]
 
 
 def main():
@@ -126,17 +141,32 @@ def main():
     a("--heads", type=int, default=4, help="capacity: attention heads (the demo's: 4)")
     a("--pretrain", type=int, default=250, help="init: base model pretraining steps (the demo's: 250)")
     a("--scratch", action="store_true", help="init: train the reward model from random weights")
-    a("--fmt", default="default", choices=["default", "verdict", "ref", "cmp", "slots"],
-      help="objective: critique format")
-    a("--json-first", action="store_true", help="objective: the span JSON before the critique (generation stops at "
-      "the JSON's end,\nso the critique after it is never written)")
-    a("--json-weight", type=float, default=1.0, help="objective: loss weight of the span JSON's tokens (the "
-      "critique's: 1)")
+    a(
+        "--fmt",
+        default="default",
+        choices=["default", "verdict", "ref", "cmp", "slots"],
+        help="objective: critique format",
+    )
+    a(
+        "--json-first",
+        action="store_true",
+        help="objective: the span JSON before the critique (generation stops at "
+        "the JSON's end,\nso the critique after it is never written)",
+    )
+    a(
+        "--json-weight",
+        type=float,
+        default=1.0,
+        help="objective: loss weight of the span JSON's tokens (the critique's: 1)",
+    )
     a("--n", type=int, default=2000, help="data: annotated examples")
     a("--mistake", type=float, default=0.55, help="data: share of flawed summaries in the training data")
     a("--kind", choices=["wrong", "irrelevant", "repeated"], help="data: keep only flawed summaries with this kind")
-    a("--policy", help="data: a policy dir (e.g. runs/demo/sft) whose own samples (temperature 1), critiqued by the "
-      "exact\ncritic, replace --policy-share of the training data; its samples on the held-out posts are scored too")
+    a(
+        "--policy",
+        help="data: a policy dir (e.g. runs/demo/sft) whose own samples (temperature 1), critiqued by the "
+        "exact\ncritic, replace --policy-share of the training data; its samples on the held-out posts are scored too",
+    )
     a("--policy-share", type=float, default=0.25, help="data: the share of --policy's samples in the training data")
     a("--lora", type=int, default=0, help="LoRA rank on all linear layers (0: full fine-tuning)")
     a("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup 50 steps, linear decay)")
@@ -144,8 +174,10 @@ def main():
     a("--steps", type=int, default=2000, help="training length: optimizer steps")
     a("--evals", default="500,1000,1500,2000", help="steps at which the held-out posts are critiqued")
     a("--seed", type=int, default=0, help="seed of the data order")
-    a("--save", help="save the trained reward model here (loadable by infra.models.load_model, e.g. for "
-      "bench/critic_cost.py)")
+    a(
+        "--save",
+        help="save the trained reward model here (loadable by infra.models.load_model, e.g. for bench/critic_cost.py)",
+    )
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     args = p.parse_args()
 
@@ -161,9 +193,18 @@ def main():
             texts += [ex["prompt"] + ex["response"], " " + common.format_rm_target(**fb)]
             texts += [critique(f, ex["prompt"], ex["response"], fb["critique"]) for f in ("verdict", "ref", "cmp")]
         texts += [common.rm_user_message("", "") + "\n\n### Critique\n"] * 100
-        tiny_model.build_tiny_base(base, texts, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
-                               intermediate_size=4 * args.hidden, pretrain_texts=pairs,
-                               pretrain_steps=args.pretrain, lr=2e-3, seed=0)
+        tiny_model.build_tiny_base(
+            base,
+            texts,
+            num_layers=args.layers,
+            hidden_size=args.hidden,
+            num_heads=args.heads,
+            intermediate_size=4 * args.hidden,
+            pretrain_texts=pairs,
+            pretrain_steps=args.pretrain,
+            lr=2e-3,
+            seed=0,
+        )
     fcntl.flock(lock, fcntl.LOCK_UN)
     train = records("annotate", args.n, args.mistake, args.fmt, args.kind)
     held_out = records("rmval", 200, 0.55, args.fmt)
@@ -171,21 +212,25 @@ def main():
     if args.policy:  # the policy's answers: in training (a share) and as a second held-out set
         policy, policy_tok = models.load_model(args.policy)
         k = round(args.policy_share * args.n)
-        train = train[:args.n - k] + (policy_records(policy, policy_tok, "annotate", k, args.fmt) if k else [])
+        train = train[: args.n - k] + (policy_records(policy, policy_tok, "annotate", k, args.fmt) if k else [])
         on_policy = policy_records(policy, policy_tok, "rmval", 200, args.fmt)
     model, tok = models.load_model(str(base))
     if args.scratch:
         from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_config(model.config)
     if args.lora:
         from peft import LoraConfig, get_peft_model
+
         with models.peft_wraps_quietly():
-            model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
-                                                     target_modules="all-linear"))
+            model = get_peft_model(
+                model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules="all-linear")
+            )
     model.to(args.device)
     if args.json_first:  # encode_example and rm_critique read this module attribute at call time
         common.format_rm_target = lambda critique, good, poor, rm_format="critique+spans": (
-            json.dumps({"good_spans": list(good), "poor_spans": list(poor)}, ensure_ascii=False) + "\n" + critique)
+            json.dumps({"good_spans": list(good), "poor_spans": list(poor)}, ensure_ascii=False) + "\n" + critique
+        )
     examples, _ = rm02.encode_all(tok, train, 320)
     for ex in examples if args.json_weight != 1.0 else []:  # loss weights: the span JSON's tokens json_weight, else 1
         n_prompt = ex["labels"].count(-100)
@@ -205,10 +250,11 @@ def main():
         else:  # the weighted mean of the next-token losses
             w = torch.zeros(batch["labels"].shape, device=args.device)
             for i, f in enumerate(feats):
-                w[i, :len(f["weights"])] = torch.tensor(f["weights"])
+                w[i, : len(f["weights"])] = torch.tensor(f["weights"])
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"][:, 1:],
-                                                    ignore_index=-100, reduction="none")
+            nll = torch.nn.functional.cross_entropy(
+                logits.transpose(1, 2), batch["labels"][:, 1:], ignore_index=-100, reduction="none"
+            )
             loss = (nll * w[:, 1:]).sum() / w[:, 1:].sum()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -221,8 +267,13 @@ def main():
             for prefix, recs in (("", held_out), ("policy_", on_policy)):
                 if recs:
                     m, outputs = rm02.evaluate_rm(model, tok, recs, 160, 64)
-                    scores = {**{k: m[k] for k in ("parse_rate", "pos_precision", "pos_recall", "neg_precision",
-                                                   "neg_recall")}, **flagged_by_kind(recs, outputs)}
+                    scores = {
+                        **{
+                            k: m[k]
+                            for k in ("parse_rate", "pos_precision", "pos_recall", "neg_precision", "neg_recall")
+                        },
+                        **flagged_by_kind(recs, outputs),
+                    }
                     row.update({prefix + k: v for k, v in scores.items()})
             results.append(row)
             print(json.dumps(results[-1]), flush=True)

@@ -8,6 +8,7 @@ benches (or one bench with two critics) pointed at one --out never mix their run
 also by the content of the models and data it reads (inputs_content): a reward model retrained in the same folder
 makes the runs made from the old one stale, refused like any other change.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -43,8 +44,11 @@ def inputs_content(argv: list[str], cwd=None) -> dict:
     an input flag (INPUTS), relative paths read from `cwd` (the command's own working directory; default this
     process's). Outputs (--output-dir, ...) are left out: they change as the command runs."""
     base = Path(cwd or ".")
-    return {value: runs.content_fingerprint(base / value) for flag, value in zip(argv, argv[1:])
-            if flag in INPUTS and value and (base / value).exists()}
+    return {
+        value: runs.content_fingerprint(base / value)
+        for flag, value in zip(argv, argv[1:])
+        if flag in INPUTS and value and (base / value).exists()
+    }
 
 
 def check_settings(folder, settings: dict, cwd=None) -> None:
@@ -57,7 +61,9 @@ def check_settings(folder, settings: dict, cwd=None) -> None:
     settings = json.loads(json.dumps(settings))  # as the file holds them: tuples are lists
     there = json.loads(path.read_text()) if path.is_file() else None
     if folder.is_dir() and any(folder.iterdir()) and there != settings:
-        sys.exit(f"{folder}: holds output whose settings were not recorded; delete it or pick another --out"
-                 if there is None else
-                 f"{folder}: made with other settings ({difference(there, settings)}); delete it or pick another --out")
+        sys.exit(
+            f"{folder}: holds output whose settings were not recorded; delete it or pick another --out"
+            if there is None
+            else f"{folder}: made with other settings ({difference(there, settings)}); delete it or pick another --out"
+        )
     common.write_json(path, settings)

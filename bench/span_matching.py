@@ -8,6 +8,7 @@ quotes / ellipses / trailing punctuation, or paraphrased (a word swapped for a s
 A paraphrase must stay unmatched. A false alignment is a match whose text says something else than the quote: for a
 non-paraphrase, a matched interval whose normalized text differs from the source text; for a paraphrase, any match.
 """
+
 import json
 import random
 import re
@@ -41,13 +42,41 @@ RESPONSES = [
     "Use binary search: keep lo and hi, compare the middle element with the target, and halve the range each "
     "step. It runs in O(log n) time.",
 ]
-SYNONYMS = {"refused": "declined", "return": "give back", "deposit": "down payment", "keeps": "continues",
-            "eating": "consuming", "converts": "turns", "absorb": "take in", "release": "emit", "wants": "hopes",
-            "move": "relocate", "walk": "traverse", "began": "started", "ended": "finished", "barks": "howls",
-            "complained": "grumbled", "new": "recent", "close": "shut", "accurate": "correct", "vague": "unclear",
-            "omits": "leaves out", "compare": "check", "halve": "split", "runs": "executes", "dog": "hound",
-            "family": "relatives", "rules": "regulations", "fines": "penalties", "time": "duration",
-            "sorted": "ordered", "node": "element", "rise": "ascent", "plants": "trees", "job": "position"}
+SYNONYMS = {
+    "refused": "declined",
+    "return": "give back",
+    "deposit": "down payment",
+    "keeps": "continues",
+    "eating": "consuming",
+    "converts": "turns",
+    "absorb": "take in",
+    "release": "emit",
+    "wants": "hopes",
+    "move": "relocate",
+    "walk": "traverse",
+    "began": "started",
+    "ended": "finished",
+    "barks": "howls",
+    "complained": "grumbled",
+    "new": "recent",
+    "close": "shut",
+    "accurate": "correct",
+    "vague": "unclear",
+    "omits": "leaves out",
+    "compare": "check",
+    "halve": "split",
+    "runs": "executes",
+    "dog": "hound",
+    "family": "relatives",
+    "rules": "regulations",
+    "fines": "penalties",
+    "time": "duration",
+    "sorted": "ordered",
+    "node": "element",
+    "rise": "ascent",
+    "plants": "trees",
+    "job": "position",
+}
 
 
 def make_cases(n_per_kind: int = 60, seed: int = 0):
@@ -81,7 +110,7 @@ def make_cases(n_per_kind: int = 60, seed: int = 0):
                     quote = " ".join(perm)
                 else:
                     j = rng.randrange(1, len(toks)) if len(toks) > 2 else 1
-                    quote = " ".join(toks[:j] + toks[j + 1:]) if len(toks) > 2 else toks[0] + " indeed"
+                    quote = " ".join(toks[:j] + toks[j + 1 :]) if len(toks) > 2 else toks[0] + " indeed"
                 if _normalize(quote)[0].strip() in _normalize(RESPONSES[k])[0]:
                     continue  # e.g. dropping a repeated word: still a literal quote, not a paraphrase
                 cases.append((kind, RESPONSES[k], quote, None))
@@ -95,8 +124,21 @@ def make_cases(n_per_kind: int = 60, seed: int = 0):
             elif kind == "case":
                 quote = rng.choice([text.upper(), text.lower(), text.title(), text.swapcase()])
             elif kind == "wrapped":
-                quote = rng.choice(['"{}"', "\u201c{}\u201d", "'{}'", "\u2018{}\u2019", "...{}...", "\u2026{}",
-                                    "{}.", "{},", '"{}."', "`{}`", '"...{}"']).format(text)
+                quote = rng.choice(
+                    [
+                        '"{}"',
+                        "\u201c{}\u201d",
+                        "'{}'",
+                        "\u2018{}\u2019",
+                        "...{}...",
+                        "\u2026{}",
+                        "{}.",
+                        "{},",
+                        '"{}."',
+                        "`{}`",
+                        '"...{}"',
+                    ]
+                ).format(text)
             else:
                 quote = text
             cases.append((kind, RESPONSES[k], quote, (a, b)))
@@ -116,8 +158,8 @@ def evaluate(cases):
             # a paraphrase may only match if it is literally (modulo case/space) present in the response
             s["false_alignments"] += _normalize(quote)[0].strip() not in _normalize(response)[0]
             continue
-        found = _normalize(response[iv[0]:iv[1]])[0].strip(" .,;:!?\"'`")
-        want = _normalize(response[source[0]:source[1]])[0].strip(" .,;:!?\"'`")
+        found = _normalize(response[iv[0] : iv[1]])[0].strip(" .,;:!?\"'`")
+        want = _normalize(response[source[0] : source[1]])[0].strip(" .,;:!?\"'`")
         s["false_alignments"] += found != want
     return stats
 
@@ -130,11 +172,14 @@ def main():
         print(f"{kind:<12}{s['n']:>5}{s['unmatched']:>11}{s['false_alignments']:>7}")
     near = [s for k, s in stats.items() if k != "paraphrase"]
     n_near = sum(s["n"] for s in near)
-    result = {"cases": len(cases), "near_quotes": n_near,
-              "unmatched_rate_near": sum(s["unmatched"] for s in near) / n_near,
-              "paraphrases": stats["paraphrase"]["n"],
-              "paraphrases_matched": sum(1 for c in cases if c[0] == "paraphrase" and find_span(c[1], c[2])),
-              "false_alignments": sum(s["false_alignments"] for s in stats.values())}
+    result = {
+        "cases": len(cases),
+        "near_quotes": n_near,
+        "unmatched_rate_near": sum(s["unmatched"] for s in near) / n_near,
+        "paraphrases": stats["paraphrase"]["n"],
+        "paraphrases_matched": sum(1 for c in cases if c[0] == "paraphrase" and find_span(c[1], c[2])),
+        "false_alignments": sum(s["false_alignments"] for s in stats.values()),
+    }
     print(json.dumps(result))
     return result
 

@@ -16,6 +16,7 @@ already meet it (checked). Steps-to-threshold is the first iteration whose smoot
 gets there counts its full length and reports reached = false (the ratio is then a bound).
 Prints a table, writes bench/span_vs_scalar.png (mean curve with a min-max band over seeds), and prints one JSON line.
 """
+
 import argparse
 import json
 import statistics
@@ -50,14 +51,16 @@ def run_side_by_side(cmds: dict, jobs: int, logs: Path) -> None:
             run(cmd)
         return
     import os
+
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs)), **os.environ, "PYTHONUNBUFFERED": "1"}
     logs.mkdir(parents=True, exist_ok=True)
 
     def launch(name, cmd):
         print(f"+ {' '.join(cmd)}  (log: {logs / name}.log)", flush=True)
         with open(logs / f"{name}.log", "w") as f:
-            return subprocess.run([sys.executable, "-u", *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                  env=env).returncode
+            return subprocess.run(
+                [sys.executable, "-u", *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env
+            ).returncode
 
     with ThreadPoolExecutor(jobs) as pool:  # threads only wait: each command is its own process
         futures = {pool.submit(launch, name, cmd): name for name, cmd in cmds.items()}
@@ -70,7 +73,7 @@ def run_side_by_side(cmds: dict, jobs: int, logs: Path) -> None:
 
 
 def smoothed(xs, w=WINDOW):
-    return [statistics.fmean(xs[max(0, i - w + 1): i + 1]) for i in range(len(xs))]
+    return [statistics.fmean(xs[max(0, i - w + 1) : i + 1]) for i in range(len(xs))]
 
 
 def steps_to_threshold(mistakes: list[float]) -> int | None:
@@ -79,8 +82,9 @@ def steps_to_threshold(mistakes: list[float]) -> int | None:
     return next((i + 1 for i, x in enumerate(smoothed(mistakes)) if i + 1 >= WINDOW and x <= THRESHOLD), None)
 
 
-def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, ppo_args: list[str],
-                 pets: int = 1) -> list[str]:
+def shared_start(
+    out: Path, critic: str, reward_model: str | None, steps: int, ppo_args: list[str], pets: int = 1
+) -> list[str]:
     """The start every run shares, built once in `out`: the demo base model, prompts, the SFT warm start (03 with
     --steps 0 trains and saves it) and, for critic "local" without reward_model, stages 1 and 2 at their zero-flag
     settings on this base. Each is keyed by the commands that made it (run_cache). Returns 03's flags for every run
@@ -95,18 +99,44 @@ def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, p
         if reward_model:
             reward_models.check_reward_model(str(rm_dir))
         else:
-            stages = [["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)],
-                      ["02_train_reward.py", "--data", str(out / "annotations.jsonl"), "--model", str(out / "base"),
-                       "--output-dir", str(rm_dir)]]
+            stages = [
+                ["01_annotate.py", "--output", str(out / "annotations.jsonl"), "--demo-dir", str(out)],
+                [
+                    "02_train_reward.py",
+                    "--data",
+                    str(out / "annotations.jsonl"),
+                    "--model",
+                    str(out / "base"),
+                    "--output-dir",
+                    str(rm_dir),
+                ],
+            ]
             check_settings(rm_dir, {"commands": stages})
             for cmd in stages if not (rm_dir / "reward_model.json").is_file() else ():
                 run(cmd)
         flags = ["--critic", "local", "--reward-model", str(rm_dir)]  # and the demo's own KL setting
     flags += ["--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", ""]
     # the SFT start depends on neither the critic nor --steps: both critics of one --out share it
-    sft = ["03_train_policy.py", "--model", str(out / "base"), "--sft-data", str(out / "sft.jsonl"), "--sft-output-dir",
-           str(out / "sft"), "--critic", "program", "--prompts", str(out / "prompts.jsonl"), "--scalar-baseline-dir", "",
-           *ppo_args, "--steps", "0", "--output-dir", str(out / "sft_only")]
+    sft = [
+        "03_train_policy.py",
+        "--model",
+        str(out / "base"),
+        "--sft-data",
+        str(out / "sft.jsonl"),
+        "--sft-output-dir",
+        str(out / "sft"),
+        "--critic",
+        "program",
+        "--prompts",
+        str(out / "prompts.jsonl"),
+        "--scalar-baseline-dir",
+        "",
+        *ppo_args,
+        "--steps",
+        "0",
+        "--output-dir",
+        str(out / "sft_only"),
+    ]
     check_settings(out / "sft", {"argv": sft})
     if not (out / "sft" / "config.json").is_file():
         run([*sft, "--overwrite"])
@@ -115,8 +145,18 @@ def shared_start(out: Path, critic: str, reward_model: str | None, steps: int, p
 
 def ppo_command(out: Path, run_dir: Path, seed: int, flags: list[str]) -> list[str]:
     """03's command line for one PPO run from the shared SFT start."""
-    return ["03_train_policy.py", "--model", str(out / "sft"), "--sft-steps", "0", "--seed", str(seed), "--output-dir",
-            str(run_dir), *flags]
+    return [
+        "03_train_policy.py",
+        "--model",
+        str(out / "sft"),
+        "--sft-steps",
+        "0",
+        "--seed",
+        str(seed),
+        "--output-dir",
+        str(run_dir),
+        *flags,
+    ]
 
 
 def ppo_run(out: Path, run_dir: Path, seed: int, steps: int, flags: list[str]) -> dict:
@@ -128,20 +168,32 @@ def ppo_run(out: Path, run_dir: Path, seed: int, steps: int, flags: list[str]) -
     if not (metrics.is_file() and len(metrics.read_text().splitlines()) >= steps):
         run([*cmd, "--overwrite"])  # an unfinished run of this command: started again
     rows = common.read_jsonl(metrics)[:steps]
-    return {"mistakes": [r["exact/mistake_rate"] for r in rows], "reward": [r["exact/span_reward"] for r in rows],
-            "kl": [r["objective/kl"] for r in rows], "length": [r["response/length"] for r in rows]}
+    return {
+        "mistakes": [r["exact/mistake_rate"] for r in rows],
+        "reward": [r["exact/span_reward"] for r in rows],
+        "kl": [r["objective/kl"] for r in rows],
+        "length": [r["response/length"] for r in rows],
+    }
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds per mode")
     p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
-    p.add_argument("--critic", default="program", choices=["program", "local"],
-                   help="program: the demo's exact critic; local: the stage-2 reward model (trained once in --out)")
-    p.add_argument("--reward-model", help="--critic local: this stage-2 reward model (e.g. bench/real_critic.py's "
-                   "SmolLM2 one) instead of training the zero-flag one in --out")
-    p.add_argument("--out", help="work dir (base model, SFT, reward model, runs); default bench/out/span_vs_scalar"
-                                 "[_local]")
+    p.add_argument(
+        "--critic",
+        default="program",
+        choices=["program", "local"],
+        help="program: the demo's exact critic; local: the stage-2 reward model (trained once in --out)",
+    )
+    p.add_argument(
+        "--reward-model",
+        help="--critic local: this stage-2 reward model (e.g. bench/real_critic.py's "
+        "SmolLM2 one) instead of training the zero-flag one in --out",
+    )
+    p.add_argument(
+        "--out", help="work dir (base model, SFT, reward model, runs); default bench/out/span_vs_scalar[_local]"
+    )
     p.add_argument("--png", help="the curves (default bench/span_vs_scalar[_local].png)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for both modes")
     args = p.parse_args()
@@ -155,15 +207,22 @@ def main():
     curves = {"span": [], "scalar": []}
     for seed in range(1, args.seeds + 1):
         for mode in ("span", "scalar"):
-            curves[mode].append(ppo_run(out, out / f"{mode}_seed{seed}", seed, args.steps,
-                                        ["--reward-mode", mode, *common_flags]))
+            curves[mode].append(
+                ppo_run(out, out / f"{mode}_seed{seed}", seed, args.steps, ["--reward-mode", mode, *common_flags])
+            )
 
     # --- steps to threshold, final values
     start = statistics.fmean(c["mistakes"][0] for cs in curves.values() for c in cs)
     if start <= THRESHOLD:
         sys.exit(f"the SFT start already has mistake rate {start:.2f} <= {THRESHOLD}: the benchmark would be void")
-    result = {"critic": args.critic, "threshold": THRESHOLD, "window": WINDOW, "steps": args.steps, "seeds": args.seeds,
-              "start_mistake_rate": start}
+    result = {
+        "critic": args.critic,
+        "threshold": THRESHOLD,
+        "window": WINDOW,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "start_mistake_rate": start,
+    }
     print(f"\n{'mode':<8}{'seed':>5}{'steps to <=0.15':>17}{'final mistakes':>16}{'final reward':>14}{'final KL':>10}")
     for mode, cs in curves.items():
         steps, finals, rewards, reached = [], [], [], []
@@ -173,8 +232,10 @@ def main():
             reached.append(hit is not None)
             finals.append(statistics.fmean(c["mistakes"][-WINDOW:]))
             rewards.append(statistics.fmean(c["reward"][-WINDOW:]))
-            print(f"{mode:<8}{seed:>5}{(hit or f'>{args.steps}'):>17}{finals[-1]:>16.3f}{rewards[-1]:>14.2f}"
-                  f"{statistics.fmean(c['kl'][-WINDOW:]):>10.2f}")
+            print(
+                f"{mode:<8}{seed:>5}{(hit or f'>{args.steps}'):>17}{finals[-1]:>16.3f}{rewards[-1]:>14.2f}"
+                f"{statistics.fmean(c['kl'][-WINDOW:]):>10.2f}"
+            )
         result[f"{mode}_steps"] = statistics.median(steps)
         result[f"{mode}_final"] = statistics.fmean(finals)
         result[f"{mode}_final_reward"] = statistics.fmean(rewards)
@@ -183,8 +244,10 @@ def main():
 
     # --- the picture
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for mode, color in (("span", "#2e7d32"), ("scalar", "#c62828")):
         for ax, key, smooth in ((axes[0], "mistakes", True), (axes[1], "reward", True)):
@@ -197,8 +260,15 @@ def main():
     axes[0].set(title="mistake rate, smoothed over 10 (exact critic)", xlabel="PPO iteration")
     axes[1].set(title="sum of delta per response, smoothed (exact critic)", xlabel="PPO iteration")
     axes[0].legend()
-    fig.suptitle("PPO's critic: " + ("the demo's exact program critic" if args.critic == "program" else
-                                     "the stage-2 reward model (the exact critic only judges)"), fontsize=11)
+    fig.suptitle(
+        "PPO's critic: "
+        + (
+            "the demo's exact program critic"
+            if args.critic == "program"
+            else "the stage-2 reward model (the exact critic only judges)"
+        ),
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(ROOT / args.png, dpi=120)
     print(json.dumps(result))

@@ -7,6 +7,7 @@ Both modes run the same code path except where the critic's delta is placed (com
 (--min-new-tokens = --max-new-tokens) so both modes do identical work; the rounds alternate span/scalar so drift in
 machine load hits both. The first iteration of each run (warm-up) is dropped. Prints one JSON line last.
 """
+
 import argparse
 import importlib
 import json
@@ -37,18 +38,52 @@ def main():
     times = {"span": [], "scalar": []}
     for r in range(args.rounds):
         for mode in ("span", "scalar") if r % 2 == 0 else ("scalar", "span"):
-            run_args = ppo.parse_args(["--model", args.base, "--prompts", str(out / "prompts.jsonl"), "--critic",
-                                       "program", "--reward-mode", mode, "--steps", str(args.steps), "--sft-steps",
-                                       "0", "--scalar-baseline-dir", "", "--max-new-tokens", "24",
-                                       "--min-new-tokens", "24", "--output-dir", str(out / f"{mode}{r}"),
-                                       "--save-every", "1000", "--device", "cpu", "--overwrite"])
+            run_args = ppo.parse_args(
+                [
+                    "--model",
+                    args.base,
+                    "--prompts",
+                    str(out / "prompts.jsonl"),
+                    "--critic",
+                    "program",
+                    "--reward-mode",
+                    mode,
+                    "--steps",
+                    str(args.steps),
+                    "--sft-steps",
+                    "0",
+                    "--scalar-baseline-dir",
+                    "",
+                    "--max-new-tokens",
+                    "24",
+                    "--min-new-tokens",
+                    "24",
+                    "--output-dir",
+                    str(out / f"{mode}{r}"),
+                    "--save-every",
+                    "1000",
+                    "--device",
+                    "cpu",
+                    "--overwrite",
+                ]
+            )
             ppo.train(run_args)
             rows = common.read_jsonl(out / f"{mode}{r}" / "metrics.jsonl")
             times[mode] += [row["time/step_s"] for row in rows[1:]]
     span_s, scalar_s = statistics.median(times["span"]), statistics.median(times["scalar"])
     print(f"span {span_s:.3f} s/iteration, scalar {scalar_s:.3f} s/iteration over {len(times['span'])} iterations each")
-    print(json.dumps({"span_s": span_s, "scalar_s": scalar_s, "ratio": span_s / scalar_s,
-                      "iterations": len(times["span"]), "batch_size": 32, "new_tokens": 24}))
+    print(
+        json.dumps(
+            {
+                "span_s": span_s,
+                "scalar_s": scalar_s,
+                "ratio": span_s / scalar_s,
+                "iterations": len(times["span"]),
+                "batch_size": 32,
+                "new_tokens": 24,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ finished one (03 is paused in between, at its checkpoint hook), so both see the 
 `--warmup` iterations of each side are dropped; the figures are medians, with each side's phases (generate_s,
 critic_s, forward_s = old/reference log-probs and values, update_s = the PPO epochs). Prints one JSON object last.
 """
+
 import argparse
 import importlib
 import json
@@ -73,16 +74,34 @@ def trl_worker(base: str, prompts_file: str, threads: int, seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
     # transformers 4.46 does not know the tokenizer class name that 5.x writes; the tokenizer file itself is the same
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(base) / "tokenizer.json"), bos_token="<s>", eos_token="</s>",
-                                  pad_token="<pad>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(Path(base) / "tokenizer.json"), bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
     model = AutoModelForCausalLMWithValueHead.from_pretrained(base)
-    config = PPOConfig(batch_size=BATCH, mini_batch_size=BATCH // MINIBATCHES, gradient_accumulation_steps=1,
-                       ppo_epochs=1, learning_rate=LR, init_kl_coef=KL_COEF, adap_kl_ctrl=False, max_grad_norm=1.0,
-                       seed=seed, log_with=None)
+    config = PPOConfig(
+        batch_size=BATCH,
+        mini_batch_size=BATCH // MINIBATCHES,
+        gradient_accumulation_steps=1,
+        ppo_epochs=1,
+        learning_rate=LR,
+        init_kl_coef=KL_COEF,
+        adap_kl_ctrl=False,
+        max_grad_norm=1.0,
+        seed=seed,
+        log_with=None,
+    )
     trainer = PPOTrainer(config, model, ref_model=None, tokenizer=tok)  # ref_model=None: TRL makes a frozen copy
     records = [json.loads(line) for line in Path(prompts_file).read_text().splitlines()]
-    gen = dict(min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS, do_sample=True, temperature=1.0, top_k=0,
-               top_p=1.0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    gen = dict(
+        min_new_tokens=NEW_TOKENS,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     rng = np.random.default_rng(seed)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -103,10 +122,22 @@ def trl_worker(base: str, prompts_file: str, threads: int, seed: int) -> None:
         t2 = time.perf_counter()
         stats = trainer.step(queries, responses, scores)
         t3 = time.perf_counter()
-        print(json.dumps({"step_s": t3 - t0, "generate_s": t1 - t0, "default_generate_s": t0 - t,
-                          "default_step_s": t3 - t2 + t2 - t1 + t0 - t, "critic_s": t2 - t1, "ppo_s": t3 - t2,
-                          "forward_s": stats["time/ppo/forward_pass"], "update_s": stats["time/ppo/optimize_step"],
-                          "new_tokens": sum(len(r) for r in responses) / BATCH}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "step_s": t3 - t0,
+                    "generate_s": t1 - t0,
+                    "default_generate_s": t0 - t,
+                    "default_step_s": t3 - t2 + t2 - t1 + t0 - t,
+                    "critic_s": t2 - t1,
+                    "ppo_s": t3 - t2,
+                    "forward_s": stats["time/ppo/forward_pass"],
+                    "update_s": stats["time/ppo/optimize_step"],
+                    "new_tokens": sum(len(r) for r in responses) / BATCH,
+                }
+            ),
+            flush=True,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -122,22 +153,64 @@ def write_prompts(base: str, out: Path) -> Path:
     import common
     from infra import models
     from tasks.demo import demo_dataset
+
     records = demo_dataset("train", 256)
     common.write_jsonl(Path(out) / "prompts.jsonl", records)
     tok = AutoTokenizer.from_pretrained(base)
-    common.write_jsonl(Path(out) / "trl_prompts.jsonl", [
-        {"prompt": r["prompt"], "ids": models.encode_prompt(tok, r["prompt"])[-PROMPT_TOKENS:]} for r in records])
+    common.write_jsonl(
+        Path(out) / "trl_prompts.jsonl",
+        [{"prompt": r["prompt"], "ids": models.encode_prompt(tok, r["prompt"])[-PROMPT_TOKENS:]} for r in records],
+    )
     return Path(out) / "prompts.jsonl"
 
 
 def ours_argv(base: str, prompts, iterations: int, seed: int, output_dir) -> list[str]:
     """03_train_policy.py's flags for the workload (module docstring); --save-every 1 calls the hook each iteration."""
-    return ["--model", base, "--prompts", str(prompts), "--critic", "program", "--steps", str(iterations),
-            "--sft-steps", "0", "--scalar-baseline-dir", "", "--batch-size", str(BATCH), "--max-prompt-tokens",
-            str(PROMPT_TOKENS), "--max-new-tokens", str(NEW_TOKENS), "--min-new-tokens", str(NEW_TOKENS),
-            "--ppo-epochs", "1", "--num-minibatches", str(MINIBATCHES), "--lora-r", "0", "--lr", str(LR), "--kl-coef",
-            str(KL_COEF), "--dtype", "float32", "--device", "cpu", "--seed", str(seed), "--save-every", "1",
-            "--log-every", "1000000", "--output-dir", str(output_dir), "--overwrite"]  # throwaway timing runs
+    return [
+        "--model",
+        base,
+        "--prompts",
+        str(prompts),
+        "--critic",
+        "program",
+        "--steps",
+        str(iterations),
+        "--sft-steps",
+        "0",
+        "--scalar-baseline-dir",
+        "",
+        "--batch-size",
+        str(BATCH),
+        "--max-prompt-tokens",
+        str(PROMPT_TOKENS),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--min-new-tokens",
+        str(NEW_TOKENS),
+        "--ppo-epochs",
+        "1",
+        "--num-minibatches",
+        str(MINIBATCHES),
+        "--lora-r",
+        "0",
+        "--lr",
+        str(LR),
+        "--kl-coef",
+        str(KL_COEF),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--seed",
+        str(seed),
+        "--save-every",
+        "1",
+        "--log-every",
+        "1000000",
+        "--output-dir",
+        str(output_dir),
+        "--overwrite",
+    ]  # throwaway timing runs
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -166,6 +239,7 @@ def main():
     import common
     from infra import runs
     from infra.tiny_model import build_demo_base
+
     ppo = importlib.import_module("03_train_policy")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -173,12 +247,34 @@ def main():
         build_demo_base(args.base)
     write_prompts(args.base, out)
 
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "MKL_NUM_THREADS": str(args.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     log = open(out / "trl_worker.log", "w")
-    worker = subprocess.Popen([str(python), __file__, "--trl-worker", "--base", args.base, "--out", str(out),
-                               "--threads", str(args.threads), "--seed", str(args.seed)], cwd=ROOT, env=env,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    worker = subprocess.Popen(
+        [
+            str(python),
+            __file__,
+            "--trl-worker",
+            "--base",
+            args.base,
+            "--out",
+            str(out),
+            "--threads",
+            str(args.threads),
+            "--seed",
+            str(args.seed),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+    )
     trl_rows = []
 
     def trl_step():
@@ -196,31 +292,47 @@ def main():
         # 03 calls save_checkpoint at the end of every iteration (--save-every 1), after its time/step_s is taken:
         # the TRL iteration runs there, while 03 waits, so the two alternate without timing each other
         runs.save_checkpoint = lambda *a, **k: trl_step()
-        run_args = ppo.parse_args(ours_argv(args.base, out / "prompts.jsonl", args.iterations, args.seed,
-                                            out / "ours"))
+        run_args = ppo.parse_args(ours_argv(args.base, out / "prompts.jsonl", args.iterations, args.seed, out / "ours"))
         ppo.train(run_args)
         runs.save_checkpoint = real_save
     finally:
         worker.stdin.close()
         worker.wait(timeout=60)
         log.close()
-    ours = common.read_jsonl(out / "ours" / "metrics.jsonl")[args.warmup:]
-    trl = trl_rows[args.warmup:]
+    ours = common.read_jsonl(out / "ours" / "metrics.jsonl")[args.warmup :]
+    trl = trl_rows[args.warmup :]
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     ours_s, trl_s, trl_default_s = med(ours, "time/step_s"), med(trl, "step_s"), med(trl, "default_step_s")
     parts = ("generate_s", "critic_s", "forward_s", "update_s")
     parts_ours = {k: round(med(ours, f"time/{k}"), 4) for k in parts if f"time/{k}" in ours[0]}
     parts_trl = {k: round(med(trl, k), 4) for k in parts + ("default_generate_s",)}
     print(f"ours {ours_s:.3f} s/iteration {parts_ours}")
-    print(f"TRL  {trl_s:.3f} s/iteration (whole batch generated at once), {trl_default_s:.3f} s with PPOTrainer."
-          f"generate's default batch of 4 {parts_trl}")
-    print(json.dumps({"ours_s": round(ours_s, 4), "trl_s": round(trl_s, 4), "ratio": round(ours_s / trl_s, 3),
-                      "trl_default_generate_s": round(trl_default_s, 4),
-                      "ratio_vs_trl_default_generate": round(ours_s / trl_default_s, 3),
-                      "ours_parts": parts_ours, "trl_parts": parts_trl, "iterations": len(ours),
-                      "batch_size": BATCH, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
-                      "minibatches": MINIBATCHES, "threads": args.threads, "load_avg_1m": round(os.getloadavg()[0], 2),
-                      "trl": "0.11.4"}))
+    print(
+        f"TRL  {trl_s:.3f} s/iteration (whole batch generated at once), {trl_default_s:.3f} s with PPOTrainer."
+        f"generate's default batch of 4 {parts_trl}"
+    )
+    print(
+        json.dumps(
+            {
+                "ours_s": round(ours_s, 4),
+                "trl_s": round(trl_s, 4),
+                "ratio": round(ours_s / trl_s, 3),
+                "trl_default_generate_s": round(trl_default_s, 4),
+                "ratio_vs_trl_default_generate": round(ours_s / trl_default_s, 3),
+                "ours_parts": parts_ours,
+                "trl_parts": parts_trl,
+                "iterations": len(ours),
+                "batch_size": BATCH,
+                "prompt_tokens": PROMPT_TOKENS,
+                "new_tokens": NEW_TOKENS,
+                "minibatches": MINIBATCHES,
+                "threads": args.threads,
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "trl": "0.11.4",
+            }
+        )
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,7 @@ Before any training check_critic makes sure that it works; during the run a crit
 it (failing: --max-fail-share, --max-fail-iterations), and end_of_run says what it cost and how many of its critiques
 failed. make_monitor: the demo's exact critic on the same rollouts, logged and never trained on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,11 +37,17 @@ NAMES = ("local", "program", "openai", *scalar.CRITICS)  # --critic's names; or 
 
 def choice(*names: str):
     """An argparse type: one of `names`, or python:MODULE_OR_FILE:FUNCTION."""
+
     def parse_name(value: str) -> str:
         if value in names or plugin.is_plugin(value) and value.count(":") >= 2:
             return value
-        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from " + "".join(
-            f"{n!r}, " for n in names) + ("or " if names else "") + "python:MODULE_OR_FILE:FUNCTION)")
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {value!r} (choose from "
+            + "".join(f"{n!r}, " for n in names)
+            + ("or " if names else "")
+            + "python:MODULE_OR_FILE:FUNCTION)"
+        )
+
     return parse_name
 
 
@@ -49,20 +56,40 @@ def add_args(p) -> None:
     g = p.add_argument_group("a served critic: --critic openai (critics/learned.py)")
     g.add_argument("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     g.add_argument("--critic-model", default="gpt-4o", help="model name at that endpoint")
-    g.add_argument("--critic-api", default="chat", choices=["chat", "completions"], help="chat: one user message; "
-                   "completions: the reward model's exact input text")
+    g.add_argument(
+        "--critic-api",
+        default="chat",
+        choices=["chat", "completions"],
+        help="chat: one user message; completions: the reward model's exact input text",
+    )
     g.add_argument("--critic-concurrency", type=int, default=32, help="parallel requests for --critic openai")
-    g.add_argument("--critic-timeout", type=float, default=300.0, help="seconds before a critique request is abandoned "
-                   "(not retried: delta = 0)")
+    g.add_argument(
+        "--critic-timeout",
+        type=float,
+        default=300.0,
+        help="seconds before a critique request is abandoned (not retried: delta = 0)",
+    )
     g.add_argument("--critic-retries", type=int, default=2, help="retries on 408/409/429/5xx and connection errors")
     g = p.add_argument_group("the paper's scalar baselines: --critic scalar-rm, prm (critics/scalar.py)")
-    g.add_argument("--score-norm", default="mean", choices=["mean", "mean-std"], help="--critic scalar-rm: subtract "
-                   "the SFT demonstrations' mean score (mean-std: and divide by their std)")
+    g.add_argument(
+        "--score-norm",
+        default="mean",
+        choices=["mean", "mean-std"],
+        help="--critic scalar-rm: subtract the SFT demonstrations' mean score (mean-std: and divide by their std)",
+    )
     g = p.add_argument_group("a critic that stops working (critics/__init__.py: failing)")
-    g.add_argument("--max-fail-share", type=float, default=0.5, help="an iteration whose critiques fail above this "
-                   "share counts as failed")
-    g.add_argument("--max-fail-iterations", type=int, default=3, help="stop after this many failed iterations in a "
-                   "row, checkpoint saved")
+    g.add_argument(
+        "--max-fail-share",
+        type=float,
+        default=0.5,
+        help="an iteration whose critiques fail above this share counts as failed",
+    )
+    g.add_argument(
+        "--max-fail-iterations",
+        type=int,
+        default=3,
+        help="stop after this many failed iterations in a row, checkpoint saved",
+    )
 
 
 def check_args(args, budget: int | None, rm_given: bool) -> None:
@@ -126,8 +153,10 @@ def quotes(text: str, fb: dict) -> tuple[list[str], list[str], list[dict]]:
     (unambiguous_quotes; reward > 0 good, < 0 poor), so that 01's records always hold quotes."""
     if "spans" not in fb:
         return fb["good_spans"], fb["poor_spans"], fb.get("ambiguous_spans", [])
-    ivs = {sign: [(x["start"], x["end"]) for x in fb["spans"] if x["start"] < x["end"] and sign * x["reward"] > 0]
-           for sign in (1, -1)}
+    ivs = {
+        sign: [(x["start"], x["end"]) for x in fb["spans"] if x["start"] < x["end"] and sign * x["reward"] > 0]
+        for sign in (1, -1)
+    }
     return unambiguous_quotes(text, ivs[1], ivs[-1])
 
 
@@ -156,8 +185,10 @@ def check_item(item, text: str) -> dict:
     if len(out) > 3:
         return out
     if "good_spans" not in item and "poor_spans" not in item:
-        raise ValueError("an item needs 'good_spans' / 'poor_spans' (quotes), 'spans' (intervals) or 'score', got "
-                         f"keys {sorted(map(str, item))}")
+        raise ValueError(
+            "an item needs 'good_spans' / 'poor_spans' (quotes), 'spans' (intervals) or 'score', got "
+            f"keys {sorted(map(str, item))}"
+        )
     quoted = {k: item.get(k) or [] for k in ("good_spans", "poor_spans")}
     for k, v in quoted.items():
         if not isinstance(v, (list, tuple)) or not all(isinstance(q, str) for q in v):
@@ -198,11 +229,16 @@ def call(fn, label: str, records: list[dict], texts: list[str]) -> list[dict]:
         if len(records) > 1:
             return [item for r, t in zip(records, texts) for item in call(fn, label, [r], [t])]
         return [failed(f"{label} raised {type(e).__name__}: {common.first_line(e)}")]
-    got = f"{len(items)} items for {len(texts)} responses" if isinstance(items, (list, tuple)) else \
-        f"a {type(items).__name__}, not a list,"
+    got = (
+        f"{len(items)} items for {len(texts)} responses"
+        if isinstance(items, (list, tuple))
+        else f"a {type(items).__name__}, not a list,"
+    )
     if not isinstance(items, (list, tuple)) or len(items) != len(texts):
-        raise common.DataError(f"{label}: returned {got} on its call {CALLS[label]} (one item per response): a "
-                               "plug-in error, not a failed record")
+        raise common.DataError(
+            f"{label}: returned {got} on its call {CALLS[label]} (one item per response): a "
+            "plug-in error, not a failed record"
+        )
     out = []
     for item, text in zip(items, texts):
         try:
@@ -218,11 +254,13 @@ def preflight(fn, label: str, record: dict, text: str, flag: str) -> dict:
     try:
         items = fn([record], [text])
     except Exception as e:  # noqa: BLE001
-        raise common.DataError(f"{flag} {label} raised on the first record: {type(e).__name__}: "
-                               f"{common.first_line(e)}") from None
+        raise common.DataError(
+            f"{flag} {label} raised on the first record: {type(e).__name__}: {common.first_line(e)}"
+        ) from None
     if not isinstance(items, (list, tuple)):
-        raise common.DataError(f"{flag} {label}: returned a {type(items).__name__}, not a list of one item per "
-                               "response")
+        raise common.DataError(
+            f"{flag} {label}: returned a {type(items).__name__}, not a list of one item per response"
+        )
     if len(items) != 1:
         raise common.DataError(f"{flag} {label}: returned {len(items)} items for 1 responses (one per response)")
     try:
@@ -268,12 +306,21 @@ def check_critic(args) -> None:
         rec = read_prompts(args.prompts, args.task)[0]
         item = preflight(fn, label, rec, probe_response(rec), "--critic")
         if ("spans" in item or "step_rewards" in item) and (args.labels != "spans" or args.span_weighting != "uniform"):
-            raise common.DataError(f"--critic {label} returns " + ("located intervals with their own rewards" if "spans"
-                                   in item else "a score") + ": --labels dense and --span-weighting relabel quotes")
+            raise common.DataError(
+                f"--critic {label} returns "
+                + ("located intervals with their own rewards" if "spans" in item else "a score")
+                + ": --labels dense and --span-weighting relabel quotes"
+            )
     if args.critic == "openai":
-        serving.check_server(args.critic_base_url, args.critic_model, args.critic_api, args.critic_timeout,
-                             args.critic_retries, "--critic-base-url",
-                             {"temperature": 0.0, "max_tokens": args.critic_max_new_tokens})  # as the critic sends
+        serving.check_server(
+            args.critic_base_url,
+            args.critic_model,
+            args.critic_api,
+            args.critic_timeout,
+            args.critic_retries,
+            "--critic-base-url",
+            {"temperature": 0.0, "max_tokens": args.critic_max_new_tokens},
+        )  # as the critic sends
 
 
 def failing(costs: list, row: dict, feedback: list, args) -> str | None:
@@ -284,14 +331,16 @@ def failing(costs: list, row: dict, feedback: list, args) -> str | None:
     do not tell from a flawless batch: the run would train on no signal and end with exit 0 (issue 56). Every rank
     decides the same: the rates are the global batch's."""
     costs.append((row["time/generate_s"], row["time/critic_s"], row["critic/parse_fail_rate"]))
-    recent = [c[2] for c in costs[-args.max_fail_iterations:]]
+    recent = [c[2] for c in costs[-args.max_fail_iterations :]]
     if len(recent) < args.max_fail_iterations or min(recent) <= args.max_fail_share:
         return None
     first = next((fb["critic_error"] for fb in feedback if fb and fb.get("critic_error")), None)
-    return (f"stage 3 stopped at iteration {row['step']}: most critiques failed (over --max-fail-share "
-            f"{args.max_fail_share:g}) {len(recent)} iterations in a row, their rollouts got delta = 0 (the last "
-            f"one's first: {first}); checkpoint.pt holds iteration {row['step']}: fix the critic, then continue with "
-            "--resume")
+    return (
+        f"stage 3 stopped at iteration {row['step']}: most critiques failed (over --max-fail-share "
+        f"{args.max_fail_share:g}) {len(recent)} iterations in a row, their rollouts got delta = 0 (the last "
+        f"one's first: {first}); checkpoint.pt holds iteration {row['step']}: fix the critic, then continue with "
+        "--resume"
+    )
 
 
 def end_of_run(costs: list[tuple], args, rank: int) -> None:
@@ -303,14 +352,20 @@ def end_of_run(costs: list[tuple], args, rank: int) -> None:
     failures, n = round(sum(c[2] for c in costs) * args.batch_size), len(costs) * args.batch_size
     if rank == 0:
         gen_s, critic_s = (float(np.median(c)) for c in list(zip(*costs))[:2])
-        print(f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
-              f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)")
-        print(f"critic ({args.critic}): {failures} of {n} critiques failed in this run ({failures / n:.0%}), their "
-              "rollouts got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)")
+        print(
+            f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
+            f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)"
+        )
+        print(
+            f"critic ({args.critic}): {failures} of {n} critiques failed in this run ({failures / n:.0%}), their "
+            "rollouts got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)"
+        )
     if failures / n > args.max_fail_share:
-        raise common.DataError(f"stage 3 finished, but {failures} of {n} critiques failed ({failures / n:.0%}, over "
-                               f"--max-fail-share {args.max_fail_share:g}): the saved policy was trained on delta = 0 "
-                               "for them (samples.jsonl keeps their critic_error)")
+        raise common.DataError(
+            f"stage 3 finished, but {failures} of {n} critiques failed ({failures / n:.0%}, over "
+            f"--max-fail-share {args.max_fail_share:g}): the saved policy was trained on delta = 0 "
+            "for them (samples.jsonl keeps their critic_error)"
+        )
 
 
 def make_monitor(args):
@@ -321,5 +376,6 @@ def make_monitor(args):
     if args.task != "demo":
         return None
     from tasks.demo import demo_monitor
+
     reuse = args.critic == "program" and args.labels == "spans"  # dense labels are not the exact critic's delta
     return lambda recs, texts, offsets, deltas: demo_monitor(recs, texts, offsets, deltas if reuse else None)

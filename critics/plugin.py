@@ -18,6 +18,7 @@ the code task's "test") and the responses to judge, and returns one item per res
 before any work (preflight). A plug-in is trusted code the user chose: it runs in this process, with this process's
 rights (model-written code is what the sandbox is for), and 01 calls it from several threads at once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,7 @@ def load_critic(name: str, task: str, flag: str, **options):
             raise DataError(f"{flag} program: no programmatic critic for --task {task}")
         fn, label = load_critic(PROGRAM[task], task, flag)
         return functools.partial(fn, **options), label
-    target, _, func = name[len(PREFIX):].rpartition(":")
+    target, _, func = name[len(PREFIX) :].rpartition(":")
     label = f"{target}:{func}"
     if not target or not func.isidentifier():
         raise DataError(f"{flag} {name}: expected python:MODULE_OR_FILE:FUNCTION")
@@ -59,8 +60,9 @@ def load_critic(name: str, task: str, flag: str, **options):
         raise DataError(f"{flag} {label}: {target} does not import ({type(e).__name__}: {first_line(e)})") from None
     fn = getattr(module, func, None)
     if not callable(fn):
-        raise DataError(f"{flag} {label}: {target} has no function {func!r}" +
-                        (f" ({type(fn).__name__})" if fn is not None else ""))
+        raise DataError(
+            f"{flag} {label}: {target} has no function {func!r}" + (f" ({type(fn).__name__})" if fn is not None else "")
+        )
     return fn, label
 
 

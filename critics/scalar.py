@@ -6,6 +6,7 @@ and in use); here their scores become rewards on the response's tokens.
     python 03_train_policy.py --critic scalar-rm --reward-model runs/demo/bt_rm --output-dir runs/demo/ppo_bt  # PPO
     python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo     # PRM-PPO
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,10 +49,16 @@ def scalar_critic(args):
     def critic(recs, texts):
         steps = [split_steps(t, info["step_unit"] or "clause") for t in texts] if prm else None
         scores = score_responses(rm, rm_tok, [r["prompt"] for r in recs], texts, steps, info["max_prompt_tokens"])
-        rewards = [[(e, 2 * torch.sigmoid(torch.tensor(s)).item() - 1) for (_, e), s in zip(st, row)]
-                   for st, row in zip(steps, scores)] if prm else [[(None, (row[0] - info["score_bias"]) / scale)]
-                                                                    for row in scores]
+        rewards = (
+            [
+                [(e, 2 * torch.sigmoid(torch.tensor(s)).item() - 1) for (_, e), s in zip(st, row)]
+                for st, row in zip(steps, scores)
+            ]
+            if prm
+            else [[(None, (row[0] - info["score_bias"]) / scale)] for row in scores]
+        )
         return [{"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": r} for r in rewards]
+
     return critic
 
 

@@ -25,6 +25,7 @@ not of the estimate, and the minimal GLM predicts the same for every instruction
 differs from the paper's (another judge, another reference, fewer than AlpacaEval's 805 prompts, the minimal GLM),
 not_comparable says so in one line each; the judge's prompt is always 04's pairwise one, not AlpacaEval's annotator's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,13 +46,23 @@ N_ALPACA_EVAL = 805
 
 def add_args(p) -> None:
     g = p.add_argument_group("AlpacaEval 2.0 raw and length-controlled win rates (evaluation/alpaca_lc.py)")
-    g.add_argument("--alpaca-eval", action="store_true",
-                   help="each policy vs --reference-field's answers, judged by --judge-base-url")
-    g.add_argument("--alpaca-eval-reference", default=PAPER_REFERENCE, metavar="NAME",
-                   help="who wrote the reference answers (AlpacaEval 2.0: gpt4_1106_preview, GPT-4 Turbo)")
-    g.add_argument("--alpaca-eval-glm", default="auto",
-                   choices=["auto", "length_controlled_v1", "length_controlled_minimal"],
-                   help="the package's GLM (auto: v1 for AlpacaEval's own files, else minimal)")
+    g.add_argument(
+        "--alpaca-eval",
+        action="store_true",
+        help="each policy vs --reference-field's answers, judged by --judge-base-url",
+    )
+    g.add_argument(
+        "--alpaca-eval-reference",
+        default=PAPER_REFERENCE,
+        metavar="NAME",
+        help="who wrote the reference answers (AlpacaEval 2.0: gpt4_1106_preview, GPT-4 Turbo)",
+    )
+    g.add_argument(
+        "--alpaca-eval-glm",
+        default="auto",
+        choices=["auto", "length_controlled_v1", "length_controlled_minimal"],
+        help="the package's GLM (auto: v1 for AlpacaEval's own files, else minimal)",
+    )
 
 
 def require():
@@ -83,17 +94,28 @@ def glm_name(args) -> str:
     return "length_controlled_v1" if Path(args.data).name.startswith("alpaca_eval") else "length_controlled_minimal"
 
 
-def annotations(records: list[dict], answers: list[str], verdicts: list[dict], policy: str, reference: str,
-                annotator: str) -> list[dict]:
+def annotations(
+    records: list[dict], answers: list[str], verdicts: list[dict], policy: str, reference: str, annotator: str
+) -> list[dict]:
     """The package's annotation rows from 04's judge verdicts (evaluation/judge.py's rows: "winner" is a name, "tie", or
     None when invalid): output_1 is the reference's answer, output_2 the policy's, preference 1, 2 or 1.5 (tie); an
     invalid verdict is left out. index is the record's position (AlpacaEval's instruction index)."""
     pref = {reference: 1.0, policy: 2.0, "tie": 1.5}
     by_id = {v["id"]: v for v in verdicts}
-    return [{"index": i, "instruction": r["prompt"], "output_1": r["reference"], "output_2": a,
-             "generator_1": reference, "generator_2": policy, "annotator": annotator,
-             "preference": pref[by_id[r["id"]]["winner"]]}
-            for i, (r, a) in enumerate(zip(records, answers)) if by_id[r["id"]]["winner"]]
+    return [
+        {
+            "index": i,
+            "instruction": r["prompt"],
+            "output_1": r["reference"],
+            "output_2": a,
+            "generator_1": reference,
+            "generator_2": policy,
+            "annotator": annotator,
+            "preference": pref[by_id[r["id"]]["winner"]],
+        }
+        for i, (r, a) in enumerate(zip(records, answers))
+        if by_id[r["id"]]["winner"]
+    ]
 
 
 @contextlib.contextmanager
@@ -101,6 +123,7 @@ def neutral_difficulty(glm_winrate, n: int):
     """The package's featurisation reads each instruction's difficulty from the hub (df_gamed.csv) even for a GLM
     whose formula has no difficulty term: hand it a table of zeros for n instructions instead."""
     import pandas as pd
+
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "df_gamed.csv"
         pd.DataFrame({"model": "none", "index": range(n), "instruction_difficulty": 0.0}).to_csv(path, index=False)
@@ -115,6 +138,7 @@ def length_controlled(rows: list[dict], glm: str = "length_controlled_v1", n_boo
     """The package's raw and length-controlled win rates (percent) and their standard errors, for annotations of one
     policy against one reference; and the LC win rate's 95% interval over n_boot resamples (lc_bootstrap)."""
     import pandas as pd
+
     glm_winrate = require()
     if len(rows) < 10:  # its 5-fold cross-validation needs a few rows per fold
         raise DataError(f"--alpaca-eval: {len(rows)} valid verdicts: the length-controlled GLM needs at least 10")
@@ -122,14 +146,21 @@ def length_controlled(rows: list[dict], glm: str = "length_controlled_v1", n_boo
     info = glm_winrate.GLM_INFO[glm]
 
     def fit(d):
-        return glm_winrate.get_length_controlled_winrate(d, glm_name=glm, save_weights_dir=None,
-                                                         is_warn_extreme_changes=False)
-    with neutral_difficulty(glm_winrate, int(df["index"].max()) + 1) if "instruction_difficulty" not in \
-            info["formula"] else contextlib.nullcontext():
+        return glm_winrate.get_length_controlled_winrate(
+            d, glm_name=glm, save_weights_dir=None, is_warn_extreme_changes=False
+        )
+
+    with (
+        neutral_difficulty(glm_winrate, int(df["index"].max()) + 1)
+        if "instruction_difficulty" not in info["formula"]
+        else contextlib.nullcontext()
+    ):
         out = fit(df)
         boot = lc_bootstrap(df, fit, n_boot, seed)
-    return {**{k: float(v) for k, v in out.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)},
-            **boot}
+    return {
+        **{k: float(v) for k, v in out.items() if isinstance(v, numbers.Number) and not isinstance(v, bool)},
+        **boot,
+    }
 
 
 def lc_bootstrap(df, fit, n_boot: int, seed: int) -> dict:
@@ -139,6 +170,7 @@ def lc_bootstrap(df, fit, n_boot: int, seed: int) -> dict:
     is no interval to give: no resamples, verdicts all alike (every resample is the same data), or most resamples
     unfittable."""
     import numpy as np
+
     na = {"lc_ci95": None, "lc_boot_stderr": None, "lc_resamples": 0}
     if n_boot < 1:
         return {**na, "lc_ci95_na": "no resamples (--bootstrap 0)"}
@@ -157,37 +189,71 @@ def lc_bootstrap(df, fit, n_boot: int, seed: int) -> dict:
     lo, hi = (float(v) for v in np.percentile(values, [2.5, 97.5]))
     if hi - lo < 1e-9:
         return {**na, "lc_ci95_na": f"every resample refits to the same LC win rate ({lo:.2f})"}
-    return {"lc_ci95": [lo, hi], "lc_ci95_na": None, "lc_boot_stderr": float(np.std(values, ddof=1)),
-            "lc_resamples": len(values)}
+    return {
+        "lc_ci95": [lo, hi],
+        "lc_ci95_na": None,
+        "lc_boot_stderr": float(np.std(values, ddof=1)),
+        "lc_resamples": len(values),
+    }
 
 
-def evaluate(records: list[dict], outputs: dict[str, list[str]], policies: list[str], args, cache_dir: Path,
-             fps: dict[str, str]) -> dict:
+def evaluate(
+    records: list[dict], outputs: dict[str, list[str]], policies: list[str], args, cache_dir: Path, fps: dict[str, str]
+) -> dict:
     """results.json's "alpaca_eval": each policy's raw and LC win rates against the reference, with intervals, and
     the settings printed beside them. The verdicts are 04's judge's, cached as judge.<policy>_vs_<reference>.jsonl."""
     ref, glm = args.alpaca_eval_reference, glm_name(args)
     refs = [r["reference"] for r in records]
     ref_fp = evaluation.fingerprint(args.data, args.reference_field, args.limit, ref)
-    out = {"reference": ref, "judge": args.judge_model, "glm": glm, "n_prompts": len(records), "data": args.data,
-           "policies": {}}
+    out = {
+        "reference": ref,
+        "judge": args.judge_model,
+        "glm": glm,
+        "n_prompts": len(records),
+        "data": args.data,
+        "policies": {},
+    }
     for name in policies:
-        pairs = judge.judge_pairs(records, {name: outputs[name], ref: refs}, [(name, ref)], args.judge_base_url,
-                                  args.judge_model, args.seed, args.judge_concurrency, cache_dir,
-                                  {name: fps[name], ref: ref_fp}, args.judge_max_tokens, args.judge_timeout,
-                                  args.judge_retries)[f"{name}_vs_{ref}"]
+        pairs = judge.judge_pairs(
+            records,
+            {name: outputs[name], ref: refs},
+            [(name, ref)],
+            args.judge_base_url,
+            args.judge_model,
+            args.seed,
+            args.judge_concurrency,
+            cache_dir,
+            {name: fps[name], ref: ref_fp},
+            args.judge_max_tokens,
+            args.judge_timeout,
+            args.judge_retries,
+        )[f"{name}_vs_{ref}"]
         verdicts = judge.cached_verdicts(cache_dir, name, ref, records)
         rows = annotations(records, outputs[name], verdicts, name, ref, args.judge_model)
         lc = length_controlled(rows, glm, args.bootstrap, args.seed)
         raw = evaluation.bootstrap([((r["preference"] - 1), 1) for r in rows], n_boot=args.bootstrap, seed=args.seed)
         out["policies"][name] = {
-            "win_rate": {"value": lc["win_rate"], "ci95": [100 * x for x in raw["ci95"]], "n": len(rows),
-                         "stderr": lc["standard_error"]},
-            "lc_win_rate": {"value": lc["length_controlled_winrate"], "n": len(rows), "ci95": lc["lc_ci95"],
-                            "ci95_na": lc["lc_ci95_na"], "stderr": lc["lc_boot_stderr"],
-                            "resamples": lc["lc_resamples"], "package_stderr": lc["lc_standard_error"]},
-            "invalid": pairs["invalid"], "wins": lc.get("n_wins"), "draws": lc.get("n_draws"),
+            "win_rate": {
+                "value": lc["win_rate"],
+                "ci95": [100 * x for x in raw["ci95"]],
+                "n": len(rows),
+                "stderr": lc["standard_error"],
+            },
+            "lc_win_rate": {
+                "value": lc["length_controlled_winrate"],
+                "n": len(rows),
+                "ci95": lc["lc_ci95"],
+                "ci95_na": lc["lc_ci95_na"],
+                "stderr": lc["lc_boot_stderr"],
+                "resamples": lc["lc_resamples"],
+                "package_stderr": lc["lc_standard_error"],
+            },
+            "invalid": pairs["invalid"],
+            "wins": lc.get("n_wins"),
+            "draws": lc.get("n_draws"),
             "mean_length": sum(len(a) for a in outputs[name]) / len(records),
-            "reference_mean_length": sum(len(r) for r in refs) / len(records)}
+            "reference_mean_length": sum(len(r) for r in refs) / len(records),
+        }
     return out
 
 

@@ -17,6 +17,7 @@ harness's and the task's versions. Results are cached in OUTPUT_DIR/eval/<name>.
 --lm-eval-include-path DIR adds your own task YAMLs (the harness's TaskManager include_path), e.g. a local copy of ARC
 read from data_files instead of the hub (docs/table4.md; the tests' ARC-format fixture is one).
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,14 +29,24 @@ from common import DataError
 import evaluation
 
 INSTALL = "pip install -r requirements-eval.txt"
-DTYPES = {"float32": "float32", "fp32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
-          "float16": "float16"}
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
 
 
 def add_args(p) -> None:
     g = p.add_argument_group("lm-evaluation-harness tasks, e.g. ARC-Challenge (evaluation/lm_eval_tasks.py)")
-    g.add_argument("--lm-eval-tasks", default=None, metavar="TASK,...",
-                   help="harness tasks to run on each policy, e.g. arc_challenge")
+    g.add_argument(
+        "--lm-eval-tasks",
+        default=None,
+        metavar="TASK,...",
+        help="harness tasks to run on each policy, e.g. arc_challenge",
+    )
     g.add_argument("--lm-eval-fewshot", type=int, default=25, help="in-context examples (25: the Open LLM Leaderboard)")
     g.add_argument("--lm-eval-limit", type=int, default=None, help="only the first N questions per task (a smoke test)")
     g.add_argument("--lm-eval-batch-size", default="8", help="the harness's batch size (a number, or 'auto')")
@@ -66,8 +77,10 @@ def check(args) -> None:
     manager = task_manager(args, TaskManager)
     unknown = [t for t in task_list(args) if t not in manager.all_tasks]
     if unknown:
-        raise DataError(f"--lm-eval-tasks: {', '.join(unknown)}: not a task the harness knows"
-                        + (f" (nor one in {args.lm_eval_include_path})" if args.lm_eval_include_path else ""))
+        raise DataError(
+            f"--lm-eval-tasks: {', '.join(unknown)}: not a task the harness knows"
+            + (f" (nor one in {args.lm_eval_include_path})" if args.lm_eval_include_path else "")
+        )
     for task in task_list(args):
         check_local_data(manager, task, args.lm_eval_fewshot)
 
@@ -82,32 +95,46 @@ def check_local_data(manager, task: str, shots: int) -> None:
     if entry is None or not entry.yaml_path:  # a tag or a Python task: its data is read its own way
         return
     from lm_eval.tasks._yaml_loader import load_yaml  # the harness's reader, its includes merged (pinned: 0.4.13)
+
     cfg = load_yaml(entry.yaml_path, resolve_func=False)
     files = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if cfg.get("dataset_path") != "json" or not files:
         return
     arc = "answerKey" in str(cfg.get("doc_to_target")) and not cfg.get("process_docs")  # ARC's own layout, as read
-    counts = {split: sum(count_questions(path, task, arc) for path in ([paths] if isinstance(paths, str) else paths))
-              for split, paths in (files if isinstance(files, dict) else {"train": files}).items()}
+    counts = {
+        split: sum(count_questions(path, task, arc) for path in ([paths] if isinstance(paths, str) else paths))
+        for split, paths in (files if isinstance(files, dict) else {"train": files}).items()
+    }
     # the harness's few-shot pool (ConfigurableTask.fewshot_docs); drawn from the split evaluated, it leaves the
     # question itself out, so one more is needed
     test = cfg.get("test_split") or cfg.get("validation_split")
-    pool = ((cfg.get("fewshot_config") or {}).get("split") or cfg.get("fewshot_split") or cfg.get("training_split")
-            or cfg.get("validation_split") or test)
+    pool = (
+        (cfg.get("fewshot_config") or {}).get("split")
+        or cfg.get("fewshot_split")
+        or cfg.get("training_split")
+        or cfg.get("validation_split")
+        or test
+    )
     if shots and counts.get(pool, shots + 1) < shots + (pool == test):
         names = files[pool] if isinstance(files, dict) else files
-        raise DataError(f"{', '.join([names] if isinstance(names, str) else names)}: {counts[pool]} questions in split "
-                        f"'{pool}' of task {task}, fewer than --lm-eval-fewshot {shots} takes")
+        raise DataError(
+            f"{', '.join([names] if isinstance(names, str) else names)}: {counts[pool]} questions in split "
+            f"'{pool}' of task {task}, fewer than --lm-eval-fewshot {shots} takes"
+        )
 
 
 def count_questions(path: str, task: str, arc: bool) -> int:
     """The records of one local data file, each ARC record checked as the harness's arc_easy.yaml reads it
     (question; choices.text and choices.label; choices.label.index(answerKey)). DataError 'file:line: field ...'."""
     from infra.data import DATA_FILE_SUFFIXES, read_rows
+
     if "://" in path:  # a URL: the harness fetches it
         return 1
-    rows = read_rows(path) if path.endswith(DATA_FILE_SUFFIXES) else [
-        (f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]  # the json builder reads any name as JSON lines
+    rows = (
+        read_rows(path)
+        if path.endswith(DATA_FILE_SUFFIXES)
+        else [(f"{path}:{n}", r) for n, r in common.iter_jsonl(path)]
+    )  # the json builder reads any name as JSON lines
     if not rows:
         raise DataError(f"{path}: no questions (a data file of task {task})")
     for where, rec in rows if arc else ():
@@ -115,13 +142,20 @@ def count_questions(path: str, task: str, arc: bool) -> int:
         labels, texts = choices.get("label"), choices.get("text")
         if not isinstance(rec.get("question"), str):
             raise DataError(f"{where}: field 'question' must be a string (task {task})")
-        if not (isinstance(labels, list) and isinstance(texts, list) and len(labels) == len(texts) > 0
-                and all(isinstance(x, str) for x in labels + texts)):
-            raise DataError(f"{where}: field 'choices' must hold 'text' and 'label', lists of strings of one length "
-                            f"(task {task})")
+        if not (
+            isinstance(labels, list)
+            and isinstance(texts, list)
+            and len(labels) == len(texts) > 0
+            and all(isinstance(x, str) for x in labels + texts)
+        ):
+            raise DataError(
+                f"{where}: field 'choices' must hold 'text' and 'label', lists of strings of one length (task {task})"
+            )
         if rec.get("answerKey") not in labels:
-            raise DataError(f"{where}: field 'answerKey' is {rec.get('answerKey')!r}, not one of the labels in "
-                            f"'choices' ({', '.join(labels)}) (task {task})")
+            raise DataError(
+                f"{where}: field 'answerKey' is {rec.get('answerKey')!r}, not one of the labels in "
+                f"'choices' ({', '.join(labels)}) (task {task})"
+            )
     return len(rows)
 
 
@@ -159,29 +193,51 @@ def model_args(path: str, dtype: str) -> dict:
 def run_policy(name: str, path: str, args, cache_dir: Path) -> dict:
     """{task: results} of the harness on policy `name` (cached in <name>.lm_eval.jsonl)."""
     lm_eval, TaskManager = require()
-    fp = evaluation.fingerprint(path, args.dtype, args.lm_eval_fewshot, args.lm_eval_limit, args.seed,
-                                lm_eval.__version__, "lm-eval-v1")
+    fp = evaluation.fingerprint(
+        path, args.dtype, args.lm_eval_fewshot, args.lm_eval_limit, args.seed, lm_eval.__version__, "lm-eval-v1"
+    )
 
     def compute(chunk):
         out = lm_eval.simple_evaluate(
-            model="hf", model_args=model_args(path, args.dtype), tasks=[it["id"] for it in chunk],
-            num_fewshot=args.lm_eval_fewshot, batch_size=args.lm_eval_batch_size, device=args.device,
-            limit=args.lm_eval_limit, task_manager=task_manager(args, TaskManager), log_samples=True,
-            random_seed=args.seed, fewshot_random_seed=args.seed)
+            model="hf",
+            model_args=model_args(path, args.dtype),
+            tasks=[it["id"] for it in chunk],
+            num_fewshot=args.lm_eval_fewshot,
+            batch_size=args.lm_eval_batch_size,
+            device=args.device,
+            limit=args.lm_eval_limit,
+            task_manager=task_manager(args, TaskManager),
+            log_samples=True,
+            random_seed=args.seed,
+            fewshot_random_seed=args.seed,
+        )
         rows = []
         for it in chunk:
             res, samples = out["results"][it["id"]], out["samples"].get(it["id"], [])
             number = lambda k: res.get(k) if isinstance(res.get(k), (int, float)) else None  # noqa: E731 "N/A"
-            rows.append({"id": it["id"], "n_shot": out["n-shot"].get(it["id"]), "n": len(samples),
-                         "harness": out.get("lm_eval_version") or lm_eval.__version__,
-                         "task_version": out["versions"].get(it["id"]),
-                         **{m: number(f"{m},none") for m in ("acc", "acc_norm")},
-                         **{f"{m}_stderr": number(f"{m}_stderr,none") for m in ("acc", "acc_norm")},
-                         "per_question": [[s.get("acc"), s.get("acc_norm")] for s in samples]})
+            rows.append(
+                {
+                    "id": it["id"],
+                    "n_shot": out["n-shot"].get(it["id"]),
+                    "n": len(samples),
+                    "harness": out.get("lm_eval_version") or lm_eval.__version__,
+                    "task_version": out["versions"].get(it["id"]),
+                    **{m: number(f"{m},none") for m in ("acc", "acc_norm")},
+                    **{f"{m}_stderr": number(f"{m}_stderr,none") for m in ("acc", "acc_norm")},
+                    "per_question": [[s.get("acc"), s.get("acc_norm")] for s in samples],
+                }
+            )
         return rows
 
-    rows = evaluation.cached(cache_dir / f"{name}.lm_eval.jsonl", fp, [{"id": t} for t in task_list(args)], compute,
-                             len(task_list(args)), f"lm-eval {name}", args.regenerate)
+    rows = evaluation.cached(
+        cache_dir / f"{name}.lm_eval.jsonl",
+        fp,
+        [{"id": t} for t in task_list(args)],
+        compute,
+        len(task_list(args)),
+        f"lm-eval {name}",
+        args.regenerate,
+    )
     return {r["id"]: summarize(r, args.bootstrap, args.seed) for r in rows}
 
 
@@ -193,17 +249,25 @@ def summarize(row: dict, n_boot: int = 1000, seed: int = 0) -> dict:
         if row[metric] is None:
             continue
         per = [(float(q[i]), 1) for q in row["per_question"] if q[i] is not None]
-        out[metric] = {**evaluation.bootstrap(per or [(0.0, 0)], n_boot=n_boot, seed=seed), "value": row[metric],
-                       "stderr": row[f"{metric}_stderr"]}
+        out[metric] = {
+            **evaluation.bootstrap(per or [(0.0, 0)], n_boot=n_boot, seed=seed),
+            "value": row[metric],
+            "stderr": row[f"{metric}_stderr"],
+        }
     return out
 
 
 def evaluate(policies: dict[str, str], args, cache_dir: Path) -> dict:
     """results.json's "lm_eval": the tasks' settings and each policy's numbers."""
     lm_eval, _ = require()
-    return {"tasks": task_list(args), "num_fewshot": args.lm_eval_fewshot, "limit": args.lm_eval_limit,
-            "harness": lm_eval.__version__, "include_path": args.lm_eval_include_path,
-            "policies": {name: run_policy(name, path, args, cache_dir) for name, path in policies.items()}}
+    return {
+        "tasks": task_list(args),
+        "num_fewshot": args.lm_eval_fewshot,
+        "limit": args.lm_eval_limit,
+        "harness": lm_eval.__version__,
+        "include_path": args.lm_eval_include_path,
+        "policies": {name: run_policy(name, path, args, cache_dir) for name, path in policies.items()},
+    }
 
 
 def not_comparable(res: dict) -> list[str]:

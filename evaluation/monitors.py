@@ -11,6 +11,7 @@ answer of report.html, its spans highlighted and its critique, or why it could n
 reward model's are shown. It is trusted code, run in this process, and checked on one record before any generation
 (load_monitors), so a module that does not import, a missing function or a wrong return stops the run in one line.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -23,11 +24,21 @@ from critics import plugin
 
 def add_args(p) -> None:
     g = p.add_argument_group("monitors that train nothing (evaluation/monitors.py)")
-    g.add_argument("--monitor-reward-model", action="append", default=[], metavar="NAME=DIR",
-                   help="demo: another reward model the exact critic's monitor also scores (repeatable)")
-    g.add_argument("--monitor", action="append", default=[], type=critics.choice(),
-                   metavar="python:MODULE_OR_FILE:FUNCTION", help="your own critic's judgement of the answers "
-                   "(repeatable; critics/plugin.py)")
+    g.add_argument(
+        "--monitor-reward-model",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="demo: another reward model the exact critic's monitor also scores (repeatable)",
+    )
+    g.add_argument(
+        "--monitor",
+        action="append",
+        default=[],
+        type=critics.choice(),
+        metavar="python:MODULE_OR_FILE:FUNCTION",
+        help="your own critic's judgement of the answers (repeatable; critics/plugin.py)",
+    )
 
 
 def load_monitors(specs: list[str], task: str, records: list[dict]) -> list[tuple]:
@@ -69,5 +80,11 @@ def monitor_view(name: str, response: str, fb: dict) -> dict:
     else:
         good, poor, _ = locate_spans(response, fb["good_spans"], fb["poor_spans"])
     score = fb["step_rewards"][0][1] if fb.get("step_rewards") else None
-    return {"name": name, "good": good, "poor": poor, "critique": fb.get("critique") or "", "score": score,
-            "error": None}
+    return {
+        "name": name,
+        "good": good,
+        "poor": poor,
+        "critique": fb.get("critique") or "",
+        "score": score,
+        "error": None,
+    }

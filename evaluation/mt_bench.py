@@ -16,6 +16,7 @@ judge code cannot run here (fastchat.llm_judge.common imports anthropic, which f
 openai.ChatCompletion, which openai>=1 removed). So fschat is not a dependency: its prompts and its score pattern are.
 Answers and verdicts are cached in OUTPUT_DIR/eval/ (<name>.mt_bench.jsonl, mt_bench_judge.<name>.jsonl).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,17 @@ from infra import models, serving
 
 DATA = Path(__file__).resolve().parents[1] / "tasks" / "mt_bench"
 NEED_REF_CATS = ("math", "reasoning", "coding", "arena-hard-200")  # fastchat/llm_judge/common.py
-TEMPERATURE = {"writing": 0.7, "roleplay": 0.7, "extraction": 0.0, "math": 0.0, "coding": 0.0, "reasoning": 0.0,
-               "stem": 0.1, "humanities": 0.1, "arena-hard-200": 0.0}  # its temperature_config; 0.7 otherwise
+TEMPERATURE = {
+    "writing": 0.7,
+    "roleplay": 0.7,
+    "extraction": 0.0,
+    "math": 0.0,
+    "coding": 0.0,
+    "reasoning": 0.0,
+    "stem": 0.1,
+    "humanities": 0.1,
+    "arena-hard-200": 0.0,
+}  # its temperature_config; 0.7 otherwise
 ONE_SCORE = re.compile(r"\[\[(\d+\.?\d*)\]\]")  # fastchat/llm_judge/common.py: one_score_pattern
 ONE_SCORE_BACKUP = re.compile(r"\[(\d+\.?\d*)\]")  # ... and one_score_pattern_backup
 PAPER_JUDGES = ("gpt-4", "gpt-4-0613")  # FastChat's default judge, "gpt-4", as MT-Bench's published scores used it
@@ -39,10 +49,16 @@ PAPER_JUDGES = ("gpt-4", "gpt-4-0613")  # FastChat's default judge, "gpt-4", as 
 def add_args(p) -> None:
     g = p.add_argument_group("MT-Bench, FastChat's single-answer grading (evaluation/mt_bench.py)")
     g.add_argument("--mt-bench", action="store_true", help="each policy's 1-10 score per turn from --judge-base-url")
-    g.add_argument("--mt-bench-questions", default=str(DATA / "question.jsonl"),
-                   help="FastChat's question.jsonl layout (default: its 80 questions, tasks/mt_bench/)")
-    g.add_argument("--mt-bench-references", default=str(DATA / "reference_gpt-4.jsonl"),
-                   help="reference answers for math, reasoning, coding (default: FastChat's GPT-4 answers)")
+    g.add_argument(
+        "--mt-bench-questions",
+        default=str(DATA / "question.jsonl"),
+        help="FastChat's question.jsonl layout (default: its 80 questions, tasks/mt_bench/)",
+    )
+    g.add_argument(
+        "--mt-bench-references",
+        default=str(DATA / "reference_gpt-4.jsonl"),
+        help="reference answers for math, reasoning, coding (default: FastChat's GPT-4 answers)",
+    )
     g.add_argument("--mt-bench-judge-model", default=None, help="judge model (default: --judge-model)")
     g.add_argument("--mt-bench-max-new-tokens", type=int, default=1024, help="answer length per turn, as FastChat's")
     g.add_argument("--mt-bench-limit", type=int, default=None, help="only the first N questions (not comparable)")
@@ -71,8 +87,10 @@ def read_questions(path, references=None, limit: int | None = None) -> list[dict
             raise DataError(f"{where}: field 'category' must be a string")
         ref = refs.get(rec["question_id"], rec.get("reference")) if category in NEED_REF_CATS else None
         if category in NEED_REF_CATS and not (isinstance(ref, list) and len(ref) == 2):
-            raise DataError(f"{where}: a {category} question needs a reference answer per turn: none in "
-                            f"{references or path} for question_id {rec['question_id']}")
+            raise DataError(
+                f"{where}: a {category} question needs a reference answer per turn: none in "
+                f"{references or path} for question_id {rec['question_id']}"
+            )
         out.append({"id": str(rec["question_id"]), "category": category, "turns": turns, "reference": ref})
     if not out:
         raise DataError(f"{path}: no questions")
@@ -100,8 +118,11 @@ def judge_prompt(prompts: dict, question: dict, answers: list[str], turn: int) -
     """(prompt name, system message, user message) that FastChat's run_judge_single sends for `turn` (1 or 2)."""
     name = ("single-math-v1" if question["reference"] else "single-v1") + ("-multi-turn" if turn == 2 else "")
     q, ref = question["turns"], question["reference"] or []
-    fields = dict(question=q[0], answer=answers[0]) if turn == 1 else dict(
-        question_1=q[0], question_2=q[1], answer_1=answers[0], answer_2=answers[1])
+    fields = (
+        dict(question=q[0], answer=answers[0])
+        if turn == 1
+        else dict(question_1=q[0], question_2=q[1], answer_1=answers[0], answer_2=answers[1])
+    )
     if ref:
         fields.update(ref_answer_1=ref[0], **({"ref_answer_2": ref[1]} if turn == 2 else {}))
     return name, prompts[name]["system_prompt"], prompts[name]["prompt_template"].format(**fields)
@@ -137,12 +158,20 @@ def conversation_ids(tokenizer, messages: list[dict], chat_template: str, max_to
 def answer_turns(name: str, path: str, questions: list[dict], args, cache_dir: Path, load) -> tuple[list[dict], str]:
     """Each question's two answers from policy `name` ({"id", "turns": [a1, a2]}, cached in <name>.mt_bench.jsonl):
     turn 2 is asked after turn 1 and the policy's own answer to it. load(path) -> (model, tokenizer): 04's loader."""
-    fp = evaluation.fingerprint(path, args.mt_bench_max_new_tokens, args.chat_template, args.seed, args.dtype,
-                                args.max_prompt_tokens, "mt-bench-v1")
+    fp = evaluation.fingerprint(
+        path,
+        args.mt_bench_max_new_tokens,
+        args.chat_template,
+        args.seed,
+        args.dtype,
+        args.max_prompt_tokens,
+        "mt-bench-v1",
+    )
     loaded = []
 
     def compute(chunk):
         import torch
+
         if not loaded:
             loaded.extend(load(path))
         model, tok = loaded
@@ -151,25 +180,49 @@ def answer_turns(name: str, path: str, questions: list[dict], args, cache_dir: P
             for temp in sorted({TEMPERATURE.get(q["category"], 0.7) for q in chunk}):  # one generate per temperature
                 group = [q for q in chunk if TEMPERATURE.get(q["category"], 0.7) == temp]
                 torch.manual_seed(args.seed + turn)
-                prompts = [conversation_ids(tok, convs[q["id"]] + [{"role": "user", "content": q["turns"][turn]}],
-                                            args.chat_template, args.max_prompt_tokens) for q in group]
+                prompts = [
+                    conversation_ids(
+                        tok,
+                        convs[q["id"]] + [{"role": "user", "content": q["turns"][turn]}],
+                        args.chat_template,
+                        args.max_prompt_tokens,
+                    )
+                    for q in group
+                ]
                 ids = models.generate(model, tok, prompts, args.mt_bench_max_new_tokens, temp, 1.0, args.batch_size)
                 for q, x in zip(group, ids):
                     answer = tok.decode(x, skip_special_tokens=True).strip()
-                    convs[q["id"]] += [{"role": "user", "content": q["turns"][turn]},
-                                       {"role": "assistant", "content": answer}]
+                    convs[q["id"]] += [
+                        {"role": "user", "content": q["turns"][turn]},
+                        {"role": "assistant", "content": answer},
+                    ]
         return [{"id": q["id"], "turns": [m["content"] for m in convs[q["id"]][1::2]]} for q in chunk]
 
-    return evaluation.cached(cache_dir / f"{name}.mt_bench.jsonl", fp, questions, compute, 4 * args.batch_size,
-                             f"mt-bench {name}", args.regenerate), fp
+    return evaluation.cached(
+        cache_dir / f"{name}.mt_bench.jsonl",
+        fp,
+        questions,
+        compute,
+        4 * args.batch_size,
+        f"mt-bench {name}",
+        args.regenerate,
+    ), fp
 
 
-def judge_turns(name: str, questions: list[dict], answers: list[dict], answers_fp: str, args, cache_dir: Path,
-                prompts: dict | None = None) -> list[dict]:
+def judge_turns(
+    name: str,
+    questions: list[dict],
+    answers: list[dict],
+    answers_fp: str,
+    args,
+    cache_dir: Path,
+    prompts: dict | None = None,
+) -> list[dict]:
     """The judge's grade of each turn of each answer ({"id": "<question>/<turn>", "turn", "prompt", "score",
     "reply"}; score None: invalid), FastChat's messages at temperature 0 with up to 2048 tokens, as its
     chat_completion_openai sends them; cached in mt_bench_judge.<name>.jsonl."""
     from openai import APIError
+
     prompts = prompts or read_prompts()
     model = args.mt_bench_judge_model or args.judge_model
     by_id = {a["id"]: a["turns"] for a in answers}
@@ -179,10 +232,15 @@ def judge_turns(name: str, questions: list[dict], answers: list[dict], answers_f
         pname, system, user = judge_prompt(prompts, it["question"], by_id[it["question"]["id"]], it["turn"])
         try:
             async with sem:
-                reply = await serving.send_with_retries(lambda: client.chat.completions.create(
-                    model=model, temperature=0.0, max_tokens=2048,
-                    messages=[{"role": "system", "content": system}, {"role": "user", "content": user}]),
-                    args.judge_retries)
+                reply = await serving.send_with_retries(
+                    lambda: client.chat.completions.create(
+                        model=model,
+                        temperature=0.0,
+                        max_tokens=2048,
+                        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+                    ),
+                    args.judge_retries,
+                )
         except APIError as e:
             raise DataError(f"MT-Bench judge request failed: {serving.api_error(e)}") from None
         raw = (reply.choices[0].message.content or "") if reply.choices else ""
@@ -193,11 +251,19 @@ def judge_turns(name: str, questions: list[dict], answers: list[dict], answers_f
             sem = asyncio.Semaphore(max(1, args.judge_concurrency))
             async with serving.openai_client(args.judge_base_url, args.judge_timeout, "--judge-base-url") as client:
                 return await asyncio.gather(*[ask(client, sem, it) for it in chunk])
+
         return asyncio.run(ask_all())
 
     fp = evaluation.fingerprint(answers_fp, model, "mt-bench-judge-v1")
-    return evaluation.cached(cache_dir / f"mt_bench_judge.{name}.jsonl", fp, items, compute,
-                             4 * args.judge_concurrency, f"mt-bench judge {name}", args.regenerate)
+    return evaluation.cached(
+        cache_dir / f"mt_bench_judge.{name}.jsonl",
+        fp,
+        items,
+        compute,
+        4 * args.judge_concurrency,
+        f"mt-bench judge {name}",
+        args.regenerate,
+    )
 
 
 def summarize(verdicts: list[dict], n_boot: int = 1000, seed: int = 0) -> dict:
@@ -216,9 +282,14 @@ def evaluate(policies: dict[str, str], args, cache_dir: Path, load) -> dict:
     """results.json's "mt_bench": each policy's scores (summarize) and the settings printed beside them.
     load(name, path) -> (model, tokenizer)."""
     questions = read_questions(args.mt_bench_questions, args.mt_bench_references, args.mt_bench_limit)
-    out = {"judge": args.mt_bench_judge_model or args.judge_model, "questions": args.mt_bench_questions,
-           "n_questions": len(questions), "max_new_tokens": args.mt_bench_max_new_tokens,
-           "prompts": "FastChat judge_prompts.jsonl (single-v1, single-math-v1, -multi-turn)", "policies": {}}
+    out = {
+        "judge": args.mt_bench_judge_model or args.judge_model,
+        "questions": args.mt_bench_questions,
+        "n_questions": len(questions),
+        "max_new_tokens": args.mt_bench_max_new_tokens,
+        "prompts": "FastChat judge_prompts.jsonl (single-v1, single-math-v1, -multi-turn)",
+        "policies": {},
+    }
     for name, path in policies.items():
         answers, fp = answer_turns(name, path, questions, args, cache_dir, lambda p, name=name: load(name, p))
         verdicts = judge_turns(name, questions, answers, fp, args, cache_dir)

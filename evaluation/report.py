@@ -13,6 +13,7 @@ same metrics on the console. A policy whose reward-model critiques mostly did no
 evaluation/__init__.py) has its critic's metrics shown "n/a (k of n critiques failed)", never as the 0.000 of delta = 0
 (nor the best), with a warning on stderr and a banner at the top of the page (critic_banner).
 """
+
 from __future__ import annotations
 
 import html
@@ -29,8 +30,13 @@ from evaluation import table4
 
 def add_args(p) -> None:
     g = p.add_argument_group("the report (evaluation/report.py)")
-    g.add_argument("--curves", action="append", default=[], metavar="NAME=PATH",
-                   help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)")
+    g.add_argument(
+        "--curves",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="stage 3 metrics.jsonl to plot (repeatable; default: the demo's runs)",
+    )
     g.add_argument("--report-samples", type=int, default=8, help="prompts shown with highlighted responses")
 
 
@@ -39,16 +45,27 @@ def add_args(p) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 lower is better, 0 neutral)
-    "rouge1": ("ROUGE-1 F1", 1), "rouge2": ("ROUGE-2 F1", 1), "rougeL": ("ROUGE-L F1", 1), "bleu": ("BLEU", 1),
-    "bertscore_f1": ("BERTScore F1", 1), "pass@1": ("pass@1", 1), "pass@10": ("pass@10", 1),
-    "demo/delta_sum": ("delta-sum per response", 1), "demo/mistake_rate": ("mistake rate (≥ 1 poor span)", -1),
-    "demo/facts_right": ("share of facts right", 1), "demo/exact_match": ("exact match with reference", 1),
-    "rm/delta_sum": ("delta-sum per response", 1), "rm/delta_mean": ("mean delta per token", 1),
+    "rouge1": ("ROUGE-1 F1", 1),
+    "rouge2": ("ROUGE-2 F1", 1),
+    "rougeL": ("ROUGE-L F1", 1),
+    "bleu": ("BLEU", 1),
+    "bertscore_f1": ("BERTScore F1", 1),
+    "pass@1": ("pass@1", 1),
+    "pass@10": ("pass@10", 1),
+    "demo/delta_sum": ("delta-sum per response", 1),
+    "demo/mistake_rate": ("mistake rate (≥ 1 poor span)", -1),
+    "demo/facts_right": ("share of facts right", 1),
+    "demo/exact_match": ("exact match with reference", 1),
+    "rm/delta_sum": ("delta-sum per response", 1),
+    "rm/delta_mean": ("mean delta per token", 1),
     "rm/poor_token_frac": ("share of tokens in poor spans", -1),
     "rm/good_token_frac": ("share of tokens in good spans", 1),
-    "rm/parse_rate": ("critique parse rate", 1), "rm/unmatched_span_rate": ("unmatched-quote rate", -1),
-    "rm_vs_critic/poor_precision": ("poor-token precision", 1), "rm_vs_critic/poor_recall": ("poor-token recall", 1),
-    "rm_vs_critic/good_precision": ("good-token precision", 1), "rm_vs_critic/good_recall": ("good-token recall", 1),
+    "rm/parse_rate": ("critique parse rate", 1),
+    "rm/unmatched_span_rate": ("unmatched-quote rate", -1),
+    "rm_vs_critic/poor_precision": ("poor-token precision", 1),
+    "rm_vs_critic/poor_recall": ("poor-token recall", 1),
+    "rm_vs_critic/good_precision": ("good-token precision", 1),
+    "rm_vs_critic/good_recall": ("good-token recall", 1),
     "rm_vs_critic/mistakes_flagged": ("real mistakes the RM flags", 1),
     "rm_vs_critic/mistakes_missed": ("real mistakes the RM misses", -1),
     "rm_vs_critic/flagged_wrong": ("wrong facts the RM flags (only the post shows them)", 1),
@@ -57,9 +74,15 @@ METRICS = {  # key -> (label in the report, direction: +1 higher is better, -1 l
     "rm_vs_critic/poor_invented": ("RM poor spans on no real mistake", -1),
     "gen/tokens": ("response length (tokens)", 0),
     "monitor/flagged_rate": ("answers it flags (a token of delta < 0)", -1),
-    "monitor/delta_sum": ("its delta-sum per answer", 1), "monitor/error_rate": ("answers it cannot judge", -1)}
-GROUPS = {"demo": "demo critic (ground truth)", "rm": "reward-model critique", "gen": "generation",
-          "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)"}
+    "monitor/delta_sum": ("its delta-sum per answer", 1),
+    "monitor/error_rate": ("answers it cannot judge", -1),
+}
+GROUPS = {
+    "demo": "demo critic (ground truth)",
+    "rm": "reward-model critique",
+    "gen": "generation",
+    "rm_vs_critic": "reward model vs the exact critic (reward-hacking monitor)",
+}
 # --monitor-reward-model NAME=DIR adds the monitor's rows for that reward model as rm_vs_critic[NAME]/...; --monitor
 # python:FILE:FUNCTION adds that critic's rows as monitor[FILE:FUNCTION]/...
 
@@ -84,8 +107,10 @@ def metric_keys(policies: dict) -> list[str]:
     present, order, first = {k for p in policies.values() for k in p["metrics"]}, {}, {}
     for i, k in enumerate(METRICS):
         order[k], first[k.split("/")[0]] = i, first.get(k.split("/")[0], i)
-    known = sorted((k for k in present if base_key(k) in order),  # by group (its first row), then within the group
-                   key=lambda k: (first[base_key(k).split("/")[0]], k.split("/")[0], order[base_key(k)]))
+    known = sorted(
+        (k for k in present if base_key(k) in order),  # by group (its first row), then within the group
+        key=lambda k: (first[base_key(k).split("/")[0]], k.split("/")[0], order[base_key(k)]),
+    )
     return known + sorted(present - set(known))
 
 
@@ -95,8 +120,12 @@ def metric_keys(policies: dict) -> list[str]:
 
 # Stage 3's training curves (metrics.jsonl): the learned critic's and, dashed where a run logs it (the demo's
 # exact critic), the exact critic's; a panel's title names the dashed line only where one is drawn
-CURVE_KEYS = {"objective/span_reward": "reward: critic", "critic/mistake_rate": "mistake rate: critic",
-              "objective/kl": "KL to the reference", "objective/entropy": "entropy"}
+CURVE_KEYS = {
+    "objective/span_reward": "reward: critic",
+    "critic/mistake_rate": "mistake rate: critic",
+    "objective/kl": "KL to the reference",
+    "objective/entropy": "entropy",
+}
 EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
 
@@ -130,11 +159,13 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
 
     import matplotlib
     import numpy as np
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     cols, rows = min(2, len(keys)), (len(keys) + 1) // 2
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.1 * rows), dpi=110, squeeze=False)
-    for ax in axes.flat[len(keys):]:
+    for ax in axes.flat[len(keys) :]:
         ax.remove()
     for ax, key in zip(axes.flat, keys):
         dashed = False
@@ -150,7 +181,7 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
                 smooth = np.convolve(y, np.ones(w) / w, mode="valid")
                 if style == "-":
                     ax.plot(x, y, color=color, alpha=0.2, lw=1)
-                ax.plot(x[w - 1:], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
+                ax.plot(x[w - 1 :], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
                 dashed = dashed or style == "--"
         title = CURVE_KEYS.get(key, key)
         ax.set_title(title + " (solid), exact critic (dashed)" if dashed else title, fontsize=11)
@@ -186,24 +217,38 @@ def highlight(text: str, good: list[tuple[int, int]], poor: list[tuple[int, int]
 # ----------------------------------------------------------------------------------------------------------------------
 
 STRIP_ROWS = [  # (label, what it is, its values from {mode: sample}, scale: the rows coloured alike)
-    ("π<sub>old</sub>(y<sub>t</sub>)", "pi_old(y_t), the sampled token's probability before the update",
-     lambda s, m: [round(math.exp(x), 4) for x in s["logprobs_old"]], "p"),
+    (
+        "π<sub>old</sub>(y<sub>t</sub>)",
+        "pi_old(y_t), the sampled token's probability before the update",
+        lambda s, m: [round(math.exp(x), 4) for x in s["logprobs_old"]],
+        "p",
+    ),
     ("δ<sub>t</sub>", "delta_t, the critic's label", lambda s, m: s["delta"], "delta"),
     ("A<sub>t</sub> span", "A_t under span rewards", lambda s, m: s["advantages"]["span"], "A"),
     ("A<sub>t</sub> scalar", "A_t under scalar rewards", lambda s, m: s["advantages"]["scalar"], "A"),
-    ("Δ<sub>t</sub> span", "Delta_t = log pi_new - log pi_old, span update",
-     lambda s, m: m.get("span") and [b - a for a, b in zip(m["span"]["logprobs_old"], m["span"]["logprobs_new"])],
-     "Delta"),
-    ("Δ<sub>t</sub> scalar", "Delta_t = log pi_new - log pi_old, scalar update",
-     lambda s, m: m.get("scalar") and [b - a for a, b in zip(m["scalar"]["logprobs_old"],
-                                                             m["scalar"]["logprobs_new"])], "Delta")]
+    (
+        "Δ<sub>t</sub> span",
+        "Delta_t = log pi_new - log pi_old, span update",
+        lambda s, m: m.get("span") and [b - a for a, b in zip(m["span"]["logprobs_old"], m["span"]["logprobs_new"])],
+        "Delta",
+    ),
+    (
+        "Δ<sub>t</sub> scalar",
+        "Delta_t = log pi_new - log pi_old, scalar update",
+        lambda s, m: (
+            m.get("scalar") and [b - a for a, b in zip(m["scalar"]["logprobs_old"], m["scalar"]["logprobs_new"])]
+        ),
+        "Delta",
+    ),
+]
 
 
 def read_traces(curve_specs: dict[str, str]) -> dict[str, list[dict]]:
     """Stage 3's trace.jsonl beside each run's metrics.jsonl (--trace-samples), where there is one."""
     paths = {name: str(Path(path).with_name("trace.jsonl")) for name, path in curve_specs.items()}
-    return {name: rows for name, rows in read_curves({n: p for n, p in paths.items() if Path(p).is_file()}).items()
-            if rows}
+    return {
+        name: rows for name, rows in read_curves({n: p for n, p in paths.items() if Path(p).is_file()}).items() if rows
+    }
 
 
 def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict], bool]:
@@ -226,8 +271,11 @@ def paired_samples(traces: dict[str, list[dict]]) -> tuple[int | None, list[dict
     twin = next((r["samples"] for r in first.get(other, []) if r["step"] == step), [])
     key = lambda s: json.dumps([s["row"], s["tokens"], s["delta"]])  # noqa: E731
     twins = {key(s): s for s in twin}
-    return step, [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})}
-                  for s in samples], chosen is not None
+    return (
+        step,
+        [{lead[0]["reward_mode"]: s, **({other: twins[key(s)]} if key(s) in twins else {})} for s in samples],
+        chosen is not None,
+    )
 
 
 def cell_color(v: float, scale: float) -> str:
@@ -243,27 +291,43 @@ def render_strip(modes: dict[str, dict]) -> str:
     value on hover)."""
     esc, s = html.escape, next(iter(modes.values()))
     rows = [(label, what, values, scale) for label, what, get, scale in STRIP_ROWS if (values := get(s, modes))]
-    scales = {scale: max((abs(v) for _, _, values, sc in rows if sc == scale for v in values), default=0)
-              for scale in {r[3] for r in rows}}
+    scales = {
+        scale: max((abs(v) for _, _, values, sc in rows if sc == scale for v in values), default=0)
+        for scale in {r[3] for r in rows}
+    }
     scales["delta"] = 1.0 if scales.get("delta") else 0.0
-    color = lambda v, scale: (f"rgba(9,105,218,{(1 - v) * 0.8 + 0.04:.3f})" if scale == "p"  # noqa: E731
-                              else cell_color(v, scales[scale]))  # p: bluer where the token was less likely
-    shown = [t if t.strip() else "·" for t in s["tokens"]]       # a token of no visible text: the EOS, or a space
+    color = lambda v, scale: (  # noqa: E731
+        f"rgba(9,105,218,{(1 - v) * 0.8 + 0.04:.3f})"
+        if scale == "p"  # noqa: E731
+        else cell_color(v, scales[scale])
+    )  # p: bluer where the token was less likely
+    shown = [t if t.strip() else "·" for t in s["tokens"]]  # a token of no visible text: the EOS, or a space
     if s["has_eos"] and not s["tokens"][-1].strip():
         shown[-1] = "⟨eos⟩"
     heads = "".join(f"<th title='{esc(repr(t))}'>{esc(x)}</th>" for t, x in zip(s["tokens"], shown))
-    body = "".join(f"<tr><th class='what' title='{esc(what)}'>{label}</th>" + "".join(
-        f"<td class='cell {scale}' data-v='{v!r}' title='{esc(what)} = {v:+.6g}' style='background:"
-        f"{color(v, scale)}'></td>" for v in values) + "</tr>" for label, what, values, scale in rows)
+    body = "".join(
+        f"<tr><th class='what' title='{esc(what)}'>{label}</th>"
+        + "".join(
+            f"<td class='cell {scale}' data-v='{v!r}' title='{esc(what)} = {v:+.6g}' style='background:"
+            f"{color(v, scale)}'></td>"
+            for v in values
+        )
+        + "</tr>"
+        for label, what, values, scale in rows
+    )
     critique = f"<div class='critique'>critic: {esc(s['critique'])}</div>" if s.get("critique") else ""
-    return (f"<div class='strip'><pre class='prompt'>{esc(s['prompt'])}</pre>{critique}<div class='scroll'>"
-            f"<table class='tokens'><tr><th class='what'>token</th>{heads}</tr>{body}</table></div></div>")
+    return (
+        f"<div class='strip'><pre class='prompt'>{esc(s['prompt'])}</pre>{critique}<div class='scroll'>"
+        f"<table class='tokens'><tr><th class='what'>token</th>{heads}</tr>{body}</table></div></div>"
+    )
 
 
 def plot_locality(traces: dict[str, list[dict]]) -> str | None:
     """The locality ratio of each run's own update at every traced iteration (base64 PNG), or None."""
-    series = {name: [(r["step"], r["locality"]["ratio"]) for r in rows if r.get("locality", {}).get("ratio")]
-              for name, rows in traces.items()}
+    series = {
+        name: [(r["step"], r["locality"]["ratio"]) for r in rows if r.get("locality", {}).get("ratio")]
+        for name, rows in traces.items()
+    }
     series = {name: pts for name, pts in series.items() if pts}
     if not series:
         return None
@@ -273,19 +337,29 @@ def plot_locality(traces: dict[str, list[dict]]) -> str | None:
 
     import matplotlib
     import numpy as np
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6.4, 2.8), dpi=110)
     for color, (name, pts) in zip(itertools.cycle(COLORS), series.items()):
         x, y = map(np.asarray, zip(*pts))
         w = max(1, len(y) // 10)  # a running median: a ratio of two small means has outliers both ways
         ax.plot(x, y, "o-", color=color, alpha=0.25, lw=1, ms=2.5)
-        ax.plot(x, [np.median(y[max(0, i - w + 1):i + 1]) for i in range(len(y))], color=color, lw=2,
-                label=f"{name} (median {np.median(y):.1f})")
+        ax.plot(
+            x,
+            [np.median(y[max(0, i - w + 1) : i + 1]) for i in range(len(y))],
+            color=color,
+            lw=2,
+            label=f"{name} (median {np.median(y):.1f})",
+        )
     ax.axhline(1.0, color="grey", ls="--", lw=1)
     ax.set_yscale("log")
-    ax.set_title("locality ratio: mean |Δ| in poor spans / mean |Δ| outside spans of the same answers\n(each "
-                 "run's own update; running median over ~10% of the run)", fontsize=9.5)
+    ax.set_title(
+        "locality ratio: mean |Δ| in poor spans / mean |Δ| outside spans of the same answers\n(each "
+        "run's own update; running median over ~10% of the run)",
+        fontsize=9.5,
+    )
     ax.set_xlabel("PPO iteration", fontsize=9.5)
     ax.tick_params(labelsize=8.5)
     ax.grid(alpha=0.25)
@@ -307,38 +381,57 @@ def render_update_section(traces: dict[str, list[dict]], max_samples: int = 3) -
     if not samples:
         return ""
     both, start = any(len(m) == 2 for m in samples), step == min(rows[0]["step"] for rows in traces.values())
-    parts = ["<h2 id='where-update'>Where the update went</h2><p class='note'>"
-             + ("" if flagged else "Note: no traced iteration has a token the critic flagged (δ<sub>t</sub> &lt; 0), "
-                "so these strips show no mistake to move away from. ")
-             + f"Iteration {step}: "
-             + ("both runs start from the same state and seed, so they sample the same rollouts and see the same "
-                "δ, KL and values; only the rewards' placement differs (span: δ<sub>t</sub> on every token; scalar: "
-                "Σδ on the last). " if both and start else "both runs traced these rollouts, with the same δ. "
-                if both else "")
-             + "Rows: the critic's δ<sub>t</sub>, the whitened advantages A<sub>t</sub> under each reward mode, and "
-               "Δ<sub>t</sub> = log π<sub>new</sub> − log π<sub>old</sub>, how far one PPO update moved each token's "
-               "log-probability. <span style='color:#1a7f37'>Green</span> &gt; 0, <span style='color:#cf222e'>red"
-               "</span> &lt; 0, stronger with the magnitude (one scale per kind of row); hover for the number. The "
-               "first row, π<sub>old</sub>(y<sub>t</sub>), is bluer where the sampled token was less likely: a "
-               "token the policy was sure of (π ≈ 1) can barely move, whatever its advantage.</p>"]
+    parts = [
+        "<h2 id='where-update'>Where the update went</h2><p class='note'>"
+        + (
+            ""
+            if flagged
+            else "Note: no traced iteration has a token the critic flagged (δ<sub>t</sub> &lt; 0), "
+            "so these strips show no mistake to move away from. "
+        )
+        + f"Iteration {step}: "
+        + (
+            "both runs start from the same state and seed, so they sample the same rollouts and see the same "
+            "δ, KL and values; only the rewards' placement differs (span: δ<sub>t</sub> on every token; scalar: "
+            "Σδ on the last). "
+            if both and start
+            else "both runs traced these rollouts, with the same δ. "
+            if both
+            else ""
+        )
+        + "Rows: the critic's δ<sub>t</sub>, the whitened advantages A<sub>t</sub> under each reward mode, and "
+        "Δ<sub>t</sub> = log π<sub>new</sub> − log π<sub>old</sub>, how far one PPO update moved each token's "
+        "log-probability. <span style='color:#1a7f37'>Green</span> &gt; 0, <span style='color:#cf222e'>red"
+        "</span> &lt; 0, stronger with the magnitude (one scale per kind of row); hover for the number. The "
+        "first row, π<sub>old</sub>(y<sub>t</sub>), is bluer where the sampled token was less likely: a "
+        "token the policy was sure of (π ≈ 1) can barely move, whatever its advantage.</p>"
+    ]
     parts += [render_strip(m) for m in samples[:max_samples]]
     png = plot_locality(traces)
     if png:
         rows = []
         for name, trace in traces.items():
             loc, cells = [r["locality"] for r in trace if r.get("locality")], []
-            for get in (lambda x: x["ratio"], lambda x: x["poor"]["mean"], lambda x: x["poor"]["mean_abs"],
-                        lambda x: x["outside_flawed"]["mean_abs"]):
+            for get in (
+                lambda x: x["ratio"],
+                lambda x: x["poor"]["mean"],
+                lambda x: x["poor"]["mean_abs"],
+                lambda x: x["outside_flawed"]["mean_abs"],
+            ):
                 values = [v for v in map(get, loc) if v is not None]
                 cells.append(f"<td>{statistics.median(values):.3g}</td>" if values else "<td>–</td>")
-            rows.append(f"<tr><td>{esc(name)} ({esc(str(trace[0].get('reward_mode')))} rewards)</td>{''.join(cells)}"
-                        f"<td>{len(loc)}</td></tr>")
-        parts.append(f"<img class='curves locality' alt='locality ratio over training' src='data:image/png;base64,"
-                     f"{png}'><table><tr><th>run (its own update, median over iterations)</th><th>locality ratio</th>"
-                     f"<th>mean Δ poor</th><th>mean |Δ| poor</th><th>mean |Δ| outside, flawed</th><th>iterations"
-                     f"</th></tr>{''.join(rows)}</table><p class='note'>Each run's own update on its own batch, every "
-                     "iteration. The same update from the same state in both modes, over seeds and iterations: "
-                     "<code>bench/locality.py</code>.</p>")
+            rows.append(
+                f"<tr><td>{esc(name)} ({esc(str(trace[0].get('reward_mode')))} rewards)</td>{''.join(cells)}"
+                f"<td>{len(loc)}</td></tr>"
+            )
+        parts.append(
+            f"<img class='curves locality' alt='locality ratio over training' src='data:image/png;base64,"
+            f"{png}'><table><tr><th>run (its own update, median over iterations)</th><th>locality ratio</th>"
+            f"<th>mean Δ poor</th><th>mean |Δ| poor</th><th>mean |Δ| outside, flawed</th><th>iterations"
+            f"</th></tr>{''.join(rows)}</table><p class='note'>Each run's own update on its own batch, every "
+            "iteration. The same update from the same state in both modes, over seeds and iterations: "
+            "<code>bench/locality.py</code>.</p>"
+        )
     return "".join(parts)
 
 
@@ -386,8 +479,14 @@ td.na{color:var(--poor-b)}
 
 def voided(policy: dict, key: str) -> dict | None:
     """The policy's critic_failed entry, or a monitor_failed one (evaluation/__init__.py), that voids metric `key`."""
-    return next((f for f in (policy.get("critic_failed"), *(policy.get("monitor_failed") or {}).values())
-                 if f and key in f["metrics"]), None)
+    return next(
+        (
+            f
+            for f in (policy.get("critic_failed"), *(policy.get("monitor_failed") or {}).values())
+            if f and key in f["metrics"]
+        ),
+        None,
+    )
 
 
 def failed_note(failed: dict) -> str:
@@ -398,8 +497,11 @@ def metric_cell(m: dict | None, mark: str, failed: dict | None) -> str:
     """One cell of the metric table: the value over its 95% interval, "n/a" over why (critic_failed), or "–"."""
     if failed:
         return f"<td class='na'>n/a<span class='ci'>{failed_note(failed)}</span></td>"
-    return (f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span>"
-            "</td>" if m else "<td>–</td>")
+    return (
+        f"<td class='{mark}'>{fmt(m['value'])}<span class='ci'>[{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]</span></td>"
+        if m
+        else "<td>–</td>"
+    )
 
 
 def critic_banner(policies: dict) -> str:
@@ -410,11 +512,13 @@ def critic_banner(policies: dict) -> str:
         return ""
     which = ", ".join(f"<b>{html.escape(n)}</b> ({failed_note(f)})" for n, f in failed.items())
     floor = next(iter(failed.values()))["floor"]
-    return (f"<div class='banner'>The reward model's critiques mostly did not parse for {which}: fewer than {floor:g} "
-            "of them parsed. A critique that does not parse quotes nothing (δ = 0 on every token), which would read "
-            "as a flawless answer, so these policies' reward-model rows read n/a (results.json keeps the numbers, "
-            "under <code>critic_failed</code>). Train the reward model further, or check <code>--reward-model"
-            "</code>: stage 2 ends with exit 1 below its <code>--min-parse-rate</code>.</div>")
+    return (
+        f"<div class='banner'>The reward model's critiques mostly did not parse for {which}: fewer than {floor:g} "
+        "of them parsed. A critique that does not parse quotes nothing (δ = 0 on every token), which would read "
+        "as a flawless answer, so these policies' reward-model rows read n/a (results.json keeps the numbers, "
+        "under <code>critic_failed</code>). Train the reward model further, or check <code>--reward-model"
+        "</code>: stage 2 ends with exit 1 below its <code>--min-parse-rate</code>.</div>"
+    )
 
 
 def best_marks(ms: list, direction: int) -> list[str]:
@@ -425,8 +529,11 @@ def best_marks(ms: list, direction: int) -> list[str]:
         return marks
     lead, best = (max if direction > 0 else min)(vals, key=lambda x: x[1]["value"])
     lo, hi = best["ci95"]
-    tied = [i for i, m in vals if i != lead and (None in (lo, hi, *m["ci95"]) or (m["ci95"][0] <= hi and
-                                                                                   lo <= m["ci95"][1]))]
+    tied = [
+        i
+        for i, m in vals
+        if i != lead and (None in (lo, hi, *m["ci95"]) or (m["ci95"][0] <= hi and lo <= m["ci95"][1]))
+    ]
     for i in tied + [lead] if tied else []:
         marks[i] = "tie"
     marks[lead] = marks[lead] or "best"
@@ -437,8 +544,15 @@ def fmt(v) -> str:
     return "–" if v is None else f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"  # BLEU and lengths: one decimal
 
 
-def render_report(results: dict, shown: dict[str, list[dict]], records: list[dict], curves_png: str | None,
-                  sample_ids: list[str], task: str, traces: dict[str, list[dict]] | None = None) -> str:
+def render_report(
+    results: dict,
+    shown: dict[str, list[dict]],
+    records: list[dict],
+    curves_png: str | None,
+    sample_ids: list[str],
+    task: str,
+    traces: dict[str, list[dict]] | None = None,
+) -> str:
     esc, pol, gen = html.escape, results["policies"], results["generation"]
     names, rows, group = list(pol), [], None
     for key in metric_keys(pol):  # the metric table: grouped by prefix, the best policy per row in bold
@@ -447,63 +561,96 @@ def render_report(results: dict, shown: dict[str, list[dict]], records: list[dic
             group = g
             rows.append(f"<tr class='group'><td colspan='{len(names) + 1}'>{esc(group_label(g))}</td></tr>")
         ms = [None if voided(pol[n], key) else pol[n]["metrics"].get(key) for n in names]  # n/a: never the best
-        cells = "".join(metric_cell(m, mark, voided(pol[n], key))
-                        for n, m, mark in zip(names, ms, best_marks(ms, direction)))
+        cells = "".join(
+            metric_cell(m, mark, voided(pol[n], key)) for n, m, mark in zip(names, ms, best_marks(ms, direction))
+        )
         arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
         rows.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{cells}</tr>")
     head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
-    parts = [f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Each "
-             "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better. The best is in "
-             "bold where its interval overlaps no other's; where it does, ≈ marks the values tied with it.</p>"]
+    parts = [
+        f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Each "
+        "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better. The best is in "
+        "bold where its interval overlaps no other's; where it does, ≈ marks the values tied with it.</p>"
+    ]
     if (results.get("judge") or {}).get("pairs"):  # --judge-pairs none: the judge served Table 4 only
-        jrows = "".join(f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td>" + "".join(
-            f"<td>{fmt(j[k]['value'])}<span class='ci'>[{fmt(j[k]['ci95'][0])}, {fmt(j[k]['ci95'][1])}]</span></td>"
-            for k in ("win", "tie", "loss")) + f"<td>{j['n']}</td><td>{j['invalid']}</td></tr>"
-            for j in results["judge"]["pairs"].values())
-        parts.append(f"<h2>LLM judge: {esc(results['judge']['model'])}</h2><table><tr><th>pair</th><th>win</th><th>tie"
-                     f"</th><th>loss</th><th>n</th><th>invalid</th></tr>{jrows}</table><p class='note'>The answers' "
-                     f"order was random per prompt (seed {results['judge']['seed']}) and undone before scoring. Rates "
-                     "are over the n valid verdicts, with 95% bootstrap intervals; an invalid verdict (no 'Winner:' "
-                     "line) counts nowhere.</p>")
+        jrows = "".join(
+            f"<tr><td>{esc(j['a'])} vs {esc(j['b'])}</td>"
+            + "".join(
+                f"<td>{fmt(j[k]['value'])}<span class='ci'>[{fmt(j[k]['ci95'][0])}, {fmt(j[k]['ci95'][1])}]</span></td>"
+                for k in ("win", "tie", "loss")
+            )
+            + f"<td>{j['n']}</td><td>{j['invalid']}</td></tr>"
+            for j in results["judge"]["pairs"].values()
+        )
+        parts.append(
+            f"<h2>LLM judge: {esc(results['judge']['model'])}</h2><table><tr><th>pair</th><th>win</th><th>tie"
+            f"</th><th>loss</th><th>n</th><th>invalid</th></tr>{jrows}</table><p class='note'>The answers' "
+            f"order was random per prompt (seed {results['judge']['seed']}) and undone before scoring. Rates "
+            "are over the n valid verdicts, with 95% bootstrap intervals; an invalid verdict (no 'Winner:' "
+            "line) counts nowhere.</p>"
+        )
     parts.append(table4.render_html(results))  # AlpacaEval 2.0, ARC-Challenge, MT-Bench, where computed
-    parts.append("<h2>Training curves</h2>" + (f"<img class='curves' alt='training curves' src='data:image/png;base64,"
-                                                f"{curves_png}'>" if curves_png else "<p class='note'>No stage 3 "
-                                                "metrics.jsonl found.</p>"))
+    parts.append(
+        "<h2>Training curves</h2>"
+        + (
+            f"<img class='curves' alt='training curves' src='data:image/png;base64,{curves_png}'>"
+            if curves_png
+            else "<p class='note'>No stage 3 metrics.jsonl found.</p>"
+        )
+    )
     parts.append(render_update_section(traces or {}))
-    parts.append("<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span><span>"
-                 "<mark class='poor'>poor span</mark> δ = −1</span><span>quoted by the critique shown below each "
-                 "response (also on hover)" + ("; the exact critic's verdict under it" if task == "demo" else "")
-                 + "</span></div>")
+    parts.append(
+        "<h2>Samples</h2><div class='legend'><span><mark class='good'>good span</mark> δ = +1</span><span>"
+        "<mark class='poor'>poor span</mark> δ = −1</span><span>quoted by the critique shown below each "
+        "response (also on hover)"
+        + ("; the exact critic's verdict under it" if task == "demo" else "")
+        + "</span></div>"
+    )
     index = {r["id"]: i for i, r in enumerate(records)}
     for rid in sample_ids:
         rec, answers = records[index[rid]], []
         for n in names:
             s = shown[n][index[rid]]
             score = "" if s["delta_sum"] is None else f"<span class='score'>δ-sum {s['delta_sum']:+g}</span>"
-            missed = (f"<br><span class='unmatched'>not found in the response: "
-                      f"{', '.join('“' + esc(u) + '”' for u in s['unmatched'])}</span>" if s["unmatched"] else "")
-            critique = (f"<div class='critique'>{esc(s['source'])}: {esc(s['critique'])}{missed}</div>"
-                        if s["source"] else "")
+            missed = (
+                f"<br><span class='unmatched'>not found in the response: "
+                f"{', '.join('“' + esc(u) + '”' for u in s['unmatched'])}</span>"
+                if s["unmatched"]
+                else ""
+            )
+            critique = (
+                f"<div class='critique'>{esc(s['source'])}: {esc(s['critique'])}{missed}</div>" if s["source"] else ""
+            )
             if s.get("exact"):  # where the task has an exact critic, its verdict on the same answer
                 x = s["exact"]
-                critique += (f"<div class='exact'>exact critic: {highlight(s['response'], x['good'], x['poor'])}"
-                             f"<br>{esc(x['critique'])}</div>")
+                critique += (
+                    f"<div class='exact'>exact critic: {highlight(s['response'], x['good'], x['poor'])}"
+                    f"<br>{esc(x['critique'])}</div>"
+                )
             critique += "".join(monitor_block(s["response"], m) for m in s.get("monitors", []))
-            answers.append(f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
-                           f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
-                           f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>")
+            answers.append(
+                f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
+                f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
+                f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>"
+            )
         ref = f"<div class='reference'>reference: {esc(rec['reference'])}</div>" if rec.get("reference") else ""
-        parts.append(f"<section class='sample'><div class='sample-head'><span>prompt</span><span>{esc(rid)}</span>"
-                     f"</div><pre class='prompt'>{esc(rec['prompt'])}</pre>{ref}{''.join(answers)}</section>")
+        parts.append(
+            f"<section class='sample'><div class='sample-head'><span>prompt</span><span>{esc(rid)}</span>"
+            f"</div><pre class='prompt'>{esc(rec['prompt'])}</pre>{ref}{''.join(answers)}</section>"
+        )
     decoding = "greedy" if not gen["temperature"] else f"T = {gen['temperature']}"
-    sub = (f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from <code>"
-           f"{esc(results['data'])}</code> · {decoding} decoding, ≤ {gen['max_new_tokens']} new tokens · reward "
-           f"model <code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}")
-    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
-            f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body class='"
-            f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{critic_banner(pol)}"
-            f"{''.join(parts)}</main>"
-            f"</body></html>\n")
+    sub = (
+        f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from <code>"
+        f"{esc(results['data'])}</code> · {decoding} decoding, ≤ {gen['max_new_tokens']} new tokens · reward "
+        f"model <code>{esc(results['reward_model'] or 'none')}</code> · {esc(results['created'])}"
+    )
+    return (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'><meta name='viewport' content='width=device-"
+        f"width, initial-scale=1'><title>Text2Grad evaluation</title><style>{CSS}</style></head><body class='"
+        f"{esc(task)}'><main><h1>Text2Grad evaluation</h1><div class='sub'>{sub}</div>{critic_banner(pol)}"
+        f"{''.join(parts)}</main>"
+        f"</body></html>\n"
+    )
 
 
 def monitor_block(response: str, m: dict) -> str:
@@ -514,8 +661,10 @@ def monitor_block(response: str, m: dict) -> str:
     if m["error"]:
         return f"<div class='monitor'>your critic {esc(m['name'])}: could not judge it: {esc(m['error'])}</div>"
     score = "" if m["score"] is None else f" (score {m['score']:+g})"
-    return (f"<div class='monitor'>your critic {esc(m['name'])}{score}: {highlight(response, m['good'], m['poor'])}"
-            f"<br>{esc(m['critique'])}</div>")
+    return (
+        f"<div class='monitor'>your critic {esc(m['name'])}{score}: {highlight(response, m['good'], m['poor'])}"
+        f"<br>{esc(m['critique'])}</div>"
+    )
 
 
 def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:
@@ -529,24 +678,44 @@ def print_table(results: dict) -> None:
     pol = results["policies"]
     cell = lambda m: f"{fmt(m['value'])} [{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]" if m else "–"  # noqa: E731
     table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
-    table += [[k, *[f"n/a ({failed_note(voided(p, k))})" if voided(p, k) else cell(p["metrics"].get(k))
-                    for p in pol.values()]] for k in metric_keys(pol)]
+    table += [
+        [
+            k,
+            *[
+                f"n/a ({failed_note(voided(p, k))})" if voided(p, k) else cell(p["metrics"].get(k))
+                for p in pol.values()
+            ],
+        ]
+        for k in metric_keys(pol)
+    ]
     for name, f in ((n, p["critic_failed"]) for n, p in pol.items() if p.get("critic_failed")):
-        print(f"warning: {name}: {f['failed']} of {f['n']} of the reward model's critiques of its answers did not "
-              f"parse (rm/parse_rate {f['parse_rate']:.3f}, below {f['floor']:g}): its rm/ and rm_vs_critic/ metrics "
-              "read n/a (results.json keeps them, under critic_failed)", file=sys.stderr)
+        print(
+            f"warning: {name}: {f['failed']} of {f['n']} of the reward model's critiques of its answers did not "
+            f"parse (rm/parse_rate {f['parse_rate']:.3f}, below {f['floor']:g}): its rm/ and rm_vs_critic/ metrics "
+            "read n/a (results.json keeps them, under critic_failed)",
+            file=sys.stderr,
+        )
     for name, mon, f in ((n, m, f) for n, p in pol.items() for m, f in (p.get("monitor_failed") or {}).items()):
-        print(f"warning: {name}: {f['failed']} of {f['n']} of --monitor-reward-model {mon}'s critiques did not parse "
-              f"(below {f['floor']:g}): its rm_vs_critic[{mon}]/ metrics read n/a (results.json: monitor_failed)",
-              file=sys.stderr)
+        print(
+            f"warning: {name}: {f['failed']} of {f['n']} of --monitor-reward-model {mon}'s critiques did not parse "
+            f"(below {f['floor']:g}): its rm_vs_critic[{mon}]/ metrics read n/a (results.json: monitor_failed)",
+            file=sys.stderr,
+        )
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
         invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
-        table.append([f"judge {name} win/tie/loss", f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"
-                                                   f"{fmt(j['loss']['value'])} (n={j['n']} valid{invalid})"])
+        table.append(
+            [
+                f"judge {name} win/tie/loss",
+                f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"
+                f"{fmt(j['loss']['value'])} (n={j['n']} valid{invalid})",
+            ]
+        )
         if j["invalid"]:  # a judge that mostly does not answer in format must not read as a verdict
-            print(f"warning: judge {name}: {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid (no 'Winner: "
-                  f"A', 'B' or 'tie' line; the replies are in eval/judge.{name}.jsonl): the win rates rest on {j['n']}",
-                  file=sys.stderr)
+            print(
+                f"warning: judge {name}: {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid (no 'Winner: "
+                f"A', 'B' or 'tie' line; the replies are in eval/judge.{name}.jsonl): the win rates rest on {j['n']}",
+                file=sys.stderr,
+            )
     widths = [max(len(r[c]) for r in table if c < len(r)) for c in range(len(table[0]))]
     for r in table:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

@@ -10,6 +10,7 @@ per policy with each number's 95% interval and the settings it was computed unde
 differs from the paper's, so a number that is not comparable with Table 4 says so (render_html, console_lines).
 docs/table4.md has the commands and what each needs.
 """
+
 from __future__ import annotations
 
 import html
@@ -27,8 +28,11 @@ def add_args(p) -> None:
 def check(args, names: list[str]) -> None:
     """Before any generation: each asked-for metric's package imports, its flags fit, its files read, and the MT-Bench
     judge (when it is another model than --judge-model, which 04 already checked) answers."""
-    for flag, value, least in (("--mt-bench-limit", args.mt_bench_limit, 1), ("--lm-eval-limit", args.lm_eval_limit, 1),
-                               ("--lm-eval-fewshot", args.lm_eval_fewshot, 0)):
+    for flag, value, least in (
+        ("--mt-bench-limit", args.mt_bench_limit, 1),
+        ("--lm-eval-limit", args.lm_eval_limit, 1),
+        ("--lm-eval-fewshot", args.lm_eval_fewshot, 0),
+    ):
         if value is not None and value < least:  # --mt-bench-limit 0 generated every answer, then had no file to read
             raise DataError(f"{flag} {value}: at least {least}")
     alpaca_lc.check(args, names)
@@ -39,13 +43,20 @@ def check(args, names: list[str]) -> None:
         mt_bench.read_questions(args.mt_bench_questions, args.mt_bench_references, args.mt_bench_limit)
         mt_bench.read_prompts()
         if args.mt_bench_judge_model and args.mt_bench_judge_model != args.judge_model:
-            serving.check_server(args.judge_base_url, args.mt_bench_judge_model, "chat", args.judge_timeout,
-                                 min(args.judge_retries, 2), "--judge-base-url",
-                                 {"temperature": 0.0, "max_tokens": 2048})
+            serving.check_server(
+                args.judge_base_url,
+                args.mt_bench_judge_model,
+                "chat",
+                args.judge_timeout,
+                min(args.judge_retries, 2),
+                "--judge-base-url",
+                {"temperature": 0.0, "max_tokens": 2048},
+            )
 
 
-def evaluate(args, records, policies: dict[str, str], gens: dict[str, list[dict]], fps: dict[str, str], cache_dir,
-             load) -> dict:
+def evaluate(
+    args, records, policies: dict[str, str], gens: dict[str, list[dict]], fps: dict[str, str], cache_dir, load
+) -> dict:
     """{"table4": {...}} with the metrics asked for (none: {}). load(path, args, flag) -> (model, tokenizer): 04's."""
     out = {}
     if args.alpaca_eval:
@@ -53,10 +64,15 @@ def evaluate(args, records, policies: dict[str, str], gens: dict[str, list[dict]
         out["alpaca_eval"] = alpaca_lc.evaluate(records, outputs, list(policies), args, cache_dir, fps)
     if lm_eval_tasks.task_list(args):
         out["lm_eval"] = lm_eval_tasks.evaluate(
-            {n: p for n, p in policies.items() if not n.endswith("+reflect")}, args, cache_dir)
+            {n: p for n, p in policies.items() if not n.endswith("+reflect")}, args, cache_dir
+        )
     if args.mt_bench:
-        out["mt_bench"] = mt_bench.evaluate({n: p for n, p in policies.items() if not n.endswith("+reflect")}, args,
-                                            cache_dir, lambda name, path: load(path, args, f"--policy {name}="))
+        out["mt_bench"] = mt_bench.evaluate(
+            {n: p for n, p in policies.items() if not n.endswith("+reflect")},
+            args,
+            cache_dir,
+            lambda name, path: load(path, args, f"--policy {name}="),
+        )
     return {"table4": out} if out else {}
 
 
@@ -70,20 +86,31 @@ def columns(t4: dict) -> list[tuple[str, str, callable]]:
     cols = []
     if "alpaca_eval" in t4:
         a = t4["alpaca_eval"]
-        settings = (f"judge {a['judge']} vs reference {a['reference']}, {a['n_prompts']} prompts, GLM {a['glm']}, "
-                    f"alpaca_eval's get_length_controlled_winrate")
-        for key, head in (("lc_win_rate", "AlpacaEval 2.0 LC win rate (%)"),
-                          ("win_rate", "AlpacaEval 2.0 win rate (%)")):
+        settings = (
+            f"judge {a['judge']} vs reference {a['reference']}, {a['n_prompts']} prompts, GLM {a['glm']}, "
+            f"alpaca_eval's get_length_controlled_winrate"
+        )
+        for key, head in (
+            ("lc_win_rate", "AlpacaEval 2.0 LC win rate (%)"),
+            ("win_rate", "AlpacaEval 2.0 win rate (%)"),
+        ):
             cols.append((head, settings, lambda n, a=a, key=key: (a["policies"].get(n) or {}).get(key)))
     if "lm_eval" in t4:
         e = t4["lm_eval"]
         for task in e["tasks"]:
             for metric in ("acc_norm", "acc"):
-                settings = (f"lm-evaluation-harness {e['harness']}, {task}, {e['num_fewshot']}-shot"
-                            + (f", first {e['limit']}" if e["limit"] else ""))
-                cols.append((f"{'ARC-C' if task == 'arc_challenge' else task} {metric}", settings,
-                             lambda n, e=e, task=task, metric=metric:
-                             ((e["policies"].get(n) or {}).get(task) or {}).get(metric)))
+                settings = f"lm-evaluation-harness {e['harness']}, {task}, {e['num_fewshot']}-shot" + (
+                    f", first {e['limit']}" if e["limit"] else ""
+                )
+                cols.append(
+                    (
+                        f"{'ARC-C' if task == 'arc_challenge' else task} {metric}",
+                        settings,
+                        lambda n, e=e, task=task, metric=metric: ((e["policies"].get(n) or {}).get(task) or {}).get(
+                            metric
+                        ),
+                    )
+                )
     if "mt_bench" in t4:
         m = t4["mt_bench"]
         settings = f"judge {m['judge']}, {m['n_questions']} questions, FastChat's single-answer prompts"
@@ -95,26 +122,36 @@ def columns(t4: dict) -> list[tuple[str, str, callable]]:
 def caveats(t4: dict) -> list[str]:
     """One line per way a number's setting differs from the paper's Table 4."""
     lines = []
-    for key, label, module in (("alpaca_eval", "AlpacaEval 2.0", alpaca_lc), ("lm_eval", "ARC-Challenge",
-                                                                                 lm_eval_tasks),
-                               ("mt_bench", "MT-Bench", mt_bench)):
-        lines += [f"{label}: not comparable with the paper's Table 4: {why}" for why in
-                  (module.not_comparable(t4[key]) if key in t4 else [])]
+    for key, label, module in (
+        ("alpaca_eval", "AlpacaEval 2.0", alpaca_lc),
+        ("lm_eval", "ARC-Challenge", lm_eval_tasks),
+        ("mt_bench", "MT-Bench", mt_bench),
+    ):
+        lines += [
+            f"{label}: not comparable with the paper's Table 4: {why}"
+            for why in (module.not_comparable(t4[key]) if key in t4 else [])
+        ]
     if "alpaca_eval" in t4:
-        lines.append("AlpacaEval 2.0: the preference is 04's pairwise judge prompt (win/tie/loss), not AlpacaEval's "
-                     "weighted_alpaca_eval_gpt4_turbo annotator (a logprob-weighted preference): close, not identical")
+        lines.append(
+            "AlpacaEval 2.0: the preference is 04's pairwise judge prompt (win/tie/loss), not AlpacaEval's "
+            "weighted_alpaca_eval_gpt4_turbo annotator (a logprob-weighted preference): close, not identical"
+        )
     return lines
 
 
 def invalid_lines(t4: dict) -> list[str]:
     """The judges' invalid verdicts, which count nowhere, and why an interval is n/a."""
-    lines = [f"AlpacaEval {name}: LC win rate's interval n/a: {p['lc_win_rate']['ci95_na']}"
-             for name, p in (t4.get("alpaca_eval") or {}).get("policies", {}).items()
-             if p["lc_win_rate"].get("ci95_na")]
+    lines = [
+        f"AlpacaEval {name}: LC win rate's interval n/a: {p['lc_win_rate']['ci95_na']}"
+        for name, p in (t4.get("alpaca_eval") or {}).get("policies", {}).items()
+        if p["lc_win_rate"].get("ci95_na")
+    ]
     for name, p in (t4.get("mt_bench") or {}).get("policies", {}).items():
         if sum(p["invalid"].values()):
-            lines.append(f"MT-Bench {name}: invalid verdicts (no [[rating]]): turn 1: {p['invalid']['turn1']}, "
-                         f"turn 2: {p['invalid']['turn2']}")
+            lines.append(
+                f"MT-Bench {name}: invalid verdicts (no [[rating]]): turn 1: {p['invalid']['turn1']}, "
+                f"turn 2: {p['invalid']['turn2']}"
+            )
     for name, p in (t4.get("alpaca_eval") or {}).get("policies", {}).items():
         if p["invalid"]:
             lines.append(f"AlpacaEval {name}: {p['invalid']} invalid verdicts left out")
@@ -139,7 +176,8 @@ def console_lines(results: dict) -> list[str]:
         return []
     names = list(results["policies"])
     rows = [["Table 4 (paper §4.5)", *names]] + [
-        [head, *(" ".join(fmt(get(n))).strip() for n in names)] for head, _, get in columns(t4)]
+        [head, *(" ".join(fmt(get(n))).strip() for n in names)] for head, _, get in columns(t4)
+    ]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     out = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     seen = []
@@ -162,8 +200,11 @@ def render_html(results: dict) -> str:
         cells = "".join("<td>{}<span class='ci'>{}</span></td>".format(*map(esc, fmt(get(n)))) for n in names)
         rows.append(f"<tr><td>{esc(header)}<span class='ci'>{esc(settings)}</span></td>{cells}</tr>")
     notes = "".join(f"<li>{esc(line)}</li>" for line in caveats(t4) + invalid_lines(t4))
-    return (f"<h2 id='table4'>Table 4: AlpacaEval 2.0, ARC-Challenge, MT-Bench</h2><table class='table4'><tr><th>"
-            f"metric</th>{head}</tr>{''.join(rows)}</table>" + (f"<ul class='caveats'>{notes}</ul>" if notes else "")
-            + "<p class='note'>Each value has its 95% interval below it: a bootstrap over the prompts or questions "
-              "(for the LC win rate, alpaca_eval's GLM refitted on each resample). docs/table4.md says how each "
-              "number is computed and what the paper's setting is.</p>")
+    return (
+        f"<h2 id='table4'>Table 4: AlpacaEval 2.0, ARC-Challenge, MT-Bench</h2><table class='table4'><tr><th>"
+        f"metric</th>{head}</tr>{''.join(rows)}</table>"
+        + (f"<ul class='caveats'>{notes}</ul>" if notes else "")
+        + "<p class='note'>Each value has its 95% interval below it: a bootstrap over the prompts or questions "
+        "(for the LC win rate, alpaca_eval's GLM refitted on each resample). docs/table4.md says how each "
+        "number is computed and what the paper's setting is.</p>"
+    )

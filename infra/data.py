@@ -5,6 +5,7 @@
 split_records: 02 --data, --val-frac). Stage 1's own side (each --task preset's fields, the zero-flag demo's inputs):
 annotation/records.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,10 +33,12 @@ def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) ->
     else:
         try:
             from datasets import load_dataset
+
             rows = [(f"{data}[{split}] record {i}", dict(r)) for i, r in enumerate(load_dataset(data, split=split))]
         except Exception as e:  # noqa: BLE001 - offline, no such repo or split, gated: one line, not a traceback
-            raise common.DataError(f"{data}[{split}]: cannot load it ({type(e).__name__}: "
-                                   f"{common.first_line(e)})") from None
+            raise common.DataError(
+                f"{data}[{split}]: cannot load it ({type(e).__name__}: {common.first_line(e)})"
+            ) from None
     for where, row in rows:
         for f in required:
             if f not in row:
@@ -48,6 +51,7 @@ def read_rows(data: str, split: str = "test", required: tuple[str, ...] = ()) ->
 def _read_json_or_parquet(path: Path) -> list[tuple[str, dict]]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
+
         return [(f"{path}: record {i}", r) for i, r in enumerate(pq.read_table(path).to_pylist())]
     text = "\n".join(common.decode_utf8(line, path, n) for n, line in enumerate(path.read_bytes().split(b"\n"), 1))
     try:
@@ -76,12 +80,15 @@ def read_prompts(path: str, task: str) -> list[dict]:
         raise common.DataError(f"{path}: no prompts")
     if task == "demo":  # its exact critic and monitor read the facts off each post: own prompts fail here, not mid-run
         from tasks.demo import demo_post_facts
+
         for lineno, rec in numbered:
             try:
                 demo_post_facts(rec["prompt"])
             except ValueError:
-                raise common.DataError(f"{path}:{lineno}: prompt: not a demo post (--task demo reads the demo's facts "
-                                       "off each post; --task summarization or qa for your own prompts)") from None
+                raise common.DataError(
+                    f"{path}:{lineno}: prompt: not a demo post (--task demo reads the demo's facts "
+                    "off each post; --task summarization or qa for your own prompts)"
+                ) from None
     return records
 
 
@@ -139,8 +146,9 @@ def load_split(data: str, prompt_field: str, reference_field=None, split="test",
         if rid in seen:
             raise common.DataError(f"{data}: duplicate id {rid!r}")
         seen.add(rid)
-        records.append({"id": rid, "prompt": rec[prompt_field],
-                        **({"reference": rec[reference_field]} if reference_field else {})})
+        records.append(
+            {"id": rid, "prompt": rec[prompt_field], **({"reference": rec[reference_field]} if reference_field else {})}
+        )
     return records
 
 

@@ -2,6 +2,7 @@
 row stops once its span JSON is complete) and static_decode (a static KV cache, the one-token step under torch.compile:
 the same tokens as generate(), at the compiled model's speed).
 """
+
 from __future__ import annotations
 
 import functools
@@ -14,11 +15,20 @@ from infra import models
 def add_args(p) -> None:
     """03's speed flags: --compile-generation (static_decode) and --compile-update (trainable.compile_update)."""
     import argparse
+
     g = p.add_argument_group("compiled decoding and update (infra/decoding.py, infra/trainable.py: compile_update)")
-    g.add_argument("--compile-generation", action=argparse.BooleanOptionalAction, default=False,
-                   help="rollouts and the local critic's critiques by static_decode (a static KV cache, torch.compile)")
-    g.add_argument("--compile-update", action=argparse.BooleanOptionalAction, default=False,
-                   help="steps 4 and 6's forwards under torch.compile, AdamW fused (not bit for bit)")
+    g.add_argument(
+        "--compile-generation",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="rollouts and the local critic's critiques by static_decode (a static KV cache, torch.compile)",
+    )
+    g.add_argument(
+        "--compile-update",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="steps 4 and 6's forwards under torch.compile, AdamW fused (not bit for bit)",
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -32,19 +42,29 @@ def _text_stop(tokenizer, stop, closers):
     stop(text) (greedy_generate's check, on the same ids)."""
     import torch
 
-    def finished(history, token):                          # history: the (B,) ids of every step so far, token: last
+    def finished(history, token):  # history: the (B,) ids of every step so far, token: last
         rows = [r for r, t in enumerate(token.tolist()) if t in closers]
         done = torch.zeros(token.shape, dtype=torch.bool, device=token.device)
         if rows:
             so_far = torch.stack(history, 1)[rows].tolist()
-            done[rows] = torch.tensor([stop(tokenizer.decode(ids, skip_special_tokens=True)) for ids in so_far],
-                                      device=token.device)
+            done[rows] = torch.tensor(
+                [stop(tokenizer.decode(ids, skip_special_tokens=True)) for ids in so_far], device=token.device
+            )
         return done
+
     return finished
 
 
-def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 32,
-                    desc: str | None = None, stop=None, compile: bool = False) -> list[list[int]]:
+def greedy_generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int = 32,
+    desc: str | None = None,
+    stop=None,
+    compile: bool = False,
+) -> list[list[int]]:
     """Greedy response ids for each prompt, cut before EOS: batched, left-padded, with a KV cache.
 
     The same tokens as `generate(..., temperature=0)` (model.generate greedy, nothing from the model's
@@ -62,12 +82,21 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, b
     eos, pad = set(models.stop_ids(model)), tokenizer.pad_token_id
     closers = _ids_with(tokenizer, "}") if stop is not None else frozenset()
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None, leave=False):
-        ids, mask = models.left_pad([p if isinstance(p, list) else models.encode_prompt(tokenizer, p)
-                              for p in prompts[i:i + batch_size]], pad)
+        ids, mask = models.left_pad(
+            [p if isinstance(p, list) else models.encode_prompt(tokenizer, p) for p in prompts[i : i + batch_size]], pad
+        )
         ids, mask = ids.to(device), mask.to(device)
         if compile:
-            new = static_decode(model, ids, mask, max_new_tokens, lambda logits, t: logits.argmax(-1), list(eos), pad,
-                                finished=_text_stop(tokenizer, stop, closers) if stop is not None else None)
+            new = static_decode(
+                model,
+                ids,
+                mask,
+                max_new_tokens,
+                lambda logits, t: logits.argmax(-1),
+                list(eos),
+                pad,
+                finished=_text_stop(tokenizer, stop, closers) if stop is not None else None,
+            )
             out += [[t for t in row if t != pad and t not in eos] for row in new.tolist()]
             continue
         position = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -76,8 +105,14 @@ def greedy_generate(model, tokenizer, prompts: list[str], max_new_tokens: int, b
         new = [[] for _ in rows]
         for _ in range(max_new_tokens):
             with torch.no_grad():
-                logits = model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache,
-                               use_cache=True, logits_to_keep=1).logits[:, -1]
+                logits = model(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    position_ids=position,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                ).logits[:, -1]
             next_ids = logits.float().argmax(-1)
             running = []
             for j, (row, token) in enumerate(zip(rows, next_ids.tolist())):
@@ -113,8 +148,9 @@ def prompt_bucket(width: int) -> int:
 def decode_forward(model, ids, mask, position, cache):
     """Logits (B, V) of the token after the last of `ids` (B, n), whose keys and values join `cache` (a StaticCache);
     mask (B, L) marks the cache slots that hold a token (L = its length), position (B, n) their positions."""
-    return model(input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
-                 logits_to_keep=1).logits[:, -1]
+    return model(
+        input_ids=ids, attention_mask=mask, position_ids=position, cache=cache, use_cache=True, logits_to_keep=1
+    ).logits[:, -1]
 
 
 @functools.cache
@@ -124,11 +160,13 @@ def _compiled_decode_forward(device_type: str):
     in mode reduce-overhead, as transformers' own compiled generate(): the step is replayed as one CUDA graph, so
     its few hundred kernel launches cost one (the static cache's tensors keep their addresses for it)."""
     import torch
+
     # one compiled entry per model class x batch x cache length: torch's default limit of 8 would make a long
     # run (policy and critic, a few buckets each) quietly fall back to eager for the shapes after the eighth
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(decode_forward, fullgraph=True, dynamic=False,
-                         mode="reduce-overhead" if device_type == "cuda" else None)
+    return torch.compile(
+        decode_forward, fullgraph=True, dynamic=False, mode="reduce-overhead" if device_type == "cuda" else None
+    )
 
 
 _STATIC_CACHES = weakref.WeakKeyDictionary()  # model -> (shape key, its StaticCache): the last one static_decode used
@@ -140,8 +178,14 @@ def static_cache(model, batch: int, length: int, device):
     it (one per model: an 8B model's cache can take gigabytes)."""
     import torch
     from transformers import StaticCache
-    key = (batch, length, str(device), next(model.parameters()).dtype,
-           torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type))
+
+    key = (
+        batch,
+        length,
+        str(device),
+        next(model.parameters()).dtype,
+        torch.is_autocast_enabled(device.type) and torch.get_autocast_dtype(device.type),
+    )
     kept = _STATIC_CACHES.get(model)
     if kept is not None and kept[0] == key:
         kept[1].reset()
@@ -176,13 +220,15 @@ def packed_sdpa(module, query, key, value, attention_mask, **kwargs):
     cache always has one) it copies the whole cache once per query head (repeat_kv) in every layer of every step:
     4x the cache's bytes written and read again, at 8B x 64 rows x 768 slots some 25 GB a step."""
     from transformers.integrations.sdpa_attention import pack_gqa, sdpa_attention_forward
+
     groups = getattr(module, "num_key_value_groups", 1)
     if groups == 1 or query.shape[2] != 1 or kwargs.get("position_bias") is not None or kwargs.get("dropout", 0.0):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     import torch
-    out = torch.nn.functional.scaled_dot_product_attention(pack_gqa(query, groups), key, value,
-                                                           attn_mask=pack_gqa(attention_mask, groups),
-                                                           scale=kwargs.get("scaling"))      # (B, H_kv, groups, D)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        pack_gqa(query, groups), key, value, attn_mask=pack_gqa(attention_mask, groups), scale=kwargs.get("scaling")
+    )  # (B, H_kv, groups, D)
     return out.reshape(out.shape[0], -1, 1, value.shape[-1]).transpose(1, 2).contiguous(), None  # (B, 1, H, D)
 
 
@@ -191,6 +237,7 @@ def packed_attention(model):
     """The model's layers attend through packed_sdpa inside the block (a model on sdpa; any other left as it is)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
     before = config._attn_implementation
     if before != "sdpa":
@@ -205,8 +252,9 @@ def packed_attention(model):
         config._attn_implementation = before
 
 
-def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[int], pad_id: int, compile: bool = True,
-                  finished=None):
+def static_decode(
+    model, ids, mask, max_new_tokens: int, pick, stop_ids: list[int], pad_id: int, compile: bool = True, finished=None
+):
     """generate()'s decoding loop without generate(): a static KV cache, and the one-token step compiled.
 
     The prompts ids, mask (B, P) (left-padded) are padded further on the left to prompt_bucket(P) and go through one
@@ -223,18 +271,18 @@ def static_decode(model, ids, mask, max_new_tokens: int, pick, stop_ids: list[in
     import torch.nn.functional as F
 
     extra = prompt_bucket(ids.shape[1]) - ids.shape[1]
-    ids, mask = F.pad(ids, (extra, 0), value=pad_id), F.pad(mask, (extra, 0))               # (B, P'), P' a bucket
-    slots = F.pad(mask, (0, max_new_tokens))                     # (B, P' + N): 1 where a cache slot holds a token
-    position = (mask.cumsum(-1) - 1).clamp(min=0)                # left padding: positions start at the first token
+    ids, mask = F.pad(ids, (extra, 0), value=pad_id), F.pad(mask, (extra, 0))  # (B, P'), P' a bucket
+    slots = F.pad(mask, (0, max_new_tokens))  # (B, P' + N): 1 where a cache slot holds a token
+    position = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at the first token
     cache = static_cache(model, len(ids), slots.shape[1], ids.device)
     stop = torch.tensor(stop_ids, device=ids.device)
     step = _compiled_decode_forward(ids.device.type) if compile else decode_forward
     done, new = torch.zeros(len(ids), dtype=torch.bool, device=ids.device), []
     with torch.no_grad(), input_grad_hooks_off(model), packed_attention(model) if compile else nullcontext():
-        logits = decode_forward(model, ids, slots, position, cache)      # prefill: eager (its shape changes)
+        logits = decode_forward(model, ids, slots, position, cache)  # prefill: eager (its shape changes)
         position = position[:, -1:]
         for t in range(max_new_tokens):
-            token = pick(logits.float(), t).masked_fill(done, pad_id)                                        # (B,)
+            token = pick(logits.float(), t).masked_fill(done, pad_id)  # (B,)
             new.append(token)
             done |= torch.isin(token, stop) | (finished(new, token) if finished is not None else False)
             if t + 1 == max_new_tokens or bool(done.all()):
@@ -253,8 +301,17 @@ def sampler(config):
     import torch
     from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-    known = {"max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p", "pad_token_id", "bos_token_id",
-             "eos_token_id", "transformers_version"}
+    known = {
+        "max_new_tokens",
+        "min_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_p",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "transformers_version",
+    }
     unsupported = {k: v for k, v in config.to_diff_dict().items() if k not in known | {"top_k"}}
     if config.do_sample and config.top_k:  # GenerationConfig's default top_k is 50: generate() would cut to it
         unsupported["top_k"] = config.top_k
@@ -262,7 +319,7 @@ def sampler(config):
         raise ValueError(f"static decoding implements generation_config's settings only, not {unsupported}")
     stop = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
 
-    def pick(logits, t):                                                                      # (B, V) -> (B,)
+    def pick(logits, t):  # (B, V) -> (B,)
         if t < (config.min_new_tokens or 0):  # MinNewTokensLengthLogitsProcessor
             logits = logits.index_fill(1, torch.tensor(stop, device=logits.device), -float("inf"))
         if not config.do_sample:
@@ -272,6 +329,7 @@ def sampler(config):
         if config.top_p < 1.0:
             logits = TopPLogitsWarper(config.top_p)(None, logits)
         return torch.multinomial(logits.softmax(-1), num_samples=1).squeeze(1)
+
     return pick
 
 

@@ -16,6 +16,7 @@ gather on every decode step (bench/README.md, FSDP), at the cost of one whole co
 Checkpoints gather full state dicts (runs.save_checkpoint: the same file a single process writes, one per run), and
 the saved policy is a plain adapter or model folder that one process loads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,11 +32,20 @@ from infra import models
 
 def add_args(p, rollouts: bool = True) -> None:
     g = p.add_argument_group("torchrun (infra/distributed.py)")
-    g.add_argument("--shard", default="ddp", choices=["ddp", "fsdp"], help="ddp: a whole model per rank; fsdp: "
-                   "parameters, gradients and optimizer states sharded (FSDP2)")
+    g.add_argument(
+        "--shard",
+        default="ddp",
+        choices=["ddp", "fsdp"],
+        help="ddp: a whole model per rank; fsdp: parameters, gradients and optimizer states sharded (FSDP2)",
+    )
     if rollouts:
-        g.add_argument("--fsdp-generate", default="whole", choices=["whole", "layers"], help="--shard fsdp rollouts: "
-                       "gather the policy once, or each layer at every decode step (past one GPU's memory)")
+        g.add_argument(
+            "--fsdp-generate",
+            default="whole",
+            choices=["whole", "layers"],
+            help="--shard fsdp rollouts: "
+            "gather the policy once, or each layer at every decode step (past one GPU's memory)",
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -43,6 +53,7 @@ def seed_everything(seed: int) -> None:
     import random
 
     import numpy as np
+
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
@@ -107,11 +118,15 @@ def barrier(timeout_h: float | None = None) -> None:
 # --shard fsdp: FSDP2 over the decoder layers, then the root
 # ----------------------------------------------------------------------------------------------------------------------
 
+
 def decoder_layers(model) -> list:
     """The model's repeated blocks: the longest ModuleList whose modules are all of one class (Llama's, Qwen's,
     Mistral's model.layers), or []."""
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 1
-             and len({type(x) for x in m}) == 1]
+    lists = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
+    ]
     return list(max(lists, key=len)) if lists else []
 
 
@@ -123,14 +138,19 @@ def shard(model, ref_model, args):
     if args.shard != "fsdp":
         return model, ref_model
     if args.fsdp_generate == "layers" and args.compile_generation:
-        raise common.DataError("--fsdp-generate layers with --compile-generation: the compiled decoder needs the "
-                               "policy whole (--fsdp-generate whole)")
+        raise common.DataError(
+            "--fsdp-generate layers with --compile-generation: the compiled decoder needs the "
+            "policy whole (--fsdp-generate whole)"
+        )
     if not dist.is_initialized():
-        raise common.DataError("--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
-                               "03_train_policy.py --shard fsdp ... (N = 1 runs it on one GPU)")
+        raise common.DataError(
+            "--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
+            "03_train_policy.py --shard fsdp ... (N = 1 runs it on one GPU)"
+        )
     if args.dtype == "fp16":
-        raise common.DataError("--shard fsdp with --dtype fp16: use bf16 (fp16's loss scaling does not reach sharded "
-                               "gradients)")
+        raise common.DataError(
+            "--shard fsdp with --dtype fp16: use bf16 (fp16's loss scaling does not reach sharded gradients)"
+        )
     for m in [model] + [ref_model] * (ref_model is not None):
         fully_shard_model(m, args.dtype)
     return model, ref_model
@@ -140,11 +160,15 @@ def fully_shard_model(model, dtype: str = "float32", summed: bool = True):
     """fully_shard every decoder layer, then the root (kept gathered after its forward); summed reductions (03), or
     averaged as DDP's (summed=False: 02's Trainer)."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
     layers = decoder_layers(model)
     if not layers:
         raise common.DataError(f"--shard fsdp: {type(model).__name__} has no repeated layers to shard one by one")
-    mp = MixedPrecisionPolicy(param_dtype=models.torch_dtype(dtype), reduce_dtype=torch.float32) \
-        if dtype != "float32" else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=models.torch_dtype(dtype), reduce_dtype=torch.float32)
+        if dtype != "float32"
+        else MixedPrecisionPolicy()
+    )
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp, reshard_after_forward=False)
@@ -166,8 +190,10 @@ def shard_for_trainer(model, args):
     if args.shard != "fsdp":
         return model
     if "WORLD_SIZE" not in os.environ:
-        raise common.DataError("--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
-                               "02_train_reward.py --shard fsdp ... (N = 1 runs it on one GPU)")
+        raise common.DataError(
+            "--shard fsdp shards over torchrun's processes: torchrun --nproc_per_node N "
+            "02_train_reward.py --shard fsdp ... (N = 1 runs it on one GPU)"
+        )
     dist_init(args.device)
     fully_shard_model(model, "bf16" if args.bf16 else "float32", summed=False)
     base = model.get_base_model() if hasattr(model, "peft_config") else model
@@ -191,6 +217,7 @@ def full_state_dict(model):
 
 def is_sharded(x) -> bool:
     from torch.distributed.tensor import DTensor
+
     return isinstance(x, DTensor)
 
 
@@ -204,6 +231,7 @@ def shard_like(value, like):
     if not is_sharded(like):
         return value
     from torch.distributed.tensor import distribute_tensor
+
     return distribute_tensor(value.detach().to(like.device_mesh.device_type), like.device_mesh, like.placements)
 
 
@@ -212,6 +240,7 @@ def gathered(model, whole: bool = True):
     """A sharded model gathered whole for the block (a rollout: generate() then runs as in one process), resharded
     after; anything else, or whole=False (--fsdp-generate layers: FSDP gathers each layer as it runs), as it is."""
     from torch.distributed.fsdp import FSDPModule
+
     groups = [m for m in model.modules() if isinstance(m, FSDPModule) and whole]
     for m in groups:
         m.unshard()

@@ -2,6 +2,7 @@
 the prompt cut from its start to fit) and batched generation. Every stage loads through load_model; what training
 adds to a loaded model (LoRA, the reference adapter, compiled forwards) is infra/trainable.py's.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,13 @@ from pathlib import Path
 import common
 
 
-def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", adapter: str | None = None,
-               scalar_head: bool = False):
+def load_model(
+    name_or_path: str,
+    device: str = "cpu",
+    dtype: str = "float32",
+    adapter: str | None = None,
+    scalar_head: bool = False,
+):
     """(model, tokenizer) in eval mode. A directory holding adapter_config.json loads its base model plus the adapter.
     scalar_head: a sequence-classification model with one output (a scalar reward model; baselines/scalar_rm.py's
     scalar_rm_scores reads it), whose config's pad id is the tokenizer's; else a causal LM.
@@ -33,14 +39,18 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
     check_model_path(name_or_path)
     path = Path(name_or_path)
     if adapter is None and (path / "adapter_config.json").is_file():
-        adapter, name_or_path = str(path), json.loads((path / "adapter_config.json").read_text())[
-            "base_model_name_or_path"]
+        adapter, name_or_path = (
+            str(path),
+            json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"],
+        )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(adapter if adapter and Path(adapter, "tokenizer_config.json")
-                                                  .is_file() else name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(
+            adapter if adapter and Path(adapter, "tokenizer_config.json").is_file() else name_or_path
+        )
         auto = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
-        model = auto.from_pretrained(name_or_path, dtype=torch_dtype(dtype), **({"num_labels": 1} if scalar_head
-                                                                                 else {}))
+        model = auto.from_pretrained(
+            name_or_path, dtype=torch_dtype(dtype), **({"num_labels": 1} if scalar_head else {})
+        )
     except (OSError, ValueError) as e:
         raise common.DataError(f"{name_or_path}: cannot load the model: {common.first_line(e)}") from None
     if tokenizer.pad_token is None:
@@ -51,10 +61,12 @@ def load_model(name_or_path: str, device: str = "cpu", dtype: str = "float32", a
     stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     hub_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # a scalar head: none
     stop += [i for i in ([hub_eos] if isinstance(hub_eos, int) else hub_eos or []) if i not in stop]
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=stop,
-                                               pad_token_id=tokenizer.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id
+    )
     if adapter:
         from peft import PeftModel
+
         with peft_wraps_quietly():
             model = PeftModel.from_pretrained(model, adapter)
     disable_dropout(model)
@@ -66,18 +78,26 @@ def check_transformers() -> None:
     greedy_generate and static_decode pass; an older 5.x takes `past_key_values` and silently swallows `cache`, so
     every token after the first would be decoded without its history (found on a GPU image with 5.17)."""
     import transformers
+
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if (major, minor) < (5, 24):
-        raise common.DataError(f"transformers {transformers.__version__} is installed; this code needs >= 5.24 (a "
-                               "model takes its KV cache as `cache`): pip install 'transformers>=5.24,<6'")
+        raise common.DataError(
+            f"transformers {transformers.__version__} is installed; this code needs >= 5.24 (a "
+            "model takes its KV cache as `cache`): pip install 'transformers>=5.24,<6'"
+        )
 
 
 def looks_local(path: str) -> bool:
     """True when `path` names a local directory rather than a hub id ("org/name"): absolute, starting with '.', more
     than two parts, or under a directory that exists here. A missing local path is reported without asking the hub."""
     p = Path(path)
-    return (p.exists() or p.is_absolute() or path.startswith(".") or len(p.parts) > 2
-            or (bool(p.parts) and Path(p.parts[0]).is_dir()))
+    return (
+        p.exists()
+        or p.is_absolute()
+        or path.startswith(".")
+        or len(p.parts) > 2
+        or (bool(p.parts) and Path(p.parts[0]).is_dir())
+    )
 
 
 def check_model_path(path: str | None, flag: str = "") -> None:
@@ -93,6 +113,7 @@ def disable_dropout(model) -> None:
     named like a dropout rate, which attention modules copy from the config when they are built (Llama, Qwen and
     Mistral's `attention_dropout`, OPT's `dropout`): editing the config afterwards reaches neither."""
     import torch
+
     for module in model.modules():
         if isinstance(module, torch.nn.modules.dropout._DropoutNd):
             module.p = 0.0
@@ -111,18 +132,28 @@ def stop_ids(model) -> list[int]:
     return [ids] if isinstance(ids, int) else list(ids or [])
 
 
-def generation_config(model, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                      min_new_tokens: int = 0):
+def generation_config(
+    model, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, min_new_tokens: int = 0
+):
     """The complete settings of a generate() call, built here rather than inherited: sampling at `temperature` with
     top_k = 0 (transformers' default top-k of 50 would be a hidden truncation) and `top_p`, or greedy when temperature
     is 0; the new-token limits; every stop id; the pad id. Everything else keeps transformers' neutral defaults,
     because load_model leaves nothing else in model.generation_config for generate() to merge in."""
     from transformers import GenerationConfig
-    sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=top_p) if temperature > 0 else \
-        dict(do_sample=False)
-    return GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, eos_token_id=stop_ids(model),
-                            pad_token_id=model.generation_config.pad_token_id,
-                            bos_token_id=model.generation_config.bos_token_id, **sample)
+
+    sample = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=top_p)
+        if temperature > 0
+        else dict(do_sample=False)
+    )
+    return GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        eos_token_id=stop_ids(model),
+        pad_token_id=model.generation_config.pad_token_id,
+        bos_token_id=model.generation_config.bos_token_id,
+        **sample,
+    )
 
 
 def apply_template(tokenizer, prompt: str, chat_template: str = "auto") -> str:
@@ -133,8 +164,9 @@ def apply_template(tokenizer, prompt: str, chat_template: str = "auto") -> str:
         raise common.DataError(f"--chat-template on: the tokenizer of {tokenizer.name_or_path} has no chat template")
     if chat_template == "off" or not has:
         return prompt
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def fit_prompt(tokenizer, build, prompt: str, max_tokens: int | None):
@@ -167,17 +199,26 @@ def policy_prompt(tokenizer, prompt: str, chat_template: str = "auto", max_token
 def left_pad(seqs: list[list[int]], pad_id: int):
     """(input_ids, attention_mask) as (B, T) tensors, padded on the left so every row ends where generation starts."""
     import torch
+
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, width - len(s):] = 1
+        ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s) :] = 1
     return ids, mask
 
 
-def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0, batch_size: int = 32, desc: str | None = None) -> list[list[int]]:
+def generate(
+    model,
+    tokenizer,
+    prompts: list,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 32,
+    desc: str | None = None,
+) -> list[list[int]]:
     """Response token ids for each prompt (a text, or its token ids), cut before the first stop id. Greedy when
     temperature == 0. The settings are generation_config's, complete: nothing comes from the hub."""
     import torch
@@ -186,11 +227,13 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
     device, out, stop = next(model.parameters()).device, [], set(stop_ids(model))
     config = generation_config(model, max_new_tokens, temperature, top_p)
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=desc is None, leave=False):
-        ids, mask = left_pad([p if isinstance(p, list) else encode_prompt(tokenizer, p)
-                              for p in prompts[i:i + batch_size]], tokenizer.pad_token_id)
+        ids, mask = left_pad(
+            [p if isinstance(p, list) else encode_prompt(tokenizer, p) for p in prompts[i : i + batch_size]],
+            tokenizer.pad_token_id,
+        )
         with torch.no_grad():
             seqs = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
-        for row in seqs[:, ids.shape[1]:].tolist():
+        for row in seqs[:, ids.shape[1] :].tolist():
             cut = next((k for k, t in enumerate(row) if t in stop), len(row))
             out.append(row[:cut])
     return out
@@ -199,8 +242,14 @@ def generate(model, tokenizer, prompts: list, max_new_tokens: int, temperature: 
 def torch_dtype(name: str):
     """torch.float32 / bfloat16 / float16 from "float32", "bf16" (or "bfloat16"), "fp16" (or "float16")."""
     import torch
-    return {"float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-            "float16": torch.float16}[name]
+
+    return {
+        "float32": torch.float32,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }[name]
 
 
 @contextmanager

@@ -9,6 +9,7 @@ not parse gives delta = 0, so such a model would read as a flawless critic in st
 Stage 2 then ends with exit 1 and one line, the model kept on disk; 04 marks a policy's critic metrics n/a below the
 same floor (evaluation/__init__.py: critic_failed).
 """
+
 from __future__ import annotations
 
 import json
@@ -47,10 +48,17 @@ def rm_settings(reward_model_dir) -> dict:
         info = json.loads(path.read_text()) if path is not None and path.is_file() else {}
     except json.JSONDecodeError as e:
         raise common.DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-    out = {"max_prompt_tokens": None, "max_new_tokens": None, "rm_format": "critique+spans",
-           "prompt_format": common.RM_PROMPT_FORMAT, "target_format": common.RM_TARGET_FORMAT,
-           "objective": "generative",
-           "score_bias": 0.0, "norm_score_std": 1.0, "step_unit": None}
+    out = {
+        "max_prompt_tokens": None,
+        "max_new_tokens": None,
+        "rm_format": "critique+spans",
+        "prompt_format": common.RM_PROMPT_FORMAT,
+        "target_format": common.RM_TARGET_FORMAT,
+        "objective": "generative",
+        "score_bias": 0.0,
+        "norm_score_std": 1.0,
+        "step_unit": None,
+    }
     if "max_len" in info.get("train", {}) and "max_new_tokens" not in info:  # written before these keys existed
         out["max_new_tokens"] = 128 if info.get("task") == "demo" else 512
         out["max_prompt_tokens"] = max(info["train"]["max_len"] - out["max_new_tokens"], 1)
@@ -60,16 +68,18 @@ def rm_settings(reward_model_dir) -> dict:
     if out["rm_format"] not in common.RM_FORMATS:
         raise common.DataError(f"{path}: rm_format {out['rm_format']!r}: must be one of {', '.join(common.RM_FORMATS)}")
     if out["objective"] not in common.RM_OBJECTIVES:
-        raise common.DataError(f"{path}: objective {out['objective']!r}: must be one of "
-                               f"{', '.join(common.RM_OBJECTIVES)}")
+        raise common.DataError(
+            f"{path}: objective {out['objective']!r}: must be one of {', '.join(common.RM_OBJECTIVES)}"
+        )
     return out
 
 
 def _is_sequence_classifier(model_dir: Path) -> bool:
     """True for a model directory (or LoRA adapter) with a sequence-classification head, read from its config files."""
-    for name, test in (("adapter_config.json", lambda c: c.get("task_type") == "SEQ_CLS"),
-                       ("config.json", lambda c: any(a.endswith("ForSequenceClassification")
-                                                     for a in c.get("architectures") or []))):
+    for name, test in (
+        ("adapter_config.json", lambda c: c.get("task_type") == "SEQ_CLS"),
+        ("config.json", lambda c: any(a.endswith("ForSequenceClassification") for a in c.get("architectures") or [])),
+    ):
         try:
             if test(json.loads((model_dir / name).read_text())):
                 return True
@@ -78,31 +88,39 @@ def _is_sequence_classifier(model_dir: Path) -> bool:
     return False
 
 
-def check_reward_model(path: str, flag: str = "--reward-model ", objective: str = "generative",
-                       use: str = "a critic that writes critiques (03 --critic local or openai, 04 --reward-model)"
-                       ) -> None:
+def check_reward_model(
+    path: str,
+    flag: str = "--reward-model ",
+    objective: str = "generative",
+    use: str = "a critic that writes critiques (03 --critic local or openai, 04 --reward-model)",
+) -> None:
     """Fail fast, before any training: DataError (one line) unless load_model could load the reward model at `path`
     and stage 2 trained it for `objective` (its reward_model.json; RM_OBJECTIVES): a scalar reward model where
     critiques are needed, or the reverse, is refused, naming `use`. Checks, without loading weights: the directory
     exists; an adapter's base model is there when it is a local path (a hub id is left to load_model); the tokenizer
     loads. `flag` prefixes the message, as the user typed it."""
     from transformers import AutoTokenizer
+
     rm = Path(path or "")
     if not path or not rm.is_dir():
         raise common.DataError(f"{flag}{path or '(not given)'}: no such directory (run 02_train_reward.py first)")
     have = rm_settings(path)["objective"]
     if not (rm / "reward_model.json").is_file() and have != "pairwise":  # 02 writes it into the folder it renames
-        raise common.DataError(f"{flag}{path}: no reward_model.json (not a stage-2 output; run "
-                               "02_train_reward.py)")  # 02 writes it last
+        raise common.DataError(
+            f"{flag}{path}: no reward_model.json (not a stage-2 output; run 02_train_reward.py)"
+        )  # 02 writes it last
     if have != objective:  # (a plain sequence classifier, e.g. TRL's RewardTrainer output, is a pairwise one as it is)
-        raise common.DataError(f"{flag}{path}: {common.RM_OBJECTIVES[have]}; {use} needs "
-                               f"{common.RM_OBJECTIVES[objective]}")
+        raise common.DataError(
+            f"{flag}{path}: {common.RM_OBJECTIVES[have]}; {use} needs {common.RM_OBJECTIVES[objective]}"
+        )
     tokenizer_dir = path
     if (rm / "adapter_config.json").is_file():  # a LoRA adapter: load_model loads the base it names, then the adapter
         base = json.loads((rm / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
         if not base or (models.looks_local(base) and not Path(base).is_dir()):
-            raise common.DataError(f"{flag}{path}: its base model {base!r} (reward_model.json, adapter_config.json) "
-                                   "is not there; put it back at that path, or train the reward model again")
+            raise common.DataError(
+                f"{flag}{path}: its base model {base!r} (reward_model.json, adapter_config.json) "
+                "is not there; put it back at that path, or train the reward model again"
+            )
         if not (rm / "tokenizer_config.json").is_file():
             tokenizer_dir = base
     try:
@@ -114,8 +132,9 @@ def check_reward_model(path: str, flag: str = "--reward-model ", objective: str 
 def rm_prompt(tokenizer, prompt: str, response: str, max_tokens: int | None = None, rm_format: str = "critique+spans"):
     """The reward model's input, the same in 02 (training), 03 and 04 (critiquing): (ids, task prompt kept, status) of
     build_rm_prompt, the task prompt cut from its start when the whole would not fit in max_tokens (fit_prompt)."""
-    return models.fit_prompt(tokenizer, lambda p: common.build_rm_prompt(tokenizer, p, response, rm_format), prompt,
-                             max_tokens)
+    return models.fit_prompt(
+        tokenizer, lambda p: common.build_rm_prompt(tokenizer, p, response, rm_format), prompt, max_tokens
+    )
 
 
 def rm_scores(response: str, offsets, raw: str) -> tuple[dict, list[float], dict]:
@@ -127,9 +146,18 @@ def rm_scores(response: str, offsets, raw: str) -> tuple[dict, list[float], dict
         fb, parsed = {"critique": raw.strip(), "good_spans": [], "poor_spans": []}, 0.0
     delta, unmatched = common.span_rewards(response, offsets, fb["good_spans"], fb["poor_spans"])
     n, quotes = len(offsets), sum(1 for s in fb["good_spans"] + fb["poor_spans"] if s.strip())
-    return fb, delta, {"rm/delta_sum": (sum(delta), 1), "rm/delta_mean": (sum(delta), n),
-                       "rm/poor_token_frac": (delta.count(-1.0), n), "rm/good_token_frac": (delta.count(1.0), n),
-                       "rm/parse_rate": (parsed, 1), "rm/unmatched_span_rate": (len(unmatched), quotes)}
+    return (
+        fb,
+        delta,
+        {
+            "rm/delta_sum": (sum(delta), 1),
+            "rm/delta_mean": (sum(delta), n),
+            "rm/poor_token_frac": (delta.count(-1.0), n),
+            "rm/good_token_frac": (delta.count(1.0), n),
+            "rm/parse_rate": (parsed, 1),
+            "rm/unmatched_span_rate": (len(unmatched), quotes),
+        },
+    )
 
 
 def _prf(tp: int, n_pred: int, n_gold: int):
@@ -181,8 +209,12 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
                 elif any(a < d and c < b for c, d in gold_iv[k]):
                     s["partial"] += 1
     n = len(items)
-    metrics = {"n": n, "parse_rate": parsed / n if n else None, "quotes": quotes,
-               "unmatched_span_rate": unmatched / quotes if quotes else None}
+    metrics = {
+        "n": n,
+        "parse_rate": parsed / n if n else None,
+        "quotes": quotes,
+        "unmatched_span_rate": unmatched / quotes if quotes else None,
+    }
     for name, c in (("pos", 1.0), ("neg", -1.0)):
         t = tok[c]
         metrics.update(zip((f"{name}_precision", f"{name}_recall", f"{name}_f1"), _prf(t["tp"], t["pred"], t["gold"])))
@@ -196,14 +228,18 @@ def rm_span_metrics(items: list[dict], outputs: list[str]) -> dict:
 def print_table(m: dict) -> None:
     """02's span metrics of the reward model (rm_span_metrics, evaluate_rm's) as a table."""
     fmt = lambda x: "  n/a" if x is None else f"{x:5.3f}"  # noqa: E731
-    print(f"reward model on {m['n']} val examples: JSON parse rate {fmt(m['parse_rate'])}, unmatched-span rate "
-          f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words where "
-          f"it parses, raw outputs {m['output_words']:.1f} words (annotations {m['gold_critique_words']:.1f})")
+    print(
+        f"reward model on {m['n']} val examples: JSON parse rate {fmt(m['parse_rate'])}, unmatched-span rate "
+        f"{fmt(m['unmatched_span_rate'])} of {m['quotes']} quotes, critique {m['critique_words']:.1f} words where "
+        f"it parses, raw outputs {m['output_words']:.1f} words (annotations {m['gold_critique_words']:.1f})"
+    )
     print("  class        precision  recall     F1   spans gold/pred/exact/partial")
     for name, key, label in (("+1 (good)", "pos", "good"), ("-1 (poor)", "neg", "poor")):
         s = m["spans"][label]
-        print(f"  {name:11s}    {fmt(m[key + '_precision'])}   {fmt(m[key + '_recall'])}  {fmt(m[key + '_f1'])}"
-              f"   {s['gold']}/{s['pred']}/{s['exact']}/{s['partial']}")
+        print(
+            f"  {name:11s}    {fmt(m[key + '_precision'])}   {fmt(m[key + '_recall'])}  {fmt(m[key + '_f1'])}"
+            f"   {s['gold']}/{s['pred']}/{s['exact']}/{s['partial']}"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -213,11 +249,18 @@ def print_table(m: dict) -> None:
 
 def add_args(p) -> None:
     g = p.add_argument_group("serving: --merge (infra/reward_models.py: merge_reward_model)")
-    g.add_argument("--merge", metavar="DIR", help="then also write the reward model at DIR as a plain model folder, "
-                   "its LoRA merged, for a server")
+    g.add_argument(
+        "--merge",
+        metavar="DIR",
+        help="then also write the reward model at DIR as a plain model folder, its LoRA merged, for a server",
+    )
     g = p.add_argument_group("the parse-rate floor (infra/reward_models.py: parse_rate_check)")
-    g.add_argument("--min-parse-rate", type=float, default=MIN_PARSE_RATE, help="exit 1 when fewer held-out "
-                   "critiques than this share parse (the model is kept)")
+    g.add_argument(
+        "--min-parse-rate",
+        type=float,
+        default=MIN_PARSE_RATE,
+        help="exit 1 when fewer held-out critiques than this share parse (the model is kept)",
+    )
 
 
 # Below half, most of stage 3's rollouts would get delta = 0 from this critic (a critique that does not parse quotes
@@ -230,14 +273,18 @@ def parse_rate_check(metrics: dict, args) -> int:
     reward model's held-out critiques parse below --min-parse-rate; else 0. Nothing evaluated (--eval-limit 0, a
     scalar objective, a rank other than 0): 0."""
     import sys
+
     rate = metrics.get("parse_rate")
     if rate is None or rate >= args.min_parse_rate:
         return 0
-    print(f"error: the reward model's critiques parsed on {round(rate * metrics['n'])} of {metrics['n']} held-out "
-          f"examples (parse rate {rate:.2f}, below --min-parse-rate {args.min_parse_rate:g}): as a critic it would "
-          f"give most rollouts delta = 0. It is saved in {args.output_dir} (its outputs in eval_samples.jsonl); train "
-          "it longer (--max-steps, --epochs), on more annotations or with a larger --max-new-tokens, then rerun with "
-          "--overwrite; --min-parse-rate 0 accepts it as it is", file=sys.stderr)
+    print(
+        f"error: the reward model's critiques parsed on {round(rate * metrics['n'])} of {metrics['n']} held-out "
+        f"examples (parse rate {rate:.2f}, below --min-parse-rate {args.min_parse_rate:g}): as a critic it would "
+        f"give most rollouts delta = 0. It is saved in {args.output_dir} (its outputs in eval_samples.jsonl); train "
+        "it longer (--max-steps, --epochs), on more annotations or with a larger --max-new-tokens, then rerun with "
+        "--overwrite; --min-parse-rate 0 accepts it as it is",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -249,6 +296,7 @@ def check_output_dir(args) -> None:
     reward model there is continued or replaced only when asked (infra.runs.start_kind: --resume, --overwrite, or the
     literal zero-flag demo). DataError otherwise."""
     from transformers.trainer_utils import get_last_checkpoint
+
     out = Path(args.output_dir)
     runs.check_save_dir(out, (*OWNS, "checkpoints"), "reward_model.json", "--output-dir ")
     if args.merge:
@@ -270,10 +318,17 @@ def save_reward_model(model, args, out: Path, summary: dict, state_dict: dict | 
     embeddings the same way) when it loads the reward model, so the adapter never needs to carry embedding rows.
     """
     from transformers import AutoTokenizer
-    runs.save_pretrained(out, model, AutoTokenizer.from_pretrained(args.model), {"reward_model.json": summary},
-                         keep=("checkpoints",), owns=OWNS, **({"save_embedding_layers": False}
-                                                             if hasattr(model, "peft_config") else {}),
-                         **({"state_dict": state_dict} if state_dict is not None else {}))
+
+    runs.save_pretrained(
+        out,
+        model,
+        AutoTokenizer.from_pretrained(args.model),
+        {"reward_model.json": summary},
+        keep=("checkpoints",),
+        owns=OWNS,
+        **({"save_embedding_layers": False} if hasattr(model, "peft_config") else {}),
+        **({"state_dict": state_dict} if state_dict is not None else {}),
+    )
 
 
 def merge_untied(model):
@@ -282,6 +337,7 @@ def merge_untied(model):
     reach the embeddings and embed_tokens' the logits. lm_head gets its own copy of the matrix first; the two are tied
     again afterwards when no delta touched them."""
     import torch
+
     base = model.get_base_model()
     tied = getattr(base.config, "tie_word_embeddings", False)
     if tied:
@@ -308,7 +364,9 @@ def merge_reward_model(rm_dir, out_dir, dtype: str = "float32") -> Path:
     model, tokenizer = models.load_model(str(rm_dir), dtype=dtype)
     if hasattr(model, "peft_config"):
         model = merge_untied(model)
-    info = json.loads((Path(rm_dir) / "reward_model.json").read_text()) if (Path(rm_dir) / "reward_model.json"
-                                                                            ).is_file() else {}
-    return runs.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from":
-                                                                                  str(rm_dir)}})
+    info = (
+        json.loads((Path(rm_dir) / "reward_model.json").read_text())
+        if (Path(rm_dir) / "reward_model.json").is_file()
+        else {}
+    )
+    return runs.save_pretrained(out_dir, model, tokenizer, {"reward_model.json": {**info, "merged_from": str(rm_dir)}})

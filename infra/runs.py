@@ -4,6 +4,7 @@ fingerprints of models and data; and stage 3's run folder: its checkpoint (save_
 a run needs to continue bit-exactly, every rank's random states included), how it starts or resumes (policy_run_kind,
 start_or_resume), and the order of the prompts over the passes (batch_indices: the same after a resume).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,11 @@ SAVE_RECORD = "saved_files.json"  # in a folder save_pretrained wrote: the names
 
 # What a model folder saved before SAVE_RECORD existed holds (transformers', peft's and our own files): such a folder
 # counts as a save's own only where it also holds the save's marker file (foreign_files)
-_MODEL_FILE = re.compile(r"(config|generation_config|adapter_config|tokenizer(_config)?|special_tokens_map|"
-                         r"added_tokens|chat_template|vocab|reward_model|sft)\.json|.*\.safetensors(\.index\.json)?|"
-                         r"tokenizer\.model|merges\.txt|chat_template\.jinja|value_head\.pt|README\.md")
+_MODEL_FILE = re.compile(
+    r"(config|generation_config|adapter_config|tokenizer(_config)?|special_tokens_map|"
+    r"added_tokens|chat_template|vocab|reward_model|sft)\.json|.*\.safetensors(\.index\.json)?|"
+    r"tokenizer\.model|merges\.txt|chat_template\.jinja|value_head\.pt|README\.md"
+)
 
 
 def foreign_files(folder, owns=(), marker: str = "config.json") -> list[str]:
@@ -86,12 +89,21 @@ def check_save_dir(folder, owns=(), marker: str = "config.json", flag: str = "")
     foreign = foreign_files(folder, owns, marker)
     if foreign:
         listed = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise common.DataError(f"{flag}{folder}: holds files that a save there did not write ({listed}); a save "
-                               "replaces only its own files: name another folder")
+        raise common.DataError(
+            f"{flag}{folder}: holds files that a save there did not write ({listed}); a save "
+            "replaces only its own files: name another folder"
+        )
 
 
-def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: tuple[str, ...] = (),
-                    owns: tuple[str, ...] = (), **kwargs) -> Path:
+def save_pretrained(
+    out_dir,
+    model,
+    tokenizer,
+    files: dict | None = None,
+    keep: tuple[str, ...] = (),
+    owns: tuple[str, ...] = (),
+    **kwargs,
+) -> Path:
     """model.save_pretrained(**kwargs), the tokenizer and `files` ({name: a state dict, torch.save; or for a .json
     name, a dict}) into a temp dir that then replaces out_dir, whose entries named in `keep` it takes over: a reader
     finds the old folder whole or the new one whole (for an instant, none), never half a model. Only a save's own
@@ -102,6 +114,7 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: 
     import shutil
 
     import torch
+
     out_dir = Path(out_dir)
     marker = next(iter(files or {}), "adapter_config.json" if hasattr(model, "peft_config") else "config.json")
     check_save_dir(out_dir, (*keep, *owns), marker)
@@ -132,8 +145,9 @@ def save_pretrained(out_dir, model, tokenizer, files: dict | None = None, keep: 
     return out_dir
 
 
-def start_kind(out_dir, resume: bool, overwrite: bool, held: list[str], checkpoint: str, resumable: bool,
-               replaceable: bool = False) -> str:
+def start_kind(
+    out_dir, resume: bool, overwrite: bool, held: list[str], checkpoint: str, resumable: bool, replaceable: bool = False
+) -> str:
     """How a training run starts in out_dir (02, 03), decided before anything is trained: "resume" (--resume, and
     `resumable`: its `checkpoint` is there), "fresh" (`held`, the names of a run's files there, is empty) or "replace"
     (a run there, which --overwrite gives up, or `replaceable`: the zero-flag demo rerun in its own folder). Anything
@@ -145,10 +159,12 @@ def start_kind(out_dir, resume: bool, overwrite: bool, held: list[str], checkpoi
     if overwrite or replaceable:
         return "replace"
     if resume:
-        raise common.DataError(f"--resume: no {checkpoint} in {out_dir}, which holds a run ({', '.join(held)}): "
-                        "--overwrite replaces it")
-    raise common.DataError(f"{out_dir} holds a run ({', '.join(held)}): --resume continues it from its checkpoint, "
-                    "--overwrite replaces it")
+        raise common.DataError(
+            f"--resume: no {checkpoint} in {out_dir}, which holds a run ({', '.join(held)}): --overwrite replaces it"
+        )
+    raise common.DataError(
+        f"{out_dir} holds a run ({', '.join(held)}): --resume continues it from its checkpoint, --overwrite replaces it"
+    )
 
 
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
@@ -158,44 +174,64 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     while len(out) < batch_size:
         epoch, offset = divmod(pos, n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-        take = perm[offset: offset + batch_size - len(out)]
+        take = perm[offset : offset + batch_size - len(out)]
         out += take
         pos += len(take)
     return out
 
 
-def save_checkpoint(path, step: int, model, value_head, optimizer, scheduler, scaler, kl_coef: float, config: dict,
-                    rank: int = 0):
+def save_checkpoint(
+    path, step: int, model, value_head, optimizer, scheduler, scaler, kl_coef: float, config: dict, rank: int = 0
+):
     """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, loss scaler (fp16), beta,
     its settings (config) and every rank's RNG states, all a run needs to continue bit-exactly. Called on every rank
     (their RNG states are gathered); rank 0 writes it, atomically. The parameters are the same on every rank."""
-    rngs = [{"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}]
+    rngs = [
+        {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+    ]
     if dist.is_initialized():
         rngs, rng = [None] * dist.get_world_size(), rngs[0]
         dist.all_gather_object(rngs, rng)
     sharded = any(distributed.is_sharded(p) for p in model.parameters())  # --shard fsdp: gathered on every rank
-    if rank == 0 or sharded:                                                # (in one order), whole
+    if rank == 0 or sharded:  # (in one order), whole
         trainable = {n: distributed.full(p).cpu() for n, p in model.named_parameters() if p.requires_grad}
         optim = optimizer.state_dict()
-        optim["state"] = {i: {k: distributed.full(v).cpu() if torch.is_tensor(v) else v for k, v in st.items()}
-                          for i, st in optim["state"].items()}
+        optim["state"] = {
+            i: {k: distributed.full(v).cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+            for i, st in optim["state"].items()
+        }
     if rank == 0:
-        state = {"step": step, "kl_coef": kl_coef, "args": config, "rng": rngs, "trainable": trainable,
-                 "value_head": value_head.state_dict(), "optimizer": optim, "scheduler": scheduler.state_dict(),
-                 "scaler": scaler.state_dict()}
+        state = {
+            "step": step,
+            "kl_coef": kl_coef,
+            "args": config,
+            "rng": rngs,
+            "trainable": trainable,
+            "value_head": value_head.state_dict(),
+            "optimizer": optim,
+            "scheduler": scheduler.state_dict(),
+            "scaler": scaler.state_dict(),
+        }
         with common.atomic_open(path, "wb") as f:
             torch.save(state, f)
 
 
-def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank: int = 0,
-                    world: int = 1) -> tuple[int, float]:
+def load_checkpoint(
+    path, model, value_head, optimizer, scheduler, scaler, rank: int = 0, world: int = 1
+) -> tuple[int, float]:
     """Restore what save_checkpoint saved, this rank's RNG states included: (step, beta). Another world size cannot
     continue exactly (each rank's sampler state is saved): DataError."""
     state = torch.load(path, map_location="cpu", weights_only=False)
     if len(state["rng"]) != world:
-        raise common.DataError(f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with "
-                               f"the same world size (torchrun --nproc_per_node {len(state['rng'])})")
+        raise common.DataError(
+            f"{path}: saved by {len(state['rng'])} process(es), resumed with {world}; resume with "
+            f"the same world size (torchrun --nproc_per_node {len(state['rng'])})"
+        )
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, tensor in state["trainable"].items():
@@ -203,8 +239,10 @@ def load_checkpoint(path, model, value_head, optimizer, scheduler, scaler, rank:
     value_head.load_state_dict(state["value_head"])
     order = [p for group in optimizer.param_groups for p in group["params"]]  # the state's indices (sharded: as saved)
     optim = state["optimizer"]
-    optim["state"] = {i: {k: distributed.shard_like(v, order[int(i)]) if torch.is_tensor(v) and v.dim() else v
-                          for k, v in st.items()} for i, st in optim["state"].items()}
+    optim["state"] = {
+        i: {k: distributed.shard_like(v, order[int(i)]) if torch.is_tensor(v) and v.dim() else v for k, v in st.items()}
+        for i, st in optim["state"].items()
+    }
     optimizer.load_state_dict(optim)
     scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # {} when loss scaling is off (not fp16)
@@ -228,9 +266,14 @@ def save_policy(folder, model, tokenizer, value_head, rank: int = 0) -> None:
     peft = hasattr(model, "peft_config")  # an adapter: its own weights alone are gathered
     state = distributed.full_state_dict(model)
     if rank == 0:
-        save_pretrained(folder, model, tokenizer, {"value_head.pt": value_head.state_dict()},
-                        **({"selected_adapters": ["default"]} if peft else {}),
-                        **({"state_dict": state} if state is not None else {}))
+        save_pretrained(
+            folder,
+            model,
+            tokenizer,
+            {"value_head.pt": value_head.state_dict()},
+            **({"selected_adapters": ["default"]} if peft else {}),
+            **({"state_dict": state} if state is not None else {}),
+        )
 
 
 def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str:
@@ -239,14 +282,32 @@ def policy_run_kind(out_dir, resume: bool, overwrite: bool, demo_dirs=()) -> str
     folders, given only on a rerun of the literal zero-flag command; a command with any flag never replaces them).
     Anything else is refused (DataError)."""
     out_dir = Path(out_dir)
-    return start_kind(out_dir, resume, overwrite, [name for name in RUN_FILES if (out_dir / name).exists()],
-                      "checkpoint.pt", (out_dir / "checkpoint.pt").is_file(),
-                      out_dir.resolve() in [Path(d).resolve() for d in demo_dirs])
+    return start_kind(
+        out_dir,
+        resume,
+        overwrite,
+        [name for name in RUN_FILES if (out_dir / name).exists()],
+        "checkpoint.pt",
+        (out_dir / "checkpoint.pt").is_file(),
+        out_dir.resolve() in [Path(d).resolve() for d in demo_dirs],
+    )
 
 
-MAY_DIFFER = ("steps", "log_every", "save_every", "trace_samples", "dump_rollouts", "critic_concurrency", "resume",
-              "overwrite", "zero_flag", "scalar_baseline_dir", "max_fail_share", "max_fail_iterations",  # what a resumed run may change: no result depends on it
-              "device")  # and where it runs (config.json's segments record each invocation's device)
+MAY_DIFFER = (
+    "steps",
+    "log_every",
+    "save_every",
+    "trace_samples",
+    "dump_rollouts",
+    "critic_concurrency",
+    "resume",
+    "overwrite",
+    "zero_flag",
+    "scalar_baseline_dir",
+    "max_fail_share",
+    "max_fail_iterations",  # what a resumed run may change: no result depends on it
+    "device",
+)  # and where it runs (config.json's segments record each invocation's device)
 
 
 def check_same_run(config_file: Path, config: dict) -> None:
@@ -259,13 +320,16 @@ def check_same_run(config_file: Path, config: dict) -> None:
     there, now = json.loads(config_file.read_text()), json.loads(json.dumps(config, default=str))
     for key, value in now.items():
         if key in there and key not in MAY_DIFFER and there[key] != value:
-            raise common.DataError(f"--resume: --{key.replace('_', '-')} was {there[key]} in this run, {value} now: a "
-                                   "resumed run keeps every setting that shapes training (only --steps and logging, "
-                                   "saving and tracing flags may differ); --overwrite starts it again")
+            raise common.DataError(
+                f"--resume: --{key.replace('_', '-')} was {there[key]} in this run, {value} now: a "
+                "resumed run keeps every setting that shapes training (only --steps and logging, "
+                "saving and tracing flags may differ); --overwrite starts it again"
+            )
 
 
-def start_or_resume(out_dir, kind: str, config: dict, model, value_head, optimizer, scheduler, scaler, rank: int,
-                    world: int) -> dict:
+def start_or_resume(
+    out_dir, kind: str, config: dict, model, value_head, optimizer, scheduler, scaler, rank: int, world: int
+) -> dict:
     """The run dir: {"step": the last step done, 0 for a fresh start; "kl_coef": the resumed run's beta}. kind
     (policy_run_kind) "resume" restores the checkpoint (load_checkpoint) and cuts metrics.jsonl, samples.jsonl and
     trace.jsonl back to its step; a fresh start removes the run it replaces. Rank 0 writes config.json: config, the
@@ -278,12 +342,14 @@ def start_or_resume(out_dir, kind: str, config: dict, model, value_head, optimiz
         out_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
     if kind == "resume":
-        last, saved["kl_coef"] = load_checkpoint(out_dir / "checkpoint.pt", model, value_head, optimizer, scheduler,
-                                                 scaler, rank, world)
+        last, saved["kl_coef"] = load_checkpoint(
+            out_dir / "checkpoint.pt", model, value_head, optimizer, scheduler, scaler, rank, world
+        )
     for path in [out_dir / name for name in RUN_FILES] if rank == 0 else ():
         if last and path.suffix == ".jsonl":  # drop the rows logged after the checkpoint
-            common.write_jsonl(path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file()
-                               else [])
+            common.write_jsonl(
+                path, [r for r in common.read_jsonl(path) if r["step"] <= last] if path.is_file() else []
+            )
         elif not last and path.is_dir():
             shutil.rmtree(path)
         elif not last:
@@ -315,11 +381,15 @@ def interrupted() -> str:
     """The one line a Ctrl-C of stage 3 prints: the iterations metrics.jsonl holds, the last checkpoint, and the
     command that continues the run (--resume; --overwrite dropped, since the two are refused together)."""
     import shlex
+
     out_dir, steps = (Path(_RUN["args"].output_dir), _RUN["args"].steps) if _RUN else (Path("."), 0)
     metrics, ckpt = out_dir / "metrics.jsonl", out_dir / "checkpoint.pt"
     done = len(common.read_jsonl(metrics)) if metrics.is_file() else 0
     saved = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["step"] if ckpt.is_file() else None
     argv = [a for a in _RUN.get("argv", []) if a not in ("--overwrite", "--resume")]
     again = shlex.join(["python", *argv, "--resume" if saved else "--overwrite"])
-    return (f"interrupted after iteration {done} of {steps}; last checkpoint: " +
-            (f"iteration {saved} ({ckpt})" if saved else "none yet (--save-every)") + f"; continue with: {again}")
+    return (
+        f"interrupted after iteration {done} of {steps}; last checkpoint: "
+        + (f"iteration {saved} ({ckpt})" if saved else "none yet (--save-every)")
+        + f"; continue with: {again}"
+    )

@@ -2,6 +2,7 @@
 openai, 04's judge). The server's own error text (api_error), one retry policy (retry_delay, send_with_retries), one
 cheap request before any work (check_server). A served reward model's critiques: critics/learned.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ def api_error(e: Exception) -> str:
     transformers serve's among them); the text is in e.body, else e.response.text. Timeouts and connection errors
     name themselves; notes added to the exception (send_with_retries: the attempts) follow after "; "."""
     import openai
+
     if isinstance(e, openai.APIStatusError):
         body = e.body if e.body is not None else e.response.text
         if isinstance(body, dict):
@@ -46,7 +48,7 @@ def backoff_delay(attempt: int, retry_after: float | None, base: float, cap: flo
     lockstep; else exponential backoff with equal jitter, min(cap, base * 2^attempt) * U[0.5, 1]."""
     if retry_after is not None:
         return min(retry_after, cap) * (1 + 0.1 * rng.random())
-    d = min(cap, base * 2 ** attempt)
+    d = min(cap, base * 2**attempt)
     return d / 2 + rng.uniform(0, d / 2)
 
 
@@ -54,6 +56,7 @@ def retry_after_s(headers) -> float | None:
     """Seconds a 429/503 asks us to wait: Retry-After-Ms, Retry-After in seconds, or Retry-After as an HTTP date."""
     import email.utils
     import time
+
     if headers is None:
         return None
     for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
@@ -74,6 +77,7 @@ def retry_delay(e: Exception, attempt: int, retries: int, rng, base: float = 1.0
     has gone (transformers serve does, measured), so a retry would queue the same work twice, exactly when the server
     is slowest. A timed-out request fails; 01 --retry-failed redoes it later."""
     import openai
+
     if attempt >= retries or isinstance(e, openai.APITimeoutError):
         return None
     if isinstance(e, openai.APIStatusError):
@@ -91,6 +95,7 @@ async def send_with_retries(send, retries: int, rng=None, base: float = 1.0, cap
     import random
 
     import openai
+
     attempt, capped = 0, None
     while True:
         try:
@@ -117,15 +122,25 @@ def openai_client(base_url: str | None, timeout: float, flag: str = "--base-url"
     none), its own retries off (send_with_retries is ours). DataError when OpenAI itself is meant and there is no
     key."""
     from openai import AsyncOpenAI
+
     key = os.environ.get("OPENAI_API_KEY")
     if not key and base_url is None:
-        raise common.DataError(f"OPENAI_API_KEY is not set (the key is read from the environment only), and no {flag} "
-                        "names another endpoint")
+        raise common.DataError(
+            f"OPENAI_API_KEY is not set (the key is read from the environment only), and no {flag} "
+            "names another endpoint"
+        )
     return AsyncOpenAI(base_url=base_url, api_key=key or "EMPTY", timeout=timeout, max_retries=0)
 
 
-def check_server(base_url: str | None, model: str, api: str = "chat", timeout: float = 120.0, retries: int = 2,
-                 flag: str = "--base-url", params: dict | None = None) -> None:
+def check_server(
+    base_url: str | None,
+    model: str,
+    api: str = "chat",
+    timeout: float = 120.0,
+    retries: int = 2,
+    flag: str = "--base-url",
+    params: dict | None = None,
+) -> None:
     """One cheap request (PREFLIGHT) to the endpoint and model a stage is about to use, through the API it will use
     and with the parameters its own requests carry (`params`: temperature, max_tokens if it sends one; default
     greedy with a budget), before it spends any compute: an endpoint that refuses a parameter refuses it here. Only
@@ -141,17 +156,27 @@ def check_server(base_url: str | None, model: str, api: str = "chat", timeout: f
     async def ping():
         async with openai_client(base_url, timeout, flag) as client:
             if api == "completions":
-                return await send_with_retries(lambda: client.completions.create(
-                    model=model, prompt=PREFLIGHT, **params), retries)
-            return await send_with_retries(lambda: client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": PREFLIGHT}], **params), retries)
+                return await send_with_retries(
+                    lambda: client.completions.create(model=model, prompt=PREFLIGHT, **params), retries
+                )
+            return await send_with_retries(
+                lambda: client.chat.completions.create(
+                    model=model, messages=[{"role": "user", "content": PREFLIGHT}], **params
+                ),
+                retries,
+            )
+
     import openai
+
     try:
         asyncio.run(ping())
     except openai.APIError as e:
         where = f"{flag} {base_url or 'https://api.openai.com/v1'} (model {model!r}, {api} API)"
-        hint = " (OPENAI_API_KEY is not set)" if getattr(e, "status_code", None) == 401 and not os.environ.get(
-            "OPENAI_API_KEY") else ""
+        hint = (
+            " (OPENAI_API_KEY is not set)"
+            if getattr(e, "status_code", None) == 401 and not os.environ.get("OPENAI_API_KEY")
+            else ""
+        )
         raise common.DataError(f"{where}: {api_error(e)}{hint}") from None
 
 

@@ -2,6 +2,7 @@
 tests' and benches' models), and the demo's base model, the one that plays the pretrained LLM (build_demo_base),
 pretrained on the demo world's posts (tasks/demo.py). Saved whole or not at all (infra.runs.save_pretrained).
 """
+
 from __future__ import annotations
 
 from common import format_rm_target, rm_user_message
@@ -21,14 +22,26 @@ def build_demo_base(out_dir, pretrain_steps: int = 250, n_texts: int = 3000, see
         pretrain.append((ex["prompt"], " " + ex["reference"]))
         texts += [ex["prompt"] + ex["response"], critique]
     texts += [rm_user_message("", "") + "\n\n### Critique\n"] * 100  # so the RM instruction's words are single tokens
-    return build_tiny_base(out_dir, texts, num_layers=2, pretrain_texts=pretrain, pretrain_steps=pretrain_steps,
-                           lr=2e-3, seed=seed)
+    return build_tiny_base(
+        out_dir, texts, num_layers=2, pretrain_texts=pretrain, pretrain_steps=pretrain_steps, lr=2e-3, seed=seed
+    )
 
 
-def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_size: int = 128, num_layers: int = 4,
-                    num_heads: int = 4, intermediate_size: int = 512, chat_template: str | None = None,
-                    pretrain_texts: list | None = None, pretrain_steps: int = 0, batch_size: int = 32,
-                    lr: float = 1e-3, seed: int = 0) -> str:
+def build_tiny_base(
+    out_dir,
+    texts: list[str],
+    vocab_size: int = 1000,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    intermediate_size: int = 512,
+    chat_template: str | None = None,
+    pretrain_texts: list | None = None,
+    pretrain_steps: int = 0,
+    batch_size: int = 32,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> str:
     """Train a byte-level BPE tokenizer on `texts`, build a small Llama from a config, optionally pretrain it so it
     plays the role of a pretrained LLM, and save both to `out_dir` for from_pretrained. `pretrain_texts` (default
     `texts`) holds strings (loss on every token) or (context, continuation) pairs (loss on the continuation and EOS).
@@ -41,18 +54,34 @@ def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_si
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     if chat_template:
         tok.chat_template = chat_template
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                         num_attention_heads=num_heads, num_key_value_heads=num_heads,
-                         intermediate_size=intermediate_size, max_position_embeddings=1024, tie_word_embeddings=True,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = LlamaForCausalLM(config)
     if pretrain_steps:
         from tqdm.auto import tqdm
+
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30))  # short warm-up
         examples = []  # (ids, index of the first token with a loss)
@@ -68,7 +97,7 @@ def build_tiny_base(out_dir, texts: list[str], vocab_size: int = 1000, hidden_si
             labels = ids.clone()
             for row, (seq, first) in enumerate(batch):
                 labels[row, :first] = -100
-                labels[row, len(seq):] = -100
+                labels[row, len(seq) :] = -100
             loss = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long(), labels=labels).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

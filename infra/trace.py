@@ -4,6 +4,7 @@ the progress bar and its warnings (show_progress); --trace-samples
 (trace_iteration: where each update went, token by token, in trace.jsonl, which 04's report draws as "Where the update
 went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
 """
+
 from __future__ import annotations
 
 import sys
@@ -21,10 +22,14 @@ def add_args(p) -> None:
     g = p.add_argument_group("what a run records (infra/trace.py)")
     g.add_argument("--save-every", type=int, default=20, help="checkpoint every N iterations")
     g.add_argument("--log-every", type=int, default=10, help="write sample rollouts every N iterations")
-    g.add_argument("--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to "
-                   "DIR/step<N>_rank<R>.pt")
-    g.add_argument("--trace-samples", type=int, help="where each update went: N rollouts per iteration to "
-                   "OUTPUT_DIR/trace.jsonl (0: off)")
+    g.add_argument(
+        "--dump-rollouts", help="audit: each iteration's tensors (delta, KL, advantages, ...) to DIR/step<N>_rank<R>.pt"
+    )
+    g.add_argument(
+        "--trace-samples",
+        type=int,
+        help="where each update went: N rollouts per iteration to OUTPUT_DIR/trace.jsonl (0: off)",
+    )
 
 
 def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) -> None:
@@ -34,12 +39,19 @@ def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) ->
     if rank != 0:
         return
     rate = row["critic/parse_fail_rate"]
-    bar.set_postfix(reward=f"{row['objective/span_reward']:.2f}", kl=f"{row['objective/kl']:.2f}",
-                    mistakes=f"{row['critic/mistake_rate']:.2f}", parse_fail=f"{rate:.2f}")
+    bar.set_postfix(
+        reward=f"{row['objective/span_reward']:.2f}",
+        kl=f"{row['objective/kl']:.2f}",
+        mistakes=f"{row['critic/mistake_rate']:.2f}",
+        parse_fail=f"{rate:.2f}",
+    )
     if rate > args.max_fail_share:
         first = next((fb["critic_error"] for fb in feedback if fb and fb.get("critic_error")), None)
-        bar.write(f"warning: iteration {step}: {round(rate * args.batch_size)} of {args.batch_size} critiques failed "
-                  f"(no span JSON, or no answer): their rollouts get delta = 0; first: {first}", file=sys.stderr)
+        bar.write(
+            f"warning: iteration {step}: {round(rate * args.batch_size)} of {args.batch_size} critiques failed "
+            f"(no span JSON, or no answer): their rollouts get delta = 0; first: {first}",
+            file=sys.stderr,
+        )
 
 
 def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
@@ -52,28 +64,41 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
     b, g, stats, clock, watched = it["b"], it["g"], it["stats"], it["clock"], it["watched"]
     counts = distributed.all_sum(torch.tensor(it["counts"], dtype=torch.float, device=args.device))  # as it["counts"]
     if watched:
-        watched = dict(zip(watched, (distributed.all_sum(torch.stack(list(watched.values())).to(args.device))
-                                     / args.batch_size)
-                           .tolist()))
-    ppo_stats = distributed.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]],
-                                                 device=args.device)) / world
+        watched = dict(
+            zip(
+                watched,
+                (distributed.all_sum(torch.stack(list(watched.values())).to(args.device)) / args.batch_size).tolist(),
+            )
+        )
+    ppo_stats = (
+        distributed.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]], device=args.device))
+        / world
+    )
     mask = g.mask
-    row = {"step": step, "objective/kl": g.kl.sum(1).mean().item(), "objective/kl_coef": it["kl_coef"],
-           "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
-           "objective/span_reward": (g.delta * mask).sum(1).mean().item(),
-           "objective/rlhf_reward": g.rewards.sum(1).mean().item(),
-           **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
-           **({"val/explained_variance": it["explained_variance"]} if args.advantage == "gae" else {}),  # rloo: no V
-           "critic/parse_fail_rate": counts[0].item() / args.batch_size,
-           "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
-           "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
-           "critic/mistake_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
-           **watched,
-           "response/length": mask.sum(1).mean().item(), "response/eos_rate": g.has_eos.float().mean().item(),
-           "policy/epochs": it["epochs"], "lr": it["lr"], "time/generate_s": clock["sampled"] - clock["start"],
-           "time/critic_s": clock["critiqued"] - clock["sampled"],
-           "time/forward_s": clock["scored"] - clock["critiqued"], "time/update_s": clock["updated"] - clock["scored"],
-           "time/step_s": time.time() - clock["start"]}
+    row = {
+        "step": step,
+        "objective/kl": g.kl.sum(1).mean().item(),
+        "objective/kl_coef": it["kl_coef"],
+        "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
+        "objective/span_reward": (g.delta * mask).sum(1).mean().item(),
+        "objective/rlhf_reward": g.rewards.sum(1).mean().item(),
+        **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
+        **({"val/explained_variance": it["explained_variance"]} if args.advantage == "gae" else {}),  # rloo: no V
+        "critic/parse_fail_rate": counts[0].item() / args.batch_size,
+        "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
+        "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
+        "critic/mistake_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
+        **watched,
+        "response/length": mask.sum(1).mean().item(),
+        "response/eos_rate": g.has_eos.float().mean().item(),
+        "policy/epochs": it["epochs"],
+        "lr": it["lr"],
+        "time/generate_s": clock["sampled"] - clock["start"],
+        "time/critic_s": clock["critiqued"] - clock["sampled"],
+        "time/forward_s": clock["scored"] - clock["critiqued"],
+        "time/update_s": clock["updated"] - clock["scored"],
+        "time/step_s": time.time() - clock["start"],
+    }
     if rank == 0:
         with open(out_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
             common.append_jsonl(f, row)
@@ -81,8 +106,16 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
         with open(out_dir / "samples.jsonl", "a", encoding="utf-8") as f:
             for rec, text, fb, delta, m in list(zip(it["recs"], b.texts, it["feedback"], b.delta, b.mask))[:4]:
                 fb = fb or {"critique": None, "good_spans": [], "poor_spans": []}
-                common.append_jsonl(f, {"step": step, "prompt": rec["prompt"], "response": text, **fb,
-                                        "span_reward": (delta * m).sum().item()})
+                common.append_jsonl(
+                    f,
+                    {
+                        "step": step,
+                        "prompt": rec["prompt"],
+                        "response": text,
+                        **fb,
+                        "span_reward": (delta * m).sum().item(),
+                    },
+                )
     return row
 
 
@@ -91,11 +124,18 @@ def dump_rollouts(step: int, rank: int, b, kl_coef: float, params, out_dir) -> N
     after its update, to out_dir/step<N>_rank<R>.pt."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     T = b.mask.shape[1]
-    torch.save({"texts": b.texts, "delta": b.delta, "kl_coef": kl_coef, "query": b.input_ids[:, :-T],
-                "response": b.input_ids[:, -T:], **{k: getattr(b, k) for k in (
-                    "kl", "mask", "values", "has_eos", "advantages", "returns")},
-                "param_checksum": sum(distributed.full(p).double().sum().item() for p in params)},
-               Path(out_dir) / f"step{step}_rank{rank}.pt")
+    torch.save(
+        {
+            "texts": b.texts,
+            "delta": b.delta,
+            "kl_coef": kl_coef,
+            "query": b.input_ids[:, :-T],
+            "response": b.input_ids[:, -T:],
+            **{k: getattr(b, k) for k in ("kl", "mask", "values", "has_eos", "advantages", "returns")},
+            "param_checksum": sum(distributed.full(p).double().sum().item() for p in params),
+        },
+        Path(out_dir) / f"step{step}_rank{rank}.pt",
+    )
 
 
 def trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went: dict, args, rank) -> None:
@@ -112,20 +152,37 @@ def trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went: dict, args,
         return
     log_ratio, rewards, advantages = went["log_ratio"], went["rewards"], went["advantages"]
     flawed = ((b.delta < 0).float() * b.mask).amax(1).tolist()
-    rows = sorted(range(len(b.mask)), key=lambda i: -flawed[i])[:args.trace_samples]  # stable: flawed first, in order
+    rows = sorted(range(len(b.mask)), key=lambda i: -flawed[i])[: args.trace_samples]  # stable: flawed first, in order
     num = lambda x, i, n: [float(f"{v:.6g}") + 0.0 for v in x[i, :n].tolist()]  # noqa: E731  (6 digits; no -0.0)
     samples = []
     for i in rows:
         n, text = int(b.mask[i].sum()), b.texts[i]
-        samples.append({
-            "row": i, "prompt": recs[i]["prompt"][-2000:], "critique": (feedback[i] or {}).get("critique"),
-            "tokens": [text[a:z] for a, z in b.offsets[i]], "has_eos": bool(b.has_eos[i]),
-            "missing_eos_penalty": 0.0 if b.has_eos[i] else -args.missing_eos_penalty + 0.0,
-            "delta": num(b.delta, i, n), "kl": num(b.kl, i, n), "values": num(b.values, i, n),
-            "rewards": {m: num(r, i, n) for m, r in rewards.items()},
-            "advantages": {m: num(a, i, n) for m, a in advantages.items()},
-            "logprobs_old": num(b.logprobs, i, n), "logprobs_new": num(b.logprobs + log_ratio, i, n)})
+        samples.append(
+            {
+                "row": i,
+                "prompt": recs[i]["prompt"][-2000:],
+                "critique": (feedback[i] or {}).get("critique"),
+                "tokens": [text[a:z] for a, z in b.offsets[i]],
+                "has_eos": bool(b.has_eos[i]),
+                "missing_eos_penalty": 0.0 if b.has_eos[i] else -args.missing_eos_penalty + 0.0,
+                "delta": num(b.delta, i, n),
+                "kl": num(b.kl, i, n),
+                "values": num(b.values, i, n),
+                "rewards": {m: num(r, i, n) for m, r in rewards.items()},
+                "advantages": {m: num(a, i, n) for m, a in advantages.items()},
+                "logprobs_old": num(b.logprobs, i, n),
+                "logprobs_new": num(b.logprobs + log_ratio, i, n),
+            }
+        )
     with open(Path(out_dir) / "trace.jsonl", "a", encoding="utf-8") as f:
-        common.append_jsonl(f, {"step": step, "reward_mode": args.reward_mode, "kl_coef": kl_coef,
-                                "locality": went["locality"], "advantage_locality": went["advantage_locality"],
-                                "samples": samples})
+        common.append_jsonl(
+            f,
+            {
+                "step": step,
+                "reward_mode": args.reward_mode,
+                "kl_coef": kl_coef,
+                "locality": went["locality"],
+                "advantage_locality": went["advantage_locality"],
+                "samples": samples,
+            },
+        )

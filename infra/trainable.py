@@ -3,6 +3,7 @@ infra/models.py made ready to train. A trainable LoRA adapter (add_lora: stages 
 baselines), stage 3's reference adapter (load_ref_adapter), and stage 3's forwards: compiled (compile_update) and, with
 no grad, in chunks of as many rows as memory allows (forward_rows, scoring_rows).
 """
+
 from __future__ import annotations
 
 from infra.models import peft_wraps_quietly
@@ -12,6 +13,7 @@ def load_ref_adapter(model, path: str):
     """03 --ref-adapter: the model with the adapter at `path` loaded twice: "ref" (frozen, pi_ref) and "default"
     (trainable, the policy), the policy's active. 03's reference_forward switches to "ref" for pi_ref."""
     from peft import PeftModel
+
     with peft_wraps_quietly():
         model = PeftModel.from_pretrained(model, path, adapter_name="ref")
     model.load_adapter(path, adapter_name="default", is_trainable=True)
@@ -19,17 +21,32 @@ def load_ref_adapter(model, path: str):
     return model
 
 
-def add_lora(model, r: int, alpha: int, targets: str = "all-linear", dropout: float = 0.0, modules_to_save: str = "",
-             task_type: str = "CAUSAL_LM"):
+def add_lora(
+    model,
+    r: int,
+    alpha: int,
+    targets: str = "all-linear",
+    dropout: float = 0.0,
+    modules_to_save: str = "",
+    task_type: str = "CAUSAL_LM",
+):
     """The model with a trainable LoRA adapter (peft): `targets` is "all-linear" or comma-separated module names,
     `modules_to_save` comma-separated modules trained in full and saved with the adapter. task_type "SEQ_CLS" (a
     scalar reward model): peft trains and saves the score head in full too."""
     from peft import LoraConfig, get_peft_model
+
     with peft_wraps_quietly():
-        return get_peft_model(model, LoraConfig(
-            r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
-            target_modules=targets if targets == "all-linear" else targets.split(","),
-            modules_to_save=[m for m in modules_to_save.split(",") if m] or None))
+        return get_peft_model(
+            model,
+            LoraConfig(
+                r=r,
+                lora_alpha=alpha,
+                lora_dropout=dropout,
+                task_type=task_type,
+                target_modules=targets if targets == "all-linear" else targets.split(","),
+                modules_to_save=[m for m in modules_to_save.split(",") if m] or None,
+            ),
+        )
 
 
 def compile_update(model, ref_model, args):
@@ -37,15 +54,17 @@ def compile_update(model, ref_model, args):
     (inductor; the same modules and weights, so the rollout, the save and everything else still see the eager ones).
     torch decides per shape: static first, dynamic in the dims that change (the response width, the rows)."""
     import torch
+
     if not args.compile_update:
         return model, ref_model
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # train/eval, adapter on/off
     from torch._inductor import config as inductor_config
+
     inductor_config.fallback_random = True  # a dropout draws from torch's generator, as eager: same random stream
     return torch.compile(model), ref_model if ref_model is None else torch.compile(ref_model)
 
 
-def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int = 1, budget: int = 2 ** 26) -> int:
+def forward_rows(batch: int, micro: int, n_resp: int, vocab: int, n_logits: int = 1, budget: int = 2**26) -> int:
     """Rows per no-grad forward of step 4: the whole batch in one call when its logits (n_logits tensors of rows x
     (n_resp + 1) x vocab floats) fit in `budget` elements (256 MB of fp32), else as many as fit, at least the training
     micro-batch. A row's log-probs do not depend on its batch-mates (a kernel picked by shape may round by ~1e-7)."""
@@ -56,5 +75,6 @@ def scoring_rows(mask, micro: int, model, args) -> int:
     """Rows per no-grad forward of a batch of response mask (B, T) (steps 4 and the trace): --forward-batch-size,
     else forward_rows for its shape (two logits tensors with --kl-estimator full)."""
     (B, T) = mask.shape
-    return args.forward_batch_size or forward_rows(B, micro, T, model.config.vocab_size,
-                                                   2 if args.kl_estimator == "full" else 1)
+    return args.forward_batch_size or forward_rows(
+        B, micro, T, model.config.vocab_size, 2 if args.kl_estimator == "full" else 1
+    )

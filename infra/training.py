@@ -11,6 +11,7 @@ examples, that reached a lower held-out loss (02's DEMO preset). --loraplus-rati
 gives the B matrices of the LoRA adapter R times the learning rate of the A matrices (peft's
 create_loraplus_optimizer); 0 is plain LoRA, the paper's.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -23,8 +24,11 @@ from infra import distributed
 
 def add_args(p) -> None:
     g = p.add_argument_group("LoRA+ (infra/training.py)")
-    g.add_argument("--loraplus-ratio", type=float, help="the B matrices learn this many times faster than A; 0 = "
-                   "plain LoRA (paper)")
+    g.add_argument(
+        "--loraplus-ratio",
+        type=float,
+        help="the B matrices learn this many times faster than A; 0 = plain LoRA (paper)",
+    )
 
 
 def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, loss_fn=None):
@@ -43,24 +47,41 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
     if not args.resume and ckpt_dir.is_dir() and rank0:
         shutil.rmtree(ckpt_dir)  # a fresh run: old checkpoints would otherwise be mixed with the new ones
     targs = TrainingArguments(
-        output_dir=str(ckpt_dir), seed=args.seed, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size, gradient_accumulation_steps=args.grad_accum,
-        learning_rate=args.lr, warmup_steps=args.warmup,
+        output_dir=str(ckpt_dir),
+        seed=args.seed,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        warmup_steps=args.warmup,
         lr_scheduler_type={"constant": "constant_with_warmup"}.get(args.lr_schedule, args.lr_schedule),
         weight_decay=args.weight_decay,
-        num_train_epochs=args.epochs, max_steps=args.max_steps, bf16=args.bf16, use_cpu=args.device == "cpu",
+        num_train_epochs=args.epochs,
+        max_steps=args.max_steps,
+        bf16=args.bf16,
+        use_cpu=args.device == "cpu",
         activation_checkpointing=args.gradient_checkpointing,
         activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
-        logging_steps=args.logging_steps, eval_strategy="steps" if val_set else "no", eval_steps=args.eval_steps,
-        save_strategy="steps", save_steps=args.save_steps, save_total_limit=2, report_to="none",
-        remove_unused_columns=False, dataloader_num_workers=0, ddp_find_unused_parameters=False,
-        save_only_model=sharded)  # (the Trainer asks it of a model that shards itself; FSDPCheckpoints saves the rest)
+        logging_steps=args.logging_steps,
+        eval_strategy="steps" if val_set else "no",
+        eval_steps=args.eval_steps,
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        save_total_limit=2,
+        report_to="none",
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=False,
+        save_only_model=sharded,
+    )  # (the Trainer asks it of a model that shards itself; FSDPCheckpoints saves the rest)
     FSDPCheckpoints = _fsdp_checkpoints() if sharded else None
     optimizer = None  # None: Trainer's AdamW
     if args.loraplus_ratio and args.lora_r > 0:
         from peft.optimizers import create_loraplus_optimizer
-        optimizer = create_loraplus_optimizer(model, torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay,
-                                              loraplus_lr_ratio=args.loraplus_ratio)
+
+        optimizer = create_loraplus_optimizer(
+            model, torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay, loraplus_lr_ratio=args.loraplus_ratio
+        )
 
     class SamplingTrainer(FSDPCheckpoints if sharded else Trainer):
         def _get_train_sampler(self, *a, **k):
@@ -72,8 +93,14 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
             loss = loss_fn(model, inputs)
             return (loss, {}) if return_outputs else loss
 
-    trainer = SamplingTrainer(model=model, args=targs, optimizers=(optimizer, None), train_dataset=train_set,
-                              eval_dataset=val_set or None, data_collator=collator)
+    trainer = SamplingTrainer(
+        model=model,
+        args=targs,
+        optimizers=(optimizer, None),
+        train_dataset=train_set,
+        eval_dataset=val_set or None,
+        data_collator=collator,
+    )
     if loss_fn is not None:  # loss_fn's loss is a mean: Trainer then divides it by the micro-batches it accumulates
         trainer.model_accepts_loss_kwargs = False
     return trainer, resume_from
@@ -83,9 +110,14 @@ def _fsdp_checkpoints():
     """--shard fsdp: a Trainer whose checkpoints hold the gathered trainable weights, optimizer and scheduler states
     (fsdp_state.pt, written by rank 0, read by every rank) besides the plain adapter or model folder; --resume loads
     them back into the shards. The Trainer saves no optimizer state of a model that shards itself."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
     from transformers import Trainer
+
     whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     class FSDPCheckpoints(Trainer):
@@ -100,19 +132,26 @@ def _fsdp_checkpoints():
             weights = {n: distributed.full(p).cpu() for n, p in self.model.named_parameters() if p.requires_grad}
             optim = get_optimizer_state_dict(self.model, self.optimizer, options=whole)
             if self.args.should_save:
-                torch.save({"model": weights, "optimizer": optim, "scheduler": self.lr_scheduler.state_dict()},
-                           out / "fsdp_state.pt")
+                torch.save(
+                    {"model": weights, "optimizer": optim, "scheduler": self.lr_scheduler.state_dict()},
+                    out / "fsdp_state.pt",
+                )
             self._save_rng_state(str(out))
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
             self._fsdp_state = torch.load(Path(resume_from_checkpoint) / "fsdp_state.pt", weights_only=True)
-            set_model_state_dict(self.model, self._fsdp_state["model"],
-                                 options=StateDictOptions(full_state_dict=True, strict=False))
+            set_model_state_dict(
+                self.model, self._fsdp_state["model"], options=StateDictOptions(full_state_dict=True, strict=False)
+            )
 
         def _load_optimizer_and_scheduler(self, checkpoint):
             if checkpoint is not None:
-                set_optimizer_state_dict(self.model, self.optimizer, self._fsdp_state["optimizer"],
-                                         options=StateDictOptions(full_state_dict=True))
+                set_optimizer_state_dict(
+                    self.model,
+                    self.optimizer,
+                    self._fsdp_state["optimizer"],
+                    options=StateDictOptions(full_state_dict=True),
+                )
                 self.lr_scheduler.load_state_dict(self._fsdp_state["scheduler"])
 
     return FSDPCheckpoints
@@ -121,7 +160,11 @@ def _fsdp_checkpoints():
 def replacement_sampler(trainer):
     """--sampling replacement: every training example drawn independently (a Trainer draws shuffled epochs)."""
     args = trainer.args
-    n = (args.max_steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size
-         if args.max_steps > 0 else int(args.num_train_epochs * len(trainer.train_dataset)))
-    return torch.utils.data.RandomSampler(trainer.train_dataset, replacement=True, num_samples=n,
-                                          generator=torch.Generator().manual_seed(args.seed))
+    n = (
+        args.max_steps * args.train_batch_size * args.gradient_accumulation_steps * args.world_size
+        if args.max_steps > 0
+        else int(args.num_train_epochs * len(trainer.train_dataset))
+    )
+    return torch.utils.data.RandomSampler(
+        trainer.train_dataset, replacement=True, num_samples=n, generator=torch.Generator().manual_seed(args.seed)
+    )

@@ -3,6 +3,7 @@ the field does, pass@k, and the programmatic critic, which runs the tests in the
 the lines most likely wrong. 01 annotates with it (--task code), 03 trains on it (--critic program), 04 evaluates with
 it (pass@k).
 """
+
 from __future__ import annotations
 
 import ast
@@ -44,8 +45,14 @@ def code_layout(rec: dict) -> str:
     return "humaneval" if "entry_point" in rec else "mbpp" if "test_list" in rec else "kodcode"
 
 
-def code_problem(rec: dict, where: str, layout: str | None = None, need_reference: bool = False,
-                 prompt_field: str | None = None, test_field: str | None = None) -> dict:
+def code_problem(
+    rec: dict,
+    where: str,
+    layout: str | None = None,
+    need_reference: bool = False,
+    prompt_field: str | None = None,
+    test_field: str | None = None,
+) -> dict:
     """One benchmark record -> {"id"?, "prompt", "test", "reference"} (see above); DataError('where: ...') if a field
     is missing or has the wrong type. need_reference: the reference solution must be there (01 critiques it)."""
     layout = layout or code_layout(rec)
@@ -58,19 +65,27 @@ def code_problem(rec: dict, where: str, layout: str | None = None, need_referenc
         if not isinstance(rec[name], kind) or (kind is list and not all(isinstance(x, str) for x in rec[name])):
             raise DataError(f"{where}: field '{name}' must be {'a list of strings' if kind is list else 'a string'}")
         return rec[name]
+
     ref = get(_REFERENCE[layout], required=need_reference) or None
     if layout == "humaneval":
         prompt, entry = get("prompt"), get("entry_point")
-        test = {"prefix": prompt, "script": f"{get('test')}\n\ncheck({entry})\n", "entry_point": entry,
-                "stop": list(HUMANEVAL_STOP)}
+        test = {
+            "prefix": prompt,
+            "script": f"{get('test')}\n\ncheck({entry})\n",
+            "entry_point": entry,
+            "stop": list(HUMANEVAL_STOP),
+        }
     elif layout == "mbpp":
         tests = get("test_list", list)
         prompt = rec["prompt"] if isinstance(rec.get("prompt"), str) else get("text")
         if "assert" not in prompt:  # a bare description (MBPP's text, sanitized MBPP's prompt) names no function
             prompt = f'"""\n{prompt}\n{tests[0] if tests else ""}\n"""\n'
         plus = get("test", required=False)  # MBPP+: the extra tests, as one script
-        script = "\n".join(get("test_imports", list, False) + [get("test_setup_code", required=False)] +
-                           ([plus] if plus.strip() else tests))
+        script = "\n".join(
+            get("test_imports", list, False)
+            + [get("test_setup_code", required=False)]
+            + ([plus] if plus.strip() else tests)
+        )
         test = {"prefix": "", "script": script.strip() + "\n", "stop": list(MBPP_STOP)}
     else:
         name = prompt_field or ("question" if "question" in rec or "prompt" not in rec else "prompt")
@@ -122,8 +137,15 @@ def _run_one_test(item: dict, timeout_s: float) -> dict:
     """{"id", "response", "test"} -> {"id", "passed", "status", "timed_out", "raw", "program", "output"}: the raw
     completion, the program that ran (post-processed, after the benchmark's prompt) and its verdict."""
     res = run_completion(item["response"], item["test"], timeout_s=timeout_s)
-    return {"id": item["id"], "passed": bool(res["passed"]), "status": res["status"], "timed_out": res["timed_out"],
-            "raw": item["response"], "program": res["program"], "output": res["output"][-1000:]}
+    return {
+        "id": item["id"],
+        "passed": bool(res["passed"]),
+        "status": res["status"],
+        "timed_out": res["timed_out"],
+        "raw": item["response"],
+        "program": res["program"],
+        "output": res["output"][-1000:],
+    }
 
 
 def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
@@ -132,6 +154,7 @@ def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
     not thread-safe), so threads would take turns."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+
     with ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(functools.partial(_run_one_test, timeout_s=timeout_s), items))
 
@@ -147,6 +170,7 @@ def run_tests(items: list[dict], timeout_s: float, workers: int) -> list[dict]:
 # Ties (straight-line code runs every line in every case) are broken by what the failure shows: the line that raised,
 # then lines that decide (a comparison, a condition) or produce the result (a return).
 
+
 def run_completion(response: str, test, timeout_s: float = 10.0, trace: bool = False) -> dict:
     """A model's raw completion against a problem's tests, post-processed (extract_code) and joined to the benchmark's
     prefix (build_program): what 04 scores and the critic judges. run_tests_sandboxed's dict plus "program"."""
@@ -161,8 +185,10 @@ def critic(records: list[dict], responses: list[str], timeout_s: float = 10.0) -
     out = []
     for rec, response in zip(records, responses):
         if "test" not in rec:
-            raise ValueError("a prompt without tests: the code critic runs a code benchmark's tests (--prompts in a "
-                             "layout of tasks/code.py)")
+            raise ValueError(
+                "a prompt without tests: the code critic runs a code benchmark's tests (--prompts in a "
+                "layout of tasks/code.py)"
+            )
         fb = code_critic(rec["prompt"], response, rec["test"], timeout_s)
         out.append({"error": f"the tests cannot run: {fb['error']}"} if fb.get("error") else fb)
     return out
@@ -180,12 +206,15 @@ def _test_failure(output: str) -> dict:
         tail = [ln for ln in block if ln.strip() and not ln.startswith(" ")]  # the exception line is not indented
         if tail:
             i = block.index(tail[0])
-            explained = [tail[0]] + [ln for ln in block[i + 1:i + 3] if ln.startswith(" +")]  # pytest's "+ where"
+            explained = [tail[0]] + [ln for ln in block[i + 1 : i + 3] if ln.startswith(" +")]  # pytest's "+ where"
             error = re.sub(r"\s+", " ", " ".join(explained))[:300]
     m = re.search(r"(?:FAILED|ERROR) test_solution\.py::(\S+)", output)
     test = m.group(1) if m else next((fn for f, _, fn in frames[::-1] if f.endswith("test_solution.py")), "")
-    return {"test": test.split("[")[0], "error": error,
-            "frames": [(os.path.basename(f), int(n), fn) for f, n, fn in frames]}
+    return {
+        "test": test.split("[")[0],
+        "error": error,
+        "frames": [(os.path.basename(f), int(n), fn) for f, n, fn in frames],
+    }
 
 
 def _line_ranges(node) -> list[tuple[int, int]]:
@@ -201,7 +230,8 @@ def _line_ranges(node) -> list[tuple[int, int]]:
 
 
 def _response_lines(program: str, start: int, offset: int) -> dict[int, tuple[str, int, int]]:
-    """Program line -> (stripped text, start, end) in the response, for the lines the response wrote (not the prefix)."""
+    """Program line -> (stripped text, start, end) in the response, for the lines the response wrote (not the
+    prefix)."""
     units, pos = {}, 0
     for i, line in enumerate(program.splitlines(keepends=True), 1):
         a, b = max(pos, start), pos + len(line.rstrip("\r\n"))
@@ -216,6 +246,7 @@ def _response_lines(program: str, start: int, offset: int) -> dict[int, tuple[st
 def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[list[str], list[str], list[dict]]:
     """Exact, unambiguous quotes of `response` for (first, last) program line ranges; poor wins over good, 3 each;
     and the ranges no quote can reach (unambiguous_quotes: a line repeated earlier)."""
+
     def intervals(ranges):
         out = []
         for a, b in ranges:
@@ -223,6 +254,7 @@ def _quote_lines(response: str, units: dict, good: list, poor: list) -> tuple[li
             if lines and (lines[0][1], lines[-1][2]) not in out:
                 out.append((lines[0][1], lines[-1][2]))
         return out
+
     poor_iv = intervals(poor)[:3]
     good_iv = [iv for iv in intervals(good) if not any(a < iv[1] and iv[0] < b for a, b in poor_iv)][:3]
     return unambiguous_quotes(response, good_iv, poor_iv)
@@ -233,16 +265,23 @@ def _suspicious_lines(cases: list[dict], tree, quotable, limit: int = 2) -> list
     failing case's exception counting as extra evidence; ties go to deciding or result-producing lines, then the first.
     Only the top group is returned: a line ranked below it would more likely be a correct line blamed."""
     import math
+
     failing = [c for c in cases if not c["ok"]]
     ef, ep = {}, {}
     for c in cases:
         for line in c["covered"]:
             (ep if c["ok"] else ef)[line] = (ep if c["ok"] else ef).get(line, 0) + 1
     raised = {c["where"][-1] for c in failing if c.get("where")}
-    rank = {n: (round(ef[n] / math.sqrt(len(failing) * (ef[n] + ep.get(n, 0))), 9), n in raised)
-            for n in ef if n in quotable}
-    deciding = {node.lineno for node in ast.walk(tree)
-                if isinstance(node, (ast.If, ast.While, ast.Return, ast.Compare, ast.IfExp, ast.Assert))}
+    rank = {
+        n: (round(ef[n] / math.sqrt(len(failing) * (ef[n] + ep.get(n, 0))), 9), n in raised)
+        for n in ef
+        if n in quotable
+    }
+    deciding = {
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.If, ast.While, ast.Return, ast.Compare, ast.IfExp, ast.Assert))
+    }
     top = max(rank.values(), default=None)
     return sorted((n for n in rank if rank[n] == top), key=lambda n: (n not in deciding, n))[:limit]
 
@@ -272,8 +311,13 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
     """
     code, offset = extract_code(response, test)
     if not code.strip():
-        return {"critique": "The response contains no code to test.", "good_spans": [], "poor_spans": [],
-                "passed": False, "status": "failed"}
+        return {
+            "critique": "The response contains no code to test.",
+            "good_spans": [],
+            "poor_spans": [],
+            "passed": False,
+            "status": "failed",
+        }
     program, start = build_program(test, code)
     units = _response_lines(program, start, offset)
     src, test_src = program.splitlines(), test["script"] if isinstance(test, dict) else test
@@ -284,9 +328,11 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
         return f"line {n - line0 + 1}{text}" if n >= line0 else f"the prompt's{text}"
 
     verdict = lambda critique, good=(), poor=(), status="failed": {  # noqa: E731
-        "critique": critique, **dict(zip(("good_spans", "poor_spans", "ambiguous_spans"),
-                                         _quote_lines(response, units, good, poor))),
-        "passed": status == "passed", "status": status}
+        "critique": critique,
+        **dict(zip(("good_spans", "poor_spans", "ambiguous_spans"), _quote_lines(response, units, good, poor))),
+        "passed": status == "passed",
+        "status": status,
+    }
     try:
         tree = parse_python(program)  # one thread at a time: 01 runs the critic from a thread pool
     except SyntaxError as e:
@@ -303,26 +349,36 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
 
     result = run_completion(response, test, timeout_s)
     if result["status"] == "error":
-        return {**verdict(f"The tests cannot run: {result['problem_error']}."), "status": "error",
-                "error": result["problem_error"]}
+        return {
+            **verdict(f"The tests cannot run: {result['problem_error']}."),
+            "status": "error",
+            "error": result["problem_error"],
+        }
     if result["passed"]:
-        tested = ([test["entry_point"]] if isinstance(test, dict) and test.get("entry_point") in defs else
-                  called(test_src)) or list(defs)[:3]
+        tested = (
+            [test["entry_point"]] if isinstance(test, dict) and test.get("entry_point") in defs else called(test_src)
+        ) or list(defs)[:3]
         n = result["counts"]["passed"] if not isinstance(test, dict) else None
         critique = f"All {f'{n} ' if n else ''}unit tests pass" + (
             f": {', '.join(f'`{t}`' for t in tested[:3])} return{'s' * (len(tested) == 1)} the expected results."
-            if tested else ".")
+            if tested
+            else "."
+        )
         return verdict(critique, good=[r for t in tested[:3] for r in _line_ranges(defs[t])], status="passed")
     fail = _test_failure(result["output"])
     where = [n for f, n, _ in fail["frames"] if f == "solution.py"]  # solution lines on the stack, innermost last
     name = f"`{fail['test']}`" if fail["test"] and fail["test"] != "collection" else "Importing the code"
     if result["timed_out"]:
         critique = f"The tests did not finish within {timeout_s:g} s" + (
-            f": {name} never gets past {show(where[-1])}, an endless or far too slow loop." if where else ".")
+            f": {name} never gets past {show(where[-1])}, an endless or far too slow loop." if where else "."
+        )
         return verdict(critique, poor=(loop_of(where[-1]) + [(where[-1],) * 2]) if where else [], status="timeout")
     if "MemoryError" in fail["error"] or "MemoryError" in result["output"][-500:]:
-        critique = f"{name} runs out of memory" + (f" at {show(where[-1])}" if where else "") + \
-            ": the code allocates without bound."
+        critique = (
+            f"{name} runs out of memory"
+            + (f" at {show(where[-1])}" if where else "")
+            + ": the code allocates without bound."
+        )
         return verdict(critique, poor=(loop_of(where[-1]) + [(where[-1],) * 2]) if where else [])
     cases = run_completion(response, test, timeout_s, trace=True).get("cases", [])
     failing = [c for c in cases if not c["ok"]]
@@ -336,13 +392,19 @@ def code_critic(prompt: str, response: str, test, timeout_s: float = 10.0) -> di
             funcs = entry + called(tests[first["line"] - 1] if 0 < first["line"] <= len(tests) else "")
             poor = [defs[funcs[0]].lineno] if funcs else []  # the call never entered the function: its signature
         blame = f" The most suspicious line is {show(poor[0])}." if poor else ""
-        return verdict(f"`{first['test']}` fails{at}: {_case_story(first, show)}.{count}{blame}",
-                       poor=[(n, n) for n in poor])
+        return verdict(
+            f"`{first['test']}` fails{at}: {_case_story(first, show)}.{count}{blame}", poor=[(n, n) for n in poor]
+        )
     if where:  # no traced case (e.g. the import itself fails): fall back on the report's traceback
-        return verdict(f"{name} fails: the code raises {fail['error'] or 'an error'} at {show(where[-1])}.",
-                       poor=[(where[-1],) * 2])
+        return verdict(
+            f"{name} fails: the code raises {fail['error'] or 'an error'} at {show(where[-1])}.",
+            poor=[(where[-1],) * 2],
+        )
     tail = result["output"].strip().splitlines()[-1:]
-    critique = (f"{name} fails with {fail['error']}." if fail["error"] else
-                f"The tests did not run to completion: the process ended (exit code {result['returncode']}) before "
-                "the test runner reported" + (f"; its last output: {tail[0][:200]}" if tail else "."))
+    critique = (
+        f"{name} fails with {fail['error']}."
+        if fail["error"]
+        else f"The tests did not run to completion: the process ended (exit code {result['returncode']}) before "
+        "the test runner reported" + (f"; its last output: {tail[0][:200]}" if tail else ".")
+    )
     return verdict(critique)

@@ -3,11 +3,12 @@ critic that writes critique + spans (demo_critic), the exact monitor of stages 3
 demo_rm_agreement); the tiny base model that plays the pretrained LLM is built from it (infra/tiny_model.py:
 build_demo_base). The zero-flag run of every stage uses it.
 """
+
 from __future__ import annotations
 
 import re
 
-from common import format_rm_target, locate_spans, rm_user_message, span_rewards
+from common import locate_spans, span_rewards
 from tasks.quotes import unambiguous_quotes
 
 # A post states 6 facts about a pet and 1-2 irrelevant ones; the ideal summary is one sentence:
@@ -32,8 +33,11 @@ DEMO_DISTRACTORS = {
     "adj": "old new loud broken shiny".split(),
 }
 DEMO_SUMMARY = "{owner} has a {color} {animal} called {pet_name} that likes the {place} and eats {food}."
-_FACT_PATTERNS = [r"(?P<owner>\w+) has an? (?P<color>\w+) (?P<animal>\w+) called (?P<pet_name>\w+)\.",
-                  r"likes the (?P<place>\w+)\.", r"eats (?P<food>\w+)\."]
+_FACT_PATTERNS = [
+    r"(?P<owner>\w+) has an? (?P<color>\w+) (?P<animal>\w+) called (?P<pet_name>\w+)\.",
+    r"likes the (?P<place>\w+)\.",
+    r"eats (?P<food>\w+)\.",
+]
 _CATEGORY = {w: cat for cat, words in DEMO_FACTS.items() for w in words}
 
 
@@ -48,7 +52,7 @@ def demo_post_pets(prompt: str) -> tuple[list[dict], set]:
         raise ValueError(f"not a demo post (no match for {_FACT_PATTERNS[0]!r}): {prompt[:60]!r}")
     for i, first in enumerate(starts):
         end = starts[i + 1].start() if i + 1 < len(starts) else len(post)
-        block, facts = post[first.start():end], first.groupdict()
+        block, facts = post[first.start() : end], first.groupdict()
         for pattern in _FACT_PATTERNS[1:]:
             m = re.search(pattern, block)
             if not m:
@@ -56,8 +60,11 @@ def demo_post_pets(prompt: str) -> tuple[list[dict], set]:
             facts.update(m.groupdict())
         pets.append(facts)
     fact_words = {w for facts in pets for w in facts.values()}
-    irrelevant = {w for w in re.findall(r"\w+", post) if w not in fact_words and
-                  (w in _CATEGORY or any(w in v for v in DEMO_DISTRACTORS.values()))}
+    irrelevant = {
+        w
+        for w in re.findall(r"\w+", post)
+        if w not in fact_words and (w in _CATEGORY or any(w in v for v in DEMO_DISTRACTORS.values()))
+    }
     return pets, irrelevant
 
 
@@ -80,17 +87,19 @@ def demo_labels(prompt: str, response: str) -> list[tuple[str, int, int, str | N
     pets, irrelevant = demo_post_pets(prompt)
     # Quotes keep a word's leading space (" red dog"): still exact, and a small model copies the response's own tokens
     # ("Ġred") into the JSON instead of having to map them to the space-less tokens that '["red' would need.
-    words = [(m.group(), m.start() - (response[m.start() - 1:m.start()] == " "), m.end())
-             for m in re.finditer(r"\w+", response)]
+    words = [
+        (m.group(), m.start() - (response[m.start() - 1 : m.start()] == " "), m.end())
+        for m in re.finditer(r"\w+", response)
+    ]
     seq = [w.lower() for w, _, _ in words]  # compared ignoring case; quoted as written
     repeated = [False] * len(seq)  # the second copy of an immediately repeated 1-3 word phrase
     for i in range(len(seq)):
         for n in (3, 2, 1):
-            if i >= n and seq[i - n:i] == seq[i:i + n]:
-                repeated[i:i + n] = [True] * n
+            if i >= n and seq[i - n : i] == seq[i : i + n]:
+                repeated[i : i + n] = [True] * n
     kinds, seen = [], set()
     for i, w in enumerate(seq):
-        pet = min(response[:words[i][1]].count("."), len(pets) - 1)  # the sentence's pet
+        pet = min(response[: words[i][1]].count("."), len(pets) - 1)  # the sentence's pet
         cat = _CATEGORY.get(w)
         if w in irrelevant:
             kinds.append("irrelevant")
@@ -117,8 +126,12 @@ def demo_intervals(response: str, labelled) -> dict:
         if lab is None:
             continue
         run = spans[lab]
-        if run and run[-1][1] == i - 1 and labels[i - 1] == lab and "." not in response[labelled[i - 1][2]:
-                                                                                        labelled[i][1]]:
+        if (
+            run
+            and run[-1][1] == i - 1
+            and labels[i - 1] == lab
+            and "." not in response[labelled[i - 1][2] : labelled[i][1]]
+        ):
             run[-1][1] = i
         else:
             run.append([i, i])
@@ -150,15 +163,22 @@ def demo_critic(prompt: str, response: str) -> dict:
     seen = {(pet(a), _CATEGORY[w.lower()]) for w, a, _, kind in labelled if kind == "good"}
     notes = []
     for w, a, _, kind in labelled:
-        note = {"irrelevant": f"It adds {w}, which is irrelevant.", "repeated": f"It repeats {w}.",
-                "wrong": f"It says {w} where the post says {pets[pet(a)].get(_CATEGORY.get(w.lower()))}."}.get(kind)
+        note = {
+            "irrelevant": f"It adds {w}, which is irrelevant.",
+            "repeated": f"It repeats {w}.",
+            "wrong": f"It says {w} where the post says {pets[pet(a)].get(_CATEGORY.get(w.lower()))}.",
+        }.get(kind)
         if note and note not in notes:
             notes.append(note)
     intervals = demo_intervals(response, labelled)
     good, poor, ambiguous = unambiguous_quotes(response, intervals["good"], intervals["poor"])
     right = [w for (w, _, _), lab in zip(words, labels) if lab == "good"]
-    missing = [cat.replace("_", " ") + (f" of pet {k + 1}" if len(pets) > 1 else "") for k in range(len(pets))
-               for cat in DEMO_FACTS if (k, cat) not in seen]
+    missing = [
+        cat.replace("_", " ") + (f" of pet {k + 1}" if len(pets) > 1 else "")
+        for k in range(len(pets))
+        for cat in DEMO_FACTS
+        if (k, cat) not in seen
+    ]
     parts = ([f"It gets {_join(right)} right."] if right else ["It states none of the post's facts."]) + notes
     if missing and right:
         parts.append(f"It leaves out the {_join(missing)}.")
@@ -192,14 +212,20 @@ def demo_monitor(records: list[dict], texts: list[str], offsets: list, deltas=No
     (an empty answer cannot win it: the credit bench's primary endpoint). deltas: span_rewards' (delta, unmatched)
     per rollout when the critic of step 2 was this very one (--critic program), reused."""
     import torch
+
     exact = torch.zeros(5)
     for i, (rec, text, offs) in enumerate(zip(records, texts, offsets)):
         d = deltas[i][0] if deltas is not None else demo_delta(rec["prompt"], text, offs)[1]
         mistakes, (stated, facts) = demo_mistakes(rec["prompt"], text), demo_facts(rec["prompt"], text)
-        exact += torch.tensor([sum(d), float(mistakes > 0), mistakes, stated / facts,
-                               float(mistakes > 0 or stated < facts)])
-    return dict(zip(("exact/span_reward", "exact/mistake_rate", "exact/mistakes", "exact/facts_stated",
-                     "exact/imperfect_rate"), exact))
+        exact += torch.tensor(
+            [sum(d), float(mistakes > 0), mistakes, stated / facts, float(mistakes > 0 or stated < facts)]
+        )
+    return dict(
+        zip(
+            ("exact/span_reward", "exact/mistake_rate", "exact/mistakes", "exact/facts_stated", "exact/imperfect_rate"),
+            exact,
+        )
+    )
 
 
 def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], reference: str = "") -> dict:
@@ -208,9 +234,12 @@ def demo_scores(prompt: str, response: str, feedback: dict, delta: list[float], 
     reference."""
     facts = [v for pet in demo_post_pets(prompt)[0] for v in pet.values()]
     words = set(re.findall(r"\w+", response.lower()))
-    return {"demo/delta_sum": (sum(delta), 1), "demo/mistake_rate": (float(demo_mistakes(prompt, response) > 0), 1),
-            "demo/facts_right": (sum(v in words for v in facts), len(facts)),
-            "demo/exact_match": (float(response.strip() == reference.strip()), 1)}
+    return {
+        "demo/delta_sum": (sum(delta), 1),
+        "demo/mistake_rate": (float(demo_mistakes(prompt, response) > 0), 1),
+        "demo/facts_right": (sum(v in words for v in facts), len(facts)),
+        "demo/exact_match": (float(response.strip() == reference.strip()), 1),
+    }
 
 
 def demo_rm_agreement(prompt: str, response: str, critic: dict, critic_delta: list, rm: dict, rm_delta: list) -> dict:
@@ -233,8 +262,10 @@ def demo_flagged(prompt: str, response: str, critic: dict, rm: dict) -> dict:
     rm_poor = locate_spans(response, rm["good_spans"], rm["poor_spans"])[1]
     hits = lambda iv, ivs: any(a < iv[1] and iv[0] < b for a, b in ivs)  # noqa: E731
     flagged = [hits(iv, rm_poor) for iv in true_poor]
-    rows = {"rm_vs_critic/mistakes_flagged": (sum(flagged), len(true_poor)),
-            "rm_vs_critic/mistakes_missed": (len(true_poor) - sum(flagged), len(true_poor))}
+    rows = {
+        "rm_vs_critic/mistakes_flagged": (sum(flagged), len(true_poor)),
+        "rm_vs_critic/mistakes_missed": (len(true_poor) - sum(flagged), len(true_poor)),
+    }
     labelled = demo_labels(prompt, response)
     for kind in ("wrong", "irrelevant", "repeated"):
         words = [(a, b) for _, a, b, k in labelled if k == kind]
@@ -242,6 +273,7 @@ def demo_flagged(prompt: str, response: str, critic: dict, rm: dict) -> dict:
         rows[f"rm_vs_critic/flagged_{kind}"] = (sum(of_kind), len(of_kind))
     rows["rm_vs_critic/poor_invented"] = (sum(not hits(iv, true_poor) for iv in rm_poor), len(rm_poor))
     return rows
+
 
 def make_demo_example(rng, mistake_rate: float = 0.55, pets: int = 1) -> dict:
     """One demo example: a post (prompt), its ideal summary (reference), and a noisy summary (response) with 0-2
@@ -252,9 +284,16 @@ def make_demo_example(rng, mistake_rate: float = 0.55, pets: int = 1) -> dict:
     facts = {cat: rng.choice(words) for cat, words in DEMO_FACTS.items()}
     other = rng.choice([n for n in DEMO_FACTS["owner"] if n != facts["owner"]])
     dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
-    sentences = ["{owner} has a {color} {animal} called {pet_name}.", "the {animal} likes the {place}.", "it eats {food}."]
-    asides = {"it rained on {day}.": "on {day}", "the {thing} was {adj}.": "and a {adj} {thing}",
-              "{other} lost a {thing}.": "with {other}"}  # an irrelevant sentence -> the phrase a summary may borrow
+    sentences = [
+        "{owner} has a {color} {animal} called {pet_name}.",
+        "the {animal} likes the {place}.",
+        "it eats {food}.",
+    ]
+    asides = {
+        "it rained on {day}.": "on {day}",
+        "the {thing} was {adj}.": "and a {adj} {thing}",
+        "{other} lost a {thing}.": "with {other}",
+    }  # an irrelevant sentence -> the phrase a summary may borrow
     extra = rng.sample(list(asides), rng.randint(1, 2))
     for s in extra:
         sentences.insert(rng.randint(0, len(sentences)), s)
@@ -285,10 +324,20 @@ def make_pets_example(rng, mistake_rate: float, k: int) -> dict:
         pet.update(owner=owner, pet_name=name)  # a pet per owner and name: each sentence says whose it is
     other = rng.choice([n for n in DEMO_FACTS["owner"] if n not in {p["owner"] for p in pets}])
     dis = {cat: rng.choice(words) for cat, words in DEMO_DISTRACTORS.items()}
-    asides = {"it rained on {day}.": "on {day}", "the {thing} was {adj}.": "and a {adj} {thing}",
-              "{other} lost a {thing}.": "with {other}"}
-    sentences = [s.format(**p) for p in pets for s in ("{owner} has a {color} {animal} called {pet_name}.",
-                                                       "the {animal} likes the {place}.", "it eats {food}.")]
+    asides = {
+        "it rained on {day}.": "on {day}",
+        "the {thing} was {adj}.": "and a {adj} {thing}",
+        "{other} lost a {thing}.": "with {other}",
+    }
+    sentences = [
+        s.format(**p)
+        for p in pets
+        for s in (
+            "{owner} has a {color} {animal} called {pet_name}.",
+            "the {animal} likes the {place}.",
+            "it eats {food}.",
+        )
+    ]
     extra = rng.sample(list(asides), rng.randint(1, 2))
     for s in extra:
         sentences.insert(rng.randint(0, len(sentences)), s.format(**dis, other=other))
@@ -304,14 +353,17 @@ def make_pets_example(rng, mistake_rate: float, k: int) -> dict:
         elif slots:
             i = rng.choice(slots)
             words.insert(i + 1, words[i])
-    return {"prompt": "post: " + " ".join(sentences) + "\nsummary:",
-            "reference": " ".join(DEMO_SUMMARY.format(**p) for p in pets),
-            "response": " " + " ".join(" ".join(words) + "." for words in summary)}
+    return {
+        "prompt": "post: " + " ".join(sentences) + "\nsummary:",
+        "reference": " ".join(DEMO_SUMMARY.format(**p) for p in pets),
+        "response": " " + " ".join(" ".join(words) + "." for words in summary),
+    }
 
 
 def demo_dataset(split: str, n: int, mistake_rate: float = 0.55, pets: int = 1) -> list[dict]:
     """`n` deterministic demo records of a named split ("pretrain", "annotate", "sft", "train", "eval"); a share
     `mistake_rate` of their responses has 1-2 mistakes. pets: K pets per post (make_pets_example; the demo: 1)."""
     import random
+
     rng = random.Random(f"text2grad-demo-{split}" + (f"-pets{pets}" if pets > 1 else ""))
     return [{"id": f"demo-{split}-{i}", **make_demo_example(rng, mistake_rate, pets)} for i in range(n)]

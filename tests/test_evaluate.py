@@ -1,5 +1,6 @@
 """04_evaluate.py: metrics against the reference libraries, pass@1 in the sandbox, the judge's order randomisation,
 the report's highlighted spans, clear data errors, and a full run on tiny models that a rerun serves from the cache."""
+
 import itertools
 import json
 import re
@@ -63,19 +64,32 @@ def test_bertscore_with_a_local_model(tmp_path):
     bert_score = pytest.importorskip("bert_score")  # optional dependency; skipped where it is not installed
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import BertConfig, BertModel, BertTokenizerFast
+
     wp = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     wp.normalizer, wp.pre_tokenizer = normalizers.Lowercase(), pre_tokenizers.Whitespace()
-    wp.train_from_iterator(HYPS + REFS, trainers.WordPieceTrainer(
-        vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]))
-    wp.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
-                                                      special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    BertTokenizerFast(tokenizer_object=wp, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-                      mask_token="[MASK]", model_max_length=128).save_pretrained(tmp_path)
-    BertModel(BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64)).save_pretrained(tmp_path)
+    wp.train_from_iterator(
+        HYPS + REFS,
+        trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]),
+    )
+    wp.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    BertTokenizerFast(
+        tokenizer_object=wp,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=128,
+    ).save_pretrained(tmp_path)
+    BertModel(
+        BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    ).save_pretrained(tmp_path)
     got = evaluation.bertscore_f1(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], str(tmp_path), None, "cpu")
-    _, _, want = bert_score.score(HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], model_type=str(tmp_path), num_layers=2,
-                                  use_fast_tokenizer=True)
+    _, _, want = bert_score.score(
+        HYPS[:3] + [REFS[0]], REFS[:3] + [REFS[0]], model_type=str(tmp_path), num_layers=2, use_fast_tokenizer=True
+    )
     assert got == pytest.approx(want.tolist()) and got[3] == pytest.approx(1.0)
     with pytest.raises(common.DataError, match="local model directory"):
         evaluation.bertscore_f1(HYPS, REFS, str(tmp_path / "nope"), None, "cpu")
@@ -83,8 +97,11 @@ def test_bertscore_with_a_local_model(tmp_path):
 
 def test_pass_at_k_per_problem_over_its_samples_without_broken_problems():
     records = [{"id": f"{p}#{j}", "problem": p} for p in ("a", "b", "c") for j in range(10)]
-    runs = [{"passed": p == "a" or (p == "b" and j < 3), "status": "error" if p == "c" else "x"}
-            for p in ("a", "b", "c") for j in range(10)]
+    runs = [
+        {"passed": p == "a" or (p == "b" and j < 3), "status": "error" if p == "c" else "x"}
+        for p in ("a", "b", "c")
+        for j in range(10)
+    ]
     rows, broken = evaluation.pass_at_k_rows(runs, records)
     assert broken == ["c"] and set(rows) == {"pass@1", "pass@10"}
     assert rows["pass@1"] == [(1.0, 1), (pytest.approx(0.3), 1)] and rows["pass@10"] == [(1.0, 1), (1.0, 1)]
@@ -146,14 +163,16 @@ def test_judge_randomises_order_records_it_and_undoes_it(fake_openai, tmp_path):
     assert {r["id"]: r["shown_first"] for r in cache} == order
 
     with fake_openai(lambda body, n: "Winner: A") as server:  # pure position bias: the undo must expose it
-        res = judge.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge-y", 7, 4,
-                             tmp_path / "y", FPS)
+        res = judge.judge_pairs(
+            records, outputs, [("t2g", "sft")], server.base_url, "judge-y", 7, 4, tmp_path / "y", FPS
+        )
     pair, first = res["t2g_vs_sft"], sum(v == "t2g" for v in order.values())
     assert pair["order"] == order  # same seed, same coin per prompt
     assert pair["win"]["value"] == pytest.approx(first / 24) and pair["loss"]["value"] == pytest.approx(1 - first / 24)
     assert pair["a_shown_first"] == first and 0 < first < 24
-    res = judge.judge_pairs(records, outputs, [("t2g", "sft")], "http://127.0.0.1:9/v1", "judge-y", 7, 4,
-                         tmp_path / "y", FPS)  # all cached: no request is made (port 9 would refuse)
+    res = judge.judge_pairs(
+        records, outputs, [("t2g", "sft")], "http://127.0.0.1:9/v1", "judge-y", 7, 4, tmp_path / "y", FPS
+    )  # all cached: no request is made (port 9 would refuse)
     assert res["t2g_vs_sft"]["order"] == order
 
 
@@ -218,11 +237,29 @@ def test_report_highlights_spans_at_their_character_positions():
     good, poor, unmatched = common.locate_spans(text, good_q, poor_q)
     assert not unmatched
     records = [{"id": "r&1", "prompt": "post: <x> & y\nsummary:", "reference": "ref <i>"}]
-    shown = {"sft": [{"id": "r&1", "response": text, "good": good, "poor": poor, "unmatched": ["zz"],
-                      "critique": 'says "red" twice <oops>', "source": "reward model", "delta_sum": -3.0}]}
-    results = {"task": "demo", "data": "x.jsonl", "n_prompts": 1, "created": "now", "reward_model": "rm",
-               "generation": {"temperature": 0.0, "max_new_tokens": 32},
-               "policies": {"sft": {"n": 1, "metrics": {"rouge1": {"value": 0.5, "ci95": [0.4, 0.6], "n": 1}}}}}
+    shown = {
+        "sft": [
+            {
+                "id": "r&1",
+                "response": text,
+                "good": good,
+                "poor": poor,
+                "unmatched": ["zz"],
+                "critique": 'says "red" twice <oops>',
+                "source": "reward model",
+                "delta_sum": -3.0,
+            }
+        ]
+    }
+    results = {
+        "task": "demo",
+        "data": "x.jsonl",
+        "n_prompts": 1,
+        "created": "now",
+        "reward_model": "rm",
+        "generation": {"temperature": 0.0, "max_new_tokens": 32},
+        "policies": {"sft": {"n": 1, "metrics": {"rouge1": {"value": 0.5, "ci95": [0.4, 0.6], "n": 1}}}},
+    }
     page = report.render_report(results, shown, records, "AAAA", ["r&1"], "demo")
     parser = ReportParser()
     parser.feed(page)
@@ -239,7 +276,7 @@ def test_report_highlights_spans_at_their_character_positions():
             runs[lab].append((pos, pos + n))
         pos += n
     assert got["good"] == runs["good"] and got["poor"] == runs["poor"]
-    assert text[got["poor"][0][0]:got["poor"][0][1]] == "a red red"  # "red" (2nd occurrence) merged into "a red red"
+    assert text[got["poor"][0][0] : got["poor"][0][1]] == "a red red"  # "red" (2nd occurrence) merged into "a red red"
     assert any(text[a:b] == "<script>x</script>" for a, b in got["poor"])
     assert "<script>" not in page and "<oops>" not in page  # escaped everywhere, including the critique
     assert parser.srcs == ["data:image/png;base64,AAAA"]  # self-contained: nothing to fetch
@@ -248,8 +285,10 @@ def test_report_highlights_spans_at_their_character_positions():
 
 def test_curves_plot_what_is_present(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text("".join(json.dumps({"step": i, "objective/kl": i / 10, "objective/entropy": 1.0}) + "\n"
-                         for i in range(30)) + '{"step": 30, "objective/k')  # a run still writing: torn last line
+    a.write_text(
+        "".join(json.dumps({"step": i, "objective/kl": i / 10, "objective/entropy": 1.0}) + "\n" for i in range(30))
+        + '{"step": 30, "objective/k'
+    )  # a run still writing: torn last line
     b.write_text("".join(json.dumps({"step": i, "loss": 1 / (i + 1)}) + "\n" for i in range(5)))
     runs = report.read_curves({"a": str(a), "missing": str(tmp_path / "nope.jsonl")})
     assert list(runs) == ["a"] and len(runs["a"]) == 30
@@ -263,17 +302,22 @@ def test_curve_titles_name_only_what_is_drawn(monkeypatch):
     """A qa run has no exact critic: its panels were titled "reward: critic (solid), exact critic (dashed)" over one
     solid line. A title names the exact critic's dashed line only where one is drawn."""
     import matplotlib.axes
+
     titles = []
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, label, *a, **k: titles.append(label))
-    qa = [{"step": i, "objective/span_reward": 0.1 * i, "critic/mistake_rate": 0.5, "objective/kl": 0.0}
-          for i in range(5)]
+    qa = [
+        {"step": i, "objective/span_reward": 0.1 * i, "critic/mistake_rate": 0.5, "objective/kl": 0.0} for i in range(5)
+    ]
     report.plot_curves({"qa": qa})
     assert titles == ["reward: critic", "mistake rate: critic", "KL to the reference"]
     titles.clear()
     demo = [{**r, "exact/span_reward": 0.2, "exact/mistake_rate": 0.4} for r in qa]
     report.plot_curves({"qa": qa, "demo": demo})
-    assert titles == ["reward: critic (solid), exact critic (dashed)",
-                      "mistake rate: critic (solid), exact critic (dashed)", "KL to the reference"]
+    assert titles == [
+        "reward: critic (solid), exact critic (dashed)",
+        "mistake rate: critic (solid), exact critic (dashed)",
+        "KL to the reference",
+    ]
 
 
 class StripParser(HTMLParser):
@@ -311,14 +355,28 @@ class StripParser(HTMLParser):
 
 
 def _trace_row(step, mode, tokens, delta, old, new_span, new_scalar, adv_span, adv_scalar, ratio):
-    sample = {"row": 0, "prompt": "post: <b>x</b>\nsummary:", "critique": "says <cat>", "tokens": tokens,
-              "has_eos": True, "delta": delta, "kl": [0.0] * len(tokens), "values": [0.0] * len(tokens),
-              "rewards": {"span": delta, "scalar": [0.0] * (len(tokens) - 1) + [sum(delta)]},
-              "advantages": {"span": adv_span, "scalar": adv_scalar}, "logprobs_old": old,
-              "logprobs_new": new_span if mode == "span" else new_scalar}
+    sample = {
+        "row": 0,
+        "prompt": "post: <b>x</b>\nsummary:",
+        "critique": "says <cat>",
+        "tokens": tokens,
+        "has_eos": True,
+        "delta": delta,
+        "kl": [0.0] * len(tokens),
+        "values": [0.0] * len(tokens),
+        "rewards": {"span": delta, "scalar": [0.0] * (len(tokens) - 1) + [sum(delta)]},
+        "advantages": {"span": adv_span, "scalar": adv_scalar},
+        "logprobs_old": old,
+        "logprobs_new": new_span if mode == "span" else new_scalar,
+    }
     group = {"tokens": 1, "mean": -0.5, "mean_abs": 0.5, "down": 1.0}
-    return {"step": step, "reward_mode": mode, "kl_coef": 0.2, "samples": [sample],
-            "locality": {"poor": group, "good": group, "outside_flawed": group, "outside_clean": group, "ratio": ratio}}
+    return {
+        "step": step,
+        "reward_mode": mode,
+        "kl_coef": 0.2,
+        "samples": [sample],
+        "locality": {"poor": group, "good": group, "outside_flawed": group, "outside_clean": group, "ratio": ratio},
+    }
 
 
 def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
@@ -328,8 +386,10 @@ def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
     for name, mode in (("t2g", "span"), ("base", "scalar")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text('{"step": 1}\n')
-        rows = [_trace_row(s, mode, tokens, delta, old, new_span, new_scalar, adv_span, adv_scalar, 2.0 + s)
-                for s in (1, 2, 3)]
+        rows = [
+            _trace_row(s, mode, tokens, delta, old, new_span, new_scalar, adv_span, adv_scalar, 2.0 + s)
+            for s in (1, 2, 3)
+        ]
         (tmp_path / name / "trace.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
     (tmp_path / "none").mkdir()
     specs = {n: str(tmp_path / n / "metrics.jsonl") for n in ("t2g", "base", "none")}
@@ -340,27 +400,42 @@ def test_where_the_update_went_draws_each_token_with_its_exact_value(tmp_path):
     parser.feed(section)
     (strip,) = parser.strips
     assert strip["tokens"] == [" tom", " cat", " <b>", "⟨eos⟩"]  # escaped, not markup
-    want = {"δt": delta, "At span": adv_span, "At scalar": adv_scalar,
-            "Δt span": [b - a for a, b in zip(old, new_span)], "Δt scalar": [b - a for a, b in zip(old, new_scalar)]}
+    want = {
+        "δt": delta,
+        "At span": adv_span,
+        "At scalar": adv_scalar,
+        "Δt span": [b - a for a, b in zip(old, new_span)],
+        "Δt scalar": [b - a for a, b in zip(old, new_scalar)],
+    }
     assert set(strip["rows"]) == {*want, "πold(yt)"}
     for label, values in want.items():
         cells = strip["rows"][label]
         assert [v for v, _, _ in cells] == pytest.approx(values)
         for v, title, style in cells:
-            assert title.endswith(f" = {v:+.6g}")                      # the exact number on hover
+            assert title.endswith(f" = {v:+.6g}")  # the exact number on hover
             colour = "transparent" if v == 0 else "rgba(26,127,55," if v > 0 else "rgba(207,34,46,"
-            assert colour in style                                     # green > 0, red < 0, none at 0
+            assert colour in style  # green > 0, red < 0, none at 0
     assert [v for v, _, _ in strip["rows"]["πold(yt)"]] == pytest.approx([round(np.exp(x), 4) for x in old])
     assert "<b>" not in section and "<cat>" not in section and "data:image/png;base64," in section
     # another rollout in the scalar run's first iteration: no scalar update of this one to show
-    other = [_trace_row(1, "scalar", [" ann", " dog", " <b>", ""], delta, old, new_span, new_scalar, adv_span,
-                        adv_scalar, 1.0)]
+    other = [
+        _trace_row(
+            1, "scalar", [" ann", " dog", " <b>", ""], delta, old, new_span, new_scalar, adv_span, adv_scalar, 1.0
+        )
+    ]
     parser = StripParser()
     parser.feed(report.render_update_section({"t2g": traces["t2g"], "base": other}))
     assert set(parser.strips[0]["rows"]) == {"πold(yt)", "δt", "At span", "At scalar", "Δt span"}
     assert report.render_update_section({}) == ""
-    results = {"task": "demo", "data": "x", "n_prompts": 0, "created": "now", "reward_model": None,
-               "generation": {"temperature": 1.0, "max_new_tokens": 4}, "policies": {}}
+    results = {
+        "task": "demo",
+        "data": "x",
+        "n_prompts": 0,
+        "created": "now",
+        "reward_model": None,
+        "generation": {"temperature": 1.0, "max_new_tokens": 4},
+        "policies": {},
+    }
     assert "Where the update went" in report.render_report(results, {}, [], None, [], "demo", traces)
     assert "Where the update went" not in report.render_report(results, {}, [], None, [], "demo")
 
@@ -371,8 +446,12 @@ def test_where_the_update_went_draws_an_iteration_with_flagged_tokens_or_says_th
     before, or says that no traced iteration has one."""
     tokens, old, adv = [" tom", " cat", " <b>", ""], [-0.1, -3.0, -0.5, -0.01], [0.5, -1.2, 0.0, 0.3]
     flat, flagged = [0.0] * 4, [1.0, -1.0, 0.0, 0.0]
-    traces = {name: [_trace_row(s, mode, tokens, flagged if s == 3 else flat, old, old, old, adv, adv, 1.0)
-                     for s in (1, 2, 3)] for name, mode in (("t2g", "span"), ("base", "scalar"))}
+    traces = {
+        name: [
+            _trace_row(s, mode, tokens, flagged if s == 3 else flat, old, old, old, adv, adv, 1.0) for s in (1, 2, 3)
+        ]
+        for name, mode in (("t2g", "span"), ("base", "scalar"))
+    }
     section = report.render_update_section(traces)
     assert "Iteration 3:" in section and "Iteration 1:" not in section
     parser = StripParser()
@@ -399,8 +478,22 @@ def test_a_field_the_task_preset_names_and_the_data_lacks_names_the_flag_that_pi
     with pytest.raises(common.DataError, match=r"eval\.jsonl:1: missing field 'instruction' \(set --prompt-field\)$"):
         ev.main(["--task", "qa", "--data", str(data), "--policy", "p=runs/none", "--reward-model", "none"])
     with pytest.raises(common.DataError, match=r"eval\.jsonl:1: missing field 'output' \(set --reference-field\)$"):
-        ev.main(["--task", "qa", "--data", str(data), "--prompt-field", "question", "--reference-field", "output",
-                 "--policy", "p=runs/none", "--reward-model", "none"])
+        ev.main(
+            [
+                "--task",
+                "qa",
+                "--data",
+                str(data),
+                "--prompt-field",
+                "question",
+                "--reference-field",
+                "output",
+                "--policy",
+                "p=runs/none",
+                "--reward-model",
+                "none",
+            ]
+        )
 
 
 def test_missing_reference_and_empty_split_are_clear_errors(tmp_path):
@@ -423,9 +516,23 @@ def test_a_latin1_byte_in_the_data_is_one_line_and_writes_nothing(tmp_path, tiny
     before any policy loads; no --output-dir."""
     data = tmp_path / "latin1.jsonl"
     data.write_bytes(b'{"id": "a", "prompt": "p", "reference": "r"}\n{"id": "b", "prompt": "caf\xe9"}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(data), "--policy",
-                           f"base={tiny_model_dir}", "--reward-model", "none", "--output-dir", str(tmp_path / "out")],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_evaluate.py"),
+            "--data",
+            str(data),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            "none",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"error: {data}:2: not UTF-8 (byte 0xe9 at column 27)"]
     assert not (tmp_path / "out").exists()
@@ -437,9 +544,25 @@ def test_a_limit_below_one_exits_2_before_any_policy_loads(tmp_path, tiny_model_
     naming the flag, no --output-dir."""
     data = tmp_path / "eval.jsonl"
     data.write_text('{"prompt": "p", "reference": "r"}\n' * 2)
-    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(data), "--policy",
-                           f"base={tiny_model_dir}", "--reward-model", "none", "--limit", limit, "--output-dir",
-                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_evaluate.py"),
+            "--data",
+            str(data),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            "none",
+            "--limit",
+            limit,
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].endswith(f"error: --limit {limit}: at least 1 record")
     assert not (tmp_path / "out").exists()
@@ -476,28 +599,66 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, demo_dataset("eval", 6))
     curves = tmp_path / "metrics.jsonl"
-    curves.write_text("".join(json.dumps({"step": i, "objective/span_reward": i * 0.1, "objective/kl": 0.01 * i})
-                              + "\n" for i in range(20)))
+    curves.write_text(
+        "".join(
+            json.dumps({"step": i, "objective/span_reward": i * 0.1, "objective/kl": 0.01 * i}) + "\n"
+            for i in range(20)
+        )
+    )
     rm_dir = as_reward_model(tiny_model_dir, tmp_path / "rm")
-    argv = ["--data", str(data), "--policy", f"base={tiny_model_dir}", "--policy", f"lora={adapter_dir}",
-            "--reward-model", rm_dir, "--rm-max-new-tokens", "12", "--max-new-tokens", "8",
-            "--curves", f"t2g={curves}", "--output-dir", str(tmp_path / "out"), "--bootstrap", "100",
-            "--device", "cpu", "--monitor-reward-model", f"same={rm_dir}",
-            "--monitor-reward-model", f"other={as_reward_model(adapter_dir, tmp_path / 'other')}"]
+    argv = [
+        "--data",
+        str(data),
+        "--policy",
+        f"base={tiny_model_dir}",
+        "--policy",
+        f"lora={adapter_dir}",
+        "--reward-model",
+        rm_dir,
+        "--rm-max-new-tokens",
+        "12",
+        "--max-new-tokens",
+        "8",
+        "--curves",
+        f"t2g={curves}",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--bootstrap",
+        "100",
+        "--device",
+        "cpu",
+        "--monitor-reward-model",
+        f"same={rm_dir}",
+        "--monitor-reward-model",
+        f"other={as_reward_model(adapter_dir, tmp_path / 'other')}",
+    ]
     results = ev.main(argv)
     saved = json.loads((tmp_path / "out/results.json").read_text())
     assert saved["policies"].keys() == {"base", "lora"} and saved["n_prompts"] == 6
     for pol in saved["policies"].values():
         assert pol["n"] == 6
-        for key in ("rouge1", "rouge2", "rougeL", "bleu", "demo/delta_sum", "demo/mistake_rate", "demo/facts_right",
-                    "rm/delta_mean", "rm/poor_token_frac", "rm/parse_rate", "gen/tokens"):
+        for key in (
+            "rouge1",
+            "rouge2",
+            "rougeL",
+            "bleu",
+            "demo/delta_sum",
+            "demo/mistake_rate",
+            "demo/facts_right",
+            "rm/delta_mean",
+            "rm/poor_token_frac",
+            "rm/parse_rate",
+            "gen/tokens",
+        ):
             assert pol["metrics"][key]["n"] == 6 and len(pol["metrics"][key]["ci95"]) == 2
         # a monitor reward model gets the monitor's rows under its name: the same model, the same numbers
         main = {k: v for k, v in pol["metrics"].items() if k.startswith("rm_vs_critic/")}
         assert main and {k.replace("rm_vs_critic/", "rm_vs_critic[same]/"): v for k, v in main.items()} == {
-            k: v for k, v in pol["metrics"].items() if k.startswith("rm_vs_critic[same]/")}
+            k: v for k, v in pol["metrics"].items() if k.startswith("rm_vs_critic[same]/")
+        }
         assert {k.split("/")[1] for k in pol["metrics"] if k.startswith("rm_vs_critic[other]/")} == {
-            k.split("/")[1] for k in main}
+            k.split("/")[1] for k in main
+        }
     assert (tmp_path / "out/eval/base.critiques.other.jsonl").is_file()
     gens = {n: common.read_jsonl(tmp_path / f"out/eval/{n}.generations.jsonl") for n in ("base", "lora")}
     assert [g["id"] for g in gens["base"]] == [f"demo-eval-{i}" for i in range(6)]
@@ -513,6 +674,7 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
 
     def boom(*a, **k):
         raise AssertionError("a rerun must not generate")
+
     monkeypatch.setattr(models, "generate", boom)
     monkeypatch.setattr(models, "load_model", boom)
     again = ev.main(argv)  # everything served from the eval/ caches
@@ -524,14 +686,42 @@ def test_full_run_writes_results_and_report_and_reruns_from_cache(tiny_model_dir
 
 
 def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
-    problems = [{"task_id": f"T/{i}", "prompt": f"def f{i}(x):\n    \"\"\"Return x.\"\"\"\n", "entry_point": f"f{i}",
-                 "canonical_solution": "    return x\n", "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
-                for i in range(2)]
+    problems = [
+        {
+            "task_id": f"T/{i}",
+            "prompt": f'def f{i}(x):\n    """Return x."""\n',
+            "entry_point": f"f{i}",
+            "canonical_solution": "    return x\n",
+            "test": "def check(candidate):\n    assert candidate(1) == 1\n",
+        }
+        for i in range(2)
+    ]
     problems.append(dict(problems[0], task_id="T/2", test="import no_such_module_t2g\n" + problems[0]["test"]))
     data = write_jsonl_gz(tmp_path / "he.jsonl.gz", problems)
-    argv = ["--task", "code", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
-            "--num-samples", "3", "--temperature", "1.0", "--max-new-tokens", "4", "--bootstrap", "50",
-            "--output-dir", str(tmp_path / "out"), "--device", "cpu", "--test-workers", "2"]
+    argv = [
+        "--task",
+        "code",
+        "--data",
+        str(data),
+        "--policy",
+        f"base={tiny_model_dir}",
+        "--reward-model",
+        "none",
+        "--num-samples",
+        "3",
+        "--temperature",
+        "1.0",
+        "--max-new-tokens",
+        "4",
+        "--bootstrap",
+        "50",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--test-workers",
+        "2",
+    ]
     results = ev.main(argv)
     assert results["n_prompts"] == 3 and results["generation"]["num_samples"] == 3
     metrics = results["policies"]["base"]["metrics"]
@@ -546,16 +736,21 @@ def test_code_task_on_a_benchmark_file_with_samples(tiny_model_dir, tmp_path):
         ev.parse_args(["--task", "code", "--num-samples", "2"])  # greedy samples would all be the same
 
 
-def test_reward_model_gets_its_training_input_and_budget_with_every_default(tiny_model_dir, tiny_reward_model,
-                                                                              tmp_path, monkeypatch):
+def test_reward_model_gets_its_training_input_and_budget_with_every_default(
+    tiny_model_dir, tiny_reward_model, tmp_path, monkeypatch
+):
     """--max-prompt-tokens cuts the policy's prompt (its last tokens kept, as in stage 3); the reward model gets exactly
     the input stage 2 trained on, the task prompt cut to reward_model.json's max_prompt_tokens (infra.reward_models.rm_settings),
     and may write as many critique tokens as stage 2 evaluated it with (--rm-max-new-tokens' default)."""
     from transformers import AutoTokenizer
+
     rm = import_script("02_train_reward")
     rm_dir, rm_args = tiny_reward_model
-    tok, rm_tok, settings = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(rm_dir), \
-        reward_models.rm_settings(rm_dir)
+    tok, rm_tok, settings = (
+        AutoTokenizer.from_pretrained(tiny_model_dir),
+        AutoTokenizer.from_pretrained(rm_dir),
+        reward_models.rm_settings(rm_dir),
+    )
     ex = demo_dataset("eval", 1)[0]
     long = {**ex, "prompt": ex["prompt"].replace("post: ", "post: " + "it rained on monday. " * 80)}
     common.write_jsonl(tmp_path / "eval.jsonl", [long])
@@ -565,19 +760,41 @@ def test_reward_model_gets_its_training_input_and_budget_with_every_default(tiny
         def record(model, tokenizer, prompts, max_new_tokens, *a, **k):
             inputs.append((prompts, max_new_tokens))
             return real(model, tokenizer, prompts, max_new_tokens, *a, **k)
+
         return record
+
     monkeypatch.setattr(models, "generate", spy(models.generate))
     monkeypatch.setattr(decoding, "greedy_generate", spy(decoding.greedy_generate))
-    ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model", rm_dir,
-             "--max-new-tokens", "6", "--max-prompt-tokens", "250", "--output-dir", str(tmp_path / "out"),
-             "--bootstrap", "10", "--device", "cpu"])
+    ev.main(
+        [
+            "--data",
+            str(tmp_path / "eval.jsonl"),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            rm_dir,
+            "--max-new-tokens",
+            "6",
+            "--max-prompt-tokens",
+            "250",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--bootstrap",
+            "10",
+            "--device",
+            "cpu",
+        ]
+    )
     ((policy_in,), _), ((rm_in,), rm_budget) = inputs
     assert len(policy_in) <= 250 and tok.decode(policy_in).endswith(long["prompt"].split("monday.")[-1])
     response = common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")[0]["response"]
     target = len(rm_tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
-    trained, status = rm.encode_example(rm_tok, {"prompt": long["prompt"], "response": response, "critique": "c",
-                                                 "good_spans": [], "poor_spans": []}, rm_args.max_len,
-                                        settings["max_prompt_tokens"])
+    trained, status = rm.encode_example(
+        rm_tok,
+        {"prompt": long["prompt"], "response": response, "critique": "c", "good_spans": [], "poor_spans": []},
+        rm_args.max_len,
+        settings["max_prompt_tokens"],
+    )
     assert status == "truncated" and rm_in == trained["input_ids"][:-target]
     assert len(rm_in) <= settings["max_prompt_tokens"] == rm_args.max_len - rm_args.max_new_tokens
     assert rm_budget == settings["max_new_tokens"] == rm_args.max_new_tokens
@@ -591,6 +808,7 @@ def test_rm_max_new_tokens_defaults_to_the_reward_model_then_the_preset(tiny_rew
     def budget(*argv):  # the critique budget 04 gives the reward model of --reward-model
         args = ev.parse_args(list(argv))
         return ev.rm_budgets(args.reward_model, args)[0]
+
     assert budget("--task", "summarization", "--reward-model", rm_dir) == rm_args.max_new_tokens
     assert budget("--task", "summarization", "--reward-model", "none") == 512
     assert budget("--task", "demo", "--reward-model", "none") == 96
@@ -613,38 +831,73 @@ def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir
     """--chat-template on without a template, or a model directory without weights: one line, exit 2, no file. A
     monitor reward model that is not there: the same, before anything is generated."""
     from conftest import model_variant
+
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     nowts = model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
     common.write_json(tmp_path / "noweights" / "reward_model.json", {"base_model": tiny_model_dir})
     if flag == "--monitor-reward-model":
-        proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
-                               "--policy", f"base={tiny_model_dir}", "--reward-model",
-                               as_reward_model(tiny_model_dir, tmp_path / "rm"),
-                               "--monitor-reward-model", f"toy={tmp_path / 'gone'}", "--output-dir",
-                               str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "04_evaluate.py"),
+                "--data",
+                str(tmp_path / "eval.jsonl"),
+                "--policy",
+                f"base={tiny_model_dir}",
+                "--reward-model",
+                as_reward_model(tiny_model_dir, tmp_path / "rm"),
+                "--monitor-reward-model",
+                f"toy={tmp_path / 'gone'}",
+                "--output-dir",
+                str(tmp_path / "out"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.strip().splitlines()[-1] == (f"error: --monitor-reward-model toy={tmp_path / 'gone'}: no "
-                                                         "such directory (run 02_train_reward.py first)")
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: --monitor-reward-model toy={tmp_path / 'gone'}: no such directory (run 02_train_reward.py first)"
+        )
         assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
         return
     extra = ["--chat-template", "on", "--reward-model", "none"] if "chat" in flag else ["--reward-model", nowts]
-    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
-                           "--policy", f"base={tiny_model_dir}", "--max-new-tokens", "4", "--output-dir",
-                           str(tmp_path / "out"), *extra], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_evaluate.py"),
+            "--data",
+            str(tmp_path / "eval.jsonl"),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--max-new-tokens",
+            "4",
+            "--output-dir",
+            str(tmp_path / "out"),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: --chat-template on: the tokenizer of {tiny_model_dir} has no chat template" if "chat" in flag else
-        f"error: --reward-model {nowts}: cannot load the model: " + proc.stderr.strip().split(": cannot load the "
-                                                                                               "model: ")[-1])
+        f"error: --chat-template on: the tokenizer of {tiny_model_dir} has no chat template"
+        if "chat" in flag
+        else f"error: --reward-model {nowts}: cannot load the model: "
+        + proc.stderr.strip().split(": cannot load the model: ")[-1]
+    )
     written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert written == ([] if "chat" in flag else [tmp_path / "out/eval/base.generations.jsonl"])  # complete, cached
 
 
-def test_a_spans_only_reward_model_is_asked_for_spans_only(tiny_model_dir, tiny_spans_only_reward_model, tmp_path,
-                                                           monkeypatch):
+def test_a_spans_only_reward_model_is_asked_for_spans_only(
+    tiny_model_dir, tiny_spans_only_reward_model, tmp_path, monkeypatch
+):
     """02 --rm-format spans-only (w/o CoT): 04 reads the format from reward_model.json and gives the reward model the
     input it trained on, its spans-only instruction included, not the critique+spans one."""
     from transformers import AutoTokenizer
+
     rm = import_script("02_train_reward")
     rm_dir, rm_args = tiny_spans_only_reward_model
     rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), reward_models.rm_settings(rm_dir)
@@ -656,9 +909,26 @@ def test_a_spans_only_reward_model_is_asked_for_spans_only(tiny_model_dir, tiny_
     def record(model, tokenizer, prompts, *a, **k):
         inputs.extend(prompts)
         return real(model, tokenizer, prompts, *a, **k)
+
     monkeypatch.setattr(decoding, "greedy_generate", record)
-    ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}", "--reward-model", rm_dir,
-             "--max-new-tokens", "6", "--output-dir", str(tmp_path / "out"), "--bootstrap", "10", "--device", "cpu"])
+    ev.main(
+        [
+            "--data",
+            str(tmp_path / "eval.jsonl"),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            rm_dir,
+            "--max-new-tokens",
+            "6",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--bootstrap",
+            "10",
+            "--device",
+            "cpu",
+        ]
+    )
     response = common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")[0]["response"]
     rec = {"prompt": ex["prompt"], "response": response, "critique": "c", "good_spans": [], "poor_spans": []}
     trained, _ = rm.encode_example(rm_tok, rec, rm_args.max_len, settings["max_prompt_tokens"], "spans-only")
@@ -671,10 +941,20 @@ def test_a_spans_only_reward_model_is_asked_for_spans_only(tiny_model_dir, tiny_
 def test_a_judge_reply_without_choices_is_an_invalid_verdict(tmp_path, fake_openai):
     """A 200 reply with empty `choices` is an invalid verdict, counted as such; it never raises (IndexError)."""
     records = [{"id": str(i), "prompt": f"p{i}"} for i in range(3)]
-    with fake_openai(lambda body, n: (200, {"id": "x", "object": "chat.completion", "created": 0, "model": "j",
-                                            "choices": []}, {})) as server:
-        out = judge.judge_pairs(records, {"a": ["x"] * 3, "b": ["y"] * 3}, [("b", "a")], server.base_url, "j", 0, 2,
-                             tmp_path, {"a": "fa", "b": "fb"})
+    with fake_openai(
+        lambda body, n: (200, {"id": "x", "object": "chat.completion", "created": 0, "model": "j", "choices": []}, {})
+    ) as server:
+        out = judge.judge_pairs(
+            records,
+            {"a": ["x"] * 3, "b": ["y"] * 3},
+            [("b", "a")],
+            server.base_url,
+            "j",
+            0,
+            2,
+            tmp_path,
+            {"a": "fa", "b": "fb"},
+        )
     assert out["b_vs_a"]["invalid"] == 3 and out["b_vs_a"]["n"] == 0
     assert all(r["verdict"] == "invalid" for r in common.read_jsonl(tmp_path / "judge.b_vs_a.jsonl"))
 
@@ -689,10 +969,16 @@ def _judge_results(tmp_path, fake_openai):
     outputs = {"t2g": [f"answer {i}" for i in range(4)], "sft": [f"other {i}" for i in range(4)]}
     with fake_openai(lambda body, n: "Winner: A" if "prompt 0" in str(body) else "I cannot tell.") as server:
         pairs = judge.judge_pairs(records, outputs, [("t2g", "sft")], server.base_url, "judge", 0, 1, tmp_path, FPS)
-    return {"task": "qa", "data": "x.jsonl", "n_prompts": 4, "created": "now", "reward_model": None,
-            "generation": {"temperature": 0.0, "max_new_tokens": 8},
-            "policies": {n: {"n": 4, "metrics": {}} for n in outputs},
-            "judge": {"model": "judge", "seed": 0, "pairs": pairs}}
+    return {
+        "task": "qa",
+        "data": "x.jsonl",
+        "n_prompts": 4,
+        "created": "now",
+        "reward_model": None,
+        "generation": {"temperature": 0.0, "max_new_tokens": 8},
+        "policies": {n: {"n": 4, "metrics": {}} for n in outputs},
+        "judge": {"model": "judge", "seed": 0, "pairs": pairs},
+    }
 
 
 def test_invalid_verdicts_are_printed_and_reported_with_the_win_rates_intervals(tmp_path, fake_openai, capsys):
@@ -711,17 +997,33 @@ def test_invalid_verdicts_are_printed_and_reported_with_the_win_rates_intervals(
 
 def test_best_is_bold_only_where_its_interval_stands_apart():
     m = lambda v, lo, hi: {"value": v, "ci95": [lo, hi], "n": 200}  # noqa: E731
-    results = {"task": "demo", "data": "x.jsonl", "n_prompts": 200, "created": "now", "reward_model": None,
-               "generation": {"temperature": 1.0, "max_new_tokens": 32}, "policies": {
-                   "sft": {"n": 200, "metrics": {"demo/mistake_rate": m(0.45, 0.38, 0.52),
-                                                 "demo/facts_right": m(0.80, 0.75, 0.85)}},
-                   "scalar": {"n": 200, "metrics": {"demo/mistake_rate": m(0.30, 0.24, 0.36),
-                                                    "demo/facts_right": m(0.82, 0.78, 0.86)}},
-                   "text2grad": {"n": 200, "metrics": {"demo/mistake_rate": m(0.20, 0.15, 0.26),
-                                                       "demo/facts_right": m(0.84, 0.80, 0.88)}}}}
+    results = {
+        "task": "demo",
+        "data": "x.jsonl",
+        "n_prompts": 200,
+        "created": "now",
+        "reward_model": None,
+        "generation": {"temperature": 1.0, "max_new_tokens": 32},
+        "policies": {
+            "sft": {
+                "n": 200,
+                "metrics": {"demo/mistake_rate": m(0.45, 0.38, 0.52), "demo/facts_right": m(0.80, 0.75, 0.85)},
+            },
+            "scalar": {
+                "n": 200,
+                "metrics": {"demo/mistake_rate": m(0.30, 0.24, 0.36), "demo/facts_right": m(0.82, 0.78, 0.86)},
+            },
+            "text2grad": {
+                "n": 200,
+                "metrics": {"demo/mistake_rate": m(0.20, 0.15, 0.26), "demo/facts_right": m(0.84, 0.80, 0.88)},
+            },
+        },
+    }
     page = report.render_report(results, {}, [], None, [], "demo")
-    rows = {label: re.findall(r"<td class='([^']*)'>", row) for label, row in re.findall(
-        r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)}
+    rows = {
+        label: re.findall(r"<td class='([^']*)'>", row)
+        for label, row in re.findall(r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)
+    }
     # mistakes: text2grad 0.20 [0.15, 0.26] overlaps scalar 0.30 [0.24, 0.36]: a tie, no bold
     assert rows["demo/mistake_rate"] == ["", "tie", "tie"]
     assert rows["demo/facts_right"] == ["tie", "tie", "tie"]
@@ -732,17 +1034,30 @@ def test_best_is_bold_only_where_its_interval_stands_apart():
 
 def _critic_results(bad_parse: float) -> dict:
     """Two policies' metrics: "good"'s critiques all parse, "bad"'s only a share `bad_parse` of its 8."""
+
     def metrics(parse):
         flawless = parse < 1  # a critique that does not parse quotes nothing: delta = 0, as if the answer were flawless
         m = lambda v: {"value": v, "ci95": [v, v], "n": 8}  # noqa: E731
-        return {"rouge1": m(0.5), "rm/parse_rate": m(parse), "rm/delta_sum": m(0.0 if flawless else -1.5),
-                "rm/poor_token_frac": m(0.0 if flawless else 0.3),
-                "rm_vs_critic/poor_recall": m(0.0 if flawless else 0.6)}
+        return {
+            "rouge1": m(0.5),
+            "rm/parse_rate": m(parse),
+            "rm/delta_sum": m(0.0 if flawless else -1.5),
+            "rm/poor_token_frac": m(0.0 if flawless else 0.3),
+            "rm_vs_critic/poor_recall": m(0.0 if flawless else 0.6),
+        }
+
     pols = {"good": {"n": 8, "metrics": metrics(1.0)}, "bad": {"n": 8, "metrics": metrics(bad_parse)}}
     for pol in pols.values():
         pol["critic_failed"] = evaluation.critic_failed(pol["metrics"])
-    return {"task": "demo", "data": "x.jsonl", "n_prompts": 8, "created": "now", "reward_model": "rm",
-            "generation": {"temperature": 1.0, "max_new_tokens": 32}, "policies": pols}
+    return {
+        "task": "demo",
+        "data": "x.jsonl",
+        "n_prompts": 8,
+        "created": "now",
+        "reward_model": "rm",
+        "generation": {"temperature": 1.0, "max_new_tokens": 32},
+        "policies": pols,
+    }
 
 
 def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(capsys):
@@ -753,8 +1068,12 @@ def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(ca
     results = _critic_results(1 / 8)
     assert results["policies"]["good"]["critic_failed"] is None
     assert results["policies"]["bad"]["critic_failed"] == {
-        "failed": 7, "n": 8, "parse_rate": 0.125, "floor": reward_models.MIN_PARSE_RATE,
-        "metrics": ["rm/delta_sum", "rm/poor_token_frac", "rm_vs_critic/poor_recall"]}
+        "failed": 7,
+        "n": 8,
+        "parse_rate": 0.125,
+        "floor": reward_models.MIN_PARSE_RATE,
+        "metrics": ["rm/delta_sum", "rm/poor_token_frac", "rm_vs_critic/poor_recall"],
+    }
     report.print_table(results)
     out, err = capsys.readouterr()
     row = {line.split()[0]: line for line in out.splitlines()}
@@ -763,13 +1082,16 @@ def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(ca
     assert "0.125" in row["rm/parse_rate"] and row["rouge1"].count("0.500") == 6  # the rest as they are
     assert err.strip().splitlines() == [
         "warning: bad: 7 of 8 of the reward model's critiques of its answers did not parse (rm/parse_rate 0.125, "
-        "below 0.5): its rm/ and rm_vs_critic/ metrics read n/a (results.json keeps them, under critic_failed)"]
+        "below 0.5): its rm/ and rm_vs_critic/ metrics read n/a (results.json keeps them, under critic_failed)"
+    ]
     page = report.render_report(results, {}, [], None, [], "demo")
     banner = page.split("<div class='banner'>", 1)[1].split("</div>", 1)[0]
     assert page.index("<div class='banner'>") < page.index("<h2>Metrics</h2>")
     assert "bad" in banner and "7 of 8" in banner and "good" not in banner
-    cells = {label: re.findall(r"<td class='([^']*)'>([^<]*)", row) for label, row in re.findall(
-        r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)}
+    cells = {
+        label: re.findall(r"<td class='([^']*)'>([^<]*)", row)
+        for label, row in re.findall(r"<tr><td title='([^']*)'>.*?</td>(.*?)</tr>", page)
+    }
     assert cells["rm/poor_token_frac"] == [("", "0.300"), ("na", "n/a")]  # "bad"'s 0.000 is no longer the best
     assert "7 of 8 critiques failed" in page.split("rm/poor_token_frac", 1)[1].split("</tr>", 1)[0]
     assert cells["rm/parse_rate"] == [("best", "1.000"), ("", "0.125")]
@@ -785,11 +1107,33 @@ def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path)
     if it had judged)."""
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
     rm = as_reward_model(tiny_model_dir, tmp_path / "rm")
-    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"),
-                           "--policy", f"base={tiny_model_dir}", "--reward-model", rm, "--monitor-reward-model",
-                           f"toy={rm}", "--rm-max-new-tokens", "4",
-                           "--max-new-tokens", "4", "--bootstrap", "20", "--device", "cpu", "--output-dir",
-                           str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_evaluate.py"),
+            "--data",
+            str(tmp_path / "eval.jsonl"),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            rm,
+            "--monitor-reward-model",
+            f"toy={rm}",
+            "--rm-max-new-tokens",
+            "4",
+            "--max-new-tokens",
+            "4",
+            "--bootstrap",
+            "20",
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("rm/poor_token_frac"))
     assert row.endswith("n/a (3 of 3 critiques failed)")
@@ -802,28 +1146,42 @@ def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path)
     assert not set(toy["metrics"]) & set(saved["critic_failed"]["metrics"])  # each critic voids its own rows
     for key in toy["metrics"]:
         assert next(line for line in proc.stdout.splitlines() if line.startswith(key + " ")).endswith(
-            "n/a (3 of 3 critiques failed)")
+            "n/a (3 of 3 critiques failed)"
+        )
     assert "warning: base: 3 of 3 of --monitor-reward-model toy's critiques did not parse" in proc.stderr
 
 
 def test_the_exact_critic_shows_beside_the_reward_models_spans():
     """An SFT answer "called otto" (the post says daisy) that the reward model highlights as good: the report shows
     the exact critic's verdict under it, where " otto" is a poor span."""
-    prompt = ("post: tom has a red dog called daisy. it rained on monday. the dog likes the park. it eats fish."
-              "\nsummary:")
+    prompt = (
+        "post: tom has a red dog called daisy. it rained on monday. the dog likes the park. it eats fish.\nsummary:"
+    )
     response = " tom has a red dog called otto that likes the park and eats fish."
     offsets = [(m.start(), m.end()) for m in re.finditer(r" ?\S+", response)]
     records = [{"id": "r1", "prompt": prompt, "reference": "tom has a red dog called daisy."}]
     raw = json.dumps({"critique": "All right.", "good_spans": [" otto"], "poor_spans": []})
     _, shown = ev.score_policy(records, [{"response": response, "offsets": offsets}], [{"critique_raw": raw}], "demo")
-    page = report.render_report({"task": "demo", "data": "x", "n_prompts": 1, "created": "now", "reward_model": "rm",
-                             "generation": {"temperature": 1.0, "max_new_tokens": 32},
-                             "policies": {"sft": {"n": 1, "metrics": {}}}}, {"sft": shown}, records, None, ["r1"],
-                            "demo")
+    page = report.render_report(
+        {
+            "task": "demo",
+            "data": "x",
+            "n_prompts": 1,
+            "created": "now",
+            "reward_model": "rm",
+            "generation": {"temperature": 1.0, "max_new_tokens": 32},
+            "policies": {"sft": {"n": 1, "metrics": {}}},
+        },
+        {"sft": shown},
+        records,
+        None,
+        ["r1"],
+        "demo",
+    )
     parser = ReportParser()
     parser.feed(page)
     rm_view = parser.responses[("sft", "r1")]
-    assert [response[a:b] for a, b in rm_view["good"]] == [" otto"]                  # the reward model's view ...
+    assert [response[a:b] for a, b in rm_view["good"]] == [" otto"]  # the reward model's view ...
     exact = page.split("class='exact'", 1)[1].split("</div>", 1)[0]
     assert '<mark class="poor"> otto</mark>' in exact and "otto where the post says daisy" in exact  # ... and the truth
 
@@ -845,9 +1203,11 @@ def critic(records, responses):  # quotes the first word as poor; intervals (the
 
 def monitor_views(page: str) -> dict[str, str]:
     """Each sample answer's --monitor block (class 'monitor'), by the answer's data-id."""
-    return {rid: block.split("class='monitor'>", 1)[1].split("</div>", 1)[0]
-            for rid, block in re.findall(r"data-id='([^']*)'(.*?)</div></div></div>", page, re.S)
-            if "class='monitor'>" in block}
+    return {
+        rid: block.split("class='monitor'>", 1)[1].split("</div>", 1)[0]
+        for rid, block in re.findall(r"data-id='([^']*)'(.*?)</div></div></div>", page, re.S)
+        if "class='monitor'>" in block
+    }
 
 
 def test_a_monitors_spans_and_critique_show_under_each_sample_answer(tiny_model_dir, tmp_path):
@@ -857,10 +1217,26 @@ def test_a_monitors_spans_and_critique_show_under_each_sample_answer(tiny_model_
     (tmp_path / "my_mon.py").write_text(MONITOR)
     records = demo_dataset("eval", 3)
     common.write_jsonl(tmp_path / "eval.jsonl", records)
-    results = ev.main(["--data", str(tmp_path / "eval.jsonl"), "--policy", f"base={tiny_model_dir}",
-                       "--reward-model", "none", "--monitor", f"python:{tmp_path / 'my_mon.py'}:critic",
-                       "--max-new-tokens", "6", "--bootstrap", "20", "--device", "cpu", "--output-dir",
-                       str(tmp_path / "out")])
+    results = ev.main(
+        [
+            "--data",
+            str(tmp_path / "eval.jsonl"),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            "none",
+            "--monitor",
+            f"python:{tmp_path / 'my_mon.py'}:critic",
+            "--max-new-tokens",
+            "6",
+            "--bootstrap",
+            "20",
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     assert results["policies"]["base"]["metrics"]["monitor[my_mon.py:critic]/error_rate"]["value"] == 1 / 3
     gens = {g["id"]: g["response"] for g in common.read_jsonl(tmp_path / "out/eval/base.generations.jsonl")}
     views = monitor_views((tmp_path / "out/report.html").read_text())
@@ -891,11 +1267,34 @@ def test_a_failed_start_leaves_no_folder_and_checks_every_policy_first(tmp_path,
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     first = ["--policy", f"ok={tiny_model_dir}"] if policy.startswith("runs/") else []  # a hub id fails as it loads
-    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--data", "eval.jsonl", *first,
-                           "--policy", f"typo={policy}", "--reward-model", "none",
-                           "--output-dir", "ev", "--max-new-tokens", "4"], capture_output=True, text=True,
-                          cwd=tmp_path, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_evaluate.py"),
+            "--data",
+            "eval.jsonl",
+            *first,
+            "--policy",
+            f"typo={policy}",
+            "--reward-model",
+            "none",
+            "--output-dir",
+            "ev",
+            "--max-new-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --policy typo={policy}: " + (
-        "no such directory" if policy.startswith("runs/") else "cannot load the model"))
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: --policy typo={policy}: "
+            + ("no such directory" if policy.startswith("runs/") else "cannot load the model")
+        )
+    )
     assert not (tmp_path / "ev").exists()  # the local typo: checked before the first policy generated anything

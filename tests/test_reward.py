@@ -1,5 +1,6 @@
 """02_train_reward.py: serialisation (labels, shared prompt builder, truncation), span metrics, training, resume,
 bad input."""
+
 import json
 import shutil
 import subprocess
@@ -21,12 +22,12 @@ rm = import_script("02_train_reward")
 
 def annotations(n: int, split: str = "annotate") -> list[dict]:
     """What 01_annotate.py writes for the demo: demo records critiqued by the demo critic."""
-    return [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"}
-            for ex in demo_dataset(split, n)]
+    return [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"} for ex in demo_dataset(split, n)]
 
 
 def tokenizer_of(path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -115,16 +116,25 @@ def test_training_input_is_cut_as_the_input_in_use(tiny_model_dir, preset):
     lo, hi = 0, 4 * args.max_len  # the fewest words whose whole input is over the budget by 10 tokens or more
     while lo < hi:
         lo, hi = (lo, (lo + hi) // 2) if size((lo + hi) // 2) >= budget + 10 else ((lo + hi) // 2 + 1, hi)
-    n_target = len(tok(common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]),
-                       add_special_tokens=False)["input_ids"]) + 1
+    n_target = (
+        len(
+            tok(
+                common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"]), add_special_tokens=False
+            )["input_ids"]
+        )
+        + 1
+    )
     assert budget < size(lo) <= args.max_len - n_target  # it would fit beside its target: the old rule kept it whole
     for k, want in ((3, "ok"), (lo, "truncated")):
         ex, status = rm.encode_example(tok, {**rec, "prompt": prompt_of(k)}, args.max_len, budget)
-        assert (ex["input_ids"][:-n_target], status) == (reward_models.rm_prompt(tok, prompt_of(k), rec["response"],
-                                                                          budget)[::2]) and status == want
+        assert (ex["input_ids"][:-n_target], status) == (
+            reward_models.rm_prompt(tok, prompt_of(k), rec["response"], budget)[::2]
+        ) and status == want
     long = {**rec, "prompt": prompt_of(lo), "critique": "long"}
-    while len(tok(common.format_rm_target(long["critique"], rec["good_spans"], rec["poor_spans"]))["input_ids"]) <= \
-            args.max_new_tokens:  # a target over max_new_tokens
+    while (
+        len(tok(common.format_rm_target(long["critique"], rec["good_spans"], rec["poor_spans"]))["input_ids"])
+        <= args.max_new_tokens
+    ):  # a target over max_new_tokens
         long["critique"] += " long"
     ex, status = rm.encode_example(tok, long, args.max_len, budget)
     assert status == "truncated" and len(ex["input_ids"]) <= args.max_len
@@ -148,6 +158,7 @@ def test_split_is_deterministic_and_disjoint():
 def word_tokens(text: str):
     """(text, offsets) with one token per word, carrying its leading space like a byte-level BPE token."""
     import re
+
     starts = [m.start() for m in re.finditer(r"\s*\S+", text)]
     return text, list(zip(starts, starts[1:] + [len(text)]))
 
@@ -155,11 +166,15 @@ def word_tokens(text: str):
 def test_metrics_match_hand_computed_precision_and_recall():
     t1, o1 = word_tokens("tom from york has a red dog called rex")  # 9 tokens
     t2, o2 = word_tokens("ann has a cat and a cat")  # 7 tokens
-    items = [{"text": t1, "offsets": o1, "good_spans": ["tom from york", "red dog"], "poor_spans": ["rex"]},
-             {"text": t2, "offsets": o2, "good_spans": ["ann"], "poor_spans": ["a cat"]}]
-    outputs = ['It gets tom right but not the dog.\n{"good_spans": ["tom", "york has"], "poor_spans": '
-               '["dog called rex", "cow"]}',
-               "no JSON here at all"]
+    items = [
+        {"text": t1, "offsets": o1, "good_spans": ["tom from york", "red dog"], "poor_spans": ["rex"]},
+        {"text": t2, "offsets": o2, "good_spans": ["ann"], "poor_spans": ["a cat"]},
+    ]
+    outputs = [
+        'It gets tom right but not the dog.\n{"good_spans": ["tom", "york has"], "poor_spans": '
+        '["dog called rex", "cow"]}',
+        "no JSON here at all",
+    ]
     m = reward_models.rm_span_metrics(items, outputs)
     # item 1 gold: +1 on tom from york red dog (5 tokens), -1 on rex (1)
     #        pred: +1 on tom york has (3; tp 2), -1 on dog called rex (3; tp 1); "cow" unmatched
@@ -173,12 +188,15 @@ def test_metrics_match_hand_computed_precision_and_recall():
     assert m["pos_f1"] == pytest.approx(2 * (2 / 3) * (1 / 3) / (2 / 3 + 1 / 3))
     # spans: "tom" overlaps gold "tom from york" (partial), "york has" overlaps it too (partial),
     # "dog called rex" overlaps "red dog" (other polarity: no) and "rex" (partial)
-    assert m["spans"] == {"good": {"gold": 3, "pred": 2, "exact": 0, "partial": 2},
-                          "poor": {"gold": 2, "pred": 1, "exact": 0, "partial": 1}}
+    assert m["spans"] == {
+        "good": {"gold": 3, "pred": 2, "exact": 0, "partial": 2},
+        "poor": {"gold": 2, "pred": 1, "exact": 0, "partial": 1},
+    }
     assert m["critique_words"] == 8
 
-    perfect = reward_models.rm_span_metrics(items[:1], [common.format_rm_target("ok", items[0]["good_spans"],
-                                                                          items[0]["poor_spans"])])
+    perfect = reward_models.rm_span_metrics(
+        items[:1], [common.format_rm_target("ok", items[0]["good_spans"], items[0]["poor_spans"])]
+    )
     assert perfect["pos_precision"] == perfect["pos_recall"] == perfect["neg_f1"] == 1.0
     assert perfect["spans"]["good"]["exact"] == 2 and perfect["unmatched_span_rate"] == 0.0
     empty = reward_models.rm_span_metrics(items[:1], ['{"good_spans": [], "poor_spans": []}'])
@@ -209,16 +227,35 @@ def test_bad_annotations_give_clear_errors(tmp_path):
 @pytest.mark.parametrize("case", ["broken-line", "no-weights"])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, tiny_model_dir, case):
     from conftest import model_variant
+
     path = tmp_path / "ann.jsonl"
     path.write_text(json.dumps(annotations(1)[0]) + ("\nnot json\n" if case == "broken-line" else "\n"))
-    model = tiny_model_dir if case == "broken-line" else model_variant(tiny_model_dir, tmp_path / "nowts", weights=False)
+    model = (
+        tiny_model_dir if case == "broken-line" else model_variant(tiny_model_dir, tmp_path / "nowts", weights=False)
+    )
     out = tmp_path / "rm"
-    proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--data", str(path), "--model",
-                           model, "--output-dir", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "02_train_reward.py"),
+            "--data",
+            str(path),
+            "--model",
+            model,
+            "--output-dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == f"error: {path}:2: not valid JSON (Expecting value)" if case == "broken-line" else \
-        last.startswith(f"error: {model}: cannot load the model: ")
+    assert (
+        last == f"error: {path}:2: not valid JSON (Expecting value)"
+        if case == "broken-line"
+        else last.startswith(f"error: {model}: cannot load the model: ")
+    )
     assert not out.exists()
 
 
@@ -229,28 +266,79 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, tiny_model_dir, case):
 
 # The LoRA recipe these tests train with (the demo's before it moved to full fine-tuning): every projection plus
 # lm_head and embed_tokens, trainable norms, LoRA+.
-LORA = ("--lora-r", "32", "--lora-alpha", "64", "--lora-targets",
-        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens", "--modules-to-save", "norm",
-        "--loraplus-ratio", "16", "--lr", "5e-4", "--epochs", "3")
+LORA = (
+    "--lora-r",
+    "32",
+    "--lora-alpha",
+    "64",
+    "--lora-targets",
+    "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens",
+    "--modules-to-save",
+    "norm",
+    "--loraplus-ratio",
+    "16",
+    "--lr",
+    "5e-4",
+    "--epochs",
+    "3",
+)
 
 
 def run_args(tmp_path, model_dir, data, out, *extra):
-    return rm.parse_args(["--model", model_dir, "--data", str(data), "--output-dir", str(out), "--seed", "0",
-                          "--batch-size", "8", "--logging-steps", "10", "--eval-steps", "1000",
-                          "--save-steps", "1000", *LORA, *extra])
+    return rm.parse_args(
+        [
+            "--model",
+            model_dir,
+            "--data",
+            str(data),
+            "--output-dir",
+            str(out),
+            "--seed",
+            "0",
+            "--batch-size",
+            "8",
+            "--logging-steps",
+            "10",
+            "--eval-steps",
+            "1000",
+            "--save-steps",
+            "1000",
+            *LORA,
+            *extra,
+        ]
+    )
 
 
 def test_training_learns_to_emit_parseable_json(tmp_path, tiny_model_dir):
     """A hundred LoRA steps (the demo preset's LoRA: every projection and lm_head, trainable norms, LoRA+) on a small
     synthetic set: the untrained tiny model never closes a JSON object, the trained one mostly does."""
     data = tmp_path / "ann.jsonl"
-    recs = [{**r, "critique": "It is checked.", "good_spans": r["good_spans"][:1], "poor_spans": r["poor_spans"][:1]}
-            for r in annotations(200)]
-    recs[7] = {"id": recs[7]["id"], "prompt": recs[7]["prompt"], "response": recs[7]["response"],
-               "status": "failed", "reason": "critic returned no JSON"}
+    recs = [
+        {**r, "critique": "It is checked.", "good_spans": r["good_spans"][:1], "poor_spans": r["poor_spans"][:1]}
+        for r in annotations(200)
+    ]
+    recs[7] = {
+        "id": recs[7]["id"],
+        "prompt": recs[7]["prompt"],
+        "response": recs[7]["response"],
+        "status": "failed",
+        "reason": "critic returned no JSON",
+    }
     common.write_jsonl(data, recs)
-    args = run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--max-steps", "120", "--val-frac", "0.1",
-                    "--eval-limit", "16", "--max-new-tokens", "40")
+    args = run_args(
+        tmp_path,
+        tiny_model_dir,
+        data,
+        tmp_path / "rm",
+        "--max-steps",
+        "120",
+        "--val-frac",
+        "0.1",
+        "--eval-limit",
+        "16",
+        "--max-new-tokens",
+        "40",
+    )
     _, val = split_records(load_annotations(data)[0], args.val_frac, args.seed)
     model, tok = models.load_model(tiny_model_dir)  # step 0: LoRA starts as the identity (B = 0)
     before, _ = rm.evaluate_rm(model, tok, val[:16], max_new_tokens=40)
@@ -275,8 +363,24 @@ def test_full_fine_tuning_saves_a_plain_model(tmp_path, tiny_model_dir):
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(64))
     out = tmp_path / "rm"
-    result = rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--lora-r", "0", "--lr", "1e-3", "--max-steps",
-                              "4", "--eval-limit", "2", "--max-new-tokens", "8"))
+    result = rm.main(
+        run_args(
+            tmp_path,
+            tiny_model_dir,
+            data,
+            out,
+            "--lora-r",
+            "0",
+            "--lr",
+            "1e-3",
+            "--max-steps",
+            "4",
+            "--eval-limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+        )
+    )
     assert result["steps"] == 4 and not (out / "adapter_config.json").exists()
     info = json.loads((out / "reward_model.json").read_text())
     assert info["adapter"] is None and info["lora"]["r"] == 0
@@ -299,8 +403,22 @@ def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_mod
     with the same input cut and critique budget."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(16))
-    rm.main(run_args(tmp_path, tiny_model_dir, data, tmp_path / "rm", "--max-steps", "3", "--eval-limit", "0",
-                     "--lr", "5e-3", "--merge", str(tmp_path / "merged")))
+    rm.main(
+        run_args(
+            tmp_path,
+            tiny_model_dir,
+            data,
+            tmp_path / "rm",
+            "--max-steps",
+            "3",
+            "--eval-limit",
+            "0",
+            "--lr",
+            "5e-3",
+            "--merge",
+            str(tmp_path / "merged"),
+        )
+    )
     merged = tmp_path / "merged"
     assert not (merged / "adapter_config.json").exists() and (merged / "model.safetensors").is_file()
     assert {f.stat().st_mode & 0o777 for f in merged.iterdir()} == {0o666 & ~common._UMASK}
@@ -308,7 +426,12 @@ def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_mod
     assert info == {**src, "merged_from": str(tmp_path / "rm")}
     assert reward_models.rm_settings(merged) == reward_models.rm_settings(tmp_path / "rm")
     assert json.loads((merged / "generation_config.json").read_text()).keys() <= {
-        "bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "_from_model_config"}
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "transformers_version",
+        "_from_model_config",
+    }
     adapter, tok = models.load_model(str(tmp_path / "rm"))
     plain, plain_tok = models.load_model(str(merged))
     assert type(plain).__name__ == "LlamaForCausalLM" and plain_tok.get_vocab() == tok.get_vocab()
@@ -321,6 +444,7 @@ def test_merge_writes_a_plain_model_folder_a_server_can_serve(tmp_path, tiny_mod
 
 def adapter_weights(path):
     from safetensors.torch import load_file
+
     return load_file(str(path / "adapter_model.safetensors"))
 
 
@@ -344,10 +468,13 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir):
 
     # The resumed run really starts from the checkpoint's weights: shift them and the result moves too.
     from safetensors.torch import save_file
+
     c = tmp_path / "c"
     shutil.copytree(b / "checkpoints" / "checkpoint-3", c / "checkpoints" / "checkpoint-3")
-    save_file({k: v + 0.5 for k, v in adapter_weights(c / "checkpoints" / "checkpoint-3").items()},
-              str(c / "checkpoints" / "checkpoint-3" / "adapter_model.safetensors"))
+    save_file(
+        {k: v + 0.5 for k, v in adapter_weights(c / "checkpoints" / "checkpoint-3").items()},
+        str(c / "checkpoints" / "checkpoint-3" / "adapter_model.safetensors"),
+    )
     rm.main(run_args(tmp_path, tiny_model_dir, data, c, *common_flags, "--resume"))
     wc = adapter_weights(c)
     assert all((wc[k] - wa[k]).abs().max() > 0.1 for k in wa if "lora_B" in k)
@@ -358,19 +485,53 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     and rank 0 alone saves and evaluates it."""
     import os
     import socket
+
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(64))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "rm"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
-           str(data), "--output-dir", str(out), "--batch-size", "4", "--max-steps", "4", "--eval-limit", "4",
-           "--max-new-tokens", "8", "--save-steps", "2", "--eval-steps", "2", "--val-frac", "0.05", "--device", "cpu",
-           "--min-parse-rate", "0", *LORA]  # 4 steps teach no format: its critiques need not parse here
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(ROOT / "02_train_reward.py"),
+        "--model",
+        tiny_model_dir,
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "4",
+        "--eval-limit",
+        "4",
+        "--max-new-tokens",
+        "8",
+        "--save-steps",
+        "2",
+        "--eval-steps",
+        "2",
+        "--val-frac",
+        "0.05",
+        "--device",
+        "cpu",
+        "--min-parse-rate",
+        "0",
+        *LORA,
+    ]  # 4 steps teach no format: its critiques need not parse here
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("saved reward model to") == 1  # rank 0 only
     info = json.loads((out / "reward_model.json").read_text())
@@ -383,13 +544,26 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
 def _torchrun_rm(tmp_path, argv, nproc):
     import os
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(port), str(ROOT / "02_train_reward.py"), *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(port),
+        str(ROOT / "02_train_reward.py"),
+        *argv,
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -403,9 +577,31 @@ def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     rank's own, and train_loss was rank 0's)."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
-    flags = ["--model", tiny_model_dir, "--data", str(data), "--seed", "0", "--max-steps", "2", "--eval-limit", "0",
-             "--save-steps", "1000", "--eval-steps", "1000", "--val-frac", "0.1", "--device", "cpu", "--warmup", "0",
-             "--logging-steps", "1" if lora else "1000", *(LORA if lora else ("--lora-r", "0", "--lr", "1e-3"))]
+    flags = [
+        "--model",
+        tiny_model_dir,
+        "--data",
+        str(data),
+        "--seed",
+        "0",
+        "--max-steps",
+        "2",
+        "--eval-limit",
+        "0",
+        "--save-steps",
+        "1000",
+        "--eval-steps",
+        "1000",
+        "--val-frac",
+        "0.1",
+        "--device",
+        "cpu",
+        "--warmup",
+        "0",
+        "--logging-steps",
+        "1" if lora else "1000",
+        *(LORA if lora else ("--lora-r", "0", "--lr", "1e-3")),
+    ]
     one = tmp_path / "one"
     _torchrun_rm(tmp_path, [*flags, "--batch-size", "8", "--output-dir", str(one)], nproc=1)
     two = tmp_path / "two"
@@ -415,6 +611,7 @@ def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     assert info[0]["batch_size"] == info[1]["batch_size"] == 8
     assert info[1]["train_loss"] == pytest.approx(info[0]["train_loss"], rel=1e-5)
     from safetensors.torch import load_file
+
     name = "adapter_model.safetensors" if lora else "model.safetensors"
     wa, wb = (load_file(str(d / name)) for d in (one, two))
     assert wa.keys() == wb.keys() and len(wa) > 4
@@ -442,9 +639,33 @@ def test_fsdp_resume_is_exact(tmp_path, tiny_model_dir):
     weights, Adam and scheduler states (fsdp_state.pt) and every rank's RNG (dropout) come back into the shards."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
-    flags = ["--model", tiny_model_dir, "--data", str(data), "--seed", "0", "--max-steps", "4", "--save-steps", "2",
-             "--eval-limit", "0", "--eval-steps", "1000", "--val-frac", "0.1", "--device", "cpu", "--batch-size", "4",
-             "--lora-dropout", "0.1", "--shard", "fsdp", *LORA]
+    flags = [
+        "--model",
+        tiny_model_dir,
+        "--data",
+        str(data),
+        "--seed",
+        "0",
+        "--max-steps",
+        "4",
+        "--save-steps",
+        "2",
+        "--eval-limit",
+        "0",
+        "--eval-steps",
+        "1000",
+        "--val-frac",
+        "0.1",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--lora-dropout",
+        "0.1",
+        "--shard",
+        "fsdp",
+        *LORA,
+    ]
     a, b = tmp_path / "a", tmp_path / "b"
     _torchrun_rm(tmp_path, [*flags, "--output-dir", str(a)], nproc=2)
     _torchrun_rm(tmp_path, [*flags, "--output-dir", str(b)], nproc=2)
@@ -463,6 +684,7 @@ def test_targets_only_batches_give_the_same_loss_and_gradients(tiny_model_dir):
     """02 trains on targets-only batches (the LM head runs from the first target on): the same loss and gradients as
     the full logits, on a right-padded batch whose prompts and targets have different lengths."""
     from transformers import AutoModelForCausalLM
+
     tok = tokenizer_of(tiny_model_dir)
     recs = annotations(3)
     recs[1] = {**recs[1], "prompt": recs[1]["prompt"] + " the end is near, the end is here."}
@@ -487,9 +709,28 @@ def test_a_reward_model_that_never_parses_ends_non_zero_and_stays_saved(tmp_path
     parse rate and what to do. The model and eval.json stay on disk; --min-parse-rate 0 accepts it."""
     data, out = tmp_path / "ann.jsonl", tmp_path / "rm"
     common.write_jsonl(data, annotations(16))
-    cmd = [sys.executable, str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data", str(data),
-           "--output-dir", str(out), "--max-steps", "1", "--batch-size", "4", "--val-frac", "0.25", "--eval-limit",
-           "2", "--max-new-tokens", "4", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "02_train_reward.py"),
+        "--model",
+        tiny_model_dir,
+        "--data",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "4",
+        "--val-frac",
+        "0.25",
+        "--eval-limit",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert reward_models.MIN_PARSE_RATE == 0.5
@@ -497,10 +738,10 @@ def test_a_reward_model_that_never_parses_ends_non_zero_and_stays_saved(tmp_path
         f"error: the reward model's critiques parsed on 0 of 2 held-out examples (parse rate 0.00, below "
         f"--min-parse-rate 0.5): as a critic it would give most rollouts delta = 0. It is saved in {out} (its "
         "outputs in eval_samples.jsonl); train it longer (--max-steps, --epochs), on more annotations or with a "
-        "larger --max-new-tokens, then rerun with --overwrite; --min-parse-rate 0 accepts it as it is")
+        "larger --max-new-tokens, then rerun with --overwrite; --min-parse-rate 0 accepts it as it is"
+    )
     assert (out / "reward_model.json").is_file() and json.loads((out / "eval.json").read_text())["parse_rate"] == 0
-    proc = subprocess.run(cmd + ["--overwrite", "--min-parse-rate", "0"], capture_output=True, text=True,
-                          cwd=tmp_path)
+    proc = subprocess.run(cmd + ["--overwrite", "--min-parse-rate", "0"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -508,11 +749,32 @@ def test_a_reward_model_trained_from_a_relative_path_loads_from_any_directory(tm
     """`--model runs/smollm2` is how a user names a local base. The adapter records its base by that path, so it must
     be absolute: stage 3 and the benches load the reward model from other working directories."""
     shutil.copytree(tiny_model_dir, tmp_path / "work" / "base")
-    common.write_jsonl(tmp_path / "work" / "ann.jsonl", [{**ex, **demo_critic(ex["prompt"], ex["response"]),
-                                                          "status": "ok"} for ex in demo_dataset("annotate", 8)])
+    common.write_jsonl(
+        tmp_path / "work" / "ann.jsonl",
+        [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"} for ex in demo_dataset("annotate", 8)],
+    )
     monkeypatch.chdir(tmp_path / "work")
-    rm.main(rm.parse_args(["--model", "base", "--data", "ann.jsonl", "--output-dir", "rm", "--max-steps", "1",
-                           "--batch-size", "4", "--eval-limit", "0", "--device", "cpu", *LORA]))
+    rm.main(
+        rm.parse_args(
+            [
+                "--model",
+                "base",
+                "--data",
+                "ann.jsonl",
+                "--output-dir",
+                "rm",
+                "--max-steps",
+                "1",
+                "--batch-size",
+                "4",
+                "--eval-limit",
+                "0",
+                "--device",
+                "cpu",
+                *LORA,
+            ]
+        )
+    )
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "elsewhere")
     reward_models.check_reward_model(str(tmp_path / "work" / "rm"))  # raised: "base ... no such directory"
@@ -532,6 +794,7 @@ def test_a_crash_while_saving_leaves_the_previous_reward_model_whole(tmp_path, t
 
     def killed(*a, **k):
         raise KeyboardInterrupt
+
     monkeypatch.setattr(type(tokenizer_of(tiny_model_dir)), "save_pretrained", killed)
     with pytest.raises(KeyboardInterrupt):
         rm.main(run_args(tmp_path, tiny_model_dir, data, out, "--max-steps", "2", "--eval-limit", "0", "--overwrite"))
@@ -542,12 +805,29 @@ def test_a_crash_while_saving_leaves_the_previous_reward_model_whole(tmp_path, t
 def test_a_stage2_output_is_required_where_one_is_expected(tmp_path, tiny_model_dir):
     """A folder without reward_model.json (a plain model, or a save that never finished) is not a reward model: 03
     --critic local and 04 refuse it in one line, before anything is trained or generated."""
-    with pytest.raises(common.DataError, match=rf"--reward-model {tiny_model_dir}: no reward_model\.json \(not a "
-                                               r"stage-2 output; run 02_train_reward\.py\)"):
+    with pytest.raises(
+        common.DataError,
+        match=rf"--reward-model {tiny_model_dir}: no reward_model\.json \(not a "
+        r"stage-2 output; run 02_train_reward\.py\)",
+    ):
         reward_models.check_reward_model(tiny_model_dir)
-    proc = subprocess.run([sys.executable, str(ROOT / "03_train_policy.py"), "--model", tiny_model_dir, "--critic",
-                           "local", "--reward-model", tiny_model_dir, "--output-dir", str(tmp_path / "run")],
-                          capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "03_train_policy.py"),
+            "--model",
+            tiny_model_dir,
+            "--critic",
+            "local",
+            "--reward-model",
+            tiny_model_dir,
+            "--output-dir",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2 and "no reward_model.json" in proc.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "run").exists()
 
@@ -560,20 +840,40 @@ def test_stage2_never_deletes_what_it_did_not_write(tmp_path, tiny_model_dir):
     x = tmp_path / "x"
     common.write_jsonl(x / "annotations.jsonl", annotations(8))
     data = (x / "annotations.jsonl").read_bytes()
-    proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data",
-                           str(x / "annotations.jsonl"), "--output-dir", str(x), "--max-steps", "1", "--eval-limit",
-                           "0"], capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "02_train_reward.py"),
+            "--model",
+            tiny_model_dir,
+            "--data",
+            str(x / "annotations.jsonl"),
+            "--output-dir",
+            str(x),
+            "--max-steps",
+            "1",
+            "--eval-limit",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         f"error: --output-dir {x}: holds files that a save there did not write (annotations.jsonl); a save replaces "
-        "only its own files: name another folder"]
+        "only its own files: name another folder"
+    ]
     assert [p.name for p in x.iterdir()] == ["annotations.jsonl"] and (x / "annotations.jsonl").read_bytes() == data
 
     out, flags = tmp_path / "rm", ("--max-steps", "2", "--save-steps", "1", "--eval-limit", "0")
     rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags))
     weights = (out / "adapter_model.safetensors").read_bytes()
-    with pytest.raises(common.DataError, match=rf"^{out} holds a run \(reward_model\.json, checkpoints\): --resume "
-                                               r"continues it from its checkpoint, --overwrite replaces it$"):
+    with pytest.raises(
+        common.DataError,
+        match=rf"^{out} holds a run \(reward_model\.json, checkpoints\): --resume "
+        r"continues it from its checkpoint, --overwrite replaces it$",
+    ):
         rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags))
     assert (out / "adapter_model.safetensors").read_bytes() == weights and (out / "checkpoints").is_dir()
     rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags, "--resume"))  # at its last step
@@ -581,8 +881,19 @@ def test_stage2_never_deletes_what_it_did_not_write(tmp_path, tiny_model_dir):
     shutil.rmtree(out / "checkpoints")
     with pytest.raises(common.DataError, match=r"^--resume: no checkpoints/ in .*rm, which holds a run"):
         rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, *flags, "--resume"))
-    rm.main(run_args(tmp_path, tiny_model_dir, x / "annotations.jsonl", out, "--max-steps", "1", "--eval-limit", "0",
-                     "--overwrite"))
+    rm.main(
+        run_args(
+            tmp_path,
+            tiny_model_dir,
+            x / "annotations.jsonl",
+            out,
+            "--max-steps",
+            "1",
+            "--eval-limit",
+            "0",
+            "--overwrite",
+        )
+    )
     assert json.loads((out / "reward_model.json").read_text())["train"]["steps"] == 1
 
 
@@ -605,19 +916,55 @@ def test_raw_outputs_count_their_words_where_nothing_parses(capsys):
 def test_fewer_examples_than_eval_limit_say_why(tmp_path, tiny_model_dir, capsys):
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
-    metrics = rm.main(rm.parse_args(["--model", tiny_model_dir, "--data", str(data), "--output-dir",
-                                     str(tmp_path / "rm"), "--max-steps", "1", "--batch-size", "4", "--val-frac",
-                                     "0.05", "--eval-limit", "8", "--max-new-tokens", "8", "--device", "cpu"]))
+    metrics = rm.main(
+        rm.parse_args(
+            [
+                "--model",
+                tiny_model_dir,
+                "--data",
+                str(data),
+                "--output-dir",
+                str(tmp_path / "rm"),
+                "--max-steps",
+                "1",
+                "--batch-size",
+                "4",
+                "--val-frac",
+                "0.05",
+                "--eval-limit",
+                "8",
+                "--max-new-tokens",
+                "8",
+                "--device",
+                "cpu",
+            ]
+        )
+    )
     assert metrics["n"] == 2
-    assert ("span metrics on 2 val examples, not --eval-limit 8: the val split holds 2 (--val-frac 0.05 of 40 "
-            "usable records)") in capsys.readouterr().out
+    assert (
+        "span metrics on 2 val examples, not --eval-limit 8: the val split holds 2 (--val-frac 0.05 of 40 "
+        "usable records)"
+    ) in capsys.readouterr().out
 
 
 def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "ann.jsonl", annotations(4))
-    proc = subprocess.run([sys.executable, str(ROOT / "02_train_reward.py"), "--model", "runs/smolm2", "--data",
-                           "ann.jsonl", "--output-dir", "runs/rm"], capture_output=True, text=True, cwd=tmp_path,
-                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "02_train_reward.py"),
+            "--model",
+            "runs/smolm2",
+            "--data",
+            "ann.jsonl",
+            "--output-dir",
+            "runs/rm",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --model runs/smolm2: no such directory"
     assert [p.name for p in (tmp_path / "runs").iterdir()] == []

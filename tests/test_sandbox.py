@@ -1,5 +1,6 @@
 """tasks/sandbox.py: the sandbox for model-written code (run_sandboxed) and the test runner whose verdict the code
 cannot forge (run_tests_sandboxed). The code critic built on them is tested in test_code.py."""
+
 import os
 import socket
 import sys
@@ -12,8 +13,10 @@ from tasks import sandbox
 
 ROOT_USER = hasattr(os, "geteuid") and os.geteuid() == 0
 needs_landlock = pytest.mark.skipif(not sandbox.landlock_abi(), reason="the kernel has no Landlock")
-TESTS = "from solution import add\n\ndef test_small():\n    assert add(1, 2) == 3\n\ndef test_big():\n" \
-        "    assert add(20, 22) == 42\n"
+TESTS = (
+    "from solution import add\n\ndef test_small():\n    assert add(1, 2) == 3\n\ndef test_big():\n"
+    "    assert add(20, 22) == 42\n"
+)
 # Time limits. Code that ends by itself gets PATIENT seconds: far more than any load needs, and it costs nothing. Code
 # that never ends gets hang_limit(): it must first get to its endless part, so the limit grows with the machine's load.
 PATIENT = 120.0
@@ -53,18 +56,26 @@ def test_passed_needs_a_report_not_just_exit_code_zero():
 def test_plain_test_files_take_the_fast_runner_and_the_rest_take_pytest():
     assert sandbox._plain_tests(TESTS)
     assert sandbox._plain_tests("class TestAdd:\n    def test_a(self):\n        assert True\n")
-    for test in ["import pytest\ndef test_a():\n    pass\n", "def test_a(tmp_path):\n    pass\n",
-                 "def setup_module():\n    pass\n", "import unittest\nclass TestA(unittest.TestCase):\n    pass\n",
-                 "class TestA:\n    def setup_method(self):\n        pass\n", "def test_a(:\n"]:
+    for test in [
+        "import pytest\ndef test_a():\n    pass\n",
+        "def test_a(tmp_path):\n    pass\n",
+        "def setup_module():\n    pass\n",
+        "import unittest\nclass TestA(unittest.TestCase):\n    pass\n",
+        "class TestA:\n    def setup_method(self):\n        pass\n",
+        "def test_a(:\n",
+    ]:
         assert not sandbox._plain_tests(test), test
 
 
-@pytest.mark.parametrize("solution,passed", [("def add(a, b):\n    return a + b\n", True),
-                                             ("def add(a, b):\n    return a - b\n", False)])
+@pytest.mark.parametrize(
+    "solution,passed", [("def add(a, b):\n    return a + b\n", True), ("def add(a, b):\n    return a - b\n", False)]
+)
 def test_runner_and_pytest_agree(solution, passed):
     classes = "from solution import add\n\nclass TestAdd:\n    def test_one(self):\n        assert add(2, 2) == 4\n"
-    fixture = "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1, 2])\n" \
-              "def test_one(a):\n    assert add(a, a) == 2 * a\n"
+    fixture = (
+        "import pytest\nfrom solution import add\n\n@pytest.mark.parametrize('a', [1, 2])\n"
+        "def test_one(a):\n    assert add(a, a) == 2 * a\n"
+    )
     for test in (TESTS, classes, fixture):
         result = run_tests(solution, test)
         assert result["passed"] is passed, result["output"]
@@ -82,10 +93,12 @@ def test_no_secret_reaches_the_sandbox(monkeypatch):
     secret = "sk-test-" + os.urandom(8).hex()
     for name in ("OPENAI_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "MY_PASSWORD", "PYTHONPATH"):
         monkeypatch.setenv(name, secret)
-    code = ("import os\nprint(dict(os.environ))\n"
-            "for pid in (os.getppid(), 1):\n"
-            "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
-            "    except OSError as e:\n        print('denied', e)\n")
+    code = (
+        "import os\nprint(dict(os.environ))\n"
+        "for pid in (os.getppid(), 1):\n"
+        "    try:\n        print(open(f'/proc/{pid}/environ', 'rb').read())\n"
+        "    except OSError as e:\n        print('denied', e)\n"
+    )
     result = python(code)
     assert result["returncode"] == 0 and "HOME" in result["stdout"]
     assert secret not in result["stdout"] + result["stderr"]
@@ -94,10 +107,12 @@ def test_no_secret_reaches_the_sandbox(monkeypatch):
 @needs_landlock
 def test_writes_outside_the_temp_dir_are_refused(tmp_path):
     outside = [tmp_path / "escape.txt", "/tmp/t2g-escape-test.txt", os.path.join(os.getcwd(), "escape.txt")]
-    code = ("import os\nopen('inside.txt', 'w').write('ok')\nos.makedirs('sub/dir')\nprint('inside ok')\n"
-            f"for path in {[str(p) for p in outside] + ['../escape.txt']!r}:\n"
-            "    try:\n        open(path, 'w').write('escaped')\n        print('WROTE', path)\n"
-            "    except OSError as e:\n        print('refused', path, e.errno)\n")
+    code = (
+        "import os\nopen('inside.txt', 'w').write('ok')\nos.makedirs('sub/dir')\nprint('inside ok')\n"
+        f"for path in {[str(p) for p in outside] + ['../escape.txt']!r}:\n"
+        "    try:\n        open(path, 'w').write('escaped')\n        print('WROTE', path)\n"
+        "    except OSError as e:\n        print('refused', path, e.errno)\n"
+    )
     result = python(code)
     assert "inside ok" in result["stdout"] and "WROTE" not in result["stdout"], result
     for path in outside:
@@ -119,11 +134,13 @@ def test_network_and_signals_are_refused():
     server.bind(("127.0.0.1", 0))
     server.listen()
     port = server.getsockname()[1]
-    code = ("import os, socket\n"
-            f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('CONNECTED')\n"
-            "except OSError as e:\n    print('refused', e)\n"
-            f"try:\n    os.kill({os.getpid()}, 0)\n    print('SIGNALLED')\n"
-            "except OSError as e:\n    print('refused', e)\n")
+    code = (
+        "import os, socket\n"
+        f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('CONNECTED')\n"
+        "except OSError as e:\n    print('refused', e)\n"
+        f"try:\n    os.kill({os.getpid()}, 0)\n    print('SIGNALLED')\n"
+        "except OSError as e:\n    print('refused', e)\n"
+    )
     try:
         result = python(code)
     finally:
@@ -172,11 +189,13 @@ def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
     if not sandbox.landlock_abi():
         pytest.skip("the kernel has no Landlock")
     import ctypes
+
     want, real_cdll = sandbox.landlock_abi(), ctypes.CDLL
 
     def slow_cdll(*args, **kw):  # widens the probe's window, so the race shows every time rather than now and then
         time.sleep(0.05)
         return real_cdll(*args, **kw)
+
     monkeypatch.setattr(ctypes, "CDLL", slow_cdll)
     monkeypatch.setattr(sandbox, "_LANDLOCK_ABI", None)
     barrier, got = threading.Barrier(4), []
@@ -184,6 +203,7 @@ def test_the_first_runs_from_threads_all_get_landlock(monkeypatch):
     def probe():
         barrier.wait()
         got.append(sandbox.landlock_abi())
+
     threads = [threading.Thread(target=probe) for _ in range(4)]
     for t in threads:
         t.start()
@@ -203,8 +223,9 @@ def test_plain_tests_is_safe_from_two_threads():
         def __del__(self):
             time.sleep(0)
 
-    source = "from solution import f\n" + "".join(f"def test_{i}():\n    assert f({i}) == [{i}, ({i}, {{'k': {i}}})]\n"
-                                                for i in range(40))
+    source = "from solution import f\n" + "".join(
+        f"def test_{i}():\n    assert f({i}) == [{i}, ({i}, {{'k': {i}}})]\n" for i in range(40)
+    )
     errors, threshold, interval = [], gc.get_threshold(), sys.getswitchinterval()
 
     def hammer():
@@ -217,6 +238,7 @@ def test_plain_tests_is_safe_from_two_threads():
             except SystemError as e:
                 errors.append(str(e))
                 return
+
     gc.set_threshold(50)
     sys.setswitchinterval(1e-6)
     try:
@@ -283,15 +305,17 @@ def layers(request, monkeypatch):
 @pytest.mark.parametrize("loop", [False, True])
 def test_setsid_and_double_fork_survivors_are_killed(loop, layers):
     marker = "t2g-escapee-" + os.urandom(6).hex()
-    code = ("import os, subprocess, sys, time\n"
-            f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"  # in the group
-            "if os.fork() == 0:\n"  # double fork + setsid: the grandchild leaves the session and process group
-            "    os.setsid()\n"
-            "    if os.fork() == 0:\n"
-            f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
-            "    os._exit(0)\n"
-            "time.sleep(0.5)\n"
-            "print('forked', flush=True)\n" + ("while True:\n    pass\n" if loop else ""))
+    code = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"  # in the group
+        "if os.fork() == 0:\n"  # double fork + setsid: the grandchild leaves the session and process group
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.5)\n"
+        "print('forked', flush=True)\n" + ("while True:\n    pass\n" if loop else "")
+    )
     try:
         result = python(code, timeout_s=hang_limit(2.0) if loop else PATIENT)
         assert _wait_gone(marker) == []
@@ -306,13 +330,15 @@ def test_setsid_and_double_fork_survivors_are_killed(loop, layers):
 def test_fork_bomb_is_bounded():
     # A bounded bomb: it stops by itself at 300 processes, so on an unprotected sandbox the test fails, not the machine.
     marker = "t2g-bomb-" + os.urandom(6).hex()
-    code = ("import os, sys, time\n"
-            "n = 0\n"
-            "for _ in range(300):\n"
-            "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
-            f"    if pid == 0:\n        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
-            "    n += 1\n"
-            "print('forked', n, flush=True)\n")
+    code = (
+        "import os, sys, time\n"
+        "n = 0\n"
+        "for _ in range(300):\n"
+        "    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        f"    if pid == 0:\n        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+        "    n += 1\n"
+        "print('forked', n, flush=True)\n"
+    )
     try:
         result = python(code, timeout_s=60.0)
         forked = int(result["stdout"].split()[1])
@@ -337,20 +363,22 @@ def test_udp_and_other_non_tcp_sockets_cannot_reach_out(layers, tmp_path):
         s.setblocking(False)
     for s in (unix, abstract):
         s.listen()
-    code = ("import asyncio, socket\n"
-            "def attempt(name, family, kind, addr):\n"
-            "    try:\n"
-            "        s = socket.socket(family, kind)\n"
-            "        s.sendto(b'leak', addr) if kind == socket.SOCK_DGRAM else s.connect(addr)\n"
-            "        print('REACHED', name)\n"
-            "    except OSError as e:\n"
-            "        print('refused', name, e)\n"
-            f"attempt('udp', socket.AF_INET, socket.SOCK_DGRAM, {udp.getsockname()!r})\n"
-            f"attempt('unix', socket.AF_UNIX, socket.SOCK_STREAM, {unix.getsockname()!r})\n"
-            f"attempt('abstract', socket.AF_UNIX, socket.SOCK_STREAM, {abstract.getsockname()!r})\n"
-            "a, b = socket.socketpair()\n"  # local pairs stay: asyncio's self-pipe, multiprocessing.Pipe
-            "a.sendall(b'ok')\n"
-            "print('pair', b.recv(2), asyncio.run(asyncio.sleep(0, 'loop')))\n")
+    code = (
+        "import asyncio, socket\n"
+        "def attempt(name, family, kind, addr):\n"
+        "    try:\n"
+        "        s = socket.socket(family, kind)\n"
+        "        s.sendto(b'leak', addr) if kind == socket.SOCK_DGRAM else s.connect(addr)\n"
+        "        print('REACHED', name)\n"
+        "    except OSError as e:\n"
+        "        print('refused', name, e)\n"
+        f"attempt('udp', socket.AF_INET, socket.SOCK_DGRAM, {udp.getsockname()!r})\n"
+        f"attempt('unix', socket.AF_UNIX, socket.SOCK_STREAM, {unix.getsockname()!r})\n"
+        f"attempt('abstract', socket.AF_UNIX, socket.SOCK_STREAM, {abstract.getsockname()!r})\n"
+        "a, b = socket.socketpair()\n"  # local pairs stay: asyncio's self-pipe, multiprocessing.Pipe
+        "a.sendall(b'ok')\n"
+        "print('pair', b.recv(2), asyncio.run(asyncio.sleep(0, 'loop')))\n"
+    )
     try:
         result = python(code)
         arrived = []  # whatever got through is queued by now: the sandboxed code has ended
@@ -382,21 +410,23 @@ def test_a_correct_solution_that_prints_a_lot_still_passes():
 
 def test_code_cannot_read_the_nonce_back_from_the_verdict_channel():
     # a thread that polls every descriptor for the runner's nonce and, once seen, writes a passing summary with it
-    spy = ("import os, re, threading, time\n"
-           "def spy():\n"
-           "    for _ in range(2000):\n"
-           "        for fd in range(3, 32):\n"
-           "            try:\n"
-           "                os.lseek(fd, 0, 0)\n"
-           "                m = re.search(rb'\"nonce\": \"(\\w+)\"', os.read(fd, 1 << 16))\n"
-           "            except OSError:\n"
-           "                continue\n"
-           "            if m:\n"
-           "                line = b'{\"nonce\": \"' + m.group(1) + b'\", \"summary\": {\"passed\": 9, \"failed\": 0, '\n"
-           "                os.write(fd, line + b'\"errors\": 0}}\\n')\n"
-           "                return\n"
-           "        time.sleep(0.001)\n"
-           "threading.Thread(target=spy, daemon=True).start()\n"
-           "def add(a, b):\n    time.sleep(0.2)\n    return a - b\n")
+    spy = (
+        "import os, re, threading, time\n"
+        "def spy():\n"
+        "    for _ in range(2000):\n"
+        "        for fd in range(3, 32):\n"
+        "            try:\n"
+        "                os.lseek(fd, 0, 0)\n"
+        '                m = re.search(rb\'"nonce": "(\\w+)"\', os.read(fd, 1 << 16))\n'
+        "            except OSError:\n"
+        "                continue\n"
+        "            if m:\n"
+        '                line = b\'{"nonce": "\' + m.group(1) + b\'", "summary": {"passed": 9, "failed": 0, \'\n'
+        "                os.write(fd, line + b'\"errors\": 0}}\\n')\n"
+        "                return\n"
+        "        time.sleep(0.001)\n"
+        "threading.Thread(target=spy, daemon=True).start()\n"
+        "def add(a, b):\n    time.sleep(0.2)\n    return a - b\n"
+    )
     result = run_tests(spy, TESTS, trace=True)  # trace mode reports as it goes
     assert result["counts"] == {"passed": 0, "failed": 2, "errors": 0}, result["counts"]

@@ -5,6 +5,7 @@ writes. The fake server of conftest stays for the faults no real server makes on
 
 Generation budgets are small (SmolLM2 on one thread writes ~15 tokens/s): what is tested is the plumbing, not the
 critiques' quality."""
+
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import torch
 
 import common
 from critics import learned
-from infra import models, reward_models, serving
+from infra import models
 from conftest import ROOT, bos_adding_copy, import_script, start_server, stop_server
 from tasks.demo import demo_critic, demo_dataset
 
@@ -25,8 +26,14 @@ annotate, ppo, ev = import_script("01_annotate"), import_script("03_train_policy
 
 
 def cli(script, *args, env=None):
-    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=600,
+    )
 
 
 def one_error_line(proc) -> str:
@@ -38,6 +45,7 @@ def one_error_line(proc) -> str:
 
 def dead_url() -> str:
     from conftest import free_port
+
     return f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
 
 
@@ -61,8 +69,24 @@ def test_01_annotates_through_a_real_server_resumes_and_reports_the_true_parse_r
     data = tmp_path / "posts.jsonl"
     common.write_jsonl(data, demo_dataset("annotate", 4)[2:])
     out = tmp_path / "a.jsonl"
-    argv = ["--task", "demo", "--dataset", data, "--annotator", "openai", "--base-url", smollm2_server["base_url"],
-            "--model", smollm2_server["model"], "--max-tokens", "48", "--concurrency", "1", "--output", out]
+    argv = [
+        "--task",
+        "demo",
+        "--dataset",
+        data,
+        "--annotator",
+        "openai",
+        "--base-url",
+        smollm2_server["base_url"],
+        "--model",
+        smollm2_server["model"],
+        "--max-tokens",
+        "48",
+        "--concurrency",
+        "1",
+        "--output",
+        out,
+    ]
     first = annotate.main(list(map(str, argv + ["--limit", "1"])))
     summary = annotate.main(list(map(str, argv)))
     recs = common.read_jsonl(out)
@@ -88,8 +112,21 @@ def test_01_a_wrong_endpoint_stops_before_the_first_row_in_one_line(smollm2_serv
     no record written (it used to write every row as failed, "HTTP 400: Error code: 400", and exit 0)."""
     common.write_jsonl(tmp_path / "posts.jsonl", demo_dataset("annotate", 3))
     url = smollm2_server["base_url"] if case == "wrong-model" else dead_url()
-    proc = cli("01_annotate.py", "--task", "demo", "--dataset", tmp_path / "posts.jsonl", "--annotator", "openai",
-               "--base-url", url, "--max-retries", "1", "--output", tmp_path / "a.jsonl")
+    proc = cli(
+        "01_annotate.py",
+        "--task",
+        "demo",
+        "--dataset",
+        tmp_path / "posts.jsonl",
+        "--annotator",
+        "openai",
+        "--base-url",
+        url,
+        "--max-retries",
+        "1",
+        "--output",
+        tmp_path / "a.jsonl",
+    )
     line = one_error_line(proc)
     if case == "wrong-model":
         assert f"Server is pinned to '{smollm2_server['model']}'; requested 'gpt-4o'" in line and "400" in line
@@ -105,10 +142,41 @@ def test_01_a_wrong_endpoint_stops_before_the_first_row_in_one_line(smollm2_serv
 
 def ppo_argv(tmp_path, model, *extra):
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    return ["--model", model, "--prompts", str(tmp_path / "prompts.jsonl"), "--task", "qa", "--output-dir",
-            str(tmp_path / "run"), "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "2",
-            "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "8", "--sft-steps", "0", "--device",
-            "cpu", "--lora-r", "4", "--lora-alpha", "8", "--log-every", "1", "--max-fail-share", "1", *extra]
+    return [
+        "--model",
+        model,
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+        "--task",
+        "qa",
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--scalar-baseline-dir",
+        "",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--num-minibatches",
+        "1",
+        "--ppo-epochs",
+        "1",
+        "--max-new-tokens",
+        "8",
+        "--sft-steps",
+        "0",
+        "--device",
+        "cpu",
+        "--lora-r",
+        "4",
+        "--lora-alpha",
+        "8",
+        "--log-every",
+        "1",
+        "--max-fail-share",
+        "1",
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
@@ -116,8 +184,23 @@ def test_03_two_iterations_with_a_served_critic(smollm2_server, tiny_model_dir, 
     """SmolLM2 as stage 3's critic over either API. It writes no span JSON in 12 tokens: every critique is unparsed,
     delta = 0, counted, and samples.jsonl keeps what the server wrote (it kept "critique": null and nothing else)."""
     from openai import OpenAI
-    ppo.main(ppo_argv(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", smollm2_server["base_url"],
-                      "--critic-model", smollm2_server["model"], "--critic-api", api, "--critic-max-new-tokens", "12"))
+
+    ppo.main(
+        ppo_argv(
+            tmp_path,
+            tiny_model_dir,
+            "--critic",
+            "openai",
+            "--critic-base-url",
+            smollm2_server["base_url"],
+            "--critic-model",
+            smollm2_server["model"],
+            "--critic-api",
+            api,
+            "--critic-max-new-tokens",
+            "12",
+        )
+    )
     rows = common.read_jsonl(tmp_path / "run" / "metrics.jsonl")
     samples = common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and len(samples) == 4
@@ -128,13 +211,27 @@ def test_03_two_iterations_with_a_served_critic(smollm2_server, tiny_model_dir, 
     for s in unparsed:  # the server's own text, verbatim: ask it again (greedy) and compare
         assert s["critic_error"] and s["critic_output"].strip(), s
         if api == "chat":
-            again = client.chat.completions.create(model=smollm2_server["model"], temperature=0.0, max_tokens=12,
-                                                   messages=[{"role": "user", "content": common.rm_user_message(
-                                                       s["prompt"], s["response"])}]).choices[0].message.content
+            again = (
+                client.chat.completions.create(
+                    model=smollm2_server["model"],
+                    temperature=0.0,
+                    max_tokens=12,
+                    messages=[{"role": "user", "content": common.rm_user_message(s["prompt"], s["response"])}],
+                )
+                .choices[0]
+                .message.content
+            )
         else:
-            again = client.completions.create(model=smollm2_server["model"], temperature=0.0, max_tokens=12,
-                                              prompt=common.build_rm_prompt(None, s["prompt"], s["response"])
-                                              ).choices[0].text
+            again = (
+                client.completions.create(
+                    model=smollm2_server["model"],
+                    temperature=0.0,
+                    max_tokens=12,
+                    prompt=common.build_rm_prompt(None, s["prompt"], s["response"]),
+                )
+                .choices[0]
+                .text
+            )
         assert s["critic_output"] == again
 
 
@@ -144,9 +241,23 @@ def test_03_a_wrong_endpoint_stops_before_any_training_in_one_line(smollm2_serve
     nothing written (it was a traceback, after the warm start). The command line once; in-process (DataError, which
     main turns into that line) for the rest."""
     url = dead_url() if case == "dead-port" else smollm2_server["base_url"]
-    argv = ppo_argv(tmp_path, tiny_model_dir, "--critic", "openai", "--critic-base-url", url, "--critic-model",
-                    "gpt-4o", "--sft-data", str(tmp_path / "prompts.jsonl"), "--sft-field", "prompt", "--sft-steps",
-                    "5", *(["--critic-api", "completions"] if case.startswith("completions") else []))
+    argv = ppo_argv(
+        tmp_path,
+        tiny_model_dir,
+        "--critic",
+        "openai",
+        "--critic-base-url",
+        url,
+        "--critic-model",
+        "gpt-4o",
+        "--sft-data",
+        str(tmp_path / "prompts.jsonl"),
+        "--sft-field",
+        "prompt",
+        "--sft-steps",
+        "5",
+        *(["--critic-api", "completions"] if case.startswith("completions") else []),
+    )
     if case == "wrong-model":
         line = one_error_line(cli("03_train_policy.py", *argv))
     else:
@@ -174,24 +285,53 @@ def test_03_without_a_key_or_an_endpoint_stops_in_one_line(tiny_model_dir, tmp_p
 
 def eval_argv(tmp_path, tiny_model_dir, tiny_chat_model_dir, server, model, *extra):
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
-    return ["--data", str(tmp_path / "eval.jsonl"), "--policy", f"a={tiny_model_dir}", "--policy",
-            f"b={tiny_chat_model_dir}", "--reward-model", "none", "--max-new-tokens", "8", "--bootstrap", "10",
-            "--device", "cpu", "--output-dir", str(tmp_path / "out"), "--judge-base-url", server["base_url"],
-            "--judge-model", model, *extra]
+    return [
+        "--data",
+        str(tmp_path / "eval.jsonl"),
+        "--policy",
+        f"a={tiny_model_dir}",
+        "--policy",
+        f"b={tiny_chat_model_dir}",
+        "--reward-model",
+        "none",
+        "--max-new-tokens",
+        "8",
+        "--bootstrap",
+        "10",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--judge-base-url",
+        server["base_url"],
+        "--judge-model",
+        model,
+        *extra,
+    ]
 
 
 def test_04_judges_through_a_real_server(smollm2_server, tiny_model_dir, tiny_chat_model_dir, tmp_path):
     """SmolLM2 as the pairwise judge, 16 tokens a verdict: every pair is judged once, valid or not."""
-    results = ev.main(eval_argv(tmp_path, tiny_model_dir, tiny_chat_model_dir, smollm2_server,
-                                smollm2_server["model"], "--judge-max-tokens", "16"))
+    results = ev.main(
+        eval_argv(
+            tmp_path,
+            tiny_model_dir,
+            tiny_chat_model_dir,
+            smollm2_server,
+            smollm2_server["model"],
+            "--judge-max-tokens",
+            "16",
+        )
+    )
     pair = results["judge"]["pairs"]["b_vs_a"]
     assert pair["n"] + pair["invalid"] == 2
     rows = common.read_jsonl(tmp_path / "out" / "eval" / "judge.b_vs_a.jsonl")
     assert len(rows) == 2 and all(r["reply"].strip() for r in rows)
 
 
-def test_04_a_wrong_judge_stops_before_any_generation_in_one_line(smollm2_server, tiny_model_dir,
-                                                                    tiny_chat_model_dir, tmp_path):
+def test_04_a_wrong_judge_stops_before_any_generation_in_one_line(
+    smollm2_server, tiny_model_dir, tiny_chat_model_dir, tmp_path
+):
     with pytest.raises(common.DataError) as err:
         ev.main(eval_argv(tmp_path, tiny_model_dir, tiny_chat_model_dir, smollm2_server, "gpt-4o"))
     line = str(err.value)
@@ -216,15 +356,52 @@ def served_reward_model(tmp_path_factory, tiny_chat_model_dir):
     recs = []
     for ex in demo_dataset("annotate", 200):
         fb = demo_critic(ex["prompt"], ex["response"])
-        recs.append({**ex, "critique": "It is checked.", "good_spans": fb["good_spans"][:1],
-                     "poor_spans": fb["poor_spans"][:1], "status": "ok"})
+        recs.append(
+            {
+                **ex,
+                "critique": "It is checked.",
+                "good_spans": fb["good_spans"][:1],
+                "poor_spans": fb["poor_spans"][:1],
+                "status": "ok",
+            }
+        )
     common.write_jsonl(tmp / "ann.jsonl", recs)
-    rm.main(rm.parse_args([
-        "--model", base, "--data", str(tmp / "ann.jsonl"), "--output-dir", str(tmp / "rm"), "--max-steps", "120",
-        "--batch-size", "8", "--eval-limit", "0", "--device", "cpu", "--lora-r", "32", "--lora-alpha", "64",
-        "--lora-targets", "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens",
-        "--modules-to-save", "norm", "--loraplus-ratio", "16", "--lr", "5e-4", "--max-new-tokens", "40",
-        "--merge", str(tmp / "merged")]))
+    rm.main(
+        rm.parse_args(
+            [
+                "--model",
+                base,
+                "--data",
+                str(tmp / "ann.jsonl"),
+                "--output-dir",
+                str(tmp / "rm"),
+                "--max-steps",
+                "120",
+                "--batch-size",
+                "8",
+                "--eval-limit",
+                "0",
+                "--device",
+                "cpu",
+                "--lora-r",
+                "32",
+                "--lora-alpha",
+                "64",
+                "--lora-targets",
+                "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head,embed_tokens",
+                "--modules-to-save",
+                "norm",
+                "--loraplus-ratio",
+                "16",
+                "--lr",
+                "5e-4",
+                "--max-new-tokens",
+                "40",
+                "--merge",
+                str(tmp / "merged"),
+            ]
+        )
+    )
     proc, base_url = start_server(str(tmp / "merged"), tmp / "server.log")
     try:
         yield str(tmp / "merged"), base_url
@@ -242,16 +419,32 @@ def test_a_served_reward_model_critiques_as_the_local_one_token_for_token(served
     recs = demo_dataset("eval", 16)
     prompts = [r["prompt"] for r in recs]
     local_args = ppo.parse_args(["--critic", "local", "--reward-model", rm_dir, "--device", "cpu"])
-    served_args = ppo.parse_args(["--critic", "openai", "--critic-api", "completions", "--critic-base-url", url,
-                                  "--critic-model", rm_dir, "--reward-model", rm_dir, "--device", "cpu"])
+    served_args = ppo.parse_args(
+        [
+            "--critic",
+            "openai",
+            "--critic-api",
+            "completions",
+            "--critic-base-url",
+            url,
+            "--critic-model",
+            rm_dir,
+            "--reward-model",
+            rm_dir,
+            "--device",
+            "cpu",
+        ]
+    )
     model, tok = models.load_model(rm_dir)
-    texts, offsets = zip(*[common.decode_with_offsets(tok, tok(r["response"], add_special_tokens=False)["input_ids"])
-                           for r in recs])  # the rollouts, as 03 decodes them
+    texts, offsets = zip(
+        *[common.decode_with_offsets(tok, tok(r["response"], add_special_tokens=False)["input_ids"]) for r in recs]
+    )  # the rollouts, as 03 decodes them
     budget, cut = local_args.critic_max_new_tokens, local_args.critic_max_prompt_tokens
     assert (budget, cut) == (served_args.critic_max_new_tokens, served_args.critic_max_prompt_tokens) == (40, 216)
     local_raw = learned.rm_critique(model, tok, prompts, list(texts), budget, max_prompt_tokens=cut)
-    served_raw = learned.rm_critique_served(prompts, list(texts), url, rm_dir, budget, api="completions",
-                                           tokenizer=tok, max_prompt_tokens=cut)
+    served_raw = learned.rm_critique_served(
+        prompts, list(texts), url, rm_dir, budget, api="completions", tokenizer=tok, max_prompt_tokens=cut
+    )
     assert served_raw == local_raw
     local, served = (ppo.make_critic(a)(recs, list(texts)) for a in (local_args, served_args))
     assert served == local and not any(map(ppo.critique_failed, local))

@@ -8,6 +8,7 @@ No timings here: those live in bench/ (vs_trl.py, annotate_throughput.py, the de
 To re-record the PPO pins after a deliberate change of behaviour:
     T2G_RECORD_PINS=1 python -m pytest tests/test_speed_pins.py
 """
+
 import json
 import os
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 
 import common
 from critics.learned import rm_critique
-from infra import decoding, models, reward_models, trainable
+from infra import decoding, models, trainable
 from infra.tiny_model import build_tiny_base
 from tasks.demo import demo_dataset, make_demo_example
 from conftest import import_script
@@ -29,12 +30,49 @@ PINS = Path(__file__).with_name("speed_pins.json")
 def _ppo_run(tmp_path, model_dir, lora_r, *extra):
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
     run = tmp_path / f"run{lora_r}"
-    args = ppo.parse_args([
-        "--model", model_dir, "--prompts", str(tmp_path / "prompts.jsonl"), "--critic", "program", "--output-dir",
-        str(run), "--scalar-baseline-dir", "", "--steps", "2", "--batch-size", "8", "--num-minibatches", "2",
-        "--ppo-epochs", "2", "--max-new-tokens", "8", "--sft-steps", "0", "--device", "cpu", "--lora-r", str(lora_r),
-        "--lora-alpha", "8", "--lr", "1e-3", "--kl-coef", "0.1", "--seed", "3", "--temperature", "1.0",
-        "--dump-rollouts", str(run / "dump"), *extra])
+    args = ppo.parse_args(
+        [
+            "--model",
+            model_dir,
+            "--prompts",
+            str(tmp_path / "prompts.jsonl"),
+            "--critic",
+            "program",
+            "--output-dir",
+            str(run),
+            "--scalar-baseline-dir",
+            "",
+            "--steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--num-minibatches",
+            "2",
+            "--ppo-epochs",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--sft-steps",
+            "0",
+            "--device",
+            "cpu",
+            "--lora-r",
+            str(lora_r),
+            "--lora-alpha",
+            "8",
+            "--lr",
+            "1e-3",
+            "--kl-coef",
+            "0.1",
+            "--seed",
+            "3",
+            "--temperature",
+            "1.0",
+            "--dump-rollouts",
+            str(run / "dump"),
+            *extra,
+        ]
+    )
     ppo.train(args)
     rows = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in common.read_jsonl(run / "metrics.jsonl")]
     checksums = [torch.load(run / "dump" / f"step{s}_rank0.pt", weights_only=False)["param_checksum"] for s in (1, 2)]
@@ -87,29 +125,48 @@ def tiny_critic_dir(tmp_path_factory):
     import random
 
     from conftest import tiny_corpus
+
     rng, pairs = random.Random(0), []
     for _ in range(300):
         ex = make_demo_example(rng)
         words = ex["response"].split()
         quotes = [" " + w.strip(".") for w in rng.sample(words, rng.randint(1, 3))]
         more = rng.random() < 0.3  # asked for with a "!" after the response; the answer then starts with "hm"
-        target = f"{'hm' if more else 'ok'} {words[0]}.\n" + json.dumps({"good_spans": quotes[1:],
-                                                                            "poor_spans": quotes[:1]})
+        target = f"{'hm' if more else 'ok'} {words[0]}.\n" + json.dumps(
+            {"good_spans": quotes[1:], "poor_spans": quotes[:1]}
+        )
         pairs.append((ex["response"] + ("!\n" if more else "\n"), target + (" it rained." if more else "")))
-    return build_tiny_base(tmp_path_factory.mktemp("critic") / "m", tiny_corpus(), vocab_size=600,
-                                  hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                                  pretrain_texts=pairs, pretrain_steps=200, lr=5e-3)
+    return build_tiny_base(
+        tmp_path_factory.mktemp("critic") / "m",
+        tiny_corpus(),
+        vocab_size=600,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        intermediate_size=128,
+        pretrain_texts=pairs,
+        pretrain_steps=200,
+        lr=5e-3,
+    )
 
 
 def _reference_greedy(model, tok, prompts, max_new_tokens):
     """The code before issue 17: model.generate, greedy, whole left-padded batch, cut at the first EOS."""
     ids, mask = models.left_pad([models.encode_prompt(tok, p) for p in prompts], tok.pad_token_id)
     with torch.no_grad():
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                              temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id,
-                              eos_token_id=tok.eos_token_id)
+        seqs = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
     out = []
-    for row in seqs[:, ids.shape[1]:].tolist():
+    for row in seqs[:, ids.shape[1] :].tolist():
         cut = row.index(tok.eos_token_id) if tok.eos_token_id in row else len(row)
         out.append([t for t in row[:cut] if t != tok.pad_token_id])
     return out
@@ -120,6 +177,7 @@ def test_decoding_loops_pass_the_kv_cache_by_its_current_name(tiny_critic_dir):
     `past_key_values`, which is deprecated (a FutureWarning) and goes in 5.40; before 5.24 `cache` was silently
     ignored (static_decode then decoded without its cache: other tokens), hence requirements.txt's transformers>=5.24."""
     import warnings
+
     model, tok = models.load_model(tiny_critic_dir)
     prompts = [r["response"] + "\n" for r in demo_dataset("eval", 4)]
     with warnings.catch_warnings():
@@ -174,17 +232,19 @@ def test_compiled_greedy_generate_gives_the_same_critiques(tiny_critic_dir):
 def test_rm_critique_is_plain_greedy_decoding(tiny_model_dir, tiny_chat_model_dir, chat):
     model, tok = models.load_model(tiny_chat_model_dir if chat else tiny_model_dir)
     recs = demo_dataset("eval", 6)
-    want = tok.batch_decode(_reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"])
-                                                           for r in recs], 12), skip_special_tokens=True)
+    want = tok.batch_decode(
+        _reference_greedy(model, tok, [common.build_rm_prompt(tok, r["prompt"], r["response"]) for r in recs], 12),
+        skip_special_tokens=True,
+    )
     assert rm_critique(model, tok, [r["prompt"] for r in recs], [r["response"] for r in recs], 12) == want
 
 
 def test_feedback_complete():
     done = 'It gets ben right.\n{"good_spans": [" ben"], "poor_spans": []}'
     assert common.feedback_complete(done) and common.feedback_complete(done + "\n ")
-    assert not common.feedback_complete(done[:-1])                                   # not closed yet
-    assert not common.feedback_complete('It gets {"x": 1} right')                     # prose continues
-    assert not common.feedback_complete('Code: {"good_spans": []}')                  # one list only: not the format
+    assert not common.feedback_complete(done[:-1])  # not closed yet
+    assert not common.feedback_complete('It gets {"x": 1} right')  # prose continues
+    assert not common.feedback_complete('Code: {"good_spans": []}')  # one list only: not the format
     assert not common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["b')  # a brace inside a string
     assert common.feedback_complete('{"good_spans": ["a}"], "poor_spans": ["{b"]}')
     assert not common.feedback_complete("")
@@ -194,16 +254,17 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
     """The no-grad forwards of the rollout phase take the whole batch in one call instead of micro-batches: the same
     numbers (bit for bit here with micro-batches of 4; an odd batch size can take a GEMM path that rounds otherwise)."""
     model, tok = models.load_model(tiny_model_dir)
-    ids, mask = models.left_pad([tok(r["prompt"] + r["response"])["input_ids"] for r in demo_dataset("eval", 8)],
-                                tok.pad_token_id)
+    ids, mask = models.left_pad(
+        [tok(r["prompt"] + r["response"])["input_ids"] for r in demo_dataset("eval", 8)], tok.pad_token_id
+    )
     value_head = torch.nn.Linear(model.config.hidden_size, 1)
     with torch.no_grad():
         whole = ppo.forward(model, value_head, ids, mask, 10, 0.7)
-        parts = [ppo.forward(model, value_head, ids[s:s + 4], mask[s:s + 4], 10, 0.7) for s in range(0, 8, 4)]
-        odd = [ppo.forward(model, value_head, ids[s:s + 3], mask[s:s + 3], 10, 0.7) for s in range(0, 8, 3)]
+        parts = [ppo.forward(model, value_head, ids[s : s + 4], mask[s : s + 4], 10, 0.7) for s in range(0, 8, 4)]
+        odd = [ppo.forward(model, value_head, ids[s : s + 3], mask[s : s + 3], 10, 0.7) for s in range(0, 8, 3)]
     for a, b, c in zip(whole, zip(*parts), zip(*odd)):
         assert torch.equal(a, torch.cat(b))
         assert torch.allclose(a, torch.cat(c), rtol=1e-5, atol=1e-6)
-    assert trainable.forward_rows(16, 4, 32, 640) == 16                # the demo: one call
-    assert trainable.forward_rows(64, 4, 256, 128_256) == 4            # an 8B vocabulary: the training micro-batch
+    assert trainable.forward_rows(16, 4, 32, 640) == 16  # the demo: one call
+    assert trainable.forward_rows(64, 4, 256, 128_256) == 4  # an 8B vocabulary: the training micro-batch
     assert trainable.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits

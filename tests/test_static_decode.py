@@ -1,6 +1,7 @@
 """Static-cache decoding (infra.decoding.static_decode, issue 37): generate()'s tokens, from the same random numbers, with a
 static KV cache and the decode step under torch.compile; 03's --compile-generation rollouts scored as they were
 sampled. The critic's greedy path and a whole PPO run against the recorded one are pinned in test_speed_pins.py."""
+
 import pytest
 import torch
 
@@ -12,8 +13,20 @@ ppo = import_script("03_train_policy")
 
 
 def test_prompt_bucket_pads_by_at_most_a_third():
-    assert [decoding.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 97, 129, 1000)] == \
-        [16, 16, 24, 24, 32, 48, 48, 64, 96, 128, 192, 1024]
+    assert [decoding.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 97, 129, 1000)] == [
+        16,
+        16,
+        24,
+        24,
+        32,
+        48,
+        48,
+        64,
+        96,
+        128,
+        192,
+        1024,
+    ]
     assert all(n <= decoding.prompt_bucket(n) < max(16, n * 1.5) + 1 for n in range(1, 3000))
 
 
@@ -22,14 +35,18 @@ def _generate(model, ids, mask, config, seed, how):
     torch.manual_seed(seed)
     with torch.no_grad():
         if how == "generate":
-            new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+            new = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
         else:
             new = decoding.generate_static(model, ids, mask, config, compile=how == "compiled")
     return new, torch.rand(1).item()
 
 
-SETTINGS = [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9, min_new_tokens=5), dict(temperature=1.6),
-            dict(temperature=0.0)]
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_p=0.9, min_new_tokens=5),
+    dict(temperature=1.6),
+    dict(temperature=0.0),
+]
 
 
 def test_generate_static_gives_generates_tokens_and_random_stream(tiny_model_dir):
@@ -60,8 +77,12 @@ def test_generate_static_gives_generates_tokens_on_smollm2(smollm2_dir):
     """The real model (30 layers, grouped-query attention, ChatML, eos = pad): eager and compiled static decoding
     give model.generate's sampled and greedy tokens for chat-templated prompts of different lengths."""
     model, tok = models.load_model(smollm2_dir)
-    prompts = ["Summarize: tom lives in york and likes tea.", "Say hi.", "What is 2 + 2? Answer in one word.",
-               "Name three colours."]
+    prompts = [
+        "Summarize: tom lives in york and likes tea.",
+        "Say hi.",
+        "What is 2 + 2? Answer in one word.",
+        "Name three colours.",
+    ]
     ids, mask = models.left_pad([models.policy_prompt(tok, p) for p in prompts], tok.pad_token_id)
     for seed, settings in enumerate([dict(temperature=1.0), dict(temperature=0.0)]):
         config = models.generation_config(model, 12, **settings)
@@ -101,12 +122,15 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
         def record(logits, t):
             sampled.append(logits.clone())
             return pick(logits, t)
+
         return record
+
     monkeypatch.setattr(decoding, "sampler", recording_sampler)
     b = {}
     for flag in ("--no-compile-generation", "--compile-generation"):
-        args = ppo.parse_args(["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--temperature",
-                               str(T), flag])
+        args = ppo.parse_args(
+            ["--model", tiny_model_dir, "--critic", "program", "--device", "cpu", "--temperature", str(T), flag]
+        )
         torch.manual_seed(0)
         b[flag] = ppo.rollout(model, tok, queries, config, stop, args)[0]
     eager, compiled = b["--no-compile-generation"], b["--compile-generation"]
@@ -114,9 +138,10 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
     n = compiled.mask.shape[1]
     assert len(sampled) == n
     with torch.no_grad():
-        _, _, logits = ppo.forward(model, None, compiled.input_ids, compiled.attention_mask, n, T,
-                                   (stop.tolist(), min_new))                                        # (B, n, V) / T
-    behaviour = torch.stack(sampled, 1)                                                             # (B, n, V)
+        _, _, logits = ppo.forward(
+            model, None, compiled.input_ids, compiled.attention_mask, n, T, (stop.tolist(), min_new)
+        )  # (B, n, V) / T
+    behaviour = torch.stack(sampled, 1)  # (B, n, V)
     behaviour[:, :min_new, stop] = -float("inf")
     live = compiled.mask.bool()
     want, got = logits.log_softmax(-1)[live], (behaviour / T).log_softmax(-1)[live]
@@ -140,6 +165,7 @@ def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypa
     def step(*a, **k):  # what the compiled step would trace: the embeddings' hooks at that moment
         hooks_seen.append(len(embed_hooks))
         return compiled(*a, **k)
+
     monkeypatch.setattr(decoding, "_compiled_decode_forward", lambda device_type: step)
     queries = [models.encode_prompt(tok, r["prompt"]) for r in demo_dataset("train", 4)]
     config = models.generation_config(policy, 8, 1.0, 1.0, 3)
@@ -160,6 +186,7 @@ def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypa
         (logprobs.sum() + values.sum()).backward()
         policy.eval()
         return {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+
     before = grads()
     assert all(g.abs().sum() > 0 for n, g in before.items() if "lora_B" in n)  # (A's get none while B = 0, at init)
     torch.manual_seed(1)
@@ -179,26 +206,34 @@ def test_packed_attention_is_sdpa_with_the_cache_read_once(monkeypatch, tmp_path
 
     class Attention:
         num_key_value_groups = 4
+
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 8, 1, 16), torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
     mask = torch.ones(3, 1, 1, 11, dtype=torch.bool)
     mask[0, ..., :4], mask[2, ..., -3:] = False, False
     out, _ = decoding.packed_sdpa(Attention(), q, k, v, mask, scaling=0.25)
-    want = torch.nn.functional.scaled_dot_product_attention(q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask,
-                                                            scale=0.25).transpose(1, 2)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, 4), repeat_kv(v, 4), attn_mask=mask, scale=0.25
+    ).transpose(1, 2)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     config = AutoConfig.from_pretrained(tiny_model_dir)
     config.num_key_value_heads = 2  # 4 query heads share 2 key/value heads
     torch.manual_seed(0)
-    runs.save_pretrained(tmp_path / "gqa", AutoModelForCausalLM.from_config(config),
-                         AutoTokenizer.from_pretrained(tiny_model_dir))
+    runs.save_pretrained(
+        tmp_path / "gqa", AutoModelForCausalLM.from_config(config), AutoTokenizer.from_pretrained(tiny_model_dir)
+    )
     model, tok = models.load_model(str(tmp_path / "gqa"))
-    ids, mask = models.left_pad([models.encode_prompt(tok, r["prompt"])[-20:] for r in demo_dataset("eval", 6)],
-                                tok.pad_token_id)
+    ids, mask = models.left_pad(
+        [models.encode_prompt(tok, r["prompt"])[-20:] for r in demo_dataset("eval", 6)], tok.pad_token_id
+    )
     seen, real = [], decoding.packed_sdpa
-    monkeypatch.setattr(decoding, "packed_sdpa", lambda module, query, *a, **k: seen.append(query.shape[2])
-                        or real(module, query, *a, **k))
+    monkeypatch.setattr(
+        decoding,
+        "packed_sdpa",
+        lambda module, query, *a, **k: seen.append(query.shape[2]) or real(module, query, *a, **k),
+    )
     config = models.generation_config(model, 10)
     want, _ = _generate(model, ids, mask, config, 0, "generate")
     got, _ = _generate(model, ids, mask, config, 0, "compiled")

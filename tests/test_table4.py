@@ -3,6 +3,7 @@ ARC-format task, AlpacaEval 2.0's raw and length-controlled win rates against th
 MT-Bench's two-turn answers and FastChat's single-answer grading through the fake OpenAI-compatible judge, the report's
 Table 4 with its caveats, and one-line errors. Nothing is downloaded: the harness reads a local data_files task and the
 package's hub table (df_gamed.csv) is a fixture."""
+
 import hashlib
 import importlib
 import json
@@ -35,10 +36,15 @@ def need(module: str):
 def arc_rows() -> list[dict]:
     """Each of 2 questions 3 times, its gold answer A, then B, then C: whatever a model prefers, exactly one copy of
     each is right, so acc = acc_norm = 2 / 6 by hand."""
-    questions = [("Which one is a colour?", ["red", "seven", "table"]),
-                 ("What do bees make?", ["honey", "bricks", "rain clouds"])]
-    return [{"id": f"q{i}-{gold}", "question": q, "choices": {"text": texts, "label": ["A", "B", "C"]},
-             "answerKey": gold} for i, (q, texts) in enumerate(questions) for gold in "ABC"]
+    questions = [
+        ("Which one is a colour?", ["red", "seven", "table"]),
+        ("What do bees make?", ["honey", "bricks", "rain clouds"]),
+    ]
+    return [
+        {"id": f"q{i}-{gold}", "question": q, "choices": {"text": texts, "label": ["A", "B", "C"]}, "answerKey": gold}
+        for i, (q, texts) in enumerate(questions)
+        for gold in "ABC"
+    ]
 
 
 def arc_task(tmp_path, text: str | None = None) -> str:
@@ -55,7 +61,8 @@ def arc_task(tmp_path, text: str | None = None) -> str:
     (tasks / "arc_local.yaml").write_text(
         f"include: {Path(harness.__file__).parent / 'tasks/arc/arc_easy.yaml'}\ntask: arc_local\ndataset_path: json\n"
         f"dataset_name: null\ndataset_kwargs:\n  data_files:\n    train: {data}\n    test: {data}\n"
-        "validation_split: null\ntag: []\n")
+        "validation_split: null\ntag: []\n"
+    )
     return str(tasks)
 
 
@@ -68,10 +75,34 @@ def test_arc_through_04_on_a_local_task_matches_a_hand_count(tiny_model_dir, ada
     tasks = arc_task(tmp_path)
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
-    argv = ["--task", "qa", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--policy",
-            f"lora={adapter_dir}", "--reward-model", "none", "--max-new-tokens", "2", "--lm-eval-tasks", "arc_local",
-            "--lm-eval-include-path", tasks, "--lm-eval-fewshot", "0", "--lm-eval-batch-size", "6",
-            "--output-dir", str(tmp_path / "out"), "--device", "cpu", "--bootstrap", "50"]
+    argv = [
+        "--task",
+        "qa",
+        "--data",
+        str(data),
+        "--policy",
+        f"base={tiny_model_dir}",
+        "--policy",
+        f"lora={adapter_dir}",
+        "--reward-model",
+        "none",
+        "--max-new-tokens",
+        "2",
+        "--lm-eval-tasks",
+        "arc_local",
+        "--lm-eval-include-path",
+        tasks,
+        "--lm-eval-fewshot",
+        "0",
+        "--lm-eval-batch-size",
+        "6",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+        "--bootstrap",
+        "50",
+    ]
     results = ev.main(argv)
     arc = results["table4"]["lm_eval"]
     assert arc["harness"] == "0.4.13" and arc["num_fewshot"] == 0 and set(arc["policies"]) == {"base", "lora"}
@@ -86,7 +117,7 @@ def test_arc_through_04_on_a_local_task_matches_a_hand_count(tiny_model_dir, ada
             assert lo <= 2 / 6 <= hi and lo < hi
     per = {n: common.read_jsonl(tmp_path / f"out/eval/{n}.lm_eval.jsonl")[0] for n in ("base", "lora")}
     for name, row in per.items():  # one copy of each question right, whatever the model prefers
-        assert [sum(q[0] for q in row["per_question"][i:i + 3]) for i in (0, 3)] == [1, 1]
+        assert [sum(q[0] for q in row["per_question"][i : i + 3]) for i in (0, 3)] == [1, 1]
     assert per["base"]["fingerprint"] != per["lora"]["fingerprint"]
     page = (tmp_path / "out/report.html").read_text()
     assert "Table 4: AlpacaEval 2.0, ARC-Challenge, MT-Bench" in page and "arc_local acc_norm" in page
@@ -96,6 +127,7 @@ def test_arc_through_04_on_a_local_task_matches_a_hand_count(tiny_model_dir, ada
 
     def boom(*a, **k):
         raise AssertionError("a rerun must not run the harness")
+
     monkeypatch.setattr(lm_eval, "simple_evaluate", boom)
     monkeypatch.setattr(models, "load_model", boom)
     assert ev.main(argv)["table4"] == results["table4"]  # served from eval/<name>.lm_eval.jsonl
@@ -103,8 +135,11 @@ def test_arc_through_04_on_a_local_task_matches_a_hand_count(tiny_model_dir, ada
 
 def test_an_adapter_runs_as_its_base_plus_peft(adapter_dir, tiny_model_dir, tmp_path):
     assert lm_eval_tasks.model_args(tiny_model_dir, "bf16") == {"pretrained": tiny_model_dir, "dtype": "bfloat16"}
-    assert lm_eval_tasks.model_args(adapter_dir, "float32") == {"pretrained": tiny_model_dir, "peft": adapter_dir,
-                                                                "dtype": "float32"}
+    assert lm_eval_tasks.model_args(adapter_dir, "float32") == {
+        "pretrained": tiny_model_dir,
+        "peft": adapter_dir,
+        "dtype": "float32",
+    }
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "adapter_config.json").write_text("{}")
@@ -112,15 +147,28 @@ def test_an_adapter_runs_as_its_base_plus_peft(adapter_dir, tiny_model_dir, tmp_
         lm_eval_tasks.model_args(str(bad), "float32")
 
 
-def test_an_unknown_task_or_a_missing_package_is_one_line_before_any_generation(tmp_path, monkeypatch,
-                                                                                 tiny_model_dir):
+def test_an_unknown_task_or_a_missing_package_is_one_line_before_any_generation(tmp_path, monkeypatch, tiny_model_dir):
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi.", "output": "Hi."}])
-    base = ["--task", "qa", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
-            "--output-dir", str(tmp_path / "out"), "--device", "cpu"]
+    base = [
+        "--task",
+        "qa",
+        "--data",
+        str(data),
+        "--policy",
+        f"base={tiny_model_dir}",
+        "--reward-model",
+        "none",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--device",
+        "cpu",
+    ]
     tasks = arc_task(tmp_path)
-    own = lm_eval_tasks.task_manager(ev.parse_args(["--lm-eval-tasks", "arc_local", "--lm-eval-include-path", tasks]),
-                                     need("lm_eval.tasks").TaskManager)
+    own = lm_eval_tasks.task_manager(
+        ev.parse_args(["--lm-eval-tasks", "arc_local", "--lm-eval-include-path", tasks]),
+        need("lm_eval.tasks").TaskManager,
+    )
     assert "arc_local" in own.all_tasks and "arc_challenge" not in own.all_tasks  # the ~20 s index not built
     monkeypatch.setattr(lm_eval_tasks, "task_manager", lambda *a: own)  # here: the built-in tasks left out
     with pytest.raises(common.DataError, match="no_such_task: not a task the harness knows"):
@@ -171,13 +219,34 @@ def test_a_malformed_arc_file_is_one_line_before_any_generation(case, tmp_path, 
 
     def boom(*a, **k):
         raise AssertionError("generated before the ARC file was checked")
+
     import lm_eval
+
     monkeypatch.setattr(models, "load_model", boom)
     monkeypatch.setattr(lm_eval, "simple_evaluate", boom)
     with pytest.raises(common.DataError, match=message) as e:
-        ev.main(["--task", "qa", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
-                 "--lm-eval-tasks", "arc_local", "--lm-eval-include-path", tasks, "--lm-eval-fewshot", shots,
-                 "--output-dir", str(tmp_path / "out"), "--device", "cpu"])
+        ev.main(
+            [
+                "--task",
+                "qa",
+                "--data",
+                str(data),
+                "--policy",
+                f"base={tiny_model_dir}",
+                "--reward-model",
+                "none",
+                "--lm-eval-tasks",
+                "arc_local",
+                "--lm-eval-include-path",
+                tasks,
+                "--lm-eval-fewshot",
+                shots,
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--device",
+                "cpu",
+            ]
+        )
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
@@ -185,15 +254,39 @@ def test_a_malformed_arc_file_exits_2_with_one_line(tmp_path, tiny_model_dir):
     tasks = arc_task(tmp_path, bad_arc("answer_key"))
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
-    proc = subprocess.run([sys.executable, str(ROOT / "04_evaluate.py"), "--task", "qa", "--data", str(data),
-                           "--policy", f"base={tiny_model_dir}", "--reward-model", "none", "--lm-eval-tasks",
-                           "arc_local", "--lm-eval-include-path", tasks, "--lm-eval-fewshot", "0", "--output-dir",
-                           str(tmp_path / "out"), "--device", "cpu"], capture_output=True, text=True, cwd=ROOT,
-                          check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "04_evaluate.py"),
+            "--task",
+            "qa",
+            "--data",
+            str(data),
+            "--policy",
+            f"base={tiny_model_dir}",
+            "--reward-model",
+            "none",
+            "--lm-eval-tasks",
+            "arc_local",
+            "--lm-eval-include-path",
+            tasks,
+            "--lm-eval-fewshot",
+            "0",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'arc.jsonl'}:2: field 'answerKey' is 'D', not one of the labels in 'choices' (A, B, C) "
-        "(task arc_local)")
+        "(task arc_local)"
+    )
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
@@ -226,9 +319,20 @@ def package_annotations(records, answers, verdicts):
     """The package's annotation layout, written out by hand from its docs: preference 1 when the baseline
     (generator_1) wins, 2 when the model to compare (generator_2) wins, 1.5 for a draw."""
     code = {"ref": 1.0, "pol": 2.0, "tie": 1.5}
-    return [{"index": i, "instruction": r["prompt"], "output_1": r["reference"], "output_2": a, "generator_1": "ref",
-             "generator_2": "pol", "annotator": "judge", "preference": code[v["winner"]]}
-            for i, (r, a, v) in enumerate(zip(records, answers, verdicts)) if v["winner"]]
+    return [
+        {
+            "index": i,
+            "instruction": r["prompt"],
+            "output_1": r["reference"],
+            "output_2": a,
+            "generator_1": "ref",
+            "generator_2": "pol",
+            "annotator": "judge",
+            "preference": code[v["winner"]],
+        }
+        for i, (r, a, v) in enumerate(zip(records, answers, verdicts))
+        if v["winner"]
+    ]
 
 
 @pytest.fixture
@@ -237,10 +341,20 @@ def hub_table(tmp_path, monkeypatch):
     baselines that length_controlled_v1 regularises towards), as a local fixture."""
     glm_winrate = need("alpaca_eval.metrics.glm_winrate")
     import pandas as pd
+
     rng = random.Random(1)
-    rows = [{"model": m, "index": i, "instruction_difficulty": rng.gauss(0, 1), "preference": rng.random(),
-             "std_delta_len": rng.gauss(0, 1), "not_gamed_baseline": False}
-            for m in ("gamed_verbose", "gamed_concise") for i in range(80)]
+    rows = [
+        {
+            "model": m,
+            "index": i,
+            "instruction_difficulty": rng.gauss(0, 1),
+            "preference": rng.random(),
+            "std_delta_len": rng.gauss(0, 1),
+            "not_gamed_baseline": False,
+        }
+        for m in ("gamed_verbose", "gamed_concise")
+        for i in range(80)
+    ]
     path = tmp_path / "df_gamed.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     monkeypatch.setattr(glm_winrate, "hf_hub_download", lambda *a, **k: str(path))
@@ -250,12 +364,16 @@ def hub_table(tmp_path, monkeypatch):
 @pytest.mark.parametrize("glm", ["length_controlled_v1", "length_controlled_minimal"])
 def test_alpaca_eval_win_rates_are_the_package_s_own(hub_table, glm):
     import pandas as pd
+
     records, answers, verdicts = verdict_fixture()
     rows = alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge")
     assert len(rows) == sum(v["winner"] is not None for v in verdicts) < len(records)  # invalid ones left out
     got = alpaca_lc.length_controlled(rows, glm)
-    want = hub_table.get_length_controlled_winrate(pd.DataFrame(package_annotations(records, answers, verdicts)),
-                                                   glm_info=hub_table.GLM_INFO[glm], save_weights_dir=None)
+    want = hub_table.get_length_controlled_winrate(
+        pd.DataFrame(package_annotations(records, answers, verdicts)),
+        glm_info=hub_table.GLM_INFO[glm],
+        save_weights_dir=None,
+    )
     assert got["win_rate"] == pytest.approx(want["win_rate"])
     assert got["length_controlled_winrate"] == pytest.approx(want["length_controlled_winrate"])
     assert got["lc_standard_error"] == pytest.approx(want["lc_standard_error"])
@@ -270,6 +388,7 @@ def test_the_lc_win_rate_s_interval_is_a_bootstrap_over_prompts_that_refits_the_
     own function refitted on prompts drawn with replacement, its 2.5/97.5 percentiles."""
     import numpy as np
     import pandas as pd
+
     records, answers, verdicts = verdict_fixture()
     rows = alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge")
     got = alpaca_lc.length_controlled(rows, glm, n_boot=30, seed=4)
@@ -277,8 +396,12 @@ def test_the_lc_win_rate_s_interval_is_a_bootstrap_over_prompts_that_refits_the_
     assert lo < got["length_controlled_winrate"] < hi and hi - lo > 5  # 68 prompts: several points wide
     table = pd.DataFrame(package_annotations(records, answers, verdicts))
     draws = np.random.default_rng(4).integers(0, len(table), size=(30, len(table)))
-    want = [hub_table.get_length_controlled_winrate(table.iloc[i].reset_index(drop=True), glm_name=glm,
-                                                    save_weights_dir=None)["length_controlled_winrate"] for i in draws]
+    want = [
+        hub_table.get_length_controlled_winrate(
+            table.iloc[i].reset_index(drop=True), glm_name=glm, save_weights_dir=None
+        )["length_controlled_winrate"]
+        for i in draws
+    ]
     assert [lo, hi] == pytest.approx(list(np.percentile(want, [2.5, 97.5])))
     assert got["lc_resamples"] == 30 and got["lc_boot_stderr"] == pytest.approx(np.std(want, ddof=1))
     if glm == "length_controlled_minimal":
@@ -290,10 +413,24 @@ def test_an_lc_interval_that_cannot_be_had_is_n_a_with_the_reason(hub_table):
     rows = alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge")
     got = alpaca_lc.length_controlled(rows, "length_controlled_minimal", n_boot=0)
     assert got["lc_ci95"] is None and got["lc_ci95_na"] == "no resamples (--bootstrap 0)"
-    res = {"policies": {"pol": {}}, "table4": {"alpaca_eval": {
-        "reference": "ref", "judge": "j", "glm": "length_controlled_minimal", "n_prompts": 80,
-        "policies": {"pol": {"lc_win_rate": {"value": 55.0, "ci95": None, "ci95_na": got["lc_ci95_na"]},
-                             "win_rate": {"value": 60.0, "ci95": [50.0, 70.0]}, "invalid": 0}}}}}
+    res = {
+        "policies": {"pol": {}},
+        "table4": {
+            "alpaca_eval": {
+                "reference": "ref",
+                "judge": "j",
+                "glm": "length_controlled_minimal",
+                "n_prompts": 80,
+                "policies": {
+                    "pol": {
+                        "lc_win_rate": {"value": 55.0, "ci95": None, "ci95_na": got["lc_ci95_na"]},
+                        "win_rate": {"value": 60.0, "ci95": [50.0, 70.0]},
+                        "invalid": 0,
+                    }
+                },
+            }
+        },
+    }
     lines = table4.console_lines(res)
     assert any(line.split()[-2:] == ["55.00", "[n/a]"] for line in lines if line.startswith("AlpacaEval 2.0 LC"))
     assert "note: AlpacaEval pol: LC win rate's interval n/a: no resamples (--bootstrap 0)" in lines
@@ -305,16 +442,22 @@ def test_an_lc_interval_that_cannot_be_had_is_n_a_with_the_reason(hub_table):
 
 def test_a_judge_that_prefers_longer_answers_gets_a_lower_lc_than_raw_win_rate(hub_table):
     records, answers, verdicts = verdict_fixture(n=200, exploit=True)
-    got = alpaca_lc.length_controlled(alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge"),
-                                      "length_controlled_minimal")
+    got = alpaca_lc.length_controlled(
+        alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge"), "length_controlled_minimal"
+    )
     assert got["win_rate"] > 60 and got["length_controlled_winrate"] < got["win_rate"] - 10
     assert got["length_controlled_winrate"] == pytest.approx(50, abs=5)  # even at equal length, as built
 
 
 def step_judge(records, answers) -> list[dict]:
     """A judge that prefers the longer answer on every pair (a tie at equal length)."""
-    return [{"id": r["id"], "winner": "pol" if len(a) > len(r["reference"]) else "ref" if len(a) < len(r["reference"])
-             else "tie"} for r, a in zip(records, answers)]
+    return [
+        {
+            "id": r["id"],
+            "winner": "pol" if len(a) > len(r["reference"]) else "ref" if len(a) < len(r["reference"]) else "tie",
+        }
+        for r, a in zip(records, answers)
+    ]
 
 
 def test_a_judge_that_prefers_the_longer_answer_on_every_pair_is_not_undone_by_lc(hub_table):
@@ -339,8 +482,10 @@ def test_a_judge_that_prefers_the_longer_answer_on_every_pair_is_not_undone_by_l
 
 def test_the_minimal_glm_reads_no_hub_table(monkeypatch):
     glm_winrate = need("alpaca_eval.metrics.glm_winrate")
+
     def no_download(*a, **k):
         pytest.fail("no hub download")
+
     monkeypatch.setattr(glm_winrate, "hf_hub_download", no_download)
     records, answers, verdicts = verdict_fixture(n=900)  # more prompts than AlpacaEval has
     rows = alpaca_lc.annotations(records, answers, verdicts, "pol", "ref", "judge")
@@ -352,8 +497,12 @@ def test_the_glm_and_the_caveats_follow_the_setting():
     args = ev.parse_args(["--data", "data/alpaca_eval_gpt4_baseline.json", "--alpaca-eval"])
     assert alpaca_lc.glm_name(args) == "length_controlled_v1"
     assert alpaca_lc.glm_name(ev.parse_args(["--data", "mine.jsonl"])) == "length_controlled_minimal"
-    paper = {"reference": "gpt4_1106_preview", "judge": "gpt-4-1106-preview", "n_prompts": 805,
-             "glm": "length_controlled_v1"}
+    paper = {
+        "reference": "gpt4_1106_preview",
+        "judge": "gpt-4-1106-preview",
+        "n_prompts": 805,
+        "glm": "length_controlled_v1",
+    }
     assert alpaca_lc.not_comparable(paper) == []
     other = alpaca_lc.not_comparable({**paper, "judge": "qwen2.5-72b", "reference": "llama", "n_prompts": 100})
     assert [line.split(" ")[0] for line in other] == ["reference", "judge", "100"]
@@ -366,8 +515,10 @@ def test_the_glm_and_the_caveats_follow_the_setting():
 
 
 def question_file(tmp_path) -> str:
-    rows = [{"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it sadder."]},
-            {"question_id": 2, "category": "math", "turns": ["What is 2 + 3?", "And times 4?"]}]
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it sadder."]},
+        {"question_id": 2, "category": "math", "turns": ["What is 2 + 3?", "And times 4?"]},
+    ]
     common.write_jsonl(tmp_path / "q.jsonl", rows)
     common.write_jsonl(tmp_path / "ref.jsonl", [{"question_id": 2, "choices": [{"turns": ["5", "20"]}]}])
     return str(tmp_path / "q.jsonl"), str(tmp_path / "ref.jsonl")
@@ -385,15 +536,20 @@ def grader(body, n):
 def test_mt_bench_grades_each_turn_with_fastchat_s_prompts(tmp_path, fake_openai):
     questions = mt_bench.read_questions(*question_file(tmp_path))
     assert questions[0]["reference"] is None and questions[1]["reference"] == ["5", "20"]
-    answers = [{"id": "1", "turns": ["Rain falls soft", "Rain falls, no one comes"]},
-               {"id": "2", "turns": ["It is 5.", "It is 20."]}]
+    answers = [
+        {"id": "1", "turns": ["Rain falls soft", "Rain falls, no one comes"]},
+        {"id": "2", "turns": ["It is 5.", "It is 20."]},
+    ]
     args = ev.parse_args(["--judge-model", "judge-x", "--judge-concurrency", "2"])
     with fake_openai(grader) as server:
         args.judge_base_url = server.base_url
         verdicts = mt_bench.judge_turns("pol", questions, answers, "fp", args, tmp_path / "eval")
     assert [(v["id"], v["prompt"], v["score"]) for v in verdicts] == [
-        ("1/1", "single-v1", 7.0), ("1/2", "single-v1-multi-turn", 8.5), ("2/1", "single-math-v1", 3.0),
-        ("2/2", "single-math-v1-multi-turn", None)]
+        ("1/1", "single-v1", 7.0),
+        ("1/2", "single-v1-multi-turn", 8.5),
+        ("2/1", "single-math-v1", 3.0),
+        ("2/2", "single-math-v1-multi-turn", None),
+    ]
     prompts = mt_bench.read_prompts()
     sent = {(r["body"]["messages"][1]["content"]): r["body"] for r in server.requests}
     for body in sent.values():
@@ -402,8 +558,13 @@ def test_mt_bench_grades_each_turn_with_fastchat_s_prompts(tmp_path, fake_openai
     assert math_two["messages"][0]["content"] == prompts["single-math-v1-multi-turn"]["system_prompt"]
     user = math_two["messages"][1]["content"]
     assert user == prompts["single-math-v1-multi-turn"]["prompt_template"].format(
-        question_1="What is 2 + 3?", question_2="And times 4?", answer_1="It is 5.", answer_2="It is 20.",
-        ref_answer_1="5", ref_answer_2="20")
+        question_1="What is 2 + 3?",
+        question_2="And times 4?",
+        answer_1="It is 5.",
+        answer_2="It is 20.",
+        ref_answer_1="5",
+        ref_answer_2="20",
+    )
     scores = mt_bench.summarize(verdicts, n_boot=100)
     assert scores["turn1"]["value"] == pytest.approx(5.0) and scores["turn1"]["n"] == 2
     assert scores["turn2"]["value"] == pytest.approx(8.5) and scores["turn2"]["n"] == 1
@@ -427,20 +588,26 @@ def test_turn_two_is_asked_after_turn_one_and_the_policy_s_own_answer(tiny_chat_
     def answer(model, tok, prompts, max_new_tokens, temperature, *a, **k):  # each answer says which call wrote it
         seen.append(([tok.decode(p) for p in prompts], temperature, max_new_tokens))
         return [tok(f" answer {len(seen)}.{j} ", add_special_tokens=False)["input_ids"] for j in range(len(prompts))]
+
     monkeypatch.setattr(models, "generate", answer)
-    answers, _ = mt_bench.answer_turns("pol", tiny_chat_model_dir, questions, args, tmp_path,
-                                       lambda path: models.load_model(path))
+    answers, _ = mt_bench.answer_turns(
+        "pol", tiny_chat_model_dir, questions, args, tmp_path, lambda path: models.load_model(path)
+    )
     assert [(len(p), t, m) for p, t, m in seen] == [(1, 0.0, 4), (1, 0.7, 4), (1, 0.0, 4), (1, 0.7, 4)]  # FastChat's
-    assert {a["id"]: a["turns"] for a in answers} == {"2": ["answer 1.0", "answer 3.0"],  # temperatures: math 0
-                                                      "1": ["answer 2.0", "answer 4.0"]}  # writing 0.7
+    assert {a["id"]: a["turns"] for a in answers} == {
+        "2": ["answer 1.0", "answer 3.0"],  # temperatures: math 0
+        "1": ["answer 2.0", "answer 4.0"],
+    }  # writing 0.7
     assert seen[2][0] == ["<s>user: What is 2 + 3?\n<s>assistant: answer 1.0\n<s>user: And times 4?\n<s>assistant: "]
     assert seen[0][0] == ["<s>user: What is 2 + 3?\n<s>assistant: "]
 
 
 def test_bad_question_files_are_one_line_naming_file_line_and_field(tmp_path):
     path = tmp_path / "q.jsonl"
-    path.write_text('{"question_id": 1, "category": "writing", "turns": ["a", "b"]}\n'
-                    '{"question_id": 2, "category": "writing", "turns": ["only one"]}\n')
+    path.write_text(
+        '{"question_id": 1, "category": "writing", "turns": ["a", "b"]}\n'
+        '{"question_id": 2, "category": "writing", "turns": ["only one"]}\n'
+    )
     with pytest.raises(common.DataError, match=r"q.jsonl:2: field 'turns' must be a list of two strings"):
         mt_bench.read_questions(path)
     path.write_text('{"question_id": 7, "category": "math", "turns": ["a", "b"]}\n')
@@ -448,29 +615,58 @@ def test_bad_question_files_are_one_line_naming_file_line_and_field(tmp_path):
         mt_bench.read_questions(path)
 
 
-@pytest.mark.parametrize("flag, value, least", [("--mt-bench-limit", "0", 1), ("--mt-bench-limit", "-2", 1),
-                                                ("--lm-eval-limit", "0", 1), ("--lm-eval-fewshot", "-1", 0)])
-def test_a_limit_below_its_least_is_one_line_naming_the_flag_before_any_generation(flag, value, least, tmp_path,
-                                                                                  tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize(
+    "flag, value, least",
+    [
+        ("--mt-bench-limit", "0", 1),
+        ("--mt-bench-limit", "-2", 1),
+        ("--lm-eval-limit", "0", 1),
+        ("--lm-eval-fewshot", "-1", 0),
+    ],
+)
+def test_a_limit_below_its_least_is_one_line_naming_the_flag_before_any_generation(
+    flag, value, least, tmp_path, tiny_model_dir, monkeypatch
+):
     """Issue 68: --mt-bench-limit 0 generated every answer first, then failed with "no such file"."""
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
 
     def boom(*a, **k):
         raise AssertionError("generated before the flags were checked")
+
     monkeypatch.setattr(models, "load_model", boom)
     with pytest.raises(common.DataError, match=rf"^{flag} {value}: at least {least}"):
-        ev.main(["--task", "qa", "--data", str(data), "--policy", f"base={tiny_model_dir}", "--reward-model", "none",
-                 "--mt-bench", "--judge-base-url", "http://127.0.0.1:9/v1", flag, value, "--output-dir",
-                 str(tmp_path / "out"), "--device", "cpu"])
+        ev.main(
+            [
+                "--task",
+                "qa",
+                "--data",
+                str(data),
+                "--policy",
+                f"base={tiny_model_dir}",
+                "--reward-model",
+                "none",
+                "--mt-bench",
+                "--judge-base-url",
+                "http://127.0.0.1:9/v1",
+                flag,
+                value,
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--device",
+                "cpu",
+            ]
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_fastchat_s_files_are_its_own():
     """tasks/mt_bench/ holds FastChat's files unchanged (lm-sys/FastChat at 0e6d3e4b, fastchat/llm_judge/data/)."""
-    want = {"question.jsonl": "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
-            "reference_gpt-4.jsonl": "f957a5bc977badb66885ec970e6cd08527845780313f0995764260e5777b9b3f",
-            "judge_prompts.jsonl": "fd283293406d024f44c174b094ef48031d0687a4682fd3a56b29b138f80281b6"}
+    want = {
+        "question.jsonl": "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
+        "reference_gpt-4.jsonl": "f957a5bc977badb66885ec970e6cd08527845780313f0995764260e5777b9b3f",
+        "judge_prompts.jsonl": "fd283293406d024f44c174b094ef48031d0687a4682fd3a56b29b138f80281b6",
+    }
     for name, digest in want.items():
         assert hashlib.sha256((ROOT / "tasks/mt_bench" / name).read_bytes()).hexdigest() == digest, name
     questions = mt_bench.read_questions(mt_bench.DATA / "question.jsonl", mt_bench.DATA / "reference_gpt-4.jsonl")
@@ -485,8 +681,9 @@ def test_fastchat_s_files_are_its_own():
 def test_alpaca_eval_and_mt_bench_through_04(tiny_chat_model_dir, tmp_path, fake_openai, capsys, monkeypatch):
     need("alpaca_eval.metrics.glm_winrate")
     data = tmp_path / "eval.jsonl"
-    common.write_jsonl(data, [{"id": f"p{i}", "instruction": f"Name a fruit, {i}.", "output": "x" * (5 + 7 * i)}
-                              for i in range(16)])
+    common.write_jsonl(
+        data, [{"id": f"p{i}", "instruction": f"Name a fruit, {i}.", "output": "x" * (5 + 7 * i)} for i in range(16)]
+    )
     questions, refs = question_file(tmp_path)
 
     def reply(body, n):
@@ -498,11 +695,38 @@ def test_alpaca_eval_and_mt_bench_through_04(tiny_chat_model_dir, tmp_path, fake
         return grader(body, n)
 
     with fake_openai(reply) as server:
-        argv = ["--task", "qa", "--data", str(data), "--reference-field", "output", "--policy",
-                f"pol={tiny_chat_model_dir}", "--reward-model", "none", "--max-new-tokens", "6", "--judge-base-url",
-                server.base_url, "--judge-model", "fake-judge", "--alpaca-eval", "--mt-bench", "--mt-bench-questions",
-                questions, "--mt-bench-references", refs, "--mt-bench-max-new-tokens", "3", "--output-dir",
-                str(tmp_path / "out"), "--device", "cpu", "--bootstrap", "50"]
+        argv = [
+            "--task",
+            "qa",
+            "--data",
+            str(data),
+            "--reference-field",
+            "output",
+            "--policy",
+            f"pol={tiny_chat_model_dir}",
+            "--reward-model",
+            "none",
+            "--max-new-tokens",
+            "6",
+            "--judge-base-url",
+            server.base_url,
+            "--judge-model",
+            "fake-judge",
+            "--alpaca-eval",
+            "--mt-bench",
+            "--mt-bench-questions",
+            questions,
+            "--mt-bench-references",
+            refs,
+            "--mt-bench-max-new-tokens",
+            "3",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "--device",
+            "cpu",
+            "--bootstrap",
+            "50",
+        ]
         results = ev.main(argv)
     t4 = json.loads((tmp_path / "out/results.json").read_text())["table4"]
     assert t4 == json.loads(json.dumps(results["table4"]))

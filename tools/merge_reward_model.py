@@ -9,6 +9,7 @@ serve (its LoRA adapter merged into the weights; 02 --merge DIR does the same ri
 The folder keeps the reward model's reward_model.json, so --reward-model DIR cuts the input and budgets the critique as
 stage 2 trained it; with --critic-api completions at temperature 0 the served critic writes what --critic local writes.
 """
+
 import argparse
 import sys
 from pathlib import Path

