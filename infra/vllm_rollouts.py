@@ -5,7 +5,7 @@ TRL's GRPO runs `vllm serve` beside its trainer. Every iteration:
    (LORA_NAME, load_inplace) through POST /v1/load_lora_adapter (~20-40 ms on a CPU). A new folder, because vLLM's
    prefix cache is keyed by the adapter's name and path, never its weights: an adapter saved over the last one's
    folder is served from the old weights' cached blocks for every prompt of >= one block (128 tokens on a CPU);
-2. check_fresh: a fixed probe prompt of >= 2 blocks is sampled again under the new adapter and the served log-probs
+2. check_fresh: a fixed probe prompt longer than a block is sampled again under the new adapter and the served log-probs
    of the 20 likeliest tokens at each of its positions are compared with the trainer's own: a server that still
    answers from an old policy (the trap above, an adapter it ignores as in unsloth PR #8701, another model) stops
    the run in one line instead of training on rollouts of the wrong policy;
@@ -33,8 +33,8 @@ import common
 from infra import serving
 
 LORA_NAME = "policy"  # the one name every iteration's adapter is loaded under
-PROBE_TOKENS = 320    # the probe prompt's length: 2 full blocks of vLLM's CPU prefix cache (128 tokens) and more
-PROBE_NEW_TOKENS = 8
+PROBE_TOKENS = 160    # the probe prompt's length: a full block of vLLM's prefix cache on a CPU (128 tokens; 16 on GPUs)
+PROBE_NEW_TOKENS = 8  # its response, always this long (EOS ignored: stopping is no part of the check)
 PROBE_TOP = 20        # the probe compares the log-probs of this many most likely tokens (vLLM's --max-logprobs: 20)
 
 
@@ -70,15 +70,14 @@ def probe_prompt(queries: list[list[int]], length: int = PROBE_TOKENS) -> list[i
 
 
 def connect(url: str, adapters_dir, probe: list[int], timeout: float = 600.0) -> Server:
-    """A Server for `url` once /v1/models answers (DataError: cannot connect, HTTP ...). `adapters_dir` is created;
-    `timeout` is per request (a batch of rollouts on a CPU takes minutes)."""
+    """A Server for `url` once /v1/models answers (DataError: cannot connect, HTTP ...); nothing is written
+    (push_adapter makes `adapters_dir`). `timeout` is per request (a batch of rollouts on a CPU takes minutes)."""
     import openai
     client = openai.OpenAI(base_url=url, api_key="EMPTY", timeout=timeout, max_retries=0)
     try:
         client.models.list()
     except openai.APIError as e:
         raise fail(url, "the server does not answer", e) from None
-    Path(adapters_dir).mkdir(parents=True, exist_ok=True)
     return Server(url, Path(adapters_dir), client, list(probe))
 
 
@@ -91,6 +90,7 @@ def push_adapter(server: Server, model, step: int, keep: int = 2) -> float:
                            "does not do): use --lora-r > 0")
     folder = server.adapters / f"step-{step:06d}"
     shutil.rmtree(folder, ignore_errors=True)  # a resumed run's half-written folder: a fresh save, never a mix
+    server.adapters.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, selected_adapters=["default"])
     start = time.perf_counter()
     try:
@@ -107,16 +107,18 @@ def push_adapter(server: Server, model, step: int, keep: int = 2) -> float:
 
 
 def _complete(server: Server, prompts: list[list[int]], temperature: float, max_tokens: int, stop_ids: list[int],
-              min_tokens: int = 0, n: int = 1, seed: int | None = None, top: int = 0, model: str = LORA_NAME) -> list:
+              min_tokens: int = 0, n: int = 1, seed: int | None = None, top: int = 0, top_p: float = 1.0,
+              ignore_eos: bool = False, model: str = LORA_NAME) -> list:
     """The choices of one completions request, in order, each with its token ids and, per token, the sampled one's
     log-prob and the `top` most likely ones' (keyed "token_id:ID")."""
     import openai
     try:
         reply = server.client.completions.create(
-            model=model, prompt=prompts, n=n, temperature=temperature, top_p=1.0, max_tokens=max_tokens, logprobs=top,
+            model=model, prompt=prompts, n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=top,
             seed=seed, presence_penalty=0.0, frequency_penalty=0.0,
             extra_body={"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": min_tokens,
-                        "stop_token_ids": list(stop_ids), "return_token_ids": True, "return_tokens_as_token_ids": True})
+                        "stop_token_ids": list(stop_ids), "ignore_eos": ignore_eos, "return_token_ids": True,
+                        "return_tokens_as_token_ids": True})
     except openai.APIError as e:
         raise fail(server, f"sampling {len(prompts)} x {n} rollouts failed", e) from None
     choices = sorted(reply.choices, key=lambda c: c.index)
@@ -131,13 +133,16 @@ def _complete(server: Server, prompts: list[list[int]], temperature: float, max_
 
 
 def sample(server: Server, prompts: list[list[int]], temperature: float, max_tokens: int, stop_ids: list[int],
-           min_tokens: int = 0, n: int = 1, seed: int | None = None, model: str = LORA_NAME) -> list[Rollout]:
-    """n rollouts of each prompt (token ids), in order (prompt 0's n, then prompt 1's, ...), from one request: pure
-    temperature sampling (top_p 1, top_k off, no penalties; greedy at temperature 0), stopping at any of stop_ids
-    (03's: every EOS) after at least min_tokens. Each response is cut after its first stop id, which it keeps (as 03
-    does). With a seed, identical prompts of one request get identical samples: leave it None for rollouts."""
+           min_tokens: int = 0, n: int = 1, seed: int | None = None, top_p: float = 1.0,
+           model: str = LORA_NAME) -> list[Rollout]:
+    """n rollouts of each prompt (token ids), in order (prompt 0's n, then prompt 1's, ...), from one request:
+    temperature sampling (top_k off, no penalties; greedy at temperature 0; top_p as 03's --top-p, whose behaviour
+    log-probs are then the nucleus's, which 03's scoring of the full distribution does not match), stopping at any
+    of stop_ids (03's: every EOS) after at least min_tokens. Each response is cut after its first stop id, which it
+    keeps (as 03 does). With a seed, identical prompts of one request get identical samples: leave it None."""
     out, stop = [], set(stop_ids)
-    for c in _complete(server, prompts, temperature, max_tokens, stop_ids, min_tokens, n, seed, model=model):
+    for c in _complete(server, prompts, temperature, max_tokens, stop_ids, min_tokens, n, seed, top_p=top_p,
+                       model=model):
         ids = list(c.token_ids)
         cut = next((k + 1 for k, t in enumerate(ids) if t in stop), None)
         out.append(Rollout(ids[:cut], [float(x) for x in c.logprobs.token_logprobs[:cut]], cut is not None))
@@ -160,7 +165,7 @@ def as_tensors(rollouts: list[Rollout], pad_id: int, device="cpu") -> dict:
             "behaviour_logprobs": blp.to(device)}
 
 
-def check_fresh(server: Server, score, temperature: float, stop_ids: list[int], tol: float = 1e-3) -> float:
+def check_fresh(server: Server, score, temperature: float, tol: float = 1e-3) -> float:
     """Sample the probe under the adapter loaded last, with the PROBE_TOP most likely tokens' log-probs at each of its
     positions, and compare them with the trainer's: score(prompt_ids, response_ids) -> (T, V) log-probs of each
     response position (03's forward: log_softmax(logits / temperature)). The top tokens, not only the sampled one:
@@ -168,7 +173,8 @@ def check_fresh(server: Server, score, temperature: float, stop_ids: list[int], 
     prefix cache moved them by 0.2-1.8 nats here, the sampled token's by 1e-4-9e-3). Returns the largest difference;
     DataError when it exceeds `tol` nats, saying when the served numbers are the previous check's own (the server
     did not move with the adapter). A float32 server agrees to ~5e-5 here; a bfloat16 one needs a larger tol."""
-    choice = _complete(server, [server.probe], temperature, PROBE_NEW_TOKENS, stop_ids, seed=0, top=PROBE_TOP)[0]
+    choice = _complete(server, [server.probe], temperature, PROBE_NEW_TOKENS, [], seed=0, top=PROBE_TOP,
+                       ignore_eos=True)[0]
     served = [{int(k.split(":")[1]): v for k, v in top.items()} for top in choice.logprobs.top_logprobs]
     trainer = score(server.probe, list(choice.token_ids))
     diff = max((abs(float(trainer[t][i]) - v) for t, top in enumerate(served) for i, v in top.items()), default=0.0)

