@@ -8,12 +8,9 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -26,7 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+import vllm_server  # noqa: E402
 from infra import serving  # noqa: E402
+from vllm_server import free_port  # noqa: E402,F401 (tests and benches import it from here)
 from infra.tiny_model import build_tiny_base  # noqa: E402
 from tasks.demo import demo_critic, demo_dataset  # noqa: E402
 
@@ -231,12 +230,6 @@ def import_script(name: str):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
     """(process, base_url) of `transformers serve model_dir` on 127.0.0.1, once its /health answers. One OpenMP
     thread: two next to the tests' own work ran ~10x slower (FIELD_NOTES). Without --continuous-batching it answers
@@ -272,20 +265,10 @@ def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[su
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     log.close()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"transformers serve exited with {proc.returncode}:\n{Path(log_path).read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, f"http://127.0.0.1:{port}/v1"
-        except OSError:
-            time.sleep(0.3)
-    stop_server(proc)
-    pytest.fail(
-        f"transformers serve did not answer /health in {timeout_s:.0f} s:\n{Path(log_path).read_text()[-3000:]}"
-    )
+    try:
+        return proc, vllm_server.wait_for_health(proc, port, log_path, timeout_s, "transformers serve", stop_server)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def stop_server(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
