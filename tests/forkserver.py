@@ -1,0 +1,402 @@
+"""Start a script as `python script.py ARGS` does, from a process that has already imported torch, transformers and
+peft: a fork server. A fresh interpreter spends 3-11 s on those imports on this 2-core machine; a fork of one that
+holds them starts the script in milliseconds. The tests' stage runs go through `run`, a drop-in for `subprocess.run`.
+
+What makes a forked child stand for a fresh `python script.py`:
+- the script runs as `__main__` (runpy) with sys.argv, sys.path[0] (its folder), PYTHONPATH, the working directory
+  and the environment of the request;
+- its stdin, stdout and stderr are the caller's own file descriptors, passed over the socket (SCM_RIGHTS), so a pipe,
+  a file, /dev/null or an inherited terminal behave as under subprocess;
+- an uncaught exception prints its traceback (from the script's frames) and exits 1, SystemExit exits with its code;
+  then the interpreter's shutdown up to its module teardown: non-daemon threads joined, atexit run, the files the
+  script opened flushed. The teardown is skipped (os._exit): in a fork it writes to every page shared with the
+  server, 13-15 s on the loaded 2-core machine, and nothing a test reads depends on it;
+- what the imports printed in the server (a FutureWarning, say) is printed again on the child's stdout / stderr, as
+  a fresh interpreter's imports would print it;
+- `random`, numpy's and torch's global generators are reseeded from the OS, as a fresh interpreter's are.
+
+What a fork cannot stand for falls back to a real subprocess, so no test checks less:
+- a variable read when a library is imported (HF_*, TRANSFORMERS_*, TORCH*, OMP_*, PYTHON* but PYTHONPATH, HOME,
+  locale ...) that differs from the server's: HF_HUB_OFFLINE=1, say, is fixed in huggingface_hub's constants at import;
+- interpreter flags (`python -u`, `-m`), a command that is neither `sys.executable SCRIPT.py ...` nor
+  `sys.executable -c CODE ...`, stdin input;
+- T2G_NO_FORKSERVER set (every run a fresh interpreter, to check that the two agree).
+Tests whose point is a signal (Ctrl-C, kill -9) start their process with subprocess.Popen themselves."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+PRELOAD = (  # what the stages import, slowest first on a loaded core: rouge_score (nltk) ~16 s, torch ~10 s, ...
+    "torch",
+    "transformers",
+    "peft",
+    "numpy",
+    "safetensors.torch",
+    "tokenizers",
+    "openai",
+    "matplotlib.pyplot",
+    "rouge_score.rouge_scorer",
+    "sacrebleu.metrics",
+)
+PRELOAD_ATTRS = (  # transformers' lazy module: these pull in the model, trainer and generation code the stages use
+    ("transformers", "AutoModelForCausalLM"),
+    ("transformers", "AutoTokenizer"),
+    ("transformers", "LlamaForCausalLM"),
+    ("transformers", "PreTrainedModel"),
+    ("transformers", "Trainer"),
+    ("peft", "get_peft_model"),
+)
+# variables a library reads once, at import: a request that sets one otherwise than the server did gets a fresh
+# interpreter instead
+IMPORT_TIME = (
+    "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "CUDA", "TOKENIZERS",
+    "PYTHON", "HOME", "XDG_", "LANG", "LC_", "LD_", "MALLOC", "TMPDIR", "NUMEXPR", "GOTO", "MPL", "NLTK", "SACREBLEU",
+    "OPENAI_API_TYPE", "OPENAI_API_VERSION", "OPENAI_LOG", "AZURE_OPENAI",
+)  # fmt: skip
+
+
+def _import_time(key: str) -> bool:
+    return key.startswith(IMPORT_TIME) and key not in ("PYTHONPATH", "PYTHONUNBUFFERED")  # the child sets both
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The client: a drop-in for subprocess.run
+# ---------------------------------------------------------------------------------------------------------------------
+
+_server = None  # (Popen, socket path, its environment) of this process's server, started on first use
+_lock = threading.Lock()
+_BASE_ENV = dict(os.environ)  # the environment when the tests started, not one a test has patched meanwhile
+RUN_KW = {"capture_output", "text", "cwd", "env", "timeout", "stdout", "stderr", "check", "stdin"}
+
+
+def _start() -> tuple:
+    global _server
+    with _lock:
+        if _server is None or _server[0].poll() is not None:
+            path = os.path.join(tempfile.mkdtemp(prefix="t2g-fork-"), "sock")
+            env = dict(_BASE_ENV)
+            proc = subprocess.Popen(
+                [sys.executable, __file__, path], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+            )
+            atexit.register(proc.kill)
+            while not os.path.exists(path + ".ready"):  # the imports: ~10 s idle, minutes on a loaded machine
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the fork server did not start (exit {proc.returncode})")
+                time.sleep(0.05)
+            _server = (proc, path, env)
+        return _server
+
+
+def _forkable(cmd, kw) -> bool:
+    """cmd is `sys.executable [-u] SCRIPT.py ARGS` or `sys.executable [-u] -c CODE ARGS`, with arguments the fork
+    server takes, and T2G_NO_FORKSERVER is not set."""
+    if os.environ.get("T2G_NO_FORKSERVER") or set(kw) - RUN_KW:
+        return False
+    if not (isinstance(cmd, (list, tuple)) and len(cmd) >= 2 and cmd[0] == sys.executable):
+        return False
+    rest = [str(c) for c in cmd[1:]]
+    rest = rest[1:] if rest[0] == "-u" and len(rest) > 1 else rest
+    return rest[0].endswith(".py") or (rest[0] == "-c" and len(rest) >= 2)
+
+
+def _env_differs(server_env: dict, env: dict) -> list[str]:
+    keys = {k for k in set(server_env) | set(env) if _import_time(k)}
+    return sorted(k for k in keys if server_env.get(k) != env.get(k))
+
+
+def run(cmd, *, env=None, nested=False, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, **kw) for cmd = [sys.executable, SCRIPT.py, ARGS...] (or -c CODE, or -u), the script
+    started by a fork of a process that already imported torch, transformers and peft. Anything else, and a command
+    whose environment sets a variable read at import otherwise than the server's, is subprocess.run itself.
+    nested=True: the script's own subprocess.run of such commands (a bench starting the stages) is forked too."""
+    full_env = dict(os.environ if env is None else env)
+    if not _forkable(cmd, kw):
+        return subprocess.run(cmd, env=env, **kw)
+    server = _start()
+    if _env_differs(server[2], full_env):
+        return subprocess.run(cmd, env=env, **kw)
+    return _run_forked(server[1], cmd, full_env, nested, **kw)
+
+
+def _fd(spec, default: int, closers: list) -> int:
+    if spec is None:
+        return default
+    if spec == subprocess.DEVNULL:
+        f = open(os.devnull, "r+b")
+        closers.append(f)
+        return f.fileno()
+    if isinstance(spec, int):
+        return spec
+    return spec.fileno()
+
+
+def _run_forked(
+    path, cmd, env, nested, capture_output=False, text=False, cwd=None, timeout=None, stdout=None, stderr=None,
+    stdin=None, check=False,
+):  # fmt: skip
+    closers, captured = [], {}
+    try:
+        fds = [_fd(stdin if stdin is not None else subprocess.DEVNULL, 0, closers)]  # never the tests' own stdin
+        for name, spec, default in (("stdout", stdout, 1), ("stderr", stderr, 2)):
+            if capture_output or spec == subprocess.PIPE:
+                f = tempfile.TemporaryFile()  # a file, not a pipe: nobody has to drain it while the child runs
+                closers.append(f)
+                captured[name] = f
+                fds.append(f.fileno())
+            elif spec == subprocess.STDOUT:
+                fds.append(fds[1])
+            else:
+                fds.append(_fd(spec, default, closers))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)
+            argv = [str(c) for c in cmd[1:]]
+            request = json.dumps({"argv": argv, "cwd": str(cwd or os.getcwd()), "env": env, "nested": nested})
+            request = request.encode()
+            socket.send_fds(s, [len(request).to_bytes(8, "big") + request], fds)
+            lines = _lines(s)
+            pid = int(next(lines))
+            s.settimeout(timeout)
+            try:
+                returncode = int(next(lines))
+            except TimeoutError:
+                os.kill(pid, 9)  # as subprocess.run does on a timeout: kill the child, then raise
+                s.settimeout(None)
+                next(lines, None)
+                raise subprocess.TimeoutExpired(cmd, timeout, *_read(captured, text)) from None
+        out, err = _read(captured, text)
+    finally:
+        for c in closers:
+            c.close()
+    proc = subprocess.CompletedProcess(cmd, returncode, out, err)
+    if check:
+        proc.check_returncode()
+    return proc
+
+
+def _lines(s: socket.socket):
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            chunk = s.recv(64)
+            if not chunk:
+                raise ConnectionError("the fork server went away")
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        yield line.decode()
+
+
+def _read(captured: dict, text: bool):
+    out = []
+    for name in ("stdout", "stderr"):
+        f = captured.get(name)
+        if f is None:
+            out.append(None)
+            continue
+        f.seek(0)
+        data = f.read()
+        out.append(data.decode() if text else data)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The server: import once, then fork one child per request and report its exit status
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _serve(path: str) -> None:
+    import importlib
+
+    saved = [os.dup(1), os.dup(2)]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            for name in PRELOAD:
+                importlib.import_module(name)
+            for module, attr in PRELOAD_ATTRS:
+                getattr(sys.modules[module], attr)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, target in zip(saved, (1, 2)):
+                os.dup2(fd, target)
+                os.close(fd)
+        out.seek(0)
+        err.seek(0)
+        said = (out.read(), err.read())  # what the imports printed (a FutureWarning, say): each child prints it again
+    pythonpath = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    base_path = [p for p in sys.path[1:] if p not in pythonpath]
+    parent, waiting = os.getppid(), {}  # waiting: {pidfd: (pid, connection)} of the children still running
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(16)
+        open(path + ".ready", "w").close()
+        while os.getppid() == parent:  # the pytest process that started it is gone: so is the server
+            ready, _, _ = select.select([listener, *waiting], [], [], 5)
+            for fd in ready:
+                if fd is listener:
+                    conn, _ = listener.accept()
+                    msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+                    size = int.from_bytes(msg[:8], "big")
+                    msg = msg[8:]
+                    while len(msg) < size:
+                        msg += conn.recv(size - len(msg))
+                    request = json.loads(msg)
+                    pid = os.fork()
+                    if pid == 0:
+                        listener.close()
+                        conn.close()
+                        for pidfd, (_, other) in waiting.items():
+                            os.close(pidfd)
+                            other.close()
+                        _child(request, fds, base_path, said, path)  # never returns: it exits as the script does
+                    for f in fds:
+                        os.close(f)
+                    conn.sendall(f"{pid}\n".encode())
+                    waiting[os.pidfd_open(pid)] = (pid, conn)
+                else:  # a child ended: its exit status to its client
+                    pid, conn = waiting.pop(fd)
+                    os.close(fd)
+                    _, status = os.waitpid(pid, 0)
+                    with conn:
+                        try:
+                            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                        except OSError:  # the client went away (its test timed out or was killed)
+                            pass
+
+
+def _child(request: dict, fds: list[int], base_path: list[str], said: tuple[bytes, bytes], path: str) -> None:
+    import builtins
+    import io
+    import random
+    import runpy
+    import signal
+    import traceback
+    import types
+
+    global _server
+    for target, fd in zip((0, 1, 2), fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    unbuffered = argv[0] == "-u" or bool(os.environ.get("PYTHONUNBUFFERED"))
+    script, *args = argv[1:] if argv[0] == "-u" else argv
+    if script == "-c":  # python -c CODE ARGS: argv[0] is "-c", sys.path[0] the working directory
+        source, *args = args
+    sys.argv = [script, *args]
+    pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = "" if script == "-c" else os.path.dirname(os.path.realpath(script))
+    sys.path[:] = [first, *map(os.path.abspath, pythonpath), *base_path]
+    # stdout and stderr as the interpreter makes them: block-buffered stdout (line-buffered on a terminal),
+    # line-buffered stderr, both unbuffered under -u or PYTHONUNBUFFERED
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw),
+            encoding=old.encoding,
+            errors=old.errors,
+            line_buffering=not unbuffered and (fd == 2 or raw.isatty()),
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    for stream, text in zip((sys.stdout, sys.stderr), said):  # as a fresh interpreter importing them would
+        stream.buffer.write(text)
+        stream.flush()
+    random.seed()  # a fresh interpreter's generators start from the OS, not from the server's state
+    sys.modules["numpy"].random.seed()
+    sys.modules["torch"].seed()
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if request["nested"]:  # the script's own `python X.py` runs: forks of this server too
+        import subprocess as sp
+
+        _server = (types.SimpleNamespace(poll=lambda: None), path, _BASE_ENV)  # the server's own, from its start
+        sp.run = run
+    _track_open()
+    try:
+        if script == "-c":
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            main.__builtins__ = builtins
+            exec(compile(source, "<string>", "exec"), main.__dict__)
+        else:
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:  # as the interpreter reads it: None is 0, a number its code, anything else printed and 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # as the interpreter does: the traceback from the script's frames on, then exit 1
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename not in (script, "<string>"):
+            tb = tb.tb_next
+        traceback.print_exception(type(e), e, tb or e.__traceback__)
+        code = 1
+        if isinstance(e, KeyboardInterrupt):  # the interpreter ends by SIGINT then
+            _shutdown()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    _shutdown()
+    os._exit(code)
+
+
+_opened = None  # the child's files opened with open() / io.open, flushed before it exits
+
+
+def _track_open() -> None:
+    import builtins
+    import functools
+    import io
+    import weakref
+
+    global _opened
+    _opened = weakref.WeakSet()
+    plain = io.open
+
+    @functools.wraps(plain)
+    def tracked(*args, **kw):
+        f = plain(*args, **kw)
+        _opened.add(f)
+        return f
+
+    builtins.open = io.open = staticmethod(tracked)  # as the builtin: never bound as a method (class X: open = open)
+
+
+def _shutdown() -> None:
+    """The interpreter's shutdown up to its module teardown: non-daemon threads joined, atexit run, files flushed.
+    The teardown itself is skipped: in a fork it writes to every page the server shares (copy on write), which took
+    13-15 s on the loaded 2-core machine, and a fresh interpreter's took 9 s."""
+    import atexit
+    import threading
+
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for f in list(_opened):  # what teardown would close: files the script left open, written but not flushed
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

@@ -1,0 +1,138 @@
+"""tests/forkserver.py, which starts the tests' stage runs from a process that has already imported torch,
+transformers and peft: a forked script must be the script a fresh interpreter runs (its exit code, stdout and stderr,
+byte for byte), and what a fork cannot stand for gets a fresh interpreter."""
+
+import os
+import subprocess
+import sys
+
+import forkserver
+import pytest
+from conftest import ROOT
+
+SCRIPT = """import os, sys
+print("argv", sys.argv, "cwd", os.getcwd(), "path0", sys.path[0], "X", os.environ.get("X"))
+import helper  # from PYTHONPATH
+print("helper", helper.WHERE)
+left_open = open("unclosed.txt", "w")  # never closed: the interpreter's shutdown flushes it
+left_open.write("flushed at exit")
+case = sys.argv[1]
+if case == "bad":
+    print("error: --x 3: must be 1 or 2", file=sys.stderr)
+    sys.exit(2)
+if case == "message":
+    sys.exit("a message instead of a code")
+if case == "raise":
+    def inner():
+        raise ValueError("boom")
+    inner()
+"""
+
+
+def both(tmp_path, cmd, **kw):
+    """(fresh interpreter, fork) results of cmd, each in a folder of its own; as (returncode, stdout, stderr, file)."""
+    out = []
+    for name, run in (("fresh", subprocess.run), ("fork", forkserver.run)):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        proc = run(cmd, capture_output=True, text=True, cwd=cwd, **kw)
+        unclosed = cwd / "unclosed.txt"
+        out.append(
+            (
+                proc.returncode,
+                proc.stdout.replace(str(cwd), "CWD"),
+                proc.stderr,
+                unclosed.is_file() and unclosed.read_text(),
+            )
+        )
+    return out
+
+
+@pytest.mark.parametrize("case", ["ok", "bad", "message", "raise"])
+def test_a_forked_script_exits_and_prints_as_a_fresh_interpreter(tmp_path, case):
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper.py").write_text("WHERE = 'lib'\n")
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "X": "set by the test", "PYTHONPATH": str(tmp_path / "lib")}
+    fresh, fork = both(tmp_path, [sys.executable, str(script), case], env=env)
+    assert fork == fresh
+    assert fork[0] == {"ok": 0, "bad": 2, "message": 1, "raise": 1}[case]
+    assert fork[3] == "flushed at exit"
+    if case == "raise":
+        assert fork[2].startswith("Traceback (most recent call last):\n") and fork[2].endswith("ValueError: boom\n")
+
+
+def test_python_dash_c_is_forked_too(tmp_path):
+    code = "import sys; print(sys.argv, repr(sys.path[0])); sys.exit(int(sys.argv[1]))"
+    fresh, fork = both(tmp_path, [sys.executable, "-c", code, "3"])
+    assert fork == fresh and fork[:2] == (3, "['-c', '3'] ''\n")
+
+
+@pytest.mark.parametrize(
+    "script,argv,line",
+    [
+        ("01_annotate.py", ["--dataset", "gone.jsonl"], "error: gone.jsonl: no such file"),
+        ("02_train_reward.py", ["--data", "gone.jsonl"], "error: --model runs/demo/base: no such directory"),
+        ("03_train_policy.py", ["--temperature", "0"], "error: --temperature 0: must be "),
+        ("04_evaluate.py", ["--data", "gone.jsonl"], "error: gone.jsonl: no such file"),
+    ],
+)
+def test_each_stages_bad_input_is_the_same_exit_2_and_line_forked_or_fresh(tmp_path, script, argv, line):
+    """The suite's bad-input tests run their stage through the fork server; here each stage also runs in a fresh
+    interpreter, as a user starts it: the same exit code 2 and the same one line on stderr."""
+    fresh, fork = both(tmp_path, [sys.executable, str(ROOT / script), *argv])
+    assert fork[:3] == fresh[:3]
+    assert fork[0] == 2 and len(fork[2].strip().splitlines()) == 1 and fork[2].startswith(line), fork
+
+
+@pytest.mark.parametrize("flag", [[], ["-u"]])
+def test_stdout_and_stderr_are_buffered_as_in_a_fresh_interpreter(tmp_path, flag):
+    """Block-buffered stdout and line-buffered stderr (both unbuffered under -u), into one file: the same order."""
+    code = "import sys\nfor i in range(3):\n    print('out', i)\n    print('err', i, file=sys.stderr)\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    out = []
+    for run in (subprocess.run, forkserver.run):
+        proc = run([sys.executable, *flag, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out.append(proc.stdout.decode())
+    assert out[0] == out[1] and out[0].startswith("out 0\nerr 0\n" if flag else "err 0\nerr 1\n"), out
+
+
+def test_nested_runs_fork_the_scripts_own_python_runs_too(tmp_path):
+    """A bench started with nested=True starts its stages (`python -u X.py`) as forks of the server as well."""
+    code = (
+        "import os, subprocess, sys\n"
+        "child = subprocess.run([sys.executable, '-u', '-c', 'import os; print(os.getppid())'], capture_output=True)\n"
+        "print(os.getpid(), child.stdout.decode().strip(), child.returncode)"
+    )
+    for nested in (False, True):
+        me, parent, code_ = forkserver.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, nested=nested
+        ).stdout.split()
+        assert code_ == "0" and (me != parent) == nested
+
+
+def test_each_fork_draws_fresh_random_numbers(tmp_path):
+    """A fork copies the server's generators: each child reseeds them from the OS, as a fresh interpreter starts."""
+    code = "import random, numpy, torch; print(random.random(), numpy.random.rand(), torch.rand(1).item())"
+    draws = [forkserver.run([sys.executable, "-c", code], capture_output=True, text=True).stdout for _ in range(2)]
+    assert all(a != b for a, b in zip(*(d.split() for d in draws))), draws
+
+
+def test_a_variable_read_at_import_gets_a_fresh_interpreter(monkeypatch):
+    """HF_HUB_OFFLINE is fixed in huggingface_hub's constants when it is imported, which the server did without it: a
+    run that sets it is a fresh interpreter (a fork would see it unset), and so is every run under T2G_NO_FORKSERVER."""
+    code = "import os; from huggingface_hub import constants; print(constants.HF_HUB_OFFLINE, os.getppid())"
+    run = lambda env: forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout  # noqa: E731
+    offline, parent = run({**os.environ, "HF_HUB_OFFLINE": "1"}).split()
+    assert offline == "True" and int(parent) == os.getpid()
+    assert int(run(dict(os.environ)).split()[1]) != os.getpid()  # the others are forks of the server
+    monkeypatch.setenv("T2G_NO_FORKSERVER", "1")
+    assert int(run(dict(os.environ)).split()[1]) == os.getpid()
+
+
+def test_a_timeout_kills_the_child_as_subprocess_does(tmp_path):
+    code = "import time; open('started', 'w').close(); time.sleep(3600)"
+    with pytest.raises(subprocess.TimeoutExpired):
+        forkserver.run([sys.executable, "-c", code], cwd=tmp_path, timeout=1, capture_output=True)
+    assert forkserver.run([sys.executable, "-c", "print(1)"], capture_output=True, text=True).stdout == "1\n"
