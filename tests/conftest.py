@@ -230,8 +230,9 @@ def import_script(name: str):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def start_server(model_dir: str, log_path, timeout_s: float = 180.0) -> tuple[subprocess.Popen, str]:
-    """(process, base_url) of `transformers serve model_dir` on 127.0.0.1, once its /health answers. One OpenMP
+def start_server(model_dir: str, log_path, timeout_s: float | None = None) -> tuple[subprocess.Popen, str]:
+    """(process, base_url) of `transformers serve model_dir` on 127.0.0.1, once its /health answers (however long its
+    start takes on a loaded machine: it fails when the process exits, vllm_server.wait_for_health). One OpenMP
     thread: two next to the tests' own work ran ~10x slower (FIELD_NOTES). Without --continuous-batching it answers
     one request at a time, in ~1 GB (with it: ~4 GB, and a ~17 s first request). Its model name is model_dir,
     exactly."""

@@ -600,13 +600,8 @@ def test_kill_9_then_rerun_yields_every_id_exactly_once(tmp_path, fake_openai, m
         proc = subprocess.Popen(
             [sys.executable, SCRIPT, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
-        deadline = time.monotonic() + 120
-        while (
-            time.monotonic() < deadline
-            and proc.poll() is None
-            and (not out.exists() or out.read_bytes().count(b"\n") < 20)
-        ):
-            time.sleep(0.02)
+        while proc.poll() is None and (not out.exists() or out.read_bytes().count(b"\n") < 20):
+            time.sleep(0.02)  # no deadline: on a loaded machine the first 20 records come later, not never
         time.sleep(rng.uniform(0, 0.3))
         proc.send_signal(signal.SIGKILL)
         proc.wait()

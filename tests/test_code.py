@@ -415,7 +415,7 @@ def test_the_official_harness_runs_with_its_exec_line_enabled():
         "entry_point": "f",
         "test": "def check(candidate):\n    assert candidate(2) == 4\n",
     }
-    assert check(problem, "    return 2 * x\n", timeout=10)["passed"]
+    assert check(problem, "    return 2 * x\n", timeout=PATIENT)["passed"]  # a limit it never reaches
     assert not check(problem, "    return x\n", timeout=10)["passed"]
 
 

@@ -200,7 +200,7 @@ def demo(tmp_path_factory):
     logs = {}
     for script, *flags in STAGES:
         proc = subprocess.run(
-            [sys.executable, str(ROOT / script), *flags], cwd=work, env=env, capture_output=True, text=True, timeout=900
+            [sys.executable, str(ROOT / script), *flags], cwd=work, env=env, capture_output=True, text=True
         )
         assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
         logs[script] = proc.stdout

@@ -57,7 +57,6 @@ def parse(script: str, argvs: list[list[str]], cwd) -> list[dict]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=300,
         env={"PATH": "/usr/bin:/bin", "HOME": str(cwd), "PYTHONHASHSEED": "0"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -786,7 +786,6 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=600,
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -811,7 +810,6 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
             capture_output=True,
             text=True,
             cwd=ROOT,
-            timeout=600,
             env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -2604,11 +2602,10 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tm
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # suite runs in `cmd &`
     metrics = tmp_path / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.2)
+    while proc.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)  # no deadline: on a loaded machine the third iteration comes later, not never
     proc.send_signal(signal.SIGINT)
-    err = proc.communicate(timeout=120)[1]
+    err = proc.communicate()[1]
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
@@ -2684,7 +2681,6 @@ def _torchrun(tmp_path, argv, nproc=2):
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=900,
         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -2791,7 +2787,6 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
             ],
             capture_output=True,
             text=True,
-            timeout=300,
             env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
         )
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -147,7 +147,6 @@ def check(commands: list[tuple[str, list[str]]]) -> list[str]:
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         verdicts.update(zip(to_parse, json.loads(proc.stdout.strip().splitlines()[-1])))
@@ -360,7 +359,6 @@ def make_dry_run(target: str) -> list[str]:
         capture_output=True,
         text=True,
         check=True,
-        timeout=60,
     ).stdout
     return out.replace("\\\n", " ").splitlines()
 

@@ -36,7 +36,6 @@ def cli(script, *args):  # one thread: two OpenMP threads on 2 busy cores were m
         text=True,
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=900,
     )
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
     return proc
@@ -383,7 +382,6 @@ def test_smollm2_with_tied_embeddings_trains_sharded_and_saves_whole(smollm2_dir
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

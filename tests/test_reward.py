@@ -529,9 +529,7 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
         "0",
         *LORA,
     ]  # 4 steps teach no format: its critiques need not parse here
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("saved reward model to") == 1  # rank 0 only
     info = json.loads((out / "reward_model.json").read_text())
@@ -561,9 +559,7 @@ def _torchrun_rm(tmp_path, argv, nproc):
         str(ROOT / "02_train_reward.py"),
         *argv,
     ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

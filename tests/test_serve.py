@@ -32,7 +32,6 @@ def cli(script, *args, env=None):
         text=True,
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        timeout=600,
     )
 
 
