@@ -20,6 +20,7 @@ from annotation import report as annotation_report
 from infra import serving
 from annotation.inputs import DEMO_FILES, dataset_rows, to_records
 from tasks.demo import demo_critic, demo_dataset
+import forkserver
 from conftest import ROOT, import_script, write_jsonl_gz
 
 annotate = import_script("01_annotate")
@@ -180,7 +181,7 @@ def test_bad_input_names_file_line_and_field(tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"id": "a", "prompt": "p", "response": "r"}\n\n{"id": "b", "prompt": \n')
     out = tmp_path / "out" / "annotations.jsonl"
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, SCRIPT, "--dataset", str(broken), "--output", str(out)],
         capture_output=True,
         text=True,
@@ -192,7 +193,7 @@ def test_bad_input_names_file_line_and_field(tmp_path):
 
 
 def run_cli(*argv, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, SCRIPT, *map(str, argv)], capture_output=True, text=True, cwd=cwd)
+    return forkserver.run([sys.executable, SCRIPT, *map(str, argv)], capture_output=True, text=True, cwd=cwd)
 
 
 def test_a_latin1_byte_in_the_dataset_is_one_line_and_writes_nothing(tmp_path):
@@ -253,8 +254,9 @@ SCENARIOS = [
 ]
 
 
-def fault_server(fake_openai, log):
-    """A reply function keyed by the scenario word that starts each response; `log` records every attempt."""
+def fault_server(fake_openai, log, release):
+    """A reply function keyed by the scenario word that starts each response; `log` records every attempt; the
+    "slow" reply waits for `release` (set it once the client gave up)."""
 
     def reply(body, n):
         response = response_of(body)
@@ -268,7 +270,7 @@ def fault_server(fake_openai, log):
         if kind == "r400":
             return 400, {"error": {"message": "context length exceeded"}}, {}
         if kind == "slow" and attempt == 1:
-            time.sleep(4.0)  # past the client's --timeout
+            release.wait()  # past the client's --timeout, however loaded the machine
         if kind == "invalid_twice" or kind == "invalid_once" and attempt == 1:
             return "I think the response is fine, nothing to add {oops"
         if kind == "fenced":
@@ -297,7 +299,7 @@ def openai_args(url, data, out, *extra):
         "--model",
         "fake-critic",
         "--timeout",
-        "2.0",
+        "5.0",  # a reply that should come in time does on a loaded machine; "slow" waits past any limit
         "--backoff-base",
         "0.01",
         "--max-retries",
@@ -318,8 +320,10 @@ def test_openai_critic_survives_every_injected_fault(tmp_path, fake_openai, monk
         ],
     )
     out, log = tmp_path / "annotations.jsonl", defaultdict(list)
-    with fault_server(fake_openai, log) as server:
+    release = threading.Event()
+    with fault_server(fake_openai, log, release) as server:
         summary = annotate.main(openai_args(server.base_url, data, out))
+        release.set()
     recs = {r["id"].rsplit("-", 1)[0]: r for r in lines(out)}
     assert sorted(recs) == sorted(SCENARIOS)
     for kind in ("ok", "fenced", "reasoning", "r429", "r500", "invalid_once"):
@@ -367,7 +371,7 @@ def test_a_400_that_every_row_gets_stops_the_run(tmp_path, fake_openai, monkeypa
     too_long = {"error": {"message": "max_tokens 100000 exceeds the model's context (2048)"}}
     with fake_openai(lambda body, n: (400, too_long, {})) as server:
         argv = openai_args(server.base_url, data, tmp_path / "a.jsonl", "--concurrency", "1", "--max-tokens", "100000")
-        proc = subprocess.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT)
+        proc = forkserver.run([sys.executable, SCRIPT, *argv], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
         f"error: --base-url {server.base_url}: the first {annotator.FATAL_REPEATS} records all got "
         "HTTP 400: max_tokens 100000 exceeds the model's context (2048)"
@@ -554,7 +558,7 @@ def test_api_key_never_leaks(tmp_path, fake_openai, monkeypatch, capsys):
             lambda body, n: (401, {"error": {"message": f"invalid key {key}"}}, {}), answer_preflight=False
         )  # a bad key fails the preflight, before any row
         with fatal:
-            proc = subprocess.run(
+            proc = forkserver.run(
                 [sys.executable, SCRIPT, *openai_args(fatal.base_url, data, tmp_path / "b.jsonl")],
                 capture_output=True,
                 text=True,
@@ -933,7 +937,7 @@ def test_a_run_where_every_record_failed_says_why_and_exits_non_zero(tmp_path, f
 
     with fake_openai(reply) as server:
         for _ in range(2):
-            proc = subprocess.run(
+            proc = forkserver.run(
                 [sys.executable, SCRIPT, *openai_args(server.base_url, data, out)],
                 capture_output=True,
                 text=True,
@@ -984,7 +988,7 @@ def test_a_model_that_cannot_load_fails_before_anything_is_written(tmp_path, mod
     """A typo in a local path (runs/smolm2, next to runs/smollm2) is one line at once, never sent to the hub as an id;
     a hub id that cannot load fails before the demo's data/ or the output's folder is written."""
     (tmp_path / "runs").mkdir()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             SCRIPT,

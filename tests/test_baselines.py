@@ -7,13 +7,13 @@ reward model's scores against transformers' own pooling; bad input as one line."
 import argparse
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import forkserver
 from conftest import import_script
 
 import common
@@ -323,7 +323,7 @@ def test_the_wrong_kind_of_reward_model_is_refused_in_one_line(tmp_path, bt_rewa
             tiny_reward_model[0],
         ],
     }[case]
-    proc = subprocess.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=tmp_path)
+    proc = forkserver.run([sys.executable, str(ROOT / cmd[0]), *cmd[1:]], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()
     assert len(last) == 1 and last[0].startswith("error: --reward-model ")
@@ -336,7 +336,7 @@ def test_pairs_with_a_missing_field_exit_2_naming_file_line_and_field(tmp_path, 
     path = tmp_path / "prefs.jsonl"
     common.write_jsonl(path, [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}])
     extra = ["--objective", "pairwise"] if script.startswith("02") else []
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / script),

@@ -7,11 +7,11 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 
 import browser
 import pytest
+import forkserver
 from conftest import ROOT, import_script
 
 import common
@@ -199,7 +199,7 @@ def demo(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     logs = {}
     for script, *flags in STAGES:
-        proc = subprocess.run(
+        proc = forkserver.run(
             [sys.executable, str(ROOT / script), *flags], cwd=work, env=env, capture_output=True, text=True
         )
         assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"

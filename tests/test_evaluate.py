@@ -4,13 +4,13 @@ the report's highlighted spans, clear data errors, and a full run on tiny models
 import itertools
 import json
 import re
-import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
 import pytest
+import forkserver
 from conftest import ROOT, as_reward_model, import_script, write_jsonl_gz
 
 import common
@@ -516,7 +516,7 @@ def test_a_latin1_byte_in_the_data_is_one_line_and_writes_nothing(tmp_path, tiny
     before any policy loads; no --output-dir."""
     data = tmp_path / "latin1.jsonl"
     data.write_bytes(b'{"id": "a", "prompt": "p", "reference": "r"}\n{"id": "b", "prompt": "caf\xe9"}\n')
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "04_evaluate.py"),
@@ -544,7 +544,7 @@ def test_a_limit_below_one_exits_2_before_any_policy_loads(tmp_path, tiny_model_
     naming the flag, no --output-dir."""
     data = tmp_path / "eval.jsonl"
     data.write_text('{"prompt": "p", "reference": "r"}\n' * 2)
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "04_evaluate.py"),
@@ -836,7 +836,7 @@ def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir
     nowts = model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
     common.write_json(tmp_path / "noweights" / "reward_model.json", {"base_model": tiny_model_dir})
     if flag == "--monitor-reward-model":
-        proc = subprocess.run(
+        proc = forkserver.run(
             [
                 sys.executable,
                 str(ROOT / "04_evaluate.py"),
@@ -862,7 +862,7 @@ def test_bad_model_input_exits_2_with_one_line_and_writes_nothing(tiny_model_dir
         assert not [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
         return
     extra = ["--chat-template", "on", "--reward-model", "none"] if "chat" in flag else ["--reward-model", nowts]
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "04_evaluate.py"),
@@ -1107,7 +1107,7 @@ def test_stage4_marks_a_reward_model_that_never_parses(tiny_model_dir, tmp_path)
     if it had judged)."""
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 3))
     rm = as_reward_model(tiny_model_dir, tmp_path / "rm")
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "04_evaluate.py"),
@@ -1267,7 +1267,7 @@ def test_a_failed_start_leaves_no_folder_and_checks_every_policy_first(tmp_path,
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     first = ["--policy", f"ok={tiny_model_dir}"] if policy.startswith("runs/") else []  # a hub id fails as it loads
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "04_evaluate.py"),

@@ -3,7 +3,6 @@ python:...), annotates in 01 (--annotator) and judges policies in 04 (--monitor)
 run; a bad plug-in is one line, exit 2, before any work."""
 
 import math
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +13,7 @@ import common
 import critics
 from critics import plugin
 from tasks.demo import demo_critic, demo_dataset
+import forkserver
 from conftest import ROOT, import_script
 
 ppo = import_script("03_train_policy")
@@ -134,7 +134,7 @@ def test_a_bad_plugin_is_one_line_exit_2_before_any_training(tmp_path, tiny_mode
     path = tmp_path / "my_bad.py"
     path.write_text(source)
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -474,7 +474,7 @@ def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(t
     path = tmp_path / "short.py"
     path.write_text("def short(records, responses):\n    return [{'good_spans': [], 'poor_spans': []}]\n")
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -549,7 +549,7 @@ def test_a_critic_that_never_works_stops_stage_3(tmp_path, tiny_model_dir):
         "--save-every",
         "100",
     ]
-    proc = subprocess.run(
+    proc = forkserver.run(
         [*base, "--critic", f"python:{path}:never", "--output-dir", str(tmp_path / "never"), "--steps", "10"],
         capture_output=True,
         text=True,
@@ -567,7 +567,7 @@ def test_a_critic_that_never_works_stops_stage_3(tmp_path, tiny_model_dir):
     ), last
     assert torch.load(tmp_path / "never" / "checkpoint.pt", weights_only=False)["step"] == 3
     assert len(common.read_jsonl(tmp_path / "never" / "metrics.jsonl")) == 3
-    proc = subprocess.run(
+    proc = forkserver.run(
         [*base, "--critic", f"python:{path}:mostly", "--output-dir", str(tmp_path / "mostly"), "--steps", "6"],
         capture_output=True,
         text=True,

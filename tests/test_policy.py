@@ -16,6 +16,7 @@ import common
 from infra import decoding, distributed, models, reward_models, runs, trace
 from infra.data import read_prompts
 from tasks.demo import demo_critic, demo_dataset
+import forkserver
 from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
 
 ppo = import_script("03_train_policy")
@@ -442,7 +443,7 @@ def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tm
     """--critic openai: a critique whose request still fails after --critic-retries (503), or times out after
     --critic-timeout (never retried: the server may still be generating it), gives its rollout delta = 0, is counted
     in critic/parse_fail_rate, and its error is kept in samples.jsonl; the run goes on (it crashed on the first)."""
-    attempts = {}
+    attempts, release = {}, threading.Event()
 
     def reply(body, n):
         response = body["messages"][0]["content"].split("### Response\n", 1)[1]
@@ -450,7 +451,7 @@ def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tm
         if len(response) % 3 == 0:
             return 503, {"error": {"message": "overloaded"}}, {}
         if len(response) % 3 == 1:
-            time.sleep(1.5)  # past --critic-timeout
+            release.wait()  # past --critic-timeout however long that is (a fixed sleep raced a loaded machine)
         word = (response.split() or ["x"])[0]
         return json.dumps({"critique": "c", "good_spans": [], "poor_spans": [word]})
 
@@ -466,7 +467,7 @@ def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tm
                 "--critic-model",
                 "rm",
                 "--critic-timeout",
-                "0.5",
+                "5",  # a reply that should come comes in time on a loaded machine too (0.5 s did not always)
                 "--critic-retries",
                 "1",
                 "--log-every",
@@ -475,6 +476,7 @@ def test_a_critique_request_that_fails_mid_run_is_delta_zero_counted_and_kept(tm
                 "qa",
             )
         )
+        release.set()
     rows, samples = _rows(tmp_path / "run"), common.read_jsonl(tmp_path / "run" / "samples.jsonl")
     assert [r["step"] for r in rows] == [1, 2] and len(samples) == 8  # every rollout of both iterations
     kinds = [len(s["response"]) % 3 for s in samples]
@@ -688,7 +690,7 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, monkeypat
 def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tiny_model_dir):
     bad = tmp_path / "prompts.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"id": 2, "promt": "typo"}\n')
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -781,7 +783,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
         shard,
     ]
     # rank 0 trains the SFT warm start alone while rank 1 waits for it (a gloo group with a long timeout)
-    proc = subprocess.run(
+    proc = forkserver.run(
         cmd,
         capture_output=True,
         text=True,
@@ -805,7 +807,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
             "--model": str(tmp_path / "sft"),
         }  # the same SFT start
         layers = [new.get(cmd[i - 1], x) for i, x in enumerate(cmd)] + ["--fsdp-generate", "layers"]
-        proc = subprocess.run(
+        proc = forkserver.run(
             layers,
             capture_output=True,
             text=True,
@@ -1669,7 +1671,7 @@ def test_bad_model_input_one_line_exit_2_nothing_written(tmp_path, tiny_model_di
     extra = ["--chat-template", "on"] if case == "chat-template-on" else []
     model = tiny_model_dir if extra else model_variant(tiny_model_dir, tmp_path / "noweights", weights=False)
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -1725,7 +1727,7 @@ def test_broken_reward_model_one_line_exit_2_before_any_training(tmp_path, tiny_
         (tmp_path / "base").rmdir()
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
     common.write_jsonl(tmp_path / "sft.jsonl", demo_dataset("sft", 4))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -1779,7 +1781,7 @@ def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
     """T <= 0 would divide the logits by zero (or flip them); top-p outside (0, 1] samples nothing or is no nucleus;
     no PPO epoch would never update, no minibatch or micro-batch divides by zero: refused before anything is loaded
     or written."""
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / "03_train_policy.py"), flag, value, "--output-dir", str(tmp_path / "run")],
         capture_output=True,
         text=True,
@@ -1791,7 +1793,7 @@ def test_sampling_settings_out_of_range_one_line_exit_2(tmp_path, flag, value):
 
 
 def test_dense_labels_refuse_within_span_weighting(tmp_path):
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -1813,7 +1815,7 @@ def test_dense_labels_refuse_within_span_weighting(tmp_path):
 @pytest.mark.parametrize("value", ["1", "3"])
 def test_rloo_k_must_group_the_batch(tmp_path, value):
     """--advantage rloo needs >= 2 samples per prompt (a leave-one-out mean of nothing) that tile the batch of 8."""
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -2046,7 +2048,7 @@ def test_a_fresh_run_never_replaces_a_run_without_overwrite(tmp_path, tiny_model
     argv = _main_argv(tmp_path, tiny_model_dir, "--sft-steps", "0", "--output-dir", str(tmp_path / "run"))
     ppo.main(argv)
     before = {f: (tmp_path / "run" / f).read_bytes() for f in ("metrics.jsonl", "samples.jsonl", "checkpoint.pt")}
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / "03_train_policy.py"), *argv], capture_output=True, text=True, cwd=tmp_path
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -2314,7 +2316,7 @@ def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path
 def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -2345,7 +2347,7 @@ def test_a_missing_sft_data_file_is_one_line_not_a_traceback(tmp_path, tiny_mode
     That raised FileNotFoundError from deep in the SFT setup; it is one line naming the file and the flag, exit 2."""
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 4))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -2377,7 +2379,7 @@ def test_own_prompts_under_the_demo_task_are_refused_at_once_not_mid_run(tmp_pat
     common.write_jsonl(
         tmp_path / "prompts.jsonl", demo_dataset("train", 2) + [{"prompt": "Summarize: the order is late."}]
     )
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -2616,7 +2618,7 @@ def test_ctrl_c_prints_where_the_run_stands_and_the_command_that_continues_it(tm
     assert "--overwrite" not in command
     import shlex
 
-    resumed = subprocess.run(
+    resumed = forkserver.run(
         [sys.executable, *shlex.split(command)[1:], "--steps", str(done + 1)], cwd=ROOT, capture_output=True, text=True
     )  # the printed command, one iteration further
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -2664,7 +2666,7 @@ def _torchrun(tmp_path, argv, nproc=2):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             "-m",
@@ -2769,7 +2771,7 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        proc = subprocess.run(
+        proc = forkserver.run(
             [
                 sys.executable,
                 "-m",

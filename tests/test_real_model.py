@@ -7,11 +7,11 @@ extras), 04 evaluates it. The assertions are the real-model facts that tiny mode
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+import forkserver
 from conftest import ROOT, import_script, model_variant
 
 import common
@@ -30,7 +30,7 @@ TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 
 
 def cli(script, *args):  # one thread: two OpenMP threads on 2 busy cores were measured up to 40x slower
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(ROOT / script), *map(str, args)],
         capture_output=True,
         text=True,
@@ -336,7 +336,7 @@ def test_smollm2_with_tied_embeddings_trains_sharded_and_saves_whole(smollm2_dir
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             "-m",

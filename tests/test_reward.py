@@ -3,12 +3,12 @@ bad input."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import forkserver
 from conftest import ROOT, import_script
 
 import common
@@ -234,7 +234,7 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, tiny_model_dir, case):
         tiny_model_dir if case == "broken-line" else model_variant(tiny_model_dir, tmp_path / "nowts", weights=False)
     )
     out = tmp_path / "rm"
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "02_train_reward.py"),
@@ -529,7 +529,7 @@ def test_torchrun_two_processes(tmp_path, tiny_model_dir):
         "0",
         *LORA,
     ]  # 4 steps teach no format: its critiques need not parse here
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = forkserver.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("saved reward model to") == 1  # rank 0 only
     info = json.loads((out / "reward_model.json").read_text())
@@ -559,7 +559,7 @@ def _torchrun_rm(tmp_path, argv, nproc):
         str(ROOT / "02_train_reward.py"),
         *argv,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = forkserver.run(cmd, capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -727,7 +727,7 @@ def test_a_reward_model_that_never_parses_ends_non_zero_and_stays_saved(tmp_path
         "--device",
         "cpu",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+    proc = forkserver.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert reward_models.MIN_PARSE_RATE == 0.5
     assert proc.stderr.strip().splitlines()[-1] == (
@@ -737,7 +737,7 @@ def test_a_reward_model_that_never_parses_ends_non_zero_and_stays_saved(tmp_path
         "larger --max-new-tokens, then rerun with --overwrite; --min-parse-rate 0 accepts it as it is"
     )
     assert (out / "reward_model.json").is_file() and json.loads((out / "eval.json").read_text())["parse_rate"] == 0
-    proc = subprocess.run(cmd + ["--overwrite", "--min-parse-rate", "0"], capture_output=True, text=True, cwd=tmp_path)
+    proc = forkserver.run(cmd + ["--overwrite", "--min-parse-rate", "0"], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -807,7 +807,7 @@ def test_a_stage2_output_is_required_where_one_is_expected(tmp_path, tiny_model_
         r"stage-2 output; run 02_train_reward\.py\)",
     ):
         reward_models.check_reward_model(tiny_model_dir)
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "03_train_policy.py"),
@@ -836,7 +836,7 @@ def test_stage2_never_deletes_what_it_did_not_write(tmp_path, tiny_model_dir):
     x = tmp_path / "x"
     common.write_jsonl(x / "annotations.jsonl", annotations(8))
     data = (x / "annotations.jsonl").read_bytes()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "02_train_reward.py"),
@@ -946,7 +946,7 @@ def test_fewer_examples_than_eval_limit_say_why(tmp_path, tiny_model_dir, capsys
 def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
     (tmp_path / "runs").mkdir()
     common.write_jsonl(tmp_path / "ann.jsonl", annotations(4))
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "02_train_reward.py"),

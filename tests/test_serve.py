@@ -9,7 +9,6 @@ critiques' quality."""
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 import common
 from critics import learned
 from infra import models
+import forkserver
 from conftest import ROOT, bos_adding_copy, import_script, start_server, stop_server
 from tasks.demo import demo_critic, demo_dataset
 
@@ -26,7 +26,7 @@ annotate, ppo, ev = import_script("01_annotate"), import_script("03_train_policy
 
 
 def cli(script, *args, env=None):
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, str(ROOT / script), *map(str, args)],
         capture_output=True,
         text=True,

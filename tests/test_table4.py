@@ -10,11 +10,11 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import forkserver
 from conftest import ROOT, import_script
 
 import common
@@ -254,7 +254,7 @@ def test_a_malformed_arc_file_exits_2_with_one_line(tmp_path, tiny_model_dir):
     tasks = arc_task(tmp_path, bad_arc("answer_key"))
     data = tmp_path / "eval.jsonl"
     common.write_jsonl(data, [{"id": "p0", "instruction": "Say hi."}])
-    proc = subprocess.run(
+    proc = forkserver.run(
         [
             sys.executable,
             str(ROOT / "04_evaluate.py"),
