@@ -385,12 +385,20 @@ def fake_openai():
     return FakeOpenAI
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the xdist_group marks into work units
 def pytest_collection_modifyitems(items):
-    """Longest first for pytest.ini's 2 workers (--dist loadscope --no-loadscope-reorder hands out modules in this
-    order; without the second flag xdist reorders them by their number of tests, and the demo's 12 went out among the
-    last): the zero-flag demo's module (its ~10-minute fixture) and the benches' go first, so the other worker runs
-    the rest meanwhile."""
-    first = ("tests/test_demo.py", "tests/test_bench.py")
-    items.sort(
-        key=lambda item: first.index(item.nodeid.split("::")[0]) if item.nodeid.split("::")[0] in first else len(first)
-    )
+    """pytest.ini's 2 workers hand out work test by test (--dist loadgroup), so neither waits on the other's long
+    module; a test that uses a module-scoped fixture goes to its module's group instead (one worker builds the
+    fixture once, as under --dist loadscope). Longest first (--no-loadscope-reorder keeps this order): the zero-flag
+    demo's module (its fixture is the suite's longest pole), then the tests marked slow, then the rest, so the end of
+    the run is short tests that balance the two workers."""
+    for item in items:
+        if any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+    def rank(item) -> int:
+        if item.nodeid.startswith("tests/test_demo.py") and "demo" in item.fixturenames:
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2
+
+    items.sort(key=rank)

@@ -207,6 +207,7 @@ def demo(tmp_path_factory):
     return work / "runs" / "demo", logs
 
 
+@pytest.mark.slow  # the zero-flag chain's fixture: the suite's longest pole
 def test_stage1_annotations_are_well_formed(demo):
     run, _ = demo
     recs = common.read_jsonl(run / "annotations.jsonl")
@@ -221,6 +222,7 @@ def test_stage1_annotations_are_well_formed(demo):
     assert sum(bool(r["poor_spans"]) for r in recs) > 0.4 * len(recs)  # the demo data carries mistakes to learn from
 
 
+@pytest.mark.slow  # the zero-flag chain's fixture: the suite's longest pole
 def test_stage2_reward_model_saved_and_evaluated(demo):
     run, _ = demo
     rm = run / "reward_model"
@@ -235,6 +237,7 @@ def test_stage2_reward_model_saved_and_evaluated(demo):
     assert ev["parse_rate"] >= 0.9 and ev["pos_f1"] >= 0.8  # the format and the good spans are learned
 
 
+@pytest.mark.slow  # the zero-flag chain's fixture: the suite's longest pole
 def test_stage3_text2grad_and_scalar_runs(demo):
     run, _ = demo
     assert (run / "sft" / "config.json").is_file()
@@ -261,6 +264,7 @@ def test_stage3_text2grad_and_scalar_runs(demo):
         )
 
 
+@pytest.mark.slow  # the zero-flag chain's fixture: the suite's longest pole
 def test_text2grad_makes_fewer_mistakes_than_the_sft_start(demo):
     """Judged by the exact critic on 200 held-out posts answered at temperature 1 (stage 4's demo/mistake_rate).
 
@@ -275,6 +279,7 @@ def test_text2grad_makes_fewer_mistakes_than_the_sft_start(demo):
     assert mistakes["text2grad"] < mistakes["sft"], mistakes
 
 
+@pytest.mark.slow  # the zero-flag chain's fixture: the suite's longest pole
 def test_stage4_results_and_report(demo):
     run, logs = demo
     results = json.loads((run / "results.json").read_text())
@@ -291,6 +296,7 @@ def test_stage4_results_and_report(demo):
     assert "report.html" in logs["04_evaluate.py"]
 
 
+@pytest.mark.slow  # the zero-flag chain's fixture: the suite's longest pole
 @pytest.mark.skipif(browser.CHROMIUM is None, reason="needs Debian's chromium (apt install chromium)")
 def test_report_renders_offline_in_headless_chromium(demo):
     """report.html in a real browser: no console errors, no network fetches (no CDN), the span highlights and the

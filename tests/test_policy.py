@@ -721,6 +721,7 @@ def test_malformed_prompts_file_gives_one_line_error_and_no_output(tmp_path, tin
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 2 gloo ranks under torchrun
 @pytest.mark.parametrize("shard", ["ddp", "fsdp"])
 def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, shard):
     """2 gloo ranks against one process replaying their concatenated batches: the same advantages, the same updated
@@ -2688,6 +2689,7 @@ def _torchrun(tmp_path, argv, nproc=2):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # 2 gloo ranks under torchrun
 @pytest.mark.parametrize("lora_r", ["4", "0"])
 def test_fsdp_resume_is_exact_and_the_saved_policy_loads_whole_in_one_process(tmp_path, tiny_model_dir, lora_r):
     """Issue 57, --shard fsdp on 2 gloo ranks: 2 iterations, a resume and 2 more are the 4 of one run, to the bit
@@ -2758,6 +2760,7 @@ __import__("os").write(1, (json.dumps(held) + "\n").encode())  # one write: the 
 """
 
 
+@pytest.mark.slow  # 2 gloo ranks under torchrun
 def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path, tiny_model_dir):
     """Issue 57: what each of 2 ranks holds, read off the DTensor local shards after one AdamW step: about half of
     the parameters and of the two Adam moments (DDP: all of them on every rank). The step is 03's make_optimizer's

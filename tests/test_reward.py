@@ -480,6 +480,7 @@ def test_resume_continues_from_the_last_checkpoint(tmp_path, tiny_model_dir):
     assert all((wc[k] - wa[k]).abs().max() > 0.1 for k in wa if "lora_B" in k)
 
 
+@pytest.mark.slow  # 2 gloo ranks under torchrun
 def test_torchrun_two_processes(tmp_path, tiny_model_dir):
     """Stage 2 under torchrun (2 CPU processes, gloo): Trainer's DDP trains one adapter with a global batch of 2 x 4,
     and rank 0 alone saves and evaluates it."""
@@ -564,6 +565,7 @@ def _torchrun_rm(tmp_path, argv, nproc):
     return proc
 
 
+@pytest.mark.slow  # 2 gloo ranks under torchrun
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     """02 --shard fsdp on 2 gloo ranks (4 examples each) trains the weights that one process trains on the same 8
@@ -630,6 +632,7 @@ def test_fsdp_outside_torchrun_is_one_line(tmp_path, tiny_model_dir, monkeypatch
     assert not (tmp_path / "rm").exists()
 
 
+@pytest.mark.slow  # 2 gloo ranks under torchrun
 def test_fsdp_resume_is_exact(tmp_path, tiny_model_dir):
     """02 --shard fsdp killed after checkpoint 2 of 4 and resumed gives the uninterrupted run's adapter: the gathered
     weights, Adam and scheduler states (fsdp_state.pt) and every rank's RNG (dropout) come back into the shards."""

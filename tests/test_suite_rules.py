@@ -7,6 +7,8 @@ deadline (deadline = time.monotonic() + N): a wait ends when what it waits for h
 a limit is the feature under test (a sandbox's, a client's) it is the code's own argument, not the run's."""
 
 import ast
+import re
+import types
 from pathlib import Path
 
 from conftest import ROOT
@@ -68,3 +70,71 @@ def test_the_rule_finds_the_limit_that_failed_under_load(tmp_path):
         "    deadline = time.monotonic() + 120\n"
     )
     assert [f.split(" ", 1)[0] for f in wall_clock_limits(old)] == ["test_old.py:3", "test_old.py:5"]
+
+
+SLOW_CALLS = re.compile(r"_torchrun\(|_torchrun_rm\(|torch\.distributed\.run|[\"']torchrun[\"']")
+
+
+def unmarked_slow_tests(path: Path) -> list[str]:
+    """Tests that start torchrun (2 gloo ranks: a minute or more of a worker) or read the zero-flag demo chain's
+    fixture, without @pytest.mark.slow: they would put the fast tier (-m "not slow") over its 5 minutes."""
+    src = path.read_text()
+    found = []
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            heavy = SLOW_CALLS.search(ast.get_source_segment(src, node)) or "demo" in [a.arg for a in node.args.args]
+            marks = [ast.unparse(d) for d in node.decorator_list] + module_marks(src)
+            if heavy and not any("mark.slow" in m for m in marks):
+                found.append(f"{path.name}:{node.lineno} {node.name}")
+    return found
+
+
+def module_marks(src: str) -> list[str]:
+    return [line for line in src.splitlines() if line.startswith("pytestmark")]
+
+
+def test_torchrun_and_the_demo_chain_are_marked_slow():
+    found = [
+        f
+        for path in sorted(TESTS.glob("test_*.py"))
+        if path.name != "test_suite_rules.py"
+        for f in unmarked_slow_tests(path)
+    ]
+    assert found == [], "marked slow, or the fast tier runs them:\n" + "\n".join(found)
+
+
+def test_the_slow_rule_finds_an_unmarked_torchrun_test(tmp_path):
+    old = tmp_path / "test_old.py"
+    old.write_text(
+        "import pytest\n"
+        "def test_ranks(tmp_path):\n    _torchrun(tmp_path, [])\n"
+        "@pytest.mark.slow\ndef test_marked(tmp_path):\n    _torchrun(tmp_path, [])\n"
+        "def test_chain(demo):\n    pass\n"
+    )
+    assert unmarked_slow_tests(old) == ["test_old.py:2 test_ranks", "test_old.py:7 test_chain"]
+
+
+def test_a_module_fixture_keeps_its_module_on_one_worker_and_the_longest_go_first():
+    """conftest's hook (pytest.ini: --dist loadgroup): a test reading a module-scoped fixture joins its module's
+    xdist group, so one worker builds the fixture once; the demo chain's tests come first, then the slow ones."""
+    import conftest
+    import pytest
+
+    def item(nodeid, scopes, slow=False):
+        defs = {f"f{i}": [types.SimpleNamespace(scope=s)] for i, s in enumerate(scopes)}
+        it = types.SimpleNamespace(nodeid=nodeid, _fixtureinfo=types.SimpleNamespace(name2fixturedefs=defs), marks=[])
+        it.fixturenames = ["demo"] if "demo" in nodeid else []
+        it.add_marker = it.marks.append
+        it.get_closest_marker = lambda name: pytest.mark.slow if slow and name == "slow" else None
+        return it
+
+    fast = item("tests/test_a.py::test_fast", ["function"])
+    grouped = item("tests/test_b.py::test_reads_a_module_fixture", ["session", "module"])
+    slow = item("tests/test_c.py::test_torchrun", ["function"], slow=True)
+    chain = item("tests/test_demo.py::test_demo_chain", ["module"], slow=True)
+    items = [fast, grouped, slow, chain]
+    conftest.pytest_collection_modifyitems(items)
+    assert [i.nodeid for i in items] == [chain.nodeid, slow.nodeid, fast.nodeid, grouped.nodeid]
+    assert [m.kwargs.get("name", m.args and m.args[0]) for m in grouped.marks] == ["tests/test_b.py"]
+    assert fast.marks == [] and slow.marks == []
+    assert [m.args[0] for m in chain.marks] == ["tests/test_demo.py"]
