@@ -896,6 +896,7 @@ def test_credit_ratios_and_paired_differences_against_hand_computed_values():
     assert (chosen["lr"], chosen["score"]) == (1e-3, [40, 0.15000000000000002])
 
 
+@pytest.mark.slow  # 93 s of a worker in the 2026-11-27 profile (docs/tests.md)
 def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_path, monkeypatch, tiny_model_dir):
     """A tiny grid of every arm, end to end through 03, then the selection: it reads the grid's metrics alone. No
     held-out post is made or read before the confirmation phase (demo_dataset("eval", ...) raises here). Then, for
