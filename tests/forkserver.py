@@ -65,8 +65,18 @@ IMPORT_TIME = (
 )  # fmt: skip
 
 
+# set by the process itself, not by a test: torch's inductor writes its default cache folder into os.environ the first
+# time it is asked for (any test that touches torch.compile), which then differed from the server's in every later
+# request of that worker and sent the whole suite to fresh interpreters under xdist
+SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
 def _import_time(key: str) -> bool:
-    return key.startswith(IMPORT_TIME) and key not in ("PYTHONPATH", "PYTHONUNBUFFERED")  # the child sets both
+    return key.startswith(IMPORT_TIME) and key not in (
+        "PYTHONPATH",
+        "PYTHONUNBUFFERED",
+        *SET_BY_TORCH,
+    )  # the child sets PYTHON*
 
 
 # ---------------------------------------------------------------------------------------------------------------------

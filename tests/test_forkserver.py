@@ -131,6 +131,18 @@ def test_a_variable_read_at_import_gets_a_fresh_interpreter(monkeypatch):
     assert int(run(dict(os.environ)).split()[1]) == os.getpid()
 
 
+def test_what_torch_sets_in_the_tests_own_process_still_forks():
+    """torch's inductor writes TORCHINDUCTOR_CACHE_DIR into os.environ the first time its cache folder is asked for.
+    After any test that did so, every run of that worker went to a fresh interpreter (the fork server's gain lost
+    under xdist, and two tests here failed in the suite but not alone)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    out = forkserver.run([sys.executable, "-c", "import os; print(os.getppid())"], capture_output=True, text=True)
+    assert int(out.stdout) != os.getpid()
+
+
 def test_a_timeout_kills_the_child_as_subprocess_does(tmp_path):
     code = "import time; open('started', 'w').close(); time.sleep(3600)"
     with pytest.raises(subprocess.TimeoutExpired):
