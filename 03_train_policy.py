@@ -38,6 +38,7 @@ import critics
 from critics import critique_failed, make_critic
 from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace, trainable
 from infra.data import read_prompts
+from infra.locality import locality_sums, locality_summary
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
@@ -500,47 +501,6 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
         if hp.target_kl is not None and kls[0] / kls[1] > hp.target_kl:
             break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
     return stats, epoch + 1
-
-
-LOCALITY_GROUPS = ("poor", "good", "outside_flawed", "outside_clean")
-
-
-def locality_sums(log_ratio, delta, mask):
-    """Where an update went: Delta_t = log pi_new - log pi_old (log_ratio, (B, T)) summed per token group, the groups
-    read off the delta_t the update was computed from (its sign): inside poor spans, inside good spans, and outside
-    every span in answers with a poor span ("flawed") or without one ("clean"). Returns (4, 4): per LOCALITY_GROUPS
-    entry, (tokens, sum Delta, sum |Delta|, tokens whose Delta < 0); sums, so that ranks and batches add up."""
-    flawed = ((delta < 0).float() * mask).amax(1, keepdim=True)  # (B, 1): 1 if the answer has a poor token
-    outside = (delta == 0).float() * mask
-    groups = torch.stack(
-        [(delta < 0).float() * mask, (delta > 0).float() * mask, outside * flawed, outside * (1 - flawed)]
-    )  # (4, B, T)
-    return torch.stack(
-        [
-            groups.sum((1, 2)),
-            (groups * log_ratio).sum((1, 2)),
-            (groups * log_ratio.abs()).sum((1, 2)),
-            (groups * (log_ratio < 0).float()).sum((1, 2)),
-        ],
-        1,
-    )
-
-
-def locality_summary(sums) -> dict:
-    """locality_sums' (4, 4) as {group: {tokens, mean, mean_abs, down}} (down: the share of its tokens made less
-    likely) plus "ratio", the locality ratio: mean |Delta| inside poor spans / mean |Delta| on the unflagged tokens of
-    the same (flawed) answers; None where a group is empty."""
-    out = {}
-    for name, (n, total, total_abs, down) in zip(LOCALITY_GROUPS, sums.tolist()):
-        out[name] = {
-            "tokens": int(n),
-            "mean": total / n if n else None,
-            "mean_abs": total_abs / n if n else None,
-            "down": down / n if n else None,
-        }
-    poor, rest = out["poor"]["mean_abs"], out["outside_flawed"]["mean_abs"]
-    out["ratio"] = poor / rest if poor is not None and rest else None
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
