@@ -24,7 +24,6 @@ is critics/'s. The whole file needs common.py, critics/, infra/, tasks/ and base
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -39,6 +38,7 @@ from critics import critique_failed, make_critic
 from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace, trainable
 from infra.data import read_prompts
 from infra.locality import locality_sums, locality_summary
+from infra.trainable import build_policy, make_optimizer
 
 # Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
 PRESETS = {
@@ -114,11 +114,6 @@ def parse_args(argv=None):
     a("--scalar-baseline-dir", help="then train the --reward-mode scalar baseline here ('': skip)")
     a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the chat template")
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens")
-    # --- policy parametrisation
-    a("--lora-r", type=int, help="LoRA rank; 0 = full fine-tuning (then the reference is a frozen copy)")
-    a("--lora-alpha", type=int, help="LoRA alpha")
-    a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
-    a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
     # --- critic (step 2)
     a(
         "--critic",
@@ -160,7 +155,6 @@ def parse_args(argv=None):
     a("--ppo-epochs", type=int, help="passes over each batch")
     a("--num-minibatches", type=int, help="minibatches per epoch")
     a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
-    a("--forward-batch-size", type=int, help="rows per no-grad forward (default: what 256 MB of logits allow)")
     a("--clip-range", type=float, default=0.2, help="policy ratio clip epsilon")
     a("--clip-range-value", type=float, default=0.2, help="value clip")
     a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
@@ -170,7 +164,6 @@ def parse_args(argv=None):
     # --- system
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
     a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="bf16 / fp16: README, Scaling up")
-    a("--gradient-checkpointing", action="store_true", help="trade compute for memory")
     # --- the paper's ablations (App. I) and the variants' own flags
     g = p.add_argument_group("ablations (App. I)")
     g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
@@ -181,7 +174,7 @@ def parse_args(argv=None):
         help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)",
     )
     g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
-    for variant in (sft, critics, decoding, distributed, trace):
+    for variant in (sft, trainable, critics, decoding, distributed, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
     args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
@@ -548,24 +541,6 @@ def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, tempe
         return forward(model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
 
 
-def build_policy(args, model):
-    """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
-    ref_model = None
-    if args.ref_adapter:  # the policy starts as the adapter, which is also pi_ref (its copy named "ref", frozen)
-        model = trainable.load_ref_adapter(model, args.ref_adapter)
-    elif args.lora_r > 0:
-        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
-    else:  # full fine-tuning: the frozen reference needs no float32 master weights
-        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
-    if args.gradient_checkpointing:
-        # (it also makes the embeddings' output require grad, by a hook: calling that again would add a second one)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    value_head = torch.nn.Linear(model.get_input_embeddings().weight.shape[1], 1, device=args.device)
-    torch.nn.init.zeros_(value_head.weight)  # zero-init: V = 0 at the start, so early advantages are the returns
-    torch.nn.init.zeros_(value_head.bias)
-    return model, ref_model, value_head
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The steps of one iteration (Alg. 4), in the order train() calls them
 # ----------------------------------------------------------------------------------------------------------------------
@@ -729,26 +704,6 @@ def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
     idx = [i for i in runs.batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
     local = args.batch_size // world
     return idx[rank * local : (rank + 1) * local]
-
-
-def make_optimizer(params, args):
-    """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
-    then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
-    # FSDP's sharded weights and the whole value head in separate groups: foreach/fused AdamW (CUDA's) cannot mix them
-    groups = [
-        {"params": g}
-        for g in (
-            [p for p in params if distributed.is_sharded(p)],
-            [p for p in params if not distributed.is_sharded(p)],
-        )
-        if g
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)) * (1.0 - it / args.steps if args.anneal_lr else 1.0),
-    )
-    return optimizer, scheduler
 
 
 # ----------------------------------------------------------------------------------------------------------------------
