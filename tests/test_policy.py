@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import common
+import critics
 from infra import decoding, distributed, models, reward_models, runs, trace
 from infra.data import read_prompts
 from infra.locality import LOCALITY_GROUPS, locality_sums, locality_summary
@@ -115,9 +116,9 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
         [[1, 2, 3, 4, 5], [6, 7], [9]],  # a 5-token span, then an adjacent poor one of 2, then one of 1
         [[0, 1, 3, 4], [5]],
     ]  # a good span whose third token is 0, a poor one inside it
-    assert ppo.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
+    assert critics.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
     assert torch.allclose(
-        ppo.weight_spans(delta, spans, "linear-decay"),
+        critics.weight_spans(delta, spans, "linear-decay"),
         torch.tensor(
             [
                 [0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
@@ -2194,7 +2195,6 @@ def test_the_pure_functions_need_only_torch():
         "masked_mean",
         "masked_whiten",
         "per_token_kl",
-        "weight_spans",
         "compute_rewards",
         "compute_gae",
         "compute_rloo",
