@@ -1,18 +1,18 @@
-"""Stage 3: NL-Gradient policy optimisation (Text2Grad §3.5, Alg. 4): PPO on per-token span rewards.
+"""Stage 3: NL-Gradient policy optimisation (Text2Grad §3.5, Alg. 4): PPO on span rewards.
 
 train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
-  1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, sampled at temperature T
+  1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, at temperature T
   2. critic           a critique c and good / poor spans quoted from each y (critics.make_critic)
-  3. span_deltas      spans -> character intervals -> delta_t in {-1, 0, +1} (§3.3, common.span_rewards)
+  3. span_deltas      spans -> character intervals -> delta_t in {-1, 0, +1} (critics/, §3.3)
   4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy (score_rollouts)
   5. compute_gae      advantages A_t by GAE over r_t, whitened (--advantage rloo: compute_rloo)
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches
-  7. log_iteration    the iteration's metrics on the global batch (infra/trace.py), samples, checkpoints
-It reads top to bottom: the arguments; the pure tensor functions of steps 4-6, the batch they share and
-ppo_update, the loop that train() runs (copy them as they are: torch alone); the policy; the steps; train().
+  7. log_iteration    the global batch's metrics (infra/trace.py), samples, checkpoints
+It reads top to bottom: the arguments; the pure tensor functions of steps 4-6, their batch and
+ppo_update, the loop train() runs (copy them as they are: torch alone); the policy; the steps.
 
-    python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, the scalar baseline
-    python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
+    python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad, the scalar baseline
+    python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog
     python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo
     python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
         --prompts data/slf5k_prompts.jsonl --critic openai --critic-model rm \
@@ -39,7 +39,7 @@ from infra.data import read_prompts
 from infra.locality import locality_sums, locality_summary
 from infra.trainable import build_policy, make_optimizer
 
-# Defaults per task preset: the demo fits a 2-core CPU; the others follow the paper (App. A, Table 7).
+# Defaults per task preset: the demo fits a 2-core CPU; the others follow the paper (App. A).
 PRESETS = {
     "demo": dict(
         model="runs/demo/base",
@@ -133,6 +133,7 @@ def parse_args(argv=None):
     a("--adaptive-kl-target", type=float, help="adaptive beta's target sequence KL")
     a("--adaptive-kl-horizon", type=float, default=10000, help="adaptive beta's horizon")
     a("--whiten-rewards", action="store_true", help="whiten rewards (scale only) before GAE")
+    a("--center-delta", action="store_true", help="delta minus its batch mean per token")
     a("--gamma", type=float, default=1.0, help="discount")
     a("--lam", type=float, default=0.95, help="GAE lambda")
     a("--advantage", default="gae", choices=["gae", "rloo"], help="gae or rloo (no value head)")
@@ -159,21 +160,7 @@ def parse_args(argv=None):
     # --- system
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
     a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="README: Scaling up")
-    # --- the paper's ablations (App. I) and the variants' own flags
-    g = p.add_argument_group("ablations (App. I)")
-    g.add_argument(
-        "--span-weighting",
-        default="uniform",
-        choices=["uniform", "linear-decay"],
-        help="weight_spans",
-    )
-    g.add_argument(
-        "--labels",
-        default="spans",
-        choices=["spans", "dense", "poor"],
-        help="dense: +1 outside poor spans (App. I.1); poor: delta_t = min(delta_t, 0)",
-    )
-    g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token")
+    # --- the variants' own flags (App. I's --labels and --span-weighting: critics/)
     for variant in (sft, trainable, critics, decoding, distributed, trace):
         variant.add_args(p)
     args = p.parse_args(argv)
@@ -185,13 +172,13 @@ def parse_args(argv=None):
             "began from; --overwrite starts it again, and retrains a changed SFT start)"
         )
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
-    if args.output_dir is not None:  # no baseline, the SFT start in OUTPUT_DIR/sft: the preset's folders stay its own
+    if args.output_dir is not None:  # no baseline, SFT in OUTPUT_DIR/sft: the preset's folders are its own
         args.scalar_baseline_dir = args.scalar_baseline_dir or ""
         args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # the baseline's too
+    args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # and the baseline's
     if not args.model:
         raise common.DataError("--model is required outside the demo")
     for flag, value, ok, rule in (
@@ -215,28 +202,26 @@ def parse_args(argv=None):
         raise common.DataError(
             f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x --grad-accum = {shards}"
         )
-    critics.check_args(args, critic_budget, rm_given)  # the critic's reward model, as stage 2 trained it
-    if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
-        raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
+    critics.check_args(args, critic_budget, rm_given)  # its reward model, as stage 2 trained it
     return args
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The algorithm: pure tensor functions. Shapes: B rollouts, T response tokens; mask is 1.0 on response tokens.
+# The algorithm: pure tensor functions. Shapes: B rollouts, T response tokens; mask: 1.0 on them.
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Rollouts:
-    """One iteration's batch, filled in by the steps: rollout (1), delta (3), score_rollouts (4), the advantages
-    (5); ppo_update (6) reads it. torchrun's global batch is one too (every rank's rows; rewards only there)."""
+    """One iteration's batch, filled in by rollout (1), delta (3), score_rollouts (4) and step 5;
+    ppo_update (6) reads it. torchrun's global batch is one too (every rank's rows; rewards there)."""
 
     mask: torch.Tensor  # (B, T) 1.0 on response tokens, up to and including the first EOS
     has_eos: torch.Tensor | None = None  # (B,) bool: the response ended with a stop id
     input_ids: torch.Tensor | None = None  # (B, P + T) prompt and response, left-padded
     attention_mask: torch.Tensor | None = None  # (B, P + T)
     texts: list[str] | None = None  # the responses decoded
-    offsets: list[list[tuple[int, int]]] | None = None  # each token's character interval in its text
+    offsets: list[list[tuple[int, int]]] | None = None  # each token's character interval
     delta: torch.Tensor | None = None  # (B, T) delta_t, the critic's pseudo-rewards (step 3)
     logprobs: torch.Tensor | None = None  # (B, T) log pi_old(y_t), the sampling policy's (step 4)
     values: torch.Tensor | None = None  # (B, T) V_old(s_t); 0 without a value head
@@ -253,7 +238,7 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (used for rewards)."""
+    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (rewards)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
@@ -271,8 +256,9 @@ def per_token_kl(logprobs, ref_logprobs, estimator="k1", logits=None, ref_logits
 
 
 def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
-    """r_t (§3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B): r_t = -beta*KL_t,
-    plus sum_t delta_t at the last response token. seq_bonus (B,) is added at the last token in both."""
+    """r_t (§3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
+    r_t = -beta*KL_t, plus sum_t delta_t at the last response token. seq_bonus (B,): at the last
+    token in both modes."""
     rewards = -kl_coef * kl * mask
     last = mask.sum(1).long().clamp(min=1) - 1  # (B,) the EOS if one was sampled, never a pad
     rows = torch.arange(mask.shape[0], device=mask.device)
@@ -286,8 +272,9 @@ def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float):
-    """GAE (step 5): A_t = sum_l (gamma*lam)^l td_{t+l}, td_t = r_t + gamma*V_{t+1} - V_t, V = 0 after
-    the last valid token. Returns (advantages, returns = advantages + values), 0 where mask is 0."""
+    """GAE (step 5), a reversed loop: A_t = sum_l (gamma*lam)^l td_{t+l},
+    td_t = r_t + gamma*V_{t+1} - V_t, V = 0 after the last valid token.
+    Returns (advantages, returns = advantages + values), both 0 where mask is 0."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
@@ -302,13 +289,13 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "start"):
-    """Critic-free advantages (--advantage rloo): rows come in groups of k >= 2 samples of one prompt.
-    RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns of compute_rewards' r_t,
-    mean_j over the prompt's other samples j, G_t = sum_{s>=t} gamma^(s-t) r_s:
+    """Critic-free advantages (--advantage rloo): rows come in groups of k >= 2 samples of a prompt.
+    RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns of the r_t of
+    compute_rewards, mean_j over the prompt's other samples j, G_t = sum_{s>=t} gamma^(s-t) r_s:
       start        A_t = G_t - mean_j G_0^j
       position     A_t = G_t - mean_j G_t^j   (G_t^j = 0 once sample j has ended)
-      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j), rbar^j: j's mean reward per token
-    With the whole reward on the last token, "start" is plain RLOO. Returns (advantages, returns = G)."""
+      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j), rbar^j: j's mean r_t
+    With the whole reward on the last token, "start" is plain RLOO. Returns (advantages, G)."""
 
     def reward_to_go(r):  # (B, T) -> (B, T), a reversed loop
         out, running = torch.zeros_like(r), torch.zeros_like(r[:, 0])
@@ -370,7 +357,7 @@ def entropy_from_logits(logits):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - mean (returns - V)^2 / Var(returns) over the masked tokens: how much of the returns V predicts."""
+    """1 - mean (returns - V)^2 / Var(returns) over the masked tokens: how much of it V predicts."""
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     return float(1 - masked_mean((returns - values) ** 2, mask) / var_returns) if var_returns > 0 else 0.0
 
@@ -395,8 +382,8 @@ def no_reduction(x):
 
 
 def clip_grad_norm(params, max_norm: float, all_sum=no_reduction):
-    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (a DTensor shard per rank, summed
-    by all_sum) beside whole ones (the value head)."""
+    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (a DTensor shard per
+    rank, summed by all_sum) beside whole ones (the value head)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not any(hasattr(g, "to_local") for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -410,12 +397,12 @@ def clip_grad_norm(params, max_norm: float, all_sum=no_reduction):
 
 
 def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler=None, all_sum=no_reduction):
-    """Step 6 (§3.5): hp.ppo_epochs passes over the batch, in hp.num_minibatches minibatches of hp.grad_accum
-    micro-batches. loss = clipped surrogate + vf_coef * clipped value loss - ent_coef * entropy, its token
-    mean over the minibatch on every rank; gradients clipped to hp.max_grad_norm.
-    score(rows) -> (log-probs, values or None, logits / T) of those rows under the policy now, with grad.
-    scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a sum over torchrun's ranks, in place (the
-    identity in one process). Returns each micro-batch's stats and the epochs run (hp.target_kl)."""
+    """Step 6 (§3.5): hp.ppo_epochs passes over the batch, in hp.num_minibatches minibatches of
+    hp.grad_accum micro-batches. loss = clipped surrogate + vf_coef * clipped value loss
+    - ent_coef * entropy, its token mean over the minibatch on every rank; gradients clipped.
+    score(rows) -> (log-probs, values or None, logits / T) of those rows now, with grad.
+    scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a sum over torchrun's ranks, in
+    place (the identity in one process). Returns each micro-batch's stats and the epochs run."""
     B = batch.mask.shape[0]
     stats = []
     mb_size = B // hp.num_minibatches
@@ -425,7 +412,7 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
         epoch_start = len(stats)
         for mb_start in range(0, B, mb_size):
             mb = perm[mb_start : mb_start + mb_size]
-            mb_tokens = all_sum(batch.mask[mb].sum()).clamp(min=1)  # the minibatch's tokens on all ranks
+            mb_tokens = all_sum(batch.mask[mb].sum()).clamp(min=1)  # on all ranks
             for s in range(0, mb_size, micro):
                 m = mb[s : s + micro]
                 logprobs, values, logits = score(m)
@@ -440,10 +427,10 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                     hp.clip_range,
                     hp.clip_range_value,
                 )
-                with torch.set_grad_enabled(hp.ent_coef != 0):  # without the bonus it is only logged
+                with torch.set_grad_enabled(hp.ent_coef != 0):  # else only logged
                     entropy = masked_mean(entropy_from_logits(logits), batch.mask[m])
                 loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0) - hp.ent_coef * entropy
-                loss = loss * batch.mask[m].sum() / mb_tokens  # exact token mean over the minibatch
+                loss = loss * batch.mask[m].sum() / mb_tokens  # the minibatch's exact token mean
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 stats.append(
                     {
@@ -453,7 +440,7 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                         **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {}),
                     }
                 )
-            for p in params:  # torchrun: the ranks' gradients summed (FSDP reduced its sharded ones)
+            for p in params:  # torchrun: the ranks' gradients summed (FSDP's sharded: done)
                 if p.grad is not None and not hasattr(p.grad, "to_local"):
                     all_sum(p.grad)
             if scaler is not None:
@@ -478,15 +465,16 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The policy: log-probs and values in one forward, the reference policy without a second copy of the weights
+# The policy: log-probs and values in one forward, the reference without a second copy
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, forbid=None):
-    """Log-probs of the last n_resp tokens, the values of the states before them, and the logits / T
-    (of those positions only: logits_to_keep). forbid = (ids, n): ids generate() could not sample at the
-    first n positions (--min-new-tokens) get the lowest logit there too, as in the sampled distribution."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at the first token
+    """Log-probs of the last n_resp tokens, the values of the states before them, and the
+    logits / T (of those positions only: logits_to_keep). forbid = (ids, n): ids generate() could
+    not sample at the first n positions (--min-new-tokens) get the lowest logit there too: the
+    log-probs are those of the distribution that was sampled."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: from the first token
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -496,7 +484,7 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
         logits_to_keep=n_resp + 1,
     )
     logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts t+1
-    if forbid and forbid[1] > 0:  # finite, not -inf: 0 * logit stays 0 in the entropy and the full KL
+    if forbid and forbid[1] > 0:  # finite, not -inf: 0 * logit stays 0 in the entropy and KL
         logits[:, : forbid[1], forbid[0]] = torch.finfo(logits.dtype).min
     logprobs = torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)  # (B, T)
     values = None
@@ -527,10 +515,10 @@ def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, tempe
 
 
 def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts, float]:
-    """Step 1 (§3.5): y ~ pi_theta(.|x) for a left-padded batch, with the behaviour policy's exact settings;
-    mask is 1.0 up to and including the first stop id (Llama-3.1 has three EOS ids). Each response is
-    decoded with every token's character interval (common.decode_with_offsets, §3.3). Returns the batch
-    and the time sampling ended (decoding counts as the critic's time)."""
+    """Step 1 (§3.5): y ~ pi_theta(.|x) for a left-padded batch, the behaviour policy's settings
+    exactly; mask is 1.0 up to and including the first stop id (Llama-3.1 has three). Each response
+    is decoded with every token's character interval (common.decode_with_offsets, §3.3). Returns
+    the batch and the time sampling ended (decoding counts as the critic's time)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
     with (
@@ -547,7 +535,8 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts
     has_eos = is_eos.any(1)  # (B,)
     no_eos = torch.full_like(has_eos, response.shape[1], dtype=torch.long)
     first_eos = torch.where(has_eos, is_eos.int().argmax(1), no_eos)
-    mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
+    positions = torch.arange(response.shape[1], device=response.device)
+    mask = (positions[None] <= first_eos[:, None]).float()  # (B, T)
     response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
     sampled = time.time()
     texts, offsets = zip(
@@ -567,8 +556,8 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts
 
 
 def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
-    """fn(input_ids, attention_mask) -> tensors (rows, ...) on the batch, in as few no-grad forwards as
-    memory allows ((B, T, V) logits can be large), concatenated."""
+    """fn(input_ids, attention_mask) -> tensors (rows, ...) on the batch, in as few no-grad
+    forwards as memory allows ((B, T, V) logits can be large), concatenated."""
     rows = trainable.scoring_rows(b.mask, micro, model, args)
     with torch.no_grad(), distributed.autocast(args.device, args.dtype):
         out = [fn(b.input_ids[s : s + rows], b.attention_mask[s : s + rows]) for s in range(0, len(b.mask), rows)]
@@ -576,8 +565,8 @@ def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
 
 
 def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, args):
-    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head), and KL_t to
-    the reference, each (B, T)."""
+    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head),
+    and KL_t to the reference, each (B, T)."""
     T = b.mask.shape[1]
 
     def score(ids, attn):
@@ -591,9 +580,9 @@ def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, arg
 
 
 def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
-    """Steps 4-5 on the global batch g: r_t = delta_t - beta*KL_t of reward_mode (compute_rewards, the
-    missing-EOS penalty, --whiten-rewards, --center-delta), then A_t by GAE (or --advantage rloo),
-    whitened. Returns (rewards, advantages, returns), each (B, T)."""
+    """Steps 4-5 on the global batch g: r_t = delta_t - beta*KL_t of reward_mode (the missing-EOS
+    penalty, --whiten-rewards, --center-delta), then A_t by GAE (or --advantage rloo), whitened.
+    Returns (rewards, advantages, returns), each (B, T)."""
     seq_bonus = torch.where(g.has_eos, 0.0, -args.missing_eos_penalty)  # (B,)
     delta = g.delta
     if args.center_delta:  # no reward mean for the early tokens' returns to accumulate
@@ -609,7 +598,7 @@ def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
 
 
 def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
-    """Step 6: ppo_update on this rank's rows, the policy in train mode (its dropout is off: Huang et al.)."""
+    """Step 6: ppo_update on this rank's rows, the policy in train mode (its dropout is off)."""
     T = b.mask.shape[1]
 
     def score(rows):  # the policy's log-probs, values and logits / T of these rows now, with grad
@@ -624,10 +613,10 @@ def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
 
 
 def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micro, args, rank) -> dict:
-    """--trace-samples, after step 6: one more no-grad forward gives Delta_t = log pi_new - log pi_old of
-    every response token; its locality over the global batch (infra/locality.py), that of the advantages
-    under both reward modes, and this rank's r (less the missing-EOS penalty, logged apart) and A under
-    both. It draws nothing random: a run is the same with or without it."""
+    """--trace-samples, after step 6: one more no-grad forward gives Delta_t = log pi_new -
+    log pi_old of every response token; its locality over the global batch (infra/locality.py),
+    that of the advantages under both reward modes, and this rank's r (less the missing-EOS
+    penalty) and A under both. It draws nothing random: a run is the same with or without it."""
     T = b.mask.shape[1]
     mine = slice(rank * len(b.mask), (rank + 1) * len(b.mask))
     new = no_grad_chunks(
@@ -635,7 +624,7 @@ def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micr
     )[0]
     log_ratio = (new - b.logprobs) * b.mask  # (B, T): Delta_t
     other = "scalar" if args.reward_mode == "span" else "span"
-    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # r without the penalty
+    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # logged apart
     rewards = {m: rewards_and_advantages(g, kl_coef, m, apart)[0] for m in (args.reward_mode, other)}
     advantages = {args.reward_mode: g.advantages, other: rewards_and_advantages(g, kl_coef, other, args)[1]}
     return {
@@ -648,8 +637,8 @@ def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micr
 
 
 def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
-    """This rank's share of iteration `step`'s prompts (runs.batch_indices: the same after a resume):
-    --batch-size of them, or for --advantage rloo --batch-size / --rloo-k, each --rloo-k times in a row."""
+    """This rank's share of iteration `step`'s prompts (the same after a resume): --batch-size of
+    them, or for --advantage rloo --batch-size / --rloo-k, each --rloo-k times in a row."""
     k = 1 if args.advantage == "gae" else args.rloo_k
     idx = [i for i in runs.batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
     local = args.batch_size // world
@@ -663,8 +652,6 @@ def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
 
 def train(args):
     """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
-    from tqdm.auto import tqdm
-
     # --- every check before anything is written: the critic answers, the model folders exist, the run folder is free
     critics.check_critic(args)
     for flag, path in (("--model ", args.model), ("--ref-adapter ", args.ref_adapter)):
@@ -676,14 +663,11 @@ def train(args):
     distributed.seed_everything(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     # --- the prompts, the policy (after the optional SFT warm start), the critic, the optimizer, the run folder
     records = read_prompts(args.prompts, args.task)
-    start = (
-        sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"])
-        if args.sft_data and args.sft_steps > 0
-        else args.model
-    )
-    model, tokenizer = models.load_model(
-        start, device=args.device, dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32"
-    )
+    start = args.model
+    if args.sft_data and args.sft_steps > 0:
+        start = sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"])
+    dtype = args.dtype if args.lora_r > 0 or args.ref_adapter else "float32"  # full FT: float32 master weights
+    model, tokenizer = models.load_model(start, device=args.device, dtype=dtype)
     queries = [
         models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in records
     ]  # before any output: may raise DataError
@@ -707,19 +691,7 @@ def train(args):
     gen_config = models.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
     stop = torch.tensor(models.stop_ids(model), device=args.device)
     forbid = (stop.tolist(), args.min_new_tokens)
-    if args.top_p < 1 and rank == 0:
-        print(
-            f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
-            "scores log-probs of the full distribution)",
-            file=sys.stderr,
-        )
-    bar = tqdm(
-        range(first_step, args.steps + 1),
-        desc=f"PPO ({args.reward_mode})",
-        initial=first_step - 1,
-        total=args.steps,
-        disable=rank != 0,
-    )
+    bar = trace.progress_bar(first_step, args, rank)  # and a warning above it when --top-p makes it off-policy
     for step in bar:
         clock = {"start": time.time()}
         idx = prompt_indices(step, len(records), args, rank, world)  # this rank's share
@@ -736,9 +708,8 @@ def train(args):
         watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
-        g = Rollouts(
-            **{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
-        )
+        gathered = {k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
+        g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b.mask.shape[1]  # this rank's rows
@@ -755,27 +726,11 @@ def train(args):
             went = where_it_went(scorer, b, g, kl_coef, forbid, micro, args, rank)
             trace.trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went, args, rank)
         # 7. log the global batch's metrics with the beta and lr this iteration used, samples; adapt beta; checkpoint
-        row = trace.log_iteration(
-            step,
-            out_dir,
-            {
-                "recs": recs,
-                "b": b,
-                "g": g,
-                "feedback": feedback,
-                "counts": [sum(map(critique_failed, feedback)), n_spans, n_unmatched],
-                "watched": watched,
-                "stats": stats,
-                "epochs": epochs,
-                "kl_coef": kl_coef,
-                "lr": lr,
-                "explained_variance": explained_variance(g.values, g.returns, g.mask),
-                "clock": clock,
-            },
-            args,
-            rank,
-            world,
-        )
+        counts = [sum(map(critique_failed, feedback)), n_spans, n_unmatched]  # failed critiques, quotes, not found
+        ev = explained_variance(g.values, g.returns, g.mask)
+        it = dict(recs=recs, b=b, g=g, feedback=feedback, counts=counts, watched=watched, stats=stats)
+        it.update(epochs=epochs, kl_coef=kl_coef, lr=lr, explained_variance=ev, clock=clock)
+        row = trace.log_iteration(step, out_dir, it, args, rank, world)
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
             kl_coef = update_kl_coef(
                 kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target, args.adaptive_kl_horizon, args.batch_size

@@ -54,8 +54,8 @@ def choice(*names: str):
 
 
 def add_args(p) -> None:
-    """03's flags of the critic (step 2): --critic and its reward model, the served one's, the scalar baselines', the
-    failure limits."""
+    """03's flags of the critic (step 2): --critic and its reward model, App. I's labels (span_deltas), the served
+    critic's, the scalar baselines', the failure limits."""
     g = p.add_argument_group("the critic of step 2 (critics/)")
     g.add_argument(
         "--critic",
@@ -69,6 +69,14 @@ def add_args(p) -> None:
     )
     g.add_argument(
         "--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)"
+    )
+    g = p.add_argument_group("the paper's ablations (App. I): span_deltas")
+    g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
+    g.add_argument(
+        "--labels",
+        default="spans",
+        choices=["spans", "dense", "poor"],
+        help="dense: +1 outside poor spans (App. I.1); poor: delta_t = min(delta_t, 0)",
     )
     g = p.add_argument_group("a served critic: --critic openai (critics/learned.py)")
     g.add_argument("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
@@ -114,13 +122,16 @@ def check_args(args, budget: int | None, rm_given: bool) -> None:
     stage 2 trained it (its reward_model.json): its input cut to the same budget and, unless given, critiques as long
     as those stage 2 evaluated (a shorter limit cuts them before their span JSON). The demo's reward model is not the
     one a server runs: without --reward-model only --critic local uses one. budget, rm_given: --critic-max-new-tokens
-    and --reward-model as given. --critic scalar-rm, prm: a reward model of their objective (critics/scalar.py)."""
+    and --reward-model as given. --critic scalar-rm, prm: a reward model of their objective (critics/scalar.py).
+    --labels dense: uniform --span-weighting."""
     if args.critic != "local" and not rm_given:
         args.reward_model = None
     settings = reward_models.rm_settings(args.reward_model if args.critic != "program" else None)
     args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
     args.critic_max_new_tokens = budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     scalar.check_args(args)
+    if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
+        raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
