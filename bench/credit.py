@@ -92,6 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench/out/credit", help="work dir (base, SFT, runs, evaluations)")
     p.add_argument("--results", default="bench/credit_results.json", help="the committed summary ('' : none)")
     p.add_argument("--from-selection", help="skip phases 1-3: the sweep at this selection.json's settings")
+    p.add_argument("--sweep-arms", nargs="+", help="the sweep's arms (default: span, poor_span, the best scalar)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     return p.parse_args(argv)
 
@@ -176,6 +177,7 @@ def curve(run_dir: Path, steps: int) -> dict:
         "train_kl": statistics.fmean(r["objective/kl"] for r in rows[-WINDOW:]),
         "length": statistics.fmean(r["response/length"] for r in rows[-WINDOW:]),
         "step_s": statistics.median(r["time/step_s"] for r in rows),
+        "mistake_curve": [round(x, 5) for x in mistakes],  # every iteration's: a rerun compares with it
     }
 
 
@@ -293,7 +295,8 @@ def main(argv=None):
     sweep = {}
     for pets in args.ks:
         f = start(out, pets, args)
-        arms, seeds = [a for a in (*SWEEP_ARMS, best_scalar) if a in chosen], range(101, 101 + args.sweep_seeds)
+        arms = [a for a in args.sweep_arms or (*SWEEP_ARMS, best_scalar) if a in chosen]
+        seeds = range(101, 101 + args.sweep_seeds)
         runs = {
             (arm, s): (
                 f"{arm}_lr{chosen[arm]['lr']:g}_kl{chosen[arm]['kl_coef']:g}",
@@ -326,7 +329,10 @@ def main(argv=None):
                 {f"k{pets}/{arm}/seed{s}": bits(curves[arm, s]["per_post"]) for s in seeds}
             )
         result.setdefault("per_post", {})[f"k{pets}/sft"] = bits(sft_eval["per_post"])
-        for arm in arms:  # steps: censored at --steps where never reached; the final rates: uncensored views
+        result.setdefault("curves", {}).update(
+            {f"k{pets}/{arm}/seed{s}": curves[arm, s]["mistake_curve"] for arm in arms for s in seeds}
+        )
+        for arm in arms if best_scalar in arms else ():  # steps: censored at --steps where never reached
             r, ref = sweep[pets][arm], sweep[pets][best_scalar]
             r["versus_scalar"] = step_ratio(r["steps"], ref["steps"], rng)
             for k in ("final", "mistakes", "facts"):  # paired by seed
@@ -478,27 +484,30 @@ def print_confirm(table: dict, best_scalar) -> None:
 
 
 def print_sweep(sweep: dict, best_scalar) -> None:
-    print(f"\nK sweep: steps to <= {THRESHOLD}, median [min, max]; ratio to {best_scalar} [95%]")
+    print(f"\nK sweep: steps to <= {THRESHOLD}, median [min, max]; against {best_scalar} [95%]")
     for pets, arms in sweep.items():
         print(f"  K={pets} sft: held-out mistakes {arms['sft']['mistake_rate']:.3f}")
         for arm, r in arms.items():
             if arm == "sft":
                 continue
-            v, f, m, h = (
-                r[k]
-                for k in ("versus_scalar", "final_versus_scalar", "mistakes_versus_scalar", "heldout_versus_scalar")
-            )
             print(
                 f"  K={pets} {arm:<14}{med(r['steps'], '{:g}'):>18}  reached {sum(r['reached'])}/{len(r['reached'])}"
-                f"  ratio {v['ratio']:.2f} [{v['interval'][0]:.2f}, {v['interval'][1]:.2f}]  final train "
-                f"{med(r['final'])} diff {f['difference']:+.3f} [{f['interval'][0]:+.3f}, {f['interval'][1]:+.3f}]"
-                f"  mistakes/answer {med(r['mistakes'], '{:.2f}')} diff {m['difference']:+.2f} "
-                f"[{m['interval'][0]:+.2f}, {m['interval'][1]:+.2f}]  facts {med(r['facts'], '{:.2f}')}  length "
-                f"{med(r['length'], '{:.0f}')}  train KL {statistics.median(r['train_kl']):.2f}  held out "
-                f"{med(r['mistake_rate'])} diff {h['difference']:+.3f} [{h['interval'][0]:+.3f}, "
-                f"{h['interval'][1]:+.3f}]  held-out KL {statistics.median(r['heldout_kl']):.2f}"
-                f"  s/it {r['step_s']:.2f}"
+                f"  final train {med(r['final'])}  mistakes/answer {med(r['mistakes'], '{:.2f}')}  facts "
+                f"{med(r['facts'], '{:.2f}')}  length {med(r['length'], '{:.0f}')}  train KL "
+                f"{statistics.median(r['train_kl']):.2f}  held out {med(r['mistake_rate'])}  held-out KL "
+                f"{statistics.median(r['heldout_kl']):.2f}  s/it {r['step_s']:.2f}"
             )
+            if "versus_scalar" in r:
+                print(
+                    f"{'':>22}ratio {interval_text(r['versus_scalar'], 'ratio', '.2f')}  final train "
+                    f"{interval_text(r['final_versus_scalar'], 'difference', '+.3f')}  mistakes/answer "
+                    f"{interval_text(r['mistakes_versus_scalar'], 'difference', '+.2f')}  held out "
+                    f"{interval_text(r['heldout_versus_scalar'], 'difference', '+.3f')}"
+                )
+
+
+def interval_text(row: dict, key: str, fmt: str) -> str:
+    return f"{row[key]:{fmt}} [{row['interval'][0]:{fmt}}, {row['interval'][1]:{fmt}}]"
 
 
 def per_post_path(results: str) -> Path:

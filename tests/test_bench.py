@@ -1023,25 +1023,13 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_pa
     # --from-selection: the sweep alone at a committed selection, nothing of phases 1-3 run or read
     common.write_json(tmp_path / "sel.json", {"selection": result["selection"], "best_scalar": "poor_scalar"})
     monkeypatch.setattr(credit, "phases_1_to_3", None)
-    again = credit.main(
-        [
-            "--steps",
-            "2",
-            "--from-selection",
-            str(tmp_path / "sel.json"),
-            "--sweep-seeds",
-            "1",
-            "--ks",
-            "2",
-            "--eval-posts",
-            "4",
-            "--out",
-            str(out),
-            "--results",
-            "",
-        ]
-    )
+    argv = [*"--steps 2 --sweep-seeds 1 --ks 2 --eval-posts 4 --results".split(), "", "--out", str(out)]
+    again = credit.main([*argv, "--from-selection", str(tmp_path / "sel.json")])
     assert again["sweep"][2]["span"]["steps"] == arm["steps"] and "confirm" not in again
+    curves = json.loads((out / "results.json").read_text())["curves"]  # every iteration's rate, to rerun against
+    assert len(curves["k2/span/seed101"]) == 2 and set(again["sweep"][2]) == {"sft", "span", "poor_scalar"}
+    one = credit.main([*argv, "--from-selection", str(tmp_path / "sel.json"), "--sweep-arms", "span"])
+    assert set(one["sweep"][2]) == {"sft", "span"}
 
 
 # bench/credit_matched.py: per-token credit at matched difficulty (issue 65)

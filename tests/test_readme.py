@@ -6,6 +6,7 @@ names (a missing model folder or data file: the README's data is not here); any 
 with argparse patched to stop it once its parser has parsed the flags."""
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -346,7 +347,8 @@ def test_the_demo_s_time_says_the_load_it_was_measured_under_and_the_threads_to_
 
 def make_dry_run(target: str) -> list[str]:
     """The commands `make TARGET` runs in a virtual environment that does not exist yet, as `make -n` prints them
-    (nothing is run), one per line."""
+    (nothing is run), one per line. MAKEFLAGS and MAKELEVEL are dropped: under `make test` (.ci/run) they would make
+    this a sub-make, which prints "Entering/Leaving directory" lines and inherits the outer VENV."""
     import shutil
 
     if shutil.which("make") is None:
@@ -354,6 +356,7 @@ def make_dry_run(target: str) -> list[str]:
     out = subprocess.run(
         ["make", "-n", target, "VENV=/nonexistent/venv"],
         cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")},
         capture_output=True,
         text=True,
         check=True,
