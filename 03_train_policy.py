@@ -679,12 +679,15 @@ def train(args):
     critic, monitor = make_critic(args), critics.make_monitor(args)
     params = [p for p in model.parameters() if p.requires_grad] + (list(head.parameters()) if head is not None else [])
     optimizer, scheduler = make_optimizer(params, args)
-    scaler, costs = distributed.grad_scaler(args.device, args.dtype), []
+    scaler = distributed.grad_scaler(args.device, args.dtype)
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    saved = runs.start_or_resume(
-        out_dir, kind, vars(args), model, value_head, optimizer, scheduler, scaler, rank, world
-    )
+    config = {**vars(args), "prompts_content": runs.records_fingerprint(records)}  # --resume: the same prompts
+    saved = runs.start_or_resume(out_dir, kind, config, model, value_head, optimizer, scheduler, scaler, rank, world)
     first_step, kl_coef = saved["step"] + 1, saved.get("kl_coef", args.kl_coef)  # resumed: the beta it had reached
+    rows = saved["rows"]  # metrics.jsonl's: the failure limits and counts are the whole run's, resumes included
+    save = lambda step, rng=None: runs.save_checkpoint(  # noqa: E731
+        ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank, rng
+    )
     local_bs = args.batch_size // world  # rollouts of this rank
     micro = local_bs // args.num_minibatches // args.grad_accum  # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
@@ -693,13 +696,17 @@ def train(args):
     forbid = (stop.tolist(), args.min_new_tokens)
     bar = trace.progress_bar(first_step, args, rank)  # and a warning above it when --top-p makes it off-policy
     for step in bar:
-        clock = {"start": time.time()}
+        clock, rng = {"start": time.time()}, runs.rng_state()  # rng: the run as it stood, for a save after an error
         idx = prompt_indices(step, len(records), args, rank, world)  # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
         b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
         # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
-        feedback = critic(recs, b.texts)
+        feedback, broken = critics.judge(critic, recs, b.texts, args.device)
+        if broken:  # a broken plug-in: the iterations done are kept (checkpoint as this iteration began), one line
+            if step > 1:
+                save(step - 1, rng)
+            raise common.DataError(critics.broken(broken, step - 1))
         # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
         b.delta, deltas, n_spans, n_unmatched = span_deltas(
             b.texts, b.offsets, feedback, b.mask, args.span_weighting, args.labels
@@ -736,14 +743,14 @@ def train(args):
                 kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target, args.adaptive_kl_horizon, args.batch_size
             )
         trace.show_progress(bar, step, row, feedback, args, rank)
-        halt = critics.failing(costs, row, feedback, args)  # why the run stops here (its critic has failed), or None
+        halt = critics.failing(rows, row, feedback, args)  # why the run stops here (its critic has failed), or None
         if step % args.save_every == 0 or step == args.steps or halt:
-            runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank)
+            save(step)
         if halt:
             raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
     distributed.barrier()
-    critics.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
+    critics.end_of_run(rows, first_step, args, rank)  # its cost; most critiques failed over the run: DataError
     return out_dir / "policy"
 
 
@@ -772,6 +779,5 @@ if __name__ == "__main__":
     except common.DataError as e:  # bad input: one line, exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to continue it, one line
-        print(runs.interrupted(), file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to continue it, one line and nothing after it
+        runs.exit_interrupted()

@@ -477,10 +477,11 @@ def main(argv=None) -> dict:
     results.update(table4.evaluate(args, records, policies, gens, fps, cache_dir, load))  # Table 4
 
     # --- 4. results.json, the table, and the report (evaluation/report.py)
-    results["wall_s"] = round(time.time() - t0, 1)
+    trained = report.read_curves(specs)  # stage 3's metrics.jsonl: the training curves, the whole runs' failures
+    results["training"], results["wall_s"] = report.training_counts(trained, specs), round(time.time() - t0, 1)
     common.write_json(out_dir / "results.json", results)
     report.print_table(results)
-    curves = report.plot_curves(report.read_curves(specs))
+    curves = report.plot_curves(trained)
     sample_ids = report.pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:
         f.write(report.render_report(results, shown, records, curves, sample_ids, args.task, report.read_traces(specs)))
