@@ -650,14 +650,19 @@ def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def train(args):
-    """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
-    # --- every check before anything is written: the critic answers, the model folders exist, the run folder is free
+def check_run(args) -> str:
+    """Every check before anything is written: the critic answers, the model folders exist, the run
+    folder is free. Returns the run's kind (runs.policy_run_kind)."""
     critics.check_critic(args)
     for flag, path in (("--model ", args.model), ("--ref-adapter ", args.ref_adapter)):
         models.check_model_path(path, flag)  # and a typo'd folder: one line, at once
     sft.check_data(args)
-    kind = runs.policy_run_kind(args.output_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
+    return runs.policy_run_kind(args.output_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
+
+
+def train(args):
+    """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
+    kind = check_run(args)  # every check before anything is written
     rank, world, device = distributed.dist_init(args.device)
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     distributed.seed_everything(args.seed)  # the same on every rank, so every rank builds the same LoRA init
@@ -696,7 +701,8 @@ def train(args):
     forbid = (stop.tolist(), args.min_new_tokens)
     bar = trace.progress_bar(first_step, args, rank)  # and a warning above it when --top-p makes it off-policy
     for step in bar:
-        clock, rng = {"start": time.time()}, runs.rng_state()  # rng: the run as it stood, for a save after an error
+        clock = {"start": time.time()}
+        rng = runs.rng_state()  # the run as it stood, for a save after an error
         idx = prompt_indices(step, len(records), args, rank, world)  # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
