@@ -5,7 +5,8 @@ The contract. A critic is a function critic(records, texts) -> feedback, one dic
   {"critique": str, ..., "spans": [{"start", "end", "reward"}]}  character intervals, rewards in [-1, 1]
   {"critique": str, ..., "step_rewards": [(end, reward)]}        a scalar critic's rewards at given characters
   {"critique": None, ..., "critic_error": str}                   a failed critique (critique_failed): delta = 0
-and delta(text, offsets, feedback) is the one function from feedback to the per-token pseudo-rewards delta_t.
+and delta(text, offsets, feedback) is the one function from feedback to the per-token pseudo-rewards delta_t
+(span_deltas: 03's step 3, a batch of them, with App. I's --labels and --span-weighting: weight_spans).
 A user's function returns the same forms, or {"critique", "score"} or {"error"} (check_item puts them in these).
 
 make_critic builds the critic that --critic names, each kind in a module beside this one: local and openai, the
@@ -26,6 +27,7 @@ import numbers
 import time
 
 import numpy as np
+import torch
 
 import common
 from critics import learned, plugin, scalar
@@ -53,7 +55,30 @@ def choice(*names: str):
 
 
 def add_args(p) -> None:
-    """03's flags of the critic beside --critic: the served one's, the scalar baselines', the failure limits."""
+    """03's flags of the critic (step 2): --critic and its reward model, App. I's labels (span_deltas), the served
+    critic's, the scalar baselines', the failure limits."""
+    g = p.add_argument_group("the critic of step 2 (critics/)")
+    g.add_argument(
+        "--critic",
+        default="local",
+        type=choice(*NAMES),
+        metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
+        help="who writes critique + spans (critics/; README: Your own critic)",
+    )
+    g.add_argument(
+        "--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm"
+    )
+    g.add_argument(
+        "--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)"
+    )
+    g = p.add_argument_group("the paper's ablations (App. I): span_deltas")
+    g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
+    g.add_argument(
+        "--labels",
+        default="spans",
+        choices=["spans", "dense", "poor"],
+        help="dense: +1 outside poor spans (App. I.1); poor: delta_t = min(delta_t, 0)",
+    )
     g = p.add_argument_group("a served critic: --critic openai (critics/learned.py)")
     g.add_argument("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     g.add_argument("--critic-model", default="gpt-4o", help="model name at that endpoint")
@@ -100,13 +125,16 @@ def check_args(args, budget: int | None, rm_given: bool) -> None:
     stage 2 trained it (its reward_model.json): its input cut to the same budget and, unless given, critiques as long
     as those stage 2 evaluated (a shorter limit cuts them before their span JSON). The demo's reward model is not the
     one a server runs: without --reward-model only --critic local uses one. budget, rm_given: --critic-max-new-tokens
-    and --reward-model as given. --critic scalar-rm, prm: a reward model of their objective (critics/scalar.py)."""
+    and --reward-model as given. --critic scalar-rm, prm: a reward model of their objective (critics/scalar.py).
+    --labels dense: uniform --span-weighting."""
     if args.critic != "local" and not rm_given:
         args.reward_model = None
     settings = reward_models.rm_settings(args.reward_model if args.critic != "program" else None)
     args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
     args.critic_max_new_tokens = budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     scalar.check_args(args)
+    if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
+        raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -149,6 +177,56 @@ def delta(text: str, offsets, fb: dict) -> tuple[list[float], list[str]]:
             d = [a + b for a, b in zip(common.interval_rewards(text, offsets, fb["spans"]), d)]
         return d, []
     return common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
+
+
+def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
+    """03's step 3 (§3.3): a batch's feedback -> per-token pseudo-rewards delta_t (delta() of each row),
+    with --span-weighting and --labels (App. I). Returns delta (B, T) (0 where the critique failed), each
+    row's (delta, unmatched), the number of non-empty quotes (or intervals) and of the critic's quotes
+    not found."""
+    out = torch.zeros_like(mask)
+    rows = [None] * len(feedback)
+    spans = [[] for _ in feedback]
+    n_spans = 0
+    n_unmatched = 0
+    for i, fb in enumerate(feedback):
+        if critique_failed(fb):
+            continue
+        has_quotes = "spans" not in fb and "step_rewards" not in fb  # a learned critic's, or a function's quotes
+        quoted = fb.get("good_spans", []) + fb.get("poor_spans", [])
+        n_spans += sum(1 for s in quoted if s.strip()) + len(fb.get("spans", []))
+        if has_quotes and labels == "dense":  # App. I.1: the whole response quoted as good too: +1 outside poor spans
+            fb = {**fb, "good_spans": fb["good_spans"] + ([texts[i]] if texts[i].strip() else [])}
+        if has_quotes and weighting != "uniform":  # the same delta, and the tokens of each located quote
+            d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+            spans[i] = [idx for _, idx in located]
+        else:
+            d, unmatched = delta(texts[i], offsets[i], fb)
+        rows[i] = (d, unmatched)
+        out[i, : len(d)] = torch.tensor(d)
+        n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
+    out = weight_spans(out, spans, weighting)
+    if labels == "poor":  # no +1 (bench/credit.py)
+        out = out.clamp(max=0)
+    return out, rows, n_spans, n_unmatched
+
+
+def weight_spans(delta, spans, mode="uniform"):
+    """App. I's within-span weighting. linear-decay: the i-th of a span's n tokens gets delta times
+    1 - (i - 1) * 0.9 / (n - 1) ([1, .775, .55, .325, .1] for n = 5; 1 for n = 1), so a span's start
+    carries most of its credit. spans[b]: the token indices of each located span of row b, in order
+    (common.span_tokens); a token in two spans of its label takes the larger weight."""
+    if mode == "uniform":
+        return delta
+    weight = torch.ones_like(delta)
+    for b, row in enumerate(spans):
+        best = {}
+        for idx in row:
+            for i, t in enumerate(idx):
+                best[t] = max(best.get(t, 0.0), 1.0 - i * 0.9 / (len(idx) - 1) if len(idx) > 1 else 1.0)
+        for t, w in best.items():
+            weight[b, t] = w
+    return delta * weight
 
 
 def quotes(text: str, fb: dict) -> tuple[list[str], list[str], list[dict]]:

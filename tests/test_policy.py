@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import common
+import critics
 from infra import decoding, distributed, models, reward_models, runs, trace
 from infra.data import read_prompts
+from infra.locality import LOCALITY_GROUPS, locality_sums, locality_summary
 from tasks.demo import demo_critic, demo_dataset
 from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
 
@@ -114,9 +116,9 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
         [[1, 2, 3, 4, 5], [6, 7], [9]],  # a 5-token span, then an adjacent poor one of 2, then one of 1
         [[0, 1, 3, 4], [5]],
     ]  # a good span whose third token is 0, a poor one inside it
-    assert ppo.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
+    assert critics.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
     assert torch.allclose(
-        ppo.weight_spans(delta, spans, "linear-decay"),
+        critics.weight_spans(delta, spans, "linear-decay"),
         torch.tensor(
             [
                 [0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
@@ -819,7 +821,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
             e = torch.load(tmp_path / "dump_layers" / f"step1_rank{r}.pt", weights_only=False)
             assert e["texts"] == d[r]["texts"] and torch.equal(e["response"], d[r]["response"])
     for row, dumps in zip(common.read_jsonl(tmp_path / "run" / "trace.jsonl"), (d[:2], d[2:])):  # the demo preset's
-        assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == sum(
+        assert sum(row["locality"][g]["tokens"] for g in LOCALITY_GROUPS) == sum(
             x["mask"].sum().item() for x in dumps
         )  # --trace-samples: its locality counts both ranks' tokens
     for r0, r1 in (d[:2], d[2:]):  # single process on the concatenated batch gives the same whitened advantages
@@ -1181,20 +1183,20 @@ def test_locality_sums_match_a_plain_loop():
     delta[2] = delta[2].clamp(min=0)  # a clean answer with good spans
     delta[5] = 0.0  # a clean answer without any span
     log_ratio = torch.randn(B, T, generator=g) * mask
-    want = {k: [] for k in ppo.LOCALITY_GROUPS}
+    want = {k: [] for k in LOCALITY_GROUPS}
     for b, n in enumerate(lengths):
         flawed = any(delta[b, t] < 0 for t in range(n))
         for t in range(n):
             d, x = delta[b, t].item(), log_ratio[b, t].item()
             want["poor" if d < 0 else "good" if d > 0 else "outside_flawed" if flawed else "outside_clean"].append(x)
-    got = ppo.locality_summary(ppo.locality_sums(log_ratio, delta, mask))
+    got = locality_summary(locality_sums(log_ratio, delta, mask))
     for k, xs in want.items():
         assert got[k]["tokens"] == len(xs) > 0
         assert got[k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-6)
         assert got[k]["mean_abs"] == pytest.approx(sum(map(abs, xs)) / len(xs), abs=1e-6)
         assert got[k]["down"] == pytest.approx(sum(x < 0 for x in xs) / len(xs))
     assert got["ratio"] == pytest.approx(got["poor"]["mean_abs"] / got["outside_flawed"]["mean_abs"])
-    clean = ppo.locality_summary(ppo.locality_sums(log_ratio, delta.clamp(min=0), mask))  # no poor span anywhere
+    clean = locality_summary(locality_sums(log_ratio, delta.clamp(min=0), mask))  # no poor span anywhere
     assert clean["poor"]["tokens"] == clean["outside_flawed"]["tokens"] == 0 and clean["ratio"] is None
 
 
@@ -1255,8 +1257,8 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
         assert sorted(s["row"] for s in row["samples"]) == [0, 1, 2, 3]
         flawed = [any(x < 0 for x in s["delta"]) for s in row["samples"]]
         assert flawed == sorted(flawed, reverse=True)  # answers with a poor span first
-        groups = {k: [] for k in ppo.LOCALITY_GROUPS}
-        adv = {m: {k: [] for k in ppo.LOCALITY_GROUPS} for m in ("span", "scalar")}
+        groups = {k: [] for k in LOCALITY_GROUPS}
+        adv = {m: {k: [] for k in LOCALITY_GROUPS} for m in ("span", "scalar")}
         for s in row["samples"]:
             i, n = s["row"], int(d["mask"][s["row"]].sum())
             text, offsets = common.decode_with_offsets(tiny_tokenizer, d["response"][i, :n].tolist())
@@ -1393,7 +1395,7 @@ def test_locality_bench_summary_and_its_same_batch_check():
     import locality
 
     def state(poor_span, poor_scalar, rest_span, rest_scalar, n=4):
-        loc = lambda poor, rest: ppo.locality_summary(  # noqa: E731
+        loc = lambda poor, rest: locality_summary(  # noqa: E731
             torch.tensor(  # noqa: E731
                 [
                     [n, poor * n, abs(poor) * n, n * (poor < 0)],
@@ -2193,7 +2195,6 @@ def test_the_pure_functions_need_only_torch():
         "masked_mean",
         "masked_whiten",
         "per_token_kl",
-        "weight_spans",
         "compute_rewards",
         "compute_gae",
         "compute_rloo",
