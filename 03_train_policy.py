@@ -537,17 +537,8 @@ def rollout(model, tokenizer, queries, gen_config, stop, args, server=None) -> t
     behaviour = None  # log mu(y_t) of another sampler: only a server's
     if server is not None:  # --rollout-server: vLLM samples them, with its log-probs (infra/vllm_rollouts.py)
         response, behaviour = vr.served_rollouts(server, model, queries, gen_config, stop, tokenizer.pad_token_id)
-    else:
-        with (
-            torch.no_grad(),
-            distributed.autocast(args.device, args.dtype),
-            distributed.gathered(model, args.fsdp_generate == "whole"),
-        ):
-            if args.compile_generation:  # the same tokens from the same random numbers, compiled
-                response = decoding.generate_static(model, query, query_mask, gen_config)  # (B, T)
-            else:
-                response = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
-                response = response[:, query.shape[1] :]  # (B, T)
+    else:  # transformers' generate (--compile-generation: the same tokens, compiled)
+        response = decoding.generate(model, query, query_mask, gen_config, args)  # (B, T)
     is_eos = torch.isin(response, stop)
     has_eos = is_eos.any(1)  # (B,)
     no_eos = torch.full_like(has_eos, response.shape[1], dtype=torch.long)
