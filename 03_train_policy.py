@@ -34,7 +34,8 @@ import torch
 import common
 import critics
 from critics import critique_failed, make_critic, span_deltas
-from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace, trainable
+from infra import cli, decoding, distributed, mismatch, models, reward_models, runs, sft, trace, trainable
+from infra import vllm_rollouts as vr
 from infra.data import read_prompts
 from infra.locality import locality_sums, locality_summary
 from infra.trainable import build_policy, make_optimizer
@@ -161,7 +162,7 @@ def parse_args(argv=None):
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
     a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="README: Scaling up")
     # --- the variants' own flags (App. I's --labels and --span-weighting: critics/)
-    for variant in (sft, trainable, critics, decoding, distributed, trace):
+    for variant in (sft, trainable, critics, decoding, distributed, trace, vr):
         variant.add_args(p)
     args = p.parse_args(argv)
     # only this command may replace the demo's runs
@@ -203,6 +204,7 @@ def parse_args(argv=None):
             f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x --grad-accum = {shards}"
         )
     critics.check_args(args, critic_budget, rm_given)  # its reward model, as stage 2 trained it
+    vr.check_args(args, world)  # --rollout-server: LoRA, one process
     return args
 
 
@@ -229,6 +231,9 @@ class Rollouts:
     rewards: torch.Tensor | None = None  # (B, T) r_t (step 5)
     advantages: torch.Tensor | None = None  # (B, T) A_t, whitened
     returns: torch.Tensor | None = None  # (B, T) the value head's targets
+    behaviour_logprobs: torch.Tensor | None = None  # (B, T) log mu(y_t): --rollout-server's sampler
+    weights: torch.Tensor | None = None  # (B, T) rho = pi_old / mu, its mismatch's correction (None: 1)
+    keep: torch.Tensor | None = None  # (B, T) the tokens the correction keeps in the loss (None: mask)
 
 
 def masked_mean(x, mask, dim=None):
@@ -321,14 +326,20 @@ def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "sta
     return advantages * mask, returns
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
+def ppo_loss(
+    logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value, weights=None
+):
     """Clipped surrogate policy loss and clipped value loss (step 6), token means under `mask`.
-    values None (no value head: --advantage rloo): no value loss (None) and no value statistic."""
+    values None (no value head: --advantage rloo): no value loss (None) and no value statistic.
+    weights (B, T): each token's surrogate times its importance weight (server rollouts), or None."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
+    pg_loss = torch.max(pg_losses, pg_losses_clipped)
+    if weights is not None:  # rho = pi_old / mu: sampled by another engine (infra/mismatch.py)
+        pg_loss = pg_loss * weights
+    pg_loss = masked_mean(pg_loss, mask)
     with torch.no_grad():
         stats = {
             "policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
@@ -404,6 +415,7 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
     scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a sum over torchrun's ranks, in
     place (the identity in one process). Returns each micro-batch's stats and the epochs run."""
     B = batch.mask.shape[0]
+    keep = batch.mask if batch.keep is None else batch.keep  # server rollouts: the mismatch masks some out
     stats = []
     mb_size = B // hp.num_minibatches
     micro = mb_size // hp.grad_accum
@@ -412,7 +424,7 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
         epoch_start = len(stats)
         for mb_start in range(0, B, mb_size):
             mb = perm[mb_start : mb_start + mb_size]
-            mb_tokens = all_sum(batch.mask[mb].sum()).clamp(min=1)  # on all ranks
+            mb_tokens = all_sum(keep[mb].sum()).clamp(min=1)  # on all ranks
             for s in range(0, mb_size, micro):
                 m = mb[s : s + micro]
                 logprobs, values, logits = score(m)
@@ -423,14 +435,15 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                     values,
                     batch.values[m],
                     batch.returns[m],
-                    batch.mask[m],
+                    keep[m],
                     hp.clip_range,
                     hp.clip_range_value,
+                    None if batch.weights is None else batch.weights[m],
                 )
                 with torch.set_grad_enabled(hp.ent_coef != 0):  # else only logged
-                    entropy = masked_mean(entropy_from_logits(logits), batch.mask[m])
+                    entropy = masked_mean(entropy_from_logits(logits), keep[m])
                 loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0) - hp.ent_coef * entropy
-                loss = loss * batch.mask[m].sum() / mb_tokens  # the minibatch's exact token mean
+                loss = loss * keep[m].sum() / mb_tokens  # the minibatch's exact token mean
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 stats.append(
                     {
@@ -514,23 +527,18 @@ def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, tempe
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts, float]:
+def rollout(model, tokenizer, queries, gen_config, stop, args, server=None) -> tuple[Rollouts, float]:
     """Step 1 (§3.5): y ~ pi_theta(.|x) for a left-padded batch, the behaviour policy's settings
     exactly; mask is 1.0 up to and including the first stop id (Llama-3.1 has three). Each response
     is decoded with every token's character interval (common.decode_with_offsets, §3.3). Returns
     the batch and the time sampling ended (decoding counts as the critic's time)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
-    with (
-        torch.no_grad(),
-        distributed.autocast(args.device, args.dtype),
-        distributed.gathered(model, args.fsdp_generate == "whole"),
-    ):
-        if args.compile_generation:  # the same tokens from the same random numbers, compiled
-            response = decoding.generate_static(model, query, query_mask, gen_config)  # (B, T)
-        else:
-            response = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
-            response = response[:, query.shape[1] :]  # (B, T)
+    behaviour = None  # log mu(y_t) of another sampler: only a server's
+    if server is not None:  # --rollout-server: vLLM samples them, with its log-probs (infra/vllm_rollouts.py)
+        response, behaviour = vr.served_rollouts(server, model, queries, gen_config, stop, tokenizer.pad_token_id)
+    else:  # transformers' generate (--compile-generation: the same tokens, compiled)
+        response = decoding.generate(model, query, query_mask, gen_config, args)  # (B, T)
     is_eos = torch.isin(response, stop)
     has_eos = is_eos.any(1)  # (B,)
     no_eos = torch.full_like(has_eos, response.shape[1], dtype=torch.long)
@@ -552,6 +560,7 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts
         torch.cat([query_mask, mask.long()], 1),
         list(texts),
         list(offsets),
+        behaviour_logprobs=behaviour,
     ), sampled
 
 
@@ -676,6 +685,7 @@ def train(args):
     queries = [
         models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in records
     ]  # before any output: may raise DataError
+    server = vr.open_server(args, queries, args.output_dir)  # --rollout-server: it answers, or one line
     model, ref_model, value_head = build_policy(args, model)
     model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
     scorer, ref_scorer = trainable.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
@@ -706,7 +716,7 @@ def train(args):
         idx = prompt_indices(step, len(records), args, rank, world)  # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
-        b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
+        b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args, server)
         # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
         feedback, broken = critics.judge(critic, recs, b.texts, args.device)
         if broken:  # a broken plug-in: the iterations done are kept (checkpoint as this iteration began), one line
@@ -721,6 +731,9 @@ def train(args):
         watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
+        if server is not None:  # sampled by vLLM: PPO's pi_old / its mu, masked or capped (infra/mismatch.py)
+            is_mode = (args.rollout_is_mode, args.rollout_is_cap)
+            b.weights, b.keep = mismatch.importance_weights(b.logprobs, b.behaviour_logprobs, b.mask, *is_mode)
         gathered = {k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
         g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import common
-from infra import distributed
+from infra import distributed, mismatch
 
 
 def add_args(p) -> None:
@@ -74,6 +74,13 @@ def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) ->
         )
 
 
+def served_mismatch(b, args) -> dict:
+    """--rollout-server: how far the server's mu is from the trainer's pi_old (infra/mismatch.py), {} in-process."""
+    if getattr(b, "behaviour_logprobs", None) is None:
+        return {}
+    return mismatch.mismatch_stats(b.logprobs, b.behaviour_logprobs, b.mask, args.rollout_is_mode, args.rollout_is_cap)
+
+
 def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
     """Step 7: one line of metrics.jsonl, computed on the global batch it["g"] (every rank's rollouts), and every
     --log-every iterations four sample rollouts with their critique (rank 0 writes). `it`, the iteration: its records
@@ -109,6 +116,7 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
         "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
         "critic/mistake_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
         **watched,
+        **served_mismatch(b, args),
         "response/length": mask.sum(1).mean().item(),
         "response/eos_rate": g.has_eos.float().mean().item(),
         "policy/epochs": it["epochs"],
