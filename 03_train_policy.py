@@ -327,19 +327,16 @@ def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "sta
 
 
 def ppo_loss(
-    logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value, weights=None
+    logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value, weights=1.0
 ):
     """Clipped surrogate policy loss and clipped value loss (step 6), token means under `mask`.
     values None (no value head: --advantage rloo): no value loss (None) and no value statistic.
-    weights (B, T): each token's surrogate times its importance weight (server rollouts), or None."""
+    weights (B, T): each token's surrogate times its importance weight (server rollouts); 1.0: none."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    pg_loss = torch.max(pg_losses, pg_losses_clipped)
-    if weights is not None:  # rho = pi_old / mu: sampled by another engine (infra/mismatch.py)
-        pg_loss = pg_loss * weights
-    pg_loss = masked_mean(pg_loss, mask)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped) * weights, mask)  # x * 1.0 is x, bit for bit
     with torch.no_grad():
         stats = {
             "policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
@@ -438,7 +435,7 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                     keep[m],
                     hp.clip_range,
                     hp.clip_range_value,
-                    None if batch.weights is None else batch.weights[m],
+                    1.0 if batch.weights is None else batch.weights[m],
                 )
                 with torch.set_grad_enabled(hp.ent_coef != 0):  # else only logged
                     entropy = masked_mean(entropy_from_logits(logits), keep[m])
@@ -534,11 +531,10 @@ def rollout(model, tokenizer, queries, gen_config, stop, args, server=None) -> t
     the batch and the time sampling ended (decoding counts as the critic's time)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
-    behaviour = None  # log mu(y_t) of another sampler: only a server's
-    if server is not None:  # --rollout-server: vLLM samples them, with its log-probs (infra/vllm_rollouts.py)
+    if server is not None:  # --rollout-server: vLLM samples them, with its log-probs mu (infra/vllm_rollouts.py)
         response, behaviour = vr.served_rollouts(server, model, queries, gen_config, stop, tokenizer.pad_token_id)
-    else:  # transformers' generate (--compile-generation: the same tokens, compiled)
-        response = decoding.generate(model, query, query_mask, gen_config, args)  # (B, T)
+    else:  # transformers' generate (--compile-generation: the same tokens, compiled); no other sampler's mu
+        response, behaviour = decoding.generate(model, query, query_mask, gen_config, args), None  # (B, T)
     is_eos = torch.isin(response, stop)
     has_eos = is_eos.any(1)  # (B,)
     no_eos = torch.full_like(has_eos, response.shape[1], dtype=torch.long)
@@ -607,8 +603,12 @@ def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
 
 
 def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
-    """Step 6: ppo_update on this rank's rows, the policy in train mode (its dropout is off)."""
+    """Step 6: ppo_update on this rank's rows, the policy in train mode (its dropout is off).
+    Rollouts sampled by vLLM get the importance weights rho = pi_old / mu, masked or capped."""
     T = b.mask.shape[1]
+    if b.behaviour_logprobs is not None:  # the trainer/inference mismatch (infra/mismatch.py, --rollout-is-mode)
+        mode = (args.rollout_is_mode, args.rollout_is_cap)
+        b.weights, b.keep = mismatch.importance_weights(b.logprobs, b.behaviour_logprobs, b.mask, *mode)
 
     def score(rows):  # the policy's log-probs, values and logits / T of these rows now, with grad
         with distributed.autocast(args.device, args.dtype):
@@ -731,9 +731,6 @@ def train(args):
         watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
-        if server is not None:  # sampled by vLLM: PPO's pi_old / its mu, masked or capped (infra/mismatch.py)
-            is_mode = (args.rollout_is_mode, args.rollout_is_cap)
-            b.weights, b.keep = mismatch.importance_weights(b.logprobs, b.behaviour_logprobs, b.mask, *is_mode)
         gathered = {k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
         g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
