@@ -16,7 +16,7 @@ import vllm_server
 from conftest import free_port, import_script
 
 import common
-from infra import mismatch, models
+from infra import mismatch, models, trainable
 from infra import vllm_rollouts as vr
 
 ppo = import_script("03_train_policy")
@@ -49,7 +49,7 @@ def policy(smollm2_dir):
     """(model, tokenizer, queries): SmolLM2 with 03's LoRA (r 8, all-linear) as 03 builds it, and the questions'
     prompt ids as 03 makes them."""
     model, tok = models.load_model(smollm2_dir)
-    model = models.add_lora(model, 8, 16, "all-linear")
+    model = trainable.add_lora(model, 8, 16, "all-linear")
     return model, tok, [models.policy_prompt(tok, q) for q in QUESTIONS]
 
 
@@ -168,7 +168,7 @@ def test_an_adapter_never_loaded_is_caught_as_unchanged(vllm, policy, tmp_path):
 
 @pytest.mark.slow
 def test_a_refused_adapter_is_one_line(vllm, policy, smollm2_dir, tmp_path):
-    wide = models.add_lora(models.load_model(smollm2_dir)[0], 32, 64, "all-linear")  # above --max-lora-rank 16
+    wide = trainable.add_lora(models.load_model(smollm2_dir)[0], 32, 64, "all-linear")  # above --max-lora-rank 16
     server = connect(vllm, policy, tmp_path)
     with pytest.raises(common.DataError) as e:
         vr.push_adapter(server, wide, 3)
