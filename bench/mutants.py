@@ -225,6 +225,13 @@ MANUAL: list[dict] = [
         "new": "        ref_model = model  # mutant\n",
         "tests": REFERENCE,
     },
+    {
+        "id": "full_reference_copy_not_frozen",
+        "file": "03_train_policy.py",
+        "old": ".to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)\n",
+        "new": ".to(models.torch_dtype(args.dtype))  # mutant: trainable, in train mode\n",
+        "tests": REFERENCE,
+    },
     # --- the run's lifecycle: a resume restores everything; the policy is saved whole
     {
         "id": "resume_skips_the_optimizer",

@@ -9,13 +9,11 @@ no layer, or a rollout that gathers the whole policy under --fsdp-generate layer
 
 import json
 import os
-import socket
 import subprocess
-import sys
 
 import common
 from tasks.demo import demo_critic, demo_dataset
-from conftest import ROOT
+from conftest import ROOT, torchrun
 
 WORLD = 2
 
@@ -98,20 +96,9 @@ def probe_run(tmp_path, stage: str, argv: list[str]) -> list[dict]:
     (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "probed"
     out.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     proc = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(WORLD),
-            "--master_addr",
-            "127.0.0.1",
-            "--master_port",
-            str(port),
+            *torchrun(WORLD),
             str(tmp_path / "probe.py"),
             str(ROOT),
             stage,

@@ -109,6 +109,9 @@ def test_the_edges_trl_sets():
     rho = torch.tensor([[3.5]]).log()  # above 3, below 4
     assert mismatch.importance_weights(rho, torch.zeros(1, 1), torch.ones(1, 1))[1].item() == 0.0
     assert mismatch.mismatch_stats(rho, torch.zeros(1, 1), torch.ones(1, 1))["mismatch/masked_share"] == 1.0
+    one_ = torch.ones(1, 1)  # rho = 1, under the default cap: kept by both
+    assert mismatch.importance_weights(0 * one_, 0 * one_, one_)[1].item() == 1.0
+    assert mismatch.mismatch_stats(0 * one_, 0 * one_, one_)["mismatch/masked_share"] == 0.0
     at_cap = torch.tensor([[0.5]])
     cap = float(torch.exp(at_cap))  # the float32 rho itself
     assert mismatch.importance_weights(at_cap, torch.zeros(1, 1), torch.ones(1, 1), "token_mask", cap)[1].item() == 1.0

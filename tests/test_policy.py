@@ -179,7 +179,7 @@ def test_whiten_and_span_weighting_and_kl_controller():
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3) and w[0, 3] == 0
     assert ppo.masked_whiten(x, mask, shift_mean=False)[0, 1].item() == pytest.approx(2.0)
     assert ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
-    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) < 0.1
+    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 - 0.2 * 100 / 10000))  # clipped
 
 
 def test_masked_means_and_rewards_on_one_or_no_response_token():
@@ -373,6 +373,8 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     model, tok = models.load_model(tiny_model_dir)
     model, ref_model, value_head = ppo.build_policy(args, model)
     assert (ref_model is None) == (lora_r > 0)  # LoRA: no second copy of the weights
+    if ref_model is not None:  # full fine-tuning's copy is frozen: no gradient, no dropout
+        assert not ref_model.training and not any(p.requires_grad for p in ref_model.parameters())
     ids, mask = models.left_pad(
         [tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
     )
