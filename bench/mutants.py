@@ -3,6 +3,9 @@
     nice -n 10 python bench/mutants.py                  # every target and hand-written mutant, then the score
     python bench/mutants.py --targets common --list     # the mutants of one target, not run
     nice -n 10 python bench/mutants.py --targets pure   # one target (its outcomes replace its old ones)
+    nice -n 10 python bench/mutants.py --every 6        # bounded: every 6th automatic mutant of each target
+    nice -n 10 python bench/mutants.py --new            # resume: the mutants without an outcome yet
+    nice -n 10 python bench/mutants.py --survivors      # rerun the survivors (after a test that should kill them)
 
 Automatic mutants: the operators below applied one at a time to each named function of a target (the function's
 source, parsed with ast): an arithmetic, comparison or boolean operator swapped, a small constant changed, a unary
@@ -518,6 +521,7 @@ def main(argv=None):
     )
     p.add_argument("--match", nargs="+", help="only the mutants whose id contains one of these")
     p.add_argument("--survivors", action="store_true", help="only the mutants that survived in --results (rerun)")
+    p.add_argument("--new", action="store_true", help="only the mutants without an outcome in --results (resume)")
     p.add_argument("--results", default="bench/mutants_results.json", help="where the outcomes go ('': nowhere)")
     args = p.parse_args(argv)
     mutants = [m for t in args.targets if t != "manual" for m in automatic(t)[:: args.every or 1]]
