@@ -573,8 +573,8 @@ def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     """02 --shard fsdp on 2 gloo ranks (4 examples each) trains the weights that one process trains on the same 8
     examples a step, within float rounding, and saves them whole: an adapter (LoRA on lm_head and the tied embeddings,
     the norms trained too) or the full tied model, each loading in one process (what each rank holds while it trains:
-    tests/test_fsdp.py). Its train_loss is the one process's too: logged every step (lora), or never (full: HF's unlogged loss is each
-    rank's own, and train_loss was rank 0's)."""
+    tests/test_fsdp.py). Its train_loss is the one process's too: logged every step (lora), or never (full: HF's
+    unlogged loss is each rank's own, and train_loss was rank 0's)."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
     flags = [
