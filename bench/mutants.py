@@ -530,9 +530,10 @@ def main(argv=None):
     mutants = [m for m in mutants if any(x in m.id for x in args.match)] if args.match else mutants
     if args.survivors:
         mutants = [m for m in mutants if load(path).get(m.id, {}).get("status") == "survived"]
-    replaced = (
-        set() if args.limit or args.every or args.match or args.survivors else set(args.targets)
-    )  # a whole target's run
+    if args.new:
+        mutants = [m for m in mutants if m.id not in load(path)]
+    bounded = args.limit or args.every or args.match or args.survivors or args.new
+    replaced = set() if bounded else set(args.targets)  # a whole target's run replaces its old outcomes
     mutants = mutants[: args.limit] if args.limit else mutants
     if args.list:
         for m in mutants:

@@ -1002,8 +1002,11 @@ def test_offsets_from_a_tokenizer_that_only_decodes(tokenizers_here):
         assert decode_with_offsets(Plain(real), ids) == decode_with_offsets(real, ids), real.name_or_path
 
 
-def test_a_zero_reward_is_never_minus_zero():
-    """A python: critic's interval with reward -0.0 labels its token 0.0, not -0.0 (which prints, and sums, as such)."""
+def test_a_zero_reward_interval():
+    """A python: critic's interval with reward 0 (or -0.0) labels its token 0.0, not -0.0 (which prints, and sums, as
+    such); straddled, it takes nothing from a token that a good interval holds (only a negative edge does)."""
     import math
 
     assert math.copysign(1.0, common.interval_rewards("ab", [(0, 1), (1, 2)], [(0, 1, -0.0)])[0]) == 1.0
+    assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (1, 4, 0.0)]) == [1.0, 1.0]
+    assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (1, 4, -1.0)]) == [0.0, 0.0]
