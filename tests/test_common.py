@@ -1004,9 +1004,14 @@ def test_offsets_from_a_tokenizer_that_only_decodes(tokenizers_here):
 
 def test_a_zero_reward_interval():
     """A python: critic's interval with reward 0 (or -0.0) labels its token 0.0, not -0.0 (which prints, and sums, as
-    such); straddled, it takes nothing from a token that a good interval holds (only a negative edge does)."""
+    such); straddled, it takes nothing from a token that a good interval holds (only a negative edge does, and a
+    negative interval that starts where the token ends is not straddled)."""
     import math
 
     assert math.copysign(1.0, common.interval_rewards("ab", [(0, 1), (1, 2)], [(0, 1, -0.0)])[0]) == 1.0
     assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (1, 4, 0.0)]) == [1.0, 1.0]
     assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (1, 4, -1.0)]) == [0.0, 0.0]
+    assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (2, 5, -1.0)]) == [
+        1.0,
+        -1.0,
+    ]  # ends at its start
