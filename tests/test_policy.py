@@ -171,6 +171,8 @@ def test_kl_estimators():
         ppo.per_token_kl(None, None, "full", logits, ref_logits), (p * (p / q).log()).sum(-1), atol=1e-6
     )
     assert ppo.per_token_kl(None, None, "full", logits, logits).abs().max() < 1e-6
+    entropy = torch.distributions.Categorical(logits=logits).entropy()  # H_t, beside the KL: the same logits
+    assert torch.allclose(ppo.entropy_from_logits(logits), entropy, atol=1e-6)
 
 
 def test_whiten_and_span_weighting_and_kl_controller():
