@@ -70,6 +70,85 @@ def test_ppo_loss_hand_computed():
     assert stats["policy/approx_kl"] == pytest.approx(0.1487212707 / 2, abs=1e-6)
 
 
+def _bigram_update(all_sum, seed=0, **hp):
+    """ppo_update (SGD, lr 0.1) of a bigram LM with a value head on 4 ragged rollouts, from one seeded start: its
+    weights after, and its stats."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 4, 6, 7
+    ids = torch.randint(V, (B, T + 1), generator=g)
+    torch.manual_seed(seed)
+    embed, head = torch.nn.Embedding(V, V), torch.nn.Linear(V, 1)
+    params = [*embed.parameters(), *head.parameters()]
+
+    def score(rows):
+        logits = embed(ids[rows, :-1])
+        return logits.log_softmax(-1).gather(2, ids[rows, 1:, None]).squeeze(-1), head(logits).squeeze(-1), logits
+
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in (6, 2, 4, 5)])
+    with torch.no_grad():
+        old, values, _ = score(torch.arange(B))
+    batch = ppo.Rollouts(
+        mask,
+        logprobs=old - 0.1 * torch.randn(B, T, generator=g),
+        values=values,
+        advantages=torch.randn(B, T, generator=g) * mask,
+        returns=torch.randn(B, T, generator=g) * mask,
+    )
+    hp = ppo.PpoHParams(**{"ppo_epochs": 2, "num_minibatches": 2, "max_grad_norm": 1e9, **hp})
+    stats, epochs = ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp, all_sum=all_sum)
+    return [p.detach() for p in params], stats, epochs
+
+
+def test_ppo_update_sums_over_ranks():
+    """ppo_update's all_sum, with a second rank that holds the same rollouts (all_sum doubles): the minibatch's tokens,
+    the gradients and the epoch's KL are summed over both, so the update is the one of one process on those rows
+    (SGD: a gradient half or twice as large would move the weights half or twice as far), and so is --target-kl's
+    stop; clipped (--max-grad-norm), the same again."""
+    for hp in ({}, {"max_grad_norm": 0.05}, {"target_kl": 1e-9, "ppo_epochs": 3}):
+        one, stats, epochs = _bigram_update(ppo.no_reduction, **hp)
+        two, stats2, epochs2 = _bigram_update(lambda x: x.mul_(2), **hp)
+        assert epochs == epochs2 == (1 if "target_kl" in hp else hp.get("ppo_epochs", 2)) and stats == stats2
+        for a, b in zip(one, two):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    moved = _bigram_update(ppo.no_reduction)[0]
+    clipped = _bigram_update(ppo.no_reduction, max_grad_norm=0.05)[0]
+    assert max((a - b).abs().max() for a, b in zip(moved, clipped)) > 1e-3  # the clip bites
+
+
+def test_clip_grad_norm_over_sharded_gradients():
+    """clip_grad_norm with an FSDP-sharded gradient (a DTensor: this rank's shard) beside a whole one (the value head):
+    the norm is over every rank's shards (all_sum; here a second rank holding the same shard, so its square counts
+    twice) and the whole gradients once, every gradient scaled by max_norm / norm, and none below max_norm; without
+    a sharded gradient it is torch's own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(5, generator=g)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for max_norm in (1.0, 100.0):
+            sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+            sharded.grad = distribute_tensor(a.clone(), mesh, [Shard(0)])
+            whole = torch.nn.Parameter(torch.zeros(5))
+            whole.grad = b.clone()
+            total = ppo.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
+            want = (2 * a.pow(2).sum() + b.pow(2).sum()).sqrt()
+            coef = min(1.0, max_norm / (want.item() + 1e-6))
+            assert total.item() == pytest.approx(want.item(), rel=1e-6) and want > 1.0
+            torch.testing.assert_close(sharded.grad.to_local(), a * coef)
+            torch.testing.assert_close(whole.grad, b * coef)
+    finally:
+        dist.destroy_process_group()
+    plain = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
+    plain[0].grad, plain[1].grad = a.clone(), b.clone()
+    assert ppo.clip_grad_norm(plain, 1.0, lambda x: x * 2).item() == pytest.approx(
+        (a.square().sum() + b.square().sum()).sqrt().item()
+    )
+
+
 def test_rewards_span_and_scalar_carry_the_same_delta():
     delta = torch.tensor([[1.0, 0.0, -1.0, 1.0, 0.0], [0.0, -1.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
@@ -94,6 +173,8 @@ def test_kl_estimators():
         ppo.per_token_kl(None, None, "full", logits, ref_logits), (p * (p / q).log()).sum(-1), atol=1e-6
     )
     assert ppo.per_token_kl(None, None, "full", logits, logits).abs().max() < 1e-6
+    entropy = torch.distributions.Categorical(logits=logits).entropy()  # H_t, beside the KL: the same logits
+    assert torch.allclose(ppo.entropy_from_logits(logits), entropy, atol=1e-6)
 
 
 def test_whiten_and_span_weighting_and_kl_controller():
@@ -102,7 +183,21 @@ def test_whiten_and_span_weighting_and_kl_controller():
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3) and w[0, 3] == 0
     assert ppo.masked_whiten(x, mask, shift_mean=False)[0, 1].item() == pytest.approx(2.0)
     assert ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
-    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) < 0.1
+    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 - 0.2 * 100 / 10000))  # clipped
+
+
+def test_masked_means_and_rewards_on_one_or_no_response_token():
+    """The edges of the pure section's means (found by bench/mutants.py): a row mean (dim) is each row's own; one
+    masked token is its own mean and an empty mask gives 0, not a division by zero; whitening a constant is 0, not
+    nan (eps); a one-token response takes r_t's last-token terms on that token, and an empty one on token 0."""
+    x, mask = torch.tensor([[2.0, 4.0, 9.0], [6.0, 1.0, 1.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert ppo.masked_mean(x, mask, 1).tolist() == [3.0, 6.0]
+    assert ppo.masked_mean(x, mask).item() == 4.0 and ppo.masked_mean(x[1:], mask[1:]).item() == 6.0
+    assert ppo.masked_mean(x, mask * 0).item() == 0.0 and ppo.masked_mean(x, mask * 0, 1).tolist() == [0.0, 0.0]
+    assert ppo.masked_whiten(torch.full((1, 3), 5.0), torch.ones(1, 3)).tolist() == [[0.0, 0.0, 0.0]]
+    one = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    r = ppo.compute_rewards(x, torch.zeros_like(x), one, 0.1, "scalar", seq_bonus=torch.tensor([-1.0, -1.0]))
+    assert r.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # 2 - 1 on the one token; nothing on the empty row
 
 
 def test_linear_decay_is_the_papers_formula_over_each_located_span():
@@ -282,6 +377,8 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     model, tok = models.load_model(tiny_model_dir)
     model, ref_model, value_head = ppo.build_policy(args, model)
     assert (ref_model is None) == (lora_r > 0)  # LoRA: no second copy of the weights
+    if ref_model is not None:  # full fine-tuning's copy is frozen: no gradient, no dropout
+        assert not ref_model.training and not any(p.requires_grad for p in ref_model.parameters())
     ids, mask = models.left_pad(
         [tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
     )
@@ -291,13 +388,12 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     assert torch.equal(lp, ref_lp) and torch.equal(logits, ref_logits)
     assert ppo.per_token_kl(lp, ref_lp, "k1").abs().max() == 0
     assert values.abs().max() == 0  # zero-initialised value head
-    if lora_r:  # one step of training moves the policy but not the reference
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data.add_(0.1)
-        lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
-        ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
-        assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
+    for p in model.parameters():  # a step of training moves the policy but not the reference (LoRA: the adapter
+        if p.requires_grad:  # alone trains, the base is frozen; full fine-tuning: the reference is a frozen copy)
+            p.data.add_(0.1)
+    lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
+    ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
+    assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
 
 
 def test_forward_logprobs_match_generate_scores(tiny_model_dir):
@@ -601,6 +697,30 @@ def test_poor_labels_keep_only_the_negative_rewards_of_every_kind_of_critic():
     ]
     dropped = ppo.span_deltas([text], [offsets], [{**quotes, "good_spans": []}], mask[:1])[0]
     assert torch.equal(dropped, poor[:1])
+
+
+def test_only_quotes_are_made_dense_or_weighted_and_counted():
+    """--labels dense and --span-weighting linear-decay act on quotes (App. I): a python: critic's intervals and a
+    scalar critic's score (critics.check_item's forms, their quote lists empty) go on the tokens as they are, and the
+    count of spans counts each interval. The whole response, which --labels dense quotes once more as good, is not
+    the critic's quote: where the critic quoted it too (the copy then finds no occurrence left), it is not counted
+    unmatched; a critic's own quote of it twice is, under either labels."""
+    text = "tom saw the cat today"
+    offsets = [(0, 3), (3, 7), (7, 11), (11, 15), (15, 21), (21, 21)]
+    located = {"critique": "", "good_spans": [], "poor_spans": [], "spans": [{"start": 0, "end": 7, "reward": 1.0}]}
+    located["spans"].append({"start": 4, "end": 11, "reward": -1.0})
+    score = {"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": [(None, 0.5)]}
+    mask = torch.ones(2, 6)
+    plain, _, n, unmatched = ppo.span_deltas([text] * 2, [offsets] * 2, [located, score], mask)
+    assert (n, unmatched) == (2, 0) and plain.abs().sum() > 0
+    for weighting, labels in (("uniform", "dense"), ("linear-decay", "spans")):
+        got, _, n, unmatched = ppo.span_deltas([text] * 2, [offsets] * 2, [located, score], mask, weighting, labels)
+        assert torch.equal(got, plain) and (n, unmatched) == (2, 0), (weighting, labels)
+    whole = {"critique": "c", "good_spans": [text], "poor_spans": ["cat"]}
+    assert ppo.span_deltas([text], [offsets], [whole], mask[:1], labels="dense")[2:] == (2, 0)
+    twice = {**whole, "good_spans": [text, text]}
+    for labels in ("spans", "dense"):
+        assert ppo.span_deltas([text], [offsets], [twice], mask[:1], labels=labels)[2:] == (3, 1), labels
 
 
 def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_model_dir):
