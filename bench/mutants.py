@@ -144,6 +144,7 @@ FSDP_02 = "tests/test_fsdp.py::test_02_shards_every_layer_and_trains_one_layer_w
 TORCHRUN = POLICY + "torchrun_two_ranks_match_single_process_math"
 RESUME_03 = POLICY + "resume_matches_an_uninterrupted_run"
 RESUME_02 = "tests/test_reward.py::test_fsdp_resume_is_exact"
+SERVER = "tests/test_rollout_server.py::test_"  # 03 --rollout-server's side of the loop (issue 69)
 REFERENCE = [POLICY + "reference_equals_policy_before_training", POLICY + "kl_estimator_in_a_run"]
 REWARDS = [
     POLICY + "rewards_span_and_scalar_carry_the_same_delta",
@@ -187,7 +188,7 @@ MANUAL: list[dict] = [
     },
     {
         "id": "layers_rollout_gathers_the_whole_policy",
-        "file": "03_train_policy.py",
+        "file": "infra/decoding.py",
         "old": 'distributed.gathered(model, args.fsdp_generate == "whole")',
         "new": "distributed.gathered(model, True)",
         "tests": [FSDP_03],
@@ -216,21 +217,21 @@ MANUAL: list[dict] = [
     },
     {
         "id": "lora_base_not_frozen",
-        "file": "03_train_policy.py",
-        "old": "model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)",
-        "new": "model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets).requires_grad_(True)",
+        "file": "infra/trainable.py",
+        "old": "model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)",
+        "new": "model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets).requires_grad_(True)",
         "tests": REFERENCE,
     },
     {
         "id": "full_reference_is_the_policy",
-        "file": "03_train_policy.py",
+        "file": "infra/trainable.py",
         "old": "        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)\n",
         "new": "        ref_model = model  # mutant\n",
         "tests": REFERENCE,
     },
     {
         "id": "full_reference_copy_not_frozen",
-        "file": "03_train_policy.py",
+        "file": "infra/trainable.py",
         "old": ".to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)\n",
         "new": ".to(models.torch_dtype(args.dtype))  # mutant: trainable, in train mode\n",
         "tests": REFERENCE,
@@ -320,6 +321,20 @@ MANUAL: list[dict] = [
         "old": "        delta.append(min(got, default=0.0) + 0.0)",
         "new": "        delta.append(max(got, default=0.0) + 0.0)  # mutant",
         "tests": ["tests/test_common.py"],
+    },
+    {
+        "id": "importance_weights_ignored",
+        "file": "03_train_policy.py",
+        "old": "    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped) * weights, mask)",
+        "new": "    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)  # mutant",
+        "tests": [SERVER + "the_weighted_surrogate_is_a_plain_loop"],
+    },
+    {
+        "id": "masked_tokens_stay_in_the_denominator",
+        "file": "03_train_policy.py",
+        "old": "mb_tokens = all_sum(keep[mb].sum()).clamp(min=1)",
+        "new": "mb_tokens = all_sum(batch.mask[mb].sum()).clamp(min=1)",
+        "tests": [SERVER + "a_masked_rollout_moves_nothing_and_leaves_the_denominator"],
     },
 ]
 SWAPS = {
