@@ -1,42 +1,32 @@
 """Stage 2: the generative span reward model (Text2Grad paper Sec. 3.4, Alg. 3).
 
-A causal LM learns to write, for a (prompt, response) pair, the critique c and then the span JSON A(y): one
-autoregressive output z = [c ; A(y)], trained by teacher forcing with the loss on z only (labels are -100 on the
-prompt and on padding). The prompt comes from common.build_rm_prompt, the one builder that 03_train_policy.py and
-04_evaluate.py also use, so training and inference prompts cannot drift apart. The model is LoRA (peft) on any causal
-LM; training runs on transformers.Trainer (gradient accumulation, bf16, activation checkpointing, checkpoints and
---resume, DDP under torchrun). Afterwards the saved reward model is reloaded exactly as stage 3 loads it and scored on
-the validation split: JSON parse rate, unmatched-span rate, token-level precision/recall/F1 of its delta in {+1, -1}
-against the annotated spans (paper Tables 1 and 6), span exact/partial matches, critique length -> eval.json. Should
-fewer than --min-parse-rate (half) of its critiques parse, it ends with exit 1, the model kept (infra/reward_models.py).
+A causal LM learns to write, for a (prompt, response) pair, the critique c and then the span JSON
+A(y): one output z = [c ; A(y)], trained by teacher forcing with the loss on z only (labels -100 on
+the prompt and padding). The prompt is common.build_rm_prompt, the builder 03 and 04 also use, so
+training and inference prompts cannot drift apart. LoRA (peft) on any causal LM, trained by
+transformers.Trainer (gradient accumulation, bf16, checkpoints, --resume, DDP under torchrun). The
+saved model is then reloaded as stage 3 loads it and scored on the validation split (paper Tables 1
+and 6: parse rate, unmatched spans, token precision/recall/F1 of its delta) -> eval.json; below
+--min-parse-rate it exits 1, the model kept.
 
-CPU demo (zero flags; reads runs/demo/annotations.jsonl and runs/demo/base from 01_annotate.py, ~2 min on 2 cores):
+CPU demo (zero flags; reads stage 1's runs/demo/annotations.jsonl and runs/demo/base, ~2 min):
     python 02_train_reward.py
-    python 02_train_reward.py --resume                  # continue an interrupted run from its last checkpoint
-    torchrun --nproc_per_node 2 02_train_reward.py      # the same run as 2 DDP processes (gloo on CPU)
-    python 02_train_reward.py --rm-format spans-only --output-dir runs/demo/rm_spans_only   # w/o CoT (Table 2)
+    python 02_train_reward.py --resume                  # continue an interrupted run
+    python 02_train_reward.py --rm-format spans-only --output-dir runs/demo/rm_spans_only   # w/o CoT
 
-GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 is on by default on CUDA):
+GPU, the paper's settings (LoRA r=16, alpha=32 on q/v, lr 1e-5, 3 epochs; bf16 on CUDA):
     python 02_train_reward.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \\
         --data runs/summarization/annotations.jsonl --output-dir runs/summarization/reward_model \\
         --batch-size 4 --grad-accum 8 --gradient-checkpointing
-    torchrun --nproc_per_node 8 02_train_reward.py --task code --model Qwen/Qwen2.5-7B-Instruct --batch-size 2
 
-The paper's scalar baselines (§4.3, App. N) train here too, on a scalar head (sequence classification) of the same LM,
-with the same Trainer set-up (infra/training.py) and saving (infra/reward_models.py); their code and flags are in
-baselines/scalar_rm.py (main_scalar):
-    python 02_train_reward.py --objective pairwise --data pairs.jsonl --output-dir runs/demo/bt_rm   # PPO's RM
-    python 02_train_reward.py --objective pairwise --data HuggingFaceH4/ultrafeedback_binarized --split train_prefs
-    python 02_train_reward.py --objective prm --data runs/demo/annotations.jsonl --output-dir runs/demo/prm  # PRM-PPO's
-pairwise: a Bradley-Terry reward model on chosen / rejected pairs; prm: a process reward model on step labels. 03 takes
-them as --critic scalar-rm and --critic prm, and refuses each where the other kind is needed (reward_model.json's
-objective).
+The paper's scalar baselines (§4.3, App. N) train here too, on a scalar head of the same LM
+(--objective pairwise: Bradley-Terry on chosen / rejected pairs; prm: a process reward model on
+step labels; baselines/scalar_rm.py). 03 takes them as --critic scalar-rm and --critic prm.
 
-The output directory holds the LoRA adapter (adapter_config.json + weights), the tokenizer, reward_model.json (base
-model, format, the input and critique budgets that 03 and 04 use it with, training summary), eval.json,
-eval_samples.jsonl and checkpoints/; infra.models.load_model(DIR) and `03_train_policy.py --reward-model DIR` need
-nothing else. It reads top to bottom: the presets and arguments; the data, encoded with the loss on the critique and
-spans only; the evaluation of span recovery; main().
+The output directory holds the adapter, the tokenizer, reward_model.json (base model, format, the
+budgets 03 and 04 use it with, training summary), eval.json, eval_samples.jsonl and checkpoints/.
+It reads top to bottom: the presets and arguments; the data, encoded with the loss on the critique
+and spans only; the evaluation of span recovery; main().
 """
 
 from __future__ import annotations
@@ -57,10 +47,10 @@ from infra import cli, distributed, models, reward_models, trainable, training
 from infra.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Arguments. Every training default comes from the --task preset below; any flag overrides its preset value.
+# Arguments. Every training default comes from the --task preset below; a flag overrides it.
 # ----------------------------------------------------------------------------------------------------------------------
 
-PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v projections, lr 1e-5, 3 epochs
+PAPER = dict(  # the paper's recipe: LoRA r=16, alpha=32 on the q/v projections, lr 1e-5, 3 epochs
     model="meta-llama/Llama-3.1-8B-Instruct",
     lora_r=16,
     lora_alpha=32,
@@ -83,12 +73,10 @@ PAPER = dict(  # the paper's reward-model recipe: LoRA r=16, alpha=32 on the q/v
     save_steps=200,
     sampling="epochs",
 )
-# The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. What limited its poor-span recall (rm_levers,
-# bench/README.md): LoRA first (r32: recall 0.16 where full fine-tuning got 0.53),
-# then data and training length, not depth or width. On 2000 annotations it memorised (train loss 0.01); 16000 fresh
-# examples (01_annotate.py) and full fine-tuning at a high lr teach it the rule (is each quoted word in the post?),
-# wrong facts last. Examples are drawn with replacement: in two paired runs on the same 8000 examples that reached a
-# lower held-out loss than shuffled epochs (0.09 vs 0.17 after 700 steps, 0.23 vs 0.30 after 300).
+# The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. Its poor-span recall was limited by
+# LoRA (r32: 0.16, full fine-tuning 0.53), then data and length, not depth or width; 16000 fresh
+# examples at a high lr teach it the rule. Drawn with replacement: a lower held-out loss than shuffled
+# epochs in two paired runs (0.09 vs 0.17 after 700 steps). Measured: bench/README.md (rm_levers).
 DEMO = dict(
     model="runs/demo/base",
     lora_r=0,
@@ -121,79 +109,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--task", default="demo", choices=sorted(PRESETS), help="preset of defaults (table below)")
     a("--data", help="annotations JSONL from 01_annotate.py (default runs/<task>/annotations.jsonl)")
     a("--model", help="base causal LM: hub id or local path (preset)")
-    a("--output-dir", help="adapter, tokenizer, eval.json, checkpoints (default runs/<task>/reward_model)")
+    a("--output-dir", help="adapter, tokenizer, eval.json (default runs/<task>/reward_model)")
     a("--seed", type=int, default=0, help="seed of the train/val split, LoRA init and data order")
-    a("--val-frac", type=float, help="share of records held out for eval loss and span metrics (preset)")
-    a("--eval-limit", type=int, help="at most this many val records are critiqued for span metrics")
-    a(
-        "--max-len",
-        type=int,
-        help="max tokens of input + target; the input gets --max-len minus --max-new-tokens (encode_example)",
-    )
-    a(
-        "--rm-format",
-        default="critique+spans",
-        choices=common.RM_FORMATS,
-        help="critique+spans: the paper's z = [c ; A(y)]; spans-only: its w/o-CoT ablation (Table 2)",
-    )
-    a(
-        "--objective",
-        default="generative",
-        choices=list(common.RM_OBJECTIVES),
-        help="generative: the span reward "
-        "model (Sec. 3.4); pairwise, prm: the scalar baselines (baselines/scalar_rm.py)",
-    )
+    a("--val-frac", type=float, help="share of records held out for eval loss and span metrics")
+    a("--eval-limit", type=int, help="val records critiqued for span metrics, at most")
+    a("--max-len", type=int, help="max tokens of input + target (input: minus --max-new-tokens)")
+    a("--rm-format", default="critique+spans", choices=common.RM_FORMATS, help="spans-only: the w/o-CoT ablation")
+    a("--objective", default="generative", choices=list(common.RM_OBJECTIVES), help="pairwise, prm: scalar RMs")
     # --- LoRA (peft)
-    a("--lora-r", type=int, help="LoRA rank (paper: 16); 0 = full fine-tuning (the demo's small model)")
+    a("--lora-r", type=int, help="LoRA rank (paper: 16); 0 = full fine-tuning (the demo's)")
     a("--lora-alpha", type=int, help="LoRA alpha (paper: 32)")
     a("--lora-dropout", type=float, default=0.0, help="LoRA dropout")
     a("--lora-targets", help="comma-separated module names, or 'all-linear' (paper: q_proj,v_proj)")
-    a("--modules-to-save", help="comma-separated modules trained in full and saved with the adapter, e.g. 'norm'")
+    a("--modules-to-save", help="comma-separated modules trained in full, e.g. 'norm'")
     # --- optimisation (transformers.Trainer: infra/training.py)
     a("--lr", type=float, help="peak learning rate (paper: 1e-5)")
     a("--lr-schedule", choices=["cosine", "linear", "constant"], help="decay after the linear warmup")
     a("--epochs", type=float, help="passes over the train split (paper: 3)")
-    a("--max-steps", type=int, help="optimizer steps; overrides --epochs when > 0 (-1: use --epochs)")
+    a("--max-steps", type=int, help="optimizer steps; > 0 overrides --epochs")
     a("--batch-size", type=int, help="examples per device per micro-batch")
     a("--grad-accum", type=int, help="micro-batches per optimizer step")
     a("--warmup", type=float, help="linear warmup, as a fraction of all steps")
-    a(
-        "--sampling",
-        choices=["epochs", "replacement"],
-        help="draw training examples in shuffled epochs, or independently with replacement",
-    )
+    a("--sampling", choices=["epochs", "replacement"], help="shuffled epochs, or with replacement")
     a("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    a("--gradient-checkpointing", action="store_true", help="recompute activations to save memory")
+    a("--gradient-checkpointing", action="store_true", help="recompute activations (memory)")
     a("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 (default: on with CUDA)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where to train")
     # --- bookkeeping
     a("--logging-steps", type=int, help="log train loss every N steps")
     a("--eval-steps", type=int, help="eval loss on the val split every N steps")
     a("--save-steps", type=int, help="checkpoint every N steps (the last 2 are kept)")
-    a("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
-    a(
-        "--overwrite",
-        action="store_true",
-        help="a fresh run replaces the reward model in --output-dir (infra/reward_models.py: check_output_dir)",
-    )
-    # --- the span metrics: the reward model's critiques of the val split (critics.learned.rm_critique, as in 03)
+    a("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoints' last")
+    a("--overwrite", action="store_true", help="a fresh run replaces the reward model in --output-dir")
+    # --- the span metrics: the reward model's critiques of the val split (as in 03)
     a("--max-new-tokens", type=int, help="max critique tokens: at evaluation, and 03's and 04's default")
     a("--gen-batch-size", type=int, default=32, help="critiques generated per batch at evaluation")
-    for add_args in (
-        training.add_args,
-        functools.partial(distributed.add_args, rollouts=False),
-        reward_models.add_args,
-        scalar_rm.add_train_args,
-    ):  # the variants' groups
-        add_args(p)
+    training.add_args(p)  # the variants' groups
+    distributed.add_args(p, rollouts=False)
+    reward_models.add_args(p)
+    scalar_rm.add_train_args(p)
     args = p.parse_args(argv)
-    args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's model
+    args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # may replace the demo's model
     for key, value in PRESETS[args.task].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.data = args.data or f"runs/{args.task}/annotations.jsonl"
     args.output_dir = args.output_dir or f"runs/{args.task}/reward_model"
-    if Path(args.model).is_dir():  # the adapter names its base by this path: absolute, to load from any directory
+    if Path(args.model).is_dir():  # the adapter names its base by it: absolute, to load from anywhere
         args.model = str(Path(args.model).resolve())
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -209,23 +171,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Data: annotations (infra.data.load_annotations, split_records) -> (input_ids, labels), the loss on the target z only
+# Data: annotations -> (input_ids, labels), the loss on the target z only
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def encode_example(
     tokenizer, rec: dict, max_len: int, max_prompt_tokens: int | None = None, rm_format: str = "critique+spans"
 ) -> tuple[dict | None, str]:
-    """({"input_ids", "labels"}, status) for one record; status is "ok", "truncated" or "too_long" (then None).
+    """({"input_ids", "labels"}, status) for one record; status "ok", "truncated" or "too_long" (None).
 
-    input = build_rm_prompt(prompt, response) ++ z ++ EOS, where z = format_rm_target(critique, spans) (Sec. 3.4), or
-    the span JSON alone with rm_format "spans-only" (w/o CoT).
-    Prompt and target are tokenized separately, exactly as the model sees them at inference (it generates z after the
-    prompt's last token). The input is cut as 03 and 04 cut it (infra.reward_models.rm_prompt) to max_prompt_tokens,
-    main()'s --max-len minus --max-new-tokens (reward_model.json; 03 and 04 cut it there too), and further where a
-    longer target would not fit in max_len beside it. Cutting loses the start of the task prompt: never the
-    instruction, the response or the target, which the spans are quoted from. If even an empty task prompt does not
-    fit, the example is dropped.
+    input = build_rm_prompt(prompt, response) ++ z ++ EOS, z = format_rm_target(critique, spans)
+    (Sec. 3.4), or the span JSON alone with rm_format "spans-only" (w/o CoT). Prompt and target are
+    tokenized apart, as the model sees them at inference. The input is cut as 03 and 04 cut it
+    (infra.reward_models.rm_prompt) to max_prompt_tokens, and further where the target would not fit
+    in max_len beside it: the task prompt loses its start, never the instruction, the response or
+    the target. If even an empty task prompt does not fit, the example is dropped.
     """
     target = tokenizer(
         common.format_rm_target(rec["critique"], rec["good_spans"], rec["poor_spans"], rm_format),
@@ -256,11 +216,11 @@ def encode_all(
 
 
 def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> dict:
-    """Right-pad a batch: input_ids (B, T) with pad_id, labels (B, T) with -100, attention_mask (B, T).
+    """Right-pad a batch: input_ids (B, T) with pad_id, labels (B, T) with -100, attention_mask.
 
-    targets_only: the LM head runs only from the position before the batch's first target token to the end
-    (`logits_to_keep`, labels cut to match): the prompt's logits have no loss, and on a real vocabulary they are most
-    of the (B, T, V) float32 tensor (128k x 2048 x 4 B = 1 GB per row for Llama-3.1). The loss is the same."""
+    targets_only: the LM head runs only from the position before the batch's first target token
+    (`logits_to_keep`, labels cut to match): the prompt's logits have no loss, and they are most of
+    the (B, T, V) float32 tensor (1 GB per row for Llama-3.1). The loss is the same."""
     width = max(len(f["input_ids"]) for f in features)
     ids = torch.full((len(features), width), pad_id, dtype=torch.long)
     labels = torch.full((len(features), width), -100, dtype=torch.long)
@@ -271,12 +231,12 @@ def collate(features: list[dict], pad_id: int, targets_only: bool = False) -> di
     if not targets_only:
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
     first = min((next((i for i, t in enumerate(f["labels"]) if t != -100), width) for f in features))
-    keep = width - max(first - 1, 0)  # logits at position t predict token t + 1: keep the one before the first target
+    keep = width - max(first - 1, 0)  # position t predicts token t + 1: from the one before
     return {"input_ids": ids, "labels": labels[:, -keep:], "attention_mask": mask, "logits_to_keep": keep}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluation: greedy critiques of the val split (critics.learned.rm_critique, as in stage 3) against the annotations
+# Evaluation: greedy critiques of the val split (as in stage 3) against the annotations
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -289,11 +249,10 @@ def evaluate_rm(
     max_prompt_tokens: int | None = None,
     rm_format: str = "critique+spans",
 ):
-    """(metrics, raw outputs) of the reward model on `records` (infra.reward_models.rm_span_metrics, paper Tables 1
-    and 6). Its input is cut as in training and in 03 and 04 (infra.reward_models.rm_prompt) to max_prompt_tokens.
-
-    Tokens are the response's own tokens under the reward model's tokenizer, with intervals from decode_with_offsets;
-    gold delta comes from the annotated spans through span_rewards, predicted delta from the parsed critique.
+    """(metrics, raw outputs) of the reward model on `records` (infra.reward_models.rm_span_metrics,
+    Tables 1 and 6), its input cut to max_prompt_tokens as in training and in 03 and 04. Tokens: the
+    response's own under the reward model's tokenizer (decode_with_offsets); gold delta from the
+    annotated spans (span_rewards), predicted delta from the parsed critique.
     """
     outputs = rm_critique(
         model,
@@ -318,7 +277,7 @@ def evaluate_rm(
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Main: data -> LoRA model -> Trainer (train, eval loss, checkpoints) -> save -> reload as stage 3 does -> span metrics
+# Main: data -> LoRA model -> Trainer -> save -> reload as stage 3 does -> span metrics
 # ----------------------------------------------------------------------------------------------------------------------
 
 
@@ -345,24 +304,20 @@ def main(args: argparse.Namespace) -> dict:
     # ---- model: base causal LM + LoRA adapter (Alg. 3: only the adapter is trained) ----
     set_seed(args.seed)
     model, tokenizer = models.load_model(args.model, dtype="bf16" if args.bf16 else "float32")
-    model.config.use_cache = False  # no KV cache while training (and required by activation checkpointing)
+    model.config.use_cache = False  # no KV cache while training (activation checkpointing needs it)
     if args.lora_r > 0:
         model = trainable.add_lora(
             model, args.lora_r, args.lora_alpha, args.lora_targets, args.lora_dropout, args.modules_to_save
         )
-    model = distributed.shard_for_trainer(model, args)  # --shard fsdp: parameters, gradients, Adam states sharded
+    model = distributed.shard_for_trainer(model, args)  # --shard fsdp: parameters, gradients, Adam
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(
-        f"model {args.model}: "
-        + (
-            f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}, "
-            if args.lora_r > 0
-            else "full fine-tuning, "
-        )
-        + f"{n_train:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters"
-    )
+    trained = "full fine-tuning"
+    if args.lora_r > 0:
+        trained = f"LoRA r={args.lora_r} alpha={args.lora_alpha} on {args.lora_targets}"
+    n_all = sum(p.numel() for p in model.parameters())
+    log(f"model {args.model}: {trained}, {n_train:,} trainable of {n_all:,} parameters")
 
-    max_prompt_tokens = args.max_len - args.max_new_tokens  # the input's budget, in use as in training (rm_settings)
+    max_prompt_tokens = args.max_len - args.max_new_tokens  # the input's budget, in use as in training
     train_set, train_counts = encode_all(tokenizer, train_recs, args.max_len, max_prompt_tokens, args.rm_format)
     val_set, _ = encode_all(tokenizer, val_recs, args.max_len, max_prompt_tokens, args.rm_format)
     if not train_set:
@@ -372,7 +327,7 @@ def main(args: argparse.Namespace) -> dict:
         f"at the prompt's start, {train_counts['too_long']} dropped (response + target alone too long)"
     )
 
-    # ---- training (teacher forcing; the loss is the mean NLL of the target tokens, labels -100 elsewhere) ----
+    # ---- training (teacher forcing: the mean NLL of the target tokens, labels -100 elsewhere) ----
     trainer, resume_from = training.make_trainer(
         args,
         model,
@@ -383,14 +338,14 @@ def main(args: argparse.Namespace) -> dict:
         rank0,
     )
     result = trainer.train(resume_from_checkpoint=resume_from)
-    # the mean over ranks: HF adds the loss since its last logging step to train_loss unreduced (rank 0's alone)
+    # the mean over ranks: HF adds the loss since its last log to train_loss unreduced (rank 0's)
     train_loss = (
         distributed.all_sum(torch.tensor(result.training_loss, device=trainer.args.device)).item()
         / trainer.args.world_size
     )
     final_eval = trainer.evaluate() if val_set else {}
     train_s = time.time() - t0
-    state_dict = distributed.full_state_dict(model)  # --shard fsdp: gathered whole on every rank, saved by rank 0
+    state_dict = distributed.full_state_dict(model)  # --shard fsdp: whole on every rank, rank 0 saves
     if not trainer.is_world_process_zero():
         return {}
 
@@ -404,8 +359,8 @@ def main(args: argparse.Namespace) -> dict:
         "rm_format": args.rm_format,
         "prompt_format": common.RM_PROMPT_FORMAT,
         "target_format": common.RM_TARGET_FORMAT,
-        # how 03 and 04 use it (infra.reward_models.rm_settings): the input cut to this many tokens, as in training;
-        # critiques of up to max_new_tokens, as in the evaluation below
+        # how 03 and 04 use it (infra.reward_models.rm_settings): the input cut to this many tokens,
+        # as in training; critiques of up to max_new_tokens, as in the evaluation below
         "max_prompt_tokens": max_prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
         "lora": {
@@ -456,20 +411,11 @@ def main(args: argparse.Namespace) -> dict:
             rm, rm_tok, eval_recs, args.max_new_tokens, args.gen_batch_size, max_prompt_tokens, args.rm_format
         )
         metrics["critique_s"] = round(time.time() - t1, 1)
-        common.write_jsonl(
-            out / "eval_samples.jsonl",
-            [
-                {
-                    "id": r.get("id"),
-                    "prompt": r["prompt"],
-                    "response": r["response"],
-                    "output": o,
-                    "gold_good_spans": r["good_spans"],
-                    "gold_poor_spans": r["poor_spans"],
-                }
-                for r, o in zip(eval_recs, outputs)
-            ],
-        )
+        samples = []
+        for r, o in zip(eval_recs, outputs):
+            sample = {"id": r.get("id"), "prompt": r["prompt"], "response": r["response"], "output": o}
+            samples.append({**sample, "gold_good_spans": r["good_spans"], "gold_poor_spans": r["poor_spans"]})
+        common.write_jsonl(out / "eval_samples.jsonl", samples)
         reward_models.print_table(metrics)
     metrics.update(
         eval_loss=final_eval.get("eval_loss"),
@@ -489,7 +435,7 @@ def main(args: argparse.Namespace) -> dict:
 if __name__ == "__main__":
     try:
         args = parse_args()
-        sys.exit(reward_models.parse_rate_check(main(args), args))  # a critic that mostly does not parse: exit 1
+        sys.exit(reward_models.parse_rate_check(main(args), args))  # mostly unparsed critiques: exit 1
     except common.DataError as e:  # bad input: one line, exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,30 +1,28 @@
-"""Stage 3: NL-Gradient policy optimisation (Text2Grad paper §3.5, Alg. 4): PPO on per-token span rewards.
+"""Stage 3: NL-Gradient policy optimisation (Text2Grad §3.5, Alg. 4): PPO on span rewards.
 
 train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
-  1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, sampled at temperature T
-  2. critic           the critic writes a critique c and quotes good / poor spans of each y (critics.make_critic)
-  3. span_deltas      spans -> character intervals -> per-token delta_t in {-1, 0, +1} (§3.3, common.span_rewards)
-  4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy from score_rollouts
-  5. compute_gae      advantages A_t by GAE over r_t, then whitened (--advantage rloo: compute_rloo, no value head)
-  6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches (ppo_loss)
-  7. log_iteration    the iteration's metrics on the global batch (infra/trace.py), samples, checkpoints
-It reads top to bottom: the arguments; the pure tensor functions of steps 4-6 and the batch they share, ppo_update
-the loop that train() runs (copy them as they are: torch alone); the policy; the steps; train(). The critic of step 2
-is critics/'s. The whole file needs common.py, critics/, infra/, tasks/ and baselines/ beside it.
+  1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, at temperature T
+  2. critic           a critique c and good / poor spans quoted from each y (critics.make_critic)
+  3. span_deltas      spans -> character intervals -> delta_t in {-1, 0, +1} (critics/, §3.3)
+  4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy (score_rollouts)
+  5. compute_gae      advantages A_t by GAE over r_t, whitened (--advantage rloo: compute_rloo)
+  6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches
+  7. log_iteration    the global batch's metrics (infra/trace.py), samples, checkpoints
+It reads top to bottom: the arguments; the pure tensor functions of steps 4-6, their batch and
+ppo_update, the loop train() runs (copy them as they are: torch alone); the policy; the steps.
 
-    python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad PPO, then the scalar baseline (CPU)
-    python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog_scalar
-    python 03_train_policy.py --critic scalar-rm --reward-model runs/demo/bt_rm --output-dir runs/demo/ppo_bt  # PPO
-    python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo     # PRM-PPO
+    python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad, the scalar baseline
+    python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog
+    python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo
     python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
-        --prompts data/slf5k_prompts.jsonl --critic openai --critic-base-url http://localhost:8000/v1 \
-        --critic-model rm --device cuda --dtype bf16 --gradient-checkpointing --output-dir runs/slf5k/text2grad
+        --prompts data/slf5k_prompts.jsonl --critic openai --critic-model rm \
+        --critic-base-url http://localhost:8000/v1 --device cuda --dtype bf16 \
+        --gradient-checkpointing --output-dir runs/slf5k/text2grad
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -35,11 +33,14 @@ import torch
 
 import common
 import critics
-from critics import critique_failed, make_critic
-from infra import cli, decoding, distributed, models, reward_models, runs, sft, trace, trainable
+from critics import critique_failed, make_critic, span_deltas
+from infra import cli, decoding, distributed, mismatch, models, reward_models, runs, sft, trace, trainable
+from infra import vllm_rollouts as vr
 from infra.data import read_prompts
+from infra.locality import locality_sums, locality_summary
+from infra.trainable import build_policy, make_optimizer
 
-# Defaults per task preset: the demo must fit a 2-core CPU; the others follow the paper's setup (App. A, Table 7).
+# Defaults per task preset: the demo fits a 2-core CPU; the others follow the paper (App. A).
 PRESETS = {
     "demo": dict(
         model="runs/demo/base",
@@ -91,7 +92,8 @@ PRESETS = {
     ),
 }
 
-DEMO_RUNS = (PRESETS["demo"]["output_dir"], PRESETS["demo"]["scalar_baseline_dir"])  # only the zero-flag rerun replaces
+# the demo's own runs: only the zero-flag command may replace them
+DEMO_RUNS = (PRESETS["demo"]["output_dir"], PRESETS["demo"]["scalar_baseline_dir"])
 
 
 def parse_args(argv=None):
@@ -102,39 +104,24 @@ def parse_args(argv=None):
     )
     a = p.add_argument
     # --- task, data, model
-    a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="preset and program critic")
+    a("--task", default="demo", choices=["demo", "summarization", "code", "qa"], help="the preset")
     a("--model", help="policy base model: hub id or local dir (demo: runs/demo/base)")
-    a("--prompts", help="JSONL with a 'prompt' field (--task code: any layout of tasks/code.py, tests included)")
+    a("--prompts", help="JSONL with a 'prompt' field (code: any layout of tasks/code.py)")
     a("--output-dir", help="run dir: metrics.jsonl, samples.jsonl, checkpoint.pt, policy/")
     a("--steps", type=int, help="number of PPO iterations")
     a("--seed", type=int, default=1, help="seed for sampling, prompt order and init")
-    a("--resume", action="store_true", help="continue from checkpoint.pt; only --steps and logging flags may differ")
-    a("--overwrite", action="store_true", help="a fresh run replaces the run in --output-dir (and a changed SFT start)")
+    a("--resume", action="store_true", help="continue from OUTPUT_DIR/checkpoint.pt")
+    a("--overwrite", action="store_true", help="a fresh run replaces the run in --output-dir")
     a("--scalar-baseline-dir", help="then train the --reward-mode scalar baseline here ('': skip)")
-    a("--chat-template", default="auto", choices=["auto", "on", "off"], help="wrap prompts in the chat template")
+    a("--chat-template", default="auto", choices=["auto", "on", "off"], help="chat template")
     a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens")
-    # --- policy parametrisation
-    a("--lora-r", type=int, help="LoRA rank; 0 = full fine-tuning (then the reference is a frozen copy)")
-    a("--lora-alpha", type=int, help="LoRA alpha")
-    a("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
-    a("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
-    # --- critic (step 2)
-    a(
-        "--critic",
-        default="local",
-        type=critics.choice(*critics.NAMES),
-        metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
-        help="who writes critique + spans (critics/; README: Your own critic)",
-    )
-    a("--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm")
-    a("--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)")
     # --- rollouts (step 1)
     a("--batch-size", type=int, help="rollouts per iteration")
     a("--max-new-tokens", type=int, help="response length limit")
-    a("--min-new-tokens", type=int, default=0, help="no EOS before this many tokens (benchmarks; log-probs likewise)")
-    a("--temperature", type=float, default=1.0, help="sampling temperature; log-probs use logits / T")
+    a("--min-new-tokens", type=int, default=0, help="no EOS before this many tokens")
+    a("--temperature", type=float, default=1.0, help="sampling T; log-probs: logits / T")
     a("--top-p", type=float, default=1.0, help="nucleus sampling. Below 1 the run is OFF-POLICY")
-    a("--missing-eos-penalty", type=float, default=1.0, help="subtracted from the last reward when no EOS is produced")
+    a("--missing-eos-penalty", type=float, default=1.0, help="penalty when no EOS is produced")
     # --- rewards and advantages (steps 3-5, §3.5)
     a(
         "--reward-mode",
@@ -142,16 +129,22 @@ def parse_args(argv=None):
         choices=["span", "scalar"],
         help="span: delta_t on every token (Text2Grad); scalar: sum of delta on the last token",
     )
-    a("--kl-estimator", default="k1", choices=["k1", "k3", "full"], help="per-token KL (per_token_kl)")
+    a("--kl-estimator", default="k1", choices=["k1", "k3", "full"], help="per-token KL estimator")
     a("--kl-coef", type=float, help="initial beta")
-    a("--adaptive-kl-target", type=float, help="adaptive beta's target sequence KL (Ziegler et al.)")
-    a("--adaptive-kl-horizon", type=float, default=10000, help="horizon of the adaptive KL controller")
+    a("--adaptive-kl-target", type=float, help="adaptive beta's target sequence KL")
+    a("--adaptive-kl-horizon", type=float, default=10000, help="adaptive beta's horizon")
     a("--whiten-rewards", action="store_true", help="whiten rewards (scale only) before GAE")
+    a("--center-delta", action="store_true", help="delta minus its batch mean per token")
     a("--gamma", type=float, default=1.0, help="discount")
     a("--lam", type=float, default=0.95, help="GAE lambda")
-    a("--advantage", default="gae", choices=["gae", "rloo"], help="gae: GAE with the value head; rloo: compute_rloo")
-    a("--rloo-k", type=int, default=4, help="--advantage rloo: samples per prompt (>= 2, divides --batch-size)")
-    a("--rloo-baseline", default="start", choices=["start", "position", "mean-reward"], help="compute_rloo's baseline")
+    a("--advantage", default="gae", choices=["gae", "rloo"], help="gae or rloo (no value head)")
+    a("--rloo-k", type=int, default=4, help="--advantage rloo: samples per prompt")
+    a(
+        "--rloo-baseline",
+        default="start",
+        choices=["start", "position", "mean-reward"],
+        help="compute_rloo's baseline",
+    )
     # --- PPO update (step 6)
     a("--lr", type=float, help="learning rate (LoRA weights and value head)")
     a("--anneal-lr", action="store_true", help="linearly anneal the learning rate to 0")
@@ -159,44 +152,34 @@ def parse_args(argv=None):
     a("--ppo-epochs", type=int, help="passes over each batch")
     a("--num-minibatches", type=int, help="minibatches per epoch")
     a("--grad-accum", type=int, default=1, help="micro-batches per minibatch (memory)")
-    a("--forward-batch-size", type=int, help="rows per no-grad forward (default: what 256 MB of logits allow)")
     a("--clip-range", type=float, default=0.2, help="policy ratio clip epsilon")
     a("--clip-range-value", type=float, default=0.2, help="value clip")
     a("--vf-coef", type=float, default=0.1, help="value loss coefficient")
-    a("--ent-coef", type=float, default=0.0, help="entropy bonus coefficient (the paper's beta * H)")
+    a("--ent-coef", type=float, default=0.0, help="entropy bonus (the paper's beta * H)")
     a("--max-grad-norm", type=float, default=1.0, help="gradient norm clip")
-    a("--target-kl", type=float, help="stop an iteration's epochs early when an epoch's mean approx KL exceeds this")
+    a("--target-kl", type=float, help="stop the epochs once an epoch's approx KL exceeds it")
     # --- system
-    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:1, ...")
-    a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="bf16 / fp16: README, Scaling up")
-    a("--gradient-checkpointing", action="store_true", help="trade compute for memory")
-    # --- the paper's ablations (App. I) and the variants' own flags
-    g = p.add_argument_group("ablations (App. I)")
-    g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
-    g.add_argument(
-        "--labels",
-        default="spans",
-        choices=["spans", "dense", "poor"],
-        help="dense: every token outside a poor span +1 (App. I.1); poor: delta_t = min(delta_t, 0)",
-    )
-    g.add_argument("--center-delta", action="store_true", help="delta minus its batch mean per token (bench/credit.py)")
-    for variant in (sft, critics, decoding, distributed, trace):
+    a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
+    a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="README: Scaling up")
+    # --- the variants' own flags (App. I's --labels and --span-weighting: critics/)
+    for variant in (sft, trainable, critics, decoding, distributed, trace, vr):
         variant.add_args(p)
     args = p.parse_args(argv)
-    args.zero_flag = not (sys.argv[1:] if argv is None else argv)  # only this command may replace the demo's runs
+    # only this command may replace the demo's runs
+    args.zero_flag = not (sys.argv[1:] if argv is None else argv)
     if args.resume and args.overwrite:
         raise common.DataError(
             "--resume and --overwrite: pick one (--resume continues a run on the SFT start it "
             "began from; --overwrite starts it again, and retrains a changed SFT start)"
         )
     critic_budget, rm_given = args.critic_max_new_tokens, args.reward_model is not None
-    if args.output_dir is not None:  # the preset's folders are the preset's: no baseline, the SFT in OUTPUT_DIR/sft
-        args.scalar_baseline_dir = "" if args.scalar_baseline_dir is None else args.scalar_baseline_dir
+    if args.output_dir is not None:  # no baseline, SFT in OUTPUT_DIR/sft: the preset's folders are its own
+        args.scalar_baseline_dir = args.scalar_baseline_dir or ""
         args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")
     for key, value in PRESETS["demo" if args.task == "demo" else "default"].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # the scalar baseline's too
+    args.sft_output_dir = args.sft_output_dir or str(Path(args.output_dir) / "sft")  # and the baseline's
     if not args.model:
         raise common.DataError("--model is required outside the demo")
     for flag, value, ok, rule in (
@@ -214,34 +197,33 @@ def parse_args(argv=None):
     ):
         if not ok:
             raise common.DataError(f"{flag} {value:g}: must be {rule}")
-    shards = int(os.environ.get("WORLD_SIZE", 1)) * args.num_minibatches * args.grad_accum  # torchrun sets it
+    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it
+    shards = world * args.num_minibatches * args.grad_accum
     if args.batch_size % shards:
         raise common.DataError(
             f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x --grad-accum = {shards}"
         )
-    critics.check_args(args, critic_budget, rm_given)  # the reward model the critic uses, as stage 2 trained it
-    if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
-        raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
+    critics.check_args(args, critic_budget, rm_given)  # its reward model, as stage 2 trained it
+    vr.check_args(args, world)  # --rollout-server: LoRA, one process
     return args
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The algorithm: pure tensor functions. Shapes: B rollouts, T response tokens; mask is 1.0 on response tokens.
+# The algorithm: pure tensor functions. Shapes: B rollouts, T response tokens; mask: 1.0 on them.
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class Rollouts:
-    """One iteration's batch, filled in by the steps of Alg. 4: rollout (1), the critic's delta (3), score_rollouts
-    (4), the advantages (5); ppo_update (6) reads mask, logprobs, values, advantages and returns. The global batch of
-    torchrun's ranks is one too (the rows of every rank; rewards only there)."""
+    """One iteration's batch, filled in by rollout (1), delta (3), score_rollouts (4) and step 5;
+    ppo_update (6) reads it. torchrun's global batch is one too (every rank's rows; rewards there)."""
 
     mask: torch.Tensor  # (B, T) 1.0 on response tokens, up to and including the first EOS
     has_eos: torch.Tensor | None = None  # (B,) bool: the response ended with a stop id
     input_ids: torch.Tensor | None = None  # (B, P + T) prompt and response, left-padded
     attention_mask: torch.Tensor | None = None  # (B, P + T)
     texts: list[str] | None = None  # the responses decoded
-    offsets: list[list[tuple[int, int]]] | None = None  # each token's character interval in its text
+    offsets: list[list[tuple[int, int]]] | None = None  # each token's character interval
     delta: torch.Tensor | None = None  # (B, T) delta_t, the critic's pseudo-rewards (step 3)
     logprobs: torch.Tensor | None = None  # (B, T) log pi_old(y_t), the sampling policy's (step 4)
     values: torch.Tensor | None = None  # (B, T) V_old(s_t); 0 without a value head
@@ -249,16 +231,19 @@ class Rollouts:
     rewards: torch.Tensor | None = None  # (B, T) r_t (step 5)
     advantages: torch.Tensor | None = None  # (B, T) A_t, whitened
     returns: torch.Tensor | None = None  # (B, T) the value head's targets
+    behaviour_logprobs: torch.Tensor | None = None  # (B, T) log mu(y_t): --rollout-server's sampler
+    weights: torch.Tensor | None = None  # (B, T) rho = pi_old / mu, its mismatch's correction (None: 1)
+    keep: torch.Tensor | None = None  # (B, T) the tokens the correction keeps in the loss (None: mask)
 
 
 def masked_mean(x, mask, dim=None):
-    return (
-        (x * mask).sum() / mask.sum().clamp(min=1) if dim is None else (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-    )
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (used for rewards)."""
+    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (rewards)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
@@ -266,8 +251,8 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
 
 
 def per_token_kl(logprobs, ref_logprobs, estimator="k1", logits=None, ref_logits=None):
-    """KL_t between policy and reference at each position: Schulman's k1 / k3 estimators from the sampled token's
-    log-probs (B, T), or the exact KL over the vocabulary ("full") from both models' logits (B, T, V)."""
+    """KL_t to the reference: Schulman's k1 / k3 from the sampled tokens' log-probs (B, T), or the
+    exact KL over the vocabulary ("full") from both models' logits (B, T, V)."""
     if estimator == "full":
         logp, logq = logits.log_softmax(-1), ref_logits.log_softmax(-1)
         return (logp.exp() * (logp - logq)).sum(-1)
@@ -275,30 +260,12 @@ def per_token_kl(logprobs, ref_logprobs, estimator="k1", logits=None, ref_logits
     return log_ratio if estimator == "k1" else torch.expm1(-log_ratio) + log_ratio
 
 
-def weight_spans(delta, spans, mode="uniform"):
-    """App. I ablation. uniform: delta as is. linear-decay: the i-th of the n tokens of each span gets delta times
-    1 - (i - 1) * 0.9 / (n - 1) ([1, .775, .55, .325, .1] for n = 5; 1 for n = 1), so a span's start carries most of its
-    credit. spans[b]: the token indices of each located span of row b, in order (common.span_tokens); a token in two
-    spans of its label takes the larger weight."""
-    if mode == "uniform":
-        return delta
-    weight = torch.ones_like(delta)
-    for b, row in enumerate(spans):
-        best = {}
-        for idx in row:
-            for i, t in enumerate(idx):
-                best[t] = max(best.get(t, 0.0), 1.0 - i * 0.9 / (len(idx) - 1) if len(idx) > 1 else 1.0)
-        for t, w in best.items():
-            weight[b, t] = w
-    return delta * weight
-
-
 def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
-    """Per-token rewards r_t (Sec. 3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
-    r_t = -beta*KL_t, plus sum_t delta_t at the last response token (the EOS if one was sampled, never a pad).
-    seq_bonus (B,), e.g. the missing-EOS penalty, is added at the last token in both modes."""
+    """r_t (§3.5, step 4). span: r_t = delta_t - beta*KL_t. scalar (App. A, Setting B):
+    r_t = -beta*KL_t, plus sum_t delta_t at the last response token. seq_bonus (B,): at the last
+    token in both modes."""
     rewards = -kl_coef * kl * mask
-    last = mask.sum(1).long().clamp(min=1) - 1  # (B,)
+    last = mask.sum(1).long().clamp(min=1) - 1  # (B,) the EOS if one was sampled, never a pad
     rows = torch.arange(mask.shape[0], device=mask.device)
     if mode == "span":
         rewards = rewards + delta * mask
@@ -310,8 +277,8 @@ def compute_rewards(delta, kl, mask, kl_coef, mode="span", seq_bonus=None):
 
 
 def compute_gae(rewards, values, mask, gamma: float, lam: float):
-    """Generalised advantage estimation (step 5), as an explicit reversed loop.
-    A_t = sum_l (gamma*lam)^l td_{t+l},  td_t = r_t + gamma*V_{t+1} - V_t,  V = 0 after the last valid token.
+    """GAE (step 5), a reversed loop: A_t = sum_l (gamma*lam)^l td_{t+l},
+    td_t = r_t + gamma*V_{t+1} - V_t, V = 0 after the last valid token.
     Returns (advantages, returns = advantages + values), both 0 where mask is 0."""
     rewards, values = rewards * mask, values * mask
     advantages = torch.zeros_like(rewards)
@@ -327,14 +294,13 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
 
 
 def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "start"):
-    """Critic-free advantages (--advantage rloo; step 5 without a value head). Rows come in groups of k >= 2 samples
-    of one prompt (rows j*k .. j*k+k-1). RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns,
-    with r_t from compute_rewards (delta_t - beta*KL_t, as for GAE) and the mean over the other samples j of the prompt:
-      start        A_t = G_t - mean_j G_0^j                 G_t = sum_{s>=t} gamma^(s-t) r_s (--rloo-baseline)
-      position     A_t = G_t - mean_j G_t^j                 (G_t^j = 0 once sample j has ended)
-      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j)   rbar^j: j's mean reward per token
-    With the whole reward on the last token, "start" is plain RLOO: every token of a sample gets R - mean(others' R).
-    Returns (advantages, returns = G), both 0 where mask is 0."""
+    """Critic-free advantages (--advantage rloo): rows come in groups of k >= 2 samples of a prompt.
+    RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns of the r_t of
+    compute_rewards, mean_j over the prompt's other samples j, G_t = sum_{s>=t} gamma^(s-t) r_s:
+      start        A_t = G_t - mean_j G_0^j
+      position     A_t = G_t - mean_j G_t^j   (G_t^j = 0 once sample j has ended)
+      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j), rbar^j: j's mean r_t
+    With the whole reward on the last token, "start" is plain RLOO. Returns (advantages, G)."""
 
     def reward_to_go(r):  # (B, T) -> (B, T), a reversed loop
         out, running = torch.zeros_like(r), torch.zeros_like(r[:, 0])
@@ -360,14 +326,17 @@ def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "sta
     return advantages * mask, returns
 
 
-def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value):
-    """Clipped surrogate policy loss and clipped value loss (step 6), token-averaged under `mask`. values None (no
-    value head: --advantage rloo): no value loss (None) and no value statistic."""
+def ppo_loss(
+    logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value, weights=1.0
+):
+    """Clipped surrogate policy loss and clipped value loss (step 6), token means under `mask`.
+    values None (no value head: --advantage rloo): no value loss (None) and no value statistic.
+    weights (B, T): each token's surrogate times its importance weight (server rollouts); 1.0: none."""
     log_ratio = (logprobs - old_logprobs) * mask
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), mask)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped) * weights, mask)  # x * 1.0 is x, bit for bit
     with torch.no_grad():
         stats = {
             "policy/approx_kl": masked_mean(ratio - 1 - log_ratio, mask).item(),
@@ -376,7 +345,8 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns, ma
     if values is None:
         return pg_loss, None, stats
     values_clipped = old_values + torch.clamp(values - old_values, -clip_range_value, clip_range_value)
-    vf_losses, vf_losses_clipped = (values - returns) ** 2, (values_clipped - returns) ** 2
+    vf_losses = (values - returns) ** 2
+    vf_losses_clipped = (values_clipped - returns) ** 2
     vf_loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses_clipped), mask)
     stats["val/clipfrac"] = masked_mean((vf_losses < vf_losses_clipped).float(), mask).item()
     return pg_loss, vf_loss, stats
@@ -395,7 +365,7 @@ def entropy_from_logits(logits):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - mean (returns - V)^2 / Var(returns) over the masked tokens: how much of the returns V predicts."""
+    """1 - mean (returns - V)^2 / Var(returns) over the masked tokens: how much of it V predicts."""
     var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
     return float(1 - masked_mean((returns - values) ** 2, mask) / var_returns) if var_returns > 0 else 0.0
 
@@ -420,8 +390,8 @@ def no_reduction(x):
 
 
 def clip_grad_norm(params, max_norm: float, all_sum=no_reduction):
-    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (DTensors, a shard on each rank) beside
-    whole ones (the value head): the global norm from every rank's shards (all_sum) and the whole gradients."""
+    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (a DTensor shard per
+    rank, summed by all_sum) beside whole ones (the value head)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not any(hasattr(g, "to_local") for g in grads):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -435,22 +405,23 @@ def clip_grad_norm(params, max_norm: float, all_sum=no_reduction):
 
 
 def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler=None, all_sum=no_reduction):
-    """Step 6 (§3.5): hp.ppo_epochs passes over the batch in hp.num_minibatches minibatches of hp.grad_accum
-    micro-batches; loss = clipped surrogate + vf_coef * clipped value loss (none without a value head) - ent_coef *
-    entropy, its token mean over the minibatch on every rank; gradients clipped to hp.max_grad_norm.
-    score(rows) -> (log-probs, values or None, logits / T) of those rows of the batch under the policy now, with grad.
-    scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a tensor's sum over torchrun's ranks, in place (the
-    identity in one process): the minibatch's tokens, the gradients (but FSDP's sharded ones: it reduced them), the
-    epoch's KL. Returns each micro-batch's stats and the epochs run (hp.target_kl may stop early)."""
+    """Step 6 (§3.5): hp.ppo_epochs passes over the batch, in hp.num_minibatches minibatches of
+    hp.grad_accum micro-batches. loss = clipped surrogate + vf_coef * clipped value loss
+    - ent_coef * entropy, its token mean over the minibatch on every rank; gradients clipped.
+    score(rows) -> (log-probs, values or None, logits / T) of those rows now, with grad.
+    scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a sum over torchrun's ranks, in
+    place (the identity in one process). Returns each micro-batch's stats and the epochs run."""
     B = batch.mask.shape[0]
+    keep = batch.mask if batch.keep is None else batch.keep  # server rollouts: the mismatch masks some out
     stats = []
     mb_size = B // hp.num_minibatches
     micro = mb_size // hp.grad_accum
     for epoch in range(hp.ppo_epochs):
-        perm, epoch_start = torch.randperm(B, device=batch.mask.device), len(stats)
+        perm = torch.randperm(B, device=batch.mask.device)
+        epoch_start = len(stats)
         for mb_start in range(0, B, mb_size):
             mb = perm[mb_start : mb_start + mb_size]
-            mb_tokens = all_sum(batch.mask[mb].sum()).clamp(min=1)  # the minibatch's tokens on all ranks
+            mb_tokens = all_sum(keep[mb].sum()).clamp(min=1)  # on all ranks
             for s in range(0, mb_size, micro):
                 m = mb[s : s + micro]
                 logprobs, values, logits = score(m)
@@ -461,14 +432,15 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                     values,
                     batch.values[m],
                     batch.returns[m],
-                    batch.mask[m],
+                    keep[m],
                     hp.clip_range,
                     hp.clip_range_value,
+                    1.0 if batch.weights is None else batch.weights[m],
                 )
-                with torch.set_grad_enabled(hp.ent_coef != 0):  # without the bonus it is only logged
-                    entropy = masked_mean(entropy_from_logits(logits), batch.mask[m])
+                with torch.set_grad_enabled(hp.ent_coef != 0):  # else only logged
+                    entropy = masked_mean(entropy_from_logits(logits), keep[m])
                 loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0) - hp.ent_coef * entropy
-                loss = loss * batch.mask[m].sum() / mb_tokens  # exact token mean over the minibatch
+                loss = loss * keep[m].sum() / mb_tokens  # the minibatch's exact token mean
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 stats.append(
                     {
@@ -478,7 +450,7 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                         **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {}),
                     }
                 )
-            for p in params:  # torchrun: the ranks' gradients summed
+            for p in params:  # torchrun: the ranks' gradients summed (FSDP's sharded: done)
                 if p.grad is not None and not hasattr(p.grad, "to_local"):
                     all_sum(p.grad)
             if scaler is not None:
@@ -498,62 +470,21 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
             ).sum(0)
         )
         if hp.target_kl is not None and kls[0] / kls[1] > hp.target_kl:
-            break  # early stop on this epoch's approx KL: the policy moved far enough from the behaviour policy
+            break  # early stop: the policy moved far enough from the behaviour policy
     return stats, epoch + 1
 
 
-LOCALITY_GROUPS = ("poor", "good", "outside_flawed", "outside_clean")
-
-
-def locality_sums(log_ratio, delta, mask):
-    """Where an update went: Delta_t = log pi_new - log pi_old (log_ratio, (B, T)) summed per token group, the groups
-    read off the delta_t the update was computed from (its sign): inside poor spans, inside good spans, and outside
-    every span in answers with a poor span ("flawed") or without one ("clean"). Returns (4, 4): per LOCALITY_GROUPS
-    entry, (tokens, sum Delta, sum |Delta|, tokens whose Delta < 0); sums, so that ranks and batches add up."""
-    flawed = ((delta < 0).float() * mask).amax(1, keepdim=True)  # (B, 1): 1 if the answer has a poor token
-    outside = (delta == 0).float() * mask
-    groups = torch.stack(
-        [(delta < 0).float() * mask, (delta > 0).float() * mask, outside * flawed, outside * (1 - flawed)]
-    )  # (4, B, T)
-    return torch.stack(
-        [
-            groups.sum((1, 2)),
-            (groups * log_ratio).sum((1, 2)),
-            (groups * log_ratio.abs()).sum((1, 2)),
-            (groups * (log_ratio < 0).float()).sum((1, 2)),
-        ],
-        1,
-    )
-
-
-def locality_summary(sums) -> dict:
-    """locality_sums' (4, 4) as {group: {tokens, mean, mean_abs, down}} (down: the share of its tokens made less
-    likely) plus "ratio", the locality ratio: mean |Delta| inside poor spans / mean |Delta| on the unflagged tokens of
-    the same (flawed) answers; None where a group is empty."""
-    out = {}
-    for name, (n, total, total_abs, down) in zip(LOCALITY_GROUPS, sums.tolist()):
-        out[name] = {
-            "tokens": int(n),
-            "mean": total / n if n else None,
-            "mean_abs": total_abs / n if n else None,
-            "down": down / n if n else None,
-        }
-    poor, rest = out["poor"]["mean_abs"], out["outside_flawed"]["mean_abs"]
-    out["ratio"] = poor / rest if poor is not None and rest else None
-    return out
-
-
 # ----------------------------------------------------------------------------------------------------------------------
-# The policy: log-probs and values in one forward, the reference policy without a second copy of the weights
+# The policy: log-probs and values in one forward, the reference without a second copy
 # ----------------------------------------------------------------------------------------------------------------------
 
 
 def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, forbid=None):
-    """Log-probs of the last n_resp tokens, the values of the states before them, and the logits / T.
-    Only the last n_resp + 1 positions' logits are computed (logits_to_keep): the prompt's are never needed.
-    forbid = (ids, n): generate() could not sample these ids at the first n response positions (--min-new-tokens),
-    so they get the lowest logit there too: the log-probs are those of the distribution that was sampled."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: positions start at the first token
+    """Log-probs of the last n_resp tokens, the values of the states before them, and the
+    logits / T (of those positions only: logits_to_keep). forbid = (ids, n): ids generate() could
+    not sample at the first n positions (--min-new-tokens) get the lowest logit there too: the
+    log-probs are those of the distribution that was sampled."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: from the first token
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -563,7 +494,7 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
         logits_to_keep=n_resp + 1,
     )
     logits = out.logits[:, :-1].float() / temperature  # (B, T, V): position t predicts t+1
-    if forbid and forbid[1] > 0:  # finite, not -inf: 0 * logit stays 0 in the entropy and the full KL
+    if forbid and forbid[1] > 0:  # finite, not -inf: 0 * logit stays 0 in the entropy and KL
         logits[:, : forbid[1], forbid[0]] = torch.finfo(logits.dtype).min
     logprobs = torch.gather(logits.log_softmax(-1), 2, input_ids[:, -n_resp:, None]).squeeze(-1)  # (B, T)
     values = None
@@ -574,8 +505,8 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
 
 
 def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, temperature, forbid=None):
-    """(log-probs, logits) of pi_ref: the same weights with the LoRA adapter switched off (or the --ref-adapter
-    switched on); only full fine-tuning needs the frozen copy `ref_model`."""
+    """(log-probs, logits) of pi_ref: the same weights with the LoRA adapter switched off (or the
+    --ref-adapter switched on); only full fine-tuning needs the frozen copy `ref_model`."""
     if ref_model is not None:
         return forward(ref_model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
     if "ref" in getattr(model, "peft_config", {}):
@@ -588,53 +519,28 @@ def reference_forward(model, ref_model, input_ids, attention_mask, n_resp, tempe
         return forward(model, None, input_ids, attention_mask, n_resp, temperature, forbid)[::2]
 
 
-def build_policy(args, model):
-    """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
-    ref_model = None
-    if args.ref_adapter:  # the policy starts as the adapter, which is also pi_ref (its copy named "ref", frozen)
-        model = trainable.load_ref_adapter(model, args.ref_adapter)
-    elif args.lora_r > 0:
-        model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
-    else:  # full fine-tuning: the frozen reference needs no float32 master weights
-        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
-    if args.gradient_checkpointing:
-        # (it also makes the embeddings' output require grad, by a hook: calling that again would add a second one)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    value_head = torch.nn.Linear(model.get_input_embeddings().weight.shape[1], 1, device=args.device)
-    torch.nn.init.zeros_(value_head.weight)  # zero-init: V = 0 at the start, so early advantages are the returns
-    torch.nn.init.zeros_(value_head.bias)
-    return model, ref_model, value_head
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # The steps of one iteration (Alg. 4), in the order train() calls them
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts, float]:
-    """Step 1 (Alg. 4, §3.5): y ~ pi_theta(.|x) for a left-padded batch, sampled with the behaviour policy's exact
-    settings. mask (B, T) is 1.0 on the response up to and including its first stop id (Llama-3.1 has three EOS ids).
-    Then each response is decoded with the character interval of every token (common.decode_with_offsets, §3.3).
-    Returns the batch and the time sampling ended (decoding counts as the critic's time)."""
+def rollout(model, tokenizer, queries, gen_config, stop, args, server=None) -> tuple[Rollouts, float]:
+    """Step 1 (§3.5): y ~ pi_theta(.|x) for a left-padded batch, the behaviour policy's settings
+    exactly; mask is 1.0 up to and including the first stop id (Llama-3.1 has three). Each response
+    is decoded with every token's character interval (common.decode_with_offsets, §3.3). Returns
+    the batch and the time sampling ended (decoding counts as the critic's time)."""
     query, query_mask = (x.to(args.device) for x in models.left_pad(queries, tokenizer.pad_token_id))
     model.eval()
-    with (
-        torch.no_grad(),
-        distributed.autocast(args.device, args.dtype),
-        distributed.gathered(model, args.fsdp_generate == "whole"),
-    ):
-        if args.compile_generation:  # the same tokens from the same random numbers, at the compiled model's speed
-            response = decoding.generate_static(model, query, query_mask, gen_config)  # (B, T)
-        else:
-            response = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)[
-                :, query.shape[1] :
-            ]  # (B, T)
+    if server is not None:  # --rollout-server: vLLM samples them, with its log-probs mu (infra/vllm_rollouts.py)
+        response, behaviour = vr.served_rollouts(server, model, queries, gen_config, stop, tokenizer.pad_token_id)
+    else:  # transformers' generate (--compile-generation: the same tokens, compiled); no other sampler's mu
+        response, behaviour = decoding.generate(model, query, query_mask, gen_config, args), None  # (B, T)
     is_eos = torch.isin(response, stop)
     has_eos = is_eos.any(1)  # (B,)
-    first_eos = torch.where(
-        has_eos, is_eos.int().argmax(1), torch.full_like(has_eos, response.shape[1], dtype=torch.long)
-    )
-    mask = (torch.arange(response.shape[1], device=response.device)[None] <= first_eos[:, None]).float()  # (B, T)
+    no_eos = torch.full_like(has_eos, response.shape[1], dtype=torch.long)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(1), no_eos)
+    positions = torch.arange(response.shape[1], device=response.device)
+    mask = (positions[None] <= first_eos[:, None]).float()  # (B, T)
     response = response.masked_fill(mask == 0, tokenizer.pad_token_id)
     sampled = time.time()
     texts, offsets = zip(
@@ -650,40 +556,13 @@ def rollout(model, tokenizer, queries, gen_config, stop, args) -> tuple[Rollouts
         torch.cat([query_mask, mask.long()], 1),
         list(texts),
         list(offsets),
+        behaviour_logprobs=behaviour,
     ), sampled
 
 
-def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
-    """Step 3 (§3.3): the quoted spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (critics.delta:
-    common.span_rewards), weighted within each span by --span-weighting (App. I); a scalar critic's step_rewards and
-    a python: critic's intervals with their rewards are put on tokens by critics.delta too. Returns delta (B, T) (0
-    where the critique failed), the (delta, unmatched) of each row, the number of non-empty quotes (or intervals) and
-    of quotes not found (the critic's own quotes)."""
-    delta, rows, n_spans, n_unmatched = torch.zeros_like(mask), [None] * len(feedback), 0, 0
-    spans = [[] for _ in feedback]
-    for i, fb in enumerate(feedback):
-        if critique_failed(fb):
-            continue
-        quotes = "spans" not in fb and "step_rewards" not in fb  # a learned critic's, or a function's quotes
-        quoted = fb.get("good_spans", []) + fb.get("poor_spans", [])
-        n_spans += sum(1 for s in quoted if s.strip()) + len(fb.get("spans", []))
-        if quotes and labels == "dense":  # App. I.1: the whole response quoted as good too: +1 outside poor spans
-            fb = {**fb, "good_spans": fb["good_spans"] + ([texts[i]] if texts[i].strip() else [])}
-        if quotes and weighting != "uniform":  # the same delta, and the tokens of each located quote (App. I's spans)
-            d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
-            spans[i] = [idx for _, idx in located]
-        else:
-            d, unmatched = critics.delta(texts[i], offsets[i], fb)
-        rows[i] = (d, unmatched)
-        delta[i, : len(d)] = torch.tensor(d)
-        n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
-    delta = weight_spans(delta, spans, weighting)
-    return delta.clamp(max=0) if labels == "poor" else delta, rows, n_spans, n_unmatched  # poor: no +1 (credit.py)
-
-
 def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
-    """fn(input_ids, attention_mask) -> tensors (rows, ...) on the batch in as few no-grad forward calls as memory
-    allows ((B, T, V) logits can be large), concatenated."""
+    """fn(input_ids, attention_mask) -> tensors (rows, ...) on the batch, in as few no-grad
+    forwards as memory allows ((B, T, V) logits can be large), concatenated."""
     rows = trainable.scoring_rows(b.mask, micro, model, args)
     with torch.no_grad(), distributed.autocast(args.device, args.dtype):
         out = [fn(b.input_ids[s : s + rows], b.attention_mask[s : s + rows]) for s in range(0, len(b.mask), rows)]
@@ -691,8 +570,8 @@ def no_grad_chunks(fn, b: Rollouts, micro: int, model, args) -> list:
 
 
 def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, args):
-    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head: --advantage rloo), and
-    KL_t to the reference, each (B, T)."""
+    """Step 4, no grad: the behaviour policy's log-probs and values (0 without a value head),
+    and KL_t to the reference, each (B, T)."""
     T = b.mask.shape[1]
 
     def score(ids, attn):
@@ -706,12 +585,13 @@ def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, arg
 
 
 def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
-    """Steps 4-5 on the global batch g (its delta, kl, mask, values, has_eos): the rewards r_t = delta_t - beta*KL_t
-    of reward_mode (compute_rewards, the missing-EOS penalty at the last token; --whiten-rewards; --center-delta:
-    delta less its mean over the batch's response tokens), then A_t by GAE (or --advantage rloo), whitened. Returns
-    (rewards, advantages, returns), each (B, T)."""
+    """Steps 4-5 on the global batch g: r_t = delta_t - beta*KL_t of reward_mode (the missing-EOS
+    penalty, --whiten-rewards, --center-delta), then A_t by GAE (or --advantage rloo), whitened.
+    Returns (rewards, advantages, returns), each (B, T)."""
     seq_bonus = torch.where(g.has_eos, 0.0, -args.missing_eos_penalty)  # (B,)
-    delta = g.delta - masked_mean(g.delta, g.mask) if args.center_delta else g.delta  # no reward mean
+    delta = g.delta
+    if args.center_delta:  # no reward mean for the early tokens' returns to accumulate
+        delta = g.delta - masked_mean(g.delta, g.mask)
     rewards = compute_rewards(delta, g.kl, g.mask, kl_coef, reward_mode, seq_bonus)
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, g.mask, shift_mean=False)
@@ -723,8 +603,12 @@ def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
 
 
 def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
-    """Step 6: ppo_update on this rank's rows, the policy in train mode (dropout is off in its config: Huang et al.)."""
+    """Step 6: ppo_update on this rank's rows, the policy in train mode (its dropout is off).
+    Rollouts sampled by vLLM get the importance weights rho = pi_old / mu, masked or capped."""
     T = b.mask.shape[1]
+    if b.behaviour_logprobs is not None:  # the trainer/inference mismatch (infra/mismatch.py, --rollout-is-mode)
+        mode = (args.rollout_is_mode, args.rollout_is_cap)
+        b.weights, b.keep = mismatch.importance_weights(b.logprobs, b.behaviour_logprobs, b.mask, *mode)
 
     def score(rows):  # the policy's log-probs, values and logits / T of these rows now, with grad
         with distributed.autocast(args.device, args.dtype):
@@ -738,18 +622,18 @@ def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
 
 
 def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micro, args, rank) -> dict:
-    """--trace-samples: after step 6, one more no-grad forward gives Delta_t = log pi_new - log pi_old of every
-    response token (in score_rollouts' chunks: a token whose probability did not move gets Delta = 0); its locality
-    over the global batch (locality_summary), that of the advantages under both reward modes (the other mode's from
-    the same delta, KL, V and beta), and r and A of this rank's rows under both, r without --missing-eos-penalty
-    (infra.trace.trace_iteration logs it apart). It draws nothing random: a run is the same with or without it."""
-    T, mine = b.mask.shape[1], slice(rank * len(b.mask), (rank + 1) * len(b.mask))
+    """--trace-samples, after step 6: one more no-grad forward gives Delta_t = log pi_new -
+    log pi_old of every response token; its locality over the global batch (infra/locality.py),
+    that of the advantages under both reward modes, and this rank's r (less the missing-EOS
+    penalty) and A under both. It draws nothing random: a run is the same with or without it."""
+    T = b.mask.shape[1]
+    mine = slice(rank * len(b.mask), (rank + 1) * len(b.mask))
     new = no_grad_chunks(
         lambda ids, attn: forward(scorer, None, ids, attn, T, args.temperature, forbid)[:1], b, micro, scorer, args
     )[0]
     log_ratio = (new - b.logprobs) * b.mask  # (B, T): Delta_t
     other = "scalar" if args.reward_mode == "span" else "span"
-    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # r without the penalty: logged apart
+    apart = argparse.Namespace(**{**vars(args), "missing_eos_penalty": 0.0})  # logged apart
     rewards = {m: rewards_and_advantages(g, kl_coef, m, apart)[0] for m in (args.reward_mode, other)}
     advantages = {args.reward_mode: g.advantages, other: rewards_and_advantages(g, kl_coef, other, args)[1]}
     return {
@@ -762,33 +646,12 @@ def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micr
 
 
 def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
-    """This rank's share of iteration `step`'s prompts (runs.batch_indices: the same after a resume): --batch-size
-    of them, or for --advantage rloo --batch-size / --rloo-k of them, each --rloo-k times in a row (the k samples of
-    a prompt, one group)."""
+    """This rank's share of iteration `step`'s prompts (the same after a resume): --batch-size of
+    them, or for --advantage rloo --batch-size / --rloo-k, each --rloo-k times in a row."""
     k = 1 if args.advantage == "gae" else args.rloo_k
     idx = [i for i in runs.batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
     local = args.batch_size // world
     return idx[rank * local : (rank + 1) * local]
-
-
-def make_optimizer(params, args):
-    """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
-    then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
-    # FSDP's sharded weights and the whole value head in separate groups: foreach/fused AdamW (CUDA's) cannot mix them
-    groups = [
-        {"params": g}
-        for g in (
-            [p for p in params if distributed.is_sharded(p)],
-            [p for p in params if not distributed.is_sharded(p)],
-        )
-        if g
-    ]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)) * (1.0 - it / args.steps if args.anneal_lr else 1.0),
-    )
-    return optimizer, scheduler
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -796,32 +659,33 @@ def make_optimizer(params, args):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def train(args):
-    """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
-    from tqdm.auto import tqdm
-
-    # --- every check before anything is written: the critic answers, the model folders exist, the run folder is free
+def check_run(args) -> str:
+    """Every check before anything is written: the critic answers, the model folders exist, the run
+    folder is free. Returns the run's kind (runs.policy_run_kind)."""
     critics.check_critic(args)
     for flag, path in (("--model ", args.model), ("--ref-adapter ", args.ref_adapter)):
         models.check_model_path(path, flag)  # and a typo'd folder: one line, at once
     sft.check_data(args)
-    kind = runs.policy_run_kind(args.output_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
+    return runs.policy_run_kind(args.output_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
+
+
+def train(args):
+    """Alg. 4: Text2Grad PPO on the critic's per-token span rewards. Returns the directory of the saved policy."""
+    kind = check_run(args)  # every check before anything is written
     rank, world, device = distributed.dist_init(args.device)
     args = argparse.Namespace(**{**vars(args), "device": device})  # this rank's device; the caller's args stay as given
     distributed.seed_everything(args.seed)  # the same on every rank, so every rank builds the same LoRA init
     # --- the prompts, the policy (after the optional SFT warm start), the critic, the optimizer, the run folder
     records = read_prompts(args.prompts, args.task)
-    start = (
-        sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"])
-        if args.sft_data and args.sft_steps > 0
-        else args.model
-    )
-    model, tokenizer = models.load_model(
-        start, device=args.device, dtype=args.dtype if args.lora_r > 0 or args.ref_adapter else "float32"
-    )
+    start = args.model
+    if args.sft_data and args.sft_steps > 0:
+        start = sft.sft_warm_start(args, rank, kind == "resume", PRESETS["demo"]["sft_output_dir"])
+    dtype = args.dtype if args.lora_r > 0 or args.ref_adapter else "float32"  # full FT: float32 master weights
+    model, tokenizer = models.load_model(start, device=args.device, dtype=dtype)
     queries = [
         models.policy_prompt(tokenizer, r["prompt"], args.chat_template, args.max_prompt_tokens) for r in records
     ]  # before any output: may raise DataError
+    server = vr.open_server(args, queries, args.output_dir)  # --rollout-server: it answers, or one line
     model, ref_model, value_head = build_policy(args, model)
     model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
     scorer, ref_scorer = trainable.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
@@ -830,39 +694,35 @@ def train(args):
     critic, monitor = make_critic(args), critics.make_monitor(args)
     params = [p for p in model.parameters() if p.requires_grad] + (list(head.parameters()) if head is not None else [])
     optimizer, scheduler = make_optimizer(params, args)
-    scaler, costs = distributed.grad_scaler(args.device, args.dtype), []
+    scaler = distributed.grad_scaler(args.device, args.dtype)
     out_dir, ckpt = Path(args.output_dir), Path(args.output_dir) / "checkpoint.pt"
-    saved = runs.start_or_resume(
-        out_dir, kind, vars(args), model, value_head, optimizer, scheduler, scaler, rank, world
-    )
+    config = {**vars(args), "prompts_content": runs.records_fingerprint(records)}  # --resume: the same prompts
+    saved = runs.start_or_resume(out_dir, kind, config, model, value_head, optimizer, scheduler, scaler, rank, world)
     first_step, kl_coef = saved["step"] + 1, saved.get("kl_coef", args.kl_coef)  # resumed: the beta it had reached
+    rows = saved["rows"]  # metrics.jsonl's: the failure limits and counts are the whole run's, resumes included
+    save = lambda step, rng=None: runs.save_checkpoint(  # noqa: E731
+        ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank, rng
+    )
     local_bs = args.batch_size // world  # rollouts of this rank
     micro = local_bs // args.num_minibatches // args.grad_accum  # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
     gen_config = models.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
     stop = torch.tensor(models.stop_ids(model), device=args.device)
     forbid = (stop.tolist(), args.min_new_tokens)
-    if args.top_p < 1 and rank == 0:
-        print(
-            f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
-            "scores log-probs of the full distribution)",
-            file=sys.stderr,
-        )
-    bar = tqdm(
-        range(first_step, args.steps + 1),
-        desc=f"PPO ({args.reward_mode})",
-        initial=first_step - 1,
-        total=args.steps,
-        disable=rank != 0,
-    )
+    bar = trace.progress_bar(first_step, args, rank)  # and a warning above it when --top-p makes it off-policy
     for step in bar:
         clock = {"start": time.time()}
+        rng = runs.rng_state()  # the run as it stood, for a save after an error
         idx = prompt_indices(step, len(records), args, rank, world)  # this rank's share
         recs = [records[i] for i in idx]
         # 1. rollout: y ~ pi_theta(.|x) for this rank's share of the batch (Alg. 4, §3.5)
-        b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args)
+        b, clock["sampled"] = rollout(model, tokenizer, [queries[i] for i in idx], gen_config, stop, args, server)
         # 2. critique: the critic writes c and quotes good / poor spans of each y (§3.3; the learned critic: §3.4)
-        feedback = critic(recs, b.texts)
+        feedback, broken = critics.judge(critic, recs, b.texts, args.device)
+        if broken:  # a broken plug-in: the iterations done are kept (checkpoint as this iteration began), one line
+            if step > 1:
+                save(step - 1, rng)
+            raise common.DataError(critics.broken(broken, step - 1))
         # 3. delta: the spans -> per-token pseudo-rewards delta_t in {-1, 0, +1} (§3.3, App. L)
         b.delta, deltas, n_spans, n_unmatched = span_deltas(
             b.texts, b.offsets, feedback, b.mask, args.span_weighting, args.labels
@@ -871,9 +731,8 @@ def train(args):
         watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
-        g = Rollouts(
-            **{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
-        )
+        gathered = {k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
+        g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
         mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b.mask.shape[1]  # this rank's rows
@@ -890,40 +749,24 @@ def train(args):
             went = where_it_went(scorer, b, g, kl_coef, forbid, micro, args, rank)
             trace.trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went, args, rank)
         # 7. log the global batch's metrics with the beta and lr this iteration used, samples; adapt beta; checkpoint
-        row = trace.log_iteration(
-            step,
-            out_dir,
-            {
-                "recs": recs,
-                "b": b,
-                "g": g,
-                "feedback": feedback,
-                "counts": [sum(map(critique_failed, feedback)), n_spans, n_unmatched],
-                "watched": watched,
-                "stats": stats,
-                "epochs": epochs,
-                "kl_coef": kl_coef,
-                "lr": lr,
-                "explained_variance": explained_variance(g.values, g.returns, g.mask),
-                "clock": clock,
-            },
-            args,
-            rank,
-            world,
-        )
+        counts = [sum(map(critique_failed, feedback)), n_spans, n_unmatched]  # failed critiques, quotes, not found
+        ev = explained_variance(g.values, g.returns, g.mask)
+        it = dict(recs=recs, b=b, g=g, feedback=feedback, counts=counts, watched=watched, stats=stats)
+        it.update(epochs=epochs, kl_coef=kl_coef, lr=lr, explained_variance=ev, clock=clock)
+        row = trace.log_iteration(step, out_dir, it, args, rank, world)
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
             kl_coef = update_kl_coef(
                 kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target, args.adaptive_kl_horizon, args.batch_size
             )
         trace.show_progress(bar, step, row, feedback, args, rank)
-        halt = critics.failing(costs, row, feedback, args)  # why the run stops here (its critic has failed), or None
+        halt = critics.failing(rows, row, feedback, args)  # why the run stops here (its critic has failed), or None
         if step % args.save_every == 0 or step == args.steps or halt:
-            runs.save_checkpoint(ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank)
+            save(step)
         if halt:
             raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
     distributed.barrier()
-    critics.end_of_run(costs, args, rank)  # the critic's cost; most of its critiques failed over the run: DataError
+    critics.end_of_run(rows, first_step, args, rank)  # its cost; most critiques failed over the run: DataError
     return out_dir / "policy"
 
 
@@ -952,6 +795,5 @@ if __name__ == "__main__":
     except common.DataError as e:  # bad input: one line, exit code 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to continue it, one line
-        print(runs.interrupted(), file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt:  # Ctrl-C: where the run stands and how to continue it, one line and nothing after it
+        runs.exit_interrupted()

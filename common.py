@@ -1,15 +1,11 @@
 """What the four Text2Grad stages share about the method itself, so that it cannot drift apart between them:
   1. Records                   DataError, iter_jsonl, read_jsonl, atomic_open, write_json(l), open_resumable_jsonl,
-                               append_jsonl: one JSON object per line, an error naming the file and line; append-only
-                               outputs keyed by id that a rerun resumes
+                               append_jsonl: JSON lines, errors naming file and line, outputs a rerun resumes
   2. Feedback parsing          parse_feedback: critic text -> {"critique", "good_spans", "poor_spans"}
   3. Span <-> token alignment  find_span, locate_spans, decode_with_offsets, span_rewards (delta_t, paper Sec. 3.3),
                                interval_rewards, span_tokens
-  4. The reward model's text   rm_user_message, build_rm_prompt, format_rm_target (z = [c ; A(y)], Sec. 3.4): what 02
-                               trains on and 03 / 04 parse
-No torch or transformers at module level: parsing and alignment work without them. Copy it as it is. The machinery a
-run needs (loading models, decoding, servers, run folders) is in infra/, the tasks in tasks/, the baselines in
-baselines/.
+  4. The reward model's text   rm_user_message, build_rm_prompt, format_rm_target (z = [c ; A(y)], Sec. 3.4)
+No torch or transformers at module level: parsing and alignment work without them. Copy it as it is.
 """
 
 from __future__ import annotations
@@ -30,18 +26,17 @@ from pathlib import Path
 
 
 class DataError(ValueError):
-    """Bad user input. Its message is one line naming the file, line and field; scripts print it and exit 2."""
+    """Bad input: its one-line message names the file, line and field; scripts print it, exit 2."""
 
 
 def first_line(e: Exception) -> str:
-    """An exception as one line, for a DataError: its message's first line, else its type's name."""
+    """An exception as one line for a DataError: its message's first line, else its type's name."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def iter_jsonl(path, required: tuple[str, ...] = ()):
     """(line number, record) per non-blank line of a JSONL file (.jsonl.gz too), each `required` field a string.
-    Lines end at "\n" only: a lone "\r" is JSON whitespace, and counting it as a line break (text mode's universal
-    newlines) would shift every later line number. Raises DataError('file:line: reason')."""
+    Lines end at "\n" only: a lone "\r" is JSON whitespace. Raises DataError('file:line: reason')."""
     import gzip
 
     path = Path(path)
@@ -67,8 +62,8 @@ def iter_jsonl(path, required: tuple[str, ...] = ()):
 
 
 def decode_utf8(raw: bytes, path, lineno: int) -> str:
-    """A line's bytes as text, a UTF-8 BOM that starts the file dropped (Windows editors write one); DataError naming
-    the file, line and byte where they are not UTF-8."""
+    """A line's bytes as text, a UTF-8 BOM that starts the file dropped (Windows editors write
+    one); DataError naming the file, line and byte where they are not UTF-8."""
     try:
         return raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
     except UnicodeDecodeError as e:  # e.object: the bytes after the BOM, which e.start counts in
@@ -77,7 +72,7 @@ def decode_utf8(raw: bytes, path, lineno: int) -> str:
 
 
 def read_jsonl(path, required: tuple[str, ...] = ()) -> list[dict]:
-    """All records of a JSONL file (.jsonl.gz too); blank lines are skipped. Raises DataError('file:line: reason')."""
+    """All records of a JSONL file (.jsonl.gz too), blank lines skipped; DataError: the line."""
     return [rec for _, rec in iter_jsonl(path, required)]
 
 
@@ -94,7 +89,7 @@ def atomic_open(path, mode: str = "w"):
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the result the usual permissions
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -112,10 +107,8 @@ def write_jsonl(path, records) -> None:
 
 
 def open_resumable_jsonl(path) -> set[str]:
-    """Prepare an append-only JSONL output for resuming; returns the ids it already holds.
-
-    A torn last line (a crash mid-write) is cut off, so a rerun redoes that record instead of keeping half of it.
-    """
+    """Prepare an append-only JSONL output for resuming; returns the ids it already holds. A torn last line (a crash
+    mid-write) is cut off, so a rerun redoes that record instead of keeping half of it."""
     path = Path(path)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -138,7 +131,7 @@ def open_resumable_jsonl(path) -> set[str]:
 
 
 def append_jsonl(f, record: dict) -> None:
-    """Append one record to an open text file and flush it, so a kill loses at most the line being written."""
+    """Append one record to an open text file and flush: a kill loses only the line it writes."""
     f.write(json.dumps(record, ensure_ascii=False) + "\n")
     f.flush()
 
@@ -157,11 +150,10 @@ def _norm_key(key) -> str:
 
 
 def _find_feedback(obj) -> tuple[dict | None, object]:
-    """(the last dict in text order, `obj` or nested, that holds a span list; its critique), or (None, None). The
-    critique is that dict's own critique key, else the nearest enclosing dict's string critique (e.g.
-    {"critique": ..., "spans": {"good_spans": ...}}), else None."""
+    """(the last dict in text order, `obj` or nested, that holds a span list; its critique), or (None, None): the
+    critique is that dict's own critique key, else the nearest enclosing dict's string critique, else None."""
     found, stack = (None, None), [(obj, None)]
-    while stack:  # iterative pre-order walk: LLM output can nest deeper than Python's recursion limit
+    while stack:  # iterative pre-order walk: LLM output nests deeper than recursion can
         node, critique = stack.pop()
         if isinstance(node, dict):
             fields = {_norm_key(k): v for k, v in node.items()}
@@ -199,9 +191,9 @@ def _balanced_end(text: str, start: int) -> int:
 
 
 def _decode_object(text: str, start: int):
-    """(object, end) for the JSON-ish object at `start`, or (None, start + 1). Lenient about LLM habits."""
+    """(object, end) of the JSON-ish object at `start`, or (None, start + 1); lenient to LLMs."""
     try:
-        return json.JSONDecoder(strict=False).raw_decode(text, start)  # strict=False: raw newlines inside strings
+        return json.JSONDecoder(strict=False).raw_decode(text, start)  # raw newlines in strings
     except (ValueError, RecursionError):
         pass
     end = _balanced_end(text, start)
@@ -215,8 +207,8 @@ def _decode_object(text: str, start: int):
     return None, start + 1
 
 
-# A template's stand-in is not content: "...", "\u2026", "[...]" (ast.literal_eval reads a bare [...] as [Ellipsis]),
-# anything of dots, ellipses, brackets and quotes alone; for a critique also one "<description>" in angle brackets.
+# A template's stand-in is not content: "...", "\u2026", "[...]" (literal_eval: [Ellipsis]),
+# anything of dots, ellipses, brackets and quotes alone; for a critique also one "<description>".
 _PLACEHOLDER = re.compile(r"[\s\[\]()<>\"'`]*(?:\.\.|\u2026)[\s.\u2026\[\]()<>\"'`]*")
 _DESCRIPTION = re.compile(r"<[^<>\n]+>")
 
@@ -230,17 +222,15 @@ def _is_placeholder(value, critique: bool = False) -> bool:
 
 
 def _span_list(value):
-    """The strings of a span list (a lone string: a list of one), without placeholders; None when it held nothing but
-    placeholders: a template's list, not filled in, is no span list."""
+    """A span list's strings (a lone string: one), placeholders dropped; None if only those."""
     items = [value] if isinstance(value, str) else list(value) if isinstance(value, (list, tuple)) else []
     spans = [s for s in items if isinstance(s, str) and not _is_placeholder(s)]
     return None if not spans and any(_is_placeholder(s) for s in items) else spans
 
 
 def _read_feedback(feedback: dict, critique) -> tuple[dict | None, bool]:
-    """The dict _find_feedback chose, read without placeholders: ({"critique": its critique or None (absent),
-    "good_spans", "poor_spans"}, False); or (None, True) when its span lists hold only placeholders (a template's
-    lists, not filled in), or when it holds placeholders and nothing else (a template echoed as it is)."""
+    """The dict _find_feedback chose, without placeholders: ({"critique" or None, "good_spans", "poor_spans"},
+    False); (None, True) when its span lists hold only placeholders, or it holds nothing else (an echoed template)."""
     fields = {_norm_key(k): v for k, v in feedback.items()}
     good = next((_span_list(fields[k]) for k in fields if k in _GOOD_KEYS), [])
     poor = next((_span_list(fields[k]) for k in fields if k in _POOR_KEYS), [])
@@ -254,12 +244,10 @@ def _read_feedback(feedback: dict, critique) -> tuple[dict | None, bool]:
 
 def parse_feedback(text: str) -> dict:
     """Critic output -> {"critique": str, "good_spans": [str], "poor_spans": [str]}. The JSON may be fenced, follow
-    chain-of-thought, or precede chatter. Of several objects, the last one holding a span list (good_spans or
-    poor_spans, at any depth) wins; with only one of the two lists, the other is []. Its critique is the critique key
-    next to the lists, else one around them, else the prose before the JSON. ValueError when no object holds a span
-    list: an output without spans (cut off before them, critique only) counts as unparsed, never as "no spans".
-    Placeholders ("...", "\u2026", [...], a "<description>" critique) count as absent: a span list of nothing else is
-    no span list, and an object of nothing else (a template the critic echoed) is never chosen."""
+    chain-of-thought, or precede chatter. The last object holding a span list (at any depth) wins; a missing list is
+    []. Its critique: the critique key beside the lists, else one around them, else the prose before the JSON.
+    ValueError when no object holds a span list (cut off before them: unparsed, never "no spans"). Placeholders
+    ("...", "\u2026", [...], a "<description>" critique) count as absent; an echoed template is never chosen."""
     if not isinstance(text, str):
         raise ValueError(f"critic output must be a string, got {type(text).__name__}")
     chosen, chosen_start, any_obj, echoed, pos = None, 0, False, False, 0
@@ -290,13 +278,13 @@ def parse_feedback(text: str) -> dict:
 
 
 def feedback_complete(text: str) -> bool:
-    """True when `text` ends (but for whitespace) with a JSON object holding both span lists: the last part of the
-    reward model's output z = [c ; A(y)] (format_rm_target), after which only its EOS can follow."""
+    """True when `text` ends (but for whitespace) with a JSON object holding both span lists: the
+    end of the reward model's output z = [c ; A(y)], after which only its EOS can follow."""
     end = len(text.rstrip())
     if not text[:end].endswith("}"):
         return False
     start = text.rfind("{", 0, end)
-    while start >= 0:  # the '{' that the final '}' closes (string-aware), then: is it the span JSON?
+    while start >= 0:  # the '{' the final '}' closes (string-aware): is it the span JSON?
         if _balanced_end(text, start) == end:
             obj, _ = _decode_object(text, start)
             keys = {_norm_key(k) for k in obj} if isinstance(obj, dict) else set()
@@ -309,35 +297,18 @@ def feedback_complete(text: str) -> bool:
 # 3. Span <-> token alignment by character intervals (core; paper Sec. 3.3 and App. L)
 # ----------------------------------------------------------------------------------------------------------------------
 
-_CHAR_MAP = {
-    "\u2018": "'",
-    "\u2019": "'",
-    "\u201a": "'",
-    "\u201b": "'",
-    "\u2032": "'",
-    "\u201c": '"',
-    "\u201d": '"',
-    "\u201e": '"',
-    "\u201f": '"',
-    "\u2033": '"',
-    "\u00ab": '"',
-    "\u00bb": '"',
-    "\u2010": "-",
-    "\u2011": "-",
-    "\u2012": "-",
-    "\u2013": "-",
-    "\u2014": "-",
-    "\u2015": "-",
-    "\u2212": "-",
+_CHAR_MAP = {  # curly quotes and dashes, straightened
+    **dict.fromkeys("\u2018\u2019\u201a\u201b\u2032", "'"),
+    **dict.fromkeys("\u201c\u201d\u201e\u201f\u2033\u00ab\u00bb", '"'),
+    **dict.fromkeys("\u2010\u2011\u2012\u2013\u2014\u2015\u2212", "-"),
 }
-_WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened by _CHAR_MAP) and backticks a critic may put around a quote
+_WRAP_CHARS = "\"'` \t\n"  # quote marks (straightened) and backticks a critic puts around a quote
 
 
-@functools.lru_cache(maxsize=64)  # locate_spans looks up every quote, and repeats, in the same response
+@functools.lru_cache(maxsize=64)  # locate_spans looks up every quote, repeats too, in one response
 def _normalize(s: str) -> tuple[str, list[tuple[int, int]]]:
-    """Unicode NFC (é whether one code point or e + accent), case-fold, straighten quotes/dashes, collapse whitespace
-    runs. Returns (normalized, the source interval [start, end) of the character (with its accents) or whitespace run
-    that each normalized character comes from)."""
+    """NFC, case-fold, quotes/dashes straightened, whitespace runs collapsed. Returns (normalized, the source interval
+    [start, end) of the character (with its accents) or whitespace run each normalized character comes from)."""
     out, src, i, n = [], [], 0, len(s)
     while i < n:
         j = i + 1
@@ -346,16 +317,16 @@ def _normalize(s: str) -> tuple[str, list[tuple[int, int]]]:
                 j += 1
             out.append(" ")
             src.append((i, j))
-        else:  # a character and the marks that belong to it: composed or not, it is one unit of the source
+        else:  # a character and its marks: composed or not, one unit of the source
             while j < n and s[j] >= "\u0300" and (unicodedata.category(s[j])[0] == "M" or "\u1160" <= s[j] <= "\u11ff"):
                 j += 1  # a combining mark, or a Hangul vowel / final jamo
-            if j == i + 1 and s[i] < "\u0080":  # ASCII: the common case, nothing to compose or straighten
+            if j == i + 1 and s[i] < "\u0080":  # ASCII: nothing to compose or straighten
                 out.append(s[i].lower())
                 src.append((i, j))
                 i = j
                 continue
             unit = "".join(_CHAR_MAP.get(ch, ch) for ch in unicodedata.normalize("NFC", s[i:j]))
-            for c in unicodedata.normalize("NFC", unit.lower()):  # lower() may yield 2 chars ("İ"): both map to it
+            for c in unicodedata.normalize("NFC", unit.lower()):  # "İ" lowers to 2: both map to it
                 out.append(c)
                 src.append((i, j))
         i = j
@@ -363,7 +334,7 @@ def _normalize(s: str) -> tuple[str, list[tuple[int, int]]]:
 
 
 def _quote_variants(span: str):
-    """The span, then the span with the critic's wrapping removed: quotes, ellipses, trailing punctuation."""
+    """The span, then without the critic's wrapping: quotes, ellipses, trailing punctuation."""
     s = _normalize(span)[0].strip()
     yield s
     peels = (
@@ -379,16 +350,14 @@ def _quote_variants(span: str):
 
 
 def _is_word(ch: str) -> bool:
-    """A character no word boundary can fall next to (a combining accent is part of its letter). Scripts written
-    without spaces (CJK, Thai, Lao) have none."""
+    """A character no word boundary is next to (accents: their letter's; CJK, Thai, Lao: none)."""
     return (ch.isalnum() or ch == "_" or ch >= "\u0300" and unicodedata.category(ch)[0] == "M") and not (
         "\u2e80" <= ch <= "\u9fff" or "\uf900" <= ch <= "\ufaff" or "\u0e00" <= ch <= "\u0eff"
     )
 
 
 def _find_bounded(text: str, span: str, start: int) -> int:
-    """text.find(span, start), skipping matches that begin or end inside a word ("he" is not in "the"), or before an
-    accent that belongs to the letter in front of it ("cafe" is not in NFD "cafe\u0301")."""
+    """text.find(span, start), skipping a match starting or ending mid-word or before an accent."""
     i, n = text.find(span, start), len(span)
     mark = lambda k: k < len(text) and unicodedata.category(text[k])[0] == "M"  # noqa: E731
     while i >= 0 and (
@@ -401,9 +370,8 @@ def _find_bounded(text: str, span: str, start: int) -> int:
 
 def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
     """[start, end) of the first occurrence of `span` in `text` at or after `start`, or None. Exact match first; then
-    tolerant of whitespace runs, case, curly quotes/dashes, Unicode normalization (NFC vs NFD), and quotes, ellipses
-    or trailing punctuation the critic wrapped around the quote; never of anything else, never inside a longer word
-    ("2." is not in "12."), and never half a character (an e without its combining accent)."""
+    tolerant of whitespace runs, case, curly quotes/dashes, NFC vs NFD, and quotes, ellipses or trailing punctuation
+    around the quote; never of anything else, never inside a longer word, never half a character."""
     if not span or not span.strip():
         return None
     i = _find_bounded(text, span, start)
@@ -429,10 +397,9 @@ def find_span(text: str, span: str, start: int = 0) -> tuple[int, int] | None:
 
 def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
     """(good_intervals, poor_intervals, unmatched_quotes). Quotes claim occurrences in order, good first: each takes
-    the earliest occurrence an identical earlier quote has not claimed (a word quoted as good, then as poor, labels
-    its first occurrence good and its second poor). A poor quote that finds every occurrence claimed takes the
-    earliest one a good quote claimed: poor wins. Empty or whitespace-only quotes are ignored."""
-    claimed: dict[str, dict[tuple[int, int], str]] = {}  # quote -> {interval: label of the quote that claimed it}
+    the earliest one an identical earlier quote has not claimed; a poor quote that finds every occurrence claimed
+    takes the earliest a good quote claimed (poor wins). Empty or whitespace-only quotes are ignored."""
+    claimed: dict[str, dict[tuple[int, int], str]] = {}  # quote -> {interval: its claimer's label}
     located, unmatched = {"good": [], "poor": []}, []
     for label, spans in (("good", good_spans), ("poor", poor_spans)):
         for span in spans:
@@ -455,36 +422,34 @@ def locate_spans(text: str, good_spans: list[str], poor_spans: list[str]):
 def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tuple[int, int]]]:
     """The decoded text and each token's character interval in it, from incremental decoding of the ids (never by
     re-tokenizing the text). Token i ends where the decode of ids[:i + 1] stops agreeing with the text (never before
-    token i - 1 ends): a special token, or one that does not complete a character, gets an empty interval.
-    Linear time: each token's window of at most 2 * _WINDOW ids (more inside a run of byte-fallback tokens) is
-    decoded, all in one batch, and the prefix's decode is tracked as "the previous one, its tail replaced by the new
-    window's". Should that not end on the text exactly (a tokenizer whose decoding is not local), the prefixes are
-    decoded one by one."""
+    token i - 1 ends): a special token, or one that does not complete a character, gets an empty interval. Linear
+    time: windows of at most 2 * _WINDOW ids (more in a byte-fallback run), decoded in one batch, track the prefix's
+    decode; a tokenizer whose decoding is not local falls back to decoding each prefix."""
     token_ids = [int(t) for t in token_ids]
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     n, w = len(token_ids), _WINDOW
-    # A byte-fallback decoder (Llama-2, Mistral, Gemma: <0xE5><0x8C><0x97> is 北) decodes a run of byte tokens as a
-    # whole, and the whole run becomes U+FFFD when any of it is not UTF-8: a window must never start inside a run.
+    # A byte-fallback decoder (Llama-2, Mistral, Gemma: <0xE5><0x8C><0x97> is 北) decodes a byte run
+    # whole, all U+FFFD when any of it is not UTF-8: a window must never start inside a run.
     pieces = getattr(tokenizer, "convert_ids_to_tokens", lambda ids: [None] * len(ids))(token_ids)
     in_run = [
         i > 0 and all(isinstance(p, str) and _BYTE_PIECE.fullmatch(p) for p in pieces[i - 1 : i + 1]) for i in range(n)
     ]
-    edge = list(range(n + 1))  # edge[j]: where a window meant to start at token j starts (its byte run's first token)
+    edge = list(range(n + 1))  # edge[j]: where token j's window starts (its byte run's start)
     for j in range(1, n):
         edge[j] = edge[j - 1] if in_run[j] else j
-    # token i's window starts a block before its own block of w tokens, so the window's left edge, where a decode can
-    # differ from the decode in context (a stripped leading space, half a character), is the same in both strings
-    # compared: the window up to token i, and up to token i - 1 (the previous window, or one extra per block)
+    # token i's window starts a block before its own block of w tokens, so its left edge (where a
+    # decode can differ in context: a stripped leading space, half a character) is the same in the
+    # two strings compared: the windows up to token i and to i - 1 (the last one, or one per block)
     windows = [token_ids[edge[max(0, (i // w - 1) * w)] : i + 1] for i in range(n)]
     windows += [token_ids[edge[max(0, b - w)] : b] for b in range(0, n, w)]
-    backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust batch when it decodes the same, ~3x faster
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # Rust's batch decode, ~3x faster
     fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
     decoded = (backend.decode_batch if fast else tokenizer.batch_decode)(windows, skip_special_tokens=True)
     offsets, pos, agree, length = [], 0, 0, 0  # agree: how much of the prefix's decode is the text; length: its size
     for i in range(n):
         a, b = decoded[i], decoded[i - 1] if i % w else decoded[n + i // w]
         keep = len(b) if a.startswith(b) else len(os.path.commonprefix([a, b]))
-        kept, added = length - len(b) + keep, a[keep:]  # the prefix's decode: its first `kept` chars, then `added`
+        kept, added = length - len(b) + keep, a[keep:]  # prefix decode: `kept` chars, then `added`
         if kept < 0:
             return _decode_with_offsets_by_prefix(tokenizer, token_ids, text)
         if agree >= kept:
@@ -501,25 +466,25 @@ def decode_with_offsets(tokenizer, token_ids: list[int]) -> tuple[str, list[tupl
     return text, list(zip([0] + offsets[:-1], offsets))
 
 
-_WINDOW = 4  # tokens: a character split into byte tokens spans at most 4 (UTF-8); measured fastest of 4, 8 and 16
-_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token, as SentencePiece's vocabularies write them
+_WINDOW = 4  # tokens: a character is at most 4 byte tokens (UTF-8); measured fastest of 4, 8, 16
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # a byte-fallback token (SentencePiece's)
 
 
 def _decode_with_offsets_by_prefix(tokenizer, token_ids: list[int], text: str):
-    """The definition itself, in quadratic time, for tokenizers whose decoding the windows cannot follow."""
+    """The definition itself, in quadratic time: for tokenizers whose decoding windows miss."""
     prefixes = tokenizer.batch_decode([token_ids[: i + 1] for i in range(len(token_ids))], skip_special_tokens=True)
     offsets, pos = [], 0
     for prefix in prefixes:
         end = max(len(os.path.commonprefix([prefix, text])), pos)
         offsets.append((pos, end))
         pos = end
-    if offsets and pos < len(text):  # whatever the prefixes never agreed on belongs to the last token
+    if offsets and pos < len(text):  # what the prefixes never agreed on: the last token's
         offsets[-1] = (offsets[-1][0], len(text))
     return text, offsets
 
 
 def _core(text: str, s: int, e: int) -> tuple[int, int]:
-    """A token's interval less the whitespace it carries (the space of "Ġdog"); a whitespace-only one's as it is."""
+    """A token's interval less its whitespace (the space of "Ġdog"); a blank one as it is."""
     piece = text[s:e]
     if piece.strip():
         s, e = s + len(piece) - len(piece.lstrip()), e - (len(piece) - len(piece.rstrip()))
@@ -529,26 +494,23 @@ def _core(text: str, s: int, e: int) -> tuple[int, int]:
 def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
     """Per-token pseudo-rewards delta_t in {-1, 0, +1} (paper Sec. 3.3), and the quotes that could not be located.
     A token takes a span's label when the non-whitespace part of its interval lies inside the span. Tokens straddling
-    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1.
-    A token holding only part of a multi-byte character (an empty interval right before a non-ASCII character, see
-    decode_with_offsets) takes the label of the token that completes that character: all 9 tokens of SmolLM2's
-    "北京不是上海" are labelled, not just the 6 that complete one. A token that completes one character and starts the
-    next ("ĠðŁ" of " 🍰": the space, then half the emoji) is scored by the one it completes."""
+    a span edge get 0 (App. L); poor overrides good, and a token that overlaps a poor span is never +1. A token
+    holding part of a multi-byte character (an empty interval) takes the label of the token that completes it (all
+    9 tokens of SmolLM2's "北京不是上海"); one that completes a character and starts the next is scored by the first."""
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     return _token_labels(text, offsets, good_iv, poor_iv), unmatched
 
 
 def _token_labels(text: str, offsets: list[tuple[int, int]], good_iv, poor_iv) -> list[float]:
-    """span_rewards' delta_t, from the located intervals: good ones reward +1, poor ones -1 (interval_rewards)."""
+    """span_rewards' delta_t from located intervals: good +1, poor -1 (by interval_rewards)."""
     return interval_rewards(text, offsets, [(a, b, 1.0) for a, b in good_iv] + [(a, b, -1.0) for a, b in poor_iv])
 
 
 def interval_rewards(text: str, offsets: list[tuple[int, int]], spans) -> list[float]:
-    """delta_t from located character intervals [start, end) of `text` that carry a real reward, (start, end, reward)
-    or {"start", "end", "reward"} (a python: critic's, critics/plugin.py), by span_rewards' rule: a token takes an
-    interval's reward when the non-whitespace part of its own interval lies inside it; one straddling its edge does
-    not (App. L). Overlap: the lowest reward wins (a poor span overrides a good one), and a token that straddles a
-    negative interval's edge is never above 0. An empty interval labels nothing. span_rewards is the case +1 / -1."""
+    """delta_t from located character intervals of `text` with a real reward, (start, end, reward) or {"start",
+    "end", "reward"} (a python: critic's), by span_rewards' rule (its case +1 / -1): a token inside an interval
+    takes its reward, one straddling its edge does not; the lowest reward wins where they overlap, and a token
+    straddling a negative interval's edge is never above 0. An empty interval labels nothing."""
     spans = [(x["start"], x["end"], x["reward"]) if isinstance(x, dict) else tuple(x) for x in spans]
     spans = [(a, b, float(r)) for a, b, r in spans if a < b]
     delta = []
@@ -565,49 +527,43 @@ def interval_rewards(text: str, offsets: list[tuple[int, int]], spans) -> list[f
         s, e = offsets[i]
         if s < e:
             completing = (delta[i], s)
-        elif completing[1] == s and s < len(text) and ord(text[s]) > 127:  # part of the multi-byte character at s
+        elif completing[1] == s and s < len(text) and ord(text[s]) > 127:  # part of the character at s
             delta[i] = completing[0]
     return delta
 
 
 def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str], poor_spans: list[str]):
-    """span_rewards' (delta, unmatched), and (label, token indices) of each quote that locate_spans locates, good ones
-    first: the tokens whose delta_t it sets (inside it, carrying its label; a byte token by where its character is),
-    in order; each quote located once. What App. I's within-span weighting counts: two adjacent quotes are two spans,
-    and a token of a quote that span_rewards leaves at 0 (it straddles a poor quote inside a good one) belongs to
-    neither."""
+    """span_rewards' (delta, unmatched), and (label, token indices) of each located quote, good
+    ones first: the tokens whose delta_t it sets, in order (App. I's within-span weighting: two
+    adjacent quotes are two spans; a token that span_rewards leaves at 0 belongs to neither)."""
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
     delta = _token_labels(text, offsets, good_iv, poor_iv)
     cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
-    return (
-        delta,
-        unmatched,
-        [
-            (label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
-            for label, ivs in ((1.0, good_iv), (-1.0, poor_iv))
-            for a, b in ivs
-        ],
-    )
+    located = [
+        (label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])
+        for label, ivs in ((1.0, good_iv), (-1.0, poor_iv))
+        for a, b in ivs
+    ]
+    return delta, unmatched, located
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 4. The reward model's text, shared by training (02) and inference (03, 04) so the two never drift apart
+# 4. The reward model's text: training (02) and inference (03, 04) share it, so it cannot drift
 # ----------------------------------------------------------------------------------------------------------------------
 
 RM_INSTRUCTION = (
     "Critique the response, then give its good_spans and poor_spans as JSON, each quoted exactly from the response."
 )
-# The reward model's output format (02 --rm-format, reward_model.json "rm_format"): "critique+spans" is the paper's
-# z = [c ; A(y)]; "spans-only" is its "w/o CoT" ablation (Table 2): the span JSON alone, no critique before it.
+# The reward model's output format (02 --rm-format, reward_model.json "rm_format"): the paper's
+# z = [c ; A(y)] ("critique+spans"), or its "w/o CoT" ablation (Table 2), the span JSON alone.
 RM_FORMATS = ("critique+spans", "spans-only")
-# What a stage-2 reward model was trained for (02 --objective, reward_model.json "objective"), and who can use it.
+# What a stage-2 reward model was trained for (02 --objective, reward_model.json "objective").
 RM_OBJECTIVES = {
     "generative": "a generative one (02 without --objective: it writes critique + spans)",
     "pairwise": "a scalar one trained on preference pairs (02 --objective pairwise)",
     "prm": "a process reward model (02 --objective prm)",
 }
-# How a process reward model cuts a response into steps (02 --step-unit, reward_model.json "step_unit"):
-# baselines/scalar_rm.py's split_steps.
+# How a PRM cuts a response into steps (02 --step-unit; baselines/scalar_rm.py's split_steps).
 STEP_UNITS = ("clause", "block")
 RM_INSTRUCTIONS = {
     "critique+spans": RM_INSTRUCTION,
@@ -616,13 +572,13 @@ RM_INSTRUCTIONS = {
 
 
 def rm_user_message(prompt: str, response: str, rm_format: str = "critique+spans") -> str:
-    """The reward model's request as one user message (what an OpenAI-compatible server receives)."""
+    """The reward model's request as one user message (what an OpenAI-compatible server gets)."""
     return f"{RM_INSTRUCTIONS[rm_format]}\n\n### Prompt\n{prompt}\n\n### Response\n{response}"
 
 
 def build_rm_prompt(tokenizer, prompt: str, response: str, rm_format: str = "critique+spans") -> str:
-    """The reward model's input text: the tokenizer's chat template if it has one, else a plain documented fallback:
-    the user message followed by a blank line and "### Critique". tokenizer=None gives the fallback."""
+    """The reward model's input text: the tokenizer's chat template if it has one, else a plain
+    documented fallback: the user message, a blank line and "### Critique" (tokenizer=None)."""
     message = rm_user_message(prompt, response, rm_format)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
@@ -634,9 +590,8 @@ def build_rm_prompt(tokenizer, prompt: str, response: str, rm_format: str = "cri
 def format_rm_target(
     critique: str, good_spans: list[str], poor_spans: list[str], rm_format: str = "critique+spans", ambiguous_spans=()
 ) -> str:
-    """The reward model's output z = [c ; A(y)]: the critique, a newline, then the span JSON (EOS is added later).
-    rm_format "spans-only" (the paper's w/o-CoT ablation): the span JSON alone. A program critic's ambiguous_spans
-    (format_rm_target(**critic(...))) are no part of it: the reward model learns to quote what can be located."""
+    """The reward model's output z = [c ; A(y)]: the critique, a newline, the span JSON (EOS is added later);
+    "spans-only" (w/o CoT): the span JSON alone. ambiguous_spans are left out: it learns to quote what locates."""
     spans = json.dumps({"good_spans": list(good_spans), "poor_spans": list(poor_spans)}, ensure_ascii=False)
     return spans if rm_format == "spans-only" else f"{critique.strip()}\n{spans}"
 

@@ -10,8 +10,8 @@ the pairs that `02 --objective pairwise` trains a Bradley-Terry reward model on 
 the pairs exactly as 02 does (scalar_rm.py's load_pairs: a dataset's chosen / rejected fields, or annotations, one
 pair per prompt, fewer poor spans winning) and writes a policy that 04 evaluates like any other. The policy is 03's:
 the same LoRA parametrisation and reference (the adapter switched off) and the same log-probs, from short copies of
-03's build_policy and forward (build_policy, token_logprobs, reference_logprobs) that tests/test_baselines.py pins
-equal to 03's.
+infra.trainable's build_policy and 03's forward (build_policy, token_logprobs, reference_logprobs) that
+tests/test_baselines.py pins equal to 03's.
 
 The loss, with pi's and the reference's summed log-probs of each response (its EOS included) given the prompt:
     L = -log sigmoid(beta * [(log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x))])
@@ -133,9 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build_policy(args, model):
-    """(policy, frozen reference or None): 03's build_policy for DPO's flags (no --ref-adapter, no value head). LoRA
-    (--lora-r > 0): the reference is the same weights with the adapter switched off; full fine-tuning: a frozen copy.
-    Activation checkpointing where asked."""
+    """(policy, frozen reference or None): infra.trainable's build_policy (03's) for DPO's flags (no --ref-adapter,
+    no value head). LoRA (--lora-r > 0): the reference is the same weights with the adapter switched off; full
+    fine-tuning: a frozen copy. Activation checkpointing where asked."""
     ref_model = None
     if args.lora_r > 0:
         model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)

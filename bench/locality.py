@@ -9,7 +9,7 @@ it. Take one state of a Text2Grad run of the demo: the SFT start (iteration 0) o
 once per --reward-mode. Both copies sample the same rollouts (the same RNG), get the same critique, delta, KL term
 and values, and shuffle the same minibatches: only the advantages differ. 03's --trace-samples records, after each
 update, Delta_t = log pi_new(y_t | x, y_<t) - log pi_old(y_t | x, y_<t) for every response token of the batch, and
-sums it per token group (03's locality_sums), the groups read off the delta_t the update used:
+sums it per token group (infra/locality.py), the groups read off the delta_t the update used:
     poor             inside a poor span (delta < 0)
     good             inside a good span (delta > 0)
     outside, flawed  outside every span, in an answer with a poor span

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import vllm_server  # noqa: E402
 from rollout_speed import demo_base, smollm2_dir  # noqa: E402
 
-from infra import models  # noqa: E402
+from infra import models, trainable  # noqa: E402
 from infra import vllm_rollouts as vr  # noqa: E402
 from tasks.demo import demo_dataset  # noqa: E402
 
@@ -51,7 +51,7 @@ def policy(workload: dict):
 
     base = workload["model"]()
     model, tok = models.load_model(base)
-    model = models.add_lora(model, workload["lora_r"], 2 * workload["lora_r"], "all-linear")
+    model = trainable.add_lora(model, workload["lora_r"], 2 * workload["lora_r"], "all-linear")
     gen = torch.Generator().manual_seed(0)
     for name, p in model.named_parameters():
         if "lora_B" in name:

@@ -5,7 +5,8 @@ The contract. A critic is a function critic(records, texts) -> feedback, one dic
   {"critique": str, ..., "spans": [{"start", "end", "reward"}]}  character intervals, rewards in [-1, 1]
   {"critique": str, ..., "step_rewards": [(end, reward)]}        a scalar critic's rewards at given characters
   {"critique": None, ..., "critic_error": str}                   a failed critique (critique_failed): delta = 0
-and delta(text, offsets, feedback) is the one function from feedback to the per-token pseudo-rewards delta_t.
+and delta(text, offsets, feedback) is the one function from feedback to the per-token pseudo-rewards delta_t
+(span_deltas: 03's step 3, a batch of them, with App. I's --labels and --span-weighting: weight_spans).
 A user's function returns the same forms, or {"critique", "score"} or {"error"} (check_item puts them in these).
 
 make_critic builds the critic that --critic names, each kind in a module beside this one: local and openai, the
@@ -23,12 +24,14 @@ import argparse
 import collections
 import math
 import numbers
+import time
 
 import numpy as np
+import torch
 
 import common
 from critics import learned, plugin, scalar
-from infra import reward_models, serving
+from infra import reward_models, runs, serving
 from infra.data import read_prompts
 from tasks.quotes import unambiguous_quotes
 
@@ -52,7 +55,30 @@ def choice(*names: str):
 
 
 def add_args(p) -> None:
-    """03's flags of the critic beside --critic: the served one's, the scalar baselines', the failure limits."""
+    """03's flags of the critic (step 2): --critic and its reward model, App. I's labels (span_deltas), the served
+    critic's, the scalar baselines', the failure limits."""
+    g = p.add_argument_group("the critic of step 2 (critics/)")
+    g.add_argument(
+        "--critic",
+        default="local",
+        type=choice(*NAMES),
+        metavar="{local,program,openai,scalar-rm,prm,python:MODULE_OR_FILE:FUNCTION}",
+        help="who writes critique + spans (critics/; README: Your own critic)",
+    )
+    g.add_argument(
+        "--reward-model", help="stage-2 output dir (adapter + reward_model.json), for --critic local, scalar-rm, prm"
+    )
+    g.add_argument(
+        "--critic-max-new-tokens", type=int, help="max tokens of a critique (default: reward_model.json's, else preset)"
+    )
+    g = p.add_argument_group("the paper's ablations (App. I): span_deltas")
+    g.add_argument("--span-weighting", default="uniform", choices=["uniform", "linear-decay"], help="weight_spans")
+    g.add_argument(
+        "--labels",
+        default="spans",
+        choices=["spans", "dense", "poor"],
+        help="dense: +1 outside poor spans (App. I.1); poor: delta_t = min(delta_t, 0)",
+    )
     g = p.add_argument_group("a served critic: --critic openai (critics/learned.py)")
     g.add_argument("--critic-base-url", help="OpenAI-compatible endpoint for --critic openai (vLLM, Ollama, OpenAI)")
     g.add_argument("--critic-model", default="gpt-4o", help="model name at that endpoint")
@@ -67,7 +93,9 @@ def add_args(p) -> None:
         "--critic-timeout",
         type=float,
         default=300.0,
-        help="seconds before a critique request is abandoned (not retried: delta = 0)",
+        help="seconds before a critique is abandoned: a request of --critic openai (not retried), or a call of a "
+        "python: plug-in on a batch (its one-record retries included); either way its critiques fail (delta = 0) and "
+        "count toward --max-fail-*",
     )
     g.add_argument("--critic-retries", type=int, default=2, help="retries on 408/409/429/5xx and connection errors")
     g = p.add_argument_group("the paper's scalar baselines: --critic scalar-rm, prm (critics/scalar.py)")
@@ -97,13 +125,16 @@ def check_args(args, budget: int | None, rm_given: bool) -> None:
     stage 2 trained it (its reward_model.json): its input cut to the same budget and, unless given, critiques as long
     as those stage 2 evaluated (a shorter limit cuts them before their span JSON). The demo's reward model is not the
     one a server runs: without --reward-model only --critic local uses one. budget, rm_given: --critic-max-new-tokens
-    and --reward-model as given. --critic scalar-rm, prm: a reward model of their objective (critics/scalar.py)."""
+    and --reward-model as given. --critic scalar-rm, prm: a reward model of their objective (critics/scalar.py).
+    --labels dense: uniform --span-weighting."""
     if args.critic != "local" and not rm_given:
         args.reward_model = None
     settings = reward_models.rm_settings(args.reward_model if args.critic != "program" else None)
     args.critic_max_prompt_tokens, args.critic_rm_format = settings["max_prompt_tokens"], settings["rm_format"]
     args.critic_max_new_tokens = budget or settings["max_new_tokens"] or args.critic_max_new_tokens
     scalar.check_args(args)
+    if args.labels == "dense" and args.span_weighting != "uniform":  # every token is in one span: nothing to weight
+        raise common.DataError("--labels dense: --span-weighting must be uniform (no quotes to weight)")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -146,6 +177,56 @@ def delta(text: str, offsets, fb: dict) -> tuple[list[float], list[str]]:
             d = [a + b for a, b in zip(common.interval_rewards(text, offsets, fb["spans"]), d)]
         return d, []
     return common.span_rewards(text, offsets, fb["good_spans"], fb["poor_spans"])
+
+
+def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spans"):
+    """03's step 3 (§3.3): a batch's feedback -> per-token pseudo-rewards delta_t (delta() of each row),
+    with --span-weighting and --labels (App. I). Returns delta (B, T) (0 where the critique failed), each
+    row's (delta, unmatched), the number of non-empty quotes (or intervals) and of the critic's quotes
+    not found."""
+    out = torch.zeros_like(mask)
+    rows = [None] * len(feedback)
+    spans = [[] for _ in feedback]
+    n_spans = 0
+    n_unmatched = 0
+    for i, fb in enumerate(feedback):
+        if critique_failed(fb):
+            continue
+        has_quotes = "spans" not in fb and "step_rewards" not in fb  # a learned critic's, or a function's quotes
+        quoted = fb.get("good_spans", []) + fb.get("poor_spans", [])
+        n_spans += sum(1 for s in quoted if s.strip()) + len(fb.get("spans", []))
+        if has_quotes and labels == "dense":  # App. I.1: the whole response quoted as good too: +1 outside poor spans
+            fb = {**fb, "good_spans": fb["good_spans"] + ([texts[i]] if texts[i].strip() else [])}
+        if has_quotes and weighting != "uniform":  # the same delta, and the tokens of each located quote
+            d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+            spans[i] = [idx for _, idx in located]
+        else:
+            d, unmatched = delta(texts[i], offsets[i], fb)
+        rows[i] = (d, unmatched)
+        out[i, : len(d)] = torch.tensor(d)
+        n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
+    out = weight_spans(out, spans, weighting)
+    if labels == "poor":  # no +1 (bench/credit.py)
+        out = out.clamp(max=0)
+    return out, rows, n_spans, n_unmatched
+
+
+def weight_spans(delta, spans, mode="uniform"):
+    """App. I's within-span weighting. linear-decay: the i-th of a span's n tokens gets delta times
+    1 - (i - 1) * 0.9 / (n - 1) ([1, .775, .55, .325, .1] for n = 5; 1 for n = 1), so a span's start
+    carries most of its credit. spans[b]: the token indices of each located span of row b, in order
+    (common.span_tokens); a token in two spans of its label takes the larger weight."""
+    if mode == "uniform":
+        return delta
+    weight = torch.ones_like(delta)
+    for b, row in enumerate(spans):
+        best = {}
+        for idx in row:
+            for i, t in enumerate(idx):
+                best[t] = max(best.get(t, 0.0), 1.0 - i * 0.9 / (len(idx) - 1) if len(idx) > 1 else 1.0)
+        for t, w in best.items():
+            weight[b, t] = w
+    return delta * weight
 
 
 def quotes(text: str, fb: dict) -> tuple[list[str], list[str], list[dict]]:
@@ -216,18 +297,24 @@ def _interval(x, n: int) -> dict:
 CALLS = collections.Counter()  # calls of each function (its label) in this process, for call()'s errors
 
 
-def call(fn, label: str, records: list[dict], texts: list[str]) -> list[dict]:
+def call(fn, label: str, records: list[dict], texts: list[str], timeout: float | None = None, deadline=None):
     """fn on a batch, one checked item per text (check_item). A record fn raises on never ends the run: when the
     batch call raises, each record is called alone, and those that still fail get an error item, "<label> raised
     TypeError: ..." (one line). A wrong-shaped item is an error item too. A return of the wrong length or type is no
     failed record but a broken plug-in: DataError naming the call and the lengths (one item for a batch of 8 would
-    otherwise pass the one-record preflight and train on delta = 0)."""
+    otherwise pass the one-record preflight and train on delta = 0). timeout (03's --critic-timeout): the seconds
+    the call may take, its one-record retries included (deadline, on time.monotonic()); past them, each text it has
+    not judged gets an error item: a hung plug-in is a failed critique, under the run's failure limits."""
     CALLS[label] += 1
+    deadline = deadline or (time.monotonic() + timeout if timeout else None)
     try:
-        items = fn(records, texts)
+        items = plugin.limited(fn, (records, texts), deadline)
+    except plugin.Timeout:
+        why = f"{label} did not return within --critic-timeout {timeout:g} s (call {CALLS[label]})"
+        return [failed(why) for _ in texts]
     except Exception as e:  # noqa: BLE001 - a user's function: anything it raises is this batch's failure
         if len(records) > 1:
-            return [item for r, t in zip(records, texts) for item in call(fn, label, [r], [t])]
+            return [item for r, t in zip(records, texts) for item in call(fn, label, [r], [t], timeout, deadline)]
         return [failed(f"{label} raised {type(e).__name__}: {common.first_line(e)}")]
     got = (
         f"{len(items)} items for {len(texts)} responses"
@@ -248,11 +335,16 @@ def call(fn, label: str, records: list[dict], texts: list[str]) -> list[dict]:
     return out
 
 
-def preflight(fn, label: str, record: dict, text: str, flag: str) -> dict:
+def preflight(fn, label: str, record: dict, text: str, flag: str, timeout: float | None = None) -> dict:
     """One call on one record before any work (as serving.check_server does for a server): DataError, one line naming
-    MODULE:FUNCTION, when fn raises or returns the wrong length or shape. Returns the checked item."""
+    MODULE:FUNCTION, when fn raises, does not return within timeout seconds (03's --critic-timeout), or returns the
+    wrong length or shape. Returns the checked item."""
     try:
-        items = fn([record], [text])
+        items = plugin.limited(fn, ([record], [text]), time.monotonic() + timeout if timeout else None)
+    except plugin.Timeout:
+        raise common.DataError(
+            f"{flag} {label} did not return on the first record within --critic-timeout {timeout:g} s"
+        ) from None
     except Exception as e:  # noqa: BLE001
         raise common.DataError(
             f"{flag} {label} raised on the first record: {type(e).__name__}: {common.first_line(e)}"
@@ -286,11 +378,17 @@ def make_critic(args):
     (critics/scalar.py)."""
     if args.critic in scalar.CRITICS:
         return scalar.scalar_critic(args)
-    if args.critic == "program" or plugin.is_plugin(args.critic):  # the task's own or the user's
+    if args.critic == "program" or plugin.is_plugin(args.critic):  # the task's own or the user's (time-limited)
         fn, label = plugin.load_critic(args.critic, args.task, "--critic")
-        return lambda recs, texts: call(fn, label, recs, texts)
+        return lambda recs, texts: call(fn, label, recs, texts, plugin_timeout(args))
     write = learned.local_critic(args) if args.critic == "local" else learned.served_critic(args)
     return lambda recs, texts: [parse(x) for x in write(recs, texts)]
+
+
+def plugin_timeout(args) -> float | None:
+    """--critic-timeout for a python: plug-in's calls; none for `program`, the task's own critic, whose runs have
+    limits of their own (the code critic's: each test run's)."""
+    return args.critic_timeout if plugin.is_plugin(args.critic) else None
 
 
 def check_critic(args) -> None:
@@ -304,7 +402,7 @@ def check_critic(args) -> None:
     if args.critic == "program" or plugin.is_plugin(args.critic):
         fn, label = plugin.load_critic(args.critic, args.task, "--critic")
         rec = read_prompts(args.prompts, args.task)[0]
-        item = preflight(fn, label, rec, probe_response(rec), "--critic")
+        item = preflight(fn, label, rec, probe_response(rec), "--critic", plugin_timeout(args))
         if ("spans" in item or "step_rewards" in item) and (args.labels != "spans" or args.span_weighting != "uniform"):
             raise common.DataError(
                 f"--critic {label} returns "
@@ -323,15 +421,40 @@ def check_critic(args) -> None:
         )  # as the critic sends
 
 
-def failing(costs: list, row: dict, feedback: list, args) -> str | None:
-    """After each iteration: its critic's cost and failures into `costs` ((time/generate_s, time/critic_s,
-    critic/parse_fail_rate) per iteration), and the line to stop the run with when the critic has not worked for
-    --max-fail-iterations iterations in a row (each with more than --max-fail-share of its critiques failed), else
-    None. A critic that never parses gives every rollout delta = 0, which a reward of 0.00 and a mistake rate of 0.00
-    do not tell from a flawless batch: the run would train on no signal and end with exit 0 (issue 56). Every rank
-    decides the same: the rates are the global batch's."""
-    costs.append((row["time/generate_s"], row["time/critic_s"], row["critic/parse_fail_rate"]))
-    recent = [c[2] for c in costs[-args.max_fail_iterations :]]
+def judge(critic, records: list[dict], texts: list[str], device) -> tuple[list | None, str | None]:
+    """Step 2: (feedback, None), or (None, why) when the critic is broken (a DataError: a plug-in that returned the
+    wrong number of items) here or on another rank: every rank learns it in the same iteration, so that they stop
+    together (03 first saves the iterations done, a collective)."""
+    import torch
+
+    from infra import distributed
+
+    try:
+        feedback, why = critic(records, texts), None
+    except common.DataError as e:
+        feedback, why = None, str(e)
+    if distributed.all_sum(torch.tensor([float(why is not None)], device=device)).item() and why is None:
+        why = "the critic of another rank failed (its line is on that rank's stderr)"
+    return feedback, why
+
+
+def broken(why: str, done: int) -> str:
+    """The line a broken critic (judge) stops stage 3 with, `done` iterations saved in checkpoint.pt (0: none, the
+    first iteration failed: there is nothing to continue)."""
+    if not done:
+        return why
+    return f"{why}; checkpoint.pt holds iteration {done}: fix the critic, then continue with --resume"
+
+
+def failing(rows: list, row: dict, feedback: list, args) -> str | None:
+    """After each iteration: its metrics row into `rows` (the run's, from its first iteration: metrics.jsonl, resumed
+    segments included), and the line to stop the run with when the critic has not worked for --max-fail-iterations
+    iterations in a row (each with more than --max-fail-share of its critiques failed; a resume does not break the
+    row), else None. A critic that never parses gives every rollout delta = 0, which a reward of 0.00 and a mistake
+    rate of 0.00 do not tell from a flawless batch: the run would train on no signal and end with exit 0 (issue 56).
+    Every rank decides the same: the rates are the global batch's."""
+    rows.append(row)
+    recent = [r["critic/parse_fail_rate"] for r in rows[-args.max_fail_iterations :]]
     if len(recent) < args.max_fail_iterations or min(recent) <= args.max_fail_share:
         return None
     first = next((fb["critic_error"] for fb in feedback if fb and fb.get("critic_error")), None)
@@ -343,28 +466,39 @@ def failing(costs: list, row: dict, feedback: list, args) -> str | None:
     )
 
 
-def end_of_run(costs: list[tuple], args, rank: int) -> None:
-    """The run's end: what the critic cost next to the rollout it judges, and how many of its critiques failed
-    (rank 0 prints); DataError, on every rank, when more than --max-fail-share of them failed over the run: its
-    policy is saved, but trained mostly without the critic's signal."""
-    if not costs:
+def end_of_run(rows: list[dict], first_step: int, args, rank: int) -> None:
+    """The run's end: what the critic cost next to the rollout it judges, and how many of its critiques failed over
+    the whole run (rows: metrics.jsonl's, every iteration, resumed segments included; those since `first_step`, this
+    invocation's, beside them) (rank 0 prints); DataError, on every rank, when more than --max-fail-share of the
+    run's critiques failed: its policy is saved, but trained mostly without the critic's signal."""
+    if not rows:
         return
-    failures, n = round(sum(c[2] for c in costs) * args.batch_size), len(costs) * args.batch_size
+    run, segment = (
+        runs.critic_failures(r, args.batch_size) for r in (rows, [r for r in rows if r["step"] >= first_step])
+    )
+    failures, n = run["failed"], run["critiques"]
+    since = (
+        f"{segment['failed']} of {segment['critiques']} in iterations {first_step}-{rows[-1]['step']}, since the resume"
+        if first_step > 1
+        else ""
+    )
     if rank == 0:
-        gen_s, critic_s = (float(np.median(c)) for c in list(zip(*costs))[:2])
+        gen_s, critic_s = (float(np.median([r[k] for r in rows])) for k in ("time/generate_s", "time/critic_s"))
         print(
             f"per iteration (median): rollout {gen_s:.3f} s, critic ({args.critic}) {critic_s:.3f} s = "
             f"{critic_s / max(gen_s, 1e-9):.2f}x the rollout (time/critic_s / time/generate_s)"
         )
         print(
-            f"critic ({args.critic}): {failures} of {n} critiques failed in this run ({failures / n:.0%}), their "
-            "rollouts got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)"
+            f"critic ({args.critic}): {failures} of {n} critiques failed in this run ({failures / n:.0%}"
+            + (f"; {since}" if since else "")
+            + "), their rollouts got delta = 0 (critic/parse_fail_rate; samples.jsonl keeps critic_error)"
         )
     if failures / n > args.max_fail_share:
         raise common.DataError(
             f"stage 3 finished, but {failures} of {n} critiques failed ({failures / n:.0%}, over "
-            f"--max-fail-share {args.max_fail_share:g}): the saved policy was trained on delta = 0 "
-            "for them (samples.jsonl keeps their critic_error)"
+            f"--max-fail-share {args.max_fail_share:g})"
+            + (f" in its {len(rows)} iterations ({since})" if since else "")
+            + ": the saved policy was trained on delta = 0 for them (samples.jsonl keeps their critic_error)"
         )
 
 

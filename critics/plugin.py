@@ -16,7 +16,9 @@ the code task's "test") and the responses to judge, and returns one item per res
   {"error": str}                                                  this response cannot be judged (delta = 0 for it).
 "critique" may be left out. critics/__init__.py calls it (call: each item checked, check_item) and checks it once
 before any work (preflight). A plug-in is trusted code the user chose: it runs in this process, with this process's
-rights (model-written code is what the sandbox is for), and 01 calls it from several threads at once.
+rights (model-written code is what the sandbox is for), and 01 calls it from several threads at once. In 03 each call
+runs under --critic-timeout (limited: SIGALRM, so in the main thread only; a plug-in that sets SIGALRM itself takes
+the limit's place).
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import importlib
 import importlib.util
 import os
 import re
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from common import DataError, first_line
@@ -86,3 +91,37 @@ def _import(target: str):
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     return importlib.import_module(target)
+
+
+class Timeout(BaseException):
+    """A plug-in call past its time limit (limited). A BaseException, as KeyboardInterrupt is, so that a plug-in's own
+    `except Exception` cannot swallow it."""
+
+
+def limited(fn, args: tuple, deadline: float | None):
+    """fn(*args), stopped by Timeout at `deadline` (time.monotonic()), or at once where it has passed. SIGALRM: the
+    previous handler and timer come back however the call ends. No limit without a deadline, or off the main thread
+    (01's threads), where no signal can be taken."""
+    if (
+        deadline is None
+        or threading.current_thread() is not threading.main_thread()
+        or not hasattr(signal, "setitimer")
+    ):
+        return fn(*args)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Timeout
+    armed = [True]
+
+    def expire(signum, frame):
+        if armed[0]:  # an alarm handled after the call returned (as the handler is put back) is no timeout
+            raise Timeout
+
+    old = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, left)
+        return fn(*args)
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if old is None else old)  # None: a handler set outside Python

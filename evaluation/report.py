@@ -3,8 +3,10 @@
 render_report draws, top to bottom: the metrics (grouped by prefix, METRICS' labels and directions; the best policy in
 bold only where its 95% interval overlaps no other's, best_marks), the LLM judge's win/tie/loss, stage 3's training
 curves (--curves: each run's metrics.jsonl, the learned critic's reward and mistake rate with the exact critic's
-dashed beside them where a run logs it, the demo's; each title names what is drawn: plot_curves), where stage 3's
-updates went token by token (its --trace-samples: trace.jsonl beside each metrics.jsonl, render_update_section), and
+dashed beside them where a run logs it, the demo's; each title names what is drawn; the iterations where the critic
+did not judge are marked, with no value drawn: plot_curves; the whole run's failed critiques under them:
+training_counts, results.json's "training"), where stage 3's updates went token by token (its --trace-samples:
+trace.jsonl beside each metrics.jsonl, render_update_section), and
 sample answers (--report-samples of them, those where the policies differ most: pick_samples) with the critique's good
 and poor spans highlighted at their character positions (highlight: the paper's Figure 2), the exact critic's verdict
 under them where the task has one, and each --monitor critic's, its spans highlighted and its critique
@@ -127,6 +129,8 @@ CURVE_KEYS = {
     "objective/entropy": "entropy",
 }
 EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
+CRITIC_CURVES = ("objective/span_reward", "critic/mistake_rate")  # the critic's delta: none where it did not judge
+UNJUDGED = "critic did not judge"
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
 
 
@@ -147,8 +151,38 @@ def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
     return runs
 
 
+def training_counts(runs: dict[str, list[dict]], specs: dict[str, str]) -> dict:
+    """results.json's "training": each stage-3 run's critic failures over all its iterations (its metrics.jsonl rows,
+    resumed segments included; infra.runs.critic_failures), counted with the batch size in config.json beside it."""
+    from infra.runs import critic_failures
+
+    out = {}
+    for name, rows in runs.items():
+        config = Path(specs[name]).parent / "config.json"
+        size = json.loads(config.read_text()).get("batch_size") if config.is_file() else None
+        out[name] = critic_failures(rows, size)
+    return out
+
+
+def training_note(training: dict) -> str:
+    """Under the curves: each run whose critic failed, the whole run's count and the iterations it did not judge."""
+    notes = []
+    for name, t in training.items():
+        if not t["failed"] and not t["unjudged"]:
+            continue
+        count = f"{t['failed']} of {t['critiques']} critiques failed" if t["critiques"] else "critiques failed"
+        steps = ", ".join(map(str, t["unjudged"][:20])) + (", …" if len(t["unjudged"]) > 20 else "")
+        notes.append(
+            f"{html.escape(name)}: {count} over its {t['iterations']} iterations (resumed ones included)"
+            + (f"; the critic did not judge iterations {steps} (× on the curves, no value drawn)" if steps else "")
+        )
+    return f"<p class='note'>{'<br>'.join(notes)}</p>" if notes else ""
+
+
 def plot_curves(runs: dict[str, list[dict]]) -> str | None:
-    """The report's curves: base64 PNG with one panel per curve present (reward, mistakes, KL, entropy), or None."""
+    """The report's curves: base64 PNG with one panel per curve present (reward, mistakes, KL, entropy), or None. The
+    critic's curves draw no value on an iteration where it did not judge (critic/parse_fail_rate 1.0: delta = 0 on
+    every rollout, which would read as a flawless batch), and an × marks it at the foot of the panel."""
     present = {k for rows in runs.values() for r in rows for k, v in r.items() if isinstance(v, (int, float))}
     keys = [k for k in CURVE_KEYS if k in present] or sorted(present - {"step"})[:4]
     if not keys:
@@ -168,8 +202,9 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
     for ax in axes.flat[len(keys) :]:
         ax.remove()
     for ax, key in zip(axes.flat, keys):
-        dashed = False
+        dashed, marked = False, False
         for color, (name, rows) in zip(itertools.cycle(COLORS), runs.items()):
+            unjudged = {r["step"] for r in rows if (r.get("critic/parse_fail_rate") or 0) >= 1.0}
             # the learned critic's curve, and dashed the exact critic's on the same rollouts (the demo's
             # reward-hacking monitor: a rising critic reward over a flat exact one means the critic is being gamed)
             for k, style, label in ((key, "-", name), (EXACT_CURVES.get(key), "--", None)):
@@ -177,12 +212,24 @@ def plot_curves(runs: dict[str, list[dict]]) -> str | None:
                 if not pts:
                     continue
                 x, y = map(np.asarray, zip(*pts))
+                y = y.astype(float)
+                if style == "-" and key in CRITIC_CURVES:
+                    y[np.isin(x, list(unjudged))] = np.nan  # no value where the critic did not judge
                 w = max(1, len(y) // 15)  # moving average over ~7% of the run; raw values drawn faintly behind
-                smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+                valid = ~np.isnan(y)
+                sums = np.convolve(np.where(valid, y, 0.0), np.ones(w), mode="valid")
+                smooth = sums / np.maximum(np.convolve(valid, np.ones(w), mode="valid"), 1)
+                smooth[~valid[w - 1 :]] = np.nan  # the average of the judged ones, none at an unjudged iteration
                 if style == "-":
                     ax.plot(x, y, color=color, alpha=0.2, lw=1)
                 ax.plot(x[w - 1 :], smooth, style, color=color, lw=2 if style == "-" else 1.5, label=label)
                 dashed = dashed or style == "--"
+                if style == "-" and key in CRITIC_CURVES and unjudged:  # an x at the panel's foot, named once
+                    marks, label = sorted(unjudged), "_nolegend_" if marked else UNJUDGED
+                    ax.plot(
+                        marks, [0.02] * len(marks), "x", color=color, transform=ax.get_xaxis_transform(), label=label
+                    )
+                    marked = True
         title = CURVE_KEYS.get(key, key)
         ax.set_title(title + " (solid), exact critic (dashed)" if dashed else title, fontsize=11)
         ax.set_xlabel("PPO iteration", fontsize=10)
@@ -597,6 +644,7 @@ def render_report(
             if curves_png
             else "<p class='note'>No stage 3 metrics.jsonl found.</p>"
         )
+        + training_note(results.get("training") or {})
     )
     parts.append(render_update_section(traces or {}))
     parts.append(

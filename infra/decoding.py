@@ -340,3 +340,22 @@ def generate_static(model, ids, mask, config, compile: bool = True):
     greedy; min/max new tokens; stop ids; pad id)."""
     stop = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     return static_decode(model, ids, mask, config.max_new_tokens, sampler(config), stop, config.pad_token_id, compile)
+
+
+def generate(model, query, query_mask, gen_config, args):
+    """03's step 1 in process: the responses (B, T) to a left-padded batch of queries, sampled with gen_config under
+    03's precision, by transformers' generate or, with --compile-generation, generate_static (the same tokens from
+    the same random numbers); --fsdp-generate whole gathers the sharded policy for it."""
+    import torch
+
+    from infra import distributed
+
+    with (
+        torch.no_grad(),
+        distributed.autocast(args.device, args.dtype),
+        distributed.gathered(model, args.fsdp_generate == "whole"),
+    ):
+        if args.compile_generation:
+            return generate_static(model, query, query_mask, gen_config)
+        response = model.generate(input_ids=query, attention_mask=query_mask, generation_config=gen_config)
+        return response[:, query.shape[1] :]

@@ -180,20 +180,35 @@ def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
     return out
 
 
+def rng_state() -> dict:
+    """This process's random states, as a checkpoint keeps them."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
 def save_checkpoint(
-    path, step: int, model, value_head, optimizer, scheduler, scaler, kl_coef: float, config: dict, rank: int = 0
+    path,
+    step: int,
+    model,
+    value_head,
+    optimizer,
+    scheduler,
+    scaler,
+    kl_coef: float,
+    config: dict,
+    rank: int = 0,
+    rng: dict | None = None,
 ):
     """The run's checkpoint: the trainable parameters, value head, optimizer, scheduler, loss scaler (fp16), beta,
-    its settings (config) and every rank's RNG states, all a run needs to continue bit-exactly. Called on every rank
-    (their RNG states are gathered); rank 0 writes it, atomically. The parameters are the same on every rank."""
-    rngs = [
-        {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
-    ]
+    its settings (config) and every rank's RNG states (now's, or `rng`: rng_state() as iteration step + 1 began, for
+    a save after that iteration drew its rollouts and then failed), all a run needs to continue bit-exactly. Called
+    on every rank (their RNG states are gathered); rank 0 writes it, atomically. The parameters are the same on
+    every rank."""
+    rngs = [rng or rng_state()]
     if dist.is_initialized():
         rngs, rng = [None] * dist.get_world_size(), rngs[0]
         dist.all_gather_object(rngs, rng)
@@ -310,15 +325,34 @@ MAY_DIFFER = (
 )  # and where it runs (config.json's segments record each invocation's device)
 
 
+def records_fingerprint(records: list[dict]) -> dict:
+    """{"records": how many, "sha256": a hash of each one's JSON (keys sorted)}: a data set's content, whatever file or
+    layout holds it (the same records rewritten are the same prompts; one record changed, cut or added is not)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for rec in records:
+        h.update(json.dumps(rec, sort_keys=True, ensure_ascii=False, default=str).encode() + b"\n")
+    return {"records": len(records), "sha256": h.hexdigest()[:16]}
+
+
 def check_same_run(config_file: Path, config: dict) -> None:
     """--resume continues the run it finds with the settings that run was trained with: DataError, one line naming the
     first flag whose value differs (config.json's against `config`), unless it is in MAY_DIFFER: --steps, the flags
     that change no result (logging, saving, tracing, how many critic requests are in flight) and --device (a run may
-    continue on another machine). A setting the run's config.json lacks (a flag added since) is not compared."""
+    continue on another machine); and the prompts' content ("prompts_content", records_fingerprint: the file at the
+    same path, edited, would draw other prompts). A setting the run's config.json lacks (a flag added since, or a run
+    from before prompts_content) is not compared."""
     if not config_file.is_file():
         return
     there, now = json.loads(config_file.read_text()), json.loads(json.dumps(config, default=str))
     for key, value in now.items():
+        if key == "prompts_content" and there.get(key, value) != value:
+            raise common.DataError(
+                f"--resume: --prompts {now['prompts']}: {value['records']} prompts now, {there[key]['records']} "
+                f"when this run began (content {value['sha256']} now, {there[key]['sha256']} then): a resumed run "
+                "draws the same prompts in the same order; restore the file, or --overwrite starts the run again"
+            )
         if key in there and key not in MAY_DIFFER and there[key] != value:
             raise common.DataError(
                 f"--resume: --{key.replace('_', '-')} was {there[key]} in this run, {value} now: a "
@@ -330,14 +364,16 @@ def check_same_run(config_file: Path, config: dict) -> None:
 def start_or_resume(
     out_dir, kind: str, config: dict, model, value_head, optimizer, scheduler, scaler, rank: int, world: int
 ) -> dict:
-    """The run dir: {"step": the last step done, 0 for a fresh start; "kl_coef": the resumed run's beta}. kind
+    """The run dir: {"step": the last step done, 0 for a fresh start; "kl_coef": the resumed run's beta; "rows": the
+    metrics.jsonl rows of the iterations done, what the run's failure limits and counts start from}. kind
     (policy_run_kind) "resume" restores the checkpoint (load_checkpoint) and cuts metrics.jsonl, samples.jsonl and
     trace.jsonl back to its step; a fresh start removes the run it replaces. Rank 0 writes config.json: config, the
     run's settings, the world size, and one segment per invocation (first step, device, world size; a resume carries
     the earlier ones over)."""
-    out_dir, last, saved = Path(out_dir), 0, {}
-    if kind == "resume":  # refused before anything is written
+    out_dir, last, saved, rows = Path(out_dir), 0, {}, []
+    if kind == "resume":  # refused before anything is written; read on every rank before rank 0 rewrites it
         check_same_run(out_dir / "config.json", config)
+        rows = common.read_jsonl(out_dir / "metrics.jsonl") if (out_dir / "metrics.jsonl").is_file() else []
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
@@ -365,7 +401,21 @@ def start_or_resume(
             old["segments"] = [{"from_step": 1, "device": old["device"], "world_size": old.get("world_size", 1)}]
         this = {"from_step": last + 1, "device": config.get("device"), "world_size": world}
         common.write_json(config_file, {**config, "world_size": world, "segments": [*old.get("segments", []), this]})
-    return {"step": last, **saved}
+    return {"step": last, **saved, "rows": [r for r in rows if r["step"] <= last]}
+
+
+def critic_failures(rows: list[dict], batch_size: int | None) -> dict:
+    """The critic's failures over stage-3 metrics rows (metrics.jsonl's: a whole run, resumed segments included):
+    {"iterations", "critiques" (iterations x batch_size), "failed" (critic/parse_fail_rate x batch_size, summed),
+    "unjudged": the steps where no critique gave a signal (critic/parse_fail_rate 1.0)}. Without batch_size (a
+    metrics.jsonl alone, no config.json beside it) critiques and failed are None."""
+    rates = [(r["step"], r.get("critic/parse_fail_rate")) for r in rows]
+    return {
+        "iterations": len(rows),
+        "critiques": len(rows) * batch_size if batch_size else None,
+        "failed": round(sum(x or 0.0 for _, x in rates) * batch_size) if batch_size else None,
+        "unjudged": [step for step, x in rates if x is not None and x >= 1.0],
+    }
 
 
 _RUN = {}  # the stage-3 run a Ctrl-C would stop (its settings) and the command line that started it
@@ -375,6 +425,19 @@ def on_interrupt(args, argv: list[str]) -> None:
     """Remember the run main() is about to train and its command line (the script, then its arguments), for
     interrupted()."""
     _RUN.update(args=args, argv=list(argv))
+
+
+def exit_interrupted() -> None:
+    """Ctrl-C in stage 3: the one line (interrupted), then exit 130 at once, and nothing after it. Another Ctrl-C is
+    ignored meanwhile, and the interpreter's teardown is skipped: a second Ctrl-C there printed a KeyboardInterrupt
+    traceback (tqdm's, torch's finalizers), and a hung plug-in's own threads would hold the exit."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    print(interrupted(), file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
 
 
 def interrupted() -> str:

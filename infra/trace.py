@@ -1,6 +1,6 @@
 """--trace-samples, --dump-rollouts, --log-every: what a stage-3 run writes about itself, and what it shows while it
 runs: step 7 of Alg. 4 (log_iteration: metrics.jsonl on the global batch, samples.jsonl every --log-every iterations),
-the progress bar and its warnings (show_progress); --trace-samples
+the progress bar and its warnings (progress_bar, show_progress); --trace-samples
 (trace_iteration: where each update went, token by token, in trace.jsonl, which 04's report draws as "Where the update
 went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
 """
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 import common
-from infra import distributed
+from infra import distributed, mismatch
 
 
 def add_args(p) -> None:
@@ -29,6 +29,26 @@ def add_args(p) -> None:
         "--trace-samples",
         type=int,
         help="where each update went: N rollouts per iteration to OUTPUT_DIR/trace.jsonl (0: off)",
+    )
+
+
+def progress_bar(first_step: int, args, rank: int):
+    """The run's progress bar over its iterations (rank 0 shows it), and above it a warning when --top-p < 1 makes
+    the run off-policy."""
+    from tqdm.auto import tqdm
+
+    if args.top_p < 1 and rank == 0:
+        print(
+            f"warning: --top-p {args.top_p} < 1: this run is off-policy (rollouts are sampled from the nucleus, PPO "
+            "scores log-probs of the full distribution)",
+            file=sys.stderr,
+        )
+    return tqdm(
+        range(first_step, args.steps + 1),
+        desc=f"PPO ({args.reward_mode})",
+        initial=first_step - 1,
+        total=args.steps,
+        disable=rank != 0,
     )
 
 
@@ -52,6 +72,13 @@ def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) ->
             f"(no span JSON, or no answer): their rollouts get delta = 0; first: {first}",
             file=sys.stderr,
         )
+
+
+def served_mismatch(b, args) -> dict:
+    """--rollout-server: how far the server's mu is from the trainer's pi_old (infra/mismatch.py), {} in-process."""
+    if getattr(b, "behaviour_logprobs", None) is None:
+        return {}
+    return mismatch.mismatch_stats(b.logprobs, b.behaviour_logprobs, b.mask, args.rollout_is_mode, args.rollout_is_cap)
 
 
 def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
@@ -89,6 +116,7 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
         "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
         "critic/mistake_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
         **watched,
+        **served_mismatch(b, args),
         "response/length": mask.sum(1).mean().item(),
         "response/eos_rate": g.has_eos.float().mean().item(),
         "policy/epochs": it["epochs"],

@@ -1,12 +1,31 @@
-"""--lora-r, --lora-alpha, --lora-targets, --ref-adapter, --compile-update, --forward-batch-size: a model loaded by
-infra/models.py made ready to train. A trainable LoRA adapter (add_lora: stages 2 and 3, the SFT warm start, the
-baselines), stage 3's reference adapter (load_ref_adapter), and stage 3's forwards: compiled (compile_update) and, with
-no grad, in chunks of as many rows as memory allows (forward_rows, scoring_rows).
+"""--lora-r, --lora-alpha, --lora-targets, --ref-adapter, --gradient-checkpointing, --compile-update,
+--forward-batch-size: a model loaded by infra/models.py made ready to train. A trainable LoRA adapter (add_lora:
+stages 2 and 3, the SFT warm start, the baselines); stage 3's policy (build_policy: LoRA or full fine-tuning, the
+reference adapter of load_ref_adapter, the value head) and its optimizer (make_optimizer); stage 3's forwards:
+compiled (compile_update) and, with no grad, in chunks of as many rows as memory allows (forward_rows, scoring_rows).
 """
 
 from __future__ import annotations
 
+import copy
+
+import torch
+
+from infra import distributed, models
 from infra.models import peft_wraps_quietly
+
+
+def add_args(p) -> None:
+    """03's flags of the policy's parameters (build_policy) and of its no-grad forwards (scoring_rows)."""
+    g = p.add_argument_group("the policy's parameters (infra/trainable.py)")
+    g.add_argument("--lora-r", type=int, help="LoRA rank; 0 = full fine-tuning (then the reference is a frozen copy)")
+    g.add_argument("--lora-alpha", type=int, help="LoRA alpha")
+    g.add_argument("--lora-targets", default="all-linear", help="comma-separated module names, or all-linear")
+    g.add_argument("--ref-adapter", help="a LoRA adapter the policy starts from; it is also the reference policy")
+    g.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for memory")
+    g.add_argument(
+        "--forward-batch-size", type=int, help="rows per no-grad forward (default: what 256 MB of logits allow)"
+    )
 
 
 def load_ref_adapter(model, path: str):
@@ -47,6 +66,44 @@ def add_lora(
                 modules_to_save=[m for m in modules_to_save.split(",") if m] or None,
             ),
         )
+
+
+def build_policy(args, model):
+    """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
+    ref_model = None
+    if args.ref_adapter:  # the policy starts as the adapter, which is also pi_ref (its copy named "ref", frozen)
+        model = load_ref_adapter(model, args.ref_adapter)
+    elif args.lora_r > 0:
+        model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
+    else:  # full fine-tuning: the frozen reference needs no float32 master weights
+        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
+    if args.gradient_checkpointing:
+        # (it also makes the embeddings' output require grad, by a hook: calling that again would add a second one)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    value_head = torch.nn.Linear(model.get_input_embeddings().weight.shape[1], 1, device=args.device)
+    torch.nn.init.zeros_(value_head.weight)  # zero-init: V = 0 at the start, so early advantages are the returns
+    torch.nn.init.zeros_(value_head.bias)
+    return model, ref_model, value_head
+
+
+def make_optimizer(params, args):
+    """AdamW over the trainable parameters, and its learning rate per iteration: a linear warmup over --warmup-steps,
+    then constant, or linearly annealed to 0 (--anneal-lr). scheduler.get_last_lr() is the next update's."""
+    # FSDP's sharded weights and the whole value head in separate groups: foreach/fused AdamW (CUDA's) cannot mix them
+    groups = [
+        {"params": g}
+        for g in (
+            [p for p in params if distributed.is_sharded(p)],
+            [p for p in params if not distributed.is_sharded(p)],
+        )
+        if g
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, eps=1e-5, fused=args.compile_update or None)  # one kernel
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda it: min(1.0, (it + 1) / max(args.warmup_steps, 1)) * (1.0 - it / args.steps if args.anneal_lr else 1.0),
+    )
+    return optimizer, scheduler
 
 
 def compile_update(model, ref_model, args):

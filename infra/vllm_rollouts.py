@@ -15,6 +15,10 @@ TRL's GRPO runs `vllm serve` beside its trainer. Every iteration:
    alone; the server runs with --logprobs-mode processed_logprobs, so after temperature): the behaviour log-probs
    mu(y_t | x, y_<t) that infra/mismatch.py corrects for. as_tensors lays them out as 03's rollout() does.
 
+03 calls three functions: add_args / check_args (the flags), open_server (None in-process) and served_rollouts (step 1
+on the server: push, check, sample); the importance weights of infra/mismatch.py then enter 03's ppo_update as
+Rollouts.weights and Rollouts.keep, and infra/trace.py logs the mismatch every iteration.
+
 The server needs, at start (tests/vllm_server.py starts one so):
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True vllm serve MODEL --enable-lora --max-lora-rank R \\
         --logprobs-mode processed_logprobs [--dtype float32]
@@ -31,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import common
-from infra import serving
+from infra import mismatch, serving
 
 LORA_NAME = "policy"  # the one name every iteration's adapter is loaded under
 PROBE_TOKENS = 160  # the probe prompt's length: a full block of vLLM's prefix cache on a CPU (128 tokens; 16 on GPUs)
@@ -54,6 +58,8 @@ class Server:
     probe: list[int]  # the probe prompt's token ids (probe_prompt)
     last_probe: tuple | None = None  # the probe as served at the last check: (ids, top log-probs per position)
     folder: Path | None = None  # the adapter folder loaded last
+    tol: float = 1e-3  # check_fresh's tolerance in nats (--rollout-tol)
+    pushes: int = 0  # the number of the last adapter folder (a resumed run continues after it: never a reused path)
 
 
 def fail(server_or_url, what: str, e: Exception | None = None):
@@ -80,7 +86,8 @@ def connect(url: str, adapters_dir, probe: list[int], timeout: float = 600.0) ->
         client.models.list()
     except openai.APIError as e:
         raise fail(url, "the server does not answer", e) from None
-    return Server(url, Path(adapters_dir), client, list(probe))
+    pushed = [int(f.name.split("-")[1]) for f in Path(adapters_dir).glob("step-*") if f.name.split("-")[1].isdigit()]
+    return Server(url, Path(adapters_dir), client, list(probe), pushes=max(pushed, default=0))
 
 
 def push_adapter(server: Server, model, step: int, keep: int = 2) -> float:
@@ -245,3 +252,77 @@ def check_fresh(server: Server, score, temperature: float, tol: float = 1e-3) ->
             "an adapter it ignores, another base model, or a lower precision: then raise the tolerance)",
         )
     return diff
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 03's side: the flags, the server, and step 1 on it
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def add_args(p):
+    g = p.add_argument_group("rollouts on a vLLM server (infra/vllm_rollouts.py, docs/scaling.md)")
+    g.add_argument("--rollout-server", help="sample the rollouts on this vLLM server (URL .../v1; LoRA only)")
+    g.add_argument(
+        "--rollout-is-mode", default="sequence_mask", choices=mismatch.MODES, help="the mismatch's correction"
+    )
+    g.add_argument("--rollout-is-cap", type=float, default=3.0, help="its cap on rho = pi_old / mu")
+    g.add_argument("--rollout-tol", type=float, default=1e-3, help="the stale-adapter check's tolerance (nats)")
+    g.add_argument("--rollout-timeout", type=float, default=600.0, help="seconds per request to the server")
+
+
+def check_args(args, world: int):
+    """One line (DataError) for what a rollout server cannot do, before anything is loaded."""
+    if not args.rollout_server:
+        return
+    for flag, ok, rule in (
+        ("--lora-r", args.lora_r > 0, "> 0: the server gets the policy's LoRA adapter (full FT would push weights)"),
+        ("--rollout-is-cap", args.rollout_is_cap > 0, "> 0"),
+        ("--rollout-tol", args.rollout_tol > 0, "> 0"),
+        ("--rollout-timeout", args.rollout_timeout > 0, "> 0"),
+        ("--rollout-server", world == 1, "one process (torchrun's ranks would push one adapter each)"),
+    ):
+        if not ok:
+            raise common.DataError(f"{flag} {getattr(args, flag[2:].replace('-', '_'))}: must be {rule}")
+
+
+def open_server(args, queries: list[list[int]], out_dir) -> Server | None:
+    """None without --rollout-server; else the server, once it answers (adapters go to OUT_DIR/adapters)."""
+    if not args.rollout_server:
+        return None
+    server = connect(args.rollout_server, Path(out_dir) / "adapters", probe_prompt(queries), args.rollout_timeout)
+    server.tol = args.rollout_tol
+    return server
+
+
+def trainer_logprobs(model, temperature: float):
+    """check_fresh's score: (prompt ids, response ids) -> (T, V) log_softmax(logits / T) of the policy now."""
+    import torch
+
+    def score(prompt: list[int], response: list[int]):
+        ids = torch.tensor([prompt + response], device=model.device)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits / temperature, -1)
+
+    return score
+
+
+def served_rollouts(server: Server, model, queries: list[list[int]], gen_config, stop, pad_id: int):
+    """Step 1 on the server: the policy's adapter pushed to a new folder, the server checked to sample from it, then
+    one rollout per query, sampled with 03's settings (gen_config; stop: every EOS). Returns (response (B, T),
+    padded with pad_id after each one's first stop id, and mu's log-probs (B, T), 0.0 on padding), on stop's device."""
+    server.pushes += 1
+    push_adapter(server, model, server.pushes)
+    model.eval()
+    check_fresh(server, trainer_logprobs(model, gen_config.temperature), gen_config.temperature, server.tol)
+    rollouts = sample(
+        server,
+        queries,
+        gen_config.temperature,
+        gen_config.max_new_tokens,
+        [int(t) for t in stop],
+        gen_config.min_new_tokens or 0,
+        top_p=gen_config.top_p if gen_config.top_p is not None else 1.0,
+    )
+    t = as_tensors(rollouts, pad_id, stop.device)
+    return t["response"], t["behaviour_logprobs"]

@@ -224,6 +224,12 @@ def import_script(name: str):
     return importlib.import_module(name)
 
 
+def torchrun(nproc: int = 2) -> list[str]:
+    """The head of a torchrun command line: `nproc` ranks on this machine, rendezvous on a free loopback port."""
+    rendezvous = [f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # A real OpenAI-compatible server: `transformers serve` (pip install "transformers[serving]": fastapi, uvicorn) running
 # a real model on a free loopback port, one process per model for the whole session.

@@ -668,7 +668,7 @@ def test_a_cached_ppo_run_is_keyed_by_the_content_of_its_models(tmp_path, monkey
 
 
 def _fake_locality(ratio: float) -> dict:
-    """03's locality_summary of one update, every group alike (what bench/locality.py's tables read)."""
+    """infra.locality.locality_summary of one update, every group alike (what bench/locality.py's tables read)."""
     import locality
 
     return {**{g: {"mean": -0.1, "mean_abs": 0.1, "down": 0.5, "tokens": 3} for g in locality.GROUPS}, "ratio": ratio}

@@ -988,3 +988,30 @@ def test_a_byte_that_is_not_utf8_is_one_line_naming_the_file_and_line(tmp_path):
 
     with pytest.raises(common.DataError, match=r"bad.json:1: not UTF-8 \(byte 0xe9"):
         read_rows(str(tmp_path / "bad.json"))
+
+
+def test_offsets_from_a_tokenizer_that_only_decodes(tokenizers_here):
+    """decode_with_offsets needs decode and batch_decode alone: without convert_ids_to_tokens it assumes no byte run."""
+
+    class Plain:
+        def __init__(self, tok):
+            self.decode, self.batch_decode = tok.decode, tok.batch_decode
+
+    for real in tokenizers_here:
+        ids = real("the cat sat on the mat, twice: the cat sat")["input_ids"]
+        assert decode_with_offsets(Plain(real), ids) == decode_with_offsets(real, ids), real.name_or_path
+
+
+def test_a_zero_reward_interval():
+    """A python: critic's interval with reward 0 (or -0.0) labels its token 0.0, not -0.0 (which prints, and sums, as
+    such); straddled, it takes nothing from a token that a good interval holds (only a negative edge does, and a
+    negative interval that starts where the token ends is not straddled)."""
+    import math
+
+    assert math.copysign(1.0, common.interval_rewards("ab", [(0, 1), (1, 2)], [(0, 1, -0.0)])[0]) == 1.0
+    assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (1, 4, 0.0)]) == [1.0, 1.0]
+    assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (1, 4, -1.0)]) == [0.0, 0.0]
+    assert common.interval_rewards("ab cd", [(0, 2), (2, 5)], [(0, 5, 1.0), (2, 5, -1.0)]) == [
+        1.0,
+        -1.0,
+    ]  # ends at its start

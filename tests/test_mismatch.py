@@ -101,3 +101,24 @@ def test_weights_and_loss_match_a_loop(mode):
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="sequence_mask"):
         mismatch.importance_weights(LP, BLP, MASK, "sequence", 3.0)
+
+
+def test_the_edges_trl_sets():
+    """The cap's default is TRL's (3); a rho exactly at the cap stays (TRL masks rho > cap); a single kept token is
+    its own mean; no response tokens (or none kept) log zeros, not a division by zero or the mean of nothing."""
+    rho = torch.tensor([[3.5]]).log()  # above 3, below 4
+    assert mismatch.importance_weights(rho, torch.zeros(1, 1), torch.ones(1, 1))[1].item() == 0.0
+    assert mismatch.mismatch_stats(rho, torch.zeros(1, 1), torch.ones(1, 1))["mismatch/masked_share"] == 1.0
+    one_ = torch.ones(1, 1)  # rho = 1, under the default cap: kept by both
+    assert mismatch.importance_weights(0 * one_, 0 * one_, one_)[1].item() == 1.0
+    assert mismatch.mismatch_stats(0 * one_, 0 * one_, one_)["mismatch/masked_share"] == 0.0
+    at_cap = torch.tensor([[0.5]])
+    cap = float(torch.exp(at_cap))  # the float32 rho itself
+    assert mismatch.importance_weights(at_cap, torch.zeros(1, 1), torch.ones(1, 1), "token_mask", cap)[1].item() == 1.0
+    one = torch.tensor([[1.0, 0.0]])
+    assert mismatch.weighted_masked_mean(torch.tensor([[2.0, 9.0]]), one * 0.5, one).item() == 1.0
+    s = mismatch.mismatch_stats(torch.tensor([[0.5, 0.0]]), torch.zeros(1, 2), one)
+    assert s["mismatch/kl_k1"] == -0.5 and s["mismatch/abs_diff_max"] == 0.5
+    for mask in (torch.zeros(1, 2), one):  # no response token; one, masked (rho = e^5 > 3)
+        s = mismatch.mismatch_stats(torch.tensor([[5.0, 0.0]]), torch.zeros(1, 2), mask)
+        assert s["mismatch/weight_mean"] == 0.0 and s["mismatch/abs_diff_max"] == (5.0 if mask.any() else 0.0)

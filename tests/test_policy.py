@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import common
+import critics
 from infra import decoding, distributed, models, reward_models, runs, trace
 from infra.data import read_prompts
+from infra.locality import LOCALITY_GROUPS, locality_sums, locality_summary
 from tasks.demo import demo_critic, demo_dataset
 import forkserver
 from conftest import ROOT, as_reward_model, import_script, model_variant, write_jsonl_gz
@@ -69,6 +71,85 @@ def test_ppo_loss_hand_computed():
     assert stats["policy/approx_kl"] == pytest.approx(0.1487212707 / 2, abs=1e-6)
 
 
+def _bigram_update(all_sum, seed=0, **hp):
+    """ppo_update (SGD, lr 0.1) of a bigram LM with a value head on 4 ragged rollouts, from one seeded start: its
+    weights after, and its stats."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 4, 6, 7
+    ids = torch.randint(V, (B, T + 1), generator=g)
+    torch.manual_seed(seed)
+    embed, head = torch.nn.Embedding(V, V), torch.nn.Linear(V, 1)
+    params = [*embed.parameters(), *head.parameters()]
+
+    def score(rows):
+        logits = embed(ids[rows, :-1])
+        return logits.log_softmax(-1).gather(2, ids[rows, 1:, None]).squeeze(-1), head(logits).squeeze(-1), logits
+
+    mask = torch.tensor([[1.0] * n + [0.0] * (T - n) for n in (6, 2, 4, 5)])
+    with torch.no_grad():
+        old, values, _ = score(torch.arange(B))
+    batch = ppo.Rollouts(
+        mask,
+        logprobs=old - 0.1 * torch.randn(B, T, generator=g),
+        values=values,
+        advantages=torch.randn(B, T, generator=g) * mask,
+        returns=torch.randn(B, T, generator=g) * mask,
+    )
+    hp = ppo.PpoHParams(**{"ppo_epochs": 2, "num_minibatches": 2, "max_grad_norm": 1e9, **hp})
+    stats, epochs = ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp, all_sum=all_sum)
+    return [p.detach() for p in params], stats, epochs
+
+
+def test_ppo_update_sums_over_ranks():
+    """ppo_update's all_sum, with a second rank that holds the same rollouts (all_sum doubles): the minibatch's tokens,
+    the gradients and the epoch's KL are summed over both, so the update is the one of one process on those rows
+    (SGD: a gradient half or twice as large would move the weights half or twice as far), and so is --target-kl's
+    stop; clipped (--max-grad-norm), the same again."""
+    for hp in ({}, {"max_grad_norm": 0.05}, {"target_kl": 1e-9, "ppo_epochs": 3}):
+        one, stats, epochs = _bigram_update(ppo.no_reduction, **hp)
+        two, stats2, epochs2 = _bigram_update(lambda x: x.mul_(2), **hp)
+        assert epochs == epochs2 == (1 if "target_kl" in hp else hp.get("ppo_epochs", 2)) and stats == stats2
+        for a, b in zip(one, two):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    moved = _bigram_update(ppo.no_reduction)[0]
+    clipped = _bigram_update(ppo.no_reduction, max_grad_norm=0.05)[0]
+    assert max((a - b).abs().max() for a, b in zip(moved, clipped)) > 1e-3  # the clip bites
+
+
+def test_clip_grad_norm_over_sharded_gradients():
+    """clip_grad_norm with an FSDP-sharded gradient (a DTensor: this rank's shard) beside a whole one (the value head):
+    the norm is over every rank's shards (all_sum; here a second rank holding the same shard, so its square counts
+    twice) and the whole gradients once, every gradient scaled by max_norm / norm, and none below max_norm; without
+    a sharded gradient it is torch's own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 3, generator=g), torch.randn(5, generator=g)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for max_norm in (1.0, 100.0):
+            sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+            sharded.grad = distribute_tensor(a.clone(), mesh, [Shard(0)])
+            whole = torch.nn.Parameter(torch.zeros(5))
+            whole.grad = b.clone()
+            total = ppo.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
+            want = (2 * a.pow(2).sum() + b.pow(2).sum()).sqrt()
+            coef = min(1.0, max_norm / (want.item() + 1e-6))
+            assert total.item() == pytest.approx(want.item(), rel=1e-6) and want > 1.0
+            torch.testing.assert_close(sharded.grad.to_local(), a * coef)
+            torch.testing.assert_close(whole.grad, b * coef)
+    finally:
+        dist.destroy_process_group()
+    plain = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
+    plain[0].grad, plain[1].grad = a.clone(), b.clone()
+    assert ppo.clip_grad_norm(plain, 1.0, lambda x: x * 2).item() == pytest.approx(
+        (a.square().sum() + b.square().sum()).sqrt().item()
+    )
+
+
 def test_rewards_span_and_scalar_carry_the_same_delta():
     delta = torch.tensor([[1.0, 0.0, -1.0, 1.0, 0.0], [0.0, -1.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
@@ -93,6 +174,8 @@ def test_kl_estimators():
         ppo.per_token_kl(None, None, "full", logits, ref_logits), (p * (p / q).log()).sum(-1), atol=1e-6
     )
     assert ppo.per_token_kl(None, None, "full", logits, logits).abs().max() < 1e-6
+    entropy = torch.distributions.Categorical(logits=logits).entropy()  # H_t, beside the KL: the same logits
+    assert torch.allclose(ppo.entropy_from_logits(logits), entropy, atol=1e-6)
 
 
 def test_whiten_and_span_weighting_and_kl_controller():
@@ -101,7 +184,21 @@ def test_whiten_and_span_weighting_and_kl_controller():
     assert w[0, :3].tolist() == pytest.approx([-1.2247, 0.0, 1.2247], abs=1e-3) and w[0, 3] == 0
     assert ppo.masked_whiten(x, mask, shift_mean=False)[0, 1].item() == pytest.approx(2.0)
     assert ppo.update_kl_coef(0.1, 12.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
-    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) < 0.1
+    assert ppo.update_kl_coef(0.1, 3.0, 6.0, 10000, 100) == pytest.approx(0.1 * (1 - 0.2 * 100 / 10000))  # clipped
+
+
+def test_masked_means_and_rewards_on_one_or_no_response_token():
+    """The edges of the pure section's means (found by bench/mutants.py): a row mean (dim) is each row's own; one
+    masked token is its own mean and an empty mask gives 0, not a division by zero; whitening a constant is 0, not
+    nan (eps); a one-token response takes r_t's last-token terms on that token, and an empty one on token 0."""
+    x, mask = torch.tensor([[2.0, 4.0, 9.0], [6.0, 1.0, 1.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert ppo.masked_mean(x, mask, 1).tolist() == [3.0, 6.0]
+    assert ppo.masked_mean(x, mask).item() == 4.0 and ppo.masked_mean(x[1:], mask[1:]).item() == 6.0
+    assert ppo.masked_mean(x, mask * 0).item() == 0.0 and ppo.masked_mean(x, mask * 0, 1).tolist() == [0.0, 0.0]
+    assert ppo.masked_whiten(torch.full((1, 3), 5.0), torch.ones(1, 3)).tolist() == [[0.0, 0.0, 0.0]]
+    one = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    r = ppo.compute_rewards(x, torch.zeros_like(x), one, 0.1, "scalar", seq_bonus=torch.tensor([-1.0, -1.0]))
+    assert r.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # 2 - 1 on the one token; nothing on the empty row
 
 
 def test_linear_decay_is_the_papers_formula_over_each_located_span():
@@ -115,9 +212,9 @@ def test_linear_decay_is_the_papers_formula_over_each_located_span():
         [[1, 2, 3, 4, 5], [6, 7], [9]],  # a 5-token span, then an adjacent poor one of 2, then one of 1
         [[0, 1, 3, 4], [5]],
     ]  # a good span whose third token is 0, a poor one inside it
-    assert ppo.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
+    assert critics.weight_spans(delta, spans, "uniform").tolist() == delta.tolist()
     assert torch.allclose(
-        ppo.weight_spans(delta, spans, "linear-decay"),
+        critics.weight_spans(delta, spans, "linear-decay"),
         torch.tensor(
             [
                 [0.0, 1.0, 0.775, 0.55, 0.325, 0.1, -1.0, -0.1, 0.0, 1.0],
@@ -281,6 +378,8 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     model, tok = models.load_model(tiny_model_dir)
     model, ref_model, value_head = ppo.build_policy(args, model)
     assert (ref_model is None) == (lora_r > 0)  # LoRA: no second copy of the weights
+    if ref_model is not None:  # full fine-tuning's copy is frozen: no gradient, no dropout
+        assert not ref_model.training and not any(p.requires_grad for p in ref_model.parameters())
     ids, mask = models.left_pad(
         [tok("post: tom lives in york")["input_ids"], tok("it eats")["input_ids"]], tok.pad_token_id
     )
@@ -290,13 +389,12 @@ def test_reference_equals_policy_before_training(tmp_path, tiny_model_dir, lora_
     assert torch.equal(lp, ref_lp) and torch.equal(logits, ref_logits)
     assert ppo.per_token_kl(lp, ref_lp, "k1").abs().max() == 0
     assert values.abs().max() == 0  # zero-initialised value head
-    if lora_r:  # one step of training moves the policy but not the reference
-        for p in model.parameters():
-            if p.requires_grad:
-                p.data.add_(0.1)
-        lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
-        ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
-        assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
+    for p in model.parameters():  # a step of training moves the policy but not the reference (LoRA: the adapter
+        if p.requires_grad:  # alone trains, the base is frozen; full fine-tuning: the reference is a frozen copy)
+            p.data.add_(0.1)
+    lp2, _, _ = ppo.forward(model, value_head, ids, mask, 3, 1.0)
+    ref2, _ = ppo.reference_forward(model, ref_model, ids, mask, 3, 1.0)
+    assert torch.equal(ref2, ref_lp) and not torch.allclose(lp2, lp)
 
 
 def test_forward_logprobs_match_generate_scores(tiny_model_dir):
@@ -603,6 +701,30 @@ def test_poor_labels_keep_only_the_negative_rewards_of_every_kind_of_critic():
     assert torch.equal(dropped, poor[:1])
 
 
+def test_only_quotes_are_made_dense_or_weighted_and_counted():
+    """--labels dense and --span-weighting linear-decay act on quotes (App. I): a python: critic's intervals and a
+    scalar critic's score (critics.check_item's forms, their quote lists empty) go on the tokens as they are, and the
+    count of spans counts each interval. The whole response, which --labels dense quotes once more as good, is not
+    the critic's quote: where the critic quoted it too (the copy then finds no occurrence left), it is not counted
+    unmatched; a critic's own quote of it twice is, under either labels."""
+    text = "tom saw the cat today"
+    offsets = [(0, 3), (3, 7), (7, 11), (11, 15), (15, 21), (21, 21)]
+    located = {"critique": "", "good_spans": [], "poor_spans": [], "spans": [{"start": 0, "end": 7, "reward": 1.0}]}
+    located["spans"].append({"start": 4, "end": 11, "reward": -1.0})
+    score = {"critique": "", "good_spans": [], "poor_spans": [], "step_rewards": [(None, 0.5)]}
+    mask = torch.ones(2, 6)
+    plain, _, n, unmatched = ppo.span_deltas([text] * 2, [offsets] * 2, [located, score], mask)
+    assert (n, unmatched) == (2, 0) and plain.abs().sum() > 0
+    for weighting, labels in (("uniform", "dense"), ("linear-decay", "spans")):
+        got, _, n, unmatched = ppo.span_deltas([text] * 2, [offsets] * 2, [located, score], mask, weighting, labels)
+        assert torch.equal(got, plain) and (n, unmatched) == (2, 0), (weighting, labels)
+    whole = {"critique": "c", "good_spans": [text], "poor_spans": ["cat"]}
+    assert ppo.span_deltas([text], [offsets], [whole], mask[:1], labels="dense")[2:] == (2, 0)
+    twice = {**whole, "good_spans": [text, text]}
+    for labels in ("spans", "dense"):
+        assert ppo.span_deltas([text], [offsets], [twice], mask[:1], labels=labels)[2:] == (3, 1), labels
+
+
 def test_dense_run_trains_on_dense_labels_of_the_program_critic(tmp_path, tiny_model_dir):
     """--labels dense --critic program: step 3's delta is +1 on every token of a rollout outside the exact critic's poor
     spans, -1 inside; the monitor still logs the exact critic's own span reward, not the dense one."""
@@ -820,7 +942,7 @@ def test_torchrun_two_ranks_match_single_process_math(tmp_path, tiny_model_dir, 
             e = torch.load(tmp_path / "dump_layers" / f"step1_rank{r}.pt", weights_only=False)
             assert e["texts"] == d[r]["texts"] and torch.equal(e["response"], d[r]["response"])
     for row, dumps in zip(common.read_jsonl(tmp_path / "run" / "trace.jsonl"), (d[:2], d[2:])):  # the demo preset's
-        assert sum(row["locality"][g]["tokens"] for g in ppo.LOCALITY_GROUPS) == sum(
+        assert sum(row["locality"][g]["tokens"] for g in LOCALITY_GROUPS) == sum(
             x["mask"].sum().item() for x in dumps
         )  # --trace-samples: its locality counts both ranks' tokens
     for r0, r1 in (d[:2], d[2:]):  # single process on the concatenated batch gives the same whitened advantages
@@ -1182,20 +1304,20 @@ def test_locality_sums_match_a_plain_loop():
     delta[2] = delta[2].clamp(min=0)  # a clean answer with good spans
     delta[5] = 0.0  # a clean answer without any span
     log_ratio = torch.randn(B, T, generator=g) * mask
-    want = {k: [] for k in ppo.LOCALITY_GROUPS}
+    want = {k: [] for k in LOCALITY_GROUPS}
     for b, n in enumerate(lengths):
         flawed = any(delta[b, t] < 0 for t in range(n))
         for t in range(n):
             d, x = delta[b, t].item(), log_ratio[b, t].item()
             want["poor" if d < 0 else "good" if d > 0 else "outside_flawed" if flawed else "outside_clean"].append(x)
-    got = ppo.locality_summary(ppo.locality_sums(log_ratio, delta, mask))
+    got = locality_summary(locality_sums(log_ratio, delta, mask))
     for k, xs in want.items():
         assert got[k]["tokens"] == len(xs) > 0
         assert got[k]["mean"] == pytest.approx(sum(xs) / len(xs), abs=1e-6)
         assert got[k]["mean_abs"] == pytest.approx(sum(map(abs, xs)) / len(xs), abs=1e-6)
         assert got[k]["down"] == pytest.approx(sum(x < 0 for x in xs) / len(xs))
     assert got["ratio"] == pytest.approx(got["poor"]["mean_abs"] / got["outside_flawed"]["mean_abs"])
-    clean = ppo.locality_summary(ppo.locality_sums(log_ratio, delta.clamp(min=0), mask))  # no poor span anywhere
+    clean = locality_summary(locality_sums(log_ratio, delta.clamp(min=0), mask))  # no poor span anywhere
     assert clean["poor"]["tokens"] == clean["outside_flawed"]["tokens"] == 0 and clean["ratio"] is None
 
 
@@ -1256,8 +1378,8 @@ def test_trace_records_the_update_the_run_made(tmp_path, tiny_model_dir, tiny_to
         assert sorted(s["row"] for s in row["samples"]) == [0, 1, 2, 3]
         flawed = [any(x < 0 for x in s["delta"]) for s in row["samples"]]
         assert flawed == sorted(flawed, reverse=True)  # answers with a poor span first
-        groups = {k: [] for k in ppo.LOCALITY_GROUPS}
-        adv = {m: {k: [] for k in ppo.LOCALITY_GROUPS} for m in ("span", "scalar")}
+        groups = {k: [] for k in LOCALITY_GROUPS}
+        adv = {m: {k: [] for k in LOCALITY_GROUPS} for m in ("span", "scalar")}
         for s in row["samples"]:
             i, n = s["row"], int(d["mask"][s["row"]].sum())
             text, offsets = common.decode_with_offsets(tiny_tokenizer, d["response"][i, :n].tolist())
@@ -1394,7 +1516,7 @@ def test_locality_bench_summary_and_its_same_batch_check():
     import locality
 
     def state(poor_span, poor_scalar, rest_span, rest_scalar, n=4):
-        loc = lambda poor, rest: ppo.locality_summary(  # noqa: E731
+        loc = lambda poor, rest: locality_summary(  # noqa: E731
             torch.tensor(  # noqa: E731
                 [
                     [n, poor * n, abs(poor) * n, n * (poor < 0)],
@@ -2194,7 +2316,6 @@ def test_the_pure_functions_need_only_torch():
         "masked_mean",
         "masked_whiten",
         "per_token_kl",
-        "weight_spans",
         "compute_rewards",
         "compute_gae",
         "compute_rloo",

@@ -570,9 +570,9 @@ def _torchrun_rm(tmp_path, argv, nproc):
 def test_fsdp_two_ranks_train_as_one_process(tmp_path, tiny_model_dir, lora):
     """02 --shard fsdp on 2 gloo ranks (4 examples each) trains the weights that one process trains on the same 8
     examples a step, within float rounding, and saves them whole: an adapter (LoRA on lm_head and the tied embeddings,
-    the norms trained too) or the full tied model, each loading in one process; each rank held half the parameters.
-    Its train_loss is the one process's too: logged every step (lora), or never (full: HF's unlogged loss is each
-    rank's own, and train_loss was rank 0's)."""
+    the norms trained too) or the full tied model, each loading in one process (what each rank holds while it trains:
+    tests/test_fsdp.py). Its train_loss is the one process's too: logged every step (lora), or never (full: HF's
+    unlogged loss is each rank's own, and train_loss was rank 0's)."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
     flags = [
@@ -634,8 +634,9 @@ def test_fsdp_outside_torchrun_is_one_line(tmp_path, tiny_model_dir, monkeypatch
 
 @pytest.mark.slow  # 2 gloo ranks under torchrun
 def test_fsdp_resume_is_exact(tmp_path, tiny_model_dir):
-    """02 --shard fsdp killed after checkpoint 2 of 4 and resumed gives the uninterrupted run's adapter: the gathered
-    weights, Adam and scheduler states (fsdp_state.pt) and every rank's RNG (dropout) come back into the shards."""
+    """02 --shard fsdp killed after checkpoint 2 of 4 and resumed gives the uninterrupted run's adapter, to the bit: the
+    gathered weights, Adam and scheduler states (fsdp_state.pt) and every rank's RNG (dropout) come back into the
+    shards."""
     data = tmp_path / "ann.jsonl"
     common.write_jsonl(data, annotations(40))
     flags = [
@@ -674,8 +675,7 @@ def test_fsdp_resume_is_exact(tmp_path, tiny_model_dir):
     assert json.loads((b / "reward_model.json").read_text())["train"]["resumed_from"].endswith("checkpoint-2")
     wa, wb, w2 = adapter_weights(a), adapter_weights(b), adapter_weights(b / "checkpoints" / "checkpoint-2")
     assert wa.keys() == wb.keys() and len(wa) > 4
-    for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(wb[k], wa[k]) for k in wa)  # to the bit: the same ranks, data order and reductions
     assert not all(torch.equal(wa[k], w2[k]) for k in wa)
 
 

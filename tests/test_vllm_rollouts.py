@@ -16,7 +16,7 @@ import vllm_server
 from conftest import free_port, import_script
 
 import common
-from infra import mismatch, models
+from infra import mismatch, models, trainable
 from infra import vllm_rollouts as vr
 
 ppo = import_script("03_train_policy")
@@ -49,7 +49,7 @@ def policy(smollm2_dir):
     """(model, tokenizer, queries): SmolLM2 with 03's LoRA (r 8, all-linear) as 03 builds it, and the questions'
     prompt ids as 03 makes them."""
     model, tok = models.load_model(smollm2_dir)
-    model = models.add_lora(model, 8, 16, "all-linear")
+    model = trainable.add_lora(model, 8, 16, "all-linear")
     return model, tok, [models.policy_prompt(tok, q) for q in QUESTIONS]
 
 
@@ -168,7 +168,7 @@ def test_an_adapter_never_loaded_is_caught_as_unchanged(vllm, policy, tmp_path):
 
 @pytest.mark.slow
 def test_a_refused_adapter_is_one_line(vllm, policy, smollm2_dir, tmp_path):
-    wide = models.add_lora(models.load_model(smollm2_dir)[0], 32, 64, "all-linear")  # above --max-lora-rank 16
+    wide = trainable.add_lora(models.load_model(smollm2_dir)[0], 32, 64, "all-linear")  # above --max-lora-rank 16
     server = connect(vllm, policy, tmp_path)
     with pytest.raises(common.DataError) as e:
         vr.push_adapter(server, wide, 3)
@@ -200,3 +200,45 @@ def test_the_batch_layout_is_03s():
     assert vr.probe_prompt([[1, 2], [3]], 7) == [1, 2, 3, 1, 2, 3, 1]
     with pytest.raises(common.DataError, match="no prompt tokens"):
         vr.probe_prompt([[]])
+
+
+def ppo_argv(smollm2_dir, tmp_path, name, *extra):
+    """03 on SmolLM2 for one iteration of 4 questions (the demo's critic on qa answers), every tensor dumped."""
+    common.write_jsonl(tmp_path / "questions.jsonl", [{"prompt": q} for q in QUESTIONS])
+    return [
+        *("--model", smollm2_dir, "--task", "qa", "--prompts", str(tmp_path / "questions.jsonl")),
+        *("--critic", "python:tasks.demo:critic", "--lora-r", "8", "--lora-alpha", "16", "--steps", "1"),
+        *("--batch-size", "4", "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "8"),
+        *("--sft-steps", "0", "--scalar-baseline-dir", "", "--max-fail-share", "1", "--device", "cpu"),
+        *("--output-dir", str(tmp_path / name), "--dump-rollouts", str(tmp_path / f"{name}_dump"), *extra),
+    ]
+
+
+@pytest.mark.slow
+def test_one_iteration_of_03_through_the_server_is_the_in_process_one_on_its_tokens(
+    vllm, smollm2_dir, tmp_path, monkeypatch
+):
+    """03 --rollout-server for one iteration; then the same iteration in process, its generate replaced by the
+    server's tokens: every tensor before the update equal to the bit (the rest of the iteration is 03's own), the
+    update within the importance weights' correction (rho ~ 1), and the mismatch logged."""
+    import json
+
+    import peft
+
+    ppo.main(ppo_argv(smollm2_dir, tmp_path, "served", "--rollout-server", vllm))
+    served = torch.load(tmp_path / "served_dump" / "step1_rank0.pt", weights_only=False)
+    row = json.loads((tmp_path / "served" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 0 <= row["mismatch/kl"] < 1e-4 and row["mismatch/masked_share"] == 0.0, row
+    assert len(list((tmp_path / "served" / "adapters").glob("step-*"))) == 1
+
+    def the_servers_tokens(self, input_ids, attention_mask, generation_config):
+        return torch.cat([input_ids, served["response"]], 1)
+
+    monkeypatch.setattr(peft.PeftModelForCausalLM, "generate", the_servers_tokens)
+    ppo.main(ppo_argv(smollm2_dir, tmp_path, "local"))
+    local = torch.load(tmp_path / "local_dump" / "step1_rank0.pt", weights_only=False)
+    assert local["texts"] == served["texts"]
+    for key in ("query", "response", "mask", "has_eos", "delta", "kl", "values", "advantages", "returns"):
+        assert torch.equal(local[key], served[key]), key
+    assert local["param_checksum"] == pytest.approx(served["param_checksum"], rel=1e-6)
+    assert "mismatch/kl" not in json.loads((tmp_path / "local" / "metrics.jsonl").read_text().splitlines()[0])
