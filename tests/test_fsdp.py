@@ -108,7 +108,6 @@ def probe_run(tmp_path, stage: str, argv: list[str]) -> list[dict]:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=900,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

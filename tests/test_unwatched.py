@@ -288,7 +288,6 @@ def test_a_hung_plugin_is_stopped_by_its_limit_and_the_failure_limits(tmp_path, 
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
         env={**__import__("os").environ, "T2G_HUNG": str(tmp_path / "hung")},
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -316,14 +315,13 @@ def test_ctrl_c_inside_a_plugin_call_prints_one_line_and_nothing_else(tmp_path, 
         env={**__import__("os").environ, "T2G_HUNG": str(hung)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as a terminal delivers it
     )
-    deadline = time.time() + 300
-    while not hung.exists() and proc.poll() is None and time.time() < deadline:
+    while not hung.exists() and proc.poll() is None:  # the plug-in's call has begun, or the run ended without it
         time.sleep(0.1)
     assert hung.exists()
-    while proc.poll() is None and time.time() < deadline:  # Ctrl-C, again and again, until it has gone
+    while proc.poll() is None:  # Ctrl-C, again and again, until it has gone
         proc.send_signal(signal.SIGINT)
         time.sleep(0.05)
-    err = proc.communicate(timeout=60)[1]
+    err = proc.communicate()[1]
     assert proc.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
     tail = err.rstrip("\n").rsplit("\n", 1)[-1]
