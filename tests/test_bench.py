@@ -2,6 +2,7 @@
 a folder made otherwise, or whose settings were never recorded, is refused in one line, never mixed into a result."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,17 @@ import ablations  # noqa: E402
 import demo_seeds  # noqa: E402
 import real_critic  # noqa: E402
 import span_vs_scalar  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def environ_restored():
+    """os.environ as it was before each test: credit.one_thread pins OMP_NUM_THREADS and MKL_NUM_THREADS for the
+    bench's own process, and in a test worker that outlived the test, sending every later stage run of the worker to
+    a fresh interpreter (tests/forkserver.py: a variable read at import that differs from the fork server's)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def test_every_bench_module_imports_first():
