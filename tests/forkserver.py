@@ -65,17 +65,18 @@ IMPORT_TIME = (
 )  # fmt: skip
 
 
-# set by the process itself, not by a test: torch's inductor writes its default cache folder into os.environ the first
-# time it is asked for (any test that touches torch.compile), which then differed from the server's in every later
-# request of that worker and sent the whole suite to fresh interpreters under xdist
-SET_BY_TORCH = ("TORCHINDUCTOR_CACHE_DIR",)
+# set by libraries in the tests' own process when they are imported or used, not by a test: torch's inductor (its
+# default cache folder, the first time it is asked for), lm_eval (HF_XET_HIGH_PERFORMANCE) and alpaca_eval (KMP_*)
+# at import. Each then differed from the server's in every later request of that worker and sent the rest of the
+# suite to fresh interpreters under xdist; a script that imports them sets them again itself.
+SET_IN_PROCESS = ("TORCHINDUCTOR_CACHE_DIR", "HF_XET_HIGH_PERFORMANCE", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 
 
 def _import_time(key: str) -> bool:
     return key.startswith(IMPORT_TIME) and key not in (
         "PYTHONPATH",
         "PYTHONUNBUFFERED",
-        *SET_BY_TORCH,
+        *SET_IN_PROCESS,
     )  # the child sets PYTHON*
 
 

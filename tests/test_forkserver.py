@@ -107,7 +107,7 @@ def test_nested_runs_fork_the_scripts_own_python_runs_too(tmp_path):
     )
     for nested in (False, True):
         me, parent, code_ = forkserver.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, nested=nested
+            [sys.executable, "-c", code], capture_output=True, text=True, nested=nested, env=dict(forkserver._BASE_ENV)
         ).stdout.split()
         assert code_ == "0" and (me != parent) == nested
 
@@ -124,22 +124,31 @@ def test_a_variable_read_at_import_gets_a_fresh_interpreter(monkeypatch):
     run that sets it is a fresh interpreter (a fork would see it unset), and so is every run under T2G_NO_FORKSERVER."""
     code = "import os; from huggingface_hub import constants; print(constants.HF_HUB_OFFLINE, os.getppid())"
     run = lambda env: forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout  # noqa: E731
-    offline, parent = run({**os.environ, "HF_HUB_OFFLINE": "1"}).split()
+    base = dict(forkserver._BASE_ENV)  # the server's: what another test of this worker may have leaked is not in it
+    offline, parent = run({**base, "HF_HUB_OFFLINE": "1"}).split()
     assert offline == "True" and int(parent) == os.getpid()
-    assert int(run(dict(os.environ)).split()[1]) != os.getpid()  # the others are forks of the server
+    assert int(run(base).split()[1]) != os.getpid()  # the others are forks of the server
     monkeypatch.setenv("T2G_NO_FORKSERVER", "1")
-    assert int(run(dict(os.environ)).split()[1]) == os.getpid()
+    assert int(run(base).split()[1]) == os.getpid()
 
 
-def test_what_torch_sets_in_the_tests_own_process_still_forks():
-    """torch's inductor writes TORCHINDUCTOR_CACHE_DIR into os.environ the first time its cache folder is asked for.
-    After any test that did so, every run of that worker went to a fresh interpreter (the fork server's gain lost
-    under xdist, and two tests here failed in the suite but not alone)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+@pytest.mark.parametrize(
+    "key, value",
+    [("TORCHINDUCTOR_CACHE_DIR", None), ("HF_XET_HIGH_PERFORMANCE", "1"), ("KMP_INIT_AT_FORK", "FALSE")],
+)
+def test_what_libraries_set_in_the_tests_own_process_still_forks(key, value):
+    """torch's inductor writes TORCHINDUCTOR_CACHE_DIR into os.environ the first time its cache folder is asked for
+    (called here for real); lm_eval and alpaca_eval set the others at import (set here as they do). After any test
+    that did so, every run of that worker went to a fresh interpreter: the fork server's gain lost under xdist, and
+    this module's tests failed in the suite but not alone."""
+    if value is None:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    cache_dir()
-    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
-    out = forkserver.run([sys.executable, "-c", "import os; print(os.getppid())"], capture_output=True, text=True)
+        value = os.environ.get(key) or (cache_dir(), os.environ[key])[1]
+    env = {**forkserver._BASE_ENV, key: value}
+    out = forkserver.run(
+        [sys.executable, "-c", "import os; print(os.getppid())"], capture_output=True, text=True, env=env
+    )
     assert int(out.stdout) != os.getpid()
 
 
