@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 
 PRELOAD = (  # what the stages import, slowest first on a loaded core: rouge_score (nltk) ~16 s, torch ~10 s, ...
     "torch",
@@ -70,6 +71,11 @@ IMPORT_TIME = (
 # at import. Each then differed from the server's in every later request of that worker and sent the rest of the
 # suite to fresh interpreters under xdist; a script that imports them sets them again itself.
 SET_IN_PROCESS = ("TORCHINDUCTOR_CACHE_DIR", "HF_XET_HIGH_PERFORMANCE", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
+
+
+class ForkServerFallback(UserWarning):
+    """A run went to a fresh interpreter because this worker's own environment changed since the tests started:
+    a library or a test set a variable read at import, and every later run of the worker pays the imports again."""
 
 
 def _import_time(key: str) -> bool:
@@ -134,7 +140,10 @@ def run(cmd, *, env=None, nested=False, **kw) -> subprocess.CompletedProcess:
     if not _forkable(cmd, kw):
         return subprocess.run(cmd, env=env, **kw)
     server = _start()
-    if _env_differs(server[2], full_env):
+    if differs := _env_differs(server[2], full_env):
+        leaked = [k for k in differs if full_env.get(k) == os.environ.get(k) != _BASE_ENV.get(k)]
+        if leaked:  # not asked for by this run: said once per run, in pytest's warnings summary
+            warnings.warn(f"{', '.join(leaked)} changed in this worker since the tests started", ForkServerFallback)
         return subprocess.run(cmd, env=env, **kw)
     return _run_forked(server[1], cmd, full_env, nested, **kw)
 

@@ -5,6 +5,7 @@ byte for byte), and what a fork cannot stand for gets a fresh interpreter."""
 import os
 import subprocess
 import sys
+import warnings
 
 import forkserver
 import pytest
@@ -125,11 +126,22 @@ def test_a_variable_read_at_import_gets_a_fresh_interpreter(monkeypatch):
     code = "import os; from huggingface_hub import constants; print(constants.HF_HUB_OFFLINE, os.getppid())"
     run = lambda env: forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout  # noqa: E731
     base = dict(forkserver._BASE_ENV)  # the server's: what another test of this worker may have leaked is not in it
-    offline, parent = run({**base, "HF_HUB_OFFLINE": "1"}).split()
+    with warnings.catch_warnings():  # asked for by the run itself: no warning
+        warnings.simplefilter("error", forkserver.ForkServerFallback)
+        offline, parent = run({**base, "HF_HUB_OFFLINE": "1"}).split()
     assert offline == "True" and int(parent) == os.getpid()
     assert int(run(base).split()[1]) != os.getpid()  # the others are forks of the server
     monkeypatch.setenv("T2G_NO_FORKSERVER", "1")
     assert int(run(base).split()[1]) == os.getpid()
+
+
+def test_a_variable_leaked_into_the_workers_environment_is_reported(monkeypatch):
+    """Twice a library's import-time variable, set in a worker's own environment, sent the rest of that worker's
+    runs to fresh interpreters and nothing said so: such a fallback is a warning in pytest's summary now."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "leaked")
+    code = [sys.executable, "-c", "import os; print(os.getppid())"]
+    with pytest.warns(forkserver.ForkServerFallback, match="TOKENIZERS_PARALLELISM changed in this worker"):
+        assert int(forkserver.run(code, capture_output=True, text=True).stdout) == os.getpid()
 
 
 @pytest.mark.parametrize(
