@@ -27,7 +27,6 @@ pairs: 02's split, by --task's preset).
 from __future__ import annotations
 
 import argparse
-import copy
 import random
 import sys
 import time
@@ -139,8 +138,8 @@ def build_policy(args, model):
     ref_model = None
     if args.lora_r > 0:
         model = trainable.add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
-    else:  # full fine-tuning: the frozen reference needs no float32 master weights
-        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
+    else:  # full fine-tuning: pi_ref is a frozen copy
+        ref_model = trainable.frozen_copy(model, args.dtype)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model, ref_model

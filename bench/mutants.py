@@ -225,15 +225,15 @@ MANUAL: list[dict] = [
     {
         "id": "full_reference_is_the_policy",
         "file": "infra/trainable.py",
-        "old": "        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)\n",
+        "old": "        ref_model = frozen_copy(model, args.dtype)\n",
         "new": "        ref_model = model  # mutant\n",
         "tests": REFERENCE,
     },
     {
         "id": "full_reference_copy_not_frozen",
         "file": "infra/trainable.py",
-        "old": ".to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)\n",
-        "new": ".to(models.torch_dtype(args.dtype))  # mutant: trainable, in train mode\n",
+        "old": ".to(models.torch_dtype(dtype)).eval().requires_grad_(False)\n",
+        "new": ".to(models.torch_dtype(dtype))  # mutant: trainable, in train mode\n",
         "tests": REFERENCE,
     },
     # --- the run's lifecycle: a resume restores everything; the policy is saved whole

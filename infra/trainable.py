@@ -68,6 +68,12 @@ def add_lora(
         )
 
 
+def frozen_copy(model, dtype: str):
+    """pi_ref for full fine-tuning (03, DPO): a copy of the model in eval mode, its weights frozen and in `dtype` (a
+    reference needs no float32 master weights)."""
+    return copy.deepcopy(model).to(models.torch_dtype(dtype)).eval().requires_grad_(False)
+
+
 def build_policy(args, model):
     """Wrap the (SFT) model for PPO: LoRA (reference = adapter off) or full fine-tuning (reference = frozen copy)."""
     ref_model = None
@@ -75,8 +81,8 @@ def build_policy(args, model):
         model = load_ref_adapter(model, args.ref_adapter)
     elif args.lora_r > 0:
         model = add_lora(model, args.lora_r, args.lora_alpha, args.lora_targets)
-    else:  # full fine-tuning: the frozen reference needs no float32 master weights
-        ref_model = copy.deepcopy(model).to(models.torch_dtype(args.dtype)).eval().requires_grad_(False)
+    else:  # full fine-tuning: pi_ref is a frozen copy
+        ref_model = frozen_copy(model, args.dtype)
     if args.gradient_checkpointing:
         # (it also makes the embeddings' output require grad, by a hook: calling that again would add a second one)
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
