@@ -93,6 +93,7 @@ def _import_time(key: str) -> bool:
 _server = None  # (Popen, socket path, its environment) of this process's server, started on first use
 _lock = threading.Lock()
 _BASE_ENV = dict(os.environ)  # the environment when the tests started, not one a test has patched meanwhile
+_subprocess_run = subprocess.run  # the real one: a nested run replaces subprocess.run with `run` below
 RUN_KW = {"capture_output", "text", "cwd", "env", "timeout", "stdout", "stderr", "check", "stdin"}
 
 
@@ -138,13 +139,13 @@ def run(cmd, *, env=None, nested=False, **kw) -> subprocess.CompletedProcess:
     nested=True: the script's own subprocess.run of such commands (a bench starting the stages) is forked too."""
     full_env = dict(os.environ if env is None else env)
     if not _forkable(cmd, kw):
-        return subprocess.run(cmd, env=env, **kw)
+        return _subprocess_run(cmd, env=env, **kw)
     server = _start()
     if differs := _env_differs(server[2], full_env):
         leaked = [k for k in differs if full_env.get(k) == os.environ.get(k) != _BASE_ENV.get(k)]
         if leaked:  # not asked for by this run: said once per run, in pytest's warnings summary
             warnings.warn(f"{', '.join(leaked)} changed in this worker since the tests started", ForkServerFallback)
-        return subprocess.run(cmd, env=env, **kw)
+        return _subprocess_run(cmd, env=env, **kw)
     return _run_forked(server[1], cmd, full_env, nested, **kw)
 
 

@@ -113,6 +113,20 @@ def test_nested_runs_fork_the_scripts_own_python_runs_too(tmp_path):
         assert code_ == "0" and (me != parent) == nested
 
 
+def test_a_nested_run_that_cannot_fork_is_a_plain_subprocess(tmp_path):
+    """Inside a nested run subprocess.run is the fork server's run: a command it cannot fork (not python, python -m)
+    falls back to the real subprocess.run, not to itself (it recursed until RecursionError)."""
+    code = (
+        "import subprocess, sys\n"
+        "print(subprocess.run(['echo', 'plain'], capture_output=True, text=True).stdout.strip())\n"
+        "print(subprocess.run([sys.executable, '-m', 'this'], capture_output=True).returncode)\n"
+    )
+    proc = forkserver.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, nested=True, env=dict(forkserver._BASE_ENV)
+    )
+    assert (proc.returncode, proc.stdout.split()) == (0, ["plain", "0"]), proc.stderr[-2000:]
+
+
 def test_each_fork_draws_fresh_random_numbers(tmp_path):
     """A fork copies the server's generators: each child reseeds them from the OS, as a fresh interpreter starts."""
     code = "import random, numpy, torch; print(random.random(), numpy.random.rand(), torch.rand(1).item())"

@@ -202,14 +202,23 @@ def test_the_batch_layout_is_03s():
         vr.probe_prompt([[]])
 
 
+QUOTING_CRITIC = """def critic(records, responses):
+    # every answer judged, with a delta on its own tokens: its first word poor, its last good
+    return [{"poor_spans": r.split()[:1], "good_spans": r.split()[1:][-1:]} for r in responses]
+"""
+
+
 def ppo_argv(smollm2_dir, tmp_path, name, *extra):
-    """03 on SmolLM2 for one iteration of 4 questions (the demo's critic on qa answers), every tensor dumped."""
+    """03 on SmolLM2 for one iteration of 4 questions, every tensor dumped. The critic quotes every answer's first and
+    last word (the demo's critic judges no qa answer: its delta would be all zeros, equal whatever the tokens)."""
     common.write_jsonl(tmp_path / "questions.jsonl", [{"prompt": q} for q in QUESTIONS])
+    (tmp_path / "quoting_critic.py").write_text(QUOTING_CRITIC)
+    critic = f"python:{tmp_path / 'quoting_critic.py'}:critic"
     return [
         *("--model", smollm2_dir, "--task", "qa", "--prompts", str(tmp_path / "questions.jsonl")),
-        *("--critic", "python:tasks.demo:critic", "--lora-r", "8", "--lora-alpha", "16", "--steps", "1"),
+        *("--critic", critic, "--lora-r", "8", "--lora-alpha", "16", "--steps", "1"),
         *("--batch-size", "4", "--num-minibatches", "1", "--ppo-epochs", "1", "--max-new-tokens", "8"),
-        *("--sft-steps", "0", "--scalar-baseline-dir", "", "--max-fail-share", "1", "--device", "cpu"),
+        *("--sft-steps", "0", "--scalar-baseline-dir", "", "--device", "cpu"),
         *("--output-dir", str(tmp_path / name), "--dump-rollouts", str(tmp_path / f"{name}_dump"), *extra),
     ]
 
@@ -229,6 +238,7 @@ def test_one_iteration_of_03_through_the_server_is_the_in_process_one_on_its_tok
     served = torch.load(tmp_path / "served_dump" / "step1_rank0.pt", weights_only=False)
     row = json.loads((tmp_path / "served" / "metrics.jsonl").read_text().splitlines()[0])
     assert 0 <= row["mismatch/kl"] < 1e-4 and row["mismatch/masked_share"] == 0.0, row
+    assert row["critic/parse_fail_rate"] == 0.0 and {-1.0, 1.0} <= set(served["delta"].unique().tolist())
     assert len(list((tmp_path / "served" / "adapters").glob("step-*"))) == 1
 
     def the_servers_tokens(self, input_ids, attention_mask, generation_config):
