@@ -16,6 +16,8 @@ from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest.ini's 2 workers: one thread each (and their subprocesses), as
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two threads per worker waiting on a busy core ran ~10x slower
+if os.environ.get("OMP_NUM_THREADS"):  # MKL's count as MKL reads it then, set as the benches' one_thread sets it: the
+    os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])  # fork server's runs match theirs
 
 import pytest
 
@@ -23,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import common  # noqa: E402
+import forkserver  # noqa: E402
 import vllm_server  # noqa: E402
 from infra import serving  # noqa: E402
 from vllm_server import free_port  # noqa: E402,F401 (tests and benches import it from here)
@@ -389,6 +392,13 @@ class FakeOpenAI:
 def fake_openai():
     """Factory: `with fake_openai(reply) as server: ... server.base_url ...`."""
     return FakeOpenAI
+
+
+@pytest.fixture
+def forked_stages(monkeypatch):
+    """A bench called in this process starts its stages (`subprocess.run` of `python -u X.py`) from the fork server
+    (tests/forkserver.py): each run skips a fresh interpreter's imports of torch, transformers and peft."""
+    monkeypatch.setattr(subprocess, "run", forkserver.run)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the xdist_group marks into work units

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from conftest import ROOT
 
@@ -583,7 +584,7 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     rm_base = Path(tiny_chat_model_dir)  # a chat model that is not the policy's base
     out = tmp_path / "pb"
     build_demo_base(out / "base", pretrain_steps=5, n_texts=200)  # the bench's own base, pretrained briefly
-    subprocess.run(
+    forkserver.run(  # nested: the bench's own stage runs are forks too
         [
             sys.executable,
             "bench/paper_baselines.py",
@@ -621,6 +622,7 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
         check=True,
         capture_output=True,
         text=True,
+        nested=True,
     )
     res = json.loads((out / "results.json").read_text())["settings"]["exact"]
     recipe = res["rm_recipe"]
@@ -909,7 +911,9 @@ def test_credit_ratios_and_paired_differences_against_hand_computed_values():
 
 
 @pytest.mark.slow  # 93 s of a worker in the 2026-11-27 profile (docs/tests.md)
-def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(tmp_path, monkeypatch, tiny_model_dir):
+def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(
+    forked_stages, tmp_path, monkeypatch, tiny_model_dir
+):
     """A tiny grid of every arm, end to end through 03, then the selection: it reads the grid's metrics alone. No
     held-out post is made or read before the confirmation phase (demo_dataset("eval", ...) raises here). Then, for
     two arms, the confirmation and the K sweep, whose final training rates pair up seed by seed with the scalar's."""
@@ -1095,7 +1099,7 @@ def test_credit_matched_statistics_against_hand_computed_values():
 
 
 @pytest.mark.slow
-def test_credit_matched_runs_every_phase_at_tiny_shapes(tmp_path):
+def test_credit_matched_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path):
     """Two arms through calibration, the grid, the selection and the confirmation on two starts (04 judges every
     policy), then K = 1: the results name each start's checksum, every confirmed policy's per-post outcomes and each
     per-token arm's comparison with fair_scalar, Holm-adjusted."""
@@ -1118,7 +1122,7 @@ import credit_learned  # noqa: E402
 
 @pytest.mark.slow
 def test_credit_learned_runs_each_arm_on_its_reward_model_and_judges_from_the_runs_record(
-    tmp_path, monkeypatch, tiny_model_dir, tiny_chat_model_dir
+    forked_stages, tmp_path, monkeypatch, tiny_model_dir, tiny_chat_model_dir
 ):
     """At tiny shapes: the train phase builds the three reward models from --rm-base, then one 03 run per arm with
     its critic and bench/credit.py's tuned lr and beta (the poor-only arm: --labels poor), and records them in
