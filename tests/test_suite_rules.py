@@ -138,3 +138,34 @@ def test_a_module_fixture_keeps_its_module_on_one_worker_and_the_longest_go_firs
     assert [m.kwargs.get("name", m.args and m.args[0]) for m in grouped.marks] == ["tests/test_b.py"]
     assert fast.marks == [] and slow.marks == []
     assert [m.args[0] for m in chain.marks] == ["tests/test_demo.py"]
+
+
+def test_a_module_fixture_is_built_once_on_the_suites_two_workers(tmp_path):
+    """The marks above reach xdist's scheduler: a real pytest on 2 workers with pytest.ini's options and conftest's
+    hook builds a module-scoped fixture once. pytest 9.2 broke this silently (pytest-xdist#1386: loadgroup's group
+    was written to a node id field pytest no longer reads), and the zero-flag demo's chain ran on both workers, 360 s
+    each; requirements.txt keeps pytest below 9.2 until xdist follows."""
+    import subprocess
+    import sys
+
+    (tmp_path / "conftest.py").write_text(
+        f"import importlib.util, sys\nsys.path.insert(0, {str(TESTS)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(TESTS / 'conftest.py')!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n"
+    )
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, pytest\n@pytest.fixture(scope='module')\ndef built():\n"
+        "    with open('built.log', 'a') as f:\n        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        + "".join(f"def test_{i}(built):\n    pass\n" for i in range(4))
+    )
+    (tmp_path / "test_other.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(20)))
+    options = next(line for line in (ROOT / "pytest.ini").read_text().splitlines() if line.startswith("addopts"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *options.split("=", 1)[1].split(), "-p", "no:randomly", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert len((tmp_path / "built.log").read_text().split()) == 1, "built on both workers"
