@@ -1098,6 +1098,21 @@ def test_credit_matched_statistics_against_hand_computed_values():
     assert h["interval"][0] <= -0.25 <= h["interval"][1]
 
 
+def test_credit_matched_interval_resamples_the_starts_first():
+    """Two starts whose seeds agree within each start and disagree across them: the two-level bootstrap draws A twice
+    (a quarter of the time), B twice, or one of each, so its 95% interval is exactly the two starts' values, by hand:
+    steps ratio [0.5, 1.5], held-out difference [-1, +1] (every post of a start's seeds alike, so resampling the posts
+    changes nothing). A bootstrap of the 10 seeds alone would be narrower: it reaches an end only when all 10 draws
+    come from one start (2 / 2^10 of the time)."""
+    rng = __import__("numpy").random.default_rng(0)
+    starts = ["A"] * 5 + ["B"] * 5
+    arm = {"steps": [150] * 5 + [50] * 5, "imperfect": [[1] * 5] * 5 + [[0] * 5] * 5}
+    ref = {"steps": [100] * 10, "imperfect": [[0] * 5] * 5 + [[1] * 5] * 5}
+    out = credit_matched.compare(arm, ref, starts, rng, resamples=2000)
+    assert out["steps_ratio"]["interval"] == pytest.approx([0.5, 1.5])
+    assert out["heldout_imperfect"]["interval"] == pytest.approx([-1.0, 1.0])
+
+
 @pytest.mark.slow
 def test_credit_matched_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path):
     """Two arms through calibration, the grid, the selection and the confirmation on two starts (04 judges every
