@@ -32,6 +32,7 @@ import argparse
 import json
 import statistics
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--k1-seeds", type=int, default=5, help="seeds per arm at K = 1 (101..100+N)")
     p.add_argument("--steps", type=int, default=150, help="PPO iterations per run")
     p.add_argument("--eval-posts", type=int, default=1000, help="held-out posts each confirmed policy is judged on")
-    p.add_argument("--jobs", type=int, default=1, help="runs side by side (one per core; logs in OUT/logs)")
+    p.add_argument("--jobs", type=int, default=1, help="runs and judges side by side (one a core; logs: OUT/logs)")
     p.add_argument("--stop-after", choices=PHASES, default="k1", help="the last phase to run")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a test (every phase, minutes)")
@@ -397,18 +398,17 @@ def run_phase(
     seeds = sorted(start_of)
     eval_data, records = eval_records(out, worlds[next(iter(seeds_of))], pets, args.eval_posts)
     curves = {key: curve(d, steps) for key, d in runs.items()}
-    judged_runs = {
-        (arm, s): judge(out, f"{phase}_{arm}_s{s}", d / "policy", worlds[start_of[s]], eval_data, records, pets)
-        for (arm, s), d in runs.items()
-    }
+    # every policy and each start's SFT model judged, --jobs at a time (04 and the KL: one thread each, so the
+    # same bytes in any order)
+    judges = {key: (f"{phase}_{key[0]}_s{key[1]}", d / "policy", worlds[start_of[key[1]]]) for key, d in runs.items()}
+    judges.update({("sft", name): (f"{phase}_sft_{name}", worlds[name]["sft"], worlds[name]) for name in seeds_of})
+    with ThreadPoolExecutor(args.jobs) as pool:
+        done = pool.map(lambda j: judge(out, *j, eval_data, records, pets), judges.values())
+        judged = dict(zip(judges, done))
+    judged_runs = {key: judged[key] for key in runs}
     table = {
         "sft": {
-            name: {
-                k: (statistics.fmean(v) if isinstance(v, list) else v)
-                for k, v in judge(
-                    out, f"{phase}_sft_{name}", worlds[name]["sft"], worlds[name], eval_data, records, pets
-                ).items()
-            }
+            name: {k: (statistics.fmean(v) if isinstance(v, list) else v) for k, v in judged["sft", name].items()}
             for name in seeds_of
         },
         "seeds": seeds,
