@@ -91,8 +91,8 @@ def atomic_open(path, mode: str = "w"):
             yield f
         os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files: give the usual permissions
         os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
+    except BaseException:  # (a Ctrl-C can land just after the rename: the temp file is gone then)
+        Path(tmp).unlink(missing_ok=True)
         raise
 
 

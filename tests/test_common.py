@@ -824,6 +824,24 @@ def test_atomic_write_leaves_no_partial_file(tmp_path):
     assert [x.name for x in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_ctrl_c_just_after_the_rename_is_still_a_ctrl_c(tmp_path, monkeypatch):
+    """A KeyboardInterrupt that lands once os.replace has renamed the temp file (seen in CI: 03's checkpoint at Ctrl-C)
+    leaves the new file in place and reaches the caller as itself, not as a FileNotFoundError from cleaning up a temp
+    file that is already gone (03 then exits 1 with a traceback instead of 130 with its one line)."""
+    real = common.os.replace
+
+    def replace_then_interrupt(src, dst):
+        real(src, dst)
+        raise KeyboardInterrupt
+
+    p = tmp_path / "checkpoint.pt"
+    monkeypatch.setattr(common.os, "replace", replace_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        with common.atomic_open(p, "wb") as f:
+            f.write(b"new")
+    assert p.read_bytes() == b"new" and [x.name for x in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
 def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
     """safetensors writes its weights 0600: a model folder saved here must be readable as the umask allows (a server
     run as another user, a container, a colleague), like the config next to it."""
