@@ -1111,6 +1111,9 @@ def test_credit_matched_interval_resamples_the_starts_first():
     out = credit_matched.compare(arm, ref, starts, rng, resamples=2000)
     assert out["steps_ratio"]["interval"] == pytest.approx([0.5, 1.5])
     assert out["heldout_imperfect"]["interval"] == pytest.approx([-1.0, 1.0])
+    arm["train_kl"], ref["train_kl"] = [0.5] * 5 + [0.3] * 5, [0.4] * 10  # an uncorrected measure: the same draws
+    kl = credit_matched.compare(arm, ref, starts, rng, resamples=2000)["uncorrected"]["train_kl"]
+    assert kl["difference"] == pytest.approx(0.0) and kl["interval"] == pytest.approx([-0.1, 0.1])
 
 
 @pytest.mark.slow
