@@ -4,6 +4,7 @@ that an empty answer cannot win, and starts that reproduce. The plan, fixed befo
     nice -n 10 python bench/credit_matched.py --stop-after calibrate     # the worlds' starts and their difficulty
     nice -n 10 python bench/credit_matched.py --jobs 2                    # everything; cached: rerun to continue
     python bench/credit_matched.py --tiny --out /tmp/cm                   # every phase end to end at tiny shapes
+    python bench/credit_matched.py --report                               # the results' tables, as bench/credit.md's
 
 Worlds (tasks/demo.py's K pets per post, the answer one sentence per pet): K = 1 at the demo's recipe (a base model
 pretrained 250 steps, an SFT start of 100 steps), and K = 4 at m times both, m the first of --ladder whose start makes
@@ -91,6 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a test (every phase, minutes)")
     p.add_argument("--out", default="bench/out/credit_matched", help="work dir (worlds, runs, evaluations)")
     p.add_argument("--results", default="bench/credit_matched_results.json", help="the committed summary ('': none)")
+    p.add_argument("--report", action="store_true", help="print --results' tables as markdown and exit")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     args = p.parse_args(argv)
     if args.tiny:  # every phase, nothing of the numbers
@@ -337,12 +339,11 @@ def compare(arm: dict, ref: dict, starts: list[str], rng, resamples: int = 10_00
             "extreme_seed": drop,
         }
     }
-    for k in (k for k in UNCORRECTED if k in arm):
-        d = np.array(arm[k], float) - np.array(ref[k], float)
-        out.setdefault("uncorrected", {})[k] = {
-            "difference": float(d.mean()),
-            "interval": interval([d[s].mean() for s in draws]),
-        }
+    differences = {k: np.array(arm[k], float) - np.array(ref[k], float) for k in UNCORRECTED if k in arm}
+    out["uncorrected"] = {
+        k: {"difference": float(d.mean()), "interval": interval([d[s].mean() for s in draws])}
+        for k, d in differences.items()
+    }
     if "imperfect" in arm:  # (S, P) 0/1 per held-out post
         diff = np.array(arm["imperfect"], float) - np.array(ref["imperfect"], float)
         per_seed = diff.mean(1)
@@ -411,7 +412,7 @@ def run_phase(
     curves = {key: curve(d, steps) for key, d in runs.items()}
     # every policy and each start's SFT model judged, --jobs at a time (04 and the KL: one thread each, so the
     # same bytes in any order)
-    judges = {key: (f"{phase}_{key[0]}_s{key[1]}", d / "policy", worlds[start_of[key[1]]]) for key, d in runs.items()}
+    judges = {(arm, s): (f"{phase}_{arm}_s{s}", d / "policy", worlds[start_of[s]]) for (arm, s), d in runs.items()}
     judges.update({("sft", name): (f"{phase}_sft_{name}", worlds[name]["sft"], worlds[name]) for name in seeds_of})
     with ThreadPoolExecutor(args.jobs) as pool:
         done = pool.map(lambda j: judge(out, *j, eval_data, records, pets), judges.values())
@@ -457,6 +458,8 @@ def run_phase(
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report:
+        return print(markdown(json.loads((ROOT / args.results).read_text())))
     one_thread()
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
     result = {
@@ -597,6 +600,101 @@ def print_phase(phase: str, table: dict, chosen: dict) -> None:
 
 def holm_text(row: dict) -> str:
     return f"{row['p_holm']:.3f}" if "p_holm" in row else "not in the family"
+
+
+# --- the tables of bench/credit.md, from the committed results (tests/test_bench.py checks that they match)
+
+
+def sci(x: float) -> str:
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def grid_markdown(result: dict) -> list[str]:
+    """The grid's mean final smoothed training imperfect rate per arm and cell, the chosen cell in bold."""
+    cells = [(c["lr"], c["kl_coef"]) for c in next(iter(result["selection"].values()))["cells"]]
+    lines = [
+        "| arm | "
+        + " | ".join(
+            ("lr " if i == 0 else "") + f"{sci(lr)}, " + ("β " if i == 0 else "") + f"{kl:g}"
+            for i, (lr, kl) in enumerate(cells)
+        )
+        + " |",
+        "| --- " * (len(cells) + 1) + "|",
+    ]
+    for arm, sel in result["selection"].items():
+        bold = lambda c, t: f"**{t}**" if (c["lr"], c["kl_coef"]) == (sel["lr"], sel["kl_coef"]) else t  # noqa: E731
+        lines.append(f"| {arm} | " + " | ".join(bold(c, f"{c['final']:.3f}") for c in sel["cells"]) + " |")
+    return lines
+
+
+def phase_markdown(table: dict) -> list[str]:
+    """A confirmed phase: each arm's numbers (median [min, max] over seeds), its comparison with fair_scalar (the
+    registered families, Holm-adjusted, each without its most extreme seed), the uncorrected differences, and the
+    per-seed values behind every interval."""
+    arms = [a for a in table if isinstance(table[a], dict) and "steps" in table[a]]
+    lines = [
+        "| arm (lr, β) | reached | final training imperfect | held-out imperfect | mistakes / answer | facts stated"
+        " | length | held-out KL |",
+        "| --- " * 8 + "|",
+    ]
+    for name, sft in table["sft"].items():
+        lines.append(
+            f"| SFT start {name} | | | {sft['imperfect']:.3f} | {sft['mistakes']:.2f} | {sft['facts']:.3f} "
+            f"| {sft['length']:.0f} | 0 |"
+        )
+    for arm in arms:
+        r = table[arm]
+        lines.append(
+            f"| {arm} ({sci(r['lr'])}, {r['kl_coef']:g}) | {sum(r['reached'])}/{len(r['reached'])} | "
+            f"{spread(r['final'])} | {spread(r['heldout_imperfect'])} | {spread(r['heldout_mistakes'], '{:.2f}')} | "
+            f"{spread(r['heldout_facts'])} | {spread(r['heldout_length'], '{:.0f}')} | "
+            f"{spread(r['heldout_kl'], '{:.2f}')} |"
+        )
+    vs = table.get("versus_fair_scalar", {})
+    lines += [
+        "",
+        "| against fair_scalar | steps ratio [95%] | p (Holm) | without the extreme seed | held-out imperfect "
+        "difference [95%] | p (Holm) | without the extreme seed |",
+        "| --- " * 7 + "|",
+    ]
+    for arm, v in vs.items():
+        st, h = v["steps_ratio"], v["heldout_imperfect"]
+        lines.append(
+            f"| {arm} | {st['ratio']:.2f} [{st['interval'][0]:.2f}, {st['interval'][1]:.2f}] | {st['p']:.3f} "
+            f"({holm_text(st)}) | {st['without_extreme']:.2f} (seed {table['seeds'][st['extreme_seed']]}) | "
+            f"{h['difference']:+.3f} [{h['interval'][0]:+.3f}, {h['interval'][1]:+.3f}] | {h['p']:.3f} "
+            f"({holm_text(h)}) | {h['without_extreme']:+.3f} (seed {table['seeds'][h['extreme_seed']]}) |"
+        )
+    measures = list(next(iter(vs.values()), {}).get("uncorrected", {}))
+    lines += ["", "| arm − fair_scalar, uncorrected | " + " | ".join(measures) + " |"]
+    lines.append("| --- " * (len(measures) + 1) + "|")
+    for arm, v in vs.items():
+        u = v["uncorrected"]
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(
+                f"{u[k]['difference']:+.3g} [{u[k]['interval'][0]:+.3g}, {u[k]['interval'][1]:+.3g}]" for k in measures
+            )
+            + " |"
+        )
+    seeds = table["seeds"]
+    lines += ["", "| per seed | " + " | ".join(f"{s} ({start})" for s, start in zip(seeds, table["starts"])) + " |"]
+    lines.append("| --- " * (len(seeds) + 1) + "|")
+    for arm in arms:
+        for key, fmt in (("final", "{:.3f}"), ("heldout_imperfect", "{:.3f}"), ("steps", "{:g}")):
+            lines.append(f"| {arm} {key} | " + " | ".join(fmt.format(x) for x in table[arm][key]) + " |")
+    for arm, v in vs.items():
+        per_seed = v["heldout_imperfect"]["per_seed"]
+        lines.append(f"| {arm} − fair_scalar held out | " + " | ".join(f"{x:+.3f}" for x in per_seed) + " |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """bench/credit.md's result tables: the grid, then each confirmed phase present in `result`."""
+    parts = [grid_markdown(result)] if "selection" in result else []
+    parts += [phase_markdown(result[phase]) for phase in ("confirm", "k1") if phase in result]
+    return "\n\n".join("\n".join(p) for p in parts)
 
 
 def finish(result: dict, args) -> dict:

@@ -1132,6 +1132,18 @@ def test_credit_matched_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path)
     per_post = json.loads((out / "results.json").read_text())["per_post"]
     assert len(per_post["confirm/span/seed102"]["imperfect"]) == 8 and "k1/span/seed101" in per_post
     assert set(result["k1_selection"]) == {"fair_scalar", "span", "poor_scalar"}
+    md = credit_matched.markdown(result)  # bench/credit.md's tables: the grid, the confirmation, K = 1
+    assert md.count("| SFT start A |") == 1 and "| SFT start B |" in md and "| SFT start k1 |" in md
+    assert md.count("| span − fair_scalar held out |") == 2 and "| poor_scalar | " in md
+
+
+def test_credit_md_tables_are_the_committed_results():
+    """Every line of bench/credit.md's result tables is what `credit_matched.py --report` prints from the committed
+    bench/credit_matched_results.json: no number copied by hand."""
+    result = json.loads((ROOT / "bench" / "credit_matched_results.json").read_text())
+    page = set((ROOT / "bench" / "credit.md").read_text().splitlines())
+    missing = [line for line in credit_matched.markdown(result).splitlines() if line and line not in page]
+    assert not missing, missing
 
 
 # bench/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)
