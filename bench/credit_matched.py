@@ -690,10 +690,31 @@ def phase_markdown(table: dict) -> list[str]:
     return lines
 
 
+def by_start_markdown(table: dict) -> list[str]:
+    """Each arm's held-out means per start (added after the runs were seen: the starts sit on either side of the
+    copying skill, bench/credit.md)."""
+    starts = list(dict.fromkeys(table["starts"]))
+    mean = lambda xs, g: statistics.fmean(x for x, t in zip(xs, table["starts"]) if t == g)  # noqa: E731
+    keys = (("heldout_imperfect", "imperfect", "{:.3f}"), ("heldout_mistakes", "mistakes", "{:.2f}"))
+    keys += (("heldout_facts", "facts", "{:.3f}"), ("heldout_length", "length", "{:.0f}"))
+    head = [f"{name} ({g})" for _, name, _ in keys for g in starts]
+    lines = ["| held-out mean per start | " + " | ".join(head) + " |", "| --- " * (len(head) + 1) + "|"]
+    for name in table["sft"]:
+        sft = table["sft"][name]
+        cells = [fmt.format(sft[name_]) if g == name else "" for _, name_, fmt in keys for g in starts]
+        lines.append(f"| SFT start {name} | " + " | ".join(cells) + " |")
+    for arm in (a for a in table if isinstance(table[a], dict) and "heldout_imperfect" in table[a]):
+        cells = [fmt.format(mean(table[arm][k], g)) for k, _, fmt in keys for g in starts]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
-    """bench/credit.md's result tables: the grid, then each confirmed phase present in `result`."""
+    """bench/credit.md's result tables: the grid, then each confirmed phase present in `result` (the confirmation's
+    means per start after it)."""
     parts = [grid_markdown(result)] if "selection" in result else []
     parts += [phase_markdown(result[phase]) for phase in ("confirm", "k1") if phase in result]
+    parts += [by_start_markdown(result["confirm"])] if "confirm" in result else []
     return "\n\n".join("\n".join(p) for p in parts)
 
 

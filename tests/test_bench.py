@@ -1137,6 +1137,15 @@ def test_credit_matched_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path)
     assert md.count("| span − fair_scalar held out |") == 2 and "| poor_scalar | " in md
 
 
+def test_credit_matched_means_per_start_by_hand():
+    """The per-start table averages each arm's seeds of one start only: A's seeds (0.2, 0.4) -> 0.300, B's (1, 1)."""
+    row = {"heldout_imperfect": [0.2, 0.4, 1, 1], "heldout_mistakes": [1, 2, 5, 6], "heldout_facts": [1] * 4}
+    table = {"sft": {}, "starts": ["A", "A", "B", "B"], "span": {**row, "heldout_length": [60, 62, 40, 40]}}
+    lines = credit_matched.by_start_markdown(table)
+    assert lines[0].startswith("| held-out mean per start | imperfect (A) | imperfect (B) | mistakes (A)")
+    assert lines[-1] == "| span | 0.300 | 1.000 | 1.50 | 5.50 | 1.000 | 1.000 | 61 | 40 |"
+
+
 def test_credit_md_tables_are_the_committed_results():
     """Every line of bench/credit.md's result tables is what `credit_matched.py --report` prints from the committed
     bench/credit_matched_results.json: no number copied by hand."""
