@@ -6,11 +6,17 @@ adds to a loaded model (LoRA, the reference adapter, compiled forwards) is infra
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 import common
+
+# transformers resolves its names lazily and from_pretrained sets process-wide init state: neither is thread-safe (8
+# threads loading at once raised ImportError or "Cannot copy out of meta tensor"), so a process's threads (e.g.
+# bench/credit_matched.py's judges) load one at a time
+LOADING = threading.Lock()
 
 
 def load_model(
@@ -33,44 +39,50 @@ def load_model(
     A directory or hub id that cannot be loaded (no weights, no such model) is a DataError naming it; so is a
     transformers older than 5.24 (check_transformers), whose models would ignore our decoding loops' KV cache.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+    with LOADING:  # not thread-safe: see LOADING
+        from transformers import (
+            AutoModelForCausalLM,
+            AutoModelForSequenceClassification,
+            AutoTokenizer,
+            GenerationConfig,
+        )
 
-    check_transformers()
-    check_model_path(name_or_path)
-    path = Path(name_or_path)
-    if adapter is None and (path / "adapter_config.json").is_file():
-        adapter, name_or_path = (
-            str(path),
-            json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"],
+        check_transformers()
+        check_model_path(name_or_path)
+        path = Path(name_or_path)
+        if adapter is None and (path / "adapter_config.json").is_file():
+            adapter, name_or_path = (
+                str(path),
+                json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"],
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(
+                adapter if adapter and Path(adapter, "tokenizer_config.json").is_file() else name_or_path
+            )
+            auto = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
+            model = auto.from_pretrained(
+                name_or_path, dtype=torch_dtype(dtype), **({"num_labels": 1} if scalar_head else {})
+            )
+        except (OSError, ValueError) as e:
+            raise common.DataError(f"{name_or_path}: cannot load the model: {common.first_line(e)}") from None
+        if tokenizer.pad_token is None:
+            tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+            model.resize_token_embeddings(len(tokenizer))
+        if scalar_head:  # (its pooling is not used: scalar_rm_scores reads the score at a given token, never a pad)
+            model.config.pad_token_id = tokenizer.pad_token_id
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        hub_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # a scalar head: none
+        stop += [i for i in ([hub_eos] if isinstance(hub_eos, int) else hub_eos or []) if i not in stop]
+        model.generation_config = GenerationConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id
         )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            adapter if adapter and Path(adapter, "tokenizer_config.json").is_file() else name_or_path
-        )
-        auto = AutoModelForSequenceClassification if scalar_head else AutoModelForCausalLM
-        model = auto.from_pretrained(
-            name_or_path, dtype=torch_dtype(dtype), **({"num_labels": 1} if scalar_head else {})
-        )
-    except (OSError, ValueError) as e:
-        raise common.DataError(f"{name_or_path}: cannot load the model: {common.first_line(e)}") from None
-    if tokenizer.pad_token is None:
-        tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
-        model.resize_token_embeddings(len(tokenizer))
-    if scalar_head:  # (its pooling is not used: scalar_rm_scores reads the score at a given token, never a pad)
-        model.config.pad_token_id = tokenizer.pad_token_id
-    stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    hub_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # a scalar head: none
-    stop += [i for i in ([hub_eos] if isinstance(hub_eos, int) else hub_eos or []) if i not in stop]
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=stop, pad_token_id=tokenizer.pad_token_id
-    )
-    if adapter:
-        from peft import PeftModel
+        if adapter:
+            from peft import PeftModel
 
-        with peft_wraps_quietly():
-            model = PeftModel.from_pretrained(model, adapter)
-    disable_dropout(model)
-    return model.to(device).eval(), tokenizer
+            with peft_wraps_quietly():
+                model = PeftModel.from_pretrained(model, adapter)
+        disable_dropout(model)
+        return model.to(device).eval(), tokenizer
 
 
 def check_transformers() -> None:

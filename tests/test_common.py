@@ -855,6 +855,40 @@ def test_a_saved_model_is_readable_like_any_file(tmp_path, tiny_model_dir):
     assert os.stat(out).st_mode & 0o777 == 0o777 & ~common._UMASK
 
 
+THREADED_LOADS = """
+import sys, threading
+from infra import models
+barrier, errors, loaded = threading.Barrier(8), [], []
+def load():
+    barrier.wait()
+    try:
+        loaded.append(models.load_model(sys.argv[1])[0])
+    except Exception as e:
+        errors.append(repr(e)[:300])
+threads = [threading.Thread(target=load) for _ in range(8)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert not errors, errors
+assert all(m.state_dict()["lm_head.weight"].equal(loaded[0].state_dict()["lm_head.weight"]) for m in loaded)
+"""
+
+
+def test_eight_threads_load_a_model_at_once_in_a_fresh_process(tiny_model_dir):
+    """transformers resolves its names lazily, and neither that nor from_pretrained is thread-safe: 8 threads loading
+    at once in a fresh process raised ImportError (cannot import AutoModelForCausalLM) or 'Cannot copy out of meta
+    tensor' in 5 of 5 tries before load_model took a lock (bench/credit_matched.py's judges run in threads)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADED_LOADS, tiny_model_dir],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-1500:]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward-model prompt format
 # ---------------------------------------------------------------------------------------------------------------------
