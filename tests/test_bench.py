@@ -1133,7 +1133,7 @@ def test_credit_matched_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path)
     assert len(per_post["confirm/span/seed102"]["imperfect"]) == 8 and "k1/span/seed101" in per_post
     assert set(result["k1_selection"]) == {"fair_scalar", "span", "poor_scalar"}
     md = credit_matched.markdown(result)  # bench/credit.md's tables: the grid, the confirmation, K = 1
-    assert md.count("| SFT start A |") == 1 and "| SFT start B |" in md and "| SFT start k1 |" in md
+    assert md.count("| SFT start A | | |") == 1 and "| SFT start B | | |" in md and "| SFT start k1 | | |" in md
     assert md.count("| span − fair_scalar held out |") == 2 and "| poor_scalar | " in md
 
 
