@@ -512,7 +512,7 @@ def main(argv=None):
     result["confirm"] = run_phase(
         out, worlds, "confirm", chosen, {"A": seeds[:half], "B": seeds[half:]}, args.k, steps, args, result, rng
     )
-    print_phase("confirm", result["confirm"], chosen)
+    print_phase("confirm", result["confirm"])
     if args.stop_after == "confirm":
         return finish(result, args)
 
@@ -534,7 +534,7 @@ def main(argv=None):
     result["k1"] = run_phase(
         out, k1, "k1", k1_chosen, {"k1": list(range(101, 101 + args.k1_seeds))}, 1, steps, args, result, rng
     )
-    print_phase("k1", result["k1"], k1_chosen)
+    print_phase("k1", result["k1"])
     return finish(result, args)
 
 
@@ -570,32 +570,9 @@ def spread(xs, fmt="{:.3f}") -> str:
     return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}, {fmt.format(max(xs))}]"
 
 
-def print_phase(phase: str, table: dict, chosen: dict) -> None:
-    print(f"\n{phase}: median [min, max] over seeds {table['seeds']} (starts {''.join(table['starts'])})")
-    for name, sft in table["sft"].items():
-        print(
-            f"  SFT start {name}: held-out imperfect {sft['imperfect']:.3f}, mistakes {sft['mistakes']:.2f}, "
-            f"facts {sft['facts']:.3f}"
-        )
-    for arm in chosen:
-        r, vs = table[arm], table.get("versus_fair_scalar", {}).get(arm)
-        line = (
-            f"  {arm:<12} steps {spread(r['steps'], '{:g}'):>16} reached {sum(r['reached'])}/{len(r['reached'])}"
-            f"  final {spread(r['final'])}  held-out imperfect {spread(r['heldout_imperfect'])}  mistakes "
-            f"{spread(r['heldout_mistakes'], '{:.2f}')}  facts {spread(r['heldout_facts'])}  length "
-            f"{spread(r['heldout_length'], '{:.0f}')}  KL {spread(r['heldout_kl'], '{:.2f}')}"
-        )
-        if vs:
-            st, h = vs["steps_ratio"], vs["heldout_imperfect"]
-            line += (
-                f"\n{'':>15}x fair_scalar's steps {st['ratio']:.2f} [{st['interval'][0]:.2f}, "
-                f"{st['interval'][1]:.2f}] p {st['p']:.3f} (Holm {holm_text(st)}), "
-                f"without seed #{st['extreme_seed']}: {st['without_extreme']:.2f};  held out "
-                f"{h['difference']:+.3f} [{h['interval'][0]:+.3f}, {h['interval'][1]:+.3f}] p {h['p']:.3f} "
-                f"(Holm {holm_text(h)}), without #{h['extreme_seed']}: "
-                f"{h['without_extreme']:+.3f}"
-            )
-        print(line)
+def print_phase(phase: str, table: dict) -> None:
+    print(f"\n{phase}: median [min, max] over seeds {table['seeds']} (starts {''.join(table['starts'])})\n")
+    print("\n".join(phase_markdown(table)))
 
 
 def holm_text(row: dict) -> str:
@@ -699,9 +676,8 @@ def by_start_markdown(table: dict) -> list[str]:
     keys += (("heldout_facts", "facts", "{:.3f}"), ("heldout_length", "length", "{:.0f}"))
     head = [f"{name} ({g})" for _, name, _ in keys for g in starts]
     lines = ["| held-out mean per start | " + " | ".join(head) + " |", "| --- " * (len(head) + 1) + "|"]
-    for name in table["sft"]:
-        sft = table["sft"][name]
-        cells = [fmt.format(sft[name_]) if g == name else "" for _, name_, fmt in keys for g in starts]
+    for name, sft in table["sft"].items():
+        cells = [fmt.format(sft[label]) if g == name else "" for _, label, fmt in keys for g in starts]
         lines.append(f"| SFT start {name} | " + " | ".join(cells) + " |")
     for arm in (a for a in table if isinstance(table[a], dict) and "heldout_imperfect" in table[a]):
         cells = [fmt.format(mean(table[arm][k], g)) for k, _, fmt in keys for g in starts]
