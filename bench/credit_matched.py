@@ -587,9 +587,11 @@ def sci(x: float) -> str:
     return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
 
 
-def grid_markdown(result: dict) -> list[str]:
-    """The grid's mean final smoothed training imperfect rate per arm and cell, the chosen cell in bold."""
-    cells = [(c["lr"], c["kl_coef"]) for c in next(iter(result["selection"].values()))["cells"]]
+def grid_markdown(selection: dict, steps: bool = False) -> list[str]:
+    """A grid's mean final smoothed training imperfect rate per arm and cell (after its median steps to the threshold
+    if `steps`), the chosen cell in bold; arms chosen without a grid are left out."""
+    selection = {arm: sel for arm, sel in selection.items() if "cells" in sel}
+    cells = [(c["lr"], c["kl_coef"]) for c in next(iter(selection.values()))["cells"]]
     lines = [
         "| arm | "
         + " | ".join(
@@ -599,9 +601,10 @@ def grid_markdown(result: dict) -> list[str]:
         + " |",
         "| --- " * (len(cells) + 1) + "|",
     ]
-    for arm, sel in result["selection"].items():
+    text = lambda c: (f"{c['median_steps']:g} steps, " if steps else "") + f"{c['final']:.3f}"  # noqa: E731
+    for arm, sel in selection.items():
         bold = lambda c, t: f"**{t}**" if (c["lr"], c["kl_coef"]) == (sel["lr"], sel["kl_coef"]) else t  # noqa: E731
-        lines.append(f"| {arm} | " + " | ".join(bold(c, f"{c['final']:.3f}") for c in sel["cells"]) + " |")
+        lines.append(f"| {arm} | " + " | ".join(bold(c, text(c)) for c in sel["cells"]) + " |")
     return lines
 
 
@@ -686,11 +689,13 @@ def by_start_markdown(table: dict) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    """bench/credit.md's result tables: the grid, then each confirmed phase present in `result` (the confirmation's
-    means per start after it)."""
-    parts = [grid_markdown(result)] if "selection" in result else []
-    parts += [phase_markdown(result[phase]) for phase in ("confirm", "k1") if phase in result]
-    parts += [by_start_markdown(result["confirm"])] if "confirm" in result else []
+    """bench/credit.md's result tables, in its order: the grid, the confirmation and its means per start, then K = 1's
+    grid and confirmation (each where `result` has it)."""
+    parts = [grid_markdown(result["selection"])] if "selection" in result else []
+    if "confirm" in result:
+        parts += [phase_markdown(result["confirm"]), by_start_markdown(result["confirm"])]
+    if "k1" in result:
+        parts += [grid_markdown(result["k1_selection"], steps=True), phase_markdown(result["k1"])]
     return "\n\n".join("\n".join(p) for p in parts)
 
 
