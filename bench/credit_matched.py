@@ -322,6 +322,11 @@ def without_extreme(d) -> tuple[int, np.ndarray]:
     return i, np.arange(len(d)) != i
 
 
+def kept_mean(x: np.ndarray, keep: np.ndarray) -> float:
+    """The mean of x over the kept seeds; NaN when none is left (one seed)."""
+    return float(x[keep].mean()) if keep.any() else float("nan")
+
+
 def compare(arm: dict, ref: dict, starts: list[str], rng, resamples: int = 10_000) -> dict:
     """arm against ref, seeds paired by number (so by start): the primary, mean steps arm / ref with a two-level
     interval and a sign-flip p on the per-seed step differences; the held-out imperfect rate difference (seeds within
@@ -335,7 +340,7 @@ def compare(arm: dict, ref: dict, starts: list[str], rng, resamples: int = 10_00
             "interval": interval([steps[s].mean() / ref_steps[s].mean() for s in draws]),
             "p": sign_flip_p(steps - ref_steps),
             "per_seed": [steps.tolist(), ref_steps.tolist()],
-            "without_extreme": float(steps[keep].mean() / ref_steps[keep].mean()),
+            "without_extreme": kept_mean(steps, keep) / kept_mean(ref_steps, keep),
             "extreme_seed": drop,
         }
     }
@@ -354,7 +359,7 @@ def compare(arm: dict, ref: dict, starts: list[str], rng, resamples: int = 10_00
             "p": sign_flip_p(per_seed),
             "interval": interval([diff[s][:, p].mean() for s, p in zip(draws, posts)]),
             "per_seed": per_seed.tolist(),
-            "without_extreme": float(per_seed[keep].mean()),
+            "without_extreme": kept_mean(per_seed, keep),
             "extreme_seed": drop,
         }
     return out

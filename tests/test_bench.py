@@ -2,6 +2,7 @@
 a folder made otherwise, or whose settings were never recorded, is refused in one line, never mixed into a result."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -1096,6 +1097,19 @@ def test_credit_matched_statistics_against_hand_computed_values():
     assert st["p"] == cm.sign_flip_p([-10, -20, -30, 60])
     assert h["difference"] == -2 / 8 and h["per_seed"] == [-0.5, -0.5, 0.0, 0.0]
     assert h["interval"][0] <= -0.25 <= h["interval"][1]
+
+
+def test_credit_matched_one_seed_has_no_value_without_its_extreme_seed():
+    """With one seed (the tiny study's shapes) nothing is left once the extreme seed is out: NaN, said quietly (numpy's
+    'Mean of empty slice' warning was raised before)."""
+    import warnings
+
+    arm, ref = {"steps": [10], "imperfect": [[1, 0]]}, {"steps": [20], "imperfect": [[1, 1]]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = credit_matched.compare(arm, ref, ["A"], __import__("numpy").random.default_rng(0), resamples=20)
+    assert math.isnan(out["steps_ratio"]["without_extreme"]) and math.isnan(out["heldout_imperfect"]["without_extreme"])
+    assert out["steps_ratio"]["ratio"] == 0.5 and out["heldout_imperfect"]["difference"] == -0.5
 
 
 def test_credit_matched_interval_resamples_the_starts_first():
