@@ -278,17 +278,17 @@ def parse_feedback(text: str) -> dict:
 
 
 def feedback_complete(text: str) -> bool:
-    """True when `text` ends (but for whitespace) with a JSON object holding both span lists: the
-    end of the reward model's output z = [c ; A(y)], after which only its EOS can follow."""
+    """True when `text` ends (but for whitespace) with an object holding both span lists: z = [c ; A(y)] is done."""
     end = len(text.rstrip())
     if not text[:end].endswith("}"):
         return False
     start = text.rfind("{", 0, end)
-    while start >= 0:  # the '{' the final '}' closes (string-aware): is it the span JSON?
+    while start >= 0:  # a '{' the final '}' closes (string-aware; one inside a string can seem to): the span JSON?
         if _balanced_end(text, start) == end:
             obj, _ = _decode_object(text, start)
             keys = {_norm_key(k) for k in obj} if isinstance(obj, dict) else set()
-            return bool(keys & _GOOD_KEYS and keys & _POOR_KEYS)
+            if keys & _GOOD_KEYS and keys & _POOR_KEYS:
+                return True
         start = text.rfind("{", 0, start)
     return False
 

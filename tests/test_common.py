@@ -73,10 +73,24 @@ def test_parse_nested_wrapper_and_lenient_syntax():
     assert out == {"critique": "fine", "good_spans": ["it's"], "poor_spans": []}
 
 
+def test_parse_lenient_syntax_ends_the_object_string_aware():
+    """Not JSON (Python quotes, trailing commas), so the object's end is found by scanning: braces and quotes inside
+    its strings, an empty string and an escaped quote do not end it early (found by bench/mutants.py: no test had a
+    brace inside a string on this path)."""
+    text = "{'': 'a { b', 'critique': 'the set {} is wrong', 'good_spans': ['{x}', ], 'poor_spans': ['it\\'s }'],}"
+    out = parse_feedback(text)
+    assert out == {"critique": "the set {} is wrong", "good_spans": ["{x}"], "poor_spans": ["it's }"]}
+    assert common.feedback_complete(text)
+    assert parse_feedback('{{"good_spans": ["a"], "poor_spans": []}')["good_spans"] == ["a"]  # a stray brace before
+    # raw newlines in strings, with a trailing comma (the lenient path) and without (JSON, "," and "}" in a string)
+    assert parse_feedback('{"critique": "one\ntwo", "good_spans": ["a"], "poor_spans": [],}')["critique"] == "one\ntwo"
+    assert parse_feedback('{"critique": "a,\n}", "good_spans": ["a"], "poor_spans": []}')["critique"] == "a,\n}"
+
+
 def test_parse_raises_value_error_without_json():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"no JSON object \(with good_spans or poor_spans\) found"):
         parse_feedback("no json here, just { an unclosed brace")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"no JSON object \(with"):
         parse_feedback("")
 
 
@@ -92,7 +106,7 @@ def test_parse_raises_value_error_without_json():
 def test_parse_without_a_span_list_is_a_failure(text):
     """An output counts as parsed only when it holds a span list: anything else raises, so stage 3 gives it delta = 0
     as an unparsed output and rm/parse_rate counts it as a failure, never as "parsed, no spans"."""
-    with pytest.raises(ValueError, match="good_spans"):
+    with pytest.raises(ValueError, match="no JSON object with good_spans or poor_spans in critic output"):
         parse_feedback(text)
     assert reward_models.rm_scores("tom", [(0, 3)], text)[2]["rm/parse_rate"] == (0.0, 1)
 
@@ -145,6 +159,10 @@ def test_parse_drops_placeholders_and_keeps_the_rest():
     )
     assert out == {"critique": "real", "good_spans": ["tom"], "poor_spans": []}  # the echo after it is skipped
     assert parse_feedback('{"critique": {"a": ...}, "good_spans": []}')["critique"] == '{"a": "Ellipsis"}'
+    assert parse_feedback('{"good_spans": ["<br>"], "poor_spans": []}')["good_spans"] == ["<br>"]  # a quoted tag
+    out = parse_feedback('Prose.\n{"critique": "<your critique>", "good_spans": ["tom"], "poor_spans": []}')
+    assert out["critique"] == "Prose."  # a "<description>" critique is the template's, not one
+    assert parse_feedback('{"critique": {"note": "café"}, "poor_spans": []}')["critique"] == '{"note": "café"}'
 
 
 REAL_REPLIES = [
