@@ -47,6 +47,9 @@ POLICY_MATH = [
     for t in (
         "gae_matches_direct_sum_with_ragged_masks",
         "ppo_loss_hand_computed",
+        "ppo_loss_when_the_unclipped_value_term_wins_and_with_importance_weights",
+        "ppo_update_is_sgd_on_the_loss_of_every_row_once",
+        "advantages_of_a_batch_whose_responses_are_one_token_long",
         "ppo_update_sums_over_ranks",
         "clip_grad_norm_over_sharded_gradients",
         "rewards_span_and_scalar_carry_the_same_delta",

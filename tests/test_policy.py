@@ -66,14 +66,25 @@ def test_ppo_loss_hand_computed():
     assert pg.item() == pytest.approx(0.4, abs=1e-6)
     # token 0: max((0.5-1)^2, (0.2-1)^2) = 0.64 ; token 1: max(1, 1) = 1 -> 0.5 * mean = 0.41
     assert vf.item() == pytest.approx(0.41, abs=1e-6)
-    assert stats["policy/clipfrac"] == pytest.approx(0.5)
+    assert stats["policy/clipfrac"] == pytest.approx(0.5) and stats["val/clipfrac"] == 0.5  # token 1's are equal
     # approx KL (k3 of the ratio): token 0: e^0.5 - 1 - 0.5 = 0.148721 ; token 1: 0
     assert stats["policy/approx_kl"] == pytest.approx(0.1487212707 / 2, abs=1e-6)
 
 
-def _bigram_update(all_sum, seed=0, **hp):
-    """ppo_update (SGD, lr 0.1) of a bigram LM with a value head on 4 ragged rollouts, from one seeded start: its
-    weights after, and its stats."""
+def test_ppo_loss_when_the_unclipped_value_term_wins_and_with_importance_weights():
+    """Two more cases by hand (found by bench/mutants.py): a value moved past its clip away from its return, where
+    the unclipped square is the larger, max((1 + 1)^2, (0.2 + 1)^2) = 4, so 0.5 * 4; and importance weights on the
+    surrogate, at ratio 1: mean(-A * w) over the mask = (-1 * 0.5 + 2 * 2) / 2."""
+    zero, one = torch.zeros(1, 1), torch.ones(1, 1)
+    _, vf, stats = ppo.ppo_loss(zero, zero, one, one, zero, -one, one, 0.2, 0.2)
+    assert vf.item() == 2.0 and stats["val/clipfrac"] == 0.0
+    zeros, adv, w = torch.zeros(1, 3), torch.tensor([[1.0, -2.0, 4.0]]), torch.tensor([[0.5, 2.0, 3.0]])
+    pg, vf, _ = ppo.ppo_loss(zeros, zeros, adv, None, None, None, torch.tensor([[1.0, 1.0, 0.0]]), 0.2, 0.2, w)
+    assert pg.item() == 1.75 and vf is None
+
+
+def _bigram(seed=0):
+    """A bigram LM with a value head and 4 ragged rollouts of it, from one seeded start: (score, params, batch)."""
     g = torch.Generator().manual_seed(seed)
     B, T, V = 4, 6, 7
     ids = torch.randint(V, (B, T + 1), generator=g)
@@ -95,9 +106,45 @@ def _bigram_update(all_sum, seed=0, **hp):
         advantages=torch.randn(B, T, generator=g) * mask,
         returns=torch.randn(B, T, generator=g) * mask,
     )
+    return score, params, batch
+
+
+def _bigram_update(all_sum, seed=0, **hp):
+    """ppo_update (SGD, lr 0.1) of _bigram's model on its rollouts: its weights after, and its stats."""
+    score, params, batch = _bigram(seed)
     hp = ppo.PpoHParams(**{"ppo_epochs": 2, "num_minibatches": 2, "max_grad_norm": 1e9, **hp})
     stats, epochs = ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp, all_sum=all_sum)
     return [p.detach() for p in params], stats, epochs
+
+
+def test_ppo_update_is_sgd_on_the_loss_of_every_row_once():
+    """Against a direct computation (found by bench/mutants.py: the update was only ever compared with itself): one
+    epoch of one minibatch with SGD moves the weights by -lr * the gradient of ppo_loss's surrogate + vf_coef * value
+    loss - ent_coef * entropy over all rows; with 2 minibatches of 2 micro-batches, each epoch scores every row once,
+    one row a call; with a GradScaler, the clip sees the true gradients."""
+    score, params, batch = _bigram()
+    start = [p.detach().clone() for p in params]
+    logprobs, values, logits = score(torch.arange(4))
+    old = (batch.logprobs, batch.advantages, values, batch.values, batch.returns, batch.mask)
+    pg, vf, _ = ppo.ppo_loss(logprobs, *old, 0.2, 0.2)
+    entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), batch.mask)
+    grads = torch.autograd.grad(pg + 0.1 * vf - 0.01 * entropy, params)
+    hp = ppo.PpoHParams(ppo_epochs=1, num_minibatches=1, ent_coef=0.01, max_grad_norm=1e9)
+    ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp)
+    for p, p0, grad in zip(params, start, grads):
+        torch.testing.assert_close(p.detach(), p0 - 0.1 * grad)
+    calls = []
+    hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2, grad_accum=2)
+    ppo.ppo_update(lambda rows: calls.append(rows.tolist()) or score(rows), batch, params, torch.optim.SGD(params), hp)
+    epochs = [sorted(sum(calls[:4], [])), sorted(sum(calls[4:], []))]
+    assert [len(rows) for rows in calls] == [1] * 8 and epochs == [[0, 1, 2, 3]] * 2
+    # a GradScaler (fp16) changes nothing the clip sees: the scaled update is the plain one, clipped alike
+    plain = _bigram_update(ppo.no_reduction, max_grad_norm=0.05)[0]
+    score, params, batch = _bigram()
+    hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2, max_grad_norm=0.05)
+    ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp, scaler=torch.amp.GradScaler("cpu"))
+    for a, b in zip(plain, params):
+        torch.testing.assert_close(a, b.detach())
 
 
 def test_ppo_update_sums_over_ranks():
@@ -119,8 +166,8 @@ def test_ppo_update_sums_over_ranks():
 def test_clip_grad_norm_over_sharded_gradients():
     """clip_grad_norm with an FSDP-sharded gradient (a DTensor: this rank's shard) beside a whole one (the value head):
     the norm is over every rank's shards (all_sum; here a second rank holding the same shard, so its square counts
-    twice) and the whole gradients once, every gradient scaled by max_norm / norm, and none below max_norm; without
-    a sharded gradient it is torch's own."""
+    twice) and the whole gradients once, every gradient scaled by max_norm / norm, and none below max_norm; tiny
+    gradients as torch's clip_grad_norm_ scales them (its eps); without a sharded gradient it is torch's own."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -141,6 +188,15 @@ def test_clip_grad_norm_over_sharded_gradients():
             assert total.item() == pytest.approx(want.item(), rel=1e-6) and want > 1.0
             torch.testing.assert_close(sharded.grad.to_local(), a * coef)
             torch.testing.assert_close(whole.grad, b * coef)
+        for scale, max_norm in ((1e-7, 1.0), (1e-6, 1e-6)):  # tiny: torch's eps in max_norm / (norm + 1e-6) decides
+            sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
+            sharded.grad, whole.grad = distribute_tensor(a * scale, mesh, [Shard(0)]), b * scale
+            ppo.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
+            ref = [torch.nn.Parameter(torch.zeros(8, 3)), torch.nn.Parameter(torch.zeros(5))]  # a twice: two ranks
+            ref[0].grad, ref[1].grad = torch.cat([a, a]) * scale, b * scale
+            torch.nn.utils.clip_grad_norm_(ref, max_norm)
+            torch.testing.assert_close(sharded.grad.to_local(), ref[0].grad[:4])
+            torch.testing.assert_close(whole.grad, ref[1].grad)
     finally:
         dist.destroy_process_group()
     plain = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
@@ -199,6 +255,19 @@ def test_masked_means_and_rewards_on_one_or_no_response_token():
     one = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     r = ppo.compute_rewards(x, torch.zeros_like(x), one, 0.1, "scalar", seq_bonus=torch.tensor([-1.0, -1.0]))
     assert r.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # 2 - 1 on the one token; nothing on the empty row
+
+
+def test_advantages_of_a_batch_whose_responses_are_one_token_long():
+    """T = 1 (every response one token, e.g. --max-new-tokens 1): GAE's advantage is r - V and its return r; RLOO's
+    is r minus the others' mean, for each baseline (found by bench/mutants.py: a loop's carry built from column 1
+    instead of 0 passed every longer batch)."""
+    rewards, values = torch.tensor([[2.0], [-1.0], [0.5], [3.0]]), torch.tensor([[0.5], [1.0], [0.0], [2.0]])
+    mask = torch.tensor([[1.0], [1.0], [0.0], [1.0]])
+    adv, ret = ppo.compute_gae(rewards, values, mask, 0.9, 0.95)
+    assert adv.tolist() == [[1.5], [-2.0], [0.0], [1.0]] and ret.tolist() == [[2.0], [-1.0], [0.0], [3.0]]
+    for baseline in ("start", "position", "mean-reward"):
+        adv, ret = ppo.compute_rloo(rewards, mask, 2, 0.9, baseline)
+        assert adv.tolist() == [[3.0], [-3.0], [0.0], [3.0]] and ret.tolist() == [[2.0], [-1.0], [0.0], [3.0]]
 
 
 def test_linear_decay_is_the_papers_formula_over_each_located_span():
