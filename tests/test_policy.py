@@ -121,15 +121,16 @@ def test_ppo_update_is_sgd_on_the_loss_of_every_row_once():
     """Against a direct computation (found by bench/mutants.py: the update was only ever compared with itself): one
     epoch of one minibatch with SGD moves the weights by -lr * the gradient of ppo_loss's surrogate + vf_coef * value
     loss - ent_coef * entropy over all rows; with 2 minibatches of 2 micro-batches, each epoch scores every row once,
-    one row a call; with a GradScaler, the clip sees the true gradients."""
+    one row a call; with a GradScaler, the clip sees the true gradients and its scale is updated; --target-kl stops
+    above the epoch's mean KL, not at it."""
     score, params, batch = _bigram()
     start = [p.detach().clone() for p in params]
     logprobs, values, logits = score(torch.arange(4))
     old = (batch.logprobs, batch.advantages, values, batch.values, batch.returns, batch.mask)
     pg, vf, _ = ppo.ppo_loss(logprobs, *old, 0.2, 0.2)
     entropy = ppo.masked_mean(ppo.entropy_from_logits(logits), batch.mask)
-    grads = torch.autograd.grad(pg + 0.1 * vf - 0.01 * entropy, params)
-    hp = ppo.PpoHParams(ppo_epochs=1, num_minibatches=1, ent_coef=0.01, max_grad_norm=1e9)
+    grads = torch.autograd.grad(pg + 0.1 * vf - 1.0 * entropy, params)
+    hp = ppo.PpoHParams(ppo_epochs=1, num_minibatches=1, ent_coef=1.0, max_grad_norm=1e9)
     ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp)
     for p, p0, grad in zip(params, start, grads):
         torch.testing.assert_close(p.detach(), p0 - 0.1 * grad)
@@ -142,9 +143,16 @@ def test_ppo_update_is_sgd_on_the_loss_of_every_row_once():
     plain = _bigram_update(ppo.no_reduction, max_grad_norm=0.05)[0]
     score, params, batch = _bigram()
     hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2, max_grad_norm=0.05)
-    ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp, scaler=torch.amp.GradScaler("cpu"))
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)  # its scale doubles after each of the 4 clean steps
+    ppo.ppo_update(score, batch, params, torch.optim.SGD(params, lr=0.1), hp, scaler=scaler)
     for a, b in zip(plain, params):
         torch.testing.assert_close(a, b.detach())
+    assert scaler.get_scale() == 2.0**16 * 2**4
+    # --target-kl: the epochs stop once an epoch's mean approx KL is above it, not at it
+    stats = _bigram_update(ppo.no_reduction)[1]
+    kls = torch.tensor([[st["policy/approx_kl"], 1.0] for st in stats[:2]], dtype=torch.float64).sum(0)
+    assert _bigram_update(ppo.no_reduction, target_kl=(kls[0] / kls[1]).item())[2] == 2
+    assert _bigram_update(ppo.no_reduction, target_kl=(kls[0] / kls[1]).item() * 0.99)[2] == 1
 
 
 def test_ppo_update_sums_over_ranks():
@@ -1373,6 +1381,7 @@ def test_locality_sums_match_a_plain_loop():
     delta[2] = delta[2].clamp(min=0)  # a clean answer with good spans
     delta[5] = 0.0  # a clean answer without any span
     log_ratio = torch.randn(B, T, generator=g) * mask
+    log_ratio[0, :4] = 0.0  # tokens the update left alone: not made less likely ("down")
     want = {k: [] for k in LOCALITY_GROUPS}
     for b, n in enumerate(lengths):
         flawed = any(delta[b, t] < 0 for t in range(n))
