@@ -120,9 +120,9 @@ def _bigram_update(all_sum, seed=0, **hp):
 def test_ppo_update_is_sgd_on_the_loss_of_every_row_once():
     """Against a direct computation (found by bench/mutants.py: the update was only ever compared with itself): one
     epoch of one minibatch with SGD moves the weights by -lr * the gradient of ppo_loss's surrogate + vf_coef * value
-    loss - ent_coef * entropy over all rows (and over one row of one token); with 2 minibatches of 2 micro-batches, each epoch scores every row once,
-    one row a call; with a GradScaler, the clip sees the true gradients and its scale is updated; --target-kl stops
-    above the epoch's mean KL, not at it."""
+    loss - ent_coef * entropy over all rows (and over one row of one token); with 2 minibatches of 2 micro-batches,
+    each epoch scores every row once, one row a call; with a GradScaler, the clip sees the true gradients and its
+    scale is updated; --target-kl stops above the epoch's mean KL, not at it."""
     for rows, tokens in ((4, 6), (1, 1)):  # every row; one row of one token (where the token count is 1)
         score, params, batch = _bigram()
         mask = batch.mask[:rows].clone()
