@@ -4,6 +4,7 @@
 #   make test                                   # the whole suite (docs/tests.md)
 #   make test VENV=/tmp/ci/venv                 # another virtual environment (.ci/run: a fresh one every run)
 #   make demo TORCH_INDEX=https://download.pytorch.org/whl/cu128   # a GPU's torch instead of the CPU wheel
+#   make demo TORCH_INDEX=                      # PyPI only (where PyTorch's index is unreachable: no retries)
 
 VENV ?= .venv
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
@@ -16,7 +17,7 @@ PIP := $(PY) -m pip --quiet --disable-pip-version-check
 # torch first, from TORCH_INDEX: a plain `pip install torch` resolves to the CUDA build on Linux (several GB)
 $(VENV)/.demo-installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install torch==2.13.0 --extra-index-url $(TORCH_INDEX)
+	$(PIP) install torch==2.13.0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PIP) install -r requirements.txt
 	touch $@
 

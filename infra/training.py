@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from common import DataError
 from infra import distributed
 
 
 def add_args(p) -> None:
-    g = p.add_argument_group("LoRA+ (infra/training.py)")
+    g = p.add_argument_group("the optimizer (infra/training.py)")
+    g.add_argument("--optim", help="the Trainer's optimizer: adamw_torch, sgd, adafactor, ... (default: AdamW)")
     g.add_argument(
         "--loraplus-ratio",
         type=float,
@@ -56,6 +58,7 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
         warmup_steps=args.warmup,
         lr_scheduler_type={"constant": "constant_with_warmup"}.get(args.lr_schedule, args.lr_schedule),
         weight_decay=args.weight_decay,
+        **({"optim": args.optim} if getattr(args, "optim", None) else {}),
         num_train_epochs=args.epochs,
         max_steps=args.max_steps,
         bf16=args.bf16,
@@ -77,6 +80,10 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
     FSDPCheckpoints = _fsdp_checkpoints() if sharded else None
     optimizer = None  # None: Trainer's AdamW
     if args.loraplus_ratio and args.lora_r > 0:
+        if getattr(args, "optim", None):
+            raise DataError(
+                f"--optim {args.optim}: LoRA+ (--loraplus-ratio {args.loraplus_ratio:g}) builds its own AdamW"
+            )
         from peft.optimizers import create_loraplus_optimizer
 
         optimizer = create_loraplus_optimizer(
