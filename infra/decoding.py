@@ -153,6 +153,22 @@ def decode_forward(model, ids, mask, position, cache):
     ).logits[:, -1]
 
 
+def inductor_cache_per_kernel_path() -> None:
+    """Inductor's cache key leaves out torch's CPU kernel path (ATEN_CPU_CAPABILITY): C++ kernels compiled under avx2
+    and loaded under another path failed to build, and the other way sampled from NaN (issue 80). Each path gets a
+    folder of its own in inductor's default one, unless TORCHINDUCTOR_CACHE_DIR names another (inductor sets it to
+    the default the first time anything asks, so the default value counts as unset). Called before torch.compile."""
+    import os
+
+    import torch
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default) == default:
+        path = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default, path)
+
+
 @functools.cache
 def _compiled_decode_forward(device_type: str):
     """decode_forward under torch.compile (inductor): built once per device type, specialised to each shape it meets
@@ -164,6 +180,7 @@ def _compiled_decode_forward(device_type: str):
     # one compiled entry per model class x batch x cache length: torch's default limit of 8 would make a long
     # run (policy and critic, a few buckets each) quietly fall back to eager for the shapes after the eighth
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    inductor_cache_per_kernel_path()
     return torch.compile(
         decode_forward, fullgraph=True, dynamic=False, mode="reduce-overhead" if device_type == "cuda" else None
     )

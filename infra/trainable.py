@@ -11,7 +11,7 @@ import copy
 
 import torch
 
-from infra import distributed, models
+from infra import decoding, distributed, models
 from infra.models import peft_wraps_quietly
 
 
@@ -124,6 +124,7 @@ def compile_update(model, ref_model, args):
     from torch._inductor import config as inductor_config
 
     inductor_config.fallback_random = True  # a dropout draws from torch's generator, as eager: same random stream
+    decoding.inductor_cache_per_kernel_path()
     return torch.compile(model), ref_model if ref_model is None else torch.compile(ref_model)
 
 

@@ -9,8 +9,11 @@ To re-record the PPO pins after a deliberate change of behaviour:
     T2G_RECORD_PINS=1 python -m pytest tests/test_speed_pins.py
 """
 
+import getpass
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -268,3 +271,32 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
     assert trainable.forward_rows(16, 4, 32, 640) == 16  # the demo: one call
     assert trainable.forward_rows(64, 4, 256, 128_256) == 4  # an 8B vocabulary: the training micro-batch
     assert trainable.forward_rows(64, 1, 64, 128_256, n_logits=2) == 4  # --kl-estimator full keeps both models' logits
+
+
+COMPILED_RUN = """
+import sys
+sys.path.insert(0, "tests")
+import test_speed_pins
+from pathlib import Path
+got = test_speed_pins._ppo_run(Path(sys.argv[1]), sys.argv[2], 4, "--compile-update")
+print(got["metrics"][-1]["objective/kl"])
+"""
+
+
+@pytest.mark.slow  # two cold compiles, ~50 s each
+def test_inductor_keeps_a_cache_per_kernel_path(tmp_path, tiny_model_dir):
+    """Inductor's cache key leaves out torch's CPU kernel path: kernels it compiled under one path (avx2) and loaded
+    under another sampled from NaN probabilities in the next iteration's rollouts (issue 80: the suite under
+    ATEN_CPU_CAPABILITY=avx2 after a run on AVX-512). infra.decoding.inductor_cache_per_kernel_path gives each path a
+    folder of its own under inductor's default one (here in TMPDIR), unless TORCHINDUCTOR_CACHE_DIR is set."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    for i, path in enumerate(("avx2", "default")):
+        proc = subprocess.run(
+            [sys.executable, "-c", COMPILED_RUN, str(tmp_path / str(i)), tiny_model_dir],
+            cwd=Path(__file__).resolve().parents[1],
+            env={**env, "TMPDIR": str(tmp_path), "ATEN_CPU_CAPABILITY": path},
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, f"under {path}: {proc.stderr[-1500:]}"
+    assert {"avx2", "default"} <= {p.name for p in (tmp_path / f"torchinductor_{getpass.getuser()}").iterdir()}
