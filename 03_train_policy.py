@@ -34,6 +34,7 @@ import torch
 
 import common
 import critics
+from baselines import self_distill
 from critics import critique_failed, make_critic, span_deltas
 from infra import decoding, distributed, mismatch, models, runs, sft, trace, trainable
 from infra import vllm_rollouts as vr
@@ -419,17 +420,32 @@ def score_rollouts(model, ref_model, value_head, b: Rollouts, forbid, micro, arg
     return logprobs, values, kl * b.mask
 
 
+def self_teacher_delta(model, tokenizer, recs, b: Rollouts, feedback, forbid, micro, args):
+    """--reward-mode self_distill, no grad: delta_t = log pi(y_t | x, y, c) - log pi(y_t | x), the
+    policy given the critique c of its answer y as the teacher (baselines/self_distill.py)."""
+    T = b.mask.shape[1]
+    ids, attn, has_critique = self_distill.teacher_inputs(
+        tokenizer, recs, b.texts, feedback, b.input_ids[:, -T:], b.mask, args
+    )
+    teacher = Rollouts(b.mask, input_ids=ids, attention_mask=attn)
+    score = lambda i, a: forward(model, None, i, a, T, args.temperature, forbid)[:1]  # noqa: E731
+    return self_distill.delta(no_grad_chunks(score, teacher, micro, model, args)[0], b.logprobs, b.mask, has_critique)
+
+
 def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
     """Steps 4-5 on the global batch g: r_t = delta_t - beta*KL_t of reward_mode (the missing-EOS
-    penalty, --whiten-rewards, --center-delta), then A_t by GAE (or --advantage rloo), whitened.
+    penalty, --whiten-rewards, --center-delta), then A_t by GAE (or --advantage rloo), whitened
+    (--advantage token: A_t = r_t).
     Returns (rewards, advantages, returns), each (B, T)."""
     seq_bonus = torch.where(g.has_eos, 0.0, -args.missing_eos_penalty)  # (B,)
     delta = g.delta
     if args.center_delta:  # no reward mean for the early tokens' returns to accumulate
         delta = g.delta - masked_mean(g.delta, g.mask)
-    rewards = compute_rewards(delta, g.kl, g.mask, kl_coef, reward_mode, seq_bonus)
+    rewards = compute_rewards(delta, g.kl, g.mask, kl_coef, "scalar" if reward_mode == "scalar" else "span", seq_bonus)
     if args.whiten_rewards:
         rewards = masked_whiten(rewards, g.mask, shift_mean=False)
+    if args.advantage == "token":  # A_t = r_t, nothing after it (SDPO's per-token signal): no value head, not whitened
+        return rewards, rewards, rewards
     if args.advantage == "gae":
         advantages, returns = compute_gae(rewards, g.values, g.mask, args.gamma, args.lam)
     else:
@@ -483,7 +499,7 @@ def where_it_went(scorer, b: Rollouts, g: Rollouts, kl_coef: float, forbid, micr
 def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
     """This rank's share of iteration `step`'s prompts (the same after a resume): --batch-size of
     them, or for --advantage rloo --batch-size / --rloo-k, each --rloo-k times in a row."""
-    k = 1 if args.advantage == "gae" else args.rloo_k
+    k = args.rloo_k if args.advantage == "rloo" else 1
     idx = [i for i in runs.batch_indices(step - 1, args.batch_size // k, n, args.seed) for _ in range(k)]
     local = args.batch_size // world
     return idx[rank * local : (rank + 1) * local]
@@ -524,7 +540,7 @@ def train(args):
     model, ref_model, value_head = build_policy(args, model)
     model, ref_model = distributed.shard(model, ref_model, args)  # --shard fsdp: FSDP2 over torchrun's ranks
     scorer, ref_scorer = trainable.compile_update(model, ref_model, args)  # steps 4 and 6's forwards (--compile-update)
-    head = value_head if args.advantage == "gae" else None  # rloo: the value head is never run, nor trained
+    head = value_head if args.advantage == "gae" else None  # rloo, token: the value head is never run, nor trained
     torch.manual_seed(args.seed + rank)  # from here on each rank samples differently
     critic, monitor = make_critic(args), critics.make_monitor(args)
     params = [p for p in model.parameters() if p.requires_grad] + (list(head.parameters()) if head is not None else [])
@@ -566,6 +582,8 @@ def train(args):
         watched = monitor(recs, b.texts, b.offsets, deltas) if monitor else {}  # logged, never trained on
         # 4. rewards r_t = delta_t - beta * KL_t (§3.5) on the global batch g (torchrun: every rank's rollouts)
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
+        if args.reward_mode == "self_distill":  # delta_t from the policy given the critique instead (SDPO)
+            b.delta = self_teacher_delta(scorer, tokenizer, recs, b, feedback, forbid, micro, args)
         gathered = {k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
         g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened

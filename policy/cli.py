@@ -102,8 +102,8 @@ def parse_args(argv=None, doc: str = ""):
     a(
         "--reward-mode",
         default="span",
-        choices=["span", "scalar"],
-        help="span: delta_t on every token (Text2Grad); scalar: sum of delta on the last token",
+        choices=["span", "scalar", "self_distill"],
+        help="span: delta_t on every token (Text2Grad); scalar: its sum on the last token; self_distill: SDPO's",
     )
     a("--kl-estimator", default="k1", choices=["k1", "k3", "full"], help="per-token KL estimator")
     a("--kl-coef", type=float, help="initial beta")
@@ -113,7 +113,12 @@ def parse_args(argv=None, doc: str = ""):
     a("--center-delta", action="store_true", help="delta minus its batch mean per token")
     a("--gamma", type=float, default=1.0, help="discount")
     a("--lam", type=float, default=0.95, help="GAE lambda")
-    a("--advantage", default="gae", choices=["gae", "rloo"], help="gae or rloo (no value head)")
+    a(
+        "--advantage",
+        default="gae",
+        choices=["gae", "rloo", "token"],
+        help="gae; rloo, token (A_t = r_t): no value head",
+    )
     a("--rloo-k", type=int, default=4, help="--advantage rloo: samples per prompt")
     a(
         "--rloo-baseline",
@@ -167,7 +172,7 @@ def parse_args(argv=None, doc: str = ""):
         (
             "--rloo-k",
             args.rloo_k,
-            args.advantage == "gae" or (args.rloo_k >= 2 and args.batch_size % args.rloo_k == 0),
+            args.advantage != "rloo" or (args.rloo_k >= 2 and args.batch_size % args.rloo_k == 0),
             ">= 2 and divide --batch-size (samples of one prompt)",
         ),
     ):
@@ -179,6 +184,8 @@ def parse_args(argv=None, doc: str = ""):
         raise common.DataError(
             f"--batch-size {args.batch_size} must divide by world size x --num-minibatches x --grad-accum = {shards}"
         )
+    if args.reward_mode == "self_distill" and args.critic in ("scalar-rm", "prm"):
+        raise common.DataError(f"--reward-mode self_distill: --critic {args.critic} writes no critique to teach from")
     critics.check_args(args, critic_budget, rm_given)  # its reward model, as stage 2 trained it
     vr.check_args(args, world)  # --rollout-server: LoRA, one process
     return args
