@@ -62,7 +62,7 @@ PRELOAD_ATTRS = (  # transformers' lazy module: these pull in the model, trainer
 IMPORT_TIME = (
     "HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS", "CUDA", "TOKENIZERS",
     "PYTHON", "HOME", "XDG_", "LANG", "LC_", "LD_", "MALLOC", "TMPDIR", "NUMEXPR", "GOTO", "MPL", "NLTK", "SACREBLEU",
-    "OPENAI_API_TYPE", "OPENAI_API_VERSION", "OPENAI_LOG", "AZURE_OPENAI",
+    "OPENAI_API_TYPE", "OPENAI_API_VERSION", "OPENAI_LOG", "AZURE_OPENAI", "ATEN_", "ONEDNN_", "DNNL_",
 )  # fmt: skip
 
 
@@ -74,8 +74,9 @@ SET_IN_PROCESS = ("TORCHINDUCTOR_CACHE_DIR", "HF_XET_HIGH_PERFORMANCE", "KMP_DUP
 
 
 class ForkServerFallback(UserWarning):
-    """A run went to a fresh interpreter because this worker's own environment changed since the tests started:
-    a library or a test set a variable read at import, and every later run of the worker pays the imports again."""
+    """This worker's own environment changed since the tests started (a library or a test set a variable read at
+    import): its runs fork from a server of that environment, one more start; past MAX_SERVERS of them, each run is a
+    fresh interpreter that pays the imports again."""
 
 
 def _import_time(key: str) -> bool:
@@ -90,19 +91,30 @@ def _import_time(key: str) -> bool:
 # The client: a drop-in for subprocess.run
 # ---------------------------------------------------------------------------------------------------------------------
 
-_server = None  # (Popen, socket path, its environment) of this process's server, started on first use
+# a server per environment of the variables read at import, started on first use: {key: (Popen, socket path, env)}.
+# A run that sets one otherwise (a bench's pinned CPU kernel path, HF_HUB_OFFLINE) forks from a server that imported
+# everything under it, as a fresh interpreter would have.
+_servers = {}
+MAX_SERVERS = 4
 _lock = threading.Lock()
 _BASE_ENV = dict(os.environ)  # the environment when the tests started, not one a test has patched meanwhile
 _subprocess_run = subprocess.run  # the real one: a nested run replaces subprocess.run with `run` below
 RUN_KW = {"capture_output", "text", "cwd", "env", "timeout", "stdout", "stderr", "check", "stdin"}
 
 
-def _start() -> tuple:
-    global _server
+def _key(env: dict) -> frozenset:
+    return frozenset((k, v) for k, v in env.items() if _import_time(k))
+
+
+def _start(env: dict) -> tuple | None:
+    """The server of env's import-time variables (started now if needed), or None past MAX_SERVERS."""
     with _lock:
-        if _server is None or _server[0].poll() is not None:
+        server = _servers.get(_key(env))
+        if server is None and len(_servers) >= MAX_SERVERS:
+            return None
+        if server is None or server[0].poll() is not None:
             path = os.path.join(tempfile.mkdtemp(prefix="t2g-fork-"), "sock")
-            env = dict(_BASE_ENV)
+            env = dict(env)
             proc = subprocess.Popen(
                 [sys.executable, __file__, path], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
             )
@@ -111,8 +123,8 @@ def _start() -> tuple:
                 if proc.poll() is not None:
                     raise RuntimeError(f"the fork server did not start (exit {proc.returncode})")
                 time.sleep(0.05)
-            _server = (proc, path, env)
-        return _server
+            _servers[_key(env)] = (proc, path, env)
+        return _servers[_key(env)]
 
 
 def _forkable(cmd, kw) -> bool:
@@ -135,16 +147,17 @@ def _env_differs(server_env: dict, env: dict) -> list[str]:
 def run(cmd, *, env=None, nested=False, **kw) -> subprocess.CompletedProcess:
     """subprocess.run(cmd, **kw) for cmd = [sys.executable, SCRIPT.py, ARGS...] (or -c CODE, or -u), the script
     started by a fork of a process that already imported torch, transformers and peft. Anything else, and a command
-    whose environment sets a variable read at import otherwise than the server's, is subprocess.run itself.
+    whose environment sets a variable read at import otherwise forks from a server of that environment.
     nested=True: the script's own subprocess.run of such commands (a bench starting the stages) is forked too."""
     full_env = dict(os.environ if env is None else env)
     if not _forkable(cmd, kw):
         return _subprocess_run(cmd, env=env, **kw)
-    server = _start()
-    if differs := _env_differs(server[2], full_env):
-        leaked = [k for k in differs if full_env.get(k) == os.environ.get(k) != _BASE_ENV.get(k)]
-        if leaked:  # not asked for by this run: said once per run, in pytest's warnings summary
-            warnings.warn(f"{', '.join(leaked)} changed in this worker since the tests started", ForkServerFallback)
+    differs = _env_differs(_BASE_ENV, full_env)
+    leaked = [k for k in differs if full_env.get(k) == os.environ.get(k) != _BASE_ENV.get(k)]
+    if leaked:  # not asked for by this run: said once per run, in pytest's warnings summary
+        warnings.warn(f"{', '.join(leaked)} changed in this worker since the tests started", ForkServerFallback)
+    server = _start(full_env if differs else _BASE_ENV)
+    if server is None:
         return _subprocess_run(cmd, env=env, **kw)
     return _run_forked(server[1], cmd, full_env, nested, **kw)
 
@@ -305,7 +318,6 @@ def _child(request: dict, fds: list[int], base_path: list[str], said: tuple[byte
     import traceback
     import types
 
-    global _server
     for target, fd in zip((0, 1, 2), fds):
         os.dup2(fd, target)
     for fd in set(fds) - {0, 1, 2}:
@@ -347,7 +359,8 @@ def _child(request: dict, fds: list[int], base_path: list[str], said: tuple[byte
     if request["nested"]:  # the script's own `python X.py` runs: forks of this server too
         import subprocess as sp
 
-        _server = (types.SimpleNamespace(poll=lambda: None), path, _BASE_ENV)  # the server's own, from its start
+        _servers.clear()  # the server's own, from its start (_BASE_ENV: its environment)
+        _servers[_key(_BASE_ENV)] = (types.SimpleNamespace(poll=lambda: None), path, _BASE_ENV)
         sp.run = run
     _track_open()
     try:

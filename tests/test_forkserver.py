@@ -134,28 +134,48 @@ def test_each_fork_draws_fresh_random_numbers(tmp_path):
     assert all(a != b for a, b in zip(*(d.split() for d in draws))), draws
 
 
-def test_a_variable_read_at_import_gets_a_fresh_interpreter(monkeypatch):
-    """HF_HUB_OFFLINE is fixed in huggingface_hub's constants when it is imported, which the server did without it: a
-    run that sets it is a fresh interpreter (a fork would see it unset), and so is every run under T2G_NO_FORKSERVER."""
+def test_a_variable_read_at_import_gets_a_server_of_its_own(monkeypatch):
+    """HF_HUB_OFFLINE is fixed in huggingface_hub's constants when it is imported, which the base server did without
+    it: a run that sets it forks from a server started with it (a fork of the base one would see it unset), and
+    every run under T2G_NO_FORKSERVER is a fresh interpreter."""
     code = "import os; from huggingface_hub import constants; print(constants.HF_HUB_OFFLINE, os.getppid())"
     run = lambda env: forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout  # noqa: E731
     base = dict(forkserver._BASE_ENV)  # the server's: what another test of this worker may have leaked is not in it
     with warnings.catch_warnings():  # asked for by the run itself: no warning
         warnings.simplefilter("error", forkserver.ForkServerFallback)
         offline, parent = run({**base, "HF_HUB_OFFLINE": "1"}).split()
-    assert offline == "True" and int(parent) == os.getpid()
-    assert int(run(base).split()[1]) != os.getpid()  # the others are forks of the server
+        online, base_parent = run(base).split()
+    assert (offline, online) == ("True", "False") and len({int(parent), int(base_parent), os.getpid()}) == 3
+    assert run({**base, "HF_HUB_OFFLINE": "1"}).split()[1] == parent  # the same server again
     monkeypatch.setenv("T2G_NO_FORKSERVER", "1")
     assert int(run(base).split()[1]) == os.getpid()
 
 
+def test_a_pinned_cpu_kernel_path_is_the_forks_own():
+    """torch fixes its CPU kernel path (ATEN_CPU_CAPABILITY) at its first kernel: a bench that pins it (credit_k4)
+    gets it in every stage it starts, from a server that never ran under another path (a fork of the base server
+    holds only as long as no import there runs a kernel)."""
+    code = "import os, torch; torch.ones(2).exp(); print(torch.backends.cpu.get_cpu_capability(), os.getppid())"
+    run = lambda env: forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)  # noqa: E731
+    pinned, base = run({**forkserver._BASE_ENV, "ATEN_CPU_CAPABILITY": "default"}), run(dict(forkserver._BASE_ENV))
+    assert pinned.stdout.split()[0] == "DEFAULT", pinned.stderr[-2000:]
+    assert pinned.stdout.split()[1] != base.stdout.split()[1]  # another server
+
+
+def test_past_the_servers_limit_a_run_is_a_fresh_interpreter(monkeypatch):
+    monkeypatch.setattr(forkserver, "MAX_SERVERS", len(forkserver._servers))
+    code = [sys.executable, "-c", "import os; print(os.getppid())"]
+    env = {**forkserver._BASE_ENV, "HF_HUB_OFFLINE": "another"}
+    assert int(forkserver.run(code, capture_output=True, text=True, env=env).stdout) == os.getpid()
+
+
 def test_a_variable_leaked_into_the_workers_environment_is_reported(monkeypatch):
     """Twice a library's import-time variable, set in a worker's own environment, sent the rest of that worker's
-    runs to fresh interpreters and nothing said so: such a fallback is a warning in pytest's summary now."""
+    runs to fresh interpreters and nothing said so: it is a warning in pytest's summary (and now one server more)."""
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "leaked")
-    code = [sys.executable, "-c", "import os; print(os.getppid())"]
+    code = [sys.executable, "-c", "import os; print(os.environ['TOKENIZERS_PARALLELISM'])"]
     with pytest.warns(forkserver.ForkServerFallback, match="TOKENIZERS_PARALLELISM changed in this worker"):
-        assert int(forkserver.run(code, capture_output=True, text=True).stdout) == os.getpid()
+        assert forkserver.run(code, capture_output=True, text=True).stdout == "leaked\n"
 
 
 @pytest.mark.parametrize(
