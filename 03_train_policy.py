@@ -554,8 +554,7 @@ def train(args):
     save = lambda step, rng=None: runs.save_checkpoint(  # noqa: E731
         ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank, rng
     )
-    local_bs = args.batch_size // world  # rollouts of this rank
-    micro = local_bs // args.num_minibatches // args.grad_accum  # rows of a forward with grad
+    micro = args.batch_size // world // args.num_minibatches // args.grad_accum  # rows of a forward with grad
     # the behaviour policy's complete settings (nothing inherited from the hub), and what forward() must mirror
     gen_config = models.generation_config(model, args.max_new_tokens, args.temperature, args.top_p, args.min_new_tokens)
     stop = torch.tensor(models.stop_ids(model), device=args.device)
@@ -588,7 +587,7 @@ def train(args):
         g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
         g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
-        mine, T = slice(rank * local_bs, (rank + 1) * local_bs), b.mask.shape[1]  # this rank's rows
+        mine, T = slice(rank * len(idx), (rank + 1) * len(idx)), b.mask.shape[1]  # this rank's rows of g
         b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
