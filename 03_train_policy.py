@@ -3,14 +3,14 @@
 train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
   1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, at temperature T
   2. critic           a critique c and good / poor spans quoted from each y (critics.make_critic)
-  3. span_deltas      spans -> character intervals -> delta_t in {-1, 0, +1} (critics/, §3.3)
+  3. span_deltas      spans -> character intervals -> delta_t in {-1, 0, +1}: common.span_rewards (§3.3)
   4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy (score_rollouts)
   5. compute_gae      advantages A_t by GAE over r_t, whitened (--advantage rloo: compute_rloo)
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches
   7. log_iteration    the global batch's metrics (infra/trace.py), samples, checkpoints
-It reads top to bottom: the pure tensor functions of steps 4-6, their batch and ppo_update, the
-loop train() runs (copy them as they are: torch alone); the policy; the steps; train(). Its flags
-and --task presets: policy/cli.py.
+It reads top to bottom: the pure tensor functions of steps 4-6, their batch, ppo_update and
+one_iteration, steps 4-6 in train()'s order (copy them as they are, torch alone:
+docs/copy_the_loop.md); the policy; the steps; train(). Flags and --task presets: policy/cli.py.
 
     python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad, the scalar baseline
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog
@@ -42,6 +42,7 @@ from infra.data import read_prompts
 from infra.locality import locality_sums, locality_summary
 from infra.trainable import build_policy, make_optimizer
 from policy import cli as policy_cli
+from policy.rloo import compute_rloo
 from policy.cli import DEMO_RUNS, PRESETS
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -129,39 +130,6 @@ def compute_gae(rewards, values, mask, gamma: float, lam: float):
     return advantages, (advantages + values) * mask
 
 
-def compute_rloo(rewards, mask, k: int, gamma: float = 1.0, baseline: str = "start"):
-    """Critic-free advantages (--advantage rloo): rows come in groups of k >= 2 samples of a prompt.
-    RLOO's leave-one-out baseline (Ahmadian et al. 2024) on token-level returns of the r_t of
-    compute_rewards, mean_j over the prompt's other samples j, G_t = sum_{s>=t} gamma^(s-t) r_s:
-      start        A_t = G_t - mean_j G_0^j
-      position     A_t = G_t - mean_j G_t^j   (G_t^j = 0 once sample j has ended)
-      mean-reward  A_t = sum_{s>=t} gamma^(s-t) (r_s - mean_j rbar^j), rbar^j: j's mean r_t
-    With the whole reward on the last token, "start" is plain RLOO. Returns (advantages, G)."""
-
-    def reward_to_go(r):  # (B, T) -> (B, T), a reversed loop
-        out, running = torch.zeros_like(r), torch.zeros_like(r[:, 0])
-        for t in reversed(range(r.shape[1])):
-            running = r[:, t] * mask[:, t] + gamma * running  # nothing after a sample's end
-            out[:, t] = running
-        return out * mask
-
-    def others_mean(x):  # (B, ...) -> each row: its group's
-        group = x.reshape(-1, k, *x.shape[1:])  # mean over the other k-1 rows
-        return ((group.sum(1, keepdim=True) - group) / (k - 1)).reshape(x.shape)
-
-    returns = reward_to_go(rewards)  # (B, T)
-    if baseline == "start":
-        advantages = returns - others_mean(returns[:, 0])[:, None]
-    elif baseline == "position":
-        advantages = returns - others_mean(returns)
-    elif baseline == "mean-reward":
-        rbar = (rewards * mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
-        advantages = reward_to_go(rewards - others_mean(rbar)[:, None])
-    else:
-        raise ValueError(f"unknown RLOO baseline {baseline!r}")
-    return advantages * mask, returns
-
-
 def ppo_loss(
     logprobs, old_logprobs, advantages, values, old_values, returns, mask, clip_range, clip_range_value, weights=1.0
 ):
@@ -225,28 +193,17 @@ def no_reduction(x):
     return x
 
 
-def clip_grad_norm(params, max_norm: float, all_sum=no_reduction):
-    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (a DTensor shard per
-    rank, summed by all_sum) beside whole ones (the value head)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not any(hasattr(g, "to_local") for g in grads):
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-    shards = torch.stack([x.float().pow(2).sum() for g, x in zip(grads, local) if x is not g]).sum()
-    total = (all_sum(shards) + sum(g.float().pow(2).sum() for g, x in zip(grads, local) if x is g)).sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for x in local:
-        x.mul_(coef)
-    return total
-
-
-def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler=None, all_sum=no_reduction):
+def ppo_update(
+    score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler=None, all_sum=no_reduction, clip_grad_norm=None
+):
     """Step 6 (§3.5): hp.ppo_epochs passes over the batch, in hp.num_minibatches minibatches of
     hp.grad_accum micro-batches. loss = clipped surrogate + vf_coef * clipped value loss
     - ent_coef * entropy, its token mean over the minibatch on every rank; gradients clipped.
-    score(rows) -> (log-probs, values or None, logits / T) of those rows now, with grad.
-    scaler: a torch.amp.GradScaler (fp16), or None. all_sum: a sum over torchrun's ranks, in
-    place (the identity in one process). Returns each micro-batch's stats and the epochs run."""
+    score(rows) -> (log-probs, values or None, logits / T or None) of those rows now, with grad
+    (logits None: no entropy, so ent_coef must be 0). scaler: a torch.amp.GradScaler (fp16), or
+    None. all_sum: a sum over torchrun's ranks, in place; clip_grad_norm(params, max_norm): torch's
+    (None) or one over sharded gradients. Returns each micro-batch's stats and the epochs run."""
+    clip_grad_norm = clip_grad_norm or torch.nn.utils.clip_grad_norm_
     B = batch.mask.shape[0]
     keep = batch.mask if batch.keep is None else batch.keep  # server rollouts: the mismatch masks some out
     stats = []
@@ -273,25 +230,23 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
                     hp.clip_range_value,
                     1.0 if batch.weights is None else batch.weights[m],
                 )
-                with torch.set_grad_enabled(hp.ent_coef != 0):  # else only logged
-                    entropy = masked_mean(entropy_from_logits(logits), keep[m])
-                loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0) - hp.ent_coef * entropy
+                loss = pg_loss + (hp.vf_coef * vf_loss if vf_loss is not None else 0.0)
+                st["losses/policy_loss"] = pg_loss.item()
+                if vf_loss is not None:
+                    st["losses/value_loss"] = vf_loss.item()
+                if logits is not None:
+                    with torch.set_grad_enabled(hp.ent_coef != 0):  # else only logged
+                        entropy = masked_mean(entropy_from_logits(logits), keep[m])
+                    loss, st["losses/entropy"] = loss - hp.ent_coef * entropy, entropy.item()
                 loss = loss * keep[m].sum() / mb_tokens  # the minibatch's exact token mean
                 (loss if scaler is None else scaler.scale(loss)).backward()
-                stats.append(
-                    {
-                        **st,
-                        "losses/policy_loss": pg_loss.item(),
-                        "losses/entropy": entropy.item(),
-                        **({"losses/value_loss": vf_loss.item()} if vf_loss is not None else {}),
-                    }
-                )
-            for p in params:  # torchrun: the ranks' gradients summed (FSDP's sharded: done)
-                if p.grad is not None and not hasattr(p.grad, "to_local"):
+                stats.append(st)
+            for p in params:  # torchrun: the ranks' gradients summed
+                if p.grad is not None:
                     all_sum(p.grad)
             if scaler is not None:
                 scaler.unscale_(optimizer)  # the clip sees the true gradients
-            clip_grad_norm(params, hp.max_grad_norm, all_sum)
+            clip_grad_norm(params, hp.max_grad_norm)
             if scaler is not None:
                 scaler.step(optimizer)
                 scaler.update()
@@ -308,6 +263,18 @@ def ppo_update(score, batch: Rollouts, params, optimizer, hp: PpoHParams, scaler
         if hp.target_kl is not None and kls[0] / kls[1] > hp.target_kl:
             break  # early stop: the policy moved far enough from the behaviour policy
     return stats, epoch + 1
+
+
+def one_iteration(batch: Rollouts, ref_logprobs, score, params, optimizer, hp, kl_coef, gamma, lam, eos_penalty=0.0):
+    """Steps 4-6 on sampled rollouts with the critic's delta_t, in the order 03's train() runs them (its
+    defaults: --reward-mode span --advantage gae). batch: mask, has_eos, delta, and the sampling
+    policy's logprobs and values (no grad); ref_logprobs (B, T): the reference's. Returns ppo_update's."""
+    kl = per_token_kl(batch.logprobs, ref_logprobs) * batch.mask  # 4. KL_t (k1)
+    seq_bonus = torch.where(batch.has_eos, 0.0, -eos_penalty)  # (B,) cut off before its EOS: --missing-eos-penalty
+    batch.rewards = compute_rewards(batch.delta, kl, batch.mask, kl_coef, "span", seq_bonus)  # r_t = delta_t - b*KL_t
+    advantages, batch.returns = compute_gae(batch.rewards, batch.values, batch.mask, gamma, lam)  # 5. GAE over r_t
+    batch.advantages = masked_whiten(advantages, batch.mask)  # whitened; the returns stay raw (V's targets)
+    return ppo_update(score, batch, params, optimizer, hp)  # 6. clipped surrogate + value loss - entropy bonus
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -453,6 +420,16 @@ def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
     return rewards, masked_whiten(advantages, g.mask), returns
 
 
+def global_advantages(b: Rollouts, kl_coef: float, args, rank: int) -> Rollouts:
+    """Steps 4-5 on the global batch g, every rank's rows under torchrun (b's own in one process): its r_t, A_t and
+    returns (rewards_and_advantages), this rank's rows of them set on b. Returns g."""
+    g = Rollouts(**{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")})
+    g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
+    mine, T = slice(rank * len(b.mask), (rank + 1) * len(b.mask)), b.mask.shape[1]  # (g's T: the longest rank's)
+    b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
+    return g
+
+
 def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
     """Step 6: ppo_update on this rank's rows, the policy in train mode (its dropout is off).
     Rollouts sampled by vLLM get the importance weights rho = pi_old / mu, masked or capped."""
@@ -467,7 +444,7 @@ def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
 
     hp = PpoHParams(**{k: getattr(args, k) for k in PpoHParams.__dataclass_fields__})
     scorer.train()
-    stats, epochs = ppo_update(score, b, params, optimizer, hp, scaler, distributed.all_sum)
+    stats, epochs = ppo_update(score, b, params, optimizer, hp, scaler, distributed.all_sum, distributed.clip_grad_norm)
     scorer.eval()
     return stats, epochs
 
@@ -583,12 +560,8 @@ def train(args):
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
         if args.reward_mode == "self_distill":  # delta_t from the policy given the critique instead (SDPO)
             b.delta = self_teacher_delta(scorer, tokenizer, recs, b, feedback, forbid, micro, args)
-        gathered = {k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")}
-        g = Rollouts(**gathered)
         # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
-        g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
-        mine, T = slice(rank * len(idx), (rank + 1) * len(idx)), b.mask.shape[1]  # this rank's rows of g
-        b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
+        g = global_advantages(b, kl_coef, args, rank)  # g: the global batch, b.advantages and b.returns: its rows
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
         lr = scheduler.get_last_lr()[0]  # the update's; the scheduler then steps to the next iteration's

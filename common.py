@@ -498,12 +498,8 @@ def span_rewards(text: str, offsets: list[tuple[int, int]], good_spans: list[str
     holding part of a multi-byte character (an empty interval) takes the label of the token that completes it (all
     9 tokens of SmolLM2's "北京不是上海"); one that completes a character and starts the next is scored by the first."""
     good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
-    return _token_labels(text, offsets, good_iv, poor_iv), unmatched
-
-
-def _token_labels(text: str, offsets: list[tuple[int, int]], good_iv, poor_iv) -> list[float]:
-    """span_rewards' delta_t from located intervals: good +1, poor -1 (by interval_rewards)."""
-    return interval_rewards(text, offsets, [(a, b, 1.0) for a, b in good_iv] + [(a, b, -1.0) for a, b in poor_iv])
+    labelled = [(a, b, 1.0) for a, b in good_iv] + [(a, b, -1.0) for a, b in poor_iv]  # good +1, poor -1
+    return interval_rewards(text, offsets, labelled), unmatched
 
 
 def interval_rewards(text: str, offsets: list[tuple[int, int]], spans) -> list[float]:
@@ -536,8 +532,8 @@ def span_tokens(text: str, offsets: list[tuple[int, int]], good_spans: list[str]
     """span_rewards' (delta, unmatched), and (label, token indices) of each located quote, good
     ones first: the tokens whose delta_t it sets, in order (App. I's within-span weighting: two
     adjacent quotes are two spans; a token that span_rewards leaves at 0 belongs to neither)."""
-    good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)
-    delta = _token_labels(text, offsets, good_iv, poor_iv)
+    good_iv, poor_iv, unmatched = locate_spans(text, good_spans, poor_spans)  # once: span_rewards' delta_t from them
+    delta = interval_rewards(text, offsets, [(a, b, 1.0) for a, b in good_iv] + [(a, b, -1.0) for a, b in poor_iv])
     cores = [(s, s + 1) if s == e else _core(text, s, e) for s, e in offsets]  # a byte token: its character's start
     located = [
         (label, [t for t, (s, e) in enumerate(cores) if delta[t] == label and a <= s and e <= b])

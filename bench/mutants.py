@@ -97,7 +97,6 @@ TARGETS = {
             "decode_with_offsets",
             "_core",
             "span_rewards",
-            "_token_labels",
             "interval_rewards",
         ],
         ["tests/test_common.py", "tests/test_parse_snapshot.py"],

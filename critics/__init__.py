@@ -200,7 +200,9 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
         if has_quotes and weighting != "uniform":  # the same delta, and the tokens of each located quote
             d, unmatched, located = common.span_tokens(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
             spans[i] = [idx for _, idx in located]
-        else:
+        elif has_quotes:  # the paper's delta_t: +1 on good quotes, -1 on poor ones (§3.3)
+            d, unmatched = common.span_rewards(texts[i], offsets[i], fb["good_spans"], fb["poor_spans"])
+        else:  # intervals with rewards, or a scalar critic's step rewards
             d, unmatched = delta(texts[i], offsets[i], fb)
         rows[i] = (d, unmatched)
         out[i, : len(d)] = torch.tensor(d)

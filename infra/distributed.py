@@ -98,10 +98,26 @@ def gather_rows(x):
 
 
 def all_sum(x):
-    """Sum of a tensor over ranks (in place)."""
-    if dist.is_initialized():
+    """Sum of a tensor over ranks (in place). An FSDP-sharded one (a DTensor: this rank's shard) is left as it is: its
+    reduction is FSDP's own (ppo_update's gradient sum passes every gradient here)."""
+    if dist.is_initialized() and not hasattr(x, "to_local"):
         dist.all_reduce(x)
     return x
+
+
+def clip_grad_norm(params, max_norm: float, all_sum=all_sum):
+    """torch.nn.utils.clip_grad_norm_, also over FSDP's sharded gradients (a DTensor shard per rank, their squares
+    summed over ranks by all_sum) beside whole ones (the value head): 03 passes it to ppo_update under --shard fsdp."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(hasattr(g, "to_local") for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    shards = torch.stack([x.float().pow(2).sum() for g, x in zip(grads, local) if x is not g]).sum()
+    total = (all_sum(shards) + sum(g.float().pow(2).sum() for g, x in zip(grads, local) if x is g)).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for x in local:
+        x.mul_(coef)
+    return total
 
 
 def barrier(timeout_h: float | None = None) -> None:

@@ -1,7 +1,8 @@
 """The PPO loop copied alone: 03_train_policy.py's pure-function section, lifted exactly as a reader would copy it
 (between its two section banners) into a file with nothing but `import torch` and `from dataclasses import dataclass`
 above it, trains a tiny language model built here to stop saying one token, with the section's own ppo_update: the
-update 03's train() runs, not a copy of it. one_iteration below is the whole of what a reader writes around it."""
+update 03's train() runs, not a copy of it, called by the section's one_iteration. iterate() below is the whole of what
+a reader writes around it."""
 
 import ast
 import builtins
@@ -100,27 +101,25 @@ def score(model, ids):
     return logits.log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(-1), values, logits
 
 
-def one_iteration(ppo, model, reference, optimizer, gen, kl_coef=0.2):
-    """Alg. 4 on the tiny LM, with the copied section's functions (ppo): what 03's train() does, less the machinery."""
+def iterate(ppo, model, reference, optimizer, gen, kl_coef=0.2):
+    """Alg. 4 on the tiny LM: steps 1-3 written here, 4-6 the copied section's one_iteration, 03's order."""
     ids = sample(model, gen)  # 1. rollouts y ~ pi_theta
-    mask = torch.ones(B, T)
+    mask, has_eos = torch.ones(B, T), torch.ones(B, dtype=torch.bool)
     delta = -(ids[:, 1:] == BAD).float()  # 2-3. the critic's delta_t: -1 on the bad token
     with torch.no_grad():
         logprobs, values, _ = score(model, ids)
         ref_logprobs, _, _ = score(reference, ids)
-    kl = ppo.per_token_kl(logprobs, ref_logprobs)  # 4. KL_t, and r_t = delta_t - beta * KL_t
-    rewards = ppo.compute_rewards(delta, kl, mask, kl_coef)
-    advantages, returns = ppo.compute_gae(rewards, values, mask, gamma=1.0, lam=0.95)  # 5. A_t by GAE, whitened
-    batch = ppo.Rollouts(
-        mask, logprobs=logprobs, values=values, advantages=ppo.masked_whiten(advantages, mask), returns=returns
-    )
+    batch = ppo.Rollouts(mask, has_eos, delta=delta, logprobs=logprobs, values=values)
     hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2)
-    return ppo.ppo_update(lambda rows: score(model, ids[rows]), batch, list(model.parameters()), optimizer, hp)  # 6.
+    params = list(model.parameters())
+    return ppo.one_iteration(
+        batch, ref_logprobs, lambda rows: score(model, ids[rows]), params, optimizer, hp, kl_coef, 1.0, 0.95
+    )
 
 
 def test_the_section_imports_nothing_but_torch():
     section = pure_section()
-    for name in ("compute_gae", "ppo_loss", "masked_whiten", "ppo_update"):
+    for name in ("compute_gae", "ppo_loss", "masked_whiten", "ppo_update", "one_iteration"):
         assert f"def {name}(" in section
     assert foreign_imports(section) == []
     assert foreign_imports("import numpy as np\n" + section) == ["numpy"]  # what the check would catch
@@ -149,7 +148,7 @@ def test_the_copied_loop_trains_a_tiny_lm_away_from_one_token(tmp_path):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = model.next_token_probs()
     for _ in range(20):
-        stats, epochs = one_iteration(ppo, model, reference, optimizer, gen)
+        stats, epochs = iterate(ppo, model, reference, optimizer, gen)
         assert epochs == 2 and len(stats) == 4  # 2 epochs of 2 minibatches
         assert set(stats[0]) >= {"policy/approx_kl", "policy/clipfrac", "losses/policy_loss", "losses/value_loss"}
     after = model.next_token_probs()
@@ -164,3 +163,63 @@ def test_the_copied_loop_trains_a_tiny_lm_away_from_one_token(tmp_path):
 @pytest.mark.parametrize("line", ["import numpy as np", "from common import masked_mean as _m"])
 def test_a_section_that_imports_more_than_torch_fails_the_check(line):
     assert foreign_imports(line + "\n" + pure_section())  # the test above would fail on it
+
+
+def test_train_takes_the_steps_of_the_sections_one_iteration(monkeypatch):
+    """03's train() gets r_t, A_t and the returns by global_advantages; the section's one_iteration, from the same
+    rollouts (ragged, some cut off before their EOS), gives ppo_update the same ones, bit for bit, with 03's defaults
+    (--reward-mode span --advantage gae): a reader's copy runs 03's order, the missing-EOS penalty included."""
+    ppo = import_script("03_train_policy")
+    args = ppo.parse_args(["--missing-eos-penalty", "1.0"])
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B,), generator=g)[:, None]).float()  # (B, T) ragged
+    has_eos = torch.rand(B, generator=g) < 0.5
+    delta = torch.randint(-1, 2, (B, T), generator=g).float() * mask
+    logprobs, ref_logprobs, values = (torch.randn(B, T, generator=g) * mask for _ in range(3))
+    seen = []
+    monkeypatch.setattr(ppo, "ppo_update", lambda score, batch, *a, **k: seen.append(batch))
+    ours = ppo.Rollouts(mask, has_eos, delta=delta, logprobs=logprobs, values=values)
+    ppo.one_iteration(ours, ref_logprobs, None, [], None, None, args.kl_coef, args.gamma, args.lam, 1.0)
+    b = ppo.Rollouts(mask, has_eos, delta=delta, values=values, kl=ppo.per_token_kl(logprobs, ref_logprobs) * mask)
+    g03 = ppo.global_advantages(b, args.kl_coef, args, rank=0)
+    assert seen == [ours] and (~has_eos).any() and args.reward_mode == "span" and args.advantage == "gae"
+    for theirs, mine in ((g03.rewards, ours.rewards), (b.advantages, ours.advantages), (b.returns, ours.returns)):
+        assert torch.equal(theirs, mine)
+
+
+def copy_the_loop() -> tuple[str, str]:
+    """docs/copy_the_loop.md's two blocks: the bash that copies the section, the script written around it."""
+    page = (ROOT / "docs" / "copy_the_loop.md").read_text(encoding="utf-8")
+    return page.split("```bash\n")[1].split("```")[0], page.split("```python\n")[1].split("```")[0]
+
+
+def run_copy_the_loop(tmp_path, model_dir, iterations=2):
+    """The page's blocks as written: the bash from the repository's root (HOME: tmp_path), the script in the folder it
+    made, with nothing of this repository on its path. Returns the folder and the script's output."""
+    import os
+    import subprocess
+    import sys
+
+    import forkserver
+
+    copy, script = copy_the_loop()
+    env = dict(os.environ)
+    assert str(ROOT) not in env.get("PYTHONPATH", "")  # the script's own folder is all its path holds of ours
+    subprocess.run(["bash", "-c", copy], cwd=ROOT, env={**env, "HOME": str(tmp_path)}, check=True)
+    project = tmp_path / "my_project"
+    (project / "train.py").write_text(script, encoding="utf-8")
+    proc = forkserver.run(
+        [sys.executable, str(project / "train.py"), str(model_dir), str(iterations)],
+        cwd=project, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return project, proc.stdout
+
+
+def test_copy_the_loop_runs_as_written(tmp_path, tiny_model_dir):
+    """docs/copy_the_loop.md: its bash copies exactly the section these tests load, and its script, at most ~120 lines,
+    trains a Hugging Face causal LM with it (the tiny Llama here; SmolLM2 in test_real_model.py)."""
+    project, out = run_copy_the_loop(tmp_path, tiny_model_dir)
+    assert (project / "ppo_core.py").read_text(encoding="utf-8") == PRELUDE + pure_section()
+    assert len(copy_the_loop()[1].splitlines()) <= 120
+    assert [line.split(":")[0] for line in out.splitlines()] == ["iteration 1", "iteration 2"]

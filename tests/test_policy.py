@@ -196,7 +196,7 @@ def test_clip_grad_norm_over_sharded_gradients():
             sharded.grad = distribute_tensor(a.clone(), mesh, [Shard(0)])
             whole = torch.nn.Parameter(torch.zeros(5))
             whole.grad = b.clone()
-            total = ppo.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
+            total = distributed.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
             want = (2 * a.pow(2).sum() + b.pow(2).sum()).sqrt()
             coef = min(1.0, max_norm / (want.item() + 1e-6))
             assert total.item() == pytest.approx(want.item(), rel=1e-6) and want > 1.0
@@ -205,7 +205,7 @@ def test_clip_grad_norm_over_sharded_gradients():
         for scale, max_norm in ((1e-7, 1.0), (1e-6, 1e-6)):  # tiny: torch's eps in max_norm / (norm + 1e-6) decides
             sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 3), mesh, [Shard(0)]))
             sharded.grad, whole.grad = distribute_tensor(a * scale, mesh, [Shard(0)]), b * scale
-            ppo.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
+            distributed.clip_grad_norm([sharded, whole], max_norm, lambda x: x * 2)
             ref = [torch.nn.Parameter(torch.zeros(8, 3)), torch.nn.Parameter(torch.zeros(5))]  # a twice: two ranks
             ref[0].grad, ref[1].grad = torch.cat([a, a]) * scale, b * scale
             torch.nn.utils.clip_grad_norm_(ref, max_norm)
@@ -215,7 +215,7 @@ def test_clip_grad_norm_over_sharded_gradients():
         dist.destroy_process_group()
     plain = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
     plain[0].grad, plain[1].grad = a.clone(), b.clone()
-    assert ppo.clip_grad_norm(plain, 1.0, lambda x: x * 2).item() == pytest.approx(
+    assert distributed.clip_grad_norm(plain, 1.0, lambda x: x * 2).item() == pytest.approx(
         (a.square().sum() + b.square().sum()).sqrt().item()
     )
 
@@ -3008,3 +3008,19 @@ def test_fsdp_holds_a_share_of_the_parameters_and_adam_states_per_rank(tmp_path,
     assert all(0.45 * full <= r["params"] <= 0.55 * full for r in held["fsdp"])
     # a rollout gathers once: the layers stay whole through every decode step's forward, and are sharded again after
     assert all(r["kept_whole"] == [True, True] and r["resharded_after"] for r in held["fsdp"])
+
+
+def test_a_score_without_logits_updates_as_one_with_them_when_the_entropy_bonus_is_off():
+    """score(rows) may leave out the (B, T, V) logits when ent_coef is 0: the same update, bit for bit, with no
+    entropy logged (it is logged from the logits when they are there)."""
+    with_logits, stats, _ = _bigram_update(ppo.no_reduction)
+    score, params, batch = _bigram()
+    hp = ppo.PpoHParams(ppo_epochs=2, num_minibatches=2, max_grad_norm=1e9)
+    lean = lambda rows: (*score(rows)[:2], None)  # noqa: E731
+    stats2, _ = ppo.ppo_update(lean, batch, params, torch.optim.SGD(params, lr=0.1), hp)
+    for a, b in zip(with_logits, params):
+        assert torch.equal(a, b.detach())
+    assert (
+        "losses/entropy" in stats[0]
+        and [{k: v for k, v in s.items() if k != "losses/entropy"} for s in stats] == stats2
+    )

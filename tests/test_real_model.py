@@ -391,3 +391,11 @@ def test_smollm2_with_tied_embeddings_trains_sharded_and_saves_whole(smollm2_dir
     assert torch.equal(model.get_input_embeddings().weight.detach(), saved["model.embed_tokens.weight"])
     base, _ = models.load_model(smollm2_dir)
     assert not torch.equal(base.get_input_embeddings().weight, saved["model.embed_tokens.weight"])  # it trained
+
+
+def test_copy_the_loop_on_smollm2(smollm2_dir, tmp_path):
+    """docs/copy_the_loop.md's script, as written, on a real chat model (its template, eos = pad = <|im_end|>)."""
+    from test_copied_loop import run_copy_the_loop
+
+    _, out = run_copy_the_loop(tmp_path, smollm2_dir, iterations=1)
+    assert out.startswith("iteration 1: 'the' ")
