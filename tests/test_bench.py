@@ -1,4 +1,4 @@
-"""bench/: a finished run is reused only when the settings that made it are the ones asked for (bench/run_cache.py);
+"""bench/: a finished run is reused only when the settings that made it are the ones asked for (bench/shared/run_cache.py);
 a folder made otherwise, or whose settings were never recorded, is refused in one line, never mixed into a result."""
 
 import json
@@ -36,7 +36,7 @@ def environ_restored():
 
 def test_every_bench_module_imports_first():
     """Each bench module imported first in a fresh interpreter (the others not yet loaded): an import cycle
-    (paper_baselines -> real_critic -> paper_baselines) stops `python bench/credit.py` while the suite, which had
+    (paper_baselines -> real_critic -> paper_baselines) stops `python bench/credit/credit.py` while the suite, which had
     imported real_critic first, passes."""
     code = (
         "import importlib, pathlib, sys\nnames = [p.stem for p in pathlib.Path('.').glob('*.py')]\n"
@@ -100,7 +100,7 @@ def test_settings_are_recorded_then_matched(tmp_path):
 
 
 def test_a_cached_ppo_run_is_reused_only_with_its_own_flags(tmp_path, monkeypatch):
-    """bench/span_vs_scalar.py's runs (and bench/ablations.py's, which are the same function): a finished run made by
+    """bench/span_vs_scalar/span_vs_scalar.py's runs (and bench/ablations/ablations.py's, which are the same function): a finished run made by
     other flags, e.g. another critic, is refused; one made by these flags is read, not run again."""
     out, run_dir = tmp_path / "out", tmp_path / "out" / "span_seed1"
     _metrics(run_dir, 3)  # a finished run whose flags nobody recorded
@@ -121,7 +121,7 @@ def test_a_cached_ppo_run_is_reused_only_with_its_own_flags(tmp_path, monkeypatc
 
 
 def test_a_cached_demo_chain_is_reused_only_with_its_own_stages(tmp_path, monkeypatch):
-    """bench/demo_seeds.py and bench/real_critic.py: a chain folder that other stages made is refused."""
+    """bench/demo_seeds/demo_seeds.py and bench/real_critic/real_critic.py: a chain folder that other stages made is refused."""
     work = tmp_path / "seed1_threads1"
     common.write_json(work / "runs/demo/results.json", {"policies": {}})
     common.write_json(work / "runs/demo/reward_model/eval.json", {})
@@ -140,7 +140,7 @@ def test_a_cached_demo_chain_is_reused_only_with_its_own_stages(tmp_path, monkey
 
 
 def test_a_continued_scalar_run_is_keyed_too(tmp_path, monkeypatch):
-    """bench/real_critic.py --scalar-steps N: a scalar_toN folder that another command made is refused."""
+    """bench/real_critic/real_critic.py --scalar-steps N: a scalar_toN folder that another command made is refused."""
     work = tmp_path / "seed1"
     _metrics(work / "runs/demo/scalar_to5", 5)
     monkeypatch.setattr(real_critic.subprocess, "run", _never)
@@ -151,7 +151,7 @@ def test_a_continued_scalar_run_is_keyed_too(tmp_path, monkeypatch):
 
 
 def test_a_given_spans_only_reward_model_must_be_one(tmp_path, monkeypatch):
-    """bench/ablations.py --spans-only-reward-model DIR: DIR must be a stage-2 output trained with --rm-format
+    """bench/ablations/ablations.py --spans-only-reward-model DIR: DIR must be a stage-2 output trained with --rm-format
     spans-only; nothing is ever trained into a folder the user named."""
     monkeypatch.setattr(ablations, "run", _never)
     given = tmp_path / "smol_rm_spans_only"
@@ -172,7 +172,7 @@ def test_ablations_show_a_run_that_reached_the_threshold_at_its_last_step():
 
 
 def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
-    """bench/gpu_recipe.py (the 8B recipe's measurement, issue 34) on its tiny shapes: stage 2's reward model is stage
+    """bench/gpu_recipe/gpu_recipe.py (the 8B recipe's measurement, issue 34) on its tiny shapes: stage 2's reward model is stage
     3's critic, both built from a config without weight files, every phase timed, the responses forced to full
     length, the first iteration's KL 0, and a decode step against its bound."""
     import json
@@ -182,7 +182,7 @@ def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "bench/gpu_recipe.py",
+            "bench/gpu_recipe/gpu_recipe.py",
             "--tiny",
             "--device",
             "cpu",
@@ -211,7 +211,7 @@ def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
 
 
 def test_real_critic_chains_keep_their_stages_and_pass_the_policy_flags(tmp_path):
-    """bench/real_critic.py: without the new flags a seed's stages are the ones its chains were made with (so their
+    """bench/real_critic/real_critic.py: without the new flags a seed's stages are the ones its chains were made with (so their
     folders stay valid); --policy-model and the GPU flags reach 03 (and its --scalar-steps continuation) and 04."""
     smol, rm = tmp_path / "smollm2", str(tmp_path / "rm")
     stages = real_critic.chain_stages(real_critic.parse_args(["--reward-model", rm]), smol, rm)
@@ -300,7 +300,7 @@ def test_a_chains_stages_keep_the_callers_pythonpath(tmp_path, monkeypatch):
 
 
 def _fake_shared_start(built: list):
-    """bench/ablations.py's shared_start without the training: it records its out dir, leaves the SFT start's marker
+    """bench/ablations/ablations.py's shared_start without the training: it records its out dir, leaves the SFT start's marker
     and returns the 03 flags every row shares."""
 
     def fake_start(o, critic, reward_model, steps, ppo_args):
@@ -313,7 +313,7 @@ def _fake_shared_start(built: list):
 
 
 def test_ablations_run_one_seed_side_by_side_after_the_start(tmp_path, monkeypatch):
-    """bench/ablations.py --start-only builds the shared start (and reward models) and runs nothing; --only S runs seed
+    """bench/ablations/ablations.py --start-only builds the shared start (and reward models) and runs nothing; --only S runs seed
     S's runs of the chosen rows and writes no table, and refuses before the shared start exists: side-by-side --only
     calls would race to build it."""
     out, built, ran = tmp_path / "out", [], []
@@ -346,7 +346,7 @@ def test_ablations_run_one_seed_side_by_side_after_the_start(tmp_path, monkeypat
 
 
 def test_ablations_jobs_run_each_row_and_seed_in_its_own_process_then_the_table(tmp_path, monkeypatch):
-    """bench/ablations.py --jobs N builds the shared start once, runs every (row, seed) as its own `--rows R --only S`
+    """bench/ablations/ablations.py --jobs N builds the shared start once, runs every (row, seed) as its own `--rows R --only S`
     process, at most N at a time, the 03 flags after -- passed on, then prints the table from the finished runs; a run
     that fails stops it with its log named, and no table is written."""
     out, built, ran, launched = tmp_path / "out", [], [], []
@@ -415,7 +415,7 @@ def test_ablations_jobs_run_each_row_and_seed_in_its_own_process_then_the_table(
 
 
 def test_versus_best_pairs_text2grad_with_the_best_baseline_post_by_post():
-    """bench/paper_baselines.py's decisive comparison, against a plain loop: the best baseline is the one with the
+    """bench/paper_baselines/paper_baselines.py's decisive comparison, against a plain loop: the best baseline is the one with the
     lowest median held-out mistake rate (the oracle row never counts); each seed's difference is the mean over posts of
     Text2Grad's mistake minus the baseline's on the same post (an unseeded baseline pairs with every seed); the
     intervals hold their estimate, and one clearly below 0 excludes 0."""
@@ -574,7 +574,7 @@ def test_a_reward_model_killed_before_its_eval_without_a_checkpoint_is_trained_a
 
 @pytest.mark.slow
 def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tmp_path, tiny_chat_model_dir):
-    """`bench/paper_baselines.py --rm-base DIR` at tiny shapes, end to end: the span, Bradley-Terry and PRM reward
+    """`bench/paper_baselines/paper_baselines.py --rm-base DIR` at tiny shapes, end to end: the span, Bradley-Terry and PRM reward
     models all start from DIR with one recipe (the same adapter, lr, steps, answers per step); the reflection row that
     reads the span reward model's critique runs beside the oracle one; the JSON carries every row per seed, the reward
     models' quality and Text2Grad against the best baseline with its interval."""
@@ -588,7 +588,7 @@ def test_paper_baselines_rm_base_builds_every_reward_model_from_it_end_to_end(tm
     forkserver.run(  # nested: the bench's own stage runs are forks too
         [
             sys.executable,
-            "bench/paper_baselines.py",
+            "bench/paper_baselines/paper_baselines.py",
             "--annotators",
             "exact",
             "--rm-base",
@@ -683,14 +683,14 @@ def test_a_cached_ppo_run_is_keyed_by_the_content_of_its_models(tmp_path, monkey
 
 
 def _fake_locality(ratio: float) -> dict:
-    """infra.locality.locality_summary of one update, every group alike (what bench/locality.py's tables read)."""
+    """infra.locality.locality_summary of one update, every group alike (what bench/locality/locality.py's tables read)."""
     import locality
 
     return {**{g: {"mean": -0.1, "mean_abs": 0.1, "down": 0.5, "tokens": 3} for g in locality.GROUPS}, "ratio": ratio}
 
 
 def test_locality_runs_both_critics_from_one_shared_sft_start(tmp_path, monkeypatch, tiny_model_dir):
-    """bench/locality.py --lams 0.95 0 (both critics, one --out): the SFT start does not depend on the critic, so the
+    """bench/locality/locality.py --lams 0.95 0 (both critics, one --out): the SFT start does not depend on the critic, so the
     local critic reuses the program critic's start instead of being refused ('made with other settings')."""
     import locality
     from conftest import as_reward_model
@@ -743,7 +743,7 @@ def test_locality_writes_each_critics_results_as_it_finishes(tmp_path, monkeypat
 
 
 def test_token_identity_counts_the_tokens_two_decoders_share():
-    """bench/gpu_recipe.py's token_identity against counts by hand: the share of identical tokens over both widths,
+    """bench/gpu_recipe/gpu_recipe.py's token_identity against counts by hand: the share of identical tokens over both widths,
     the rows identical throughout, and where each row first differs (a flipped sample changes the rest of its row)."""
     import gpu_recipe
     import torch
@@ -769,7 +769,7 @@ def test_gpu_recipe_tokens_phase_compares_eager_and_static_rollouts_on_a_cpu(tmp
     proc = subprocess.run(
         [
             sys.executable,
-            "bench/gpu_recipe.py",
+            "bench/gpu_recipe/gpu_recipe.py",
             "--tiny",
             "--device",
             "cpu",
@@ -790,7 +790,7 @@ def test_gpu_recipe_tokens_phase_compares_eager_and_static_rollouts_on_a_cpu(tmp
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# bench/credit.py: when per-token credit helps (issue 55)
+# bench/credit/credit.py: when per-token credit helps (issue 55)
 # ---------------------------------------------------------------------------------------------------------------------
 
 import credit  # noqa: E402
@@ -855,7 +855,7 @@ def test_fair_scalar_and_poor_facts_score_facts_stated_less_mistakes(tiny_tokeni
 
 
 def test_per_pet_arms_divide_every_reward_by_k_and_change_nothing_at_k1(tiny_tokenizer):
-    """bench/credit.md, amendment 1: an arm's _per_pet twin is its delta divided by the post's K (pets), the same at
+    """bench/credit/credit.md, amendment 1: an arm's _per_pet twin is its delta divided by the post's K (pets), the same at
     K = 1, for intervals and scores alike."""
     from tasks.demo import demo_dataset
 
@@ -1047,7 +1047,7 @@ def test_credit_bench_runs_every_arm_and_selects_on_training_curves_alone(
     assert set(one["sweep"][2]) == {"sft", "span"}
 
 
-# bench/credit_matched.py: per-token credit at matched difficulty (issue 65)
+# bench/credit/credit_matched.py: per-token credit at matched difficulty (issue 65)
 import credit_matched  # noqa: E402
 
 BUILD = """
@@ -1146,7 +1146,7 @@ def test_credit_matched_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path)
     per_post = json.loads((out / "results.json").read_text())["per_post"]
     assert len(per_post["confirm/span/seed102"]["imperfect"]) == 8 and "k1/span/seed101" in per_post
     assert set(result["k1_selection"]) == {"fair_scalar", "span", "poor_scalar"}
-    md = credit_matched.markdown(result)  # bench/credit.md's tables: the grid, the confirmation, K = 1
+    md = credit_matched.markdown(result)  # bench/credit/credit.md's tables: the grid, the confirmation, K = 1
     assert md.count("| SFT start A | | |") == 1 and "| SFT start B | | |" in md and "| SFT start k1 | | |" in md
     assert md.count("| span − fair_scalar held out |") == 2 and "| poor_scalar | " in md
 
@@ -1161,15 +1161,15 @@ def test_credit_matched_means_per_start_by_hand():
 
 
 def test_credit_md_tables_are_the_committed_results():
-    """Every line of bench/credit.md's result tables is what `credit_matched.py --report` prints from the committed
-    bench/credit_matched_results.json: no number copied by hand."""
+    """Every line of bench/credit/credit.md's result tables is what `credit_matched.py --report` prints from the committed
+    bench/credit/credit_matched_results.json: no number copied by hand."""
     result = json.loads((ROOT / "bench" / "credit_matched_results.json").read_text())
     page = set((ROOT / "bench" / "credit.md").read_text().splitlines())
     missing = [line for line in credit_matched.markdown(result).splitlines() if line and line not in page]
     assert not missing, missing
 
 
-# bench/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)
+# bench/credit/credit_learned.py: the tuned arms with learned critics (issue 58, part 1)
 import credit_learned  # noqa: E402
 
 
@@ -1178,7 +1178,7 @@ def test_credit_learned_runs_each_arm_on_its_reward_model_and_judges_from_the_ru
     forked_stages, tmp_path, monkeypatch, tiny_model_dir, tiny_chat_model_dir
 ):
     """At tiny shapes: the train phase builds the three reward models from --rm-base, then one 03 run per arm with
-    its critic and bench/credit.py's tuned lr and beta (the poor-only arm: --labels poor), and records them in
+    its critic and bench/credit/credit.py's tuned lr and beta (the poor-only arm: --labels poor), and records them in
     OUT/runs.json; the eval phase reads that record alone (the reward models stay where they trained, e.g. a lent
     GPU) and pairs every arm with each scalar row, post by post."""
     from tasks.demo import demo_dataset

@@ -1,4 +1,4 @@
-"""bench/credit_k4.py (issue 77): per-token credit, decided. Its starts and runs on one pinned CPU kernel path, its
+"""bench/credit/credit_k4.py (issue 77): per-token credit, decided. Its starts and runs on one pinned CPU kernel path, its
 statistics (seeds resampled within each start, the registered verdicts) by hand, and every phase at tiny shapes."""
 
 import json

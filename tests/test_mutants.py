@@ -1,4 +1,4 @@
-"""bench/mutants.py (issue 68) still finds what it mutates: every target's functions, each defined once, and every
+"""bench/mutants/mutants.py (issue 68) still finds what it mutates: every target's functions, each defined once, and every
 hand-written mutant's text, in exactly one place (code moved between files keeps both); ids are unique, and a
 mutant changes its file."""
 

@@ -160,12 +160,12 @@ python 01_annotate.py                        # demo (~30 s)
 OPENAI_API_KEY=... python 01_annotate.py --task summarization \\
     --annotator openai   # the key from the environment
 python -m pytest                             # test
-taskset -c 0 python bench/real_critic.py --threads 1 --only 1 &
-wait; python bench/real_critic.py --only 3
+taskset -c 0 python bench/real_critic/real_critic.py --threads 1 --only 1 &
+wait; python bench/real_critic/real_critic.py --only 3
 python 01_annotate.py && python 02_train_reward.py --resume && torchrun --nproc_per_node 8 03_train_policy.py --steps 2
-python bench/sandbox_cost.py [--runs 40]
+python bench/speed/sandbox_cost.py [--runs 40]
 python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --curves "a b=x.jsonl" --x ""
-for s in 7 8; do python bench/real_critic.py --only $s > "log_$s.txt" 2>&1 & done
+for s in 7 8; do python bench/real_critic/real_critic.py --only $s > "log_$s.txt" 2>&1 & done
 ```
 ```
 post: python is not a command here
@@ -174,14 +174,14 @@ post: python is not a command here
     assert readme_commands(markdown) == [
         ("01_annotate.py", []),
         ("01_annotate.py", ["--task", "summarization", "--annotator", "openai"]),
-        ("bench/real_critic.py", ["--threads", "1", "--only", "1"]),
-        ("bench/real_critic.py", ["--only", "3"]),
+        ("bench/real_critic/real_critic.py", ["--threads", "1", "--only", "1"]),
+        ("bench/real_critic/real_critic.py", ["--only", "3"]),
         ("01_annotate.py", []),
         ("02_train_reward.py", ["--resume"]),
         ("03_train_policy.py", ["--steps", "2"]),
-        ("bench/sandbox_cost.py", ["--runs", "40"]),
+        ("bench/speed/sandbox_cost.py", ["--runs", "40"]),
         ("04_evaluate.py", ["--judge-base-url", "https://api.openai.com/v1", "--curves", "a b=x.jsonl", "--x", ""]),
-        ("bench/real_critic.py", ["--only", "7"]),
+        ("bench/real_critic/real_critic.py", ["--only", "7"]),
     ]
 
 

@@ -1,14 +1,14 @@
 """The paper's ablations and a critic-free estimator, side by side on one bench (paper Table 2, App. A, App. I.1)
 
-    python bench/ablations.py                   # exact critic: 8 rows x 3 seeds x 150 iterations, ~30 min on one core
-    python bench/ablations.py --rows "span + RLOO" "scalar + RLOO"        # some rows only (the rest stay on disk)
-    python bench/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 9 rows, ~45 min
-    python bench/ablations.py --critic local --reward-model runs/demo/smol_rm --steps 60 \\
-        --spans-only-reward-model runs/demo/smol_rm_spans_only    # the pretrained critic (bench/real_critic.py)
+    python bench/ablations/ablations.py                   # exact critic: 8 rows x 3 seeds x 150 iterations, ~30 min on one core
+    python bench/ablations/ablations.py --rows "span + RLOO" "scalar + RLOO"        # some rows only (the rest stay on disk)
+    python bench/ablations/ablations.py --critic local    # the zero-flag stage-2 reward model as critic: 9 rows, ~45 min
+    python bench/ablations/ablations.py --critic local --reward-model runs/demo/smol_rm --steps 60 \\
+        --spans-only-reward-model runs/demo/smol_rm_spans_only    # the pretrained critic (bench/real_critic/real_critic.py)
     # on a GPU: the shared start, then all 27 (row, seed) runs side by side, one process each, then the table
-    python bench/ablations.py --critic local --reward-model R --spans-only-reward-model R_SPANS_ONLY --steps 60 --jobs 27
+    python bench/ablations/ablations.py --critic local --reward-model R --spans-only-reward-model R_SPANS_ONLY --steps 60 --jobs 27
 
-Every row starts from the same SFT checkpoint (bench/span_vs_scalar.py's shared start, built once in --out), with the
+Every row starts from the same SFT checkpoint (bench/span_vs_scalar/span_vs_scalar.py's shared start, built once in --out), with the
 same critic, seeds, iterations, batch of rollouts and hyperparameters; a row changes only its own flags:
     span                 Text2Grad: delta_t from the quoted spans, GAE (03's defaults)
     scalar               the same delta summed onto the last token (App. A, --reward-mode scalar)
@@ -23,12 +23,12 @@ same critic, seeds, iterations, batch of rollouts and hyperparameters; a row cha
                              position instead of their whole return (--rloo-baseline position)
     span + RLOO mean-reward  span + RLOO, the other samples' mean reward per token subtracted from each reward before
                              summing (--rloo-baseline mean-reward; not PRIME's masked_rloo, README)
-Judged as bench/span_vs_scalar.py judges: the exact critic on each run's own rollouts (03's exact/mistake_rate, never
+Judged as bench/span_vs_scalar/span_vs_scalar.py judges: the exact critic on each run's own rollouts (03's exact/mistake_rate, never
 trained on), smoothed over 10 iterations; steps to a mistake rate <= 0.15 (a run that never gets there counts its
 full length, shown as "> N" and ranked above every run that got there), the final mistake rate (mean of the last 10
 iterations) and the final sum of the exact critic's delta (good words +1, wrong ones -1: an answer that drops facts
 scores less, one that only avoids mistakes does not). Median [min, max] over seeds. Every run, the SFT start and the
-reward models are reused from --out only when the same commands made them (bench/run_cache.py).
+reward models are reused from --out only when the same commands made them (bench/shared/run_cache.py).
 Nothing is tuned per row. Prints the table and one JSON line; writes OUT/results.json.
 """
 
@@ -42,10 +42,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from span_vs_scalar import THRESHOLD, WINDOW, ppo_run, run, shared_start, steps_to_threshold  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
+from demo_start import THRESHOLD, WINDOW, ppo_run, run, shared_start, steps_to_threshold  # noqa: E402
 
-import common  # noqa: E402  (on the path from span_vs_scalar)
+import common  # noqa: E402  (on the path from demo_start)
 from infra import reward_models  # noqa: E402
 from run_cache import check_settings  # noqa: E402
 

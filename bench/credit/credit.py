@@ -1,15 +1,15 @@
 """When does per-token credit beat a well-built scalar reward? Every arm tuned alike, on the demo's exact critic.
 
-    nice -n 10 python bench/credit.py --jobs 2            # everything, one process per core (~15 CPU-hours); cached:
+    nice -n 10 python bench/credit/credit.py --jobs 2            # everything, one process per core (~15 CPU-hours); cached:
                                                           # rerun the same command to continue after a stop
-    python bench/credit.py --stop-after grid --jobs 2     # phase 1 only (the tuning grid)
-    python bench/credit.py --steps 3 --lrs 1e-3 --kl-coefs 0.05 --grid-seeds 1 --confirm-seeds 1 --sweep-seeds 1 \
+    python bench/credit/credit.py --stop-after grid --jobs 2     # phase 1 only (the tuning grid)
+    python bench/credit/credit.py --steps 3 --lrs 1e-3 --kl-coefs 0.05 --grid-seeds 1 --confirm-seeds 1 --sweep-seeds 1 \
         --eval-posts 8 --ks 1 --out /tmp/credit           # every arm end to end at tiny shapes
-    nice -n 10 python bench/credit.py --jobs 2 --from-selection bench/credit_selection.json --ks 2 4 \
-        --results bench/credit_sweep_results.json         # the K sweep alone, at the committed selection (issue 65)
+    nice -n 10 python bench/credit/credit.py --jobs 2 --from-selection bench/credit/credit_selection.json --ks 2 4 \
+        --results bench/credit/credit_sweep_results.json         # the K sweep alone, at the committed selection (issue 65)
 
 Only the form of the reward differs between arms. Every arm's critic is the demo's exact critic (tasks/demo.py), its
-flagged intervals exactly (bench/credit_arms.py: no quote widened), so the spans are right and the same for all; what
+flagged intervals exactly (bench/credit/credit_arms.py: no quote widened), so the spans are right and the same for all; what
 changes is how they become per-token rewards delta_t (03 step 3):
     span           the paper's delta in {-1, 0, +1} on every token (credit_arms: span)
     poor_span      -1 inside poor spans only, no +1 for good ones (credit_arms: poor_only)
@@ -22,7 +22,7 @@ Each goes through the same PPO (03's demo preset: GAE, the value head, whitened 
 Phases (--stop-after ends after one):
  1. grid     every arm x --lrs x --kl-coefs x --grid-seeds selection seeds, --steps iterations each.
  2. select   per arm, the setting with the fewest median steps to a smoothed training mistake rate <= 0.15 (the exact
-             critic on the training rollouts, 03's exact/mistake_rate; bench/span_vs_scalar.py's threshold); ties: the
+             critic on the training rollouts, 03's exact/mistake_rate; bench/span_vs_scalar/span_vs_scalar.py's threshold); ties: the
              lower final training rate. It reads the grid's metrics.jsonl and nothing else: no evaluation post.
              The best scalar arm (the reference of every ratio) is chosen here too, on the same numbers.
  3. confirm  --confirm-seeds fresh seeds of each arm's chosen setting, each policy judged by 04_evaluate.py on
@@ -54,14 +54,15 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paper_baselines import evaluate, post_mistakes, ppo, sequence_kl  # noqa: E402
-from span_vs_scalar import ROOT, THRESHOLD, WINDOW, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its own study: bench/credit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
+from cached_runs import evaluate, post_mistakes, ppo, sequence_kl  # noqa: E402
+from demo_start import ROOT, THRESHOLD, WINDOW, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
 
-import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)
+import common  # noqa: E402  (demo_start put the repository on sys.path)
 from tasks.demo import demo_dataset  # noqa: E402
 
-PLUGIN = "python:bench/credit_arms.py:"
+PLUGIN = "python:bench/credit/credit_arms.py:"
 ARMS = {
     "span": ["--critic", PLUGIN + "span"],
     "poor_span": ["--critic", PLUGIN + "poor_only"],
@@ -90,7 +91,7 @@ def parse_args(argv=None):
     p.add_argument("--stop-after", choices=PHASES, default="sweep", help="the last phase to run")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--out", default="bench/out/credit", help="work dir (base, SFT, runs, evaluations)")
-    p.add_argument("--results", default="bench/credit_results.json", help="the committed summary ('' : none)")
+    p.add_argument("--results", default="bench/credit/credit_results.json", help="the committed summary ('' : none)")
     p.add_argument("--from-selection", help="skip phases 1-3: the sweep at this selection.json's settings")
     p.add_argument("--sweep-arms", nargs="+", help="the sweep's arms (default: span, poor_span, the best scalar)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
@@ -275,7 +276,7 @@ def main(argv=None):
     logs, result = (
         out / "logs",
         {
-            "command": " ".join(["python", "bench/credit.py", *(argv or sys.argv[1:])]),
+            "command": " ".join(["python", "bench/credit/credit.py", *(argv or sys.argv[1:])]),
             "threshold": THRESHOLD,
             "window": WINDOW,
             "steps": args.steps,

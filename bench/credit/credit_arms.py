@@ -1,4 +1,4 @@
-"""The reward arms of bench/credit.py, as --critic python: plug-ins (critics/plugin.py). Each is the demo's exact critic
+"""The reward arms of bench/credit/credit.py, as --critic python: plug-ins (critics/plugin.py). Each is the demo's exact critic
 with only the form of its reward changed: the intervals it flags (tasks/demo.py: demo_labels' verdicts, merged by
 demo_intervals), returned as located intervals with their rewards, so no quote is ever widened to be unique and every
 arm labels exactly the characters the critic flags:
@@ -12,7 +12,7 @@ arm labels exactly the characters the critic flags:
                     that an empty answer cannot win (issue 65: a mistake-only score is won by saying nothing)
     poor_facts      poor_only's -1 on the poor intervals, plus the facts stated as one score at EOS: the per-token
                     analogue of fair_scalar (the mistakes located, the facts counted at the end)
-    ..._per_pet     each of these with every reward divided by the post's K (per_pet: bench/credit_matched.py)
+    ..._per_pet     each of these with every reward divided by the post's K (per_pet: bench/credit/credit_matched.py)
     clause_scores   a perfect process reward model: each clause (baselines/scalar_rm.py: split_steps, as 02
                     --objective prm cuts steps) scores +1 when no poor interval overlaps it and -1 when one does, on
                     the clause's last token, where PRM-PPO puts a learned PRM's 2 * sigmoid(s) - 1 (step_deltas)
@@ -74,23 +74,23 @@ def _clauses(response: str, flagged: dict) -> list[dict]:
 
 
 def span(records: list[dict], responses: list[str]) -> list[dict]:
-    """--critic python:bench/credit_arms.py:span"""
+    """--critic python:bench/credit/credit_arms.py:span"""
     return _judged(records, responses, _span)
 
 
 def poor_only(records: list[dict], responses: list[str]) -> list[dict]:
-    """--critic python:bench/credit_arms.py:poor_only"""
+    """--critic python:bench/credit/credit_arms.py:poor_only"""
     return _judged(records, responses, _poor)
 
 
 def clause_scores(records: list[dict], responses: list[str]) -> list[dict]:
-    """--critic python:bench/credit_arms.py:clause_scores"""
+    """--critic python:bench/credit/credit_arms.py:clause_scores"""
     return _judged(records, responses, _clauses)
 
 
 def per_pet(arm):
     """The arm with every reward divided by the post's K (its pets): returns on K = 1's scale at any K, the same form.
-    bench/credit.md, amendment 1: at K = 4 the undivided returns (up to 24 at EOS) let the value head, which shares
+    bench/credit/credit.md, amendment 1: at K = 4 the undivided returns (up to 24 at EOS) let the value head, which shares
     the policy's LoRA, rewrite the language model within 4-20 iterations at every learning rate probed."""
 
     def scaled(records: list[dict], responses: list[str]) -> list[dict]:
@@ -104,21 +104,21 @@ def per_pet(arm):
                 item["score"] /= k
         return out
 
-    scaled.__doc__ = f"--critic python:bench/credit_arms.py:{arm.__name__}_per_pet ({arm.__name__}, rewards / K)"
+    scaled.__doc__ = f"--critic python:bench/credit/credit_arms.py:{arm.__name__}_per_pet ({arm.__name__}, rewards / K)"
     return scaled
 
 
 def fair_scalar(records: list[dict], responses: list[str]) -> list[dict]:
-    """--critic python:bench/credit_arms.py:fair_scalar"""
+    """--critic python:bench/credit/credit_arms.py:fair_scalar"""
     return _judged(records, responses, None, _facts_less_mistakes)
 
 
 def poor_facts(records: list[dict], responses: list[str]) -> list[dict]:
-    """--critic python:bench/credit_arms.py:poor_facts"""
+    """--critic python:bench/credit/credit_arms.py:poor_facts"""
     return _judged(records, responses, _poor, _facts)
 
 
-# bench/credit_matched.py's arms: each of the above with its rewards divided by K (per_pet)
+# bench/credit/credit_matched.py's arms: each of the above with its rewards divided by K (per_pet)
 span_per_pet = per_pet(span)
 poor_only_per_pet = per_pet(poor_only)
 clause_scores_per_pet = per_pet(clause_scores)

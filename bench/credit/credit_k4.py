@@ -1,15 +1,15 @@
 """Per-token credit, decided (issue 77): at K = 4, tuned alike, which way of turning the same critiques into gradients
 learns best held out and fastest: span rewards, a fair scalar, or the critique as a self-teacher. The plan, committed
-before any run of this study: bench/credit_k4.md.
+before any run of this study: bench/credit/credit_k4.md.
 
-    nice -n 10 python bench/credit_k4.py --jobs 2             # everything; cached: the same command continues it
-    python bench/credit_k4.py --stop-after starts --jobs 2    # phases 0-1: the reproducibility check and the starts
-    python bench/credit_k4.py --tiny --out /tmp/k4            # every phase end to end at tiny shapes (the tests')
-    python bench/credit_k4.py --report                        # the page's tables, from the committed results
+    nice -n 10 python bench/credit/credit_k4.py --jobs 2             # everything; cached: the same command continues it
+    python bench/credit/credit_k4.py --stop-after starts --jobs 2    # phases 0-1: the reproducibility check and the starts
+    python bench/credit/credit_k4.py --tiny --out /tmp/k4            # every phase end to end at tiny shapes (the tests')
+    python bench/credit/credit_k4.py --report                        # the page's tables, from the committed results
 
 Every process of the study runs on one thread and one CPU kernel path (pin_kernels: torch's AVX2 kernels, MKL's
 COMPATIBLE branch, oneDNN at most AVX2), so a start and a run are the same bytes on any x86-64 CPU with AVX2 and FMA
-(bench/credit_k4.md says where that was shown). Phases (--stop-after ends after one):
+(bench/credit/credit_k4.md says where that was shown). Phases (--stop-after ends after one):
  0. reproduce  start seed 0 and a 20-iteration span run built twice, by children started under two other kernel
                paths: the same bytes, or the study stops.
  1. starts     seeds 0, 1, ... (at most --max-start-seeds) built at the registered recipe (a base of m x 250 steps, an
@@ -21,7 +21,7 @@ COMPATIBLE branch, oneDNN at most AVX2), so a start and a run are the same bytes
                smoothed training imperfect rate, then its mean over the run; a choice at the grid's edge adds the next
                learning rate beyond it for every arm (--max-extensions rounds).
  3. confirm    --confirm-seeds fresh seeds (101, ...) of each arm's choice on every start, each policy judged by 04
-               on --eval-posts held-out posts at T = 1; the registered comparisons (bench/credit_k4.md).
+               on --eval-posts held-out posts at T = 1; the registered comparisons (bench/credit/credit_k4.md).
 Writes OUT/results.json, --results (every table's numbers, per seed and per iteration) and its _per_post.json.
 """
 
@@ -39,13 +39,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its own study: bench/credit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
 from credit import PLUGIN, execute, plan, start_checksum  # noqa: E402
 from credit_matched import answer_scores, curve, digits, eval_records, holm, interval, judge, sign_flip_p  # noqa: E402
 from credit_matched import difficulty, without_extreme  # noqa: E402
-from paper_baselines import evaluate, generations  # noqa: E402
+from cached_runs import evaluate, generations  # noqa: E402
 from run_cache import check_settings  # noqa: E402
-from span_vs_scalar import ROOT, run  # noqa: E402
+from demo_start import ROOT, run  # noqa: E402
 
 import common  # noqa: E402
 from baselines.reflection_data import revision_examples  # noqa: E402
@@ -101,7 +102,7 @@ def parse_args(argv=None):
     a("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     a("--tiny", action="store_true", help="tiny shapes for a test (every phase, minutes)")
     a("--out", default="bench/out/credit_k4", help="work dir (starts, runs, evaluations)")
-    a("--results", default="bench/credit_k4_results.json", help="the committed summary ('': none)")
+    a("--results", default="bench/credit/credit_k4_results.json", help="the committed summary ('': none)")
     a("--report", action="store_true", help="print --results' tables as markdown and exit")
     a("--repro-child", action="store_true", help=argparse.SUPPRESS)  # phase 0's builder, in a process of its own
     a("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
@@ -408,7 +409,7 @@ def main(argv=None):
     if args.repro_child:
         return repro_child(args)
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
-    result = {"command": " ".join(["python", "bench/credit_k4.py", *(argv or sys.argv[1:])]), "k": K, "margin": MARGIN}
+    result = {"command": " ".join(["python", "bench/credit/credit_k4.py", *(argv or sys.argv[1:])]), "k": K, "margin": MARGIN}
     result["machine"] = machine()
     result["reproduce"] = reproduce(out, args)
     if args.stop_after == "reproduce":

@@ -1,6 +1,6 @@
-"""Issue 58, part 1: bench/credit.py's question with learned critics. Each arm bench/credit.py tuned on the exact
-critic (bench/credit_selection.json: its learning rate and beta) gets the SmolLM2 reward model of its form, all three
-trained by bench/paper_baselines.py's one recipe on one budget (--pairs preference pairs = 2x annotated answers of
+"""Issue 58, part 1: bench/credit/credit.py's question with learned critics. Each arm bench/credit/credit.py tuned on the exact
+critic (bench/credit/credit_selection.json: its learning rate and beta) gets the SmolLM2 reward model of its form, all three
+trained by bench/paper_baselines/paper_baselines.py's one recipe on one budget (--pairs preference pairs = 2x annotated answers of
 the SFT policy, judged by the exact critic):
 
     Text2Grad              the span reward model's quotes, delta in {-1, 0, +1} (03 --critic local)      span's setting
@@ -8,12 +8,12 @@ the SFT policy, judged by the exact critic):
     PRM-PPO                the process reward model's step rewards (03 --critic prm)                 clause's setting
     PPO (BT RM, unit std)  the Bradley-Terry score at EOS, unit std (03 --critic scalar-rm)   the best scalar arm's
 
-    python bench/credit_learned.py --stop-after data             # on a CPU: the SFT start and the budget (minutes)
-    python bench/credit_learned.py --stop-after train --jobs 16  # on a GPU (bench/gpu_issue58.sh learned): the models
-    python bench/credit_learned.py                               # the table (04 on held-out posts; a CPU will do)
+    python bench/credit/credit_learned.py --stop-after data             # on a CPU: the SFT start and the budget (minutes)
+    python bench/credit/credit_learned.py --stop-after train --jobs 16  # on a GPU (bench/speed/gpu_issue58.sh learned): the models
+    python bench/credit/credit_learned.py                               # the table (04 on held-out posts; a CPU will do)
 
-The start is bench/credit.py's (OUT/k1, the same commands); --rm-base is a pretrained model (tools/smollm2.py).
-Measured as bench/credit.py's phase 3: steps to a smoothed training mistake rate <= 0.15 (the exact critic on the
+The start is bench/credit/credit.py's (OUT/k1, the same commands); --rm-base is a pretrained model (tools/smollm2.py).
+Measured as bench/credit/credit.py's phase 3: steps to a smoothed training mistake rate <= 0.15 (the exact critic on the
 rollouts, never trained on), the held-out mistake rate on --eval-posts posts (04 at T = 1), ROUGE-L, KL to the SFT
 start; every arm against each scalar row (steps ratio over paired seeds, mistake difference over paired seeds and
 posts, 95% bootstrap). Cached by the settings and content of what made each artefact, so a killed run resumes.
@@ -29,24 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its own study: bench/credit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
 from credit import bits, curve, eval_records, med, paired_difference, start, step_ratio  # noqa: E402
-from paper_baselines import (
-    budget,
-    evaluate,
-    pool_annotations,
-    post_mistakes,
-    ppo,
-    reward_model,
-    rm_flags,  # noqa: E402
-    sequence_kl,
-    slug,
-)
-from span_vs_scalar import ROOT, THRESHOLD, WINDOW, run_side_by_side  # noqa: E402
+from budget import budget, pool_annotations, reward_model, rm_flags, slug  # noqa: E402
+from cached_runs import evaluate, post_mistakes, ppo, sequence_kl  # noqa: E402
+from demo_start import ROOT, THRESHOLD, WINDOW, run_side_by_side  # noqa: E402
 
-import common  # noqa: E402  (span_vs_scalar put the repository on sys.path)
+import common  # noqa: E402  (demo_start put the repository on sys.path)
 
-ARMS = {  # row -> (bench/credit.py's arm whose tuned setting it takes, its reward model, 03's critic flags)
+ARMS = {  # row -> (bench/credit/credit.py's arm whose tuned setting it takes, its reward model, 03's critic flags)
     "Text2Grad": ("span", "span_rm", ["--critic", "local"]),
     "Text2Grad, poor only": ("poor_span", "span_rm", ["--critic", "local", "--labels", "poor"]),
     "PRM-PPO": ("clause", "prm", ["--critic", "prm"]),
@@ -63,21 +55,21 @@ def parse_args(argv=None):
     p.add_argument("--rm-min-parse-rate", type=float, help="02 --min-parse-rate (tiny test settings: 0)")
     p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
     p.add_argument("--pairs", type=int, default=1000, help="the budget: preference pairs (2x answers)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (101..100+N, as bench/credit.py's phase 3)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (101..100+N, as bench/credit/credit.py's phase 3)")
     p.add_argument("--steps", type=int, default=60, help="PPO iterations per run")
     p.add_argument("--eval-posts", type=int, default=1000, help="held-out posts each policy is judged on")
     p.add_argument("--jobs", type=int, default=1, help="reward models, then runs, side by side (logs in OUT/logs)")
-    p.add_argument("--selection", default="bench/credit_selection.json", help="bench/credit.py's chosen settings")
+    p.add_argument("--selection", default="bench/credit/credit_selection.json", help="bench/credit/credit.py's chosen settings")
     p.add_argument("--stop-after", choices=PHASES, default="eval", help="the last phase to run")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--out", default="bench/out/credit_learned", help="work dir (start, budget, models, runs)")
-    p.add_argument("--results", default="bench/credit_learned_results.json", help="the committed summary ('': none)")
+    p.add_argument("--results", default="bench/credit/credit_learned_results.json", help="the committed summary ('': none)")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     return p.parse_args(argv)
 
 
 def tuned(selection: dict) -> dict:
-    """row -> (lr, beta) from bench/credit.py's selection."""
+    """row -> (lr, beta) from bench/credit/credit.py's selection."""
     pick = lambda arm: selection["selection"][selection["best_scalar"] if arm == "best scalar" else arm]  # noqa: E731
     return {row: (pick(arm)["lr"], pick(arm)["kl_coef"]) for row, (arm, _, _) in ARMS.items()}
 
@@ -86,7 +78,7 @@ def main(argv=None):
     args = parse_args(argv)
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
     logs = out / "logs"
-    flags = start(out, 1, args)  # bench/credit.py's start: base, prompts, SFT (OUT/k1)
+    flags = start(out, 1, args)  # bench/credit/credit.py's start: base, prompts, SFT (OUT/k1)
     world, sft = out / "k1", Path(flags[1])
 
     # --- data: the SFT policy's answers to the pool, judged by the exact critic; the first --pairs pairs
@@ -196,7 +188,7 @@ def main(argv=None):
             },
         }
     result = {
-        "command": " ".join(["python", "bench/credit_learned.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "bench/credit/credit_learned.py", *(argv or sys.argv[1:])]),
         "threshold": THRESHOLD,
         "window": WINDOW,
         "steps": args.steps,
@@ -223,7 +215,7 @@ def main(argv=None):
 
 
 def judge(out: Path, policies: dict, sft: Path, eval_data: Path, records: list[dict]) -> dict:
-    """bench/credit.py's judge for every policy at once (one 04 process, each policy sampled with the same seed):
+    """bench/credit/credit.py's judge for every policy at once (one 04 process, each policy sampled with the same seed):
     {name: its held-out mistake rate, ROUGE-L, KL to the SFT start and 0/1 mistake per post}. Cached."""
     ev = evaluate(out / "evals", policies, eval_data)
     kl_file = ev["dir"] / "kl.json"

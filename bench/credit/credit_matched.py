@@ -1,10 +1,10 @@
 """Per-token credit where it should matter (issue 65): long answers with sparse mistakes at matched difficulty, a scalar
-that an empty answer cannot win, and starts that reproduce. The plan, fixed before any run: bench/credit.md.
+that an empty answer cannot win, and starts that reproduce. The plan, fixed before any run: bench/credit/credit.md.
 
-    nice -n 10 python bench/credit_matched.py --stop-after calibrate     # the worlds' starts and their difficulty
-    nice -n 10 python bench/credit_matched.py --jobs 2                    # everything; cached: rerun to continue
-    python bench/credit_matched.py --tiny --out /tmp/cm                   # every phase end to end at tiny shapes
-    python bench/credit_matched.py --report                               # the results' tables, as bench/credit.md's
+    nice -n 10 python bench/credit/credit_matched.py --stop-after calibrate     # the worlds' starts and their difficulty
+    nice -n 10 python bench/credit/credit_matched.py --jobs 2                    # everything; cached: rerun to continue
+    python bench/credit/credit_matched.py --tiny --out /tmp/cm                   # every phase end to end at tiny shapes
+    python bench/credit/credit_matched.py --report                               # the results' tables, as bench/credit/credit.md's
 
 Worlds (tasks/demo.py's K pets per post, the answer one sentence per pet): K = 1 at the demo's recipe (a base model
 pretrained 250 steps, an SFT start of 100 steps), and K = 4 at m times both, m the first of --ladder whose start makes
@@ -22,11 +22,11 @@ Phases (--stop-after ends after one):
  3. confirm    --confirm-seeds fresh seeds of each chosen setting, the first half on start A, the rest on start B; each
                policy judged by 04 on --eval-posts held-out posts; every per-token arm against fair_scalar.
  4. k1         K = 1 on its one-thread start: fair_scalar's grid (--k1-lrs), then --k1-seeds seeds of fair_scalar,
-               span and poor_scalar (span and poor_scalar at bench/credit_selection.json's settings).
+               span and poor_scalar (span and poor_scalar at bench/credit/credit_selection.json's settings).
 Every arm's rewards are divided by K (credit_arms.per_pet; the same at K = 1), and K's grid is one step below K = 1's
-(bench/credit.md, amendments 1 and 2: the probes that showed why).
-Writes OUT/results.json, bench/credit_matched_results.json (every table's numbers, per seed) and
-bench/credit_matched_per_post.json (each judged policy's outcome per held-out post), prints the tables.
+(bench/credit/credit.md, amendments 1 and 2: the probes that showed why).
+Writes OUT/results.json, bench/credit/credit_matched_results.json (every table's numbers, per seed) and
+bench/credit/credit_matched_per_post.json (each judged policy's outcome per held-out post), prints the tables.
 """
 
 import argparse
@@ -38,12 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its own study: bench/credit
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
 import credit  # noqa: E402
 from credit import PLUGIN, execute, one_thread, per_post_path, plan, start_checksum  # noqa: E402
-from paper_baselines import evaluate, generations, sequence_kl  # noqa: E402
+from cached_runs import evaluate, generations, sequence_kl  # noqa: E402
 from run_cache import check_settings  # noqa: E402
-from span_vs_scalar import ROOT, WINDOW, run, steps_to_threshold  # noqa: E402
+from demo_start import ROOT, WINDOW, run, steps_to_threshold  # noqa: E402
 
 import common  # noqa: E402
 from infra.tiny_model import build_demo_base  # noqa: E402
@@ -51,7 +52,7 @@ from tasks.demo import demo_dataset, demo_facts, demo_mistakes  # noqa: E402
 
 THRESHOLD = 0.15  # of the smoothed training imperfect rate (the primary endpoint)
 ENDPOINT = "exact/imperfect_rate"
-# every arm's rewards divided by K (credit_arms.per_pet; bench/credit.md, amendment 1): the same at K = 1
+# every arm's rewards divided by K (credit_arms.per_pet; bench/credit/credit.md, amendment 1): the same at K = 1
 ARMS = {
     "fair_scalar": ["--critic", PLUGIN + "fair_scalar_per_pet"],  # facts stated - mistakes, at EOS: the reference
     "poor_scalar": ["--critic", PLUGIN + "poor_only_per_pet", "--reward-mode", "scalar"],  # the best mistake-only
@@ -62,7 +63,7 @@ ARMS = {
 }  # a perfect PRM
 REFERENCE, PER_TOKEN = "fair_scalar", ("span", "poor_span", "poor_facts", "clause")
 PHASES = ("calibrate", "grid", "select", "confirm", "k1")
-# reported without correction (bench/credit.md): arm - fair_scalar, per seed, with the two-level interval
+# reported without correction (bench/credit/credit.md): arm - fair_scalar, per seed, with the two-level interval
 UNCORRECTED = (
     *("heldout_mistakes", "heldout_facts", "heldout_length", "heldout_kl"),
     *("train_kl", "final", "final_mistake_rate", "mistake_steps"),
@@ -91,7 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a test (every phase, minutes)")
     p.add_argument("--out", default="bench/out/credit_matched", help="work dir (worlds, runs, evaluations)")
-    p.add_argument("--results", default="bench/credit_matched_results.json", help="the committed summary ('': none)")
+    p.add_argument("--results", default="bench/credit/credit_matched_results.json", help="the committed summary ('': none)")
     p.add_argument("--report", action="store_true", help="print --results' tables as markdown and exit")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     args = p.parse_args(argv)
@@ -468,7 +469,7 @@ def main(argv=None):
     one_thread()
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
     result = {
-        "command": " ".join(["python", "bench/credit_matched.py", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python", "bench/credit/credit_matched.py", *(argv or sys.argv[1:])]),
         "endpoint": ENDPOINT,
         "threshold": THRESHOLD,
         "window": WINDOW,
@@ -530,7 +531,7 @@ def main(argv=None):
         for s in range(1, args.grid_seeds + 1)
     }
     k1_grid = {key: curve(d, steps) for key, d in runs_of(out, k1["k1"], "k1_grid", cells, args, steps).items()}
-    phase3 = json.loads((ROOT / "bench" / "credit_selection.json").read_text())["selection"]
+    phase3 = json.loads((ROOT / "bench" / "credit" / "credit_selection.json").read_text())["selection"]
     k1_chosen = {
         **select(k1_grid),
         **{a: {k: phase3[a][k] for k in ("lr", "kl_coef")} for a in ("span", "poor_scalar")},
@@ -584,7 +585,7 @@ def holm_text(row: dict) -> str:
     return f"{row['p_holm']:.3f}" if "p_holm" in row else "not in the family"
 
 
-# --- the tables of bench/credit.md, from the committed results (tests/test_bench.py checks that they match)
+# --- the tables of bench/credit/credit.md, from the committed results (tests/test_bench.py checks that they match)
 
 
 def sci(x: float) -> str:
@@ -677,7 +678,7 @@ def phase_markdown(table: dict) -> list[str]:
 
 def by_start_markdown(table: dict) -> list[str]:
     """Each arm's held-out means per start (added after the runs were seen: the starts sit on either side of the
-    copying skill, bench/credit.md)."""
+    copying skill, bench/credit/credit.md)."""
     starts = list(dict.fromkeys(table["starts"]))
     mean = lambda xs, g: statistics.fmean(x for x, t in zip(xs, table["starts"]) if t == g)  # noqa: E731
     keys = (("heldout_imperfect", "imperfect", "{:.3f}"), ("heldout_mistakes", "mistakes", "{:.2f}"))
@@ -694,7 +695,7 @@ def by_start_markdown(table: dict) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    """bench/credit.md's result tables, in its order: the grid, the confirmation and its means per start, then K = 1's
+    """bench/credit/credit.md's result tables, in its order: the grid, the confirmation and its means per start, then K = 1's
     grid and confirmation (each where `result` has it)."""
     parts = [grid_markdown(result["selection"])] if "selection" in result else []
     if "confirm" in result:

@@ -1,6 +1,6 @@
 """baselines/dpo.py's loss against TRL's DPOTrainer on the same batch (a check of the hand-written loss, bench only)
 
-    /work/venv-trl/bin/python bench/dpo_vs_trl.py     # a venv with torch 2.13.0 (CPU), trl 1.16.0, peft 0.21.0
+    /work/venv-trl/bin/python bench/dpo_vs_trl/dpo_vs_trl.py     # a venv with torch 2.13.0 (CPU), trl 1.16.0, peft 0.21.0
 
 TRL is not a dependency of the project: this runs in its own virtual environment (torch first, then `pip install
 trl==1.16.0 peft==0.21.0`). The batch: 16 preference pairs of the demo (a post's noisy summary against its reference,
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "baselines"))
 

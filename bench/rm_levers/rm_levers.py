@@ -1,16 +1,16 @@
 """What limits the demo reward model's poor-span recall? One lever at a time (issue: capacity, data, objective, init,
 training length), each a full fine-tune of a demo base on demo annotations, scored on 200 held-out posts.
 
-    python bench/rm_levers.py --name base                                  # the reference point
-    python bench/rm_levers.py --name deep --layers 4 --pretrain 500        # capacity: depth (also --hidden, --heads)
-    python bench/rm_levers.py --name data --n 16000 --mistake 0.9          # data: fresh examples, flawed share
-    python bench/rm_levers.py --name kind --n 16000 --kind wrong           # data: every flawed summary has a wrong fact
-    python bench/rm_levers.py --name own --policy runs/demo/sft            # data: a share of the policy's own answers
-    python bench/rm_levers.py --name walk --fmt verdict                    # objective: a critique format
-    python bench/rm_levers.py --name heavy --json-weight 3                 # objective: loss weight on the span JSON
-    python bench/rm_levers.py --name order --json-first                    # objective: the span JSON first
-    python bench/rm_levers.py --name lora --lora 32 --lr 5e-4              # LoRA instead of full fine-tuning
-    python bench/rm_levers.py --name long --steps 4000 --evals 1000,2000,3000,4000   # training length
+    python bench/rm_levers/rm_levers.py --name base                                  # the reference point
+    python bench/rm_levers/rm_levers.py --name deep --layers 4 --pretrain 500        # capacity: depth (also --hidden, --heads)
+    python bench/rm_levers/rm_levers.py --name data --n 16000 --mistake 0.9          # data: fresh examples, flawed share
+    python bench/rm_levers/rm_levers.py --name kind --n 16000 --kind wrong           # data: every flawed summary has a wrong fact
+    python bench/rm_levers/rm_levers.py --name own --policy runs/demo/sft            # data: a share of the policy's own answers
+    python bench/rm_levers/rm_levers.py --name walk --fmt verdict                    # objective: a critique format
+    python bench/rm_levers/rm_levers.py --name heavy --json-weight 3                 # objective: loss weight on the span JSON
+    python bench/rm_levers/rm_levers.py --name order --json-first                    # objective: the span JSON first
+    python bench/rm_levers/rm_levers.py --name lora --lora 32 --lr 5e-4              # LoRA instead of full fine-tuning
+    python bench/rm_levers/rm_levers.py --name long --steps 4000 --evals 1000,2000,3000,4000   # training length
 
 Each run prints one JSON line per evaluation step and, last, all of them as one JSON list. A run of 2000 steps of
 batch 16 takes ~5 min on 2 CPU cores (~1.5 min on a GPU: --device cuda); runs are independent, so a sweep can run them
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from infra import models, runs  # noqa: E402
@@ -176,7 +176,7 @@ def main():
     a("--seed", type=int, default=0, help="seed of the data order")
     a(
         "--save",
-        help="save the trained reward model here (loadable by infra.models.load_model, e.g. for bench/critic_cost.py)",
+        help="save the trained reward model here (loadable by infra.models.load_model, e.g. for bench/speed/critic_cost.py)",
     )
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """How well common.find_span locates a critic's near-quotes, and whether it ever aligns one to the wrong text.
 
-    python bench/span_matching.py            # prints a table, then one JSON line
+    python bench/span_matching/span_matching.py            # prints a table, then one JSON line
 
 Quotes are cut at word boundaries from realistic responses (summaries, code, QA answers with curly quotes, dashes and
 newlines), then altered the ways LLM critics alter them: unchanged, whitespace changed, case changed, wrapped in
@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from common import _normalize, find_span  # noqa: E402
 
 RESPONSES = [

@@ -1,8 +1,8 @@
 """Throughput of 01_annotate.py's OpenAI-compatible critic against a local server that answers in 200 ms.
 
-    python bench/annotate_throughput.py                      # 1000 records, 200 ms, concurrency 16, then the fault run
-    python bench/annotate_throughput.py --delay 0.05         # a server 4x faster: the client's own cost shows more
-    python bench/annotate_throughput.py --records 300 --concurrency 8
+    python bench/speed/annotate_throughput.py                      # 1000 records, 200 ms, concurrency 16, then the fault run
+    python bench/speed/annotate_throughput.py --delay 0.05         # a server 4x faster: the client's own cost shows more
+    python bench/speed/annotate_throughput.py --records 300 --concurrency 8
 
 Phase 1 sends 1000 records to a clean server (a fast asyncio HTTP server in its own process, so it never competes with
 the client for the GIL) and compares the annotation wall time with the ideal records * delay / concurrency; the goal
@@ -25,7 +25,7 @@ import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,14 +1,14 @@
 """What the learned critic costs next to the rollout it judges: 03's time/critic_s / time/generate_s, measured alone.
 
     python 01_annotate.py && python 02_train_reward.py        # the demo's reward model (once)
-    python bench/critic_cost.py                               # ~1 min on 2 CPU cores
+    python bench/speed/critic_cost.py                               # ~1 min on 2 CPU cores
 
 For each of --batches batches of 32 demo prompts, interleaved: the rollout exactly as 03 samples it (the SFT policy with
 a fresh LoRA adapter, temperature 1, up to 32 new tokens), then the reward model's critiques of those rollouts twice:
 with critics.learned.rm_critique (a finished row leaves the batch, a row ends where its span JSON closes) and with plain
 model.generate, greedy, up to EOS (the code before issue 17). The two must give the same text for every rollout
 (checked; the demo's results depend on nothing else). A reward model that writes its span JSON first
-(bench/rm_levers.py --json-first --save DIR) stops there, while plain generate goes on to write the critique after it.
+(bench/rm_levers/rm_levers.py --json-first --save DIR) stops there, while plain generate goes on to write the critique after it.
 Prints one JSON object last: medians in seconds, ratio = critic_s / rollout_s (goal <= 1.0), ratio_plain_generate the
 same with plain model.generate.
 """
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from critics import learned  # noqa: E402

@@ -2,7 +2,7 @@
 mixing ASCII, accents, CJK and emoji. Goals (issue 13): time(2048 tokens) / time(1024) <= 2.5 (linear, not quadratic)
 and time(1024) <= 20 x one tokenizer.decode of the same 1024 ids. Also shows the old per-prefix definition's time.
 
-    python bench/decode_offsets.py      # ~10 s once SmolLM2 is converted (tools/smollm2.py); JSON on the last line
+    python bench/speed/decode_offsets.py      # ~10 s once SmolLM2 is converted (tools/smollm2.py); JSON on the last line
 """
 
 import json
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 

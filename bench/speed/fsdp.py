@@ -1,7 +1,7 @@
 """Seconds per PPO iteration at 2 ranks on this CPU: --shard ddp, --shard fsdp, and --shard fsdp --fsdp-generate
 layers, as ratios measured in one run (issue 57).
 
-    python bench/fsdp.py --base runs/demo/sft    # ~5 min on 2 CPU cores
+    python bench/speed/fsdp.py --base runs/demo/sft    # ~5 min on 2 CPU cores
 
 Each configuration is `torchrun --nproc_per_node 2 03_train_policy.py` (gloo, one thread per rank) on the demo's
 shapes (--base: the demo's SFT model, runs/demo/sft after the zero-flag demo, else a demo base built here; the demo's
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from infra.tiny_model import build_demo_base  # noqa: E402

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 58 on a lent GPU (bench/README.md "The 8B recipe on one GPU", "With learned critics"). Run from the repository
 # root with the wheels of transformers 5.24.0, peft 0.21.2 (and gguf for part 1) in .whl/; OUT is where results go.
-#   bash bench/gpu_issue58.sh decode   # part 2: the decode step before / after packed attention, and token identity
-#   bash bench/gpu_issue58.sh fsdp     # part 3: stage 3 at the 8B LoRA recipe, one iteration, without and with FSDP
-#   bash bench/gpu_issue58.sh learned  # part 1: bench/credit_learned.py's train phase; needs SmolLM2's GGUF in two
+#   bash bench/speed/gpu_issue58.sh decode   # part 2: the decode step before / after packed attention, and token identity
+#   bash bench/speed/gpu_issue58.sh fsdp     # part 3: stage 3 at the 8B LoRA recipe, one iteration, without and with FSDP
+#   bash bench/speed/gpu_issue58.sh learned  # part 1: bench/credit/credit_learned.py's train phase; needs SmolLM2's GGUF in two
 #       halves (over one call's 64 MiB): .g58a/part_a carried on an earlier call (kept in /tmp), .g58b/ the rest and
 #       data.tgz (the CPU's data phase); returns learned.tgz: the runs and the reward models' records, not their weights
 # TINY=1 runs decode and fsdp on a CPU at tiny shapes (a dry run of the script itself; learned: LIMIT=45 on a CPU).
@@ -20,10 +20,10 @@ FLAGS=${TINY:+--tiny --device cpu}
   python3 -c "import torch, transformers, peft; print(torch.__version__, transformers.__version__, peft.__version__)"
 } > "$OUT/env_$1.txt"
 case "$1" in
-  decode) timeout ${LIMIT:-400} python3 bench/gpu_recipe.py $FLAGS --out $G --phases ${PHASES:-bandwidth,decode,tokens} \
+  decode) timeout ${LIMIT:-400} python3 bench/gpu_recipe/gpu_recipe.py $FLAGS --out $G --phases ${PHASES:-bandwidth,decode,tokens} \
             ${VARIANTS:+--variants $VARIANTS} > "$OUT/decode.log" 2>&1 ;;
-  fsdp) timeout 190 python3 bench/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 > "$OUT/stage3.log" 2>&1
-        timeout 190 python3 bench/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 --shard fsdp \
+  fsdp) timeout 190 python3 bench/gpu_recipe/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 > "$OUT/stage3.log" 2>&1
+        timeout 190 python3 bench/gpu_recipe/gpu_recipe.py $FLAGS --out $G --phases stage3 --steps 1 --shard fsdp \
           > "$OUT/stage3_fsdp.log" 2>&1 ;;
   learned) R=/work/main  # the CPU's path: 03's adapters name their base by it
     { [ "$PWD" = $R ] || { mkdir -p $R && cp -a . $R/ && cd $R; }
@@ -33,7 +33,7 @@ case "$1" in
         [ "$(sha256sum < /tmp/smol.gguf | cut -d' ' -f1)" = "$(cat .g58b/gguf.sha256)" ] || { echo "bad gguf"; exit 1; }
         python3 tools/smollm2.py runs/smollm2 /tmp/smol.gguf
       fi
-      setsid python3 bench/credit_learned.py --stop-after train --jobs 16 & P=$!
+      setsid python3 bench/credit/credit_learned.py --stop-after train --jobs 16 & P=$!
       ( sleep ${LIMIT:-480}; kill -TERM -- -$P ) & W=$!; wait $P; echo "bench exit $?"; kill $W
       find bench/out/credit_learned \( -path '*/rms/*' -name '*.json' \) -o -path '*/runs/*' ! -name 'checkpoint*' \
         -type f -o -path '*/logs/*' -o -name runs.json | tar czf "$OUT/learned.tgz" -T -

