@@ -17,7 +17,7 @@ import common
 from infra.data import read_code_problems
 from tasks import code as code_task
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "humaneval_agreement"))
 import humaneval_agreement as bench  # noqa: E402
 
 

@@ -111,8 +111,8 @@ def test_a_mistake_no_quote_can_reach_still_counts_as_one(tmp_path):
     import sys
     from tasks.demo import demo_mistakes, demo_monitor, demo_scores
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from paper_baselines import post_mistakes
+    sys.path.insert(0, str(ROOT / "bench" / "shared"))
+    from cached_runs import post_mistakes
 
     post = (
         "post: ruby has a white parrot called bruno. it rained on monday. the parrot likes the river. nora lost a "

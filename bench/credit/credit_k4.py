@@ -409,7 +409,11 @@ def main(argv=None):
     if args.repro_child:
         return repro_child(args)
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
-    result = {"command": " ".join(["python", "bench/credit/credit_k4.py", *(argv or sys.argv[1:])]), "k": K, "margin": MARGIN}
+    result = {
+        "command": " ".join(["python", "bench/credit/credit_k4.py", *(argv or sys.argv[1:])]),
+        "k": K,
+        "margin": MARGIN,
+    }
     result["machine"] = machine()
     result["reproduce"] = reproduce(out, args)
     if args.stop_after == "reproduce":

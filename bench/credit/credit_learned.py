@@ -55,15 +55,21 @@ def parse_args(argv=None):
     p.add_argument("--rm-min-parse-rate", type=float, help="02 --min-parse-rate (tiny test settings: 0)")
     p.add_argument("--pool", type=int, default=4000, help="posts the SFT policy answers twice")
     p.add_argument("--pairs", type=int, default=1000, help="the budget: preference pairs (2x answers)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (101..100+N, as bench/credit/credit.py's phase 3)")
+    p.add_argument(
+        "--seeds", type=int, default=3, help="seeds per arm (101..100+N, as bench/credit/credit.py's phase 3)"
+    )
     p.add_argument("--steps", type=int, default=60, help="PPO iterations per run")
     p.add_argument("--eval-posts", type=int, default=1000, help="held-out posts each policy is judged on")
     p.add_argument("--jobs", type=int, default=1, help="reward models, then runs, side by side (logs in OUT/logs)")
-    p.add_argument("--selection", default="bench/credit/credit_selection.json", help="bench/credit/credit.py's chosen settings")
+    p.add_argument(
+        "--selection", default="bench/credit/credit_selection.json", help="bench/credit/credit.py's chosen settings"
+    )
     p.add_argument("--stop-after", choices=PHASES, default="eval", help="the last phase to run")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--out", default="bench/out/credit_learned", help="work dir (start, budget, models, runs)")
-    p.add_argument("--results", default="bench/credit/credit_learned_results.json", help="the committed summary ('': none)")
+    p.add_argument(
+        "--results", default="bench/credit/credit_learned_results.json", help="the committed summary ('': none)"
+    )
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     return p.parse_args(argv)
 

@@ -92,7 +92,9 @@ def parse_args(argv=None):
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
     p.add_argument("--tiny", action="store_true", help="tiny shapes for a test (every phase, minutes)")
     p.add_argument("--out", default="bench/out/credit_matched", help="work dir (worlds, runs, evaluations)")
-    p.add_argument("--results", default="bench/credit/credit_matched_results.json", help="the committed summary ('': none)")
+    p.add_argument(
+        "--results", default="bench/credit/credit_matched_results.json", help="the committed summary ('': none)"
+    )
     p.add_argument("--report", action="store_true", help="print --results' tables as markdown and exit")
     p.add_argument("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
     args = p.parse_args(argv)

@@ -29,7 +29,6 @@ KEYS = {
 }
 
 
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="seeds 1..N")

@@ -438,7 +438,9 @@ def find_functions(names: list[str]) -> list[tuple[str, ast.AST]]:
                 found[node.name].append((f, node))
     for n, where in found.items():
         if len(where) != 1:
-            sys.exit(f"bench/mutants/mutants.py: {len(where)} module-level functions named {n!r} (TARGETS is out of date)")
+            sys.exit(
+                f"bench/mutants/mutants.py: {len(where)} module-level functions named {n!r} (TARGETS is out of date)"
+            )
     return [found[n][0] for n in names]
 
 
@@ -540,7 +542,9 @@ def main(argv=None):
     p.add_argument("--match", nargs="+", help="only the mutants whose id contains one of these")
     p.add_argument("--survivors", action="store_true", help="only the mutants that survived in --results (rerun)")
     p.add_argument("--new", action="store_true", help="only the mutants without an outcome in --results (resume)")
-    p.add_argument("--results", default="bench/mutants/mutants_results.json", help="where the outcomes go ('': nowhere)")
+    p.add_argument(
+        "--results", default="bench/mutants/mutants_results.json", help="where the outcomes go ('': nowhere)"
+    )
     args = p.parse_args(argv)
     mutants = [m for t in args.targets if t != "manual" for m in automatic(t)[:: args.every or 1]]
     mutants += manual() if "manual" in args.targets else []

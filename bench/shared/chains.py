@@ -16,6 +16,8 @@ from run_cache import check_settings  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = [(script, []) for script in ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_evaluate.py")]
 POLICIES = ["sft", "scalar", "text2grad"]
+
+
 def chain_settings(seed: int, threads: int, stages) -> dict:
     """What makes a chain: its stages' command lines, the seed and the thread count (its key in run_cache)."""
     return {"stages": [[script, *extra] for script, extra in stages], "seed": seed, "threads": threads}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench" / "credit"), str(ROOT / "bench" / "shared")]
 import credit_k4 as k4  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def environ_restored():
 BUILD = """
 import sys
 from pathlib import Path
-sys.path.insert(0, "bench")
+sys.path[:0] = ["bench/credit", "bench/shared"]
 import credit_k4 as k4
 args = k4.parse_args(["--tiny", "--out", sys.argv[1]])
 if sys.argv[2] == "pinned":

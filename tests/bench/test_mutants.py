@@ -9,7 +9,7 @@ from conftest import ROOT
 
 
 def test_every_mutant_finds_its_code(capsys):
-    spec = importlib.util.spec_from_file_location("mutants", ROOT / "bench" / "mutants.py")
+    spec = importlib.util.spec_from_file_location("mutants", ROOT / "bench" / "mutants" / "mutants.py")
     mutants = sys.modules["mutants"] = importlib.util.module_from_spec(spec)  # (its dataclass looks itself up)
     spec.loader.exec_module(mutants)
     found = [m for t in mutants.TARGETS for m in mutants.automatic(t)] + mutants.manual()  # exits where one is lost
