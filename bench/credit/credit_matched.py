@@ -587,7 +587,7 @@ def holm_text(row: dict) -> str:
     return f"{row['p_holm']:.3f}" if "p_holm" in row else "not in the family"
 
 
-# --- the tables of bench/credit/credit.md, from the committed results (tests/test_bench.py checks that they match)
+# --- the tables of bench/credit/credit.md, from the committed results (tests/bench/test_credit.py checks that they match)
 
 
 def sci(x: float) -> str:

@@ -2,7 +2,7 @@
 in bf16, since memory and speed do not depend on the values) through stage 2 (02's main) and stage 3 (03's main), as
 the README's commands run them. Nothing is downloaded: the tokenizer is a word-level one with Llama-3's 128,256 ids.
 
-    python bench/gpu_recipe/gpu_recipe.py --out /tmp/gpu                        # one 80 GB GPU, ~5 min (bench/README.md)
+    python bench/gpu_recipe/gpu_recipe.py --out /tmp/gpu                        # one 80 GB GPU, ~5 min (bench/gpu_recipe/README.md)
     python bench/gpu_recipe/gpu_recipe.py --out /tmp/gpu --phases bandwidth,decode,stage3 --compile-generation
     python bench/gpu_recipe/gpu_recipe.py --tiny --device cpu --out /tmp/gpu    # the same path with a 2-layer model (the test)
     python bench/gpu_recipe/gpu_recipe.py --out /tmp/gpu --phases tokens         # --compile-generation's tokens, eager vs compiled

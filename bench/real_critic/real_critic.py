@@ -8,12 +8,12 @@
     python bench/real_critic/real_critic.py --reward-model DIR --scalar-steps 80   # the scalar runs continued, for their steps
     python bench/real_critic/real_critic.py --reward-model DIR --policy-model runs/smollm2 --dtype bf16 --compile-generation \
         --gen-batch-size 200 --no-toy --ppo-steps 40 --threads 4 --only 1 &  ... --only 3 &  wait   # SmolLM2 as
-        # the policy too, on a GPU (bench/README.md "SmolLM2 as the policy too")
+        # the policy too, on a GPU (bench/real_critic/README.md "SmolLM2 as the policy too")
 
 Per seed S, in OUT/seedS, each stage with --seed S (a rerun resumes after the last finished stage):
   1. 01_annotate.py                                   the demo's toy base and 16,000 annotations (exact critic)
   2. 02_train_reward.py                               the zero-flag toy reward model, only for the monitor's comparison
-  3. 02_train_reward.py --model SMOLLM2 <recipe>      the SmolLM2 reward model (LoRA; bench/README.md "Text2Grad with a
+  3. 02_train_reward.py --model SMOLLM2 <recipe>      the SmolLM2 reward model (LoRA; bench/real_critic/README.md "Text2Grad with a
                                                       pretrained critic" measures the recipe)
   4. 03_train_policy.py --critic local --reward-model <SmolLM2 RM>    SFT, Text2Grad PPO, the scalar baseline
   5. 04_evaluate.py --reward-model <SmolLM2 RM> --monitor-reward-model toy=<toy RM>

@@ -17,7 +17,7 @@ import common  # noqa: E402
 from demo_start import run  # noqa: E402
 from infra import models, runs  # noqa: E402
 
-# The SmolLM2 reward model's recipe (bench/README.md "Text2Grad with a pretrained critic": the lever table behind it).
+# The SmolLM2 reward model's recipe (bench/real_critic/README.md "Text2Grad with a pretrained critic": the lever table behind it).
 RECIPE = [
     "--lora-r",
     "16",

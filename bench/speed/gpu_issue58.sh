@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58 on a lent GPU (bench/README.md "The 8B recipe on one GPU", "With learned critics"). Run from the repository
+# Issue 58 on a lent GPU (bench/gpu_recipe/README.md, bench/credit/README.md "With learned critics"). Run from the repository
 # root with the wheels of transformers 5.24.0, peft 0.21.2 (and gguf for part 1) in .whl/; OUT is where results go.
 #   bash bench/speed/gpu_issue58.sh decode   # part 2: the decode step before / after packed attention, and token identity
 #   bash bench/speed/gpu_issue58.sh fsdp     # part 3: stage 3 at the 8B LoRA recipe, one iteration, without and with FSDP
