@@ -1,5 +1,5 @@
 """Every command in the README still runs as written: each `python SCRIPT ...` or `torchrun ... SCRIPT ...` in a fenced
-block of README.md (and bench/README.md, baselines/README.md) names a script that exists and accepts its flags, and
+block of README.md (and bench/README.md with its studies' pages, baselines/README.md) names a script that exists and accepts its flags, and
 passes the checks its script makes of them once parsed. Nothing runs: a script with a parse_args(argv) of its own is
 imported (not run as __main__) and that function called, every check in it made but those of the files the command
 names (a missing model folder or data file: the README's data is not here); any other script is run as __main__
@@ -20,6 +20,7 @@ READMES = [
     for p in (
         ROOT / "README.md",
         ROOT / "bench" / "README.md",
+        *sorted((ROOT / "bench").glob("*/README.md")),  # a page per study
         ROOT / "baselines" / "README.md",
         *sorted((ROOT / "docs").glob("*.md")),
     )
