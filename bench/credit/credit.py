@@ -117,7 +117,7 @@ def start_checksum(world: Path) -> str:
 
 
 def start(out: Path, pets: int, args) -> list[str]:
-    """03's flags shared by every run of one world (K pets): span_vs_scalar's shared start built in OUT/k<K>."""
+    """03's flags shared by every run of one world (K pets): demo_start's shared start (bench/shared) built in OUT/k<K>."""
     world = out / f"k{pets}"
     shared_start(
         world, "program", None, args.steps, ["--trace-samples", "0", *pet_flags(pets), *args.ppo_args], pets=pets
@@ -152,7 +152,7 @@ def setting_flags(arm: str, lr: float, kl: float) -> list[str]:
 
 
 def plan(folder: Path, runs: dict, steps: int) -> dict:
-    """{key: (run_dir, argv or None)} for runs {key: (name, seed, flags)} (paper_baselines.ppo: cached by flags and
+    """{key: (run_dir, argv or None)} for runs {key: (name, seed, flags)} (cached_runs.ppo: cached by flags and
     the content of what they name, the SFT start among them)."""
     return {key: ppo(folder, name, seed, steps, flags) for key, (name, seed, flags) in runs.items()}
 

@@ -247,7 +247,7 @@ def curve(run_dir: Path, steps: int) -> dict:
     final smoothed rates (imperfect, mistake), mistakes, facts, length and KL over the last WINDOW iterations."""
     rows = common.read_jsonl(run_dir / "metrics.jsonl")[:steps]
     imperfect = [r[ENDPOINT] for r in rows]
-    hit = steps_to_threshold(imperfect)  # span_vs_scalar's: the first smoothed value <= 0.15 (THRESHOLD)
+    hit = steps_to_threshold(imperfect)  # demo_start's: the first smoothed value <= 0.15 (THRESHOLD)
     last = lambda k: statistics.fmean(r[k] for r in rows[-WINDOW:])  # noqa: E731
     return {
         "steps": hit or steps,

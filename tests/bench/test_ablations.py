@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from bench_helpers import _metrics, _never, bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
+from bench_helpers import _never, bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
 
 import common
 

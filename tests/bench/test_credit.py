@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bench_helpers import _metrics, _never, bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
+from bench_helpers import bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
 from conftest import ROOT
 
 import common

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from bench_helpers import _metrics, _never, bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
+from bench_helpers import bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
 from conftest import ROOT
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import forkserver
 import pytest
-from bench_helpers import _metrics, _never, bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
+from bench_helpers import _metrics, bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
 from conftest import ROOT
 
 import common
