@@ -226,7 +226,7 @@ def test_a_check_after_parsing_is_made_too():
 def test_every_readme_command_accepts_its_flags(readme):
     text = readme.read_text(encoding="utf-8")
     commands = readme_commands(text)
-    if readme.parent.name == "docs":  # a page's blocks that run a script are found
+    if readme.parent.name == "docs" or ROOT / "bench" in readme.parents:  # a page's blocks that run a script are found
         assert commands or not any(re.search(r"\b(python3?|torchrun)\s", b) for _, b in shell_blocks(text))
     else:
         assert len(commands) >= 3  # the extraction found the README's commands
@@ -236,6 +236,15 @@ def test_every_readme_command_accepts_its_flags(readme):
         if verdict != "ok"
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_bench_pages_hold_every_bench_command():
+    """bench/README.md is an index; its studies' pages hold the commands it held as one file (45 at 465fcbb), and every
+    page runs at least one."""
+    pages = sorted((ROOT / "bench").glob("*/README.md"))
+    counts = {p.parent.name: len(readme_commands(p.read_text(encoding="utf-8"))) for p in pages}
+    assert sum(counts.values()) >= 45 and len(pages) >= 12
+    assert all(counts.values()), counts
 
 
 # ---------------------------------------------------------------------------------------------------------------------
