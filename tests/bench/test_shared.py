@@ -195,3 +195,18 @@ def test_a_cached_ppo_run_is_keyed_by_the_content_of_its_models(tmp_path, monkey
     (rm / "model.safetensors").write_bytes(b"weights v2")  # retrained in place
     with pytest.raises(SystemExit, match=rf"made with other settings \(inputs\.{rm}: '\w+' there, '\w+' now\)"):
         demo_start.ppo_run(out, run_dir, 1, 3, flags)
+
+
+def test_a_run_cached_before_the_move_keeps_its_name(tmp_path):
+    """Issue 78 moved bench/credit_arms.py to bench/credit/credit_arms.py: a run whose --critic names one of its arms
+    is keyed by the old path, so a run cached before the move (credit_k4's, credit's) is found under its name, as
+    keyed named it then (the hash of its settings' JSON, sha256, first 8 hex digits); other settings are untouched."""
+    import hashlib
+    import json
+
+    flags = ["--critic", "python:bench/credit/credit_arms.py:span_per_pet", "--lr", "1e-3", 101, 150, {}]
+    before = json.dumps([flags[0], "python:bench/credit_arms.py:span_per_pet", *flags[2:]], sort_keys=True)
+    assert cached_runs.keyed(tmp_path, "span_seed101", flags).name == (
+        f"span_seed101-{hashlib.sha256(before.encode()).hexdigest()[:8]}"
+    )
+    assert cached_runs.keyed(tmp_path, "r", ["--lr", "1e-3"]) != cached_runs.keyed(tmp_path, "r", ["--lr", "2e-3"])
