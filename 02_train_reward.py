@@ -76,7 +76,7 @@ PAPER = dict(  # the paper's recipe: LoRA r=16, alpha=32 on the q/v projections,
 # The 0.6M-parameter demo model, sized to ~2.5 min on 2 CPU cores. Its poor-span recall was limited by
 # LoRA (r32: 0.16, full fine-tuning 0.53), then data and length, not depth or width; 16000 fresh
 # examples at a high lr teach it the rule. Drawn with replacement: a lower held-out loss than shuffled
-# epochs in two paired runs (0.09 vs 0.17 after 700 steps). Measured: bench/README.md (rm_levers).
+# epochs in two paired runs (0.09 vs 0.17 after 700 steps). Measured: bench/rm_levers/README.md.
 DEMO = dict(
     model="runs/demo/base",
     lora_r=0,

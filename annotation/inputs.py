@@ -23,8 +23,8 @@ FIELDS = {  # --task -> what --prompt-field, --response-field and --id-field def
 }
 DEMO_FILES = {"sft": ("sft", 2000), "prompts": ("train", 1000), "eval": ("eval", 200)}  # name: (demo split, size)
 # The reward model's data: 16000 summaries. On 2000 the demo's reward model memorised its examples and found 1 mistake
-# in 5: the rule "is this word in the post?" needs many fresh examples (bench/README.md, "What the demo's reward model
-# needed").
+# in 5: the rule "is this word in the post?" needs many fresh examples (bench/rm_levers/README.md, "What the demo's
+# reward model needed").
 DEMO_ANNOTATE = ("annotate", 16000, 0.55)  # (demo split, size, share with mistakes)
 
 

@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=1e-4,
         help="learning rate (AdamW; linear warmup, then constant). On the demo, 1e-4 "
-        "learns and\n1e-3 (03's LoRA lr) over-optimises: bench/paper_baselines.py",
+        "learns and\n1e-3 (03's LoRA lr) over-optimises: bench/paper_baselines/paper_baselines.py",
     )
     a("--warmup-steps", type=int, default=10, help="linear learning-rate warmup")
     a("--epochs", type=float, default=3.0, help="passes over the training pairs")

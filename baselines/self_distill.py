@@ -14,10 +14,11 @@ tests/test_self_distill.py checks both on one batch). A row whose critique faile
 SDPO leaves a sample without feedback out of its distillation loss.
 
 Departures from SDPO: the teacher is the live policy (SDPO and TRL default to an EMA of it); the per-token KL to the
-reference stays in r_t (so every arm of bench/credit_k4.py has the same beta); PPO's clip, not TRL's capped IS ratio,
-bounds the later minibatches. A model can only teach itself from a critique it can read in context: the demo's toy
-policy learns that from revision SFT examples (reflection_data.revision_examples), and bench/credit_k4.py gates the
-arm on it (the teacher's answers, 04 --reflect, must make fewer mistakes than the student's).
+reference stays in r_t (so every arm of bench/credit/credit_k4.py has the same beta); PPO's clip, not TRL's capped
+IS ratio, bounds the later minibatches. A model can only teach itself from a critique it can read in context: the
+demo's toy policy learns that from revision SFT examples (reflection_data.revision_examples), and
+bench/credit/credit_k4.py gates the arm on it (the teacher's answers, 04 --reflect, must make fewer mistakes than the
+student's).
 """
 
 from __future__ import annotations

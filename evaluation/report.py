@@ -477,7 +477,7 @@ def render_update_section(traces: dict[str, list[dict]], max_samples: int = 3) -
             f"<th>mean Δ poor</th><th>mean |Δ| poor</th><th>mean |Δ| outside, flawed</th><th>iterations"
             f"</th></tr>{''.join(rows)}</table><p class='note'>Each run's own update on its own batch, every "
             "iteration. The same update from the same state in both modes, over seeds and iterations: "
-            "<code>bench/locality.py</code>.</p>"
+            "<code>bench/locality/locality.py</code>.</p>"
         )
     return "".join(parts)
 

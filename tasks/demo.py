@@ -315,10 +315,10 @@ def make_demo_example(rng, mistake_rate: float = 0.55, pets: int = 1) -> dict:
 
 
 def make_pets_example(rng, mistake_rate: float, k: int) -> dict:
-    """A demo example about k pets (bench/credit.py's K sweep): k owners and pet names, each pet's three sentences in
-    turn with 1-2 asides anywhere; the ideal summary one demo sentence per pet, about 16 k tokens. As in the demo, a
-    share `mistake_rate` of the noisy summaries holds 1-2 mistakes, now anywhere in the k sentences: the same mistakes
-    in a k times longer answer, so a scalar reward points at one of k times more tokens."""
+    """A demo example about k pets (bench/credit/credit.py's K sweep): k owners and pet names, each pet's three
+    sentences in turn with 1-2 asides anywhere; the ideal summary one demo sentence per pet, about 16 k tokens. As in
+    the demo, a share `mistake_rate` of the noisy summaries holds 1-2 mistakes, now anywhere in the k sentences: the
+    same mistakes in a k times longer answer, so a scalar reward points at one of k times more tokens."""
     pets = [{cat: rng.choice(words) for cat, words in DEMO_FACTS.items()} for _ in range(k)]
     for pet, owner, name in zip(pets, rng.sample(DEMO_FACTS["owner"], k), rng.sample(DEMO_FACTS["pet_name"], k)):
         pet.update(owner=owner, pet_name=name)  # a pet per owner and name: each sentence says whose it is

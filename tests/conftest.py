@@ -23,6 +23,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# bench/: a folder per study and bench/shared (tests/test_layout.py). A test that imports a bench module by its name
+# finds it last on the path (tests/bench/ put their studies' folders first: bench_helpers.bench_path)
+sys.path += [str(p) for p in sorted((ROOT / "bench").glob("*/")) if p.name != "out" and str(p) not in sys.path]
 
 import common  # noqa: E402
 import forkserver  # noqa: E402

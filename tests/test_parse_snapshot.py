@@ -1,4 +1,4 @@
-"""Nothing a user types changes meaning: every stage command in the READMEs (README.md, docs/, bench/README.md,
+"""Nothing a user types changes meaning: every stage command in the READMEs (README.md, docs/, bench/README.md and its pages,
 baselines/README.md, as they stood when the snapshot was taken) and each stage's zero-flag run parse to exactly the
 settings they parsed to then: vars(parse_args(argv)), or the one-line error its checks raise. Each is parsed in a
 fresh interpreter, in an empty folder (no runs/ to read), the files the command names stubbed out as test_readme
@@ -21,6 +21,7 @@ STAGES = ("01_annotate.py", "02_train_reward.py", "03_train_policy.py", "04_eval
 DOCS = [
     "README.md",
     "bench/README.md",
+    *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "bench").glob("*/README.md")),
     "baselines/README.md",
     *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
 ]

@@ -1,5 +1,5 @@
 """Every command in the README still runs as written: each `python SCRIPT ...` or `torchrun ... SCRIPT ...` in a fenced
-block of README.md (and bench/README.md, baselines/README.md) names a script that exists and accepts its flags, and
+block of README.md (and bench/README.md with its studies' pages, baselines/README.md) names a script that exists and accepts its flags, and
 passes the checks its script makes of them once parsed. Nothing runs: a script with a parse_args(argv) of its own is
 imported (not run as __main__) and that function called, every check in it made but those of the files the command
 names (a missing model folder or data file: the README's data is not here); any other script is run as __main__
@@ -20,6 +20,7 @@ READMES = [
     for p in (
         ROOT / "README.md",
         ROOT / "bench" / "README.md",
+        *sorted((ROOT / "bench").glob("*/README.md")),  # a page per study
         ROOT / "baselines" / "README.md",
         *sorted((ROOT / "docs").glob("*.md")),
     )
@@ -160,12 +161,12 @@ python 01_annotate.py                        # demo (~30 s)
 OPENAI_API_KEY=... python 01_annotate.py --task summarization \\
     --annotator openai   # the key from the environment
 python -m pytest                             # test
-taskset -c 0 python bench/real_critic.py --threads 1 --only 1 &
-wait; python bench/real_critic.py --only 3
+taskset -c 0 python bench/real_critic/real_critic.py --threads 1 --only 1 &
+wait; python bench/real_critic/real_critic.py --only 3
 python 01_annotate.py && python 02_train_reward.py --resume && torchrun --nproc_per_node 8 03_train_policy.py --steps 2
-python bench/sandbox_cost.py [--runs 40]
+python bench/speed/sandbox_cost.py [--runs 40]
 python 04_evaluate.py --judge-base-url https://api.openai.com/v1 --curves "a b=x.jsonl" --x ""
-for s in 7 8; do python bench/real_critic.py --only $s > "log_$s.txt" 2>&1 & done
+for s in 7 8; do python bench/real_critic/real_critic.py --only $s > "log_$s.txt" 2>&1 & done
 ```
 ```
 post: python is not a command here
@@ -174,14 +175,14 @@ post: python is not a command here
     assert readme_commands(markdown) == [
         ("01_annotate.py", []),
         ("01_annotate.py", ["--task", "summarization", "--annotator", "openai"]),
-        ("bench/real_critic.py", ["--threads", "1", "--only", "1"]),
-        ("bench/real_critic.py", ["--only", "3"]),
+        ("bench/real_critic/real_critic.py", ["--threads", "1", "--only", "1"]),
+        ("bench/real_critic/real_critic.py", ["--only", "3"]),
         ("01_annotate.py", []),
         ("02_train_reward.py", ["--resume"]),
         ("03_train_policy.py", ["--steps", "2"]),
-        ("bench/sandbox_cost.py", ["--runs", "40"]),
+        ("bench/speed/sandbox_cost.py", ["--runs", "40"]),
         ("04_evaluate.py", ["--judge-base-url", "https://api.openai.com/v1", "--curves", "a b=x.jsonl", "--x", ""]),
-        ("bench/real_critic.py", ["--only", "7"]),
+        ("bench/real_critic/real_critic.py", ["--only", "7"]),
     ]
 
 
@@ -225,7 +226,7 @@ def test_a_check_after_parsing_is_made_too():
 def test_every_readme_command_accepts_its_flags(readme):
     text = readme.read_text(encoding="utf-8")
     commands = readme_commands(text)
-    if readme.parent.name == "docs":  # a page's blocks that run a script are found
+    if readme.parent.name == "docs" or ROOT / "bench" in readme.parents:  # a page's blocks that run a script are found
         assert commands or not any(re.search(r"\b(python3?|torchrun)\s", b) for _, b in shell_blocks(text))
     else:
         assert len(commands) >= 3  # the extraction found the README's commands
@@ -235,6 +236,15 @@ def test_every_readme_command_accepts_its_flags(readme):
         if verdict != "ok"
     ]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_bench_pages_hold_every_bench_command():
+    """bench/README.md is an index; its studies' pages hold the commands it held as one file (45 at 465fcbb), and every
+    page runs at least one."""
+    pages = sorted((ROOT / "bench").glob("*/README.md"))
+    counts = {p.parent.name: len(readme_commands(p.read_text(encoding="utf-8"))) for p in pages}
+    assert sum(counts.values()) >= 45 and len(pages) >= 12
+    assert all(counts.values()), counts
 
 
 # ---------------------------------------------------------------------------------------------------------------------

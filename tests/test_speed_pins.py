@@ -101,7 +101,7 @@ def test_compiled_update_moves_the_run_within_float_rounding(tmp_path, tiny_mode
     is not bit for bit: inductor's fused kernels round otherwise. The LoRA run pinned above: every metric within 1e-4
     (relative, or 1e-6 absolute; measured: 1.6e-5 at most), the parameters' checksums within 1e-6 (measured 2e-7).
     LoRA: pi_ref is the compiled policy with its adapter switched off, a second graph (one that kept the adapter
-    would give KL = 0 at step 2). Full fine-tuning's compiled frozen copy: bench/rollout_speed.py's ppo section."""
+    would give KL = 0 at step 2). Full fine-tuning's compiled frozen copy: bench/speed/rollout_speed.py's ppo section."""
     got = _ppo_run(tmp_path, tiny_model_dir, lora_r, "--compile-update")
     _assert_close(got, json.loads(PINS.read_text())[f"ppo_lora{lora_r}"], rel=1e-4, abs=1e-6, checksum_rel=1e-6)
 

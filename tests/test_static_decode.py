@@ -153,7 +153,7 @@ def test_compiled_rollout_is_scored_with_the_distribution_it_was_sampled_from(ti
 def test_compiled_rollout_of_a_checkpointed_lora_policy(tiny_model_dir, monkeypatch):
     """The one-GPU 8B recipe's flags together: --gradient-checkpointing and --compile-generation. Checkpointing puts a
     forward hook on the embeddings (output.requires_grad_(True)) that torch 2.11's compiler cannot trace: it stopped
-    the first GPU run's compiled decode (bench/README.md). The compiled step must run with that hook off, give
+    the first GPU run's compiled decode (bench/gpu_recipe/README.md). The compiled step must run with that hook off, give
     generate()'s tokens, and leave the hook on afterwards, once (build_policy registered it a second time, which
     nothing could remove), so the update's gradients are those of a policy that never decoded."""
     model, tok = models.load_model(tiny_model_dir)

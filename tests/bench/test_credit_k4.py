@@ -1,0 +1,125 @@
+"""bench/credit/credit_k4.py (issue 77): per-token credit, decided. Its starts and runs on one pinned CPU kernel path, its
+statistics (seeds resampled within each start, the registered verdicts) by hand, and every phase at tiny shapes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+sys.path[:0] = [str(ROOT / "bench" / "credit"), str(ROOT / "bench" / "shared")]
+import credit_k4 as k4  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def environ_restored():
+    """os.environ as it was before each test: pin_kernels sets the bench's kernel path in its own process."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+BUILD = """
+import sys
+from pathlib import Path
+sys.path[:0] = ["bench/credit", "bench/shared"]
+import credit_k4 as k4
+args = k4.parse_args(["--tiny", "--out", sys.argv[1]])
+if sys.argv[2] == "pinned":
+    k4.pin_kernels()
+print(k4.build_start(Path(sys.argv[1]), 0, args)["checksum"])
+"""
+
+
+def test_a_start_is_the_same_bytes_under_two_kernel_paths_only_when_pinned(tmp_path):
+    """Issue 77, item 2: a tiny start built by processes whose environments ask for two kernel paths (AVX2 and torch's
+    DEFAULT with MKL's AUTO) is the same bytes once pin_kernels runs first, and other bytes without it (so the check
+    sees what it claims). Phase 0 of the tiny study below shows a 2-iteration run too."""
+
+    def build(folder, path, pinned):
+        env = {k: v for k, v in os.environ.items() if k not in k4.PINNED}
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", ATEN_CPU_CAPABILITY=path, MKL_CBWR="AUTO")
+        proc = subprocess.run(
+            [sys.executable, "-c", BUILD, str(tmp_path / folder), "pinned" if pinned else "as asked"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.split()[-1]
+
+    assert build("a", "avx2", True) == build("b", "default", True)
+    assert build("c", "avx2", False) != build("d", "default", False)
+
+
+def test_the_bootstrap_resamples_seeds_within_each_start_only():
+    """Starts are strata: a draw keeps each start's count of seeds and draws only its own (never start B twice, the
+    two-level bootstrap's (B, B) draws that pinned every upper bound of issue 65 at 0)."""
+    starts = ["A", "A", "A", "B", "B", "C"]
+    for draw in k4.stratified_draws(starts, np.random.default_rng(0), 200):
+        assert [starts[i] for i in draw] == starts
+
+
+def test_the_registered_verdicts_by_hand():
+    assert k4.verdict(-0.05, -0.08, -0.02, 0.01) == "better"
+    assert k4.verdict(+0.05, +0.02, +0.08, 0.01) == "worse"
+    assert k4.verdict(-0.05, -0.08, -0.02, 0.06) == "undecided"  # Holm's p not below 0.05
+    assert k4.verdict(-0.01, -0.02, +0.025, 0.5) == "equivalent"  # inside the margin of 0.03
+    assert k4.verdict(-0.01, -0.035, +0.01, 0.5) == "undecided"  # reaches past it
+
+
+def test_compare_against_hand_computed_values():
+    """Two starts of two seeds: the held-out difference of 0/1 posts, its sign-flip p over the 4 seed differences, the
+    training mean's difference (auc), the seed left out as most extreme, and an interval that never mixes starts
+    (every post of a start's seeds alike: the ends are the start-wise means)."""
+    rng = np.random.default_rng(0)
+    arm = {"imperfect": [[0, 0], [0, 0], [1, 1], [1, 1]], "auc": [0.5, 0.5, 0.6, 0.8]}
+    ref = {"imperfect": [[1, 1], [1, 1], [1, 1], [1, 1]], "auc": [0.6, 0.6, 0.6, 0.6]}
+    for m in k4.MEASURES:
+        arm[m], ref[m] = [0.0] * 4, [0.0] * 4
+    out = k4.compare(arm, ref, ["A", "A", "B", "B"], rng, resamples=500)
+    h, auc = out["heldout_imperfect"], out["auc"]
+    assert h["difference"] == -0.5 and h["per_seed"] == [-1.0, -1.0, 0.0, 0.0]
+    assert h["p"] == k4.sign_flip_p([-1, -1, 0, 0]) and h["interval"] == pytest.approx([-0.5, -0.5])
+    assert auc["difference"] == pytest.approx(0.0) and auc["extreme_seed"] == 3  # -0.1, -0.1, 0, +0.2
+    assert auc["without_extreme"] == pytest.approx(-0.2 / 3)
+
+
+def test_the_grid_extends_beyond_an_edge_for_every_arm(monkeypatch):
+    """A choice at the grid's top learning rate adds the next one above it (x2) for every arm, one at its bottom the
+    next below (/2), each round, --max-extensions rounds at most; an interior choice ends it. Training is replaced by
+    a score per (arm, lr): "a" is best at the highest rate it is given, "b" at 5e-4."""
+    best = {"a": lambda lr: -lr, "b": lambda lr: abs(lr - 5e-4)}
+    monkeypatch.setattr(k4, "runs_of", lambda out, world, phase, cells, args: dict(zip(cells, cells)))
+    monkeypatch.setattr(k4, "training", lambda key, steps: {"final": best[key[0]](key[1]), "auc": 0.0})
+    args = k4.parse_args(["--lrs", "1e-3", "2e-3", "--kl-coefs", "0.05", "--max-extensions", "2"])
+    grid, chosen, lrs = k4.tune(None, None, ["a", "b"], args)
+    assert lrs == [2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3]  # round 1: b at the bottom, a at the top; round 2: a again
+    assert chosen["a"]["lr"] == 8e-3 and chosen["b"]["lr"] == 5e-4  # a still at the edge after 2 rounds: said so
+    assert sorted(k[1] for k in grid if k[0] == "a") == sorted(k[1] for k in grid if k[0] == "b") == lrs
+
+
+@pytest.mark.slow  # ~3-5 minutes of a worker: every phase's stage runs at tiny shapes
+def test_credit_k4_runs_every_phase_at_tiny_shapes(forked_stages, tmp_path):
+    """Phase 0 (two children under two kernel paths: the same start, metrics and policy), the starts with their
+    self-teacher gates, the grid, the confirmation on two starts judged by 04, and
+    the registered comparisons with Holm and a verdict each; per-post outcomes and every run's curve recorded."""
+    argv = ["--tiny", "--out", str(tmp_path / "k4"), "--results", "", "--arms", "fair_scalar", "span", "self_distill"]
+    result = k4.main([*argv, "--self-distill", "always", "--max-extensions", "0"])
+    assert result["reproduce"]["same"] and result["reproduce"]["children"][0]["rows"] == 2
+    assert result["checksums"]["A"] == result["reproduce"]["children"][0]["start"]  # phase 0 built start A's bytes
+    assert set(result["starts"]["gates"]) == {"A", "B"} and "passes" in result["starts"]["gates"]["A"]
+    assert len(result["grid"]) == 3 * 2  # every arm got every learning rate
+    comparisons = result["confirm"]["comparisons"]
+    assert set(comparisons) == {"span - fair_scalar", "self_distill - fair_scalar", "span - self_distill"}
+    for c in comparisons.values():
+        assert c["heldout_imperfect"]["verdict"] in ("better", "worse", "equivalent", "undecided")
+        assert len(c["heldout_imperfect"]["per_seed"]) == 2 and "p_holm" in c["auc"]
+    saved = json.loads((tmp_path / "k4" / "results.json").read_text())
+    assert len(saved["per_post"]) == 3 * 2 and len(saved["curves"]) == 3 * 2
+    assert all(len(v["imperfect"]) == 8 for v in saved["per_post"].values())
