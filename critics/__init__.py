@@ -208,7 +208,7 @@ def span_deltas(texts, offsets, feedback, mask, weighting="uniform", labels="spa
         out[i, : len(d)] = torch.tensor(d)
         n_unmatched += len(unmatched) - (labels == "dense" and texts[i] in unmatched)  # the critic's quotes only
     out = weight_spans(out, spans, weighting)
-    if labels == "poor":  # no +1 (bench/credit.py)
+    if labels == "poor":  # no +1 (bench/credit/credit.py)
         out = out.clamp(max=0)
     return out, rows, n_spans, n_unmatched
 

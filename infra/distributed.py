@@ -11,7 +11,7 @@ the forward, whose output the loss needs at once). The reduce-scatter sums, as a
 loss by its share of the global batch's tokens). With LoRA the frozen base is sharded too; with full fine-tuning the
 frozen reference copy is. --dtype bf16 / fp16: a MixedPrecisionPolicy computes in it and reduces in float32.
 A rollout gathers the policy whole once (gathered) and decodes as one process does: faster than FSDP's per-layer
-gather on every decode step (bench/README.md, FSDP), at the cost of one whole copy of the weights during the rollout;
+gather on every decode step (bench/speed/README.md, FSDP), costing of one whole copy of the weights during the rollout;
 --fsdp-generate layers gathers one layer at a time instead, for a policy whose weights one GPU cannot hold (70B).
 Checkpoints gather full state dicts (runs.save_checkpoint: the same file a single process writes, one per run), and
 the saved policy is a plain adapter or model folder that one process loads.

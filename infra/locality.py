@@ -1,6 +1,6 @@
 """--trace-samples: where an update went. Delta_t = log pi_new - log pi_old of every response token, summed per token
 group, the groups read off the delta_t the update was computed from. 03's where_it_went measures it after step 6;
-infra/trace.py writes it to trace.jsonl, 04's report draws it and bench/locality.py measures with it. Torch only.
+infra/trace.py writes it to trace.jsonl, 04's report draws it and bench/locality/ measures with it. Torch only.
 """
 
 from __future__ import annotations

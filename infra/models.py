@@ -15,7 +15,7 @@ import common
 
 # transformers resolves its names lazily and from_pretrained sets process-wide init state: neither is thread-safe (8
 # threads loading at once raised ImportError or "Cannot copy out of meta tensor"), so a process's threads (e.g.
-# bench/credit_matched.py's judges) load one at a time
+# bench/credit/credit_matched.py's judges) load one at a time
 LOADING = threading.Lock()
 
 

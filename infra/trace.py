@@ -2,7 +2,7 @@
 runs: step 7 of Alg. 4 (log_iteration: metrics.jsonl on the global batch, samples.jsonl every --log-every iterations),
 the progress bar and its warnings (progress_bar, show_progress); --trace-samples
 (trace_iteration: where each update went, token by token, in trace.jsonl, which 04's report draws as "Where the update
-went" and bench/locality.py measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
+went" and bench/locality/ measures) and --dump-rollouts (dump_rollouts: every tensor of an iteration, an audit).
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def trace_iteration(step, out_dir, b, recs, feedback, kl_coef, went: dict, args,
     delta, KL, V, the old and new log-probs, and r and A under both modes. r is the critic's and the KL's part alone:
     --missing-eos-penalty, which the update adds at the last token of a rollout cut off before its EOS, is the
     sample's own "missing_eos_penalty" (-penalty or 0), never inside r, where it read as the critic's; A is the
-    update's, penalty included. 04's report draws it ("Where the update went"); bench/locality.py measures with it."""
+    update's, penalty included. 04's report draws it ("Where the update went"); bench/locality/ measures with it."""
     if rank != 0:
         return
     log_ratio, rewards, advantages = went["log_ratio"], went["rewards"], went["advantages"]

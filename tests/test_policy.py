@@ -72,7 +72,7 @@ def test_ppo_loss_hand_computed():
 
 
 def test_ppo_loss_when_the_unclipped_value_term_wins_and_with_importance_weights():
-    """Two more cases by hand (found by bench/mutants.py): a value moved past its clip away from its return, where
+    """Two more cases by hand (found by bench/mutants/mutants.py): a value moved past its clip away from its return, where
     the unclipped square is the larger, max((1 + 1)^2, (0.2 + 1)^2) = 4, so 0.5 * 4; and importance weights on the
     surrogate, at ratio 1: mean(-A * w) over the mask = (-1 * 0.5 + 2 * 2) / 2."""
     zero, one = torch.zeros(1, 1), torch.ones(1, 1)
@@ -118,7 +118,7 @@ def _bigram_update(all_sum, seed=0, **hp):
 
 
 def test_ppo_update_is_sgd_on_the_loss_of_every_row_once():
-    """Against a direct computation (found by bench/mutants.py: the update was only ever compared with itself): one
+    """Against a direct computation (found by bench/mutants/mutants.py: the update was only ever compared with itself): one
     epoch of one minibatch with SGD moves the weights by -lr * the gradient of ppo_loss's surrogate + vf_coef * value
     loss - ent_coef * entropy over all rows (and over one row of one token); with 2 minibatches of 2 micro-batches,
     each epoch scores every row once, one row a call; with a GradScaler, the clip sees the true gradients and its
@@ -258,7 +258,7 @@ def test_whiten_and_span_weighting_and_kl_controller():
 
 
 def test_masked_means_and_rewards_on_one_or_no_response_token():
-    """The edges of the pure section's means (found by bench/mutants.py): a row mean (dim) is each row's own; one
+    """The edges of the pure section's means (found by bench/mutants/mutants.py): a row mean (dim) is each row's own; one
     masked token is its own mean and an empty mask gives 0, not a division by zero; whitening a constant is 0, not
     nan (eps); a one-token response takes r_t's last-token terms on that token, and an empty one on token 0."""
     x, mask = torch.tensor([[2.0, 4.0, 9.0], [6.0, 1.0, 1.0]]), torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -273,7 +273,7 @@ def test_masked_means_and_rewards_on_one_or_no_response_token():
 
 def test_advantages_of_a_batch_whose_responses_are_one_token_long():
     """T = 1 (every response one token, e.g. --max-new-tokens 1): GAE's advantage is r - V and its return r; RLOO's
-    is r minus the others' mean, for each baseline (found by bench/mutants.py: a loop's carry built from column 1
+    is r minus the others' mean, for each baseline (found by bench/mutants/mutants.py: a loop's carry built from column 1
     instead of 0 passed every longer batch)."""
     rewards, values = torch.tensor([[2.0], [-1.0], [0.5], [3.0]]), torch.tensor([[0.5], [1.0], [0.0], [2.0]])
     mask = torch.tensor([[1.0], [1.0], [0.0], [1.0]])
@@ -760,7 +760,7 @@ def test_dense_labels_put_minus_one_inside_poor_spans_and_plus_one_elsewhere():
 
 
 def test_poor_labels_keep_only_the_negative_rewards_of_every_kind_of_critic():
-    """--labels poor (bench/credit.py's poor_span arm over any critic): delta_t = min(delta_t, 0), the same as
+    """--labels poor (bench/credit/credit.py's poor_span arm over any critic): delta_t = min(delta_t, 0), the same as
     dropping the good quotes, for a quoting critic, a python: critic's located spans and a scalar critic's steps."""
     text = "tom saw the cat today"
     offsets = [(0, 3), (3, 7), (7, 11), (11, 18), (18, 21), (21, 21)]
@@ -1374,7 +1374,7 @@ def test_kl_estimator_in_a_run(tmp_path, tiny_model_dir, estimator):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# --trace-samples: where each update went (bench/locality.py, 04's "Where the update went")
+# --trace-samples: where each update went (bench/locality/locality.py, 04's "Where the update went")
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -1559,7 +1559,7 @@ def test_trace_delta_is_zero_at_learning_rate_zero(tmp_path, tiny_model_dir):
 
 
 def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(tmp_path, tiny_model_dir):
-    """bench/locality.py's experiment: two copies of one checkpoint, resumed for one iteration in each reward mode,
+    """bench/locality/locality.py's experiment: two copies of one checkpoint, resumed for one iteration in each reward mode,
     sample the same rollouts and see the same delta, KL, beta, values and old log-probs; each computes both modes'
     rewards and advantages alike, the span rewards summed are the scalar ones, and only the update moves differently."""
     flags = ("--lr", "1e-2", "--kl-coef", "0.1")
@@ -1594,9 +1594,9 @@ def test_trace_from_one_state_differs_between_modes_only_through_the_advantages(
 
 
 def test_locality_bench_summary_and_its_same_batch_check():
-    """bench/locality.py: medians [min, max] over the states, empty groups left out, the goals, and a refusal to
+    """bench/locality/locality.py: medians [min, max] over the states, empty groups left out, the goals, and a refusal to
     compare two updates that did not see the same batch."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "locality"))
     import locality
 
     def state(poor_span, poor_scalar, rest_span, rest_scalar, n=4):
@@ -2743,7 +2743,7 @@ def test_an_sft_folder_holding_other_files_is_refused_before_training(tmp_path, 
 
 
 def test_center_delta_takes_the_batch_mean_per_token_out_of_the_rewards():
-    """--center-delta (bench/credit.py's span_centred arm): r_t = (delta_t - mean delta over the batch's response
+    """--center-delta (bench/credit/credit.py's span_centred arm): r_t = (delta_t - mean delta over the batch's response
     tokens) - beta * KL_t, against a plain loop; without it, the paper's r_t = delta_t - beta * KL_t."""
     torch.manual_seed(0)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
