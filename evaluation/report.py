@@ -159,9 +159,21 @@ def training_counts(runs: dict[str, list[dict]], specs: dict[str, str]) -> dict:
     out = {}
     for name, rows in runs.items():
         config = Path(specs[name]).parent / "config.json"
-        size = json.loads(config.read_text()).get("batch_size") if config.is_file() else None
-        out[name] = critic_failures(rows, size)
+        settings = json.loads(config.read_text()) if config.is_file() else {}
+        out[name] = {**critic_failures(rows, settings.get("batch_size")), "temperature": settings.get("temperature")}
     return out
+
+
+def curves_decoding(training: dict) -> str:
+    """How the curves' rollouts were sampled: each run's stage-3 temperature (config.json beside its metrics.jsonl)."""
+    temps = {name: t.get("temperature") for name, t in training.items()}
+    if not temps or None in temps.values():
+        return "Stage 3's own rollouts, sampled at its --temperature."
+    if len(set(temps.values())) == 1:
+        return f"Stage 3's own rollouts, sampled at T = {next(iter(temps.values())):g} (training, not held out)."
+    return "Stage 3's own rollouts (training, not held out), sampled at " + ", ".join(
+        f"T = {t:g} ({html.escape(n)})" for n, t in temps.items()
+    )
 
 
 def training_note(training: dict) -> str:
@@ -568,10 +580,16 @@ def critic_banner(policies: dict) -> str:
     )
 
 
+MIN_MARKED = 20  # a rate over fewer cases than this is never marked best ("1.000 [1.000, 1.000]" over 4 mistakes)
+HEADLINE = ("demo/mistake_rate", "pass@1", "rougeL", "monitor/flagged_rate", "rm/delta_sum")  # the first present
+
+
 def best_marks(ms: list, direction: int) -> list[str]:
     """Each metric cell's class: "best" for the best value when its 95% interval overlaps no other policy's; else
-    "tie" for it and every value whose interval overlaps its interval (a lead within the noise is no lead)."""
-    marks, vals = [""] * len(ms), [(i, m) for i, m in enumerate(ms) if m and m["value"] is not None]
+    "tie" for it and every value whose interval overlaps its interval (a lead within the noise is no lead). A value
+    over fewer than MIN_MARKED cases takes no part."""
+    marks = [""] * len(ms)
+    vals = [(i, m) for i, m in enumerate(ms) if m and m["value"] is not None and m.get("n", MIN_MARKED) >= MIN_MARKED]
     if not direction or len(vals) < 2:
         return marks
     lead, best = (max if direction > 0 else min)(vals, key=lambda x: x[1]["value"])
@@ -585,6 +603,33 @@ def best_marks(ms: list, direction: int) -> list[str]:
         marks[i] = "tie"
     marks[lead] = marks[lead] or "best"
     return marks
+
+
+def verdicts(pol: dict, decoding: str) -> str:
+    """The report's first lines: the headline metric (HEADLINE's first present) and, for each pair of policies, which
+    is better by it, or that their 95% intervals overlap (no difference detected), each with its value and interval."""
+    names = [n for n in pol if not pol[n].get("critic_failed")]
+    key = next((k for h in HEADLINE for k in metric_keys(pol) if base_key(k) == h), None)
+    if key is None or len(names) < 2:
+        return ""
+    label, direction = METRICS[base_key(key)]
+    got = {n: pol[n]["metrics"].get(key) for n in names}
+    show = lambda n: f"{html.escape(n)} {fmt(got[n]['value'])} [{fmt(got[n]['ci95'][0])}, {fmt(got[n]['ci95'][1])}]"  # noqa: E731
+    lines = []
+    for a, b in itertools.combinations([n for n in names if got[n] and got[n]["value"] is not None], 2):
+        (alo, ahi), (blo, bhi) = got[a]["ci95"], got[b]["ci95"]
+        if None in (alo, ahi, blo, bhi) or (alo <= bhi and blo <= ahi):
+            lines.append(f"{show(b)} vs {show(a)}: the intervals overlap, no difference detected")
+        else:
+            better, worse = (b, a) if (got[b]["value"] - got[a]["value"]) * direction > 0 else (a, b)
+            lines.append(f"<b>{html.escape(better)}</b> is better: {show(better)} vs {show(worse)}")
+    n = got[names[0]]["n"] if got[names[0]] else "?"
+    head = f"<h2>Verdict: {html.escape(label)} ({'lower' if direction < 0 else 'higher'} is better)</h2>"
+    return (
+        head
+        + f"<ul class='verdict'>{''.join(f'<li>{x}</li>' for x in lines)}</ul><p class='note'>{n} "
+        + (f"held-out prompts, {decoding} decoding; 95% bootstrap intervals, each policy's own (the table below).</p>")
+    )
 
 
 def fmt(v) -> str:
@@ -614,10 +659,13 @@ def render_report(
         arrow = {1: " ↑", -1: " ↓", 0: ""}[direction]
         rows.append(f"<tr><td title='{esc(key)}'>{esc(label)}{arrow}</td>{cells}</tr>")
     head = "".join(f"<th>{esc(n)}<span class='ci'>n = {pol[n]['n']}</span></th>" for n in names)
+    decoding = "greedy" if not gen["temperature"] else f"T = {gen['temperature']:g}"
     parts = [
-        f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Each "
-        "value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is better. The best is in "
-        "bold where its interval overlaps no other's; where it does, ≈ marks the values tied with it.</p>"
+        verdicts(pol, decoding),
+        f"<h2>Metrics</h2><table><tr><th>metric</th>{head}</tr>{''.join(rows)}</table><p class='note'>Held out, "
+        f"{decoding} decoding. Each value has its 95% bootstrap interval below it; ↑ higher is better, ↓ lower is "
+        f"better. The best is in bold where its interval overlaps no other's; where it does, ≈ marks the values tied "
+        f"with it; a value over fewer than {MIN_MARKED} cases is never marked.</p>",
     ]
     if (results.get("judge") or {}).get("pairs"):  # --judge-pairs none: the judge served Table 4 only
         jrows = "".join(
@@ -644,6 +692,7 @@ def render_report(
             if curves_png
             else "<p class='note'>No stage 3 metrics.jsonl found.</p>"
         )
+        + (f"<p class='note'>{curves_decoding(results['training'])}</p>" if results.get("training") else "")
         + training_note(results.get("training") or {})
     )
     parts.append(render_update_section(traces or {}))
@@ -686,7 +735,6 @@ def render_report(
             f"<section class='sample'><div class='sample-head'><span>prompt</span><span>{esc(rid)}</span>"
             f"</div><pre class='prompt'>{esc(rec['prompt'])}</pre>{ref}{''.join(answers)}</section>"
         )
-    decoding = "greedy" if not gen["temperature"] else f"T = {gen['temperature']}"
     sub = (
         f"task <b>{esc(results['task'])}</b> · {results['n_prompts']} held-out prompts from <code>"
         f"{esc(results['data'])}</code> · {decoding} decoding, ≤ {gen['max_new_tokens']} new tokens · reward "

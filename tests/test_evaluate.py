@@ -1032,6 +1032,40 @@ def test_best_is_bold_only_where_its_interval_stands_apart():
     assert "<td class='best'>0.200" in page and "class='tie'>0.200" not in page
 
 
+def test_the_report_leads_with_its_verdict_and_says_how_each_part_was_decoded():
+    """Issue 78: the first section is one verdict line per pair of policies on the headline metric (the demo's
+    mistake rate), each with its value and interval; a rate over fewer than 20 cases is never bold; the metric table
+    and the training curves each say how they were decoded (greedy held out, T = 1 in training)."""
+    m = lambda v, lo, hi, n=200: {"value": v, "ci95": [lo, hi], "n": n}  # noqa: E731
+    metrics = {
+        "sft": {"demo/mistake_rate": m(0.45, 0.38, 0.52), "rm_vs_critic/mistakes_flagged": m(1.0, 1.0, 1.0, 4)},
+        "scalar": {"demo/mistake_rate": m(0.30, 0.24, 0.36), "rm_vs_critic/mistakes_flagged": m(0.5, 0.0, 1.0, 4)},
+        "text2grad": {"demo/mistake_rate": m(0.31, 0.25, 0.37), "rm_vs_critic/mistakes_flagged": m(0.5, 0.0, 1.0, 4)},
+    }
+    results = {
+        "task": "demo", "data": "x.jsonl", "n_prompts": 200, "created": "now", "reward_model": None,
+        "generation": {"temperature": 0.0, "max_new_tokens": 32},
+        "policies": {name: {"n": 200, "metrics": ms} for name, ms in metrics.items()},
+        "training": {"text2grad": {"failed": 0, "unjudged": [], "critiques": 0, "iterations": 3, "temperature": 1.0}},
+    }  # fmt: skip
+    page = report.render_report(results, {}, [], "png", [], "demo")
+    verdict = page.split("<h2>Verdict", 1)[1].split("<h2>", 1)[0]
+    assert page.index("<h2>Verdict") < page.index("<h2>Metrics</h2>") and "mistake rate" in verdict
+    lines = re.findall(r"<li>(.*?)</li>", verdict)
+    assert len(lines) == 3  # every pair
+    assert "<b>scalar</b> is better: scalar 0.300 [0.240, 0.360] vs sft 0.450 [0.380, 0.520]" in lines
+    assert "text2grad 0.310 [0.250, 0.370] vs scalar 0.300 [0.240, 0.360]: the intervals overlap" in lines[2]
+    assert "greedy decoding" in verdict and "Held out, greedy decoding" in page
+    assert "sampled at T = 1 (training, not held out)" in page.split("<h2>Training curves</h2>", 1)[1]
+    flagged = re.findall(r"<tr><td title='rm_vs_critic/mistakes_flagged'>.*?</td>(.*?)</tr>", page)[0]
+    assert "class='best'" not in flagged and "class='tie'" not in flagged  # 1.000 [1.000, 1.000] over 4: not bold
+    for name in metrics:  # over 200 cases the same lead is marked
+        metrics[name]["rm_vs_critic/mistakes_flagged"]["n"] = 200
+    flagged = re.findall(r"<tr><td title='rm_vs_critic/mistakes_flagged'>.*?</td>(.*?)</tr>", report.render_report(
+        results, {}, [], None, [], "demo"))[0]  # fmt: skip
+    assert "class='tie'" in flagged
+
+
 def _critic_results(bad_parse: float) -> dict:
     """Two policies' metrics: "good"'s critiques all parse, "bad"'s only a share `bad_parse` of its 8."""
 
@@ -1094,7 +1128,7 @@ def test_a_critic_whose_critiques_mostly_failed_reads_n_a_not_a_perfect_score(ca
     }
     assert cells["rm/poor_token_frac"] == [("", "0.300"), ("na", "n/a")]  # "bad"'s 0.000 is no longer the best
     assert "7 of 8 critiques failed" in page.split("rm/poor_token_frac", 1)[1].split("</tr>", 1)[0]
-    assert cells["rm/parse_rate"] == [("best", "1.000"), ("", "0.125")]
+    assert cells["rm/parse_rate"] == [("", "1.000"), ("", "0.125")]  # over 8 prompts: never marked (MIN_MARKED)
     ok = _critic_results(0.5)  # at the floor: not failed, no banner
     assert ok["policies"]["bad"]["critic_failed"] is None
     assert "class='banner'" not in report.render_report(ok, {}, [], None, [], "demo")
