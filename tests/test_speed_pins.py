@@ -274,25 +274,28 @@ def test_rollout_forwards_over_the_whole_batch_equal_micro_batches(tiny_model_di
 
 
 COMPILED_RUN = """
-import sys
-sys.path.insert(0, "tests")
-import test_speed_pins
-from pathlib import Path
-got = test_speed_pins._ppo_run(Path(sys.argv[1]), sys.argv[2], 4, "--compile-update")
-print(got["metrics"][-1]["objective/kl"])
+import argparse, sys, torch
+from infra import trainable
+model = torch.nn.Linear(4, 4)  # 03's --compile-update entry point, on a module that compiles in seconds
+compiled, _ = trainable.compile_update(model, None, argparse.Namespace(compile_update=True))
+print(compiled(torch.ones(2, 4)).sum().item())
 """
 
 
-@pytest.mark.slow  # two cold compiles, ~50 s each
-def test_inductor_keeps_a_cache_per_kernel_path(tmp_path, tiny_model_dir):
+@pytest.mark.slow  # two cold compiles of a Linear, ~10 s each (of a PPO run: ~50 s each)
+def test_inductor_keeps_a_cache_per_kernel_path(tmp_path):
     """Inductor's cache key leaves out torch's CPU kernel path: kernels it compiled under one path (avx2) and loaded
     under another sampled from NaN probabilities in the next iteration's rollouts (issue 80: the suite under
     ATEN_CPU_CAPABILITY=avx2 after a run on AVX-512). infra.decoding.inductor_cache_per_kernel_path gives each path a
-    folder of its own under inductor's default one (here in TMPDIR), unless TORCHINDUCTOR_CACHE_DIR is set."""
+    folder of its own under inductor's default one (here in TMPDIR), unless TORCHINDUCTOR_CACHE_DIR is set: 03's
+    --compile-update calls it (run here), and so does --compile-generation's compiled decode step."""
+    from infra import decoding
+
+    assert "inductor_cache_per_kernel_path" in decoding._compiled_decode_forward.__wrapped__.__code__.co_names
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     for i, path in enumerate(("avx2", "default")):
         proc = subprocess.run(
-            [sys.executable, "-c", COMPILED_RUN, str(tmp_path / str(i)), tiny_model_dir],
+            [sys.executable, "-c", COMPILED_RUN],
             cwd=Path(__file__).resolve().parents[1],
             env={**env, "TMPDIR": str(tmp_path), "ATEN_CPU_CAPABILITY": path},
             capture_output=True,
