@@ -111,7 +111,7 @@ def parse_args(argv=None):
     if args.tiny:  # every phase, nothing of the numbers
         args.pretrain_steps, args.sft_steps, args.repro_steps, args.n_texts = 4, 2, 2, 40
         args.calib_posts, args.gate_posts, args.eval_posts, args.steps, args.starts = 8, 8, 8, 2, 2
-        args.lrs, args.kl_coefs, args.confirm_seeds, args.max_start_seeds = [1e-3, 2e-3], [0.05], 1, 4
+        args.lrs, args.kl_coefs, args.confirm_seeds, args.max_start_seeds = [1e-3], [0.05], 1, 4  # (tune: its own test)
         args.start_gate = 1.0  # (a tiny start makes nothing but mistakes)
         args.ppo_args = ["--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1", *args.ppo_args]
     return args
