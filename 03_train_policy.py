@@ -3,7 +3,7 @@
 train() is Alg. 4's loop, one named step per line of it (the step numbers are ours):
   1. rollout          y ~ pi_theta(.|x) for a batch of prompts, left-padded, at temperature T
   2. critic           a critique c and good / poor spans quoted from each y (critics.make_critic)
-  3. span_deltas      spans -> character intervals -> delta_t in {-1, 0, +1}: common.span_rewards (§3.3)
+  3. span_deltas      spans -> intervals -> delta_t in {-1, 0, +1}: common.span_rewards (§3.3)
   4. compute_rewards  r_t = delta_t - beta * KL_t, KL_t to the reference policy (score_rollouts)
   5. compute_gae      advantages A_t by GAE over r_t, whitened (--advantage rloo: compute_rloo)
   6. ppo_update       clipped surrogate + clipped value loss - entropy bonus, epochs of minibatches
@@ -53,7 +53,7 @@ from policy.cli import DEMO_RUNS, PRESETS
 @dataclass
 class Rollouts:
     """One iteration's batch, filled in by rollout (1), delta (3), score_rollouts (4) and step 5;
-    ppo_update (6) reads it. torchrun's global batch is one too (every rank's rows; rewards there)."""
+    ppo_update (6) reads it. torchrun's global batch (every rank's rows) is one too."""
 
     mask: torch.Tensor  # (B, T) 1.0 on response tokens, up to and including the first EOS
     has_eos: torch.Tensor | None = None  # (B,) bool: the response ended with a stop id
@@ -169,9 +169,14 @@ def entropy_from_logits(logits):
 
 
 def explained_variance(values, returns, mask) -> float:
-    """1 - mean (returns - V)^2 / Var(returns) over the masked tokens: how much of it V predicts."""
-    var_returns = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
-    return float(1 - masked_mean((returns - values) ** 2, mask) / var_returns) if var_returns > 0 else 0.0
+    """1 - Var[returns - V] / Var[returns] over the masked tokens (CleanRL's): 1 when V predicts
+    the returns up to a constant, 0 when it predicts nothing of them."""
+
+    def var(x):
+        return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+
+    var_returns = var(returns)
+    return float(1 - var(returns - values) / var_returns) if var_returns > 0 else 0.0
 
 
 @dataclass
@@ -266,15 +271,16 @@ def ppo_update(
 
 
 def one_iteration(batch: Rollouts, ref_logprobs, score, params, optimizer, hp, kl_coef, gamma, lam, eos_penalty=0.0):
-    """Steps 4-6 on sampled rollouts with the critic's delta_t, in the order 03's train() runs them (its
+    """Steps 4-6 on rollouts with the critic's delta_t, in the order train() runs them (its
     defaults: --reward-mode span --advantage gae). batch: mask, has_eos, delta, and the sampling
-    policy's logprobs and values (no grad); ref_logprobs (B, T): the reference's. Returns ppo_update's."""
-    kl = per_token_kl(batch.logprobs, ref_logprobs) * batch.mask  # 4. KL_t (k1)
-    seq_bonus = torch.where(batch.has_eos, 0.0, -eos_penalty)  # (B,) cut off before its EOS: --missing-eos-penalty
-    batch.rewards = compute_rewards(batch.delta, kl, batch.mask, kl_coef, "span", seq_bonus)  # r_t = delta_t - b*KL_t
-    advantages, batch.returns = compute_gae(batch.rewards, batch.values, batch.mask, gamma, lam)  # 5. GAE over r_t
-    batch.advantages = masked_whiten(advantages, batch.mask)  # whitened; the returns stay raw (V's targets)
-    return ppo_update(score, batch, params, optimizer, hp)  # 6. clipped surrogate + value loss - entropy bonus
+    policy's logprobs and values, no grad; ref_logprobs (B, T): the reference's."""
+    mask = batch.mask
+    kl = per_token_kl(batch.logprobs, ref_logprobs) * mask  # 4. KL_t (k1)
+    seq_bonus = torch.where(batch.has_eos, 0.0, -eos_penalty)  # (B,) no EOS: --missing-eos-penalty
+    batch.rewards = compute_rewards(batch.delta, kl, mask, kl_coef, "span", seq_bonus)  # r_t
+    advantages, batch.returns = compute_gae(batch.rewards, batch.values, mask, gamma, lam)  # 5. GAE
+    batch.advantages = masked_whiten(advantages, mask)  # the returns stay raw: V's targets
+    return ppo_update(score, batch, params, optimizer, hp)  # 6. the clipped PPO update
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -421,11 +427,11 @@ def rewards_and_advantages(g: Rollouts, kl_coef: float, reward_mode: str, args):
 
 
 def global_advantages(b: Rollouts, kl_coef: float, args, rank: int) -> Rollouts:
-    """Steps 4-5 on the global batch g, every rank's rows under torchrun (b's own in one process): its r_t, A_t and
-    returns (rewards_and_advantages), this rank's rows of them set on b. Returns g."""
+    """Steps 4-5 on the global batch g (torchrun: every rank's rows; else b's own): r_t, A_t and
+    returns by rewards_and_advantages, this rank's rows of them set on b. Returns g."""
     g = Rollouts(**{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")})
     g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
-    mine, T = slice(rank * len(b.mask), (rank + 1) * len(b.mask)), b.mask.shape[1]  # (g's T: the longest rank's)
+    mine, T = slice(rank * len(b.mask), (rank + 1) * len(b.mask)), b.mask.shape[1]  # g: the longest T
     b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
     return g
 
@@ -444,7 +450,8 @@ def update(scorer, head, b: Rollouts, params, optimizer, scaler, forbid, args):
 
     hp = PpoHParams(**{k: getattr(args, k) for k in PpoHParams.__dataclass_fields__})
     scorer.train()
-    stats, epochs = ppo_update(score, b, params, optimizer, hp, scaler, distributed.all_sum, distributed.clip_grad_norm)
+    reduce = (distributed.all_sum, distributed.clip_grad_norm)  # torchrun's sums; FSDP's clip
+    stats, epochs = ppo_update(score, b, params, optimizer, hp, scaler, *reduce)
     scorer.eval()
     return stats, epochs
 
@@ -560,8 +567,8 @@ def train(args):
         b.logprobs, b.values, b.kl = score_rollouts(scorer, ref_scorer, head, b, forbid, micro, args)
         if args.reward_mode == "self_distill":  # delta_t from the policy given the critique instead (SDPO)
             b.delta = self_teacher_delta(scorer, tokenizer, recs, b, feedback, forbid, micro, args)
-        # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or by RLOO without the value head; whitened
-        g = global_advantages(b, kl_coef, args, rank)  # g: the global batch, b.advantages and b.returns: its rows
+        # 5. advantages A_t by GAE over the r_t of --reward-mode (§3.5), or RLOO (no value head); whitened
+        g = global_advantages(b, kl_coef, args, rank)  # g: the global batch; b: this rank's rows of it
         clock["scored"] = time.time()
         # 6. PPO update: clipped surrogate + clipped value loss, epochs of minibatches (§3.5)
         lr = scheduler.get_last_lr()[0]  # the update's; the scheduler then steps to the next iteration's

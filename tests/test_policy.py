@@ -3024,3 +3024,18 @@ def test_a_score_without_logits_updates_as_one_with_them_when_the_entropy_bonus_
         "losses/entropy" in stats[0]
         and [{k: v for k, v in s.items() if k != "losses/entropy"} for s in stats] == stats2
     )
+
+
+def test_explained_variance_is_cleanrls():
+    """Issue 80, item 5: 1 - Var[returns - V] / Var[returns] over the response tokens, as CleanRL's ppo.py logs it
+    (numpy on the masked entries here): a value head off by a constant explains everything (the old 1 - MSE / Var
+    read 0.20 for one), one that predicts nothing explains 0."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1.0] * 6, [1.0] * 3 + [0.0] * 3])
+    returns, values = torch.randn(2, 6, generator=g), torch.randn(2, 6, generator=g)
+    y, v = returns[mask.bool()].numpy(), values[mask.bool()].numpy()
+    assert ppo.explained_variance(values, returns, mask) == pytest.approx(1 - np.var(y - v) / np.var(y), rel=1e-5)
+    assert ppo.explained_variance(returns + 0.5, returns, mask) == pytest.approx(1.0, abs=1e-6)
+    assert ppo.explained_variance(torch.zeros_like(returns), returns, mask) == pytest.approx(0.0, abs=1e-6)
