@@ -80,7 +80,8 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (rewards)."""
+    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (rewards). std: the
+    population one (TRL's whiten takes the unbiased one: the two differ by sqrt(N / (N - 1)))."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)

@@ -3039,3 +3039,39 @@ def test_explained_variance_is_cleanrls():
     assert ppo.explained_variance(values, returns, mask) == pytest.approx(1 - np.var(y - v) / np.var(y), rel=1e-5)
     assert ppo.explained_variance(returns + 0.5, returns, mask) == pytest.approx(1.0, abs=1e-6)
     assert ppo.explained_variance(torch.zeros_like(returns), returns, mask) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_dense_labels_give_a_whitespace_token_plus_one_as_docs_say():
+    """Issue 80, item 6: docs/stages.md said --labels dense gives 0 to a token of whitespace alone; span_rewards gives
+    it +1 (it lies inside the whole response, quoted good), and the page now says so, with this example."""
+    text, offsets = "the dog\n\nran fast", [(0, 3), (3, 7), (7, 9), (9, 12), (12, 17)]
+    fb = {"critique": "c", "good_spans": [], "poor_spans": ["ran"]}
+    delta = ppo.span_deltas([text], [offsets], [fb], torch.ones(1, 5), labels="dense")[0]
+    assert delta.tolist() == [[1.0, 1.0, 1.0, -1.0, 1.0]]
+    assert "is [1, 1, 1, −1, 1] on its tokens" in (ROOT / "docs" / "stages.md").read_text(encoding="utf-8")
+
+
+def test_the_value_loss_reaches_the_policys_weights_not_detached(tiny_model_dir):
+    """Issue 80, item 4 (a departure from Alg. 4, lines 28-30, as TRL's and microsoft/Text2Grad's code): forward's
+    values read the policy's last hidden state without a detach, so a value loss has a gradient on the policy's own
+    weights, not on the value head alone; the whitening's std is the population one."""
+    model, _ = models.load_model(tiny_model_dir, device="cpu", dtype="float32")
+    head = torch.nn.Linear(model.config.hidden_size, 1)
+    ids = torch.randint(3, 20, (2, 7))
+    _, values, _ = ppo.forward(model, head, ids, torch.ones_like(ids), 3, 1.0)
+    values.square().sum().backward()
+    layer = model.model.layers[-1].mlp.down_proj.weight
+    assert layer.grad is not None and layer.grad.abs().sum() > 0 and head.weight.grad.abs().sum() > 0
+    x = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.allclose(ppo.masked_whiten(x, torch.ones_like(x)), (x - 2.0) / (2.0 / 3.0) ** 0.5)
+
+
+def test_the_value_target_is_the_lambda_return():
+    """Issue 80, item 4: returns = A + V, the lambda-return (Alg. 4's line 24 takes the Monte-Carlo return): at
+    lambda 0.95 it differs from the reward-to-go, at lambda 1 (gamma 1) it is the reward-to-go exactly."""
+    g = torch.Generator().manual_seed(0)
+    rewards, values, mask = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g), torch.ones(3, 5)
+    to_go = rewards.flip(1).cumsum(1).flip(1)  # sum_{s >= t} r_s
+    advantages, returns = ppo.compute_gae(rewards, values, mask, 1.0, 0.95)
+    assert torch.allclose(returns, advantages + values) and not torch.allclose(returns, to_go, atol=1e-3)
+    assert torch.allclose(ppo.compute_gae(rewards, values, mask, 1.0, 1.0)[1], to_go, atol=1e-5)
