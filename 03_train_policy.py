@@ -212,7 +212,7 @@ def ppo_update(
     clip_grad_norm = clip_grad_norm or torch.nn.utils.clip_grad_norm_
     B = batch.mask.shape[0]
     keep = batch.mask if batch.keep is None else batch.keep  # server rollouts: the mismatch masks some out
-    stats = []
+    stats, tokens = [], []  # each micro-batch's stats and its number of tokens
     mb_size = B // hp.num_minibatches
     micro = mb_size // hp.grad_accum
     for epoch in range(hp.ppo_epochs):
@@ -247,6 +247,7 @@ def ppo_update(
                 loss = loss * keep[m].sum() / mb_tokens  # the minibatch's exact token mean
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 stats.append(st)
+                tokens.append(keep[m].sum().item())
             for p in params:  # torchrun: the ranks' gradients summed
                 if p.grad is not None:
                     all_sum(p.grad)
@@ -259,14 +260,9 @@ def ppo_update(
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        kls = all_sum(
-            torch.tensor(
-                [[st["policy/approx_kl"], 1.0] for st in stats[epoch_start:]],
-                dtype=torch.float64,
-                device=batch.mask.device,
-            ).sum(0)
-        )
-        if hp.target_kl is not None and kls[0] / kls[1] > hp.target_kl:
+        epoch_kl = [(st["policy/approx_kl"] * n, n) for st, n in zip(stats[epoch_start:], tokens[epoch_start:])]
+        kls = all_sum(torch.tensor(epoch_kl, dtype=torch.float64, device=batch.mask.device).sum(0))
+        if hp.target_kl is not None and kls[0] / kls[1].clamp(min=1) > hp.target_kl:  # its token mean, as the loss
             break  # early stop: the policy moved far enough from the behaviour policy
     return stats, epoch + 1
 

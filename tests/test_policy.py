@@ -156,9 +156,12 @@ def test_ppo_update_is_sgd_on_the_loss_of_every_row_once():
     assert scaler.get_scale() == 2.0**16 * 2**4
     # --target-kl: the epochs stop once an epoch's mean approx KL is above it, not at it
     stats = _bigram_update(ppo.no_reduction)[1]
-    kls = torch.tensor([[st["policy/approx_kl"], 1.0] for st in stats[:2]], dtype=torch.float64).sum(0)
-    assert _bigram_update(ppo.no_reduction, target_kl=(kls[0] / kls[1]).item())[2] == 2
-    assert _bigram_update(ppo.no_reduction, target_kl=(kls[0] / kls[1]).item() * 0.99)[2] == 1
+    _, _, batch = _bigram()
+    perm = torch.randperm(4)  # the first epoch's minibatches, as ppo_update draws them: the epoch's KL is a token mean
+    n = [batch.mask[perm[:2]].sum().item(), batch.mask[perm[2:]].sum().item()]
+    kl = sum(st["policy/approx_kl"] * k for st, k in zip(stats[:2], n)) / sum(n)
+    assert _bigram_update(ppo.no_reduction, target_kl=kl)[2] == 2
+    assert _bigram_update(ppo.no_reduction, target_kl=kl * 0.99)[2] == 1
 
 
 def test_ppo_update_sums_over_ranks():
@@ -3075,3 +3078,34 @@ def test_the_value_target_is_the_lambda_return():
     advantages, returns = ppo.compute_gae(rewards, values, mask, 1.0, 0.95)
     assert torch.allclose(returns, advantages + values) and not torch.allclose(returns, to_go, atol=1e-3)
     assert torch.allclose(ppo.compute_gae(rewards, values, mask, 1.0, 1.0)[1], to_go, atol=1e-5)
+
+
+def test_target_kl_is_the_epochs_token_mean_whatever_the_micro_batches_and_ranks():
+    """Issue 80, item 2: --target-kl compared a mean of micro-batch means, so a 1-token micro-batch weighed as much as
+    a 6-token one and --grad-accum (or the world size) changed how many epochs ran. Rows of 6/1/1/1 tokens, lr 0 (the
+    policy stays put): with the threshold between the token mean and the mean of row means, every split and 1 or 2
+    ranks run the same epochs, those of the token mean."""
+    B, T = 4, 6
+    mask = (torch.arange(T)[None] < torch.tensor([6, 1, 1, 1])[:, None]).float()
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(B, T, generator=g) * mask
+    old = (new - torch.randn(B, T, generator=g)) * mask
+    k3 = ((new - old).exp() - 1 - (new - old)) * mask
+    token_mean, row_means = k3.sum() / mask.sum(), (k3.sum(1) / mask.sum(1)).mean()
+    assert abs(token_mean - row_means) > 0.1
+    target = float(token_mean + row_means) / 2
+    w = torch.nn.Parameter(torch.zeros(()))
+    batch = ppo.Rollouts(
+        mask, logprobs=old, values=torch.zeros(B, T), advantages=mask.clone(), returns=torch.zeros(B, T)
+    )
+    score = lambda rows: (new[rows] + w, None, None)  # noqa: E731
+    runs = []
+    for accum, all_sum in (
+        (1, ppo.no_reduction),
+        (2, ppo.no_reduction),
+        (4, ppo.no_reduction),
+        (2, lambda x: x.mul_(2)),
+    ):
+        hp = ppo.PpoHParams(ppo_epochs=3, num_minibatches=1, grad_accum=accum, target_kl=target, vf_coef=0.0)
+        runs.append(ppo.ppo_update(score, batch, [w], torch.optim.SGD([w], lr=0.0), hp, all_sum=all_sum)[1])
+    assert runs == [1 if token_mean > target else 3] * 4
