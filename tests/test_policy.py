@@ -3109,3 +3109,19 @@ def test_target_kl_is_the_epochs_token_mean_whatever_the_micro_batches_and_ranks
         hp = ppo.PpoHParams(ppo_epochs=3, num_minibatches=1, grad_accum=accum, target_kl=target, vf_coef=0.0)
         runs.append(ppo.ppo_update(score, batch, [w], torch.optim.SGD([w], lr=0.0), hp, all_sum=all_sum)[1])
     assert runs == [1 if token_mean > target else 3] * 4
+
+
+def test_center_delta_is_a_length_reward_as_docs_say():
+    """Issue 80, item 3: centring over the batch's tokens adds -n * mean(delta) to a response's return. Two responses
+    with the same two +1 tokens, 4 and 7 tokens long: returns (gamma = lambda = 1, V = 0, beta = 0) 2 and 2 without
+    --center-delta, +0.545 and -0.545 with it, as docs/stages.md says."""
+    mask = torch.tensor([[1.0] * 4 + [0.0] * 3, [1.0] * 7])
+    delta = torch.tensor([[1.0, 1.0] + [0.0] * 5, [1.0, 1.0] + [0.0] * 5])
+    g = ppo.Rollouts(mask, torch.tensor([True, True]), delta=delta, kl=torch.zeros(2, 7), values=torch.zeros(2, 7))
+    args = argparse.Namespace(
+        missing_eos_penalty=0.0, whiten_rewards=False, advantage="gae", gamma=1.0, lam=1.0, center_delta=False
+    )
+    assert ppo.rewards_and_advantages(g, 0.0, "span", args)[2][:, 0].tolist() == [2.0, 2.0]
+    args.center_delta = True
+    assert ppo.rewards_and_advantages(g, 0.0, "span", args)[2][:, 0].tolist() == pytest.approx([6 / 11, -6 / 11])
+    assert "+0.545 and −0.545 with it" in (ROOT / "docs" / "stages.md").read_text(encoding="utf-8")
