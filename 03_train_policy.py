@@ -494,9 +494,9 @@ def prompt_indices(step: int, n: int, args, rank: int, world: int) -> list[int]:
 def check_run(args) -> str:
     """Every check before anything is written: the critic answers, the model folders exist, the run
     folder is free. Returns the run's kind (runs.policy_run_kind)."""
-    critics.check_critic(args)
     for flag, path in (("--model ", args.model), ("--ref-adapter ", args.ref_adapter)):
-        models.check_model_path(path, flag)  # and a typo'd folder: one line, at once
+        models.check_model_path(path, flag)  # and a typo'd folder: one line, at once (before the critic's checks)
+    critics.check_critic(args)
     sft.check_data(args)
     return runs.policy_run_kind(args.output_dir, args.resume, args.overwrite, DEMO_RUNS * args.zero_flag)
 

@@ -2549,6 +2549,11 @@ def test_a_typo_in_a_local_model_path_is_one_line_at_once(tmp_path):
     )
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --model runs/smolm2: no such directory"
     assert [p.name for p in (tmp_path / "runs").iterdir()] == []
+    # issue 80, item 7: with a critic that needs a reward model not given (--task qa), --model is checked first
+    qa = [sys.executable, str(ROOT / "03_train_policy.py"), "--task", "qa", "--model", "runs/nope"]
+    qa += ["--prompts", "prompts.jsonl", "--output-dir", "runs/qa"]
+    proc = forkserver.run(qa, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --model runs/nope: no such directory"
 
 
 def test_a_missing_sft_data_file_is_one_line_not_a_traceback(tmp_path, tiny_model_dir):
