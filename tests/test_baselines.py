@@ -301,11 +301,13 @@ def test_prm_trains_and_its_critic_scores_each_step(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("case", ["scalar-for-critiques-03", "scalar-for-critiques-04", "generative-for-scalar"])
-def test_the_wrong_kind_of_reward_model_is_refused_in_one_line(tmp_path, bt_reward_model, tiny_reward_model, case):
-    bt = bt_reward_model[0]
+def test_the_wrong_kind_of_reward_model_is_refused_in_one_line(
+    tmp_path, bt_reward_model, tiny_reward_model, tiny_model_dir, case
+):
+    bt, model = bt_reward_model[0], ["--model", tiny_model_dir]  # 03 checks --model first (issue 80): one that exists
     common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 2))
     cmd = {
-        "scalar-for-critiques-03": ["03_train_policy.py", "--critic", "local", "--reward-model", bt],
+        "scalar-for-critiques-03": ["03_train_policy.py", *model, "--critic", "local", "--reward-model", bt],
         "scalar-for-critiques-04": [
             "04_evaluate.py",
             "--reward-model",
@@ -317,6 +319,7 @@ def test_the_wrong_kind_of_reward_model_is_refused_in_one_line(tmp_path, bt_rewa
         ],
         "generative-for-scalar": [
             "03_train_policy.py",
+            *model,
             "--critic",
             "scalar-rm",
             "--reward-model",

@@ -192,7 +192,8 @@ def test_curves_mark_the_iterations_the_critic_did_not_judge(tmp_path, monkeypat
     common.write_jsonl(path, rows)
     common.write_json(tmp_path / "t2g" / "config.json", {"batch_size": 4})
     training = report.training_counts(report.read_curves({"t2g": str(path)}), {"t2g": str(path)})
-    assert training == {"t2g": {"iterations": 6, "critiques": 24, "failed": 9, "unjudged": [2, 3]}}
+    want = {"iterations": 6, "critiques": 24, "failed": 9, "unjudged": [2, 3], "temperature": None}  # (no T in config)
+    assert training == {"t2g": want}
     results = {
         "task": "demo",
         "data": "x.jsonl",
