@@ -12,7 +12,7 @@ It reads top to bottom: the pure tensor functions of steps 4-6, their batch, ppo
 one_iteration, steps 4-6 in train()'s order (copy them as they are, torch alone:
 docs/copy_the_loop.md); the policy; the steps; train(). Flags and --task presets: policy/cli.py.
 
-    python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad, the scalar baseline
+    python 03_train_policy.py       # the demo after stages 1-2: SFT, Text2Grad, scalar PPO
     python 03_train_policy.py --critic program --reward-mode scalar --output-dir runs/demo/prog
     python 03_train_policy.py --critic prm --reward-model runs/demo/prm --output-dir runs/demo/prm_ppo
     python 03_train_policy.py --task summarization --model meta-llama/Llama-3.1-8B-Instruct \
@@ -68,9 +68,9 @@ class Rollouts:
     rewards: torch.Tensor | None = None  # (B, T) r_t (step 5)
     advantages: torch.Tensor | None = None  # (B, T) A_t, whitened
     returns: torch.Tensor | None = None  # (B, T) the value head's targets
-    behaviour_logprobs: torch.Tensor | None = None  # (B, T) log mu(y_t): --rollout-server's sampler
-    weights: torch.Tensor | None = None  # (B, T) rho = pi_old / mu, its mismatch's correction (None: 1)
-    keep: torch.Tensor | None = None  # (B, T) the tokens the correction keeps in the loss (None: mask)
+    behaviour_logprobs: torch.Tensor | None = None  # (B, T) log mu(y_t): a served sampler's
+    weights: torch.Tensor | None = None  # (B, T) rho = pi_old / mu (None: 1)
+    keep: torch.Tensor | None = None  # (B, T) the tokens kept in the loss (None: mask)
 
 
 def masked_mean(x, mask, dim=None):
@@ -80,8 +80,8 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (rewards). std: the
-    population one (TRL's whiten takes the unbiased one: the two differ by sqrt(N / (N - 1)))."""
+    """(x - mean) / std over the masked entries; shift_mean=False keeps the mean (rewards).
+    std: the population one (TRL's whiten: the unbiased one, sqrt(N / (N - 1)) apart)."""
     mean = masked_mean(x, mask)
     var = masked_mean((x - mean) ** 2, mask)
     whitened = (x - mean) * torch.rsqrt(var + eps)
@@ -275,7 +275,7 @@ def one_iteration(batch: Rollouts, ref_logprobs, score, params, optimizer, hp, k
     kl = per_token_kl(batch.logprobs, ref_logprobs) * mask  # 4. KL_t (k1)
     seq_bonus = torch.where(batch.has_eos, 0.0, -eos_penalty)  # (B,) no EOS: --missing-eos-penalty
     batch.rewards = compute_rewards(batch.delta, kl, mask, kl_coef, "span", seq_bonus)  # r_t
-    advantages, batch.returns = compute_gae(batch.rewards, batch.values, mask, gamma, lam)  # 5. GAE
+    advantages, batch.returns = compute_gae(batch.rewards, batch.values, mask, gamma, lam)  # 5.
     batch.advantages = masked_whiten(advantages, mask)  # the returns stay raw: V's targets
     return ppo_update(score, batch, params, optimizer, hp)  # 6. the clipped PPO update
 
@@ -290,7 +290,7 @@ def forward(model, value_head, input_ids, attention_mask, n_resp, temperature, f
     logits / T (of those positions only: logits_to_keep). forbid = (ids, n): ids generate() could
     not sample at the first n positions (--min-new-tokens) get the lowest logit there too: the
     log-probs are those of the distribution that was sampled."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: from the first token
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -428,7 +428,7 @@ def global_advantages(b: Rollouts, kl_coef: float, args, rank: int) -> Rollouts:
     returns by rewards_and_advantages, this rank's rows of them set on b. Returns g."""
     g = Rollouts(**{k: distributed.gather_rows(getattr(b, k)) for k in ("mask", "has_eos", "delta", "kl", "values")})
     g.rewards, g.advantages, g.returns = rewards_and_advantages(g, kl_coef, args.reward_mode, args)
-    mine, T = slice(rank * len(b.mask), (rank + 1) * len(b.mask)), b.mask.shape[1]  # g: the longest T
+    mine, T = slice(rank * len(b.mask), (rank + 1) * len(b.mask)), b.mask.shape[1]
     b.advantages, b.returns = g.advantages[mine, :T], g.returns[mine, :T]
     return g
 
