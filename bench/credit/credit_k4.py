@@ -103,6 +103,8 @@ def parse_args(argv=None):
     a("--tiny", action="store_true", help="tiny shapes for a test (every phase, minutes)")
     a("--out", default="bench/out/credit_k4", help="work dir (starts, runs, evaluations)")
     a("--results", default="bench/credit/credit_k4_results.json", help="the committed summary ('': none)")
+    a("--store", default="bench/credit/k4_store", help="committed copy of --out's finished work ('': none)")
+    a("--save", action="store_true", help="copy --out's finished work into --store and exit (safe while it runs)")
     a("--report", action="store_true", help="print --results' tables as markdown and exit")
     a("--repro-child", action="store_true", help=argparse.SUPPRESS)  # phase 0's builder, in a process of its own
     a("ppo_args", nargs="*", help="extra 03_train_policy.py flags after --, for every run")
@@ -229,7 +231,7 @@ def runs_of(out: Path, world: dict, phase: str, cells: dict, args) -> dict:
     folder = out / "runs" / world["checksum"][:16] / phase
     flags = lambda arm, lr, kl: [*world["flags"], *ARMS[arm], "--lr", f"{lr:g}", "--kl-coef", f"{kl:g}"]  # noqa: E731
     runs = {key: (f"{arm}_lr{lr:g}_kl{kl:g}", seed, flags(arm, lr, kl)) for key, (arm, lr, kl, seed) in cells.items()}
-    planned = plan(folder, runs, args.steps)
+    planned = {k: (d, None if kept(d, args.steps) else cmd) for k, (d, cmd) in plan(folder, runs, args.steps).items()}
     execute(planned, args, out / "logs")
     return {key: run_dir for key, (run_dir, _) in planned.items()}
 
@@ -311,6 +313,63 @@ def tune(out: Path, world: dict, arms: list[str], args) -> tuple[dict, dict, lis
             break
         lrs = sorted([*([lrs[0] / 2] if bottom else []), *lrs, *([lrs[-1] * 2] if top else [])])
     return grid, chosen, lrs
+
+
+# --- the store: finished work committed, so a session on a fresh machine continues where the last one stopped
+
+SKIP = ("checkpoint.pt", "logs", "report.html", "prompts.jsonl", "sft.jsonl")  # a run's resume state, or rebuilt
+REBUILT = ("calib", "gate_k", "eval_k")  # data files every session writes again (the same bytes)
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    return (run_dir / "metrics.jsonl").is_file() and len(common.read_jsonl(run_dir / "metrics.jsonl")) >= steps
+
+
+def kept(run_dir: Path, steps: int) -> bool:
+    """A finished grid run saved without its policy (only its curves are read): policy.sha256 holds the weights'."""
+    return (run_dir / "policy.sha256").is_file() and finished(run_dir, steps)
+
+
+def save(out: Path, store: Path) -> int:
+    """Copy out's finished work into store: the starts, the evaluations, every finished run (a grid run without its
+    policy, which only its checksum stands for); never an unfinished run, a checkpoint or a file rebuilt each
+    session. Each file is written to a temporary name and renamed. Returns how many files were copied."""
+    import hashlib
+    import shutil
+
+    runs = {m.parent for m in out.rglob("metrics.jsonl")}
+    done = {d for d in runs if finished(d, json.loads((d / "config.json").read_text())["steps"])}
+    copied = 0
+    for f in sorted(out.rglob("*")):
+        rel = f.relative_to(out)
+        run = next((d for d in runs if d in f.parents), None)
+        if not f.is_file() or any(p in SKIP for p in rel.parts) or rel.name.startswith(REBUILT) or run in runs - done:
+            continue
+        if run and run.parent.name == "grid" and "policy" in rel.relative_to(run.relative_to(out)).parts:
+            continue  # a grid run's curves are all the study reads
+        to = store / rel
+        if not to.is_file() or to.read_bytes() != f.read_bytes():
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, to.with_name(to.name + ".tmp"))
+            os.replace(to.with_name(to.name + ".tmp"), to)
+            copied += 1
+    for run in done:
+        weights = sorted(p for p in (run / "policy").rglob("*.safetensors"))
+        if run.parent.name == "grid" and weights:
+            digest = hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest()
+            common.write_json(store / run.relative_to(out) / "policy.sha256", {"sha256": digest})
+    return copied
+
+
+def restore(store: Path, out: Path) -> None:
+    """Copy into out each file of store that out lacks (what earlier sessions finished)."""
+    import shutil
+
+    for f in sorted(store.rglob("*")) if store.is_dir() else []:
+        to = out / f.relative_to(store)
+        if f.is_file() and not to.exists():
+            to.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, to)
 
 
 # --- the comparisons: seeds within starts (strata), then posts
@@ -405,6 +464,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.report:
         return print(markdown(json.loads((ROOT / args.results).read_text())))
+    if args.save:
+        return print(f"{save(Path(args.out), Path(args.store))} files saved to {args.store}")
     pin_kernels(strict=not args.tiny)  # tiny: a test's own process has run torch already
     if args.repro_child:
         return repro_child(args)
@@ -415,25 +476,27 @@ def main(argv=None):
         "margin": MARGIN,
     }
     result["machine"] = machine()
+    if args.store:  # what earlier sessions finished (other machines: the bytes are the same, phase 0 checks it)
+        restore(Path(args.store), out)
     result["reproduce"] = reproduce(out, args)
-    if args.stop_after == "reproduce":
-        return finish(result, args)
+    if finish(result, args) and args.stop_after == "reproduce":
+        return result
     chosen_starts = choose_starts(out, args, rng)
     worlds = chosen_starts.pop("worlds")
     result.update(starts=chosen_starts, checksums={n: w["checksum"] for n, w in worlds.items()})
     applicable = any(g["passes"] for g in chosen_starts["gates"].values()) or args.self_distill == "always"
     arms = [a for a in args.arms if a != "self_distill" or applicable]
     result["self_distill"] = "applicable" if applicable else "not applicable at this scale (no start passed its gate)"
-    if args.stop_after == "starts":
-        return finish(result, args)
+    if finish(result, args) and args.stop_after == "starts":
+        return result
     grid, chosen, lrs = tune(out, next(iter(worlds.values())), arms, args)
     result["grid"] = {"/".join(map(str, k)): {m: c[m] for m in ("final", "auc")} for k, c in grid.items()}
     result["grid_curves"] = {
         "/".join(map(str, k)): digits(v * 32 for v in c["imperfect_curve"]) for k, c in grid.items()
     }
     result.update(selection=chosen, lrs=lrs)
-    if args.stop_after == "grid":
-        return finish(result, args)
+    if finish(result, args) and args.stop_after == "grid":
+        return result
     result["confirm"] = confirm(out, worlds, chosen, args, result, rng)
     return finish(result, args)
 
@@ -449,10 +512,11 @@ def machine() -> dict:
 
 
 def finish(result: dict, args) -> dict:
-    per_post = result.pop("per_post", None)
-    common.write_json(Path(args.out) / "results.json", {**result, "per_post": per_post})
+    """Write the results so far (each phase's end writes them: a later session's phases add to them)."""
+    per_post, rest = result.get("per_post"), {k: v for k, v in result.items() if k != "per_post"}
+    common.write_json(Path(args.out) / "results.json", result)
     if args.results:
-        common.write_json(ROOT / args.results, result)
+        common.write_json(ROOT / args.results, rest)
         if per_post:
             common.write_json(ROOT / args.results.replace("_results.json", "_per_post.json"), per_post)
     print(json.dumps({k: result[k] for k in ("checksums", "self_distill", "selection") if k in result}, default=str))
