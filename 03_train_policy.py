@@ -212,7 +212,7 @@ def ppo_update(
     clip_grad_norm = clip_grad_norm or torch.nn.utils.clip_grad_norm_
     B = batch.mask.shape[0]
     keep = batch.mask if batch.keep is None else batch.keep  # server rollouts: the mismatch masks some out
-    stats, tokens = [], []  # each micro-batch's stats and its number of tokens
+    stats = []  # each micro-batch's stats, token means, and its number of tokens ("tokens")
     mb_size = B // hp.num_minibatches
     micro = mb_size // hp.grad_accum
     for epoch in range(hp.ppo_epochs):
@@ -246,8 +246,8 @@ def ppo_update(
                     loss, st["losses/entropy"] = loss - hp.ent_coef * entropy, entropy.item()
                 loss = loss * keep[m].sum() / mb_tokens  # the minibatch's exact token mean
                 (loss if scaler is None else scaler.scale(loss)).backward()
+                st["tokens"] = keep[m].sum().item()
                 stats.append(st)
-                tokens.append(keep[m].sum().item())
             for p in params:  # torchrun: the ranks' gradients summed
                 if p.grad is not None:
                     all_sum(p.grad)
@@ -260,7 +260,7 @@ def ppo_update(
             else:
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        epoch_kl = [(st["policy/approx_kl"] * n, n) for st, n in zip(stats[epoch_start:], tokens[epoch_start:])]
+        epoch_kl = [(st["policy/approx_kl"] * st["tokens"], st["tokens"]) for st in stats[epoch_start:]]
         kls = all_sum(torch.tensor(epoch_kl, dtype=torch.float64, device=batch.mask.device).sum(0))
         if hp.target_kl is not None and kls[0] / kls[1].clamp(min=1) > hp.target_kl:  # its token mean, as the loss
             break  # early stop: the policy moved far enough from the behaviour policy
@@ -582,7 +582,7 @@ def train(args):
         ev = explained_variance(g.values, g.returns, g.mask)
         it = dict(recs=recs, b=b, g=g, feedback=feedback, counts=counts, watched=watched, stats=stats)
         it.update(epochs=epochs, kl_coef=kl_coef, lr=lr, explained_variance=ev, clock=clock)
-        row = trace.log_iteration(step, out_dir, it, args, rank, world)
+        row = trace.log_iteration(step, out_dir, it, args, rank)
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
             kl_coef = update_kl_coef(
                 kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target, args.adaptive_kl_horizon, args.batch_size

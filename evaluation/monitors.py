@@ -5,7 +5,7 @@ scores against the exact critic (tasks.demo.demo_rm_agreement), as it scores --r
 rm_vs_critic[NAME]/..., e.g. toy=runs/demo/reward_model beside a real reward model, to see which one is gamed.
 
 --monitor python:MODULE_OR_FILE:FUNCTION: your own critic (critics/plugin.py, as 03 --critic takes it) judges each
-policy's answers: the share it flags (a token of delta < 0, as 03's critic/mistake_rate), its delta-sum per answer (as
+policy's answers: the share it flags (a token of delta < 0, as 03's critic/flagged_rate), its delta-sum per answer (as
 03 trains on it) and the share it cannot judge, under monitor[FILE:FUNCTION]/ (monitor_rows); and under each sample
 answer of report.html, its spans highlighted and its critique, or why it could not judge it (monitor_view), as the
 reward model's are shown. It is trusted code, run in this process, and checked on one record before any generation
@@ -52,7 +52,7 @@ def load_monitors(specs: list[str], task: str, records: list[dict]) -> list[tupl
 def monitor_rows(records, gens, monitors, shown: list[dict] | None = None) -> dict[str, list]:
     """--monitor python:...: each plug-in critic's own judgement of one policy's answers, per sample (numerator,
     denominator) under monitor[FILE:FUNCTION]/: an answer it flags (a token of delta < 0, as 03's
-    critic/mistake_rate), its delta-sum (critics.delta, as 03 trains on it), one it cannot judge. shown: 04's
+    critic/flagged_rate), its delta-sum (critics.delta, as 03 trains on it), one it cannot judge. shown: 04's
     per-sample report entries (its score_policy's), each given its "monitors" views (monitor_view)."""
     rows = defaultdict(list)
     for fn, label in monitors:

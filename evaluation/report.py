@@ -124,12 +124,13 @@ def metric_keys(policies: dict) -> list[str]:
 # exact critic), the exact critic's; a panel's title names the dashed line only where one is drawn
 CURVE_KEYS = {
     "objective/span_reward": "reward: critic",
-    "critic/mistake_rate": "mistake rate: critic",
+    "critic/flagged_rate": "answers flagged: critic",
     "objective/kl": "KL to the reference",
     "objective/entropy": "entropy",
 }
-EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/mistake_rate": "exact/mistake_rate"}  # demo
-CRITIC_CURVES = ("objective/span_reward", "critic/mistake_rate")  # the critic's delta: none where it did not judge
+# the demo's exact critic beside the learned one: what it flags are the post's real mistakes
+EXACT_CURVES = {"objective/span_reward": "exact/span_reward", "critic/flagged_rate": "exact/mistake_rate"}
+CRITIC_CURVES = ("objective/span_reward", "critic/flagged_rate")  # from the critic's delta: none where it did not judge
 UNJUDGED = "critic did not judge"
 COLORS = ["#1a7f37", "#8250df", "#0969da", "#bc4c00", "#cf222e", "#57606a"]
 
@@ -148,6 +149,9 @@ def read_curves(specs: dict[str, str]) -> dict[str, list[dict]]:
             except json.JSONDecodeError:
                 continue  # a torn last line of a run still writing
         runs[name] = [r for r in rows if isinstance(r, dict) and isinstance(r.get("step"), (int, float))]
+        for r in runs[name]:  # a run from before issue 80 logged the critic's flagged share as critic/mistake_rate
+            if "critic/mistake_rate" in r:
+                r.setdefault("critic/flagged_rate", r.pop("critic/mistake_rate"))
     return runs
 
 

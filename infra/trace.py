@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import common
@@ -53,16 +52,17 @@ def progress_bar(first_step: int, args, rank: int):
 
 
 def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) -> None:
-    """Rank 0: the iteration's reward, KL, mistake and parse-fail rates in the progress bar, and a warning line above
-    it when most of its critiques failed (over --max-fail-share): a critic that stops parsing gives delta = 0, which
-    the reward and mistake rate alone do not tell from a flawless batch (critics.failing stops such a run)."""
+    """Rank 0: the iteration's reward, KL, the share of answers the critic flagged (a token of delta < 0: what it
+    calls a mistake, not the truth) and the parse-fail rate in the progress bar, and a warning line above it when most
+    of its critiques failed (over --max-fail-share): a critic that stops parsing gives delta = 0, which the reward and
+    the flagged share alone do not tell from a flawless batch (critics.failing stops such a run)."""
     if rank != 0:
         return
     rate = row["critic/parse_fail_rate"]
     bar.set_postfix(
         reward=f"{row['objective/span_reward']:.2f}",
         kl=f"{row['objective/kl']:.2f}",
-        mistakes=f"{row['critic/mistake_rate']:.2f}",
+        flagged=f"{row['critic/flagged_rate']:.2f}",
         parse_fail=f"{rate:.2f}",
     )
     if rate > args.max_fail_share:
@@ -81,7 +81,16 @@ def served_mismatch(b, args) -> dict:
     return mismatch.mismatch_stats(b.logprobs, b.behaviour_logprobs, b.mask, args.rollout_is_mode, args.rollout_is_cap)
 
 
-def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
+def token_means(stats: list[dict], device) -> dict:
+    """ppo_update's stats (each its micro-batch's token mean, with its "tokens") as token means over every micro-batch
+    of every rank: a 1-token micro-batch weighs what its one token does, whatever --grad-accum and the world size."""
+    keys = [k for k in stats[0] if k != "tokens"]
+    rows = [[s[k] * s["tokens"] for k in keys] + [s["tokens"]] for s in stats]
+    sums = distributed.all_sum(torch.tensor(rows, dtype=torch.float64, device=device).sum(0))  # (len(keys) + 1,)
+    return dict(zip(keys, (sums[:-1] / sums[-1].clamp(min=1)).tolist()))
+
+
+def log_iteration(step, out_dir, it: dict, args, rank) -> dict:
     """Step 7: one line of metrics.jsonl, computed on the global batch it["g"] (every rank's rollouts), and every
     --log-every iterations four sample rollouts with their critique (rank 0 writes). `it`, the iteration: its records
     "recs", this rank's batch "b" and the global one "g", "feedback", "counts" [unparsed critiques, quotes, quotes not
@@ -97,24 +106,21 @@ def log_iteration(step, out_dir, it: dict, args, rank, world) -> dict:
                 (distributed.all_sum(torch.stack(list(watched.values())).to(args.device)) / args.batch_size).tolist(),
             )
         )
-    ppo_stats = (
-        distributed.all_sum(torch.tensor([np.mean([s[k] for s in stats]) for k in stats[0]], device=args.device))
-        / world
-    )
+    ppo_stats = token_means(stats, args.device)
     mask = g.mask
     row = {
         "step": step,
         "objective/kl": g.kl.sum(1).mean().item(),
         "objective/kl_coef": it["kl_coef"],
-        "objective/entropy": ppo_stats[list(stats[0]).index("losses/entropy")].item(),
+        "objective/entropy": ppo_stats["losses/entropy"],
         "objective/span_reward": (g.delta * mask).sum(1).mean().item(),
         "objective/rlhf_reward": g.rewards.sum(1).mean().item(),
-        **{k: v.item() for k, v in zip(stats[0], ppo_stats)},
+        **ppo_stats,
         **({"val/explained_variance": it["explained_variance"]} if args.advantage == "gae" else {}),  # rloo: no V
         "critic/parse_fail_rate": counts[0].item() / args.batch_size,
         "critic/unmatched_span_rate": counts[2].item() / max(counts[1].item(), 1),
         "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
-        "critic/mistake_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
+        "critic/flagged_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
         **watched,
         **served_mismatch(b, args),
         "response/length": mask.sum(1).mean().item(),

@@ -306,16 +306,16 @@ def test_curve_titles_name_only_what_is_drawn(monkeypatch):
     titles = []
     monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda self, label, *a, **k: titles.append(label))
     qa = [
-        {"step": i, "objective/span_reward": 0.1 * i, "critic/mistake_rate": 0.5, "objective/kl": 0.0} for i in range(5)
+        {"step": i, "objective/span_reward": 0.1 * i, "critic/flagged_rate": 0.5, "objective/kl": 0.0} for i in range(5)
     ]
     report.plot_curves({"qa": qa})
-    assert titles == ["reward: critic", "mistake rate: critic", "KL to the reference"]
+    assert titles == ["reward: critic", "answers flagged: critic", "KL to the reference"]
     titles.clear()
     demo = [{**r, "exact/span_reward": 0.2, "exact/mistake_rate": 0.4} for r in qa]
     report.plot_curves({"qa": qa, "demo": demo})
     assert titles == [
         "reward: critic (solid), exact critic (dashed)",
-        "mistake rate: critic (solid), exact critic (dashed)",
+        "answers flagged: critic (solid), exact critic (dashed)",
         "KL to the reference",
     ]
 

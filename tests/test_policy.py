@@ -2488,7 +2488,8 @@ def test_a_served_reply_without_choices_is_a_failed_critique(tmp_path, fake_open
 
 def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path, tiny_model_dir, fake_openai, capsys):
     """At iteration 2 every critique stops parsing: the bar showed mistakes=0.00, reward=0.00 and nothing else. Now
-    the bar shows the parse-fail rate, a warning line names the iteration, and the run ends with its total."""
+    the bar shows the parse-fail rate, a warning line names the iteration, and the run ends with its total. The
+    critic's share is what it flagged (issue 80, item 7: a user's critic flags; it was shown as mistakes=)."""
 
     def reply(body, n):  # iteration 1 (requests 1-4) parses; iteration 2 (5-8) is prose without span JSON
         word = body["messages"][0]["content"].split("### Response\n", 1)[1].split()[0]
@@ -2514,6 +2515,8 @@ def test_critic_failures_show_in_the_bar_warn_and_are_summed_at_the_end(tmp_path
     out, err = capsys.readouterr()  # (the default share: _args lifts it to 1 for the untrained critics elsewhere)
     assert [r["critic/parse_fail_rate"] for r in _rows(tmp_path / "run")] == [0.0, 1.0]
     assert "parse_fail=0.00" in err and "parse_fail=1.00" in err
+    assert "flagged=1.00" in err and "mistakes=" not in err  # iteration 1 quotes a poor word in every answer
+    assert [r["critic/flagged_rate"] for r in _rows(tmp_path / "run")] == [1.0, 0.0]
     assert (
         "warning: iteration 2: 4 of 4 critiques failed (no span JSON, or no answer): their rollouts get delta = "
         "0; first: "
@@ -3114,6 +3117,36 @@ def test_target_kl_is_the_epochs_token_mean_whatever_the_micro_batches_and_ranks
         hp = ppo.PpoHParams(ppo_epochs=3, num_minibatches=1, grad_accum=accum, target_kl=target, vf_coef=0.0)
         runs.append(ppo.ppo_update(score, batch, [w], torch.optim.SGD([w], lr=0.0), hp, all_sum=all_sum)[1])
     assert runs == [1 if token_mean > target else 3] * 4
+
+
+def test_the_logged_update_stats_are_token_means_whatever_the_micro_batches_and_ranks():
+    """Issue 80, item 2: policy/approx_kl (and clipfrac, the losses) were logged as a mean of micro-batch means, so
+    --grad-accum and the world size changed them. Rows of 6/1/1/1 tokens, one epoch at lr 0: trace.token_means gives
+    the k3 token mean at every split and on 2 ranks (each holding the same stats: twice the sums), where the old
+    mean of micro-batch means moves with the split."""
+    from infra import distributed, trace
+
+    B, T = 4, 6
+    mask = (torch.arange(T)[None] < torch.tensor([6, 1, 1, 1])[:, None]).float()
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(B, T, generator=g) * mask
+    old = (new - torch.randn(B, T, generator=g)) * mask
+    token_mean = float((((new - old).exp() - 1 - (new - old)) * mask).sum() / mask.sum())
+    w = torch.nn.Parameter(torch.zeros(()))
+    batch = ppo.Rollouts(
+        mask, logprobs=old, values=torch.zeros(B, T), advantages=mask.clone(), returns=torch.zeros(B, T)
+    )
+    score = lambda rows: (new[rows] + w, None, None)  # noqa: E731
+    logged, old_way = [], []
+    for accum, ranks in ((1, 1), (2, 1), (4, 1), (2, 2)):
+        hp = ppo.PpoHParams(ppo_epochs=1, num_minibatches=1, grad_accum=accum, vf_coef=0.0)
+        stats, _ = ppo.ppo_update(score, batch, [w], torch.optim.SGD([w], lr=0.0), hp)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(distributed, "all_sum", lambda x: x.mul_(ranks))
+            logged.append(trace.token_means(stats, "cpu")["policy/approx_kl"])
+        old_way.append(sum(s["policy/approx_kl"] for s in stats) / len(stats))
+    assert logged == pytest.approx([token_mean] * 4, abs=1e-6)
+    assert max(old_way) - min(old_way) > 0.1  # the instrument: the old mean sees the split
 
 
 def test_center_delta_is_a_length_reward_as_docs_say():

@@ -172,7 +172,7 @@ def test_curves_mark_the_iterations_the_critic_did_not_judge(tmp_path, monkeypat
         {
             "step": i,
             "objective/span_reward": -0.5,
-            "critic/mistake_rate": 0.5 * (fail.get(i, 0.0) < 1),
+            "critic/flagged_rate": 0.5 * (fail.get(i, 0.0) < 1),
             "critic/parse_fail_rate": fail.get(i, 0.0),
             "objective/kl": 0.1,
         }

@@ -55,7 +55,7 @@ def summary(rows: list[dict]) -> dict:
     later = rows[1:] or rows
     med = lambda key: statistics.median(r[key] for r in later)  # noqa: E731
     out = {"generate_s": med("time/generate_s"), "step_s": med("time/step_s")}
-    for key in ("objective/span_reward", "critic/mistake_rate", "objective/kl"):
+    for key in ("objective/span_reward", "critic/flagged_rate", "objective/kl"):
         out[key] = [round(r[key], 4) for r in rows]
     if "mismatch/kl" in rows[0]:
         out["mismatch_kl_max"] = max(r["mismatch/kl"] for r in rows)
