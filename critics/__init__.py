@@ -304,7 +304,7 @@ def call(fn, label: str, records: list[dict], texts: list[str], timeout: float |
     batch call raises, each record is called alone, and those that still fail get an error item, "<label> raised
     TypeError: ..." (one line). A wrong-shaped item is an error item too. A return of the wrong length or type is no
     failed record but a broken plug-in: DataError naming the call and the lengths (one item for a batch of 8 would
-    otherwise pass the one-record preflight and train on delta = 0). timeout (03's --critic-timeout): the seconds
+    otherwise train on delta = 0; preflight calls a batch of two for it). timeout (03's --critic-timeout): the seconds
     the call may take, its one-record retries included (deadline, on time.monotonic()); past them, each text it has
     not judged gets an error item: a hung plug-in is a failed critique, under the run's failure limits."""
     CALLS[label] += 1
@@ -338,11 +338,12 @@ def call(fn, label: str, records: list[dict], texts: list[str], timeout: float |
 
 
 def preflight(fn, label: str, record: dict, text: str, flag: str, timeout: float | None = None) -> dict:
-    """One call on one record before any work (as serving.check_server does for a server): DataError, one line naming
-    MODULE:FUNCTION, when fn raises, does not return within timeout seconds (03's --critic-timeout), or returns the
-    wrong length or shape. Returns the checked item."""
+    """One call on a batch of two (the record twice) before any work, as serving.check_server does for a server:
+    DataError, one line naming MODULE:FUNCTION, when fn raises, does not return within timeout seconds (03's
+    --critic-timeout), or returns the wrong length or shape. Two, because a function that returns one item whatever
+    the batch passes a one-record check and fails only after the SFT warm start. Returns the checked item."""
     try:
-        items = plugin.limited(fn, ([record], [text]), time.monotonic() + timeout if timeout else None)
+        items = plugin.limited(fn, ([record, record], [text, text]), time.monotonic() + timeout if timeout else None)
     except plugin.Timeout:
         raise common.DataError(
             f"{flag} {label} did not return on the first record within --critic-timeout {timeout:g} s"
@@ -355,10 +356,12 @@ def preflight(fn, label: str, record: dict, text: str, flag: str, timeout: float
         raise common.DataError(
             f"{flag} {label}: returned a {type(items).__name__}, not a list of one item per response"
         )
-    if len(items) != 1:
-        raise common.DataError(f"{flag} {label}: returned {len(items)} items for 1 responses (one per response)")
+    if len(items) != 2:
+        raise common.DataError(
+            f"{flag} {label}: returned {len(items)} items for 2 responses (the first record twice; one per response)"
+        )
     try:
-        return check_item(items[0], text)
+        return [check_item(item, text) for item in items][0]
     except ValueError as e:
         raise common.DataError(f"{flag} {label}: {e}") from None
 

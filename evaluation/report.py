@@ -528,7 +528,7 @@ font:13px/1.5 var(--mono)}
 .row{display:grid;grid-template-columns:110px 1fr;gap:14px;padding:12px 0 4px;border-top:1px solid #eaeef2;
 margin-top:8px}
 .pname .score{display:block;font-weight:400;color:var(--muted);font-size:12px;font-variant-numeric:tabular-nums}
-.response{white-space:pre-wrap}.code .response{font:13px/1.5 var(--mono)}
+.response{white-space:pre-wrap}.code .response,.response.mono{font:13px/1.5 var(--mono)}
 .critique{color:var(--muted);font-size:13px;margin-top:6px}
 .strip{border:1px solid var(--line);border-radius:10px;padding:14px 18px;margin:14px 0}.scroll{overflow-x:auto}
 table.tokens{width:auto;border-collapse:separate;border-spacing:2px;margin-top:8px;font-size:12.5px}
@@ -729,8 +729,9 @@ def render_report(
                     f"<br>{esc(x['critique'])}</div>"
                 )
             critique += "".join(monitor_block(s["response"], m) for m in s.get("monitors", []))
+            mono = " mono" if looks_like_code(s["response"]) else ""  # a qa answer's code keeps its columns
             answers.append(
-                f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response' "
+                f"<div class='row'><div class='pname'>{esc(n)}{score}</div><div><div class='response{mono}' "
                 f"data-policy='{esc(n)}' data-id='{esc(rid)}' title='{esc(s['critique'])}'>"
                 f"{highlight(s['response'], s['good'], s['poor'])}</div>{critique}</div></div>"
             )
@@ -753,18 +754,22 @@ def render_report(
     )
 
 
+def looks_like_code(text: str) -> bool:
+    """A fenced block or an indented line (Markdown's two kinds of code): the answer is shown in monospace."""
+    return "```" in text or re.search(r"^(?: {4}|\t)\S", text, re.M) is not None
+
+
 def monitor_block(response: str, m: dict) -> str:
     """A --monitor critic's view of one sample answer (evaluation/monitors.py: monitor_view), labelled with its name:
-    the
-    answer with its spans highlighted and its critique, or why it could not judge it."""
+    the spans it quoted, highlighted (the answer itself is shown once, above), and its critique; or why it could not
+    judge it."""
     esc = html.escape
     if m["error"]:
         return f"<div class='monitor'>your critic {esc(m['name'])}: could not judge it: {esc(m['error'])}</div>"
     score = "" if m["score"] is None else f" (score {m['score']:+g})"
-    return (
-        f"<div class='monitor'>your critic {esc(m['name'])}{score}: {highlight(response, m['good'], m['poor'])}"
-        f"<br>{esc(m['critique'])}</div>"
-    )
+    marks = [(a, b, "good") for a, b in m["good"]] + [(a, b, "poor") for a, b in m["poor"]]
+    quoted = " · ".join(f'<mark class="{k}">{esc(response[a:b])}</mark>' for a, b, k in sorted(marks)) or "no spans"
+    return f"<div class='monitor'>your critic {esc(m['name'])}{score}: {quoted}<br>{esc(m['critique'])}</div>"
 
 
 def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:

@@ -1285,8 +1285,35 @@ def test_a_monitors_spans_and_critique_show_under_each_sample_answer(tiny_model_
         else:
             word = text.split()[0]
             assert view.count('<mark class="poor">') == 1 and f"&lt;{report.html.escape(word)}&gt; is wrong" in view
-            start = text.index(word)
-            assert report.highlight(text, [], [(start, start + len(word))]) in view
+            assert f'<mark class="poor">{report.html.escape(word)}</mark>' in view
+            rest = text[text.index(word) + len(word) :].strip()
+            assert not rest or report.html.escape(rest) not in view  # issue 80, item 7: the answer is not repeated
+
+
+def test_a_qa_answer_with_code_is_shown_in_monospace():
+    """Issue 80, item 7: 04 --task qa showed a code answer in a proportional font (only --task code's were
+    monospace). An answer with a fenced block or an indented line is monospace in any task; prose is not."""
+    code = "Use a loop:\n```python\nfor x in xs:\n    print(x)\n```"
+    prose = "Paris is the capital of France."
+    records = [{"id": "a", "prompt": "q1"}, {"id": "b", "prompt": "q2"}]
+    shown = [
+        {"response": r, "good": [], "poor": [], "critique": "", "source": "", "delta_sum": None, "unmatched": []}
+        for r in (code, prose)
+    ]
+    results = {
+        "task": "qa",
+        "data": "x",
+        "n_prompts": 2,
+        "created": "now",
+        "reward_model": None,
+        "generation": {"temperature": 0.0, "max_new_tokens": 32},
+        "policies": {"p": {"n": 2, "metrics": {}}},
+    }
+    page = report.render_report(results, {"p": shown}, records, None, ["a", "b"], "qa")
+    classes = dict(re.findall(r"<div class='([^']*)' data-policy='p' data-id='(\w)'", page))
+    assert {v: k for k, v in classes.items()} == {"a": "response mono", "b": "response"}
+    assert ".response.mono{" in page or ",.response.mono{" in page
+    assert report.looks_like_code("    indented()") and not report.looks_like_code("a\n  two spaces")
 
 
 def test_policies_alone_look_for_no_demo_curves():

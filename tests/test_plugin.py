@@ -119,10 +119,14 @@ BAD = {
     "missing-function": ("def other(records, responses):\n    return []\n", "LABEL: PATH has no function 'critic'"),
     "wrong-length": (
         "def critic(records, responses):\n    return []\n",
-        "LABEL: returned 0 items for 1 responses (one per response)",
+        "LABEL: returned 0 items for 2 responses (the first record twice; one per response)",
+    ),
+    "one-item-whatever-the-batch": (  # issue 80, item 7: passed a one-record preflight, failed after the SFT start
+        "def critic(records, responses):\n    return [{'good_spans': [], 'poor_spans': []}]\n",
+        "LABEL: returned 1 items for 2 responses (the first record twice; one per response)",
     ),
     "wrong-shape": (
-        "def critic(records, responses):\n    return [{'spans': [[0, 3, -1]]}]\n",
+        "def critic(records, responses):\n    return [{'spans': [[0, 3, -1]]} for _ in responses]\n",
         "LABEL: a span must be {'start', 'end', 'reward'}, got [0, 3, -1]",
     ),
 }
@@ -468,11 +472,12 @@ def test_from_trl_maps_batch_size_as_trl_computes_it(tmp_path, monkeypatch):
 
 
 def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(tmp_path, tiny_model_dir):
-    """Issue 56, item 2: a plug-in that returns one item whatever the batch passes the one-record preflight; on the
-    first real batch it is a plug-in error (exit 2, one line naming MODULE:FUNCTION, the call and the lengths), not
-    a run with every delta zero and "0 of 16 critiques failed"."""
+    """Issue 56, item 2: a plug-in that returns two items whatever the batch passes the preflight (a batch of two;
+    one item whatever the batch stops there: issue 80, above); on the first real batch it is a plug-in error (exit 2,
+    one line naming MODULE:FUNCTION, the call and the lengths), not a run with every delta zero and "0 of 16
+    critiques failed"."""
     path = tmp_path / "short.py"
-    path.write_text("def short(records, responses):\n    return [{'good_spans': [], 'poor_spans': []}]\n")
+    path.write_text("def short(records, responses):\n    return [{'good_spans': [], 'poor_spans': []}] * 2\n")
     common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 8))
     proc = forkserver.run(
         [
@@ -503,7 +508,7 @@ def test_a_plugin_that_returns_the_wrong_number_of_items_mid_run_stops_the_run(t
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        f"error: {path}:short: returned 1 items for 8 responses on its "
+        f"error: {path}:short: returned 2 items for 8 responses on its "
         "call 1 (one item per response): a plug-in error, not a failed "
         "record"
     )

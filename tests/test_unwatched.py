@@ -21,20 +21,20 @@ from conftest import ROOT, import_script
 
 ppo = import_script("03_train_policy")
 
-# A plug-in that fails (raises) on the iterations k % 3 != 0, k its batch calls (the one-record preflight and the
-# one-record retries of a batch that raised are not counted), until T2G_FIXED is set: the trial's case. It quotes the
+# A plug-in that fails (raises) on the iterations k % 3 != 0, k its batch calls (the preflight's batch of two and
+# the one-record retries of a batch that raised are not counted: the runs' batches are 4), until T2G_FIXED is set: the trial's case. It quotes the
 # first word of each response as poor, so that a judged iteration has a signal.
 FLAKY = """
 import os
 CALLS = [0]
 
 def critic(records, responses):
-    if len(responses) > 1:
+    if len(responses) > 2:
         CALLS[0] += 1
     if not os.environ.get("T2G_FIXED") and CALLS[0] % 3 and CALLS[0]:
         raise RuntimeError(f"flaky on call {CALLS[0]}")
     items = [{"good_spans": [], "poor_spans": y.split()[:1]} for y in responses]
-    if os.environ.get("T2G_SHORT_AT") == str(CALLS[0]) and len(responses) > 1:
+    if os.environ.get("T2G_SHORT_AT") == str(CALLS[0]) and len(responses) > 2:
         return items[:-1]  # one item short: a plug-in error, not a failed record
     return items
 
@@ -52,7 +52,7 @@ import os, time
 CALLS = [0]
 
 def critic(records, responses):
-    if len(responses) > 1:
+    if len(responses) > 2:
         CALLS[0] += 1
         if CALLS[0] >= 2:
             open(os.environ["T2G_HUNG"], "w").close()
