@@ -7,9 +7,9 @@ rm_vs_critic[NAME]/..., e.g. toy=runs/demo/reward_model beside a real reward mod
 --monitor python:MODULE_OR_FILE:FUNCTION: your own critic (critics/plugin.py, as 03 --critic takes it) judges each
 policy's answers: the share it flags (a token of delta < 0, as 03's critic/flagged_rate), its delta-sum per answer (as
 03 trains on it) and the share it cannot judge, under monitor[FILE:FUNCTION]/ (monitor_rows); and under each sample
-answer of report.html, its spans highlighted and its critique, or why it could not judge it (monitor_view), as the
-reward model's are shown. It is trusted code, run in this process, and checked on one record before any generation
-(load_monitors), so a module that does not import, a missing function or a wrong return stops the run in one line.
+answer of report.html, the spans it quoted and its critique, or why it could not judge it (monitor_view), as the
+reward model's are shown. It is trusted code, run in this process, and checked on the first record (twice, in one
+batch) before any generation (load_monitors), so a module that does not import, a missing function or a wrong return stops the run in one line.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def add_args(p) -> None:
 
 
 def load_monitors(specs: list[str], task: str, records: list[dict]) -> list[tuple]:
-    """--monitor's plug-ins as (function, label), each called on the first record (critics.preflight)."""
+    """--monitor's plug-ins as (function, label), each called on the first record, twice in one batch (critics.preflight)."""
     watchers = [plugin.load_critic(spec, task, "--monitor") for spec in specs]
     for fn, label in watchers if records else ():
         critics.preflight(fn, label, records[0], critics.probe_response(records[0]), "--monitor")
