@@ -307,7 +307,9 @@ def main(argv=None) -> dict:
     # 1. Load and validate everything before anything is written: no half-written file, no folder.
     rows = inputs.dataset_rows(args)
     records = inputs.to_records(rows, args)
-    critic = None  # a program or python: critic, imported and called on the first record (twice, one batch) before any work
+    critic = (
+        None  # a program or python: critic, imported and called on the first record (twice, one batch) before any work
+    )
     if args.annotator != "openai":
         critic = plugin.load_critic(
             args.annotator,
