@@ -581,7 +581,7 @@ def train(args):
         counts = [sum(map(critique_failed, feedback)), n_spans, n_unmatched]  # failed critiques, quotes, not found
         ev = explained_variance(g.values, g.returns, g.mask)
         it = dict(recs=recs, b=b, g=g, feedback=feedback, counts=counts, watched=watched, stats=stats)
-        it.update(epochs=epochs, kl_coef=kl_coef, lr=lr, explained_variance=ev, clock=clock)
+        it.update(epochs=epochs, kl_coef=kl_coef, lr=lr, explained_variance=ev, clock=clock, server=server)
         row = trace.log_iteration(step, out_dir, it, args, rank)
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
             kl_coef = update_kl_coef(

@@ -9,7 +9,8 @@ policy's answers: the share it flags (a token of delta < 0, as 03's critic/flagg
 03 trains on it) and the share it cannot judge, under monitor[FILE:FUNCTION]/ (monitor_rows); and under each sample
 answer of report.html, the spans it quoted and its critique, or why it could not judge it (monitor_view), as the
 reward model's are shown. It is trusted code, run in this process, and checked on the first record (twice, in one
-batch) before any generation (load_monitors), so a module that does not import, a missing function or a wrong return stops the run in one line.
+batch) before any generation (load_monitors), so a module that does not import, a missing function or a wrong
+return stops the run in one line.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def add_args(p) -> None:
 
 
 def load_monitors(specs: list[str], task: str, records: list[dict]) -> list[tuple]:
-    """--monitor's plug-ins as (function, label), each called on the first record, twice in one batch (critics.preflight)."""
+    """--monitor's plug-ins as (function, label), each called on the first record twice, in one batch (preflight)."""
     watchers = [plugin.load_critic(spec, task, "--monitor") for spec in specs]
     for fn, label in watchers if records else ():
         critics.preflight(fn, label, records[0], critics.probe_response(records[0]), "--monitor")

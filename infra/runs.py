@@ -443,6 +443,12 @@ def exit_interrupted() -> None:
 def interrupted() -> str:
     """The one line a Ctrl-C of stage 3 prints: the iterations metrics.jsonl holds, the last checkpoint, and the
     command that continues the run (--resume; --overwrite dropped, since the two are refused together)."""
+    return f"interrupted {where_it_stands()}"
+
+
+def where_it_stands() -> str:
+    """ "after iteration N of S; last checkpoint: ...; continue with: python ... --resume" for the stage-3 run under
+    way (on_interrupt): what a Ctrl-C prints, and a server that dies mid-run (infra/vllm_rollouts.py)."""
     import shlex
 
     out_dir, steps = (Path(_RUN["args"].output_dir), _RUN["args"].steps) if _RUN else (Path("."), 0)
@@ -452,7 +458,7 @@ def interrupted() -> str:
     argv = [a for a in _RUN.get("argv", []) if a not in ("--overwrite", "--resume")]
     again = shlex.join(["python", *argv, "--resume" if saved else "--overwrite"])
     return (
-        f"interrupted after iteration {done} of {steps}; last checkpoint: "
+        f"after iteration {done} of {steps}; last checkpoint: "
         + (f"iteration {saved} ({ckpt})" if saved else "none yet (--save-every)")
         + f"; continue with: {again}"
     )

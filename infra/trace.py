@@ -74,11 +74,16 @@ def show_progress(bar, step: int, row: dict, feedback: list, args, rank: int) ->
         )
 
 
-def served_mismatch(b, args) -> dict:
-    """--rollout-server: how far the server's mu is from the trainer's pi_old (infra/mismatch.py), {} in-process."""
+def served_mismatch(b, args, server=None) -> dict:
+    """--rollout-server: how far the server's mu is from the trainer's pi_old (infra/mismatch.py), and the freshness
+    check's largest difference on its probe (mismatch/probe_diff, nats: what "passed" measured); {} in-process."""
     if getattr(b, "behaviour_logprobs", None) is None:
         return {}
-    return mismatch.mismatch_stats(b.logprobs, b.behaviour_logprobs, b.mask, args.rollout_is_mode, args.rollout_is_cap)
+    stats = mismatch.mismatch_stats(b.logprobs, b.behaviour_logprobs, b.mask, args.rollout_is_mode, args.rollout_is_cap)
+    return {
+        **stats,
+        **({"mismatch/probe_diff": server.fresh} if server is not None and server.fresh is not None else {}),
+    }
 
 
 def token_means(stats: list[dict], device) -> dict:
@@ -122,7 +127,7 @@ def log_iteration(step, out_dir, it: dict, args, rank) -> dict:
         "critic/tokens_labelled_frac": ((g.delta != 0).float() * mask).sum().item() / mask.sum().item(),
         "critic/flagged_rate": ((g.delta < 0).float() * mask).amax(1).mean().item(),
         **watched,
-        **served_mismatch(b, args),
+        **served_mismatch(b, args, it.get("server")),
         "response/length": mask.sum(1).mean().item(),
         "response/eos_rate": g.has_eos.float().mean().item(),
         "policy/epochs": it["epochs"],

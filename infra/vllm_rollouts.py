@@ -60,10 +60,20 @@ class Server:
     folder: Path | None = None  # the adapter folder loaded last
     tol: float = 1e-3  # check_fresh's tolerance in nats (--rollout-tol)
     pushes: int = 0  # the number of the last adapter folder (a resumed run continues after it: never a reused path)
+    fresh: float | None = None  # check_fresh's last largest difference (nats): mismatch/probe_diff, every iteration
 
 
 def fail(server_or_url, what: str, e: Exception | None = None):
+    """The one line of a failure (DataError). A server that stops answering mid-run (a Server: connected before) is
+    said so, with where the run stands and the command that continues it once the server is back, as Ctrl-C says."""
+    import openai
+
     url = server_or_url.url if isinstance(server_or_url, Server) else server_or_url
+    if isinstance(server_or_url, Server) and isinstance(e, openai.APIConnectionError):
+        from infra import runs
+
+        why = f"the server stopped answering ({what}: {serving.api_error(e)})"
+        return common.DataError(f"--rollout-server {url}: {why}; restart it; the run stopped {runs.where_it_stands()}")
     return common.DataError(f"--rollout-server {url}: {what}" + (f": {serving.api_error(e)}" if e else ""))
 
 
@@ -113,7 +123,10 @@ def push_adapter(server: Server, model, step: int, keep: int = 2) -> float:
             body={"lora_name": LORA_NAME, "lora_path": str(folder.resolve()), "load_inplace": True},
         )
     except openai.APIError as e:
-        raise fail(server, f"the adapter {folder} was refused", e) from None
+        dead = isinstance(e, openai.APIConnectionError)  # not refused: gone (fail says so, with the --resume line)
+        raise fail(
+            server, f"loading the adapter {folder}" if dead else f"the adapter {folder} was refused", e
+        ) from None
     seconds = time.perf_counter() - start
     server.folder = folder
     old = sorted(p for p in server.adapters.glob("step-*") if p.is_dir() and p != folder)
@@ -242,6 +255,7 @@ def check_fresh(server: Server, score, temperature: float, tol: float = 1e-3) ->
     trainer = score(server.probe, list(choice.token_ids))
     diff = max((abs(float(trainer[t][i]) - v) for t, top in enumerate(served) for i, v in top.items()), default=0.0)
     last, server.last_probe = server.last_probe, (list(choice.token_ids), served)
+    server.fresh = diff
     if diff > tol:
         raise fail(
             server,

@@ -114,3 +114,53 @@ def test_a_dead_server_is_one_line_before_anything_is_written(tmp_path, tiny_mod
 def test_what_a_server_cannot_do_is_one_line(tmp_path, tiny_model_dir, flags, line):
     got = run_main(tmp_path, tiny_model_dir, "--rollout-server", "http://127.0.0.1:9/v1", *flags)
     assert got.startswith(line), got
+
+
+def test_a_server_that_dies_mid_run_is_said_so_with_the_line_that_continues_the_run(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """Issue 80, item 8: a vLLM server killed mid-run was reported as "the adapter .../step-000007 was refused: cannot
+    connect". Now the line says the server stopped answering, where the run stands and the --resume line, as Ctrl-C
+    does. The real openai client, against a port nothing listens on (the server gone after it had connected)."""
+    import openai
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from infra import runs, vllm_rollouts
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    client = openai.OpenAI(base_url=url, api_key="EMPTY", timeout=5, max_retries=0)
+    server = vllm_rollouts.Server(url, tmp_path / "adapters", client, probe=[1, 2, 3])
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules="all-linear")
+    )
+    (tmp_path / "run").mkdir()
+    common.write_jsonl(tmp_path / "run" / "metrics.jsonl", [{"step": 1}, {"step": 2}])
+    args = type("Args", (), {"output_dir": str(tmp_path / "run"), "steps": 5})()
+    monkeypatch.setattr(runs, "_RUN", {})  # this test's run only
+    runs.on_interrupt(args, ["03_train_policy.py", "--rollout-server", url, "--overwrite"])
+    with pytest.raises(common.DataError) as e:
+        vllm_rollouts.push_adapter(server, model, 3)
+    line = str(e.value)
+    assert line.startswith(f"--rollout-server {url}: the server stopped answering (loading the adapter "), line
+    assert "was refused" not in line and "\n" not in line
+    assert line.endswith(
+        "restart it; the run stopped after iteration 2 of 5; last checkpoint: none yet (--save-every); continue with: "
+        f"python 03_train_policy.py --rollout-server {url} --overwrite"
+    ), line
+
+
+def test_the_freshness_checks_difference_is_logged_every_iteration():
+    """Issue 80, item 8: check_fresh's largest difference was logged nowhere, so "passed" only meant it never raised.
+    The row of a served iteration carries it (mismatch/probe_diff, the Server's last check); in process, no row."""
+    from types import SimpleNamespace
+
+    from infra import trace, vllm_rollouts
+
+    b = ppo.Rollouts(torch.ones(2, 3), logprobs=torch.zeros(2, 3), behaviour_logprobs=torch.zeros(2, 3))
+    args = SimpleNamespace(rollout_is_mode="sequence_mask", rollout_is_cap=3.0)
+    server = vllm_rollouts.Server("http://127.0.0.1:9/v1", None, None, [1])
+    assert "mismatch/probe_diff" not in trace.served_mismatch(b, args, server)  # no check has run yet
+    server.fresh = 4.2e-5
+    assert trace.served_mismatch(b, args, server)["mismatch/probe_diff"] == 4.2e-5
+    assert trace.served_mismatch(ppo.Rollouts(torch.ones(2, 3)), args, server) == {}  # in process

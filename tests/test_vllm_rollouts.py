@@ -238,6 +238,7 @@ def test_one_iteration_of_03_through_the_server_is_the_in_process_one_on_its_tok
     served = torch.load(tmp_path / "served_dump" / "step1_rank0.pt", weights_only=False)
     row = json.loads((tmp_path / "served" / "metrics.jsonl").read_text().splitlines()[0])
     assert 0 <= row["mismatch/kl"] < 1e-4 and row["mismatch/masked_share"] == 0.0, row
+    assert 0 <= row["mismatch/probe_diff"] < 1e-3, row  # what the freshness check measured (issue 80, item 8)
     assert row["critic/parse_fail_rate"] == 0.0 and {-1.0, 1.0} <= set(served["delta"].unique().tolist())
     assert len(list((tmp_path / "served" / "adapters").glob("step-*"))) == 1
 
