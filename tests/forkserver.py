@@ -150,6 +150,8 @@ def run(cmd, *, env=None, nested=False, **kw) -> subprocess.CompletedProcess:
     whose environment sets a variable read at import otherwise forks from a server of that environment.
     nested=True: the script's own subprocess.run of such commands (a bench starting the stages) is forked too."""
     full_env = dict(os.environ if env is None else env)
+    if list(cmd[1:3]) == ["-m", "torch.distributed.run"] and kw.get("timeout") is None:
+        return limited(cmd, TORCHRUN_LIMIT_S, env=env, **kw)  # a hung collective must not hang the suite
     if not _forkable(cmd, kw):
         return _subprocess_run(cmd, env=env, **kw)
     differs = _env_differs(_BASE_ENV, full_env)
@@ -160,6 +162,49 @@ def run(cmd, *, env=None, nested=False, **kw) -> subprocess.CompletedProcess:
     if server is None:
         return _subprocess_run(cmd, env=env, **kw)
     return _run_forked(server[1], cmd, full_env, nested, **kw)
+
+
+TORCHRUN_LIMIT_S = 1200  # a torchrun command of the tests at most: each takes ~10-45 s here, so only a hang gets there
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below pid (torchrun's ranks run in sessions of their own: a process group misses them)."""
+    try:
+        kids = [
+            int(c)
+            for t in os.listdir(f"/proc/{pid}/task")
+            for c in open(f"/proc/{pid}/task/{t}/children").read().split()
+        ]
+    except OSError:
+        return []
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+def limited(cmd, limit: float, *, capture_output=False, check=False, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, **kw), but past `limit` seconds the command and every process below it are killed and an
+    AssertionError says so, with the end of its stderr: a torchrun test whose ranks wait on a collective one of them
+    never reaches (issue 80: FSDP with reshard_after_forward=False hung the suite with no output) fails, in time."""
+    if capture_output:
+        kw["stdout"] = kw["stderr"] = subprocess.PIPE
+    with subprocess.Popen(cmd, **kw) as p:
+        try:
+            out, err = p.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            for pid in [*_descendants(p.pid), p.pid]:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            out, err = p.communicate()
+            tail = (err if isinstance(err, str) else (err or b"").decode(errors="replace"))[-2000:]
+            raise AssertionError(
+                f"{' '.join(map(str, cmd[:4]))} ... ran past its limit of {limit:g} s (a hang: a rank waiting on a "
+                f"collective another never reaches?), killed with every process below it; its stderr ended:\n{tail}"
+            ) from None
+    done = subprocess.CompletedProcess(cmd, p.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def _fd(spec, default: int, closers: list) -> int:

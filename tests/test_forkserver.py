@@ -205,3 +205,25 @@ def test_a_timeout_kills_the_child_as_subprocess_does(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         forkserver.run([sys.executable, "-c", code], cwd=tmp_path, timeout=1, capture_output=True)
     assert forkserver.run([sys.executable, "-c", "print(1)"], capture_output=True, text=True).stdout == "1\n"
+
+
+@pytest.mark.slow  # a real torchrun (its start, then the limit)
+def test_a_hung_torchrun_fails_at_its_limit_with_a_message_and_leaves_no_rank_behind(tmp_path, monkeypatch):
+    """Issue 80, item 8: with reshard_after_forward=False tests/test_fsdp.py's stage-3 test hung with no output. A
+    torchrun command of the tests now runs under forkserver.TORCHRUN_LIMIT_S (20 minutes; each takes ~10-45 s): a
+    rank that never returns is killed with the launcher, and the test fails saying so."""
+    from conftest import torchrun
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "print('rank up', file=sys.stderr, flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    monkeypatch.setattr(forkserver, "TORCHRUN_LIMIT_S", 30)  # its start: ~5-15 s here
+    with pytest.raises(AssertionError, match=r"ran past its limit of 30 s \(a hang") as e:
+        forkserver.run([*torchrun(2), str(script), str(tmp_path)], capture_output=True, text=True)
+    assert "rank up" in str(e.value)  # the end of its stderr
+    pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in open(f"/proc/{p}/status").read()]

@@ -9,7 +9,7 @@ no layer, or a rollout that gathers the whole policy under --fsdp-generate layer
 
 import json
 import os
-import subprocess
+import forkserver
 
 import common
 from tasks.demo import demo_critic, demo_dataset
@@ -96,7 +96,7 @@ def probe_run(tmp_path, stage: str, argv: list[str]) -> list[dict]:
     (tmp_path / "probe.py").write_text(PROBE)
     out = tmp_path / "probed"
     out.mkdir()
-    proc = subprocess.run(
+    proc = forkserver.run(  # torchrun: under forkserver's limit, so a hang fails instead of hanging the suite
         [
             *torchrun(WORLD),
             str(tmp_path / "probe.py"),
