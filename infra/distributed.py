@@ -137,13 +137,21 @@ def barrier(timeout_h: float | None = None) -> None:
 
 def decoder_layers(model) -> list:
     """The model's repeated blocks: the longest ModuleList whose modules are all of one class (Llama's, Qwen's,
-    Mistral's model.layers), or []."""
+    Mistral's model.layers), sharded or not, or []."""
     lists = [
         m
         for m in model.modules()
-        if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({type(x) for x in m}) == 1
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 1 and len({unsharded_class(x) for x in m}) == 1
     ]
     return list(max(lists, key=len)) if lists else []
+
+
+def unsharded_class(module) -> type:
+    """The module's class before fully_shard, which swaps it for FSDP<Class>(FSDPModule, Class): a list of layers
+    sharded only in part is still one list of one class (issue 80: a probe found none, and said [])."""
+    cls = type(module)
+    base = cls.__bases__[-1]
+    return base if cls.__name__ == f"FSDP{base.__name__}" else cls
 
 
 def shard(model, ref_model, args):

@@ -9,6 +9,7 @@ no layer, or a rollout that gathers the whole policy under --fsdp-generate layer
 
 import json
 import os
+import sys
 import forkserver
 
 import common
@@ -30,9 +31,9 @@ watch = [False]  # 03: record inside the rollouts; 02: inside training
 def held(model):  # per decoder layer: its own FSDP group, and this rank's elements of it against the whole
     local = lambda p: p.to_local() if distributed.is_sharded(p) else p
     return [
-        {"group": isinstance(layer, FSDPModule), "local": sum(local(p).numel() for p in layer.parameters()),
-         "full": sum(p.numel() for p in layer.parameters())}
-        for layer in distributed.decoder_layers(model)
+        {"layer": i, "class": type(layer).__name__, "group": isinstance(layer, FSDPModule),
+         "local": sum(local(p).numel() for p in layer.parameters()), "full": sum(p.numel() for p in layer.parameters())}
+        for i, layer in enumerate(distributed.decoder_layers(model))
     ]
 
 def count_whole_layers(model):  # a hook inside each layer's forward: how many layers are whole (no DTensor) now
@@ -49,7 +50,8 @@ def sharded(models):
     world = int(os.environ["WORLD_SIZE"])
     wrong = [x for layers in seen["sharded"] for x in layers if not x["group"] or x["local"] * world != x["full"]]
     if wrong or not seen["sharded"][0]:  # stop here, every rank alike: a run sharded otherwise may hang later on
-        sys.exit(f"probe: decoder layers not sharded one by one over {world} ranks: {wrong[:1]}")
+        what = ", ".join(f"layer {x['layer']} ({x['class']}: {x['local']} of {x['full']} here)" for x in wrong)
+        sys.exit(f"probe: decoder layers not sharded one by one over {world} ranks: {what or 'no layer list found'}")
     count_whole_layers(models[0])
     return models
 
@@ -163,3 +165,34 @@ def test_02_shards_every_layer_and_trains_one_layer_whole_at_a_time(tmp_path, ti
     for r in ranks:  # 2 steps x 2 layers at least, forward and the backward's recomputation alike
         assert len(r["whole_in_forward"]) >= 4 and set(r["whole_in_forward"]) == {1}
     assert (tmp_path / "rm" / "adapter_model.safetensors").is_file()
+
+
+PARTLY = r"""
+import sys
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+from infra import distributed
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+fully_shard(distributed.decoder_layers(model)[0])  # the first layer only: a shard() that stops early
+print([type(x).__name__ for x in distributed.decoder_layers(model)])
+"""
+
+
+def test_a_list_of_layers_sharded_only_in_part_is_still_found(tmp_path, tiny_model_dir):
+    """Issue 80, item 8: with only the first layer sharded, the probe above reported `[]`: fully_shard renames a
+    layer's class (FSDPLlamaDecoderLayer), so decoder_layers found no list of one class, and the probe no layer to
+    name. It finds both now (the probe then names layer 1 as not an FSDP group). One process, a gloo group of one."""
+    from conftest import free_port
+
+    proc = forkserver.run(
+        [sys.executable, "-c", PARTLY, tiny_model_dir, str(free_port())],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "['FSDPLlamaDecoderLayer', 'LlamaDecoderLayer']"
