@@ -317,7 +317,8 @@ def tune(out: Path, world: dict, arms: list[str], args) -> tuple[dict, dict, lis
 
 # --- the store: finished work committed, so a session on a fresh machine continues where the last one stopped
 
-SKIP = ("checkpoint.pt", "logs", "report.html", "prompts.jsonl", "sft.jsonl")  # a run's resume state, or rebuilt
+# a run's resume state, files rebuilt each session, and phase 0 (it checks this machine: rebuilt on every one)
+SKIP = ("checkpoint.pt", "logs", "report.html", "prompts.jsonl", "sft.jsonl", "reproduce")
 REBUILT = ("calib", "gate_k", "eval_k")  # data files every session writes again (the same bytes)
 
 
@@ -483,6 +484,7 @@ def main(argv=None):
         return result
     chosen_starts = choose_starts(out, args, rng)
     worlds = chosen_starts.pop("worlds")
+    same_machine(out, result["reproduce"])
     result.update(starts=chosen_starts, checksums={n: w["checksum"] for n, w in worlds.items()})
     applicable = any(g["passes"] for g in chosen_starts["gates"].values()) or args.self_distill == "always"
     arms = [a for a in args.arms if a != "self_distill" or applicable]
@@ -499,6 +501,15 @@ def main(argv=None):
         return result
     result["confirm"] = confirm(out, worlds, chosen, args, result, rng)
     return finish(result, args)
+
+
+def same_machine(out: Path, phase0: dict) -> None:
+    """Start seed 0, as restored from the store (built on another machine) or built here, must be the bytes that
+    phase 0's children built on this machine: else this machine's kernels build other starts and runs, and the
+    study stops rather than mix them."""
+    here, held = phase0["children"][0]["start"], start_checksum(out / "s0")
+    if here != held:
+        sys.exit(f"phase 0 built start seed 0 as {here[:16]}, but {out / 's0'} holds {held[:16]}: other bytes here")
 
 
 def machine() -> dict:

@@ -104,6 +104,18 @@ def test_the_grid_extends_beyond_an_edge_for_every_arm(monkeypatch):
     assert sorted(k[1] for k in grid if k[0] == "a") == sorted(k[1] for k in grid if k[0] == "b") == lrs
 
 
+def test_a_start_restored_from_another_machine_must_be_phase_0s_bytes(tmp_path):
+    """The store's start seed 0 against what phase 0 built on this machine: the same bytes pass, other bytes stop the
+    study (a machine whose kernels build other starts would mix its runs with the store's)."""
+    for d, text in (("base", "weights"), ("sft", "more weights")):
+        (tmp_path / "s0" / d).mkdir(parents=True)
+        (tmp_path / "s0" / d / "model.safetensors").write_text(text)
+    here = k4.start_checksum(tmp_path / "s0")
+    k4.same_machine(tmp_path, {"children": [{"start": here}]})
+    with pytest.raises(SystemExit, match="phase 0 built start seed 0 as 0000000000000000, but .* holds "):
+        k4.same_machine(tmp_path, {"children": [{"start": "0" * 64}]})
+
+
 @pytest.mark.slow  # ~3-5 minutes of a worker: every phase's stage runs at tiny shapes
 def test_credit_k4_runs_every_phase_at_tiny_shapes_and_a_fresh_machine_continues_from_its_store(
     forked_stages, tmp_path, capsys
@@ -131,9 +143,10 @@ def test_credit_k4_runs_every_phase_at_tiny_shapes_and_a_fresh_machine_continues
     k4.main([*argv, "--out", str(tmp_path / "k4"), "--save"])
     stored = [p.relative_to(tmp_path / "store") for p in (tmp_path / "store").rglob("*") if p.is_file()]
     assert not [p for p in stored if p.name == "checkpoint.pt" or ("grid" in p.parts and "policy" in p.parts)]
+    assert not [p for p in stored if "reproduce" in p.parts]  # phase 0 checks each machine: never restored
     assert sum(p.name == "policy.sha256" for p in stored) == 3 and sum(p.name == "kl.json" for p in stored) == 3 * 2 + 2
     shutil.rmtree(tmp_path / "k4")  # a fresh machine: its clone's --out is empty, at the same path (bench/out/...)
     capsys.readouterr()
     again = k4.main([*argv, "--out", str(tmp_path / "k4")])
-    assert "runs to do" not in capsys.readouterr().out  # every run was restored, none run again
+    assert "runs to do" not in capsys.readouterr().out  # every run was restored, none run again (phase 0 aside)
     assert {k: v for k, v in again.items() if k != "command"} == {k: v for k, v in result.items() if k != "command"}
