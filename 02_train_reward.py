@@ -162,6 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.bf16 is None:
         args.bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
     scalar_rm.check_train_args(args)
+    training.check_tracking(args)  # --report-to: known trackers, their packages installed
     if args.max_new_tokens >= args.max_len:
         raise common.DataError(
             f"--max-new-tokens {args.max_new_tokens}: must be below --max-len {args.max_len} (the "

@@ -36,7 +36,7 @@ import common
 import critics
 from baselines import self_distill
 from critics import critique_failed, make_critic, span_deltas
-from infra import decoding, distributed, mismatch, models, runs, sft, trace, trainable
+from infra import decoding, distributed, mismatch, models, runs, sft, trace, tracking, trainable
 from infra import vllm_rollouts as vr
 from infra.data import read_prompts
 from infra.locality import locality_sums, locality_summary
@@ -532,6 +532,7 @@ def train(args):
     saved = runs.start_or_resume(out_dir, kind, config, model, value_head, optimizer, scheduler, scaler, rank, world)
     first_step, kl_coef = saved["step"] + 1, saved.get("kl_coef", args.kl_coef)  # resumed: the beta it had reached
     rows = saved["rows"]  # metrics.jsonl's: the failure limits and counts are the whole run's, resumes included
+    tracked = tracking.open_run(tracking.parse(args.report_to), out_dir, vars(args), saved["step"], rank)  # live
     save = lambda step, rng=None: runs.save_checkpoint(  # noqa: E731
         ckpt, step, model, value_head, optimizer, scheduler, scaler, kl_coef, vars(args), rank, rng
     )
@@ -583,6 +584,7 @@ def train(args):
         it = dict(recs=recs, b=b, g=g, feedback=feedback, counts=counts, watched=watched, stats=stats)
         it.update(epochs=epochs, kl_coef=kl_coef, lr=lr, explained_variance=ev, clock=clock, server=server)
         row = trace.log_iteration(step, out_dir, it, args, rank)
+        tracking.log(tracked, row, step)  # --report-to: the same row, live
         if args.adaptive_kl_target:  # beta's input: the global batch's sequence KL
             kl_coef = update_kl_coef(
                 kl_coef, g.kl.sum(1).mean().item(), args.adaptive_kl_target, args.adaptive_kl_horizon, args.batch_size
@@ -594,6 +596,7 @@ def train(args):
         if halt:
             raise common.DataError(halt)
     runs.save_policy(out_dir / "policy", model, tokenizer, value_head, rank)  # adapter or weights, loadable alone
+    tracking.finish(tracked)
     distributed.barrier()
     critics.end_of_run(rows, first_step, args, rank)  # its cost; most critiques failed over the run: DataError
     return out_dir / "policy"

@@ -14,16 +14,23 @@ create_loraplus_optimizer); 0 is plain LoRA, the paper's.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
 from common import DataError
-from infra import distributed
+from infra import distributed, tracking
+
+
+def check_tracking(args) -> None:
+    """--report-to: one line for a tracker it does not know or whose package is missing, before anything loads."""
+    tracking.check(tracking.parse(args.report_to))
 
 
 def add_args(p) -> None:
+    tracking.add_args(p)  # --report-to: the Trainer's own callbacks (infra/tracking.py)
     g = p.add_argument_group("the optimizer (infra/training.py)")
     g.add_argument("--optim", help="the Trainer's optimizer: adamw_torch, sgd, adafactor, ... (default: AdamW)")
     g.add_argument(
@@ -48,6 +55,8 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
         log(f"--resume: no checkpoint in {ckpt_dir}, starting from scratch")
     if not args.resume and ckpt_dir.is_dir() and rank0:
         shutil.rmtree(ckpt_dir)  # a fresh run: old checkpoints would otherwise be mixed with the new ones
+    if "tensorboard" in tracking.parse(getattr(args, "report_to", "none")):  # the callback's folder, kept with the run
+        os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(ckpt_dir / "tensorboard"))
     targs = TrainingArguments(
         output_dir=str(ckpt_dir),
         seed=args.seed,
@@ -71,7 +80,7 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
         save_strategy="steps",
         save_steps=args.save_steps,
         save_total_limit=2,
-        report_to="none",
+        report_to=tracking.parse(getattr(args, "report_to", "none")) or "none",  # transformers' callbacks
         remove_unused_columns=False,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,

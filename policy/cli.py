@@ -11,7 +11,7 @@ import torch
 
 import common
 import critics
-from infra import cli, decoding, distributed, reward_models, sft, trace, trainable
+from infra import cli, decoding, distributed, reward_models, sft, trace, tracking, trainable
 from infra import vllm_rollouts as vr
 
 # Defaults per task preset: the demo fits a 2-core CPU; the others follow the paper (App. D, Table 10).
@@ -143,7 +143,7 @@ def parse_args(argv=None, doc: str = ""):
     a("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, ...")
     a("--dtype", default="float32", choices=["float32", "bf16", "fp16"], help="README: Scaling up")
     # --- the variants' own flags (App. I's --labels and --span-weighting: critics/)
-    for variant in (sft, trainable, critics, decoding, distributed, trace, vr):
+    for variant in (sft, trainable, critics, decoding, distributed, trace, tracking, vr):
         variant.add_args(p)
     args = p.parse_args(argv)
     # only this command may replace the demo's runs
@@ -188,4 +188,5 @@ def parse_args(argv=None, doc: str = ""):
         raise common.DataError(f"--reward-mode self_distill: --critic {args.critic} writes no critique to teach from")
     critics.check_args(args, critic_budget, rm_given)  # its reward model, as stage 2 trained it
     vr.check_args(args, world)  # --rollout-server: LoRA, one process
+    tracking.check(tracking.parse(args.report_to))  # --report-to: known trackers, their packages installed
     return args

@@ -1,0 +1,106 @@
+"""--report-to (issue 79): a run watched live in TensorBoard, W&B or Trackio, with the values transformers' and TRL's
+`report_to` takes: none (the default), tensorboard, wandb, trackio, or a comma list of them.
+
+Stage 2 hands the list to its Trainer (transformers' own callbacks). Stage 3 calls open_run once before its first
+iteration, log with every metrics.jsonl row (the same keys, its iteration as the step) and finish at the end, on rank
+0 only. A run remembers its trackers in OUTPUT_DIR/tracking.json (W&B's run id, the run's name), so a --resume
+continues the same run rather than a new one: TensorBoard drops the events after the checkpoint's iteration
+(purge_step), W&B and Trackio resume their run by id and name. Nothing is sent anywhere unless the tracker is set up
+to: W&B reads WANDB_MODE (offline: files under OUTPUT_DIR/wandb) and WANDB_PROJECT, Trackio writes a local database
+(TRACKIO_DIR) and serves its dashboard with `trackio show`. docs/tracking.md has the commands.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from pathlib import Path
+
+import common
+
+CHOICES = ("tensorboard", "wandb", "trackio")
+PROJECT = "text2grad"  # W&B's and Trackio's project, unless WANDB_PROJECT / TRACKIO_PROJECT says otherwise
+
+
+def add_args(p) -> None:
+    p.add_argument("--report-to", default="none", help="none, tensorboard, wandb, trackio, or a comma list")
+
+
+def parse(value: str) -> list[str]:
+    """The trackers of a --report-to value ([] for none); DataError naming a value that is none of them."""
+    kinds = [v.strip() for v in (value or "none").split(",") if v.strip()]
+    bad = [k for k in kinds if k not in (*CHOICES, "none")]
+    if bad or ("none" in kinds and len(kinds) > 1):
+        raise common.DataError(f"--report-to {value}: takes none, or a comma list of {', '.join(CHOICES)}")
+    return [k for k in kinds if k != "none"]
+
+
+def check(kinds: list[str]) -> None:
+    """Before any work: each tracker's package imports, else one line naming the pip install."""
+    package = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+    for kind in kinds:
+        try:
+            __import__(package[kind])
+        except ImportError:
+            raise common.DataError(f"--report-to {kind}: pip install {package[kind]}") from None
+
+
+def open_run(kinds: list[str], out_dir: Path, config: dict, last_step: int, rank: int = 0) -> dict:
+    """{kind: handle} for stage 3's run in out_dir ({} on other ranks, or with none). last_step: the iteration the
+    run continues after (0 for a new run); a new run writes its name and W&B id to tracking.json, a resumed one reads
+    them back, so its trackers continue the same run."""
+    if rank != 0 or not kinds:
+        return {}
+    out_dir, state_file = Path(out_dir), Path(out_dir) / "tracking.json"
+    state = json.loads(state_file.read_text()) if last_step and state_file.is_file() else {}
+    state.setdefault("name", f"{out_dir.resolve().parent.name}/{out_dir.name}")
+    config = {k: v for k, v in config.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    runs = {}
+    if "tensorboard" in kinds:
+        from torch.utils.tensorboard import SummaryWriter
+
+        runs["tensorboard"] = SummaryWriter(
+            str(out_dir / "tensorboard"), purge_step=last_step + 1 if last_step else None
+        )
+    if "wandb" in kinds:
+        import wandb
+
+        state.setdefault("wandb_id", uuid.uuid4().hex[:8])  # W&B's own kind of run id
+        project = os.environ.get("WANDB_PROJECT", PROJECT)
+        runs["wandb"] = wandb.init(
+            project=project, name=state["name"], id=state["wandb_id"], resume="allow", dir=str(out_dir), config=config
+        )
+    if "trackio" in kinds:
+        import trackio
+
+        project = os.environ.get("TRACKIO_PROJECT", PROJECT)
+        runs["trackio"] = trackio.init(project=project, name=state["name"], config=config, resume="allow")
+    common.write_json(state_file, state)
+    return runs
+
+
+def log(runs: dict, row: dict, step: int) -> None:
+    """One metrics.jsonl row, its numbers under their own keys, at `step` (its iteration)."""
+    numbers = {
+        k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    numbers = {k: v for k, v in numbers.items() if math.isfinite(v)}
+    if "tensorboard" in runs:
+        for k, v in numbers.items():
+            runs["tensorboard"].add_scalar(k, v, step)
+        runs["tensorboard"].flush()  # live: TensorBoard reads what is on disk
+    if "wandb" in runs:
+        runs["wandb"].log(numbers, step=step)
+    if "trackio" in runs:
+        runs["trackio"].log(numbers, step=step)
+
+
+def finish(runs: dict) -> None:
+    if "tensorboard" in runs:
+        runs["tensorboard"].close()
+    if "wandb" in runs:
+        runs["wandb"].finish()
+    if "trackio" in runs:
+        runs["trackio"].finish()

@@ -1,0 +1,94 @@
+"""--report-to (issue 79, infra/tracking.py): the real TensorBoard, W&B (offline) and Trackio (local) packages, each
+read back with its own reader. Stage 3 logs every metrics.jsonl row under its keys at its iteration, and a --resume
+continues the same run; stage 2 hands the list to its Trainer."""
+
+import json
+import os
+import sys
+
+import forkserver
+import pytest
+from conftest import ROOT
+from tasks.demo import demo_critic, demo_dataset
+
+import common
+from infra import tracking
+
+
+def test_report_to_takes_transformers_values_and_names_a_bad_one():
+    assert tracking.parse("none") == [] and tracking.parse("") == []
+    assert tracking.parse("tensorboard, wandb,trackio") == ["tensorboard", "wandb", "trackio"]
+    for bad in ("tensorbord", "none,wandb", "mlflow"):
+        with pytest.raises(common.DataError, match=f"^--report-to {bad}: takes none, or a comma list of"):
+            tracking.parse(bad)
+
+
+def stage3(tmp_path, model, *flags):
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio")}
+    argv = [sys.executable, str(ROOT / "03_train_policy.py"), "--model", model, "--critic", "program"]
+    argv += ["--prompts", str(tmp_path / "prompts.jsonl"), "--output-dir", str(tmp_path / "run")]
+    argv += ["--scalar-baseline-dir", "", "--batch-size", "4", "--num-minibatches", "2", "--ppo-epochs", "1"]
+    argv += ["--max-new-tokens", "6", "--sft-steps", "0", "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8"]
+    argv += ["--save-every", "1", "--report-to", "tensorboard,wandb,trackio", *flags]
+    proc = forkserver.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.slow  # two stage-3 runs and three trackers' imports (~1 minute of a worker)
+def test_stage3_logs_every_row_to_each_tracker_and_a_resume_continues_the_same_run(tmp_path, tiny_model_dir):
+    """2 iterations, then --resume to 3: each tracker holds iterations 1-3 once, each value the metrics.jsonl row's,
+    in one run (TensorBoard's scalars, Trackio's local database, W&B's offline run files under the same run id)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
+    stage3(tmp_path, tiny_model_dir, "--steps", "2")
+    stage3(tmp_path, tiny_model_dir, "--steps", "3", "--resume")
+    rows = common.read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    keys = ("objective/kl", "objective/span_reward", "policy/approx_kl", "critic/flagged_rate")
+    want = {k: [(r["step"], r[k]) for r in rows] for k in keys}
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    for k in keys:
+        assert [(e.step, pytest.approx(e.value, rel=1e-6, abs=1e-7)) for e in events.Scalars(k)] == want[k], k
+
+    state = json.loads((tmp_path / "run" / "tracking.json").read_text())
+    read = (  # Trackio's own reader, in a process of its own: TRACKIO_DIR is read when trackio is imported
+        "import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; p, n = sys.argv[1:]; "
+        "print(json.dumps([S.get_runs(p), S.get_logs(p, n)], default=str))"
+    )
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
+    proc = forkserver.run([sys.executable, "-c", read, tracking.PROJECT, state["name"]], env=env, capture_output=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs, logs = json.loads(proc.stdout.splitlines()[-1])
+    assert runs == [state["name"]]  # one run, resumed, not a second
+    for k in keys:
+        assert [(x["step"], pytest.approx(x[k], rel=1e-9)) for x in logs] == want[k], k
+
+    offline = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(d.name.endswith(state["wandb_id"]) for d in offline)  # the same run, twice
+
+
+@pytest.mark.slow  # a short stage-2 run
+def test_stage2_hands_report_to_to_its_trainer(tmp_path, tiny_model_dir):
+    """02 --report-to tensorboard: the Trainer's own callback writes the training loss (transformers' convention:
+    OUTPUT_DIR/checkpoints/tensorboard, kept and cleared with the Trainer's checkpoints); an unknown tracker is one
+    line before anything loads."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = tmp_path / "ann.jsonl"
+    common.write_jsonl(
+        data,
+        [{**ex, **demo_critic(ex["prompt"], ex["response"]), "status": "ok"} for ex in demo_dataset("annotate", 20)],
+    )
+    argv = [sys.executable, str(ROOT / "02_train_reward.py"), "--model", tiny_model_dir, "--data", str(data)]
+    argv += ["--output-dir", str(tmp_path / "rm"), "--max-steps", "4", "--batch-size", "2", "--eval-limit", "0"]
+    argv += ["--logging-steps", "1", "--device", "cpu", "--lora-r", "4", "--lora-alpha", "8"]
+    proc = forkserver.run([*argv, "--report-to", "tensorbord"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --report-to tensorbord:")
+    proc = forkserver.run([*argv, "--report-to", "tensorboard"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path / "rm" / "checkpoints" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
