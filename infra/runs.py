@@ -314,6 +314,7 @@ MAY_DIFFER = (
     "save_every",
     "trace_samples",
     "dump_rollouts",
+    "report_to",
     "critic_concurrency",
     "resume",
     "overwrite",

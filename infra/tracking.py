@@ -64,6 +64,8 @@ def open_run(kinds: list[str], out_dir: Path, config: dict, last_step: int, rank
         runs["tensorboard"] = SummaryWriter(
             str(out_dir / "tensorboard"), purge_step=last_step + 1 if last_step else None
         )
+        if not last_step:  # the run's flags, once (W&B and Trackio: their config)
+            runs["tensorboard"].add_text("config", "\n".join(f"    {k}: {v}" for k, v in sorted(config.items())), 0)
     if "wandb" in kinds:
         import wandb
 

@@ -87,7 +87,7 @@ def inspect_page(url: str, expressions: dict[str, str], screenshot: str | None =
             send("Page.navigate", {"url": url}, session=sid)
             evaluate = lambda expr: send(  # noqa: E731
                 "Runtime.evaluate",
-                {"expression": expr, "returnByValue": True},  # noqa
+                {"expression": expr, "returnByValue": True, "awaitPromise": True},  # noqa
                 session=sid,
             )["result"].get("value")
             while evaluate("document.readyState") != "complete":

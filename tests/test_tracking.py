@@ -4,8 +4,12 @@ continues the same run; stage 2 hands the list to its Trainer."""
 
 import json
 import os
+import subprocess
 import sys
+import time
+import urllib.request
 
+import browser
 import forkserver
 import pytest
 from conftest import ROOT
@@ -34,15 +38,23 @@ def stage3(tmp_path, model, *flags):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, tiny_model_dir):
+    """A stage-3 run of 2 iterations, then --resume to 3, reported to all three trackers: its folder."""
+    tmp_path = tmp_path_factory.mktemp("tracked")
+    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
+    stage3(tmp_path, tiny_model_dir, "--steps", "2")
+    stage3(tmp_path, tiny_model_dir, "--steps", "3", "--resume")  # (--report-to may change on a resume: a watch)
+    return tmp_path
+
+
 @pytest.mark.slow  # two stage-3 runs and three trackers' imports (~1 minute of a worker)
-def test_stage3_logs_every_row_to_each_tracker_and_a_resume_continues_the_same_run(tmp_path, tiny_model_dir):
+def test_stage3_logs_every_row_to_each_tracker_and_a_resume_continues_the_same_run(tracked):
     """2 iterations, then --resume to 3: each tracker holds iterations 1-3 once, each value the metrics.jsonl row's,
     in one run (TensorBoard's scalars, Trackio's local database, W&B's offline run files under the same run id)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    common.write_jsonl(tmp_path / "prompts.jsonl", demo_dataset("train", 16))
-    stage3(tmp_path, tiny_model_dir, "--steps", "2")
-    stage3(tmp_path, tiny_model_dir, "--steps", "3", "--resume")
+    tmp_path = tracked
     rows = common.read_jsonl(tmp_path / "run" / "metrics.jsonl")
     keys = ("objective/kl", "objective/span_reward", "policy/approx_kl", "critic/flagged_rate")
     want = {k: [(r["step"], r[k]) for r in rows] for k in keys}
@@ -50,6 +62,7 @@ def test_stage3_logs_every_row_to_each_tracker_and_a_resume_continues_the_same_r
 
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     events.Reload()
+    assert events.Tags()["tensors"] == ["config/text_summary"]  # the flags, as text
     for k in keys:
         assert [(e.step, pytest.approx(e.value, rel=1e-6, abs=1e-7)) for e in events.Scalars(k)] == want[k], k
 
@@ -68,6 +81,40 @@ def test_stage3_logs_every_row_to_each_tracker_and_a_resume_continues_the_same_r
 
     offline = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(d.name.endswith(state["wandb_id"]) for d in offline)  # the same run, twice
+
+
+@pytest.mark.slow  # the stage-3 run above, TensorBoard's server and Chromium
+@pytest.mark.skipif(browser.CHROMIUM is None, reason="needs Debian's chromium (apt install chromium)")
+def test_tensorboard_shows_a_stage3_curve_in_a_browser(tracked):
+    """TensorBoard's own server on 127.0.0.1 over the run above, its time-series page in headless Chromium: the card
+    of critic/flagged_rate is drawn (its title and its chart; screenshot: tensorboard.png beside the run)."""
+    from conftest import free_port
+
+    port = free_port()
+    tb = [sys.executable, "-m", "tensorboard.main", "--logdir", str(tracked / "run" / "tensorboard")]
+    server = subprocess.Popen([*tb, "--host", "127.0.0.1", "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        while server.poll() is None:  # up when it answers (however long that takes), or it exited
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/")
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert server.poll() is None, server.stderr.read()[-2000:]
+        drawn = (  # its scalar card, title and line chart, once the page has drawn them (polled: at most 2 minutes)
+            "new Promise(ok => { let n = 0; const t = setInterval(() => { const seen = [...document.querySelectorAll("
+            "'scalar-card')].some(c => c.textContent.includes('critic/flagged_rate') && c.querySelector('line-chart'));"
+            " if (seen || ++n > 1200) { clearInterval(t); ok(seen); } }, 100); })"
+        )
+        shot = tracked / "tensorboard.png"
+        values, errors, _ = browser.inspect_page(
+            f"http://127.0.0.1:{port}/?smoothing=0#timeseries", {"drawn": drawn}, str(shot)
+        )
+        assert values["drawn"] is True, errors
+        assert shot.stat().st_size > 10_000
+    finally:
+        server.terminate()
+        server.wait()
 
 
 @pytest.mark.slow  # a short stage-2 run
