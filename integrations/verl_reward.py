@@ -1,0 +1,70 @@
+"""text2grad's critic inside verl (issue 79, docs/scaling.md "Inside verl"): a reward manager for verl's reward loop
+(verl 0.9) that gives each response the per-token pseudo-rewards delta_t of 03's step 3 instead of one score at its
+last token. Each response is decoded with its tokens' character intervals (common.decode_with_offsets), judged by any
+text2grad critic (03's --critic: local, openai, program or python:MODULE:FUNCTION, with its own flags), and its
+quotes located by character interval (critics.span_deltas: exactly 03's delta). verl's config names the class:
+
+    reward.reward_manager.source=importlib
+    reward.reward_manager.module.path=/path/to/text2grad/integrations/verl_reward.py
+    reward.reward_manager.name=Text2GradRewardManager
+    +reward.text2grad.critic=python:my_critic.py:critic    # or local, with flags: the reward model's folder
+    +reward.text2grad.flags=[--reward-model,runs/demo/reward_model]
+    +reward.text2grad.task=demo
+
+run_single returns each response's delta list as its "reward_score" (and the critique's outcome in
+reward_extra_info); assemble_rm_scores lays the lists out as verl's (batch, response length) rm_scores, 0 after each
+response's last valid token. verl then adds its KL and computes advantages from the dense reward, as 03 does.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # text2grad's modules, from wherever verl imports this
+
+import common  # noqa: E402
+import critics  # noqa: E402
+from verl import DataProto  # noqa: E402
+from verl.experimental.reward_loop.reward_manager import register  # noqa: E402
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase  # noqa: E402
+
+
+def text2grad_critic(critic: str, task: str = "demo", flags: list[str] | tuple = ()):
+    """The critic 03 --critic CRITIC --task TASK FLAGS would build: critic(records, texts) -> feedback."""
+    from policy import cli
+
+    args = cli.parse_args(["--model", "unused", "--task", task, "--critic", critic, *flags])
+    return critics.make_critic(args)
+
+
+@register("text2grad")
+class Text2GradRewardManager(RewardManagerBase):
+    """delta_t of a text2grad critic as verl's token-level reward (module docstring)."""
+
+    def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
+        super().__init__(config, tokenizer, compute_score)
+        own = dict(config.reward.get("text2grad") or {}) if config is not None else {}
+        self.critic = text2grad_critic(own.get("critic", "program"), own.get("task", "demo"), own.get("flags", ()))
+
+    async def run_single(self, data: DataProto) -> dict:
+        item = data[-1:][0]  # a multi-sequence sample: its last sequence, as verl's naive manager
+        response, mask = item.batch["responses"], item.batch["attention_mask"]  # prompts left-padded, responses right
+        valid, n_prompt = int(mask[-response.shape[-1] :].sum()), int(mask[: -response.shape[-1]].sum())
+        prompt = self.tokenizer.decode(item.batch["prompts"][-n_prompt:], skip_special_tokens=True)
+        text, offsets = common.decode_with_offsets(self.tokenizer, response[:valid].tolist())
+        record = {**dict(item.non_tensor_batch.get("extra_info") or {}), "prompt": prompt}
+        feedback = await self.loop.run_in_executor(None, self.critic, [record], [text])
+        delta, rows, n_spans, n_unmatched = critics.span_deltas([text], [offsets], feedback, torch.ones(1, valid))
+        extra = {"t2g/critique_failed": float(critics.critique_failed(feedback[0])), "t2g/quotes": n_spans}
+        return {"reward_score": delta[0].tolist(), "reward_extra_info": {**extra, "t2g/unmatched": n_unmatched}}
+
+    @classmethod
+    def assemble_rm_scores(cls, data: DataProto, scores: list[list[float]]) -> torch.Tensor:
+        """(batch, response length): each response's delta_t on its own tokens, 0 on the padding after them."""
+        rm_scores = torch.zeros_like(data.batch["responses"], dtype=torch.float32)
+        for i, delta in enumerate(scores):
+            rm_scores[i, : len(delta)] = rm_scores.new_tensor(delta)
+        return rm_scores
