@@ -18,6 +18,7 @@ response's last valid token. verl then adds its KL and computes advantages from 
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -56,7 +57,8 @@ class Text2GradRewardManager(RewardManagerBase):
         prompt = self.tokenizer.decode(item.batch["prompts"][-n_prompt:], skip_special_tokens=True)
         text, offsets = common.decode_with_offsets(self.tokenizer, response[:valid].tolist())
         record = {**dict(item.non_tensor_batch.get("extra_info") or {}), "prompt": prompt}
-        feedback = await self.loop.run_in_executor(None, self.critic, [record], [text])
+        loop = asyncio.get_running_loop()  # the loop verl awaits this in (a critic may block: a thread of its own)
+        feedback = await loop.run_in_executor(None, self.critic, [record], [text])
         delta, rows, n_spans, n_unmatched = critics.span_deltas([text], [offsets], feedback, torch.ones(1, valid))
         extra = {"t2g/critique_failed": float(critics.critique_failed(feedback[0])), "t2g/quotes": n_spans}
         return {"reward_score": delta[0].tolist(), "reward_extra_info": {**extra, "t2g/unmatched": n_unmatched}}
