@@ -3,10 +3,10 @@ with learned critics (credit_learned.py); credit_k4.py's tests are in test_credi
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+import forkserver
 import pytest
 from bench_helpers import bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
 from conftest import ROOT
@@ -296,7 +296,7 @@ def test_a_start_built_twice_is_the_same_bytes_whatever_the_thread_count(tmp_pat
 
     def build(folder, seed, threads):
         env = {**__import__("os").environ, "OMP_NUM_THREADS": str(threads)}
-        proc = subprocess.run(
+        proc = forkserver.run(  # (2 threads: a server of that environment, as a fresh interpreter would read it)
             [sys.executable, "-c", BUILD, str(tmp_path / folder), str(seed)],
             cwd=ROOT,
             env=env,

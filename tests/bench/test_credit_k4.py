@@ -145,7 +145,9 @@ def test_credit_k4_runs_every_phase_at_tiny_shapes_and_a_fresh_machine_continues
     assert not [p for p in stored if p.name == "checkpoint.pt" or ("grid" in p.parts and "policy" in p.parts)]
     assert not [p for p in stored if "reproduce" in p.parts]  # phase 0 checks each machine: never restored
     assert sum(p.name == "policy.sha256" for p in stored) == 3 and sum(p.name == "kl.json" for p in stored) == 3 * 2 + 2
+    shutil.copytree(tmp_path / "k4" / "reproduce", tmp_path / "reproduce")  # phase 0 ran above: kept, for its minute
     shutil.rmtree(tmp_path / "k4")  # a fresh machine: its clone's --out is empty, at the same path (bench/out/...)
+    shutil.copytree(tmp_path / "reproduce", tmp_path / "k4" / "reproduce")  # (not from the store: never stored)
     capsys.readouterr()
     again = k4.main([*argv, "--out", str(tmp_path / "k4")])
     assert "runs to do" not in capsys.readouterr().out  # every run was restored, none run again (phase 0 aside)
