@@ -536,9 +536,20 @@ def finish(result: dict, args) -> dict:
 
 def markdown(result: dict) -> str:
     """The page's tables from the committed results (filled in as the phases land)."""
-    lines = ["| start | seed | iteration-0 imperfect | self-teacher gate: mistakes, revisions − answers [95%] |"]
-    lines.append("| --- | --- | --- | --- |")
+    lines = []
+    if "reproduce" in result:  # phase 0: each child's checksums, the environment its parent gave it, the machine
+        m = result["machine"]
+        lines += [f"Phase 0 on {m['cpu']} (torch {m['torch']}, pinned to {m['kernels']}):", ""]
+        lines += ["| child asked for | start | metrics | policy | iterations |", "| --- | --- | --- | --- | --- |"]
+        for env, c in zip(result["reproduce"]["outer_environments"], result["reproduce"]["children"]):
+            asked = ", ".join(f"{k}={v}" for k, v in env.items()) or "the native path"
+            lines.append(f"| {asked} | {c['start'][:16]} | {c['metrics'][:16]} | {c['policy'][:16]} | {c['rows']} |")
+        lines += ["", f"The same bytes: **{'yes' if result['reproduce']['same'] else 'no'}**.", ""]
     starts = result.get("starts", {})
+    if not starts:
+        return "\n".join(lines)
+    lines.append("| start | seed | iteration-0 imperfect | self-teacher gate: mistakes, revisions − answers [95%] |")
+    lines.append("| --- | --- | --- | --- |")
     for name, seed in starts.get("starts", {}).items():
         g = starts["gates"][name]["reflect_program"]["vs_answers"]["mistakes"]
         lines.append(

@@ -152,3 +152,11 @@ def test_credit_k4_runs_every_phase_at_tiny_shapes_and_a_fresh_machine_continues
     again = k4.main([*argv, "--out", str(tmp_path / "k4")])
     assert "runs to do" not in capsys.readouterr().out  # every run was restored, none run again (phase 0 aside)
     assert {k: v for k, v in again.items() if k != "command"} == {k: v for k, v in result.items() if k != "command"}
+
+
+def test_the_page_shows_the_committed_results_as_report_prints_them():
+    """bench/credit/credit_k4.md's result tables are credit_k4.py --report of the committed results, not copies that
+    can drift: phase 0's checksums (and each later phase's tables as they land)."""
+    results = json.loads((ROOT / "bench/credit/credit_k4_results.json").read_text())
+    assert results["reproduce"]["same"]
+    assert k4.markdown(results) in (ROOT / "bench/credit/credit_k4.md").read_text()
