@@ -340,11 +340,15 @@ def save(out: Path, store: Path) -> int:
 
     runs = {m.parent for m in out.rglob("metrics.jsonl")}
     done = {d for d in runs if finished(d, json.loads((d / "config.json").read_text())["steps"])}
+    starts = [d for d in out.glob("s*") if d.name[1:].isdigit()]  # build_start's folders, s<seed>
+    building = {d / m for d in starts for m in ("base", "sft") if not (d / m / "config.json").is_file()}
     copied = 0
     for f in sorted(out.rglob("*")):
         rel = f.relative_to(out)
         run = next((d for d in runs if d in f.parents), None)
         if not f.is_file() or any(p in SKIP for p in rel.parts) or rel.name.startswith(REBUILT) or run in runs - done:
+            continue
+        if building & set(f.parents):  # a start's base model or SFT start still being trained: not finished work
             continue
         if run and run.parent.name == "grid" and "policy" in rel.relative_to(run.relative_to(out)).parts:
             continue  # a grid run's curves are all the study reads
