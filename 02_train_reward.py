@@ -43,7 +43,7 @@ import torch
 import common
 from baselines import scalar_rm
 from critics.learned import rm_critique
-from infra import cli, distributed, models, reward_models, trainable, training
+from infra import cli, distributed, models, reward_models, tracking, trainable, training
 from infra.data import load_annotations, split_records
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.bf16 is None:
         args.bf16 = args.device == "cuda" and torch.cuda.is_bf16_supported()
     scalar_rm.check_train_args(args)
-    training.check_tracking(args)  # --report-to: known trackers, their packages installed
+    tracking.check(args.report_to)  # --report-to: known trackers, their packages installed
     if args.max_new_tokens >= args.max_len:
         raise common.DataError(
             f"--max-new-tokens {args.max_new_tokens}: must be below --max-len {args.max_len} (the "

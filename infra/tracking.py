@@ -37,14 +37,14 @@ def parse(value: str) -> list[str]:
     return [k for k in kinds if k != "none"]
 
 
-def check(kinds: list[str]) -> None:
-    """Before any work: each tracker's package imports, else one line naming the pip install."""
-    package = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
-    for kind in kinds:
+def check(value: str) -> None:
+    """Before any work: a --report-to value names known trackers whose packages import (each tracker's package has
+    its name), else one line (parse's, or the pip install)."""
+    for kind in parse(value):
         try:
-            __import__(package[kind])
+            __import__(kind)
         except ImportError:
-            raise common.DataError(f"--report-to {kind}: pip install {package[kind]}") from None
+            raise common.DataError(f"--report-to {kind}: pip install {kind}") from None
 
 
 def open_run(kinds: list[str], out_dir: Path, config: dict, last_step: int, rank: int = 0) -> dict:

@@ -24,11 +24,6 @@ from common import DataError
 from infra import distributed, tracking
 
 
-def check_tracking(args) -> None:
-    """--report-to: one line for a tracker it does not know or whose package is missing, before anything loads."""
-    tracking.check(tracking.parse(args.report_to))
-
-
 def add_args(p) -> None:
     tracking.add_args(p)  # --report-to: the Trainer's own callbacks (infra/tracking.py)
     g = p.add_argument_group("the optimizer (infra/training.py)")
@@ -55,7 +50,8 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
         log(f"--resume: no checkpoint in {ckpt_dir}, starting from scratch")
     if not args.resume and ckpt_dir.is_dir() and rank0:
         shutil.rmtree(ckpt_dir)  # a fresh run: old checkpoints would otherwise be mixed with the new ones
-    if "tensorboard" in tracking.parse(getattr(args, "report_to", "none")):  # the callback's folder, kept with the run
+    report_to = tracking.parse(getattr(args, "report_to", "none"))  # (02's; a caller without the flag: none)
+    if "tensorboard" in report_to:  # the callback's folder, kept with the run
         os.environ.setdefault("TENSORBOARD_LOGGING_DIR", str(ckpt_dir / "tensorboard"))
     targs = TrainingArguments(
         output_dir=str(ckpt_dir),
@@ -80,7 +76,7 @@ def make_trainer(args, model, train_set, val_set, collator, log, rank0: bool, lo
         save_strategy="steps",
         save_steps=args.save_steps,
         save_total_limit=2,
-        report_to=tracking.parse(getattr(args, "report_to", "none")) or "none",  # transformers' callbacks
+        report_to=report_to or "none",  # transformers' callbacks
         remove_unused_columns=False,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,

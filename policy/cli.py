@@ -188,5 +188,5 @@ def parse_args(argv=None, doc: str = ""):
         raise common.DataError(f"--reward-mode self_distill: --critic {args.critic} writes no critique to teach from")
     critics.check_args(args, critic_budget, rm_given)  # its reward model, as stage 2 trained it
     vr.check_args(args, world)  # --rollout-server: LoRA, one process
-    tracking.check(tracking.parse(args.report_to))  # --report-to: known trackers, their packages installed
+    tracking.check(args.report_to)  # --report-to: known trackers, their packages installed
     return args
