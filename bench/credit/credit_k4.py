@@ -348,8 +348,8 @@ def save(out: Path, store: Path) -> int:
         run = next((d for d in runs if d in f.parents), None)
         if not f.is_file() or any(p in SKIP for p in rel.parts) or rel.name.startswith(REBUILT) or run in runs - done:
             continue
-        if building & set(f.parents):  # a start's base model or SFT start still being trained: not finished work
-            continue
+        if building & set(f.parents) or rel.parts == ("results.json",):  # a start still training; the summary
+            continue  # (each phase's end rewrites results.json)
         if run and run.parent.name == "grid" and "policy" in rel.relative_to(run.relative_to(out)).parts:
             continue  # a grid run's curves are all the study reads
         to = store / rel
@@ -484,7 +484,8 @@ def main(argv=None):
     if args.store:  # what earlier sessions finished (other machines: the bytes are the same, phase 0 checks it)
         restore(Path(args.store), out)
     result["reproduce"] = reproduce(out, args)
-    if finish(result, args) and args.stop_after == "reproduce":
+    finish(result, args)  # each phase's end: the results so far written
+    if args.stop_after == "reproduce":
         return result
     chosen_starts = choose_starts(out, args, rng)
     worlds = chosen_starts.pop("worlds")
@@ -493,7 +494,8 @@ def main(argv=None):
     applicable = any(g["passes"] for g in chosen_starts["gates"].values()) or args.self_distill == "always"
     arms = [a for a in args.arms if a != "self_distill" or applicable]
     result["self_distill"] = "applicable" if applicable else "not applicable at this scale (no start passed its gate)"
-    if finish(result, args) and args.stop_after == "starts":
+    finish(result, args)  # each phase's end: the results so far written
+    if args.stop_after == "starts":
         return result
     grid, chosen, lrs = tune(out, next(iter(worlds.values())), arms, args)
     result["grid"] = {"/".join(map(str, k)): {m: c[m] for m in ("final", "auc")} for k, c in grid.items()}
@@ -501,7 +503,8 @@ def main(argv=None):
         "/".join(map(str, k)): digits(v * 32 for v in c["imperfect_curve"]) for k, c in grid.items()
     }
     result.update(selection=chosen, lrs=lrs)
-    if finish(result, args) and args.stop_after == "grid":
+    finish(result, args)  # each phase's end: the results so far written
+    if args.stop_after == "grid":
         return result
     result["confirm"] = confirm(out, worlds, chosen, args, result, rng)
     return finish(result, args)

@@ -164,12 +164,14 @@ def test_the_page_shows_the_committed_results_as_report_prints_them():
 
 def test_save_stores_a_start_only_once_its_models_are_finished(tmp_path):
     """A session that stops (and saves) while start seed 0's SFT start trains: its base model is stored, the
-    half-written SFT folder (no config.json yet) is not, so a fresh machine trains it again from the start."""
+    half-written SFT folder (no config.json yet) is not, so a fresh machine trains it again from the start; nor is
+    the summary results.json."""
     out = tmp_path / "out"
     for folder, files in (("s0/base", ("config.json", "model.safetensors")), ("s0/sft", ("checkpoint-100.bin",))):
         (out / folder).mkdir(parents=True)
         for name in files:
             (out / folder / name).write_text(name)
+    (out / "results.json").write_text("{}")  # the summary each phase's end rewrites: never stored
     k4.save(out, tmp_path / "store")
     stored = sorted(str(p.relative_to(tmp_path / "store")) for p in (tmp_path / "store").rglob("*") if p.is_file())
     assert stored == ["s0/base/config.json", "s0/base/model.safetensors"]
