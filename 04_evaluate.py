@@ -39,7 +39,7 @@ from baselines import reflection
 from common import DataError
 from critics.learned import rm_critique
 from evaluation import judge, monitors, report, table4
-from infra import cli, models, reward_models
+from infra import cli, models, reward_models, tracking
 from infra.data import load_split, read_code_problems
 
 DEMO_POLICIES = {"sft": "runs/demo/sft", "scalar": "runs/demo/scalar/policy", "text2grad": "runs/demo/text2grad/policy"}
@@ -110,7 +110,7 @@ def parse_args(argv=None):
     a("--output-dir", default="runs/demo", help="results.json, report.html and the eval/ caches")
     a("--bootstrap", type=int, default=1000, help="bootstrap resamples for the 95%% intervals")
     # --- the variants' own flags
-    for variant in (reflection, monitors, evaluation, judge, report, table4):
+    for variant in (reflection, monitors, evaluation, judge, report, table4, tracking):
         variant.add_args(p)
     args = p.parse_args(argv)
     preset = TASK_FIELDS[args.task]
@@ -375,6 +375,7 @@ def main(argv=None) -> dict:
         reward_models.check_reward_model(rm_path, flag)  # before any generation
     watchers = monitors.load_monitors(args.monitor, args.task, records)  # plug-ins: called once
     table4.check(args, names)  # and the paper's Table 4 metrics asked for
+    tracking.check(args.report_to)  # --report-to: known trackers, their packages installed
     if args.judge_base_url:  # so is the judge's endpoint, with one cheap request
         judge.check_judge(args)
 
@@ -481,6 +482,7 @@ def main(argv=None) -> dict:
     results["training"], results["wall_s"] = report.training_counts(trained, specs), round(time.time() - t0, 1)
     common.write_json(out_dir / "results.json", results)
     report.print_table(results)
+    tracking.log_results(args.report_to, results, report.results_table(results), out_dir)
     curves = report.plot_curves(trained)
     sample_ids = report.pick_samples(records, {n: [g["response"] for g in gens[n]] for n in names}, args.report_samples)
     with common.atomic_open(out_dir / "report.html") as f:

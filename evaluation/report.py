@@ -779,7 +779,9 @@ def pick_samples(records, outputs: dict[str, list[str]], k: int) -> list[str]:
     return [records[i]["id"] for i in chosen]
 
 
-def print_table(results: dict) -> None:
+def results_table(results: dict) -> list[list[str]]:
+    """The results as text: a header row, then a row per metric (value [95% interval] per policy) and per judge pair;
+    what print_table prints, and what 04 --report-to logs (infra/tracking.py: log_results)."""
     pol = results["policies"]
     cell = lambda m: f"{fmt(m['value'])} [{fmt(m['ci95'][0])}, {fmt(m['ci95'][1])}]" if m else "–"  # noqa: E731
     table = [["metric", *[f"{n} (n={p['n']})" for n, p in pol.items()]]]
@@ -793,6 +795,20 @@ def print_table(results: dict) -> None:
         ]
         for k in metric_keys(pol)
     ]
+    for name, j in (results.get("judge") or {}).get("pairs", {}).items():
+        invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
+        table.append(
+            [
+                f"judge {name} win/tie/loss",
+                f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"
+                f"{fmt(j['loss']['value'])} (n={j['n']} valid{invalid})",
+            ]
+        )
+    return table
+
+
+def print_table(results: dict) -> None:
+    pol, table = results["policies"], results_table(results)
     for name, f in ((n, p["critic_failed"]) for n, p in pol.items() if p.get("critic_failed")):
         print(
             f"warning: {name}: {f['failed']} of {f['n']} of the reward model's critiques of its answers did not "
@@ -807,14 +823,6 @@ def print_table(results: dict) -> None:
             file=sys.stderr,
         )
     for name, j in (results.get("judge") or {}).get("pairs", {}).items():
-        invalid = f"; {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid" if j["invalid"] else ""
-        table.append(
-            [
-                f"judge {name} win/tie/loss",
-                f"{fmt(j['win']['value'])}/{fmt(j['tie']['value'])}/"
-                f"{fmt(j['loss']['value'])} (n={j['n']} valid{invalid})",
-            ]
-        )
         if j["invalid"]:  # a judge that mostly does not answer in format must not read as a verdict
             print(
                 f"warning: judge {name}: {j['invalid']} of {j['n'] + j['invalid']} verdicts invalid (no 'Winner: "

@@ -99,6 +99,51 @@ def log(runs: dict, row: dict, step: int) -> None:
         runs["trackio"].log(numbers, step=step)
 
 
+def run_of(policy_path: str) -> Path | None:
+    """The stage-3 run a policy folder was saved by (03 writes OUTPUT_DIR/policy beside OUTPUT_DIR/metrics.jsonl)."""
+    for folder in (Path(policy_path), Path(policy_path).parent):
+        if (folder / "metrics.jsonl").is_file():
+            return folder
+    return None
+
+
+def log_results(report_to: str, results: dict, table: list[list[str]], out_dir: Path) -> list[Path]:
+    """04 --report-to: the results table, and a policy's own metrics as eval/METRIC at its last iteration, in the
+    stage-3 run each policy came from (the same run: its tracking.json); a policy of no stage-3 run (the SFT start, a
+    hub model) is in the table only. No policy of a run: one run in out_dir, each policy's as eval/POLICY/METRIC.
+    Returns the runs' folders."""
+    kinds = parse(report_to)
+    if not kinds:
+        return []
+    sources = {name: run_of(p["path"]) for name, p in results["policies"].items()}
+    folders = {f: [n for n, g in sources.items() if g == f] for f in sources.values() if f} or {Path(out_dir): None}
+    width = len(table[0])
+    header, rows = table[0], [r + [""] * (width - len(r)) for r in table[1:]]  # a judge row has one cell
+    text = "\n".join("    " + "  ".join(r) for r in table)  # TensorBoard's text: markdown, indented = verbatim
+    for folder, names in folders.items():
+        metrics = common.read_jsonl(folder / "metrics.jsonl") if names else []
+        step = metrics[-1]["step"] if metrics else 0
+        runs = open_run(kinds, folder, results, step)  # (a new run's config: the results' scalars)
+        own = {
+            f"eval/{k}" if names else f"eval/{name}/{k}": m["value"]
+            for name in names or results["policies"]
+            for k, m in results["policies"][name]["metrics"].items()
+        }
+        log(runs, own, step)
+        if "tensorboard" in runs:
+            runs["tensorboard"].add_text("eval/results", text, step)
+        if "wandb" in runs:
+            import wandb
+
+            runs["wandb"].log({"eval/results": wandb.Table(columns=header, data=rows)}, step=step)
+        if "trackio" in runs:
+            import trackio
+
+            runs["trackio"].log({"eval/results": trackio.Table(columns=header, data=rows)}, step=step)
+        finish(runs)
+    return list(folders)
+
+
 def finish(runs: dict) -> None:
     if "tensorboard" in runs:
         runs["tensorboard"].close()

@@ -4,6 +4,7 @@ continues the same run; stage 2 hands the list to its Trainer."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -81,6 +82,62 @@ def test_stage3_logs_every_row_to_each_tracker_and_a_resume_continues_the_same_r
 
     offline = sorted((tmp_path / "run" / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(d.name.endswith(state["wandb_id"]) for d in offline)  # the same run, twice
+
+
+@pytest.mark.slow  # the stage-3 run above, then 04 on 8 posts
+def test_stage4_logs_its_results_to_the_stage3_run_its_policy_came_from(tracked, tmp_path, tiny_model_dir):
+    """04 --report-to: the policy of the tracked stage-3 run gets its metrics as eval/METRIC at the run's last
+    iteration (3), and the table, in the same run (Trackio: still one run; W&B: a third folder of the same id); the
+    SFT start, of no stage-3 run, is in the table only; the training curves stay whole."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    shutil.copytree(tracked, tmp_path / "t")  # (the module's run stays as the tests above read it)
+    run = tmp_path / "t" / "run"
+    common.write_jsonl(tmp_path / "eval.jsonl", demo_dataset("eval", 8))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "t/trackio")}
+    argv = [sys.executable, str(ROOT / "04_evaluate.py"), "--data", str(tmp_path / "eval.jsonl"), "--device", "cpu"]
+    argv += ["--policy", f"sft={tiny_model_dir}", "--policy", f"text2grad={run / 'policy'}", "--reward-model", "none"]
+    argv += ["--output-dir", str(tmp_path / "eval"), "--report-to", "tensorboard,wandb,trackio"]
+    proc = forkserver.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())
+    want = results["policies"]["text2grad"]["metrics"]["demo/mistake_rate"]["value"]
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("eval/demo/mistake_rate")] == [(3, want)]
+    assert [e.step for e in events.Scalars("critic/flagged_rate")] == [1, 2, 3]  # the curves: not purged
+    assert "eval/results/text_summary" in events.Tags()["tensors"]
+    assert not any(t.startswith("eval/") for t in events.Tags()["scalars"] if "sft" in t)  # sft: the table only
+
+    state = json.loads((run / "tracking.json").read_text())
+    read = (
+        "import json, sys; from trackio.sqlite_storage import SQLiteStorage as S; p, n = sys.argv[1:]; "
+        "print(json.dumps([S.get_runs(p), S.get_logs(p, n)], default=str))"
+    )
+    proc = forkserver.run([sys.executable, "-c", read, tracking.PROJECT, state["name"]], env=env, capture_output=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    runs, logs = json.loads(proc.stdout.splitlines()[-1])
+    assert runs == [state["name"]]
+    assert [(x["step"], x["eval/demo/mistake_rate"]) for x in logs if "eval/demo/mistake_rate" in x] == [(3, want)]
+    assert any("eval/results" in x for x in logs)
+    offline = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(offline) == 3 and all(d.name.endswith(state["wandb_id"]) for d in offline)
+    (table,) = (offline[-1] / "files" / "media" / "table" / "eval").glob("results_3_*.table.json")  # W&B's own file
+    assert json.loads(table.read_text())["columns"] == ["metric", "sft (n=8)", "text2grad (n=8)"]
+    assert b"eval/demo/mistake_rate" in next(offline[-1].glob("*.wandb")).read_bytes()  # its history (binary)
+
+    # no policy of a stage-3 run: a run of 04's own in its --output-dir, each policy's metrics under its name
+    argv = [*argv[:6], "--policy", f"sft={tiny_model_dir}", "--reward-model", "none"]
+    argv += ["--output-dir", str(tmp_path / "o")]
+    proc = forkserver.run([*argv, "--report-to", "tensorbord"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --report-to tensorbord:")
+    proc = forkserver.run([*argv, "--report-to", "tensorboard"], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = EventAccumulator(str(tmp_path / "o" / "tensorboard"))
+    events.Reload()
+    sft = json.loads((tmp_path / "o" / "results.json").read_text())["policies"]["sft"]["metrics"]
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("eval/sft/bleu")] == [(0, sft["bleu"]["value"])]
 
 
 @pytest.mark.slow  # the stage-3 run above, TensorBoard's server and Chromium
