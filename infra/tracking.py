@@ -119,7 +119,7 @@ def log_results(report_to: str, results: dict, table: list[list[str]], out_dir: 
     folders = {f: [n for n, g in sources.items() if g == f] for f in sources.values() if f} or {Path(out_dir): None}
     width = len(table[0])
     header, rows = table[0], [r + [""] * (width - len(r)) for r in table[1:]]  # a judge row has one cell
-    text = "\n".join("    " + "  ".join(r) for r in table)  # TensorBoard's text: markdown, indented = verbatim
+    text = "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * width, *rows])  # TensorBoard: markdown
     for folder, names in folders.items():
         metrics = common.read_jsonl(folder / "metrics.jsonl") if names else []
         step = metrics[-1]["step"] if metrics else 0

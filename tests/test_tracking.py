@@ -108,6 +108,10 @@ def test_stage4_logs_its_results_to_the_stage3_run_its_policy_came_from(tracked,
     assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("eval/demo/mistake_rate")] == [(3, want)]
     assert [e.step for e in events.Scalars("critic/flagged_rate")] == [1, 2, 3]  # the curves: not purged
     assert "eval/results/text_summary" in events.Tags()["tensors"]
+    (text,) = events.Tensors("eval/results/text_summary")  # a markdown table: a row per metric
+    lines = text.tensor_proto.string_val[0].decode().splitlines()
+    assert lines[:2] == ["| metric | sft (n=8) | text2grad (n=8) |", "| --- | --- | --- |"]
+    assert any(line.startswith("| demo/mistake_rate | ") for line in lines)
     assert not any(t.startswith("eval/") for t in events.Tags()["scalars"] if "sft" in t)  # sft: the table only
 
     state = json.loads((run / "tracking.json").read_text())
