@@ -390,6 +390,27 @@ def make_critic(args):
     return lambda recs, texts: [parse(x) for x in write(recs, texts)]
 
 
+def from_flags(critic: str, task: str = "demo", flags: list[str] | tuple = ()):
+    """The critic 03 --critic CRITIC --task TASK FLAGS would build, for a trainer other than 03 (integrations/):
+    the same flags, so the same critic."""
+    from policy import cli
+
+    return make_critic(cli.parse_args(["--model", "unused", "--task", task, "--critic", critic, *flags]))
+
+
+def token_deltas(critic, tokenizer, records: list[dict], responses: list[list[int]]):
+    """delta_t of each response on its own token ids, a list per response (the integrations' reward: verl's, SkyRL's).
+    From the ids, not the text: the quotes are located on the tokens the policy sampled, by their character intervals
+    (common.decode_with_offsets), then span_deltas, 03's step 3. Returns the lists, the feedback, the number of
+    quotes and of quotes not found."""
+    texts, offsets = map(list, zip(*(common.decode_with_offsets(tokenizer, r) for r in responses)))
+    feedback = critic(records, texts)
+    lengths = torch.tensor([len(r) for r in responses])
+    mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).float()
+    delta, _, n_spans, n_unmatched = span_deltas(texts, offsets, feedback, mask)
+    return [d[:n].tolist() for d, n in zip(delta, lengths.tolist())], feedback, n_spans, n_unmatched
+
+
 def plugin_timeout(args) -> float | None:
     """--critic-timeout for a python: plug-in's calls; none for `program`, the task's own critic, whose runs have
     limits of their own (the code critic's: each test run's)."""

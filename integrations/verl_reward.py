@@ -26,19 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # text2grad's modules, from wherever verl imports this
 
-import common  # noqa: E402
 import critics  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.experimental.reward_loop.reward_manager import register  # noqa: E402
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase  # noqa: E402
-
-
-def text2grad_critic(critic: str, task: str = "demo", flags: list[str] | tuple = ()):
-    """The critic 03 --critic CRITIC --task TASK FLAGS would build: critic(records, texts) -> feedback."""
-    from policy import cli
-
-    args = cli.parse_args(["--model", "unused", "--task", task, "--critic", critic, *flags])
-    return critics.make_critic(args)
 
 
 @register("text2grad")
@@ -48,20 +39,21 @@ class Text2GradRewardManager(RewardManagerBase):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
         own = dict(config.reward.get("text2grad") or {}) if config is not None else {}
-        self.critic = text2grad_critic(own.get("critic", "program"), own.get("task", "demo"), own.get("flags", ()))
+        self.critic = critics.from_flags(own.get("critic", "program"), own.get("task", "demo"), own.get("flags", ()))
 
     async def run_single(self, data: DataProto) -> dict:
         item = data[-1:][0]  # a multi-sequence sample: its last sequence, as verl's naive manager
         response, mask = item.batch["responses"], item.batch["attention_mask"]  # prompts left-padded, responses right
         valid, n_prompt = int(mask[-response.shape[-1] :].sum()), int(mask[: -response.shape[-1]].sum())
         prompt = self.tokenizer.decode(item.batch["prompts"][-n_prompt:], skip_special_tokens=True)
-        text, offsets = common.decode_with_offsets(self.tokenizer, response[:valid].tolist())
         record = {**dict(item.non_tensor_batch.get("extra_info") or {}), "prompt": prompt}
         loop = asyncio.get_running_loop()  # the loop verl awaits this in (a critic may block: a thread of its own)
-        feedback = await loop.run_in_executor(None, self.critic, [record], [text])
-        delta, rows, n_spans, n_unmatched = critics.span_deltas([text], [offsets], feedback, torch.ones(1, valid))
+        ids = [response[:valid].tolist()]
+        deltas, feedback, n_spans, n_unmatched = await loop.run_in_executor(
+            None, critics.token_deltas, self.critic, self.tokenizer, [record], ids
+        )
         extra = {"t2g/critique_failed": float(critics.critique_failed(feedback[0])), "t2g/quotes": n_spans}
-        return {"reward_score": delta[0].tolist(), "reward_extra_info": {**extra, "t2g/unmatched": n_unmatched}}
+        return {"reward_score": deltas[0], "reward_extra_info": {**extra, "t2g/unmatched": n_unmatched}}
 
     @classmethod
     def assemble_rm_scores(cls, data: DataProto, scores: list[list[float]]) -> torch.Tensor:
