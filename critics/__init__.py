@@ -390,14 +390,6 @@ def make_critic(args):
     return lambda recs, texts: [parse(x) for x in write(recs, texts)]
 
 
-def from_flags(critic: str, task: str = "demo", flags: list[str] | tuple = ()):
-    """The critic 03 --critic CRITIC --task TASK FLAGS would build, for a trainer other than 03 (integrations/):
-    the same flags, so the same critic."""
-    from policy import cli
-
-    return make_critic(cli.parse_args(["--model", "unused", "--task", task, "--critic", critic, *flags]))
-
-
 def token_deltas(critic, tokenizer, records: list[dict], responses: list[list[int]]):
     """delta_t of each response on its own token ids, a list per response (the integrations' reward: verl's, SkyRL's).
     From the ids, not the text: the quotes are located on the tokens the policy sampled, by their character intervals

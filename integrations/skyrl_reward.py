@@ -2,9 +2,10 @@
 rewards as they are when a generator's output holds one list of floats per response token (GeneratorOutput.rewards:
 List[List[float]]; the trainer's postprocess_generator_output keeps them, its preprocessing right-aligns them), so
 text2grad's delta_t goes in there, computed exactly as for verl (critics.token_deltas). No SkyRL import: plain lists
-in, plain lists out. In a generator of your own (skyrl.train.generators.skyrl_gym_generator):
+in, plain lists out. The critic is the one 03's flags build (integrations.from_flags). In a generator of your own
+(skyrl.train.generators.skyrl_gym_generator):
 
-    CRITIC = critics.from_flags("local", "demo", ["--reward-model", "runs/demo/reward_model"])  # or any critic
+    CRITIC = integrations.from_flags("local", "demo", ["--reward-model", "runs/demo/reward_model"])  # or any critic
 
     class Text2GradGenerator(SkyRLGymGenerator):
         async def generate(self, input_batch, disable_tqdm=False):

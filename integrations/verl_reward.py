@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # text2grad's modules, from wherever verl imports this
 
 import critics  # noqa: E402
+import integrations  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.experimental.reward_loop.reward_manager import register  # noqa: E402
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase  # noqa: E402
@@ -39,7 +40,9 @@ class Text2GradRewardManager(RewardManagerBase):
     def __init__(self, config, tokenizer, compute_score=None, reward_router_address=None, reward_model_tokenizer=None):
         super().__init__(config, tokenizer, compute_score)
         own = dict(config.reward.get("text2grad") or {}) if config is not None else {}
-        self.critic = critics.from_flags(own.get("critic", "program"), own.get("task", "demo"), own.get("flags", ()))
+        self.critic = integrations.from_flags(
+            own.get("critic", "program"), own.get("task", "demo"), own.get("flags", ())
+        )
 
     async def run_single(self, data: DataProto) -> dict:
         item = data[-1:][0]  # a multi-sequence sample: its last sequence, as verl's naive manager

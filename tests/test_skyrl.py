@@ -15,6 +15,7 @@ from tasks.demo import demo_dataset
 import common
 import critics
 from infra import models
+import integrations
 from integrations.skyrl_reward import with_text2grad_rewards
 
 VENV = Path(os.environ.get("T2G_SKYRL_VENV", "/nonexistent"))
@@ -43,7 +44,9 @@ def generator_output(tok):
     recs = [{"prompt": tok.decode(p, skip_special_tokens=True)} for p in prompts]
     lengths = torch.tensor([len(r) for r in responses])
     mask = (torch.arange(int(lengths.max()))[None] < lengths[:, None]).float()
-    want = critics.span_deltas(list(texts), list(offsets), critics.from_flags("program")(recs, list(texts)), mask)[0]
+    want = critics.span_deltas(list(texts), list(offsets), integrations.from_flags("program")(recs, list(texts)), mask)[
+        0
+    ]
     assert (want != 0).any(1).all() and (want < 0).any()  # every answer quoted, some mistakes among them
     loss_masks = [[1] * len(r) for r in responses]
     loss_masks[0][int(want[0].nonzero()[0])] = 0
@@ -54,7 +57,7 @@ def generator_output(tok):
 def test_skyrls_per_token_rewards_are_03s_delta(tiny_model_dir):
     _, tok = models.load_model(tiny_model_dir)
     output, want = generator_output(tok)
-    got = with_text2grad_rewards(output, critics.from_flags("program"), tok)
+    got = with_text2grad_rewards(output, integrations.from_flags("program"), tok)
     assert {k: v for k, v in got.items() if k != "rewards"} == output  # the rest of the output as it was
     assert [len(r) for r in got["rewards"]] == [len(r) for r in output["response_ids"]]  # SkyRL's contract
     for i, rewards in enumerate(got["rewards"]):
@@ -67,7 +70,7 @@ def test_skyrls_per_token_rewards_are_03s_delta(tiny_model_dir):
 def test_skyrls_own_preprocessing_lays_out_the_rewards_as_its_training_batchs(tmp_path, tiny_model_dir):
     _, tok = models.load_model(tiny_model_dir)
     output, want = generator_output(tok)
-    got = with_text2grad_rewards(output, critics.from_flags("program"), tok)
+    got = with_text2grad_rewards(output, integrations.from_flags("program"), tok)
     (tmp_path / "output.json").write_text(json.dumps(got))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     script = [str(VENV / "bin" / "python"), "-c", IN_SKYRL, str(tmp_path / "output.json"), tiny_model_dir]
