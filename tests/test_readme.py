@@ -5,6 +5,7 @@ imported (not run as __main__) and that function called, every check in it made 
 names (a missing model folder or data file: the README's data is not here); any other script is run as __main__
 with argparse patched to stop it once its parser has parsed the flags."""
 
+import functools
 import json
 import os
 import re
@@ -76,11 +77,12 @@ print(json.dumps(out))
 def shell_blocks(markdown: str) -> list[tuple[str, str]]:
     """(the prose just before it, its text) of each fenced code block that is not Python source (```python: code to
     read, not commands to run)."""
-    return [
-        (before.strip().rsplit("\n\n", 1)[-1], block)
-        for before, info, block in re.findall(r"((?:(?!^```).)*?)^```([^\n]*)\n(.*?)^```", markdown, re.S | re.M)
-        if info.strip() not in ("python", "py")
-    ]
+    found, end = [], 0
+    for m in re.finditer(r"^```([^\n]*)\n(.*?)^```", markdown, re.S | re.M):  # linear: the prose is what lies between
+        before, end = markdown[end : m.start()], m.end()
+        if m[1].strip() not in ("python", "py"):
+            found.append((before.strip().rsplit("\n\n", 1)[-1], m[2]))
+    return found
 
 
 def readme_commands(markdown: str) -> list[tuple[str, list[str]]]:
@@ -222,6 +224,14 @@ def test_a_check_after_parsing_is_made_too():
     assert verdicts[2:] == ["ok", "ok"]
 
 
+@functools.cache
+def verdicts_of_every_page() -> dict:
+    """check() of every page's commands, in one interpreter: each script imported once, not once per page."""
+    commands = {p: readme_commands(p.read_text(encoding="utf-8")) for p in READMES}
+    verdicts = iter(check([c for page in commands.values() for c in page]))
+    return {p: [next(verdicts) for _ in page] for p, page in commands.items()}
+
+
 @pytest.mark.parametrize("readme", READMES, ids=[str(p.relative_to(ROOT)) for p in READMES])
 def test_every_readme_command_accepts_its_flags(readme):
     text = readme.read_text(encoding="utf-8")
@@ -232,7 +242,7 @@ def test_every_readme_command_accepts_its_flags(readme):
         assert len(commands) >= 3  # the extraction found the README's commands
     wrong = [
         f"{script} {shlex.join(args)}: {verdict}"
-        for (script, args), verdict in zip(commands, check(commands))
+        for (script, args), verdict in zip(commands, verdicts_of_every_page()[readme])
         if verdict != "ok"
     ]
     assert not wrong, "\n".join(wrong)
