@@ -1,7 +1,8 @@
 # Two commands on a fresh machine (README): `make demo` installs what the demo needs into a virtual environment and
 # runs the zero-flag demo; `make test` installs what the tests need and runs them (.ci/run calls it).
 #   make demo                                   # ~5 minutes on 2 CPU cores, everything under runs/demo/
-#   make test                                   # the whole suite (docs/tests.md)
+#   make test                                   # the suite but the tests marked slow: CI's, ~10 minutes (docs/tests.md)
+#   make test-all                               # every test, the slow tier too (~35 minutes on 2 cores)
 #   make test VENV=/tmp/ci/venv                 # another virtual environment (.ci/run: a fresh one every run)
 #   make demo TORCH_INDEX=https://download.pytorch.org/whl/cu128   # a GPU's torch instead of the CPU wheel
 #   make demo TORCH_INDEX=                      # PyPI only (where PyTorch's index is unreachable: no retries)
@@ -12,7 +13,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --quiet --disable-pip-version-check
 
-.PHONY: demo test
+.PHONY: demo test test-all
 
 # torch first, from TORCH_INDEX: a plain `pip install torch` resolves to the CUDA build on Linux (several GB)
 $(VENV)/.demo-installed: requirements.txt
@@ -36,4 +37,8 @@ test: $(VENV)/.test-installed
 		| tr '\n' ' ' && echo
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
+	$(PY) -m pytest -m "not slow"
+
+# the slow tier too: the zero-flag demo chain, torchrun, SmolLM2 end to end, the benches' end to end
+test-all: $(VENV)/.test-installed
 	$(PY) -m pytest

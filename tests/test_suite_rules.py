@@ -81,7 +81,7 @@ SLOW_CALLS = re.compile(r"_torchrun\(|_torchrun_rm\(|torch\.distributed\.run|[\"
 
 def unmarked_slow_tests(path: Path) -> list[str]:
     """Tests that start torchrun (2 gloo ranks: a minute or more of a worker) or read the zero-flag demo chain's
-    fixture, without @pytest.mark.slow: they would put the fast tier (-m "not slow") over its 5 minutes."""
+    fixture, without @pytest.mark.slow: they would put CI's tier (make test: -m "not slow") over its 15 minutes."""
     src = path.read_text()
     found = []
     for node in ast.parse(src).body:

@@ -290,6 +290,7 @@ print(cm.build_world(Path(sys.argv[1]), 2, 1, int(sys.argv[2]), args)["checksum"
 """
 
 
+@pytest.mark.slow  # 84 s of a worker (2026-12-03): a start built at two thread counts
 def test_a_start_built_twice_is_the_same_bytes_whatever_the_thread_count(tmp_path):
     """Issue 65, item 2: a world's base model and SFT start, built in two processes, one given 2 threads by its
     environment, are the same bytes (credit.one_thread); the other seed is another start."""

@@ -36,6 +36,7 @@ print(k4.build_start(Path(sys.argv[1]), 0, args)["checksum"])
 """
 
 
+@pytest.mark.slow  # 84 s of a worker (2026-12-03): a start built twice, under two kernel paths
 def test_a_start_is_other_bytes_under_two_kernel_paths_unpinned(tmp_path):
     """Issue 77, item 2, the instrument: a tiny start built by processes whose environments ask for two kernel paths
     (AVX2 and torch's DEFAULT with MKL's AUTO) is other bytes without pin_kernels, so phase 0 of the tiny study below

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from bench_helpers import bench_path, environ_restored  # noqa: F401 (environ_restored: autouse)
 from conftest import ROOT
 
@@ -11,6 +12,7 @@ from conftest import ROOT
 bench_path("gpu_recipe")
 
 
+@pytest.mark.slow  # 48 s of a worker (2026-12-03): the recipe end to end
 def test_gpu_recipe_runs_the_readme_recipe_path_on_a_cpu(tmp_path):
     """bench/gpu_recipe/gpu_recipe.py (the 8B recipe's measurement, issue 34) on its tiny shapes: stage 2's reward model is stage
     3's critic, both built from a config without weight files, every phase timed, the responses forced to full
