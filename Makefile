@@ -1,8 +1,8 @@
 # Two commands on a fresh machine (README): `make demo` installs what the demo needs into a virtual environment and
 # runs the zero-flag demo; `make test` installs what the tests need and runs them (.ci/run calls it).
 #   make demo                                   # ~5 minutes on 2 CPU cores, everything under runs/demo/
-#   make test                                   # the suite but the tests marked slow: CI's, ~10 minutes (docs/tests.md)
-#   make test-all                               # every test, the slow tier too (~35 minutes on 2 cores)
+#   make test                                   # the suite but the tests marked slow: CI's, ~7 minutes of tests (docs/tests.md)
+#   make test-all                               # every test, the slow tier too (~30 minutes on 2 cores)
 #   make test VENV=/tmp/ci/venv                 # another virtual environment (.ci/run: a fresh one every run)
 #   make demo TORCH_INDEX=https://download.pytorch.org/whl/cu128   # a GPU's torch instead of the CPU wheel
 #   make demo TORCH_INDEX=                      # PyPI only (where PyTorch's index is unreachable: no retries)
