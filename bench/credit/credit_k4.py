@@ -484,12 +484,13 @@ def main(argv=None):
     if args.store:  # what earlier sessions finished (other machines: the bytes are the same, phase 0 checks it)
         restore(Path(args.store), out)
     result["reproduce"] = reproduce(out, args)
+    result["machines"] = machines(args, result)
     finish(result, args)  # each phase's end: the results so far written
     if args.stop_after == "reproduce":
         return result
     chosen_starts = choose_starts(out, args, rng)
     worlds = chosen_starts.pop("worlds")
-    same_machine(out, result["reproduce"])
+    result["machines"][-1]["store"] = same_machine(out, result["reproduce"])
     result.update(starts=chosen_starts, checksums={n: w["checksum"] for n, w in worlds.items()})
     applicable = any(g["passes"] for g in chosen_starts["gates"].values()) or args.self_distill == "always"
     arms = [a for a in args.arms if a != "self_distill" or applicable]
@@ -510,13 +511,24 @@ def main(argv=None):
     return finish(result, args)
 
 
-def same_machine(out: Path, phase0: dict) -> None:
+def same_machine(out: Path, phase0: dict) -> str:
     """Start seed 0, as restored from the store (built on another machine) or built here, must be the bytes that
     phase 0's children built on this machine: else this machine's kernels build other starts and runs, and the
-    study stops rather than mix them."""
+    study stops rather than mix them. Returns the start's checksum."""
     here, held = phase0["children"][0]["start"], start_checksum(out / "s0")
     if here != held:
         sys.exit(f"phase 0 built start seed 0 as {here[:16]}, but {out / 's0'} holds {held[:16]}: other bytes here")
+    return held
+
+
+def machines(args, result: dict) -> list[dict]:
+    """Every machine phase 0 has passed on, oldest first: the committed results' list (or its one machine, before
+    the list) and this one, each with its children's checksums; "store" is added once start seed 0 as restored
+    from the store (another machine's bytes, where an earlier session ran elsewhere) is shown to equal them."""
+    old = json.loads((ROOT / args.results).read_text()) if args.results and (ROOT / args.results).is_file() else {}
+    seen = old.get("machines") or ([{**old["machine"], **old["reproduce"]["children"][0]}] if "machine" in old else [])
+    here = {**result["machine"], **result["reproduce"]["children"][0]}
+    return [*(m for m in seen if (m["cpu"], m["kernels"]) != (here["cpu"], here["kernels"])), here]  # one row a CPU
 
 
 def machine() -> dict:
@@ -552,6 +564,14 @@ def markdown(result: dict) -> str:
             asked = ", ".join(f"{k}={v}" for k, v in env.items()) or "the native path"
             lines.append(f"| {asked} | {c['start'][:16]} | {c['metrics'][:16]} | {c['policy'][:16]} | {c['rows']} |")
         lines += ["", f"The same bytes: **{'yes' if result['reproduce']['same'] else 'no'}**.", ""]
+    if len(result.get("machines", [])) > 1:  # the same checksums on every machine phase 0 has passed on
+        lines += ["| machine phase 0 passed on | kernels | torch | start | metrics | policy | the store's start |"]
+        lines += ["| --- | --- | --- | --- | --- | --- | --- |"]
+        for i, m in enumerate(result["machines"]):
+            held = "built there" if i == 0 else "the same" if m.get("store") == m["start"] else "(not checked)"
+            row = [m["cpu"], m["kernels"], m["torch"], m["start"][:16], m["metrics"][:16], m["policy"][:16], held]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
     starts = result.get("starts", {})
     if not starts:
         return "\n".join(lines)

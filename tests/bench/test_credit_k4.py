@@ -117,6 +117,32 @@ def test_a_start_restored_from_another_machine_must_be_phase_0s_bytes(tmp_path):
         k4.same_machine(tmp_path, {"children": [{"start": "0" * 64}]})
 
 
+def test_the_machines_phase_0_passed_on_are_kept_one_row_a_cpu_and_shown(tmp_path):
+    """The committed results' machine (the format before the list) is kept beside this one; a second session on the
+    same CPU replaces its row; the page shows every row, and whether the store's start was checked against it."""
+    amd = {"cpu": "AMD EPYC", "kernels": "AVX2", "torch": "2.13.0+cpu"}
+    sums = {"start": "a" * 64, "metrics": "b" * 64, "policy": "c" * 64, "rows": 20}
+    (tmp_path / "r.json").write_text(json.dumps({"machine": amd, "reproduce": {"children": [sums]}}))
+    args = k4.parse_args(["--results", str(tmp_path / "r.json")])  # (an absolute path: ROOT / it is it)
+    intel = {"machine": {**amd, "cpu": "Intel Xeon"}, "reproduce": {"children": [sums], "same": True,
+             "outer_environments": [{}, {}]}}  # fmt: skip
+    rows = k4.machines(args, intel)
+    assert [m["cpu"] for m in rows] == ["AMD EPYC", "Intel Xeon"]
+    (tmp_path / "r.json").write_text(json.dumps({"machines": rows}))
+    assert [m["cpu"] for m in k4.machines(args, intel)] == ["AMD EPYC", "Intel Xeon"]  # the same CPU: one row
+    rows[-1]["store"] = "a" * 64
+    page = k4.markdown({**intel, "machines": rows})
+    assert (
+        "| AMD EPYC | AVX2 | 2.13.0+cpu | aaaaaaaaaaaaaaaa | bbbbbbbbbbbbbbbb | cccccccccccccccc | built there |"
+        in page
+    )
+    assert (
+        "| Intel Xeon | AVX2 | 2.13.0+cpu | aaaaaaaaaaaaaaaa | bbbbbbbbbbbbbbbb | cccccccccccccccc | the same |" in page
+    )
+    rows[-1]["store"] = "d" * 64
+    assert "| cccccccccccccccc | (not checked) |" in k4.markdown({**intel, "machines": rows})
+
+
 @pytest.mark.slow  # ~3-5 minutes of a worker: every phase's stage runs at tiny shapes
 def test_credit_k4_runs_every_phase_at_tiny_shapes_and_a_fresh_machine_continues_from_its_store(
     forked_stages, tmp_path, capsys
