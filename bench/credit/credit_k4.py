@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its own study: bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))  # bench/shared: what the benches share
 from credit import PLUGIN, execute, plan, start_checksum  # noqa: E402
 from credit_matched import answer_scores, curve, digits, eval_records, holm, interval, judge, sign_flip_p  # noqa: E402
-from credit_matched import difficulty, without_extreme  # noqa: E402
+from credit_matched import difficulty, grid_markdown, spread, without_extreme  # noqa: E402
 from cached_runs import evaluate, generations  # noqa: E402
 from run_cache import check_settings  # noqa: E402
 from demo_start import ROOT, run  # noqa: E402
@@ -450,16 +450,23 @@ def confirm(out: Path, worlds: dict, chosen: dict, args, result: dict, rng) -> d
                 "facts_stated": digits(round(f * 6 * K) for f in j["facts"]),
             }  # fmt: skip
             result.setdefault("curves", {})[f"confirm/{arm}/{n}/seed{s}"] = digits(v * 32 for v in x["imperfect_curve"])
-    family = [(a, b) for a, b in FAMILY if a in chosen and b in chosen]
-    vs = {f"{a} - {b}": compare(table["arms"][a], table["arms"][b], table["starts"], rng) for a, b in family}
-    for key in ("heldout_imperfect", "auc"):
-        for name, p in holm({n: v[key]["p"] for n, v in vs.items()}).items():
-            v = vs[name][key]
-            v.update(p_holm=p, verdict=verdict(v["difference"], *v["interval"], p))
-    table["comparisons"] = vs
+    table["comparisons"] = comparisons(table["arms"], table["starts"], rng)
     for arm in table["arms"].values():
         arm.pop("imperfect")
     return table
+
+
+def comparisons(arms: dict, starts: list[str], rng) -> dict:
+    """The registered family (FAMILY, of the arms that ran), each with its Holm p over the family and its verdict, per
+    endpoint; then every other arm against fair_scalar (poor_scalar), outside the family: no Holm p, no verdict."""
+    family = [(a, b) for a, b in FAMILY if a in arms and b in arms]
+    outside = [(a, REFERENCE) for a in arms if a != REFERENCE and (a, REFERENCE) not in family]
+    vs = {f"{a} - {b}": compare(arms[a], arms[b], starts, rng) for a, b in family + outside}
+    for key in ("heldout_imperfect", "auc"):
+        for name, p in holm({f"{a} - {b}": vs[f"{a} - {b}"][key]["p"] for a, b in family}).items():
+            v = vs[name][key]
+            v.update(p_holm=p, verdict=verdict(v["difference"], *v["interval"], p))
+    return vs
 
 
 # --- the phases
@@ -583,7 +590,63 @@ def markdown(result: dict) -> str:
             f"| {name} | {seed} | {starts['tried'][str(seed)]['imperfect']:.3f} | {g['difference']:+.3f} "
             f"[{g['interval'][0]:+.3f}, {g['interval'][1]:+.3f}] |"
         )
+    if "selection" in result:  # phase 2: every cell's final training imperfect rate, the chosen one in bold
+        lines += ["", "Tuning on start A (selection seed 1, the budget's iterations): each cell's final training imperfect "
+                  "rate (the mean of its last 10 iterations), the chosen cell in bold.", ""]  # fmt: skip
+        lines += grid_markdown(result["selection"])
+    if "confirm" in result:
+        lines += ["", *confirm_markdown(result["confirm"])]
     return "\n".join(lines)
+
+
+def confirm_markdown(table: dict) -> list[str]:
+    """Phase 3: each arm's endpoints (mean over its seeds, then each start's mean), the registered family with its
+    Holm p and verdict (and poor_scalar outside it), the uncorrected differences, and every per-seed value."""
+    starts = list(dict.fromkeys(table["starts"]))
+    by_start = lambda xs: [statistics.fmean(x for x, n in zip(xs, table["starts"]) if n == s) for s in starts]  # noqa: E731
+    lines = ["| arm (lr, β) | held-out imperfect | " + " | ".join(f"start {s}" for s in starts)
+             + " | AUC (training imperfect) | final training imperfect |", "| --- " * (len(starts) + 4) + "|"]  # fmt: skip
+    sft = [table["sft"][s]["imperfect"] for s in starts]
+    lines.append(f"| SFT start | {statistics.fmean(sft):.3f} | " + " | ".join(f"{x:.3f}" for x in sft) + " | | |")
+    for arm, r in table["arms"].items():
+        cells = [
+            f"{statistics.fmean(r['heldout_imperfect']):.3f}",
+            *(f"{x:.3f}" for x in by_start(r["heldout_imperfect"])),
+        ]
+        cells += [f"{statistics.fmean(r['auc']):.3f}", spread(r["final"])]
+        lines.append(f"| {arm} ({r['lr']:g}, {r['kl_coef']:g}) | " + " | ".join(cells) + " |")
+    seeds = [f"{n}/{s}" for n, s in zip(table["starts"], table["seeds"])]
+    head = (
+        "| comparison | endpoint | difference [95%] | sign-flip p | Holm p | verdict | without its most extreme seed |"
+    )
+    lines += ["", head, "| --- " * 7 + "|"]
+    for name, v in table["comparisons"].items():
+        for key, label in (("heldout_imperfect", "held-out imperfect"), ("auc", "AUC")):
+            e = v[key]
+            holm_p, word = (f"{e['p_holm']:.4f}", f"**{e['verdict']}**") if "p_holm" in e else ("outside", "")
+            lines.append(
+                f"| {name} | {label} | {e['difference']:+.3f} [{e['interval'][0]:+.3f}, {e['interval'][1]:+.3f}] | "
+                f"{e['p']:.4f} | {holm_p} | {word} | {e['without_extreme']:+.3f} (without {seeds[e['extreme_seed']]}) |"
+            )
+    measures = list(next(iter(table["comparisons"].values()))["uncorrected"])
+    lines += [
+        "",
+        "| uncorrected, difference [95%] | " + " | ".join(measures) + " |",
+        "| --- " * (len(measures) + 1) + "|",
+    ]
+    for name, v in table["comparisons"].items():
+        u = v["uncorrected"]
+        fmt = lambda d: f"{d['difference']:+.3g} [{d['interval'][0]:+.3g}, {d['interval'][1]:+.3g}]"  # noqa: E731
+        lines.append(f"| {name} | " + " | ".join(fmt(u[k]) for k in measures) + " |")
+    lines += ["", "| per seed (start/seed) | " + " | ".join(seeds) + " |", "| --- " * (len(seeds) + 1) + "|"]
+    for arm, r in table["arms"].items():
+        for key in ("heldout_imperfect", "auc"):
+            lines.append(f"| {arm} {key} | " + " | ".join(f"{x:.3f}" for x in r[key]) + " |")
+    for name, v in table["comparisons"].items():
+        lines.append(
+            f"| {name} held out | " + " | ".join(f"{x:+.3f}" for x in v["heldout_imperfect"]["per_seed"]) + " |"
+        )
+    return lines
 
 
 if __name__ == "__main__":

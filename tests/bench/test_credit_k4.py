@@ -91,6 +91,42 @@ def test_compare_against_hand_computed_values():
     assert auc["without_extreme"] == pytest.approx(-0.2 / 3)
 
 
+def synthetic_arm(rate: float, seeds: int, posts: int, rng) -> dict:
+    """One confirmed arm's row as confirm builds it: per seed, posts imperfect at `rate`, and its other measures."""
+    row = {"imperfect": (rng.random((seeds, posts)) < rate).astype(int).tolist(), "lr": 1e-3, "kl_coef": 0.2}
+    row["heldout_imperfect"] = [float(np.mean(x)) for x in row["imperfect"]]
+    row.update({m: rng.random(seeds).tolist() for m in ("auc", *k4.MEASURES)})
+    return row
+
+
+def test_holm_runs_over_the_registered_family_only_and_the_page_shows_every_comparison():
+    """span, poor_scalar and fair_scalar on two starts of three seeds: span - fair_scalar is the family (its Holm p
+    is its own p, a family of one), poor_scalar - fair_scalar is reported outside it, with no Holm p and no verdict;
+    the page shows both, each endpoint, every per-seed value, the SFT starts and each start's mean."""
+    rng = np.random.default_rng(0)
+    arms = {a: synthetic_arm(r, 6, 200, rng) for a, r in (("fair_scalar", 0.6), ("span", 0.3), ("poor_scalar", 0.6))}
+    starts = ["A"] * 3 + ["B"] * 3
+    vs = k4.comparisons(arms, starts, rng)
+    assert list(vs) == ["span - fair_scalar", "poor_scalar - fair_scalar"]
+    for key in ("heldout_imperfect", "auc"):
+        assert vs["span - fair_scalar"][key]["p_holm"] == vs["span - fair_scalar"][key]["p"]
+        assert "p_holm" not in vs["poor_scalar - fair_scalar"][key]
+    assert vs["span - fair_scalar"]["heldout_imperfect"]["p"] == 2 / 2**6  # every seed better: the test's floor
+    assert vs["span - fair_scalar"]["heldout_imperfect"]["verdict"] == "better"  # 0.031 < 0.05, interval below 0
+    table = {"seeds": [101, 102, 103] * 2, "starts": starts, "arms": arms, "comparisons": vs}
+    table["sft"] = {n: {"imperfect": x, "mistakes": 1.0, "facts": 0.9} for n, x in (("A", 0.7), ("B", 0.8))}
+    page = "\n".join(k4.confirm_markdown(table))
+    assert "| SFT start | 0.750 | 0.700 | 0.800 | | |" in page
+    assert "| span - fair_scalar | held-out imperfect | " in page and "| **better** |" in page
+    assert page.count("| poor_scalar - fair_scalar | ") == 3  # both endpoints and the uncorrected row
+    assert "| outside |  |" in page  # neither a Holm p nor a verdict
+    per_seed = vs["span - fair_scalar"]["heldout_imperfect"]["per_seed"]
+    assert "| span - fair_scalar held out | " + " | ".join(f"{x:+.3f}" for x in per_seed) + " |" in page
+    span_b = np.mean(arms["span"]["heldout_imperfect"][3:])
+    assert f"| span (0.001, 0.2) | {np.mean(arms['span']['heldout_imperfect']):.3f} | " in page
+    assert f" | {span_b:.3f} | " in page
+
+
 def test_the_grid_extends_beyond_an_edge_for_every_arm(monkeypatch):
     """A choice at the grid's top learning rate adds the next one above it (x2) for every arm, one at its bottom the
     next below (/2), each round, --max-extensions rounds at most; an interior choice ends it. Training is replaced by
