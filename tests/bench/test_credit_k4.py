@@ -225,6 +225,29 @@ def test_the_page_shows_the_committed_results_as_report_prints_them():
     assert k4.markdown(results) in (ROOT / "bench/credit/credit_k4.md").read_text()
 
 
+def test_git_tracks_every_file_save_writes_into_the_committed_store(tmp_path):
+    """The store is committed so a fresh machine continues: a file git ignores there is lost with the session's machine.
+    (The root .gitignore's unanchored runs/ once swallowed every stored run: the grid's 48 folders.) Each kind of
+    path save writes, a start's, an evaluation's and a run's, checked with git check-ignore at the store's place."""
+    out = tmp_path / "out"
+    run = out / "runs" / ("ab" * 8) / "confirm" / "span_lr0.001_kl0.05" / "seed101"
+    files = {
+        run / "metrics.jsonl": "{}\n",
+        run / "config.json": '{"steps": 1}',
+        run / "policy" / "adapter.safetensors": "w",
+    }
+    files.update({out / "s0" / "base" / "config.json": "{}", out / "gate" / "eval-1" / "kl.json": "{}"})
+    for f, text in files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    k4.save(out, tmp_path / "store")
+    stored = [p.relative_to(tmp_path / "store") for p in (tmp_path / "store").rglob("*") if p.is_file()]
+    stored = [f"bench/credit/k4_store/{p}" for p in stored]
+    assert len(stored) == 5
+    ignored = subprocess.run(["git", "check-ignore", *stored], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert ignored == []
+
+
 def test_save_stores_a_start_only_once_its_models_are_finished(tmp_path):
     """A session that stops (and saves) while start seed 0's SFT start trains: its base model is stored, the
     half-written SFT folder (no config.json yet) is not, so a fresh machine trains it again from the start; nor is
