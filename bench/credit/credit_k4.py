@@ -8,8 +8,9 @@ before any run of this study: bench/credit/credit_k4.md.
     python bench/credit/credit_k4.py --report                        # the page's tables, from the committed results
 
 Every process of the study runs on one thread and one CPU kernel path (pin_kernels: torch's AVX2 kernels, MKL's
-COMPATIBLE branch, oneDNN at most AVX2), so a start and a run are the same bytes on any x86-64 CPU with AVX2 and FMA
-(bench/credit/credit_k4.md says where that was shown). Phases (--stop-after ends after one):
+COMPATIBLE branch, oneDNN at most AVX2), so a start and a run are the same bytes under any kernel path of one machine,
+not across CPU vendors (bench/credit/credit_k4.md, plan v2: the runs start from the committed starts, each recording
+its CPU). Phases (--stop-after ends after one):
  0. reproduce  start seed 0 and a 20-iteration span run built twice, by children started under two other kernel
                paths: the same bytes, or the study stops.
  1. starts     seeds 0, 1, ... (at most --max-start-seeds) built at the registered recipe (a base of m x 250 steps, an
@@ -233,6 +234,9 @@ def runs_of(out: Path, world: dict, phase: str, cells: dict, args) -> dict:
     runs = {key: (f"{arm}_lr{lr:g}_kl{kl:g}", seed, flags(arm, lr, kl)) for key, (arm, lr, kl, seed) in cells.items()}
     planned = {k: (d, None if kept(d, args.steps) else cmd) for k, (d, cmd) in plan(folder, runs, args.steps).items()}
     execute(planned, args, out / "logs")
+    for run_dir, cmd in planned.values():  # plan v2: the CPU each run ran on (a run is its bytes again on that CPU)
+        if cmd:  # (a run resumes only where its checkpoint is: on its machine; the store keeps none)
+            common.write_json(run_dir / "machine.json", machine())
     return {key: run_dir for key, (run_dir, _) in planned.items()}
 
 
@@ -443,6 +447,7 @@ def confirm(out: Path, worlds: dict, chosen: dict, args, result: dict, rng) -> d
         row = {k: [x[k] for x in curves] for k in ("final", "auc", "train_kl", "length", "mistakes", "facts")}
         row.update({f"heldout_{k}": [statistics.fmean(j[k]) for j in js] for k in ("imperfect", "mistakes", "facts")})
         row.update(heldout_length=[statistics.fmean(j["length"]) for j in js], heldout_kl=[j["heldout_kl"] for j in js])
+        row["cpu"] = [ran_on(runs[arm, n, s]) for n, s in order]
         table["arms"][arm] = {"lr": c["lr"], "kl_coef": c["kl_coef"], **row, "imperfect": [j["imperfect"] for j in js]}
         for (n, s), j, x in zip(order, js, curves):
             result.setdefault("per_post", {})[f"confirm/{arm}/{n}/seed{s}"] = {
@@ -482,35 +487,37 @@ def main(argv=None):
     if args.repro_child:
         return repro_child(args)
     out, rng = Path(args.out), np.random.default_rng(args.bootstrap_seed)
-    result = {
-        "command": " ".join(["python", "bench/credit/credit_k4.py", *(argv or sys.argv[1:])]),
-        "k": K,
-        "margin": MARGIN,
-    }
-    result["machine"] = machine()
-    if args.store:  # what earlier sessions finished (other machines: the bytes are the same, phase 0 checks it)
+    committed = committed_results(args)  # earlier sessions' phases: kept until this one rewrites them
+    command = " ".join(["python", "bench/credit/credit_k4.py", *(argv or sys.argv[1:])])
+    result = {**committed, "command": command, "k": K, "margin": MARGIN, "machine": machine()}
+    if args.store:  # what earlier sessions finished (plan v2: the committed starts, whatever CPU built them)
         restore(Path(args.store), out)
     result["reproduce"] = reproduce(out, args)
-    result["machines"] = machines(args, result)
+    result["machines"] = machines(committed, result)
     finish(result, args)  # each phase's end: the results so far written
     if args.stop_after == "reproduce":
         return result
     chosen_starts = choose_starts(out, args, rng)
     worlds = chosen_starts.pop("worlds")
     result["machines"][-1]["store"] = same_machine(out, result["reproduce"])
-    result.update(starts=chosen_starts, checksums={n: w["checksum"] for n, w in worlds.items()})
+    checksums = committed_starts(committed, worlds)
+    result.update(starts=chosen_starts, checksums=checksums)
     applicable = any(g["passes"] for g in chosen_starts["gates"].values()) or args.self_distill == "always"
     arms = [a for a in args.arms if a != "self_distill" or applicable]
     result["self_distill"] = "applicable" if applicable else "not applicable at this scale (no start passed its gate)"
     finish(result, args)  # each phase's end: the results so far written
     if args.stop_after == "starts":
         return result
-    grid, chosen, lrs = tune(out, next(iter(worlds.values())), arms, args)
-    result["grid"] = {"/".join(map(str, k)): {m: c[m] for m in ("final", "auc")} for k, c in grid.items()}
-    result["grid_curves"] = {
-        "/".join(map(str, k)): digits(v * 32 for v in c["imperfect_curve"]) for k, c in grid.items()
-    }
-    result.update(selection=chosen, lrs=lrs)
+    if "selection" in committed:  # plan v2: the committed grid's choices stand (its run folders were never stored)
+        result.update({k: committed[k] for k in ("grid", "grid_curves", "selection", "lrs")})
+    else:
+        grid, chosen, lrs = tune(out, next(iter(worlds.values())), arms, args)
+        result["grid"] = {"/".join(map(str, k)): {m: c[m] for m in ("final", "auc")} for k, c in grid.items()}
+        result["grid_curves"] = {
+            "/".join(map(str, k)): digits(v * 32 for v in c["imperfect_curve"]) for k, c in grid.items()
+        }
+        result.update(selection=chosen, lrs=lrs)
+    chosen = {arm: result["selection"][arm] for arm in arms}
     finish(result, args)  # each phase's end: the results so far written
     if args.stop_after == "grid":
         return result
@@ -518,21 +525,38 @@ def main(argv=None):
     return finish(result, args)
 
 
-def same_machine(out: Path, phase0: dict) -> str:
-    """Start seed 0, as restored from the store (built on another machine) or built here, must be the bytes that
-    phase 0's children built on this machine: else this machine's kernels build other starts and runs, and the
-    study stops rather than mix them. Returns the start's checksum."""
-    here, held = phase0["children"][0]["start"], start_checksum(out / "s0")
-    if here != held:
-        sys.exit(f"phase 0 built start seed 0 as {here[:16]}, but {out / 's0'} holds {held[:16]}: other bytes here")
-    return held
+def same_machine(out: Path, phase0: dict) -> bool:
+    """Whether start seed 0, as restored from the store (built on another machine) or built here, is the bytes that
+    phase 0's children built on this machine. (Plan v2: where it is not, this CPU builds other starts and runs; the
+    runs still start from the committed starts, and each records its CPU.)"""
+    return phase0["children"][0]["start"] == start_checksum(out / "s0")
 
 
-def machines(args, result: dict) -> list[dict]:
+def ran_on(run_dir: Path) -> str:
+    """The CPU a run ran on (plan v2: runs_of records it); "?" for a run made before the record."""
+    made = run_dir / "machine.json"
+    return json.loads(made.read_text())["cpu"] if made.is_file() else "?"
+
+
+def committed_starts(committed: dict, worlds: dict) -> dict:
+    """The starts' checksums {name: sha256}, which must be the committed results' (plan v2: every run, on any CPU,
+    starts from the committed starts' bytes); exits with one line otherwise."""
+    here = {n: w["checksum"] for n, w in worlds.items()}
+    if committed.get("checksums", here) != here:
+        sys.exit(f"the starts here are not the committed ones: {here} != {committed['checksums']}")
+    return here
+
+
+def committed_results(args) -> dict:
+    """The committed results (--results), what earlier sessions' phases wrote; {} for none."""
+    path = ROOT / args.results if args.results else None
+    return json.loads(path.read_text()) if path and path.is_file() else {}
+
+
+def machines(old: dict, result: dict) -> list[dict]:
     """Every machine phase 0 has passed on, oldest first: the committed results' list (or its one machine, before
     the list) and this one, each with its children's checksums; "store" is added once start seed 0 as restored
-    from the store (another machine's bytes, where an earlier session ran elsewhere) is shown to equal them."""
-    old = json.loads((ROOT / args.results).read_text()) if args.results and (ROOT / args.results).is_file() else {}
+    from the store (another machine's bytes, where an earlier session ran elsewhere) is compared with them."""
     seen = old.get("machines") or ([{**old["machine"], **old["reproduce"]["children"][0]}] if "machine" in old else [])
     here = {**result["machine"], **result["reproduce"]["children"][0]}
     return [*(m for m in seen if (m["cpu"], m["kernels"]) != (here["cpu"], here["kernels"])), here]  # one row a CPU
@@ -575,7 +599,11 @@ def markdown(result: dict) -> str:
         lines += ["| machine phase 0 passed on | kernels | torch | start | metrics | policy | the store's start |"]
         lines += ["| --- | --- | --- | --- | --- | --- | --- |"]
         for i, m in enumerate(result["machines"]):
-            held = "built there" if i == 0 else "the same" if m.get("store") == m["start"] else "(not checked)"
+            held = (
+                "built there"
+                if i == 0
+                else {True: "the same", False: "**other bytes**"}.get(m.get("store"), "(not checked)")
+            )
             row = [m["cpu"], m["kernels"], m["torch"], m["start"][:16], m["metrics"][:16], m["policy"][:16], held]
             lines.append("| " + " | ".join(row) + " |")
         lines.append("")
@@ -642,6 +670,8 @@ def confirm_markdown(table: dict) -> list[str]:
     for arm, r in table["arms"].items():
         for key in ("heldout_imperfect", "auc"):
             lines.append(f"| {arm} {key} | " + " | ".join(f"{x:.3f}" for x in r[key]) + " |")
+    ran = [sorted({r["cpu"][i] for r in table["arms"].values() if "cpu" in r}) for i in range(len(seeds))]
+    lines.append("| ran on (the CPU of each seed's runs) | " + " | ".join(" / ".join(c) for c in ran) + " |")
     for name, v in table["comparisons"].items():
         lines.append(
             f"| {name} held out | " + " | ".join(f"{x:+.3f}" for x in v["heldout_imperfect"]["per_seed"]) + " |"

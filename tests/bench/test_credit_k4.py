@@ -141,16 +141,20 @@ def test_the_grid_extends_beyond_an_edge_for_every_arm(monkeypatch):
     assert sorted(k[1] for k in grid if k[0] == "a") == sorted(k[1] for k in grid if k[0] == "b") == lrs
 
 
-def test_a_start_restored_from_another_machine_must_be_phase_0s_bytes(tmp_path):
-    """The store's start seed 0 against what phase 0 built on this machine: the same bytes pass, other bytes stop the
-    study (a machine whose kernels build other starts would mix its runs with the store's)."""
+def test_a_start_restored_from_another_machine_is_compared_with_phase_0s_and_must_be_the_committed_one(tmp_path):
+    """The store's start seed 0 against what phase 0 built on this machine: the same bytes or other bytes, recorded
+    (plan v2: another CPU's build is other bytes, the runs still start from the store's); and every start must be
+    the committed results' bytes, else the study stops (a start rebuilt here would mix two studies' runs)."""
     for d, text in (("base", "weights"), ("sft", "more weights")):
         (tmp_path / "s0" / d).mkdir(parents=True)
         (tmp_path / "s0" / d / "model.safetensors").write_text(text)
     here = k4.start_checksum(tmp_path / "s0")
-    k4.same_machine(tmp_path, {"children": [{"start": here}]})
-    with pytest.raises(SystemExit, match="phase 0 built start seed 0 as 0000000000000000, but .* holds "):
-        k4.same_machine(tmp_path, {"children": [{"start": "0" * 64}]})
+    assert k4.same_machine(tmp_path, {"children": [{"start": here}]})
+    assert not k4.same_machine(tmp_path, {"children": [{"start": "0" * 64}]})
+    worlds = {"A": {"checksum": here}}
+    assert k4.committed_starts({"checksums": {"A": here}}, worlds) == {"A": here} == k4.committed_starts({}, worlds)
+    with pytest.raises(SystemExit, match="the starts here are not the committed ones"):
+        k4.committed_starts({"checksums": {"A": "0" * 64}}, worlds)
 
 
 def test_the_machines_phase_0_passed_on_are_kept_one_row_a_cpu_and_shown(tmp_path):
@@ -160,13 +164,14 @@ def test_the_machines_phase_0_passed_on_are_kept_one_row_a_cpu_and_shown(tmp_pat
     sums = {"start": "a" * 64, "metrics": "b" * 64, "policy": "c" * 64, "rows": 20}
     (tmp_path / "r.json").write_text(json.dumps({"machine": amd, "reproduce": {"children": [sums]}}))
     args = k4.parse_args(["--results", str(tmp_path / "r.json")])  # (an absolute path: ROOT / it is it)
+    committed = lambda: k4.committed_results(args)  # noqa: E731
     intel = {"machine": {**amd, "cpu": "Intel Xeon"}, "reproduce": {"children": [sums], "same": True,
              "outer_environments": [{}, {}]}}  # fmt: skip
-    rows = k4.machines(args, intel)
+    rows = k4.machines(committed(), intel)
     assert [m["cpu"] for m in rows] == ["AMD EPYC", "Intel Xeon"]
     (tmp_path / "r.json").write_text(json.dumps({"machines": rows}))
-    assert [m["cpu"] for m in k4.machines(args, intel)] == ["AMD EPYC", "Intel Xeon"]  # the same CPU: one row
-    rows[-1]["store"] = "a" * 64
+    assert [m["cpu"] for m in k4.machines(committed(), intel)] == ["AMD EPYC", "Intel Xeon"]  # the same CPU: one row
+    rows[-1]["store"] = True
     page = k4.markdown({**intel, "machines": rows})
     assert (
         "| AMD EPYC | AVX2 | 2.13.0+cpu | aaaaaaaaaaaaaaaa | bbbbbbbbbbbbbbbb | cccccccccccccccc | built there |"
@@ -175,7 +180,9 @@ def test_the_machines_phase_0_passed_on_are_kept_one_row_a_cpu_and_shown(tmp_pat
     assert (
         "| Intel Xeon | AVX2 | 2.13.0+cpu | aaaaaaaaaaaaaaaa | bbbbbbbbbbbbbbbb | cccccccccccccccc | the same |" in page
     )
-    rows[-1]["store"] = "d" * 64
+    rows[-1]["store"] = False
+    assert "| cccccccccccccccc | **other bytes** |" in k4.markdown({**intel, "machines": rows})
+    del rows[-1]["store"]
     assert "| cccccccccccccccc | (not checked) |" in k4.markdown({**intel, "machines": rows})
 
 
@@ -246,6 +253,21 @@ def test_git_tracks_every_file_save_writes_into_the_committed_store(tmp_path):
     assert len(stored) == 5
     ignored = subprocess.run(["git", "check-ignore", *stored], cwd=ROOT, capture_output=True, text=True).stdout.split()
     assert ignored == []
+
+
+def test_a_session_stopped_after_phase_0_keeps_the_committed_phases_in_the_results(tmp_path, monkeypatch):
+    """Each phase's end rewrites the results: a session that stops after phase 0 (another CPU's starts, a killed
+    process) must leave the earlier sessions' starts and grid choices there, which the next session reads."""
+    sums = {"start": "a" * 64, "metrics": "b" * 64, "policy": "c" * 64, "rows": 20}
+    monkeypatch.setattr(k4, "pin_kernels", lambda strict=True: None)
+    monkeypatch.setattr(k4, "reproduce", lambda out, args: {"children": [sums, sums], "same": True})
+    monkeypatch.setattr(k4, "choose_starts", lambda out, args, rng: sys.exit("stopped in phase 1"))
+    committed = {"starts": {"starts": {"A": 0}}, "selection": {"span": {"lr": 1e-3}}, "checksums": {"A": "a" * 64}}
+    (tmp_path / "r.json").write_text(json.dumps(committed))
+    with pytest.raises(SystemExit, match="stopped in phase 1"):
+        k4.main(["--results", str(tmp_path / "r.json"), "--store", "", "--out", str(tmp_path / "out")])
+    kept = json.loads((tmp_path / "r.json").read_text())
+    assert {k: kept[k] for k in committed} == committed and kept["reproduce"]["same"]
 
 
 def test_save_stores_a_start_only_once_its_models_are_finished(tmp_path):
