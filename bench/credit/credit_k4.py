@@ -233,10 +233,13 @@ def runs_of(out: Path, world: dict, phase: str, cells: dict, args) -> dict:
     flags = lambda arm, lr, kl: [*world["flags"], *ARMS[arm], "--lr", f"{lr:g}", "--kl-coef", f"{kl:g}"]  # noqa: E731
     runs = {key: (f"{arm}_lr{lr:g}_kl{kl:g}", seed, flags(arm, lr, kl)) for key, (arm, lr, kl, seed) in cells.items()}
     planned = {k: (d, None if kept(d, args.steps) else cmd) for k, (d, cmd) in plan(folder, runs, args.steps).items()}
+    for run_dir, cmd in planned.values():  # plan v2: the CPU of each invocation (a run is its bytes again on it)
+        if cmd:  # before it runs, so a session stopped mid-batch leaves its finished runs' CPU recorded
+            made, resumes = run_dir / "machine.json", (run_dir / "checkpoint.pt").is_file()
+            held = json.loads(made.read_text())["cpus"] if made.is_file() and resumes else []
+            run_dir.mkdir(parents=True, exist_ok=True)
+            common.write_json(made, {"cpus": [*held, machine()["cpu"]]})
     execute(planned, args, out / "logs")
-    for run_dir, cmd in planned.values():  # plan v2: the CPU each run ran on (a run is its bytes again on that CPU)
-        if cmd:  # (a run resumes only where its checkpoint is: on its machine; the store keeps none)
-            common.write_json(run_dir / "machine.json", machine())
     return {key: run_dir for key, (run_dir, _) in planned.items()}
 
 
@@ -533,9 +536,10 @@ def same_machine(out: Path, phase0: dict) -> bool:
 
 
 def ran_on(run_dir: Path) -> str:
-    """The CPU a run ran on (plan v2: runs_of records it); "?" for a run made before the record."""
+    """The CPU a run ran on, or its CPUs joined by " + " where it was resumed on another (plan v2: runs_of records
+    each invocation's); "?" for a run made before the record."""
     made = run_dir / "machine.json"
-    return json.loads(made.read_text())["cpu"] if made.is_file() else "?"
+    return " + ".join(dict.fromkeys(json.loads(made.read_text())["cpus"])) if made.is_file() else "?"
 
 
 def committed_starts(committed: dict, worlds: dict) -> dict:

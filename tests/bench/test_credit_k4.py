@@ -270,6 +270,30 @@ def test_a_session_stopped_after_phase_0_keeps_the_committed_phases_in_the_resul
     assert {k: kept[k] for k in committed} == committed and kept["reproduce"]["same"]
 
 
+def test_each_run_records_the_cpu_of_each_invocation_before_it_runs(tmp_path, monkeypatch):
+    """Plan v2: a run's CPU is recorded before 03 runs (a session stopped mid-batch leaves its finished runs' CPU);
+    resumed from its checkpoint on another CPU it names both, started again from scratch only the new one."""
+    run_dir, seen = tmp_path / "run", []
+    monkeypatch.setattr(
+        k4, "plan", lambda folder, runs, steps: {key: (run_dir, ["03_train_policy.py"]) for key in runs}
+    )
+    monkeypatch.setattr(k4, "execute", lambda planned, args, logs: seen.append(k4.ran_on(run_dir)))
+    cell = {"k": ("span", 1e-3, 0.05, 101)}
+
+    def again():
+        return k4.runs_of(tmp_path, {"checksum": "a" * 64, "flags": []}, "confirm", cell, k4.parse_args([]))
+
+    monkeypatch.setattr(k4, "machine", lambda: {"cpu": "AMD EPYC"})
+    assert k4.ran_on(run_dir) == "?" and again() == {"k": run_dir} and seen == ["AMD EPYC"]
+    (run_dir / "checkpoint.pt").write_text("")  # the session stopped mid-run; the next one resumes it elsewhere
+    monkeypatch.setattr(k4, "machine", lambda: {"cpu": "Intel Xeon"})
+    again()
+    assert seen[-1] == "AMD EPYC + Intel Xeon"
+    (run_dir / "checkpoint.pt").unlink()  # killed before its first checkpoint: 03 starts it again from scratch
+    again()
+    assert seen[-1] == "Intel Xeon"
+
+
 def test_save_stores_a_start_only_once_its_models_are_finished(tmp_path):
     """A session that stops (and saves) while start seed 0's SFT start trains: its base model is stored, the
     half-written SFT folder (no config.json yet) is not, so a fresh machine trains it again from the start; nor is
