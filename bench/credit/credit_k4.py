@@ -567,13 +567,17 @@ def machines(old: dict, result: dict) -> list[dict]:
 
 
 def machine() -> dict:
+    """This machine: its CPU, torch's kernel path, and the versions a run's bytes could depend on (a start's models
+    record only transformers' and peft's)."""
     import platform
+    from importlib.metadata import version
 
     import torch
 
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    versions = {name: version(name) for name in ("transformers", "peft", "tokenizers", "numpy", "safetensors")}
     return {"cpu": cpu, "kernels": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "python": platform.python_version(), "pinned": PINNED}  # fmt: skip
+            "python": platform.python_version(), "versions": versions, "pinned": PINNED}  # fmt: skip
 
 
 def finish(result: dict, args) -> dict:
