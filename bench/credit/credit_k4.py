@@ -345,8 +345,12 @@ def save(out: Path, store: Path) -> int:
     import hashlib
     import shutil
 
-    runs = {m.parent for m in out.rglob("metrics.jsonl")}
-    done = {d for d in runs if finished(d, json.loads((d / "config.json").read_text())["steps"])}
+    runs = {m.parent for pattern in ("metrics.jsonl", "machine.json") for m in out.rglob(pattern)}  # (or waiting)
+    done = {
+        d
+        for d in runs
+        if (d / "config.json").is_file() and finished(d, json.loads((d / "config.json").read_text())["steps"])
+    }
     starts = [d for d in out.glob("s*") if d.name[1:].isdigit()]  # build_start's folders, s<seed>
     building = {d / m for d in starts for m in ("base", "sft") if not (d / m / "config.json").is_file()}
     copied = 0

@@ -294,6 +294,23 @@ def test_each_run_records_the_cpu_of_each_invocation_before_it_runs(tmp_path, mo
     assert seen[-1] == "Intel Xeon"
 
 
+def test_save_stores_no_record_of_a_run_that_has_not_run(tmp_path):
+    """runs_of records a run's CPU before 03 starts it: a run still waiting (machine.json alone) or still running
+    (no full metrics yet) is not stored, a finished one is, with its record."""
+    confirm = tmp_path / "out" / "runs" / ("ab" * 8) / "confirm"
+    for name, rows in (("waiting", None), ("running", 1), ("finished", 2)):
+        (confirm / name).mkdir(parents=True)
+        (confirm / name / "machine.json").write_text('{"cpus": ["Intel Xeon"]}')
+        if rows is not None:
+            (confirm / name / "config.json").write_text('{"steps": 2}')
+            (confirm / name / "metrics.jsonl").write_text('{"step": 1}\n' * rows)
+    k4.save(tmp_path / "out", tmp_path / "store")
+    stored = sorted(
+        p.relative_to(tmp_path / "store").parts[-2:] for p in (tmp_path / "store").rglob("*") if p.is_file()
+    )
+    assert stored == [("finished", "config.json"), ("finished", "machine.json"), ("finished", "metrics.jsonl")]
+
+
 def test_save_stores_a_start_only_once_its_models_are_finished(tmp_path):
     """A session that stops (and saves) while start seed 0's SFT start trains: its base model is stored, the
     half-written SFT folder (no config.json yet) is not, so a fresh machine trains it again from the start; nor is
