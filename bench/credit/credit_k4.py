@@ -631,8 +631,8 @@ def markdown(result: dict) -> str:
             f"[{g['interval'][0]:+.3f}, {g['interval'][1]:+.3f}] |"
         )
     if "selection" in result:  # phase 2: every cell's final training imperfect rate, the chosen one in bold
-        lines += ["", "Tuning on start A (selection seed 1, the budget's iterations): each cell's final training imperfect "
-                  "rate (the mean of its last 10 iterations), the chosen cell in bold.", ""]  # fmt: skip
+        lines += ["", "Tuning on start A (selection seed 1, the budget's iterations): each cell's final training imperfect rate",
+                  "(the mean of its last 10 iterations), the chosen cell in bold.", ""]  # fmt: skip
         lines += grid_markdown(result["selection"])
     if "confirm" in result:
         lines += ["", *confirm_markdown(result["confirm"])]
