@@ -35,7 +35,7 @@ def digest(*tensors) -> str:
 
 
 def fingerprint(seed: int = 0) -> dict:
-    """{op: the sha256 of its output}, each op on inputs drawn from one generator seeded with seed; the shapes are the
+    """{op: the first 16 hex digits of its output's sha256}, each op on inputs drawn from one generator seeded with seed; the shapes are the
     study's model's (hidden 128, MLP 512, 4 heads of 32, vocabulary 637, 4 x 128 tokens)."""
     import torch
     import torch.nn.functional as F
