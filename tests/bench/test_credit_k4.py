@@ -232,6 +232,30 @@ def test_the_page_shows_the_committed_results_as_report_prints_them():
     assert k4.markdown(results) in (ROOT / "bench/credit/credit_k4.md").read_text()
 
 
+def per_seed_from_bits(per_post: dict, arm: str, table: dict) -> list[float]:
+    """An arm's held-out imperfect rate per seed, from the committed per-post bits alone (its own arithmetic)."""
+    keys = [f"confirm/{arm}/{n}/seed{s}" for n, s in zip(table["starts"], table["seeds"])]
+    return [per_post[k]["imperfect"].count("1") / len(per_post[k]["imperfect"]) for k in keys]
+
+
+def test_the_committed_per_post_bits_give_the_pages_per_seed_rates_and_its_family_p():
+    """The confirmation's committed per-post outcomes rebuild every arm's per-seed held-out rate, and each registered
+    comparison's exact sign-flip p over those 12 differences, counted here by enumerating all 2^12 sign patterns."""
+    import itertools
+
+    results = json.loads((ROOT / "bench/credit/credit_k4_results.json").read_text())
+    per_post = json.loads((ROOT / "bench/credit/credit_k4_per_post.json").read_text())
+    table = results["confirm"]
+    for arm, row in table["arms"].items():
+        assert per_seed_from_bits(per_post, arm, table) == pytest.approx(row["heldout_imperfect"], abs=1e-12), arm
+    signs = np.array(list(itertools.product((1, -1), repeat=len(table["seeds"]))))
+    for name, v in table["comparisons"].items():
+        a, b = name.split(" - ")
+        d = np.subtract(per_seed_from_bits(per_post, a, table), per_seed_from_bits(per_post, b, table))
+        p = np.mean(np.abs(signs @ d) >= abs(d.sum()) - 1e-9)
+        assert p == pytest.approx(v["heldout_imperfect"]["p"], abs=1e-9), name
+
+
 def test_git_tracks_every_file_save_writes_into_the_committed_store(tmp_path):
     """The store is committed so a fresh machine continues: a file git ignores there is lost with the session's machine.
     (The root .gitignore's unanchored runs/ once swallowed every stored run: the grid's 48 folders.) Each kind of
